@@ -1,0 +1,318 @@
+"""Read-only helpers over a Dynamo FX graph: canonical op names, shapes, layer indices, a networkx view.
+
+The Dynamo graph is torch level: the same operation can appear as a function (``torch.topk``), a method
+(``x.topk``), an operator (``operator.mul``) or, after AOTAutograd, an ATen overload (``aten.topk.default``).
+:func:`op_name` maps all of them onto one lowercase name, so detectors match by structure, never by module
+class names. Nothing here mutates a graph.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Callable, Iterable, Iterator
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+# Names that mean the same operation, folded onto one canonical name.
+_ALIASES = {
+    "scaled_dot_product_attention": "sdpa",
+    "_scaled_dot_product_flash_attention_for_cpu": "sdpa",
+    "_scaled_dot_product_efficient_attention": "sdpa",
+    "_scaled_dot_product_flash_attention": "sdpa",
+    "_scaled_dot_product_cudnn_attention": "sdpa",
+    "truediv": "div",
+    "itruediv": "div",
+    "imul": "mul",
+    "iadd": "add",
+    "isub": "sub",
+    "floordiv": "floordiv",
+    "matmul": "matmul",
+    "bmm": "matmul",
+    "mm": "matmul",
+    "_softmax": "softmax",
+    "softmax": "softmax",
+    "negative": "neg",
+    "concat": "cat",
+    "concatenate": "cat",
+    "_grouped_mm": "grouped_mm",
+}
+
+#: Ops that only change the view, dtype or layout of a tensor (walked through when following data flow).
+VIEW_LIKE = frozenset(
+    {
+        "view", "reshape", "_unsafe_view", "transpose", "permute", "contiguous", "to", "float", "half",
+        "bfloat16", "type_as", "unsqueeze", "squeeze", "flatten", "unflatten", "clone", "expand",
+        "_to_copy", "t", "alias", "detach",
+    }
+)
+
+
+def op_name(node: fx.Node) -> str:
+    """Return a canonical lowercase name of what ``node`` computes.
+
+    'placeholder' / 'output' / 'get_attr' for those ops; for calls, the function, method or ATen op name
+    with aliases folded (``scaled_dot_product_attention`` -> 'sdpa', ``operator.truediv`` -> 'div',
+    ``aten.bmm`` -> 'matmul'); a custom op keeps its namespace (``transformers::grouped_mm_fallback``).
+    """
+    if node.op in ("placeholder", "output", "get_attr"):
+        return node.op
+    if node.op == "call_module":
+        return f"module:{node.target}"
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+    elif isinstance(target, torch._ops.OpOverload):
+        ns = target.namespace
+        base = target._schema.name.split("::")[-1]
+        name = base if ns in ("aten", "prims") else f"{ns}::{base}"
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        ns = target._qualified_op_name.split("::")[0]
+        base = target._qualified_op_name.split("::")[-1]
+        name = base if ns in ("aten", "prims") else f"{ns}::{base}"
+    elif target is operator.getitem:
+        name = "getitem"
+    elif target is operator.setitem:
+        name = "setitem"
+    else:
+        name = getattr(target, "__name__", None) or str(target)
+        qual = getattr(target, "_qualified_op_name", None)
+        if qual:
+            name = qual if not qual.startswith("aten::") else qual.split("::")[-1]
+    return _ALIASES.get(name, name)
+
+
+def is_op(node: Any, *names: str) -> bool:
+    """True when ``node`` is an FX node whose :func:`op_name` is one of ``names``."""
+    return isinstance(node, fx.Node) and op_name(node) in names
+
+
+def example_value(node: Any) -> Any:
+    """Return the fake tensor (or value) Dynamo or AOT recorded for ``node``, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    meta = node.meta
+    if "example_value" in meta:
+        return meta["example_value"]
+    return meta.get("val")
+
+
+def shape_of(node: Any) -> tuple[int, ...] | None:
+    """Return the concrete shape of ``node``'s tensor; symbolic sizes become their hint (or -1)."""
+    val = example_value(node)
+    if isinstance(val, torch.Tensor):
+        return tuple(_as_int(s) for s in val.shape)
+    return None
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    """Return the dtype of ``node``'s tensor, or None."""
+    val = example_value(node)
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _as_int(size: Any) -> int:
+    if isinstance(size, int):
+        return size
+    try:
+        return int(size.node.hint) if size.node.hint is not None else -1
+    except AttributeError:
+        try:
+            return int(size)
+        except Exception:  # an unbacked symbol
+            return -1
+
+
+def placeholder_source(node: fx.Node) -> str | None:
+    """Return the Dynamo source name of a placeholder (``L['self'].model.layers[0].mlp.gate.weight``)."""
+    if node.op != "placeholder":
+        return None
+    grapharg = node.meta.get("grapharg")
+    if grapharg is not None and getattr(grapharg, "source", None) is not None:
+        return grapharg.source.name() if callable(grapharg.source.name) else str(grapharg.source.name)
+    return node.target if isinstance(node.target, str) else None
+
+
+def module_path(node: fx.Node) -> str:
+    """Return the innermost module path from ``nn_module_stack`` (``model.layers.3.self_attn``), or ''.
+
+    Dynamo writes paths as ``L['self'].model.layers.3.self_attn`` (or ``L['self'].layers[3]``); the
+    ``L['self']`` root and index brackets are normalised away.
+    """
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _normalise_path(str(path))
+
+
+def _normalise_path(path: str) -> str:
+    path = re.sub(r"^L\[['\"]self['\"]\]\.?", "", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"^_orig_mod\.", "", path)
+    return path.strip(".")
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_index(node: fx.Node) -> int | None:
+    """Return the layer index a node belongs to: the first integer component of its module path.
+
+    ``model.layers.3.self_attn.k_proj`` -> 3; ``layers.0.attention`` -> 0; a node outside any numbered
+    module (embedding, final norm) -> None. For a placeholder the Dynamo source name is used.
+    """
+    path = module_path(node)
+    if not path and node.op == "placeholder":
+        path = _normalise_path(placeholder_source(node) or "")
+    m = _LAYER_RE.search(path)
+    return int(m.group(1)) if m else None
+
+
+def node_map(graph: fx.Graph) -> dict[str, fx.Node]:
+    """Map node name -> node for ``graph``."""
+    return {n.name: n for n in graph.nodes}
+
+
+def to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """Return a networkx DiGraph of data flow: node names as vertices, an edge from each input to its user.
+
+    Vertex attributes: ``op`` (:func:`op_name`), ``layer`` (:func:`layer_index`), ``shape``.
+    """
+    g = nx.DiGraph()
+    for n in graph.nodes:
+        g.add_node(n.name, op=op_name(n), layer=layer_index(n), shape=shape_of(n))
+        for inp in n.all_input_nodes:
+            g.add_edge(inp.name, n.name)
+    return g
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """Return the node's FX-node arguments (positional then keyword), in order, flattening lists."""
+    out: list[fx.Node] = []
+
+    def visit(a: Any) -> None:
+        if isinstance(a, fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+
+    visit(node.args)
+    visit(node.kwargs)
+    return out
+
+
+def arg(node: fx.Node, index: int, name: str | None = None, default: Any = None) -> Any:
+    """Return argument ``index`` of a call, or keyword ``name``; ``default`` when absent.
+
+    For call_method nodes index 0 is ``self``.
+    """
+    if index < len(node.args):
+        return node.args[index]
+    if name is not None and name in node.kwargs:
+        return node.kwargs[name]
+    return default
+
+
+def strip_views(node: Any, extra: Iterable[str] = ()) -> Any:
+    """Walk back from ``node`` through view / dtype / layout ops (``VIEW_LIKE`` plus ``extra``)."""
+    skip = VIEW_LIKE | frozenset(extra)
+    while isinstance(node, fx.Node) and op_name(node) in skip and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def users_through_views(node: fx.Node, extra: Iterable[str] = ()) -> Iterator[fx.Node]:
+    """Yield the first non-view users of ``node``, looking through ``VIEW_LIKE`` ops (depth first)."""
+    skip = VIEW_LIKE | frozenset(extra)
+    seen: set[fx.Node] = set()
+    stack = list(node.users)
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if op_name(u) in skip:
+            stack.extend(u.users)
+        else:
+            yield u
+
+
+def find_upstream(
+    node: fx.Node, pred: Callable[[fx.Node], bool], max_depth: int = 32, through: Callable[[fx.Node], bool] | None = None
+) -> fx.Node | None:
+    """Breadth-first search over the inputs of ``node`` for the nearest node satisfying ``pred``.
+
+    Args:
+        node: start node (not tested itself).
+        pred: the test.
+        max_depth: how many producer hops to search.
+        through: when given, only nodes for which it is True are walked through.
+    Returns:
+        The nearest matching node, or None.
+    """
+    frontier = list(node.all_input_nodes)
+    seen: set[fx.Node] = set(frontier)
+    for _ in range(max_depth):
+        nxt: list[fx.Node] = []
+        for n in frontier:
+            if pred(n):
+                return n
+            if through is None or through(n):
+                for i in n.all_input_nodes:
+                    if i not in seen:
+                        seen.add(i)
+                        nxt.append(i)
+        if not nxt:
+            return None
+        frontier = nxt
+    return None
+
+
+def find_downstream(
+    node: fx.Node, pred: Callable[[fx.Node], bool], max_depth: int = 32, through: Callable[[fx.Node], bool] | None = None
+) -> fx.Node | None:
+    """Breadth-first search over the users of ``node`` for the nearest node satisfying ``pred``."""
+    frontier = list(node.users)
+    seen: set[fx.Node] = set(frontier)
+    for _ in range(max_depth):
+        nxt: list[fx.Node] = []
+        for n in frontier:
+            if pred(n):
+                return n
+            if through is None or through(n):
+                for u in n.users:
+                    if u not in seen:
+                        seen.add(u)
+                        nxt.append(u)
+        if not nxt:
+            return None
+        frontier = nxt
+    return None
+
+
+def ancestors(node: fx.Node, max_depth: int = 10_000) -> set[fx.Node]:
+    """Return every node ``node`` depends on, up to ``max_depth`` hops."""
+    out: set[fx.Node] = set()
+    frontier = list(node.all_input_nodes)
+    depth = 0
+    while frontier and depth < max_depth:
+        nxt = []
+        for n in frontier:
+            if n not in out:
+                out.add(n)
+                nxt.extend(n.all_input_nodes)
+        frontier = nxt
+        depth += 1
+    return out
+
+
+def fallback_layer_indices(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Number ``nodes`` (already in graph order) 0, 1, 2... for graphs without numbered module paths."""
+    return {n: i for i, n in enumerate(nodes)}

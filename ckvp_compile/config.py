@@ -1,0 +1,221 @@
+"""Typed, validated options of the ``ckvp`` backend.
+
+``torch.compile(model, backend="ckvp", options={...})`` hands the ``options`` dict to the backend
+untouched (torch validates nothing for custom backends); :meth:`CKVPConfig.from_options` maps every key
+onto a field of :class:`CKVPConfig` and rejects unknown keys and bad values with a
+:class:`~ckvp_compile.errors.CKVPConfigError` (a ``ValueError``) that names the valid keys or range.
+
+Inductor settings pass through unchanged under the ``"inductor"`` key, e.g.
+``options={"inductor": {"max_autotune": True}}``; ``mode=`` (or the ``"mode"`` option, since torch refuses
+``mode`` and ``options`` together) selects Inductor's preset for that mode.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from .errors import CKVPConfigError
+
+CONFIG_VERSION = 1
+
+#: Inductor modes ``torch.compile(mode=...)`` accepts.
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+#: Inner compilers: what runs the graph after the ckvp rewrites.
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+#: Layer-group sizes the cross-layer latent supports (DESIGN.md: G = 1, 2, 4, 8).
+GROUP_SIZES = (1, 2, 4, 8)
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"doc": text, **extra}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CKVPConfig:
+    """Every option of the ``ckvp`` backend, typed and validated.
+
+    Build it from the ``options=`` dict with :meth:`from_options`, or directly as keyword arguments.
+    The field list, with each field's documentation, is also available as :meth:`describe`.
+
+    Raises:
+        CKVPConfigError: an unknown key, a wrong type, or a value out of range; the message names
+            the valid keys or the valid range.
+    """
+
+    compiler: Literal["inductor", "aot_eager", "eager"] = field(
+        default="inductor",
+        metadata=_doc(
+            "Inner compiler run after the ckvp rewrites: 'inductor' (full Inductor, Triton on GPU, C++ on "
+            "CPU), 'aot_eager' (AOTAutograd + Inductor decompositions + the post-grad ckvp passes, run "
+            "eagerly: cheap to compile, for tests), 'eager' (the rewritten Dynamo graph, run as is)."
+        ),
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = field(
+        default="default",
+        metadata=_doc("Inductor mode preset, as torch.compile(mode=...). Only used with compiler='inductor'."),
+    )
+    inductor: Mapping[str, Any] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "Inductor config patches passed through unchanged (torch._inductor.config names, e.g. "
+            "{'max_autotune': True}). Applied after the mode preset."
+        ),
+    )
+    group_size: int = field(
+        default=4,
+        metadata=_doc("Adjacent attention layers that share one latent KV cache (G in DESIGN.md).", choices=GROUP_SIZES),
+    )
+    enable_latent_kv: bool = field(
+        default=False,
+        metadata=_doc(
+            "Rewrite the KV cache into the cross-layer latent (CKVP). NYI in this release: the analysis and "
+            "the plan run, the rewrite is not built yet."
+        ),
+    )
+    enable_expert_gemm: bool = field(
+        default=False,
+        metadata=_doc(
+            "Rewrite expert dispatch into grouped expert GEMMs. NYI in this release: the analysis and the "
+            "plan run, the rewrite is not built yet."
+        ),
+    )
+    strict: bool = field(
+        default=False,
+        metadata=_doc(
+            "Raise UnsupportedGraphError for a site the rewrites cannot use, instead of warning and leaving "
+            "it untouched."
+        ),
+    )
+    warn_unsupported: bool = field(
+        default=True,
+        metadata=_doc("Emit an UnsupportedPatternWarning (reason and fix) for each unusable site found."),
+    )
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise CKVPConfigError(
+                    f"option {f.name!r} must be one of {list(choices)}, got {getattr(self, f.name)!r}"
+                )
+        # A mapping is mutable: freeze a private copy so compute_hash() stays valid.
+        object.__setattr__(self, "inductor", dict(self.inductor))
+        for key in self.inductor:
+            if not isinstance(key, str):
+                raise CKVPConfigError(f"'inductor' option keys must be strings, got {key!r}")
+        if self.enable_latent_kv:
+            raise CKVPConfigError(
+                "NYI: enable_latent_kv=True (the CKVP latent KV rewrite) is not built in this release; "
+                "leave it False (the default) to compile with analysis and reporting only."
+            )
+        if self.enable_expert_gemm:
+            raise CKVPConfigError(
+                "NYI: enable_expert_gemm=True (the grouped expert GEMM rewrite) is not built in this release; "
+                "leave it False (the default)."
+            )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None, *, mode: str | None = None) -> "CKVPConfig":
+        """Build a config from ``torch.compile``'s ``options=`` dict and ``mode=`` string.
+
+        Args:
+            options: keys are :class:`CKVPConfig` field names; ``None`` means all defaults.
+            mode: ``torch.compile``'s mode; ``None`` or "default" leaves ``options["mode"]`` in charge.
+        Returns:
+            A validated, frozen :class:`CKVPConfig`.
+        Raises:
+            CKVPConfigError: ``options`` is not a mapping, has an unknown key (the message lists the valid
+                keys), a value of the wrong type or out of range, or ``mode`` conflicts with ``options["mode"]``.
+        """
+        if options is None:
+            options = {}
+        if isinstance(options, CKVPConfig):
+            options = options.to_dict(include_version=False)
+        if not isinstance(options, Mapping):
+            raise CKVPConfigError(f"options must be a dict of CKVPConfig fields, got {type(options).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in options if k not in valid)
+        if unknown:
+            raise CKVPConfigError(
+                f"unknown ckvp option(s) {unknown}; valid keys are {valid}. "
+                "Inductor settings go under the 'inductor' key, e.g. options={'inductor': {'max_autotune': True}}."
+            )
+        kwargs = dict(options)
+        if mode not in (None, "default"):
+            if kwargs.get("mode", mode) != mode:
+                raise CKVPConfigError(f"mode={mode!r} conflicts with options['mode']={kwargs['mode']!r}; give one")
+            kwargs["mode"] = mode
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> "CKVPConfig":
+        """Return a copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self, *, include_version: bool = True) -> dict[str, Any]:
+        """Return the options as a JSON-serialisable dict (with a ``version`` key unless told not to)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["inductor"] = dict(self.inductor)
+        if include_version:
+            out["version"] = CONFIG_VERSION
+        return out
+
+    def compute_hash(self) -> str:
+        """Return a stable sha256 hex digest of every option; part of the pass manager's cache ``uuid()``."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=repr)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, str, str]]:
+        """Return ``(name, type, default, doc)`` for every option, for the README table and error messages."""
+        rows = []
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((f.name, _type_name(hints[f.name]), repr(default), f.metadata.get("doc", "")))
+        return rows
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check_type(name: str, value: Any, tp: Any) -> None:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise CKVPConfigError(f"option {name!r} must be one of {list(allowed)}, got {value!r}")
+        return
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise CKVPConfigError(f"option {name!r} must be a bool, got {value!r}")
+        return
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CKVPConfigError(f"option {name!r} must be an int, got {value!r}")
+        return
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CKVPConfigError(f"option {name!r} must be a number, got {value!r}")
+        return
+    if origin in (collections.abc.Mapping, dict) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise CKVPConfigError(f"option {name!r} must be a dict, got {type(value).__name__}")
+        return
+    raise AssertionError(f"unhandled option type {tp!r} for {name!r}")  # internal: a new field type
