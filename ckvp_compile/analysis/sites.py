@@ -63,6 +63,7 @@ class CacheWriteSite:
             'graph' when created in the graph.
         value_node: node name of the (B, Hkv, S, D) tensor written. position_node: the positions (or None).
         cache_shape: (B, Hkv, S_max, D) of the buffer.
+        itemsize: bytes per element of the buffer (4 fp32, 2 bf16/fp16).
     """
 
     kind: Literal["k", "v"]
@@ -73,6 +74,7 @@ class CacheWriteSite:
     value_node: str
     position_node: str | None
     cache_shape: tuple[int, ...]
+    itemsize: int = 2
 
 
 @dataclass(frozen=True)
