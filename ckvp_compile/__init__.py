@@ -1,0 +1,61 @@
+"""ckvp_compile: a torch.compile backend for Mixture-of-Experts inference.
+
+    torch.compile(model, backend="ckvp", options={...})
+
+The backend finds each layer's attention / KV-cache and expert-dispatch subgraphs in the captured FX
+graph and rewrites them (cross-layer latent KV caching; grouped expert GEMMs), then hands the graph to
+Inductor. See README.md and DESIGN.md.
+
+Dimension glossary used in every docstring: ``B`` batch, ``S`` query length, ``T`` tokens (= B*S),
+``L`` layers, ``H`` query heads, ``Hkv`` KV heads, ``D`` head dim, ``R`` latent rank, ``G`` layers per
+group, ``E`` experts, ``A`` active experts per token (top-k), ``Dm`` model dim, ``I`` expert FFN dim;
+GEMMs use ``M, N, K``.
+"""
+
+from __future__ import annotations
+
+from .analysis import GraphAnalysis, analyze
+from .backend import CKVPBackend, CompileRecorder, ckvp_backend
+from .config import CKVPConfig
+from .errors import (
+    CKVPConfigError,
+    CKVPError,
+    CKVPModelLoadError,
+    CKVPShapeError,
+    CKVPWarning,
+    UnsupportedGraphError,
+    UnsupportedPatternWarning,
+)
+from .plan import Plan, make_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CKVPBackend",
+    "CKVPConfig",
+    "CKVPConfigError",
+    "CKVPError",
+    "CKVPModelLoadError",
+    "CKVPShapeError",
+    "CKVPWarning",
+    "CompileRecorder",
+    "GraphAnalysis",
+    "Plan",
+    "UnsupportedGraphError",
+    "UnsupportedPatternWarning",
+    "analyze",
+    "ckvp_backend",
+    "inspect",
+    "make_plan",
+    "__version__",
+]
+
+
+def inspect(*args, **kwargs):
+    """Compile a model with the ckvp backend while recording, and return the inspection report.
+
+    See :func:`ckvp_compile.inspection.inspect_model` for the arguments.
+    """
+    from .inspection import inspect_model
+
+    return inspect_model(*args, **kwargs)

@@ -1,0 +1,101 @@
+"""The one place that touches torch internals (Inductor, AOTAutograd, Dynamo) that differ across versions.
+
+Supported: torch 2.11 (GPU image) and 2.13 (CPU machines). Every private symbol the package uses is
+imported here and nowhere else; ``tests/test_compat.py`` checks that each one exists on the installed torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# Symbols resolved lazily (importing Inductor costs ~1 s), listed so the compat test can check them all.
+REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
+    ("torch._inductor.compile_fx", "compile_fx"),
+    ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
+    ("torch._inductor.decomposition", "select_decomp_table"),
+    ("torch._inductor", "list_mode_options"),
+    ("torch._dynamo.backends.common", "aot_autograd"),
+    ("torch._dynamo.backends.debugging", "boxed_nop"),
+)
+
+
+def custom_graph_pass_base() -> type:
+    """Return Inductor's ``CustomGraphPass`` base class (post_grad_custom_post_pass objects derive from it)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """Return the Inductor config patches a ``torch.compile`` mode stands for ({} for 'default')."""
+    if mode in (None, "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict[str, Any]) -> Callable:
+    """Compile a Dynamo graph with full Inductor under ``config_patches`` (as ``backend="inductor"`` does)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def compile_with_aot_eager(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], post_grad_pass: Callable[[fx.Graph], None]
+) -> Callable:
+    """Run AOTAutograd with Inductor's decompositions, apply ``post_grad_pass`` to the functional ATen graph,
+    and run the result eagerly (no code generation). Input mutations stay in the graph, as under Inductor.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.decomposition import select_decomp_table
+
+    def fw_compiler(fx_g: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+        post_grad_pass(fx_g.graph)
+        fx_g.graph.lint()
+        fx_g.recompile()
+        return boxed_nop(fx_g, inputs)
+
+    backend = aot_autograd(
+        fw_compiler=fw_compiler,
+        decompositions=select_decomp_table(),
+        keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs)
+
+
+_PASSTHROUGH_TYPES: dict[type, type] = {}
+
+
+def surface_through_dynamo(exc: Exception) -> Exception:
+    """Return ``exc`` as an instance of a subclass of its own type that Dynamo re-raises unwrapped.
+
+    Dynamo wraps any exception a backend raises in ``BackendCompilerFailed`` (a RuntimeError), except
+    ``ShortenTraceback`` subclasses, which it re-raises as they are. A user who passes a bad option must
+    see the ``ValueError`` itself, so errors meant for the user are re-typed through this function. When
+    the running torch has no ``ShortenTraceback``, ``exc`` is returned unchanged (and arrives wrapped).
+    """
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:  # pragma: no cover - torch without it
+        return exc
+    base = type(exc)
+    cls = _PASSTHROUGH_TYPES.get(base)
+    if cls is None:
+
+        def __init__(self, *args: Any) -> None:
+            base.__init__(self, *args)
+            self.first_useful_frame = None
+
+        cls = type(base.__name__, (base, ShortenTraceback), {"__init__": __init__, "__module__": base.__module__})
+        _PASSTHROUGH_TYPES[base] = cls
+    new = cls(*exc.args)
+    new.__cause__ = exc.__cause__
+    return new

@@ -1,0 +1,197 @@
+"""The ``ckvp`` torch.compile backend: analysis -> plan -> rewrite -> inner compiler.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
+``torch.compile(model, backend="ckvp", options={...})`` works without importing this package. Do not also
+call ``torch._dynamo.register_backend`` here: the first lookup would then fail with "duplicate name".
+
+Flow for each graph Dynamo captures:
+
+1. :func:`ckvp_compile.analysis.analyze` finds the attention / KV-cache and MoE sites (read-only);
+2. :func:`ckvp_compile.plan.make_plan` decides what to rewrite and reports what cannot be used
+   (an :class:`UnsupportedPatternWarning` with reason and fix, or :class:`UnsupportedGraphError` with
+   ``strict=True``);
+3. the 'torch' passes rewrite the Dynamo graph (on a copy: if a pass fails, the original graph is compiled
+   and a warning says why, so the model stays usable);
+4. the inner compiler runs: full Inductor (``compile_fx`` with the one :class:`PostGradPassManager` as
+   ``post_grad_custom_post_pass``), ``aot_eager`` (AOTAutograd + the same post-grad passes, no codegen),
+   or ``eager``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from . import _compat
+from .analysis import GraphAnalysis, analyze
+from .config import CKVPConfig
+from .errors import CKVPConfigError, UnsupportedGraphError, UnsupportedPatternWarning
+from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
+from .plan import Plan, make_plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphRecord:
+    """What the backend did to one captured graph (collected by a :class:`CompileRecorder`).
+
+    Attributes:
+        index: order of capture. analysis, plan: the findings and decisions.
+        dynamo_before / dynamo_after: Python code of the Dynamo graph before and after the 'torch' passes.
+        post_grad_before / post_grad_after: code of the functional ATen graph around the post-grad passes
+            ('' when the inner compiler has no post-grad stage, or Inductor's cache skipped the passes).
+        pass_results: one entry per pass run.
+        fell_back: the reason the original graph was compiled instead of the rewritten one, or ''.
+    """
+
+    index: int
+    analysis: GraphAnalysis
+    plan: Plan
+    dynamo_before: str = ""
+    dynamo_after: str = ""
+    post_grad_before: str = ""
+    post_grad_after: str = ""
+    pass_results: list[PassResult] = field(default_factory=list)
+    fell_back: str = ""
+
+
+@dataclass
+class CompileRecorder:
+    """Collects a :class:`GraphRecord` per graph; pass one to :class:`CKVPBackend` to inspect a compile.
+
+    While recording, Inductor's FX graph cache is disabled (a cache hit would skip the post-grad passes
+    and leave nothing to show).
+    """
+
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+
+class CKVPBackend:
+    """A configured ``ckvp`` backend; ``torch.compile(model, backend=CKVPBackend(config))`` also works.
+
+    Args:
+        config: the options (default: all defaults).
+        recorder: collects what happened to each graph, for inspection.
+        extra_passes: additional :class:`CKVPPass` objects to run after the planned ones, by their
+            ``stage`` (for tests and experiments).
+    Raises (when called):
+        UnsupportedGraphError: with ``config.strict`` and a site the rewrites cannot use.
+    """
+
+    def __init__(
+        self,
+        config: CKVPConfig | None = None,
+        *,
+        recorder: CompileRecorder | None = None,
+        extra_passes: Sequence[CKVPPass] = (),
+    ) -> None:
+        self.config = config or CKVPConfig()
+        self.recorder = recorder
+        self.extra_passes = list(extra_passes)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        config = self.config
+        analysis = analyze(gm)
+        plan = make_plan(analysis, config)
+        self._report_unsupported(plan)
+        record = GraphRecord(len(self.recorder.graphs) if self.recorder else 0, analysis, plan)
+        if self.recorder is not None:
+            self.recorder.graphs.append(record)
+
+        torch_passes, post_grad_passes = build_passes(plan)
+        torch_passes += [p for p in self.extra_passes if p.stage == "torch"]
+        post_grad_passes += [p for p in self.extra_passes if p.stage == "post_grad"]
+
+        record.dynamo_before = gm.code
+        gm = self._run_torch_passes(gm, torch_passes, record)
+        record.dynamo_after = gm.code
+
+        def on_graph(when: str, graph: fx.Graph) -> None:
+            code = graph.python_code("self").src
+            if when == "before":
+                record.post_grad_before = code
+            else:
+                record.post_grad_after = code
+
+        manager = PostGradPassManager(
+            post_grad_passes, config.compute_hash(), on_graph if self.recorder is not None else None
+        )
+        compiled = self._compile_inner(gm, example_inputs, manager)
+        record.pass_results.extend(manager.results)
+        return compiled
+
+    # ------------------------------------------------------------------ steps
+    def _report_unsupported(self, plan: Plan) -> None:
+        for u in plan.unsupported:
+            msg = u.message()
+            if self.config.strict:
+                err = UnsupportedGraphError(msg + " (strict=True: set strict=False to compile it untouched)")
+                raise _compat.surface_through_dynamo(err)
+            if self.config.warn_unsupported:
+                warnings.warn(msg, UnsupportedPatternWarning, stacklevel=2)
+            logger.info(msg)
+
+    def _run_torch_passes(self, gm: fx.GraphModule, passes: list[CKVPPass], record: GraphRecord) -> fx.GraphModule:
+        if not passes:
+            return gm
+        candidate = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        try:
+            record.pass_results.extend(run_passes(passes, candidate.graph))
+            candidate.recompile()
+        except Exception as exc:  # a rewrite bug must never break the user's model
+            record.fell_back = f"{type(exc).__name__}: {exc}"
+            if self.config.strict:
+                raise
+            warnings.warn(
+                f"ckvp: a rewrite failed ({record.fell_back}); compiling the graph unchanged. "
+                "Please report this with the output of ckvp-inspect.",
+                UnsupportedPatternWarning,
+                stacklevel=3,
+            )
+            return gm
+        return candidate
+
+    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], manager: PostGradPassManager) -> Callable:
+        config = self.config
+        if config.compiler == "eager":
+            if manager.passes:
+                logger.warning("ckvp: compiler='eager' runs no post-grad passes; %d skipped", len(manager.passes))
+            return gm.forward
+        if config.compiler == "aot_eager":
+            return _compat.compile_with_aot_eager(gm, example_inputs, manager)
+        patches = _compat.inductor_mode_options(config.mode)
+        patches.update(config.inductor)
+        if "post_grad_custom_post_pass" in patches:
+            logger.warning("ckvp: options['inductor']['post_grad_custom_post_pass'] is replaced by ckvp's pass manager")
+        patches["post_grad_custom_post_pass"] = manager
+        if self.recorder is not None:
+            patches["fx_graph_cache"] = False
+        return _compat.compile_with_inductor(gm, example_inputs, patches)
+
+
+def ckvp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Callable:
+    """The ``ckvp`` backend as ``torch.compile`` calls it: ``ckvp_backend(gm, example_inputs, **kw)``.
+
+    Args:
+        gm: the Dynamo graph (torch level; parameters and buffers are placeholders).
+        example_inputs: fake or real example inputs, one per placeholder.
+        mode: torch.compile's ``mode`` (passed only when not "default").
+        options: torch.compile's ``options`` dict; keys are :class:`CKVPConfig` fields.
+    Returns:
+        The compiled callable.
+    Raises:
+        CKVPConfigError: an unknown option or a bad value (names the valid keys or range).
+        UnsupportedGraphError: ``strict=True`` and a site the rewrites cannot use.
+    """
+    try:
+        config = CKVPConfig.from_options(options, mode=mode)
+    except CKVPConfigError as exc:
+        raise _compat.surface_through_dynamo(exc) from None
+    return CKVPBackend(config)(gm, example_inputs)

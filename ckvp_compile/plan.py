@@ -1,0 +1,149 @@
+"""The plan: which sites are rewritten, how layers group for the cross-layer latent, and why anything is not.
+
+analysis -> **plan** -> rewrite. The plan is a pure function of the :class:`GraphAnalysis` and the
+:class:`CKVPConfig`; it never touches the graph. Every site gets a :class:`SiteDecision` with a reason, so
+``ckvp-inspect`` can say why each site was or was not rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .analysis.sites import AttentionSite, GraphAnalysis, UnsupportedSite
+from .config import CKVPConfig
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Adjacent attention layers that share one latent KV cache (DESIGN.md: a group of G layers).
+
+    Attributes:
+        index: group number, from 0. layers: the layer indices, ascending and consecutive.
+        num_kv_heads (Hkv) and head_dim (D): shared by every layer of the group.
+    """
+
+    index: int
+    layers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SiteDecision:
+    """Whether one site is rewritten, and why.
+
+    Attributes:
+        kind: 'attention' or 'moe'. layer: its layer index. rewrite: True when a pass will rewrite it.
+        reason: one sentence, e.g. 'enable_latent_kv is off' or 'no KV-cache write found'.
+    """
+
+    kind: Literal["attention", "moe"]
+    layer: int
+    rewrite: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of planning one graph.
+
+    Attributes:
+        groups: the layer groups of cache-carrying attention layers (last may be shorter than G).
+        decisions: one per attention and MoE site, in layer order.
+        unsupported: recognised patterns left untouched (from the analysis).
+        kv_bytes_per_token_dense: bytes of K and V cached per token over all layers, as the model stores
+            them (2 * Hkv * D * itemsize per layer); 0 when no cache write was found.
+        kv_bytes_per_token_planned: the same after the planned rewrites (== dense when none).
+        config_hash: :meth:`CKVPConfig.compute_hash` of the options the plan was made with.
+    """
+
+    groups: tuple[LayerGroup, ...]
+    decisions: tuple[SiteDecision, ...]
+    unsupported: tuple[UnsupportedSite, ...]
+    kv_bytes_per_token_dense: int
+    kv_bytes_per_token_planned: int
+    config_hash: str
+
+    @property
+    def rewrites(self) -> tuple[SiteDecision, ...]:
+        """The decisions that rewrite a site."""
+        return tuple(d for d in self.decisions if d.rewrite)
+
+
+def make_layer_groups(sites: tuple[AttentionSite, ...], group_size: int) -> tuple[LayerGroup, ...]:
+    """Split cache-carrying attention sites into groups of ``group_size`` adjacent, same-shape layers.
+
+    A group is cut early when the next layer is not adjacent (a layer without a usable site lies between)
+    or has another KV shape (Hkv, D); so every group holds consecutive layers of one shape.
+
+    Args:
+        sites: attention sites sorted by layer; those without both K and V cache writes are ignored.
+        group_size: G, the largest group.
+    Returns:
+        The groups, numbered from 0 in layer order.
+    """
+    usable = [s for s in sites if s.k_cache is not None and s.v_cache is not None]
+    groups: list[LayerGroup] = []
+    current: list[AttentionSite] = []
+
+    def flush() -> None:
+        if current:
+            groups.append(
+                LayerGroup(len(groups), tuple(s.layer for s in current), current[0].num_kv_heads, current[0].head_dim)
+            )
+            current.clear()
+
+    for s in usable:
+        if current and (
+            len(current) == group_size
+            or s.layer != current[-1].layer + 1
+            or (s.num_kv_heads, s.head_dim) != (current[0].num_kv_heads, current[0].head_dim)
+        ):
+            flush()
+        current.append(s)
+    flush()
+    return tuple(groups)
+
+
+def _dense_kv_bytes_per_token(site: AttentionSite) -> int:
+    """Bytes one token adds to this layer's K and V caches (batch 1), from the cache buffers' dtypes."""
+    if site.k_cache is None or site.v_cache is None:
+        return 0
+    return site.num_kv_heads * site.head_dim * (site.k_cache.itemsize + site.v_cache.itemsize)
+
+
+def make_plan(analysis: GraphAnalysis, config: CKVPConfig) -> Plan:
+    """Decide, for every site of ``analysis``, whether it is rewritten under ``config``, and group layers.
+
+    Args:
+        analysis: the findings of :func:`ckvp_compile.analysis.analyze` on one graph.
+        config: the options in force.
+    Returns:
+        A frozen :class:`Plan`.
+    """
+    unsupported_layers = {(u.layer) for u in analysis.unsupported if u.layer is not None}
+    decisions: list[SiteDecision] = []
+    for s in analysis.attention:
+        if s.k_cache is None or s.v_cache is None:
+            reason = "no KV-cache write found (a forward without a static cache): nothing to compress"
+        elif s.layer in unsupported_layers:
+            reason = "an unsupported pattern was found in this layer (see the warnings)"
+        elif not config.enable_latent_kv:
+            reason = "enable_latent_kv is off"
+        else:  # pragma: no cover - the option is refused until the rewrite lands
+            reason = "planned"
+        decisions.append(SiteDecision("attention", s.layer, False, reason))
+    for m in analysis.moe:
+        reason = "enable_expert_gemm is off" if not config.enable_expert_gemm else "planned"
+        decisions.append(SiteDecision("moe", m.layer, False, reason))
+    decisions.sort(key=lambda d: (d.layer, d.kind))
+    dense = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention)
+    return Plan(
+        groups=make_layer_groups(analysis.attention, config.group_size),
+        decisions=tuple(decisions),
+        unsupported=analysis.unsupported,
+        kv_bytes_per_token_dense=dense,
+        kv_bytes_per_token_planned=dense,
+        config_hash=config.compute_hash(),
+    )
