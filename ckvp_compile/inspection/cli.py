@@ -1,0 +1,154 @@
+"""``ckvp-inspect``: compile a model directory with the ``ckvp`` backend and print what it found and rewrote.
+
+    ckvp-inspect --model DIR [--html FILE] [--json FILE] [--options JSON] [--compiler aot_eager|eager|inductor]
+                 [--no-decode] [--full] [--traceback]
+
+Prints the text report on stdout; ``--html`` / ``--json`` also write the HTML page / the JSON data. Exit
+status: 0 on success; 2 for a user mistake (bad arguments, a path that is not a loadable model, invalid
+options, an unwritable output file), reported as one ``ckvp-inspect: error: ...`` line on stderr that names
+the fix; 1 when compiling or running the model fails (one line, or the traceback with ``--traceback``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+PROG = "ckvp-inspect"
+
+
+class _UsageError(Exception):
+    """A user mistake on the command line: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (argparse prints the usage block too)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{message} (see {PROG} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of ``ckvp-inspect``."""
+    p = _Parser(prog=PROG, description="Compile a Hugging Face MoE model with the ckvp backend and report the "
+                "attention / KV-cache / MoE sites per layer, the plan, and the graph diffs of each rewrite.")
+    p.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model directory")
+    p.add_argument("--html", metavar="FILE", help="also write the report as one self-contained HTML page")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--options", metavar="JSON", default="{}",
+                   help="ckvp options as a JSON object, e.g. '{\"group_size\": 2}' (CKVPConfig fields)")
+    p.add_argument("--compiler", choices=("aot_eager", "eager", "inductor"),
+                   help="inner compiler (default: options' compiler, else aot_eager: records the post-grad "
+                        "graph without code generation)")
+    p.add_argument("--no-decode", action="store_true", help="compile the prefill only, no decode step")
+    p.add_argument("--full", action="store_true", help="print whole diffs (default: the first 40 lines each)")
+    p.add_argument("--max-cache-len", type=int, default=64, help="static cache length (default 64)")
+    p.add_argument("--prompt-len", type=int, default=8, help="prefill length in tokens (default 8)")
+    p.add_argument("--traceback", action="store_true", help="show the traceback when compiling fails")
+    return p
+
+
+def _options(args: argparse.Namespace) -> Any:
+    """Parse and validate ``--options`` / ``--compiler`` into a CKVPConfig (raises _UsageError)."""
+    from ..config import CKVPConfig
+    from ..errors import CKVPConfigError
+
+    try:
+        opts = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        raise _UsageError(f"--options is not valid JSON ({exc.msg} at column {exc.colno}); pass a JSON object "
+                          "such as '{\"group_size\": 2}'") from None
+    if not isinstance(opts, dict):
+        raise _UsageError(f"--options must be a JSON object of CKVPConfig fields, got {type(opts).__name__}")
+    if args.compiler:
+        opts["compiler"] = args.compiler
+    opts.setdefault("compiler", "aot_eager")
+    try:
+        return CKVPConfig.from_options(opts)
+    except CKVPConfigError as exc:
+        raise _UsageError(f"invalid --options: {exc}") from None
+
+
+def _check_writable(path: str | None, flag: str) -> None:
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise _UsageError(f"{flag} {path!r}: directory {str(Path(path).resolve().parent)!r} does not exist; "
+                          "create it or pick another path")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _quiet_transformers() -> None:
+    """Silence transformers' weight-loading progress bar and info logs (stdout/stderr stay for the report)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - loading will say what is missing
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    config = _options(args)
+    _check_writable(args.html, "--html")
+    _check_writable(args.json, "--json")
+
+    if args.prompt_len < 1 or args.prompt_len + (not args.no_decode) > args.max_cache_len:
+        raise _UsageError(f"--prompt-len {args.prompt_len} (+1 decode step) does not fit --max-cache-len "
+                          f"{args.max_cache_len}; raise --max-cache-len or lower --prompt-len (>= 1)")
+
+    from ..errors import CKVPModelLoadError
+    from .capture import load_model_dir
+    from .report import inspect_model
+
+    _quiet_transformers()
+    warnings.filterwarnings("ignore")  # torch/transformers noise; ckvp's own warnings are in the report
+    try:
+        model = load_model_dir(args.model)
+    except CKVPModelLoadError as exc:
+        raise _UsageError(str(exc)) from None
+    report = inspect_model(model, options=config, decode=not args.no_decode, max_cache_len=args.max_cache_len,
+                           prompt_len=args.prompt_len)
+    report.model = Path(args.model).resolve().name
+    sys.stdout.write(report.to_text(full=args.full))
+    try:
+        if args.html:
+            Path(args.html).write_text(report.to_html(), encoding="utf-8")
+            print(f"wrote {args.html}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report.to_dict(), indent=1), encoding="utf-8")
+            print(f"wrote {args.json}")
+    except OSError as exc:
+        raise _UsageError(f"cannot write the report: {exc.strerror}: {exc.filename}") from None
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ckvp-inspect``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+    Returns:
+        The exit status: 0 success, 2 a user mistake (one line on stderr), 1 compiling or running failed.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if "--traceback" in argv:
+            raise
+        print(f"{PROG}: error: compiling or running the model failed: {type(exc).__name__}: {_one_line(exc)[:500]}"
+              f" (rerun with --traceback for details)", file=sys.stderr)
+        return 1

@@ -1,0 +1,420 @@
+"""The inspection report: compile a model with a recording ``ckvp`` backend and describe what it did.
+
+:func:`inspect_model` compiles (by default with the cheap ``aot_eager`` inner compiler, so the post-grad ATen
+graph is recorded without code generation), drives the model through prefill and decode, and returns an
+:class:`InspectionReport`: per captured graph, the sites found per layer, the plan (layer groups, decisions and
+their reasons, KV bytes per token before and after), unsupported patterns with reason and fix, what the passes
+replaced, and unified diffs of the Dynamo graph and of the post-grad ATen graph before and after the rewrites.
+Rendering lives in :mod:`.render`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..analysis.sites import AttentionSite, GraphAnalysis, MoESite
+from ..backend import CKVPBackend, CompileRecorder, GraphRecord
+from ..config import CKVPConfig
+from ..errors import CKVPWarning
+from ..passes import CKVPPass, PassResult
+from ..plan import LayerGroup, Plan
+from .capture import load_model_dir, run_phases
+
+REPORT_VERSION = 1
+
+#: Inner compiler of an inspection unless the options name one: records the post-grad graph, no codegen.
+DEFAULT_INSPECTION_COMPILER = "aot_eager"
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+
+
+def format_layers(layers: Sequence[int]) -> str:
+    """Return layer indices as compact ranges: ``[0, 1, 2, 3, 5]`` -> ``'0-3,5'`` (``''`` when empty)."""
+    out: list[str] = []
+    items = sorted(set(layers))
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def format_groups(groups: Sequence[LayerGroup]) -> str:
+    """Return the layer groups as ``'[0-3] [4-7]'`` (``'none'`` when there are none)."""
+    return " ".join(f"[{format_layers(g.layers)}]" for g in groups) or "none"
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One row of the per-layer table, as display strings ('-' where the layer has no such site).
+
+    Attributes:
+        layer: layer index. attention: 'sdpa' / 'softmax_qkv'. heads: 'H/Hkv/D' plus the GQA ratio and form.
+        rope: form and rotary dim. cache_write: the K and V write forms. moe: scoring, order, renormalise,
+        shared expert. experts: 'E/top-k'. experts_form: how the expert GEMMs are computed.
+    """
+
+    layer: int
+    attention: str
+    heads: str
+    rope: str
+    cache_write: str
+    moe: str
+    experts: str
+    experts_form: str
+
+    #: Column titles, in field order.
+    HEADERS = ("layer", "attention", "H/Hkv/D", "RoPE", "cache write", "MoE", "E/top-k", "experts form")
+
+    def cells(self) -> tuple[str, ...]:
+        """Return the row's cells as strings, in :attr:`HEADERS` order."""
+        return (str(self.layer), self.attention, self.heads, self.rope, self.cache_write, self.moe, self.experts,
+                self.experts_form)
+
+
+def _attention_cells(s: AttentionSite | None) -> tuple[str, str, str, str]:
+    if s is None:
+        return "-", "-", "-", "-"
+    heads = f"{s.num_heads}/{s.num_kv_heads}/{s.head_dim}"
+    if s.gqa_ratio > 1:
+        heads += f" GQA {s.gqa_ratio} ({s.gqa_form})"
+    if s.rope is None:
+        rope = "none"
+    else:
+        rope = f"{s.rope.form} d={s.rope.rotary_dim}" + (" partial" if s.rope.partial else "")
+    writes = [w for w in (s.k_cache, s.v_cache) if w is not None]
+    if not writes:
+        cache = "none"
+    elif len(writes) == 2 and writes[0].form == writes[1].form:
+        cache = writes[0].form
+    else:
+        cache = " ".join(f"{w.kind}:{w.form}" for w in writes)
+    return s.form, heads, rope, cache
+
+
+def _moe_cells(m: MoESite | None) -> tuple[str, str, str]:
+    if m is None:
+        return "-", "-", "-"
+    moe = f"{m.scoring} {'then' if m.softmax_before_topk else 'after'} top-k"
+    if m.renormalize:
+        moe += ", renorm"
+    if m.shared_expert is not None:
+        moe += ", +shared" + (" (gated)" if m.shared_expert.gate_node is not None else "")
+    return moe, f"{m.num_experts}/{m.top_k}", m.experts_form
+
+
+# ---------------------------------------------------------------------------------------------- diffs
+
+
+@dataclass(frozen=True)
+class GraphDiff:
+    """A unified diff of one graph's code before and after a stage's rewrites.
+
+    Attributes:
+        name: 'dynamo' (the torch-level graph, around the 'torch' passes) or 'post_grad' (the functional ATen
+            graph, around the 'post_grad' passes). title: a human label.
+        recorded: False when the stage produced no code (compiler='eager' has no post-grad graph).
+        lines: the unified diff, one line per item, without newlines; empty when nothing changed.
+        added, removed: changed line counts. size: lines of the 'after' code.
+    """
+
+    name: str
+    title: str
+    recorded: bool
+    lines: tuple[str, ...]
+    added: int
+    removed: int
+    size: int
+
+    @property
+    def changed(self) -> bool:
+        """True when the rewrites changed the code."""
+        return bool(self.lines)
+
+    @classmethod
+    def of(cls, name: str, title: str, before: str, after: str) -> "GraphDiff":
+        """Diff ``before`` against ``after`` (difflib unified diff, 3 lines of context)."""
+        if not before and not after:
+            return cls(name, title, False, (), 0, 0, 0)
+        lines = tuple(difflib.unified_diff(before.splitlines(), after.splitlines(), f"{name} before",
+                                           f"{name} after", lineterm=""))
+        added = sum(1 for ln in lines if ln.startswith("+") and not ln.startswith("+++"))
+        removed = sum(1 for ln in lines if ln.startswith("-") and not ln.startswith("---"))
+        return cls(name, title, True, lines, added, removed, len(after.splitlines()))
+
+    def stat(self) -> str:
+        """Return a one-line summary: '+3 -1 lines' / 'no change (812 lines)' / 'not recorded'."""
+        if not self.recorded:
+            return "not recorded (this inner compiler has no such stage)"
+        if not self.changed:
+            return f"no change ({self.size} lines)"
+        return f"+{self.added} -{self.removed} lines"
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+@dataclass
+class GraphReport:
+    """What the backend found and did in one captured graph.
+
+    Attributes:
+        index: order of capture. phase: 'prefill', 'decode' or 'call' (the model call that captured it).
+        analysis, plan: as recorded by the backend. pass_results: one per pass run.
+        dynamo_before / dynamo_after / post_grad_before / post_grad_after: the graph code around each stage.
+        fell_back: why the rewritten graph was dropped for the original one, or ''.
+    """
+
+    index: int
+    phase: str
+    analysis: GraphAnalysis
+    plan: Plan
+    dynamo_before: str = ""
+    dynamo_after: str = ""
+    post_grad_before: str = ""
+    post_grad_after: str = ""
+    pass_results: list[PassResult] = field(default_factory=list)
+    fell_back: str = ""
+
+    @classmethod
+    def from_record(cls, record: GraphRecord, phase: str) -> "GraphReport":
+        """Build the report of one :class:`~ckvp_compile.backend.GraphRecord`."""
+        return cls(record.index, phase, record.analysis, record.plan, record.dynamo_before, record.dynamo_after,
+                   record.post_grad_before, record.post_grad_after, list(record.pass_results), record.fell_back)
+
+    @property
+    def num_sites(self) -> int:
+        """Attention plus MoE sites found."""
+        return len(self.analysis.attention) + len(self.analysis.moe)
+
+    def layer_rows(self) -> list[LayerRow]:
+        """Return one :class:`LayerRow` per layer that holds an attention or MoE site, in layer order."""
+        attn, moe = self.analysis.attention_by_layer(), self.analysis.moe_by_layer()
+        return [LayerRow(layer, *_attention_cells(attn.get(layer)), *_moe_cells(moe.get(layer)))
+                for layer in self.analysis.layers]
+
+    def decision_lines(self) -> list[str]:
+        """Return the plan's decisions folded by (kind, verdict, reason): 'attention [0-7]: kept: <reason>'."""
+        folded: dict[tuple[str, bool, str], list[int]] = {}
+        for d in self.plan.decisions:
+            folded.setdefault((d.kind, d.rewrite, d.reason), []).append(d.layer)
+        return [f"{kind} [{format_layers(layers)}]: {'rewrite' if rewrite else 'kept'}: {reason}"
+                for (kind, rewrite, reason), layers in folded.items()]
+
+    def kv_bytes_line(self) -> str:
+        """Return 'dense -> planned' KV bytes per token, with the ratio; or why there is none."""
+        dense, planned = self.plan.kv_bytes_per_token_dense, self.plan.kv_bytes_per_token_planned
+        if not dense:
+            return "n/a (no KV-cache write found)"
+        if planned == dense:
+            return f"{dense} -> {planned} (unchanged)"
+        return f"{dense} -> {planned} ({dense / planned:.2f}x smaller)" if planned else f"{dense} -> 0"
+
+    @functools.cached_property
+    def diffs(self) -> tuple[GraphDiff, GraphDiff]:
+        """The Dynamo-graph diff and the post-grad ATen-graph diff."""
+        return (
+            GraphDiff.of("dynamo", "Dynamo graph, before -> after the 'torch' passes",
+                         self.dynamo_before, self.dynamo_after),
+            GraphDiff.of("post_grad", "post-grad ATen graph, before -> after the 'post_grad' passes",
+                         self.post_grad_before, self.post_grad_after),
+        )
+
+    @property
+    def replaced(self) -> dict[str, int]:
+        """Nodes removed per canonical op name, summed over every pass run on this graph."""
+        out: dict[str, int] = {}
+        for r in self.pass_results:
+            for op, n in r.replaced:
+                out[op] = out.get(op, 0) + n
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the graph's report as JSON-serialisable data (dataclasses as dicts, tuples as lists)."""
+        plan = dataclasses.asdict(self.plan)
+        return {
+            "index": self.index,
+            "phase": self.phase,
+            "num_nodes": self.analysis.num_nodes,
+            "num_attention_sites": len(self.analysis.attention),
+            "num_moe_sites": len(self.analysis.moe),
+            "layers": [dataclasses.asdict(r) for r in self.layer_rows()],
+            "groups": format_groups(self.plan.groups),
+            "kv_bytes_per_token": {"dense": self.plan.kv_bytes_per_token_dense,
+                                   "planned": self.plan.kv_bytes_per_token_planned},
+            "analysis": dataclasses.asdict(self.analysis),
+            "plan": plan,
+            "pass_results": [dataclasses.asdict(r) for r in self.pass_results],
+            "replaced": self.replaced,
+            "fell_back": self.fell_back,
+            "diffs": [{"name": d.name, "title": d.title, "recorded": d.recorded, "added": d.added,
+                       "removed": d.removed, "diff": "\n".join(d.lines)} for d in self.diffs],
+            "code": {"dynamo_before": self.dynamo_before, "dynamo_after": self.dynamo_after,
+                     "post_grad_before": self.post_grad_before, "post_grad_after": self.post_grad_after},
+        }
+
+
+@dataclass
+class InspectionReport:
+    """The result of :func:`inspect_model`: one :class:`GraphReport` per captured graph plus a model summary.
+
+    The summary (``num_attention_sites``, ``num_moe_sites``, ``groups``) is taken from the graph with the most
+    sites: prefill and decode usually each hold every layer, and a graph break splits layers across graphs.
+
+    Attributes:
+        model: the model's name (its directory name, or its class name).
+        config: the options the backend ran with. graphs: the captured graphs, in capture order.
+        warnings: the ckvp warnings raised while compiling (unsupported patterns, rewrites that fell back).
+        elapsed_s: wall time of the compile and calls.
+    """
+
+    model: str
+    config: CKVPConfig
+    graphs: list[GraphReport]
+    warnings: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def main_graph(self) -> GraphReport | None:
+        """The graph with the most sites (the first such), or None when nothing was captured."""
+        return max(self.graphs, key=lambda g: g.num_sites, default=None)
+
+    @property
+    def num_attention_sites(self) -> int:
+        """Attention sites of :attr:`main_graph` (0 without graphs)."""
+        g = self.main_graph
+        return len(g.analysis.attention) if g else 0
+
+    @property
+    def num_moe_sites(self) -> int:
+        """MoE sites of :attr:`main_graph` (0 without graphs)."""
+        g = self.main_graph
+        return len(g.analysis.moe) if g else 0
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """Layer groups of :attr:`main_graph` (empty without graphs)."""
+        g = self.main_graph
+        return g.plan.groups if g else ()
+
+    def summary_line(self) -> str:
+        """Return e.g. '8 attention sites, 8 MoE sites, 2 groups: [0-3] [4-7]'."""
+        n = len(self.groups)
+        return (f"{self.num_attention_sites} attention sites, {self.num_moe_sites} MoE sites, "
+                f"{n} group{'s' if n != 1 else ''}: {format_groups(self.groups)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the whole report as JSON-serialisable data (``json.dumps`` works on it as is)."""
+        return {
+            "version": REPORT_VERSION,
+            "model": self.model,
+            "options": self.config.to_dict(),
+            "summary": {"num_attention_sites": self.num_attention_sites, "num_moe_sites": self.num_moe_sites,
+                        "groups": [list(g.layers) for g in self.groups],
+                        "main_graph": self.main_graph.index if self.main_graph else None},
+            "elapsed_s": self.elapsed_s,
+            "warnings": list(self.warnings),
+            "graphs": [g.to_dict() for g in self.graphs],
+        }
+
+    def to_text(self, *, full: bool = False) -> str:
+        """Render as plain text; diffs are cut to a few dozen lines unless ``full``. See :mod:`.render`."""
+        from .render import render_text
+
+        return render_text(self, full=full)
+
+    def to_html(self) -> str:
+        """Render as one self-contained HTML page (inline CSS, no external resources). See :mod:`.render`."""
+        from .render import render_html
+
+        return render_html(self)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def _resolve_config(options: Mapping[str, Any] | CKVPConfig | None) -> CKVPConfig:
+    if isinstance(options, CKVPConfig):
+        return options
+    opts = dict(options or {})
+    opts.setdefault("compiler", DEFAULT_INSPECTION_COMPILER)
+    return CKVPConfig.from_options(opts)
+
+
+def inspect_model(
+    model_or_dir: torch.nn.Module | str | Path,
+    example_inputs: tuple | list | dict | None = None,
+    *,
+    options: Mapping[str, Any] | CKVPConfig | None = None,
+    decode: bool = True,
+    max_cache_len: int = 64,
+    prompt_len: int = 8,
+    extra_passes: Sequence[CKVPPass] = (),
+) -> InspectionReport:
+    """Compile a model with the ``ckvp`` backend while recording, run it, and report what the backend did.
+
+    Resets Dynamo before and after; the model itself is not modified (an HF model gets a fresh
+    ``StaticCache``, a gpt-fast model's ``setup_caches`` is called), so it runs eagerly afterwards.
+
+    Args:
+        model_or_dir: an ``nn.Module``, or the path of a local Hugging Face model directory (loaded in float32).
+        example_inputs: a tuple of positional arguments or a dict of keyword arguments for one call. ``None``
+            drives an HF causal LM or a gpt-fast style model through a static-cache prefill of ``prompt_len``
+            random tokens and, with ``decode``, one decode step.
+        options: :class:`CKVPConfig` fields as a dict (``compiler`` defaults to 'aot_eager' here, which records
+            the post-grad ATen graph without code generation), or a ready :class:`CKVPConfig`.
+        decode: also run (and report) one decode step after the prefill.
+        max_cache_len: static cache length S_max. prompt_len: prefill length S.
+        extra_passes: extra :class:`CKVPPass` objects to run after the planned ones (tests, experiments).
+    Returns:
+        An :class:`InspectionReport` with one :class:`GraphReport` per captured graph.
+    Raises:
+        CKVPModelLoadError: ``model_or_dir`` is a path that is not a loadable model directory.
+        CKVPConfigError: an unknown option or a bad value.
+        ValueError: no ``example_inputs`` for a model that needs them, or prompt/cache lengths that do not fit.
+        UnsupportedGraphError: ``strict=True`` and a site the rewrites cannot use.
+    """
+    config = _resolve_config(options)
+    if isinstance(model_or_dir, (str, Path)):
+        name = Path(model_or_dir).name or str(model_or_dir)
+        model = load_model_dir(model_or_dir)
+    else:
+        name, model = type(model_or_dir).__name__, model_or_dir
+    recorder = CompileRecorder()
+    backend = CKVPBackend(config, recorder=recorder, extra_passes=extra_passes)
+    start = time.perf_counter()
+    torch._dynamo.reset()
+    phases_of_graphs: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            compiled = torch.compile(model, backend=backend, fullgraph=False)
+            with torch.no_grad():
+                for phase, call in run_phases(model, compiled, example_inputs, decode=decode,
+                                              max_cache_len=max_cache_len, prompt_len=prompt_len):
+                    call()
+                    phases_of_graphs += [phase] * (len(recorder.graphs) - len(phases_of_graphs))
+        finally:
+            torch._dynamo.reset()
+    ckvp_warnings: list[str] = []
+    for w in caught:
+        if issubclass(w.category, CKVPWarning):
+            if str(w.message) not in ckvp_warnings:
+                ckvp_warnings.append(str(w.message))
+        else:  # not ours: hand it on unchanged
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    graphs = [GraphReport.from_record(r, phase) for r, phase in zip(recorder.graphs, phases_of_graphs)]
+    return InspectionReport(name, config, graphs, ckvp_warnings, time.perf_counter() - start)
