@@ -108,13 +108,14 @@ def _run(argv: Sequence[str] | None) -> int:
     from .report import inspect_model
 
     _quiet_transformers()
-    warnings.filterwarnings("ignore")  # torch/transformers noise; ckvp's own warnings are in the report
-    try:
-        model = load_model_dir(args.model)
-    except CKVPModelLoadError as exc:
-        raise _UsageError(str(exc)) from None
-    report = inspect_model(model, options=config, decode=not args.no_decode, max_cache_len=args.max_cache_len,
-                           prompt_len=args.prompt_len)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch/transformers noise; ckvp's own warnings are in the report
+        try:
+            model = load_model_dir(args.model)
+        except CKVPModelLoadError as exc:
+            raise _UsageError(str(exc)) from None
+        report = inspect_model(model, options=config, decode=not args.no_decode,
+                               max_cache_len=args.max_cache_len, prompt_len=args.prompt_len)
     report.model = Path(args.model).resolve().name
     sys.stdout.write(report.to_text(full=args.full))
     try:

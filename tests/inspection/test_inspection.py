@@ -1,0 +1,351 @@
+"""The inspection tool: the ckvp-inspect CLI on the fixture model, its errors, the diff machinery, the renderers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckvp_compile
+from ckvp_compile import CKVPConfig, make_plan
+from ckvp_compile.analysis.sites import (
+    AttentionSite,
+    CacheWriteSite,
+    GraphAnalysis,
+    MoESite,
+    RopeSite,
+    SharedExpertSite,
+    UnsupportedSite,
+)
+from ckvp_compile.inspection import GraphReport, InspectionReport, LayerRow, inspect_model
+from ckvp_compile.inspection.cli import main
+from ckvp_compile.passes import CKVPPass
+from ckvp_compile.testing.models import FIXTURE_MODEL_DIR
+
+REPO_ROOT = Path(ckvp_compile.__file__).absolute().parents[1]
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+_VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class _WellFormed(HTMLParser):
+    """Checks that every non-void tag is closed in order; counts tags."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+        self.tags: Counter[str] = Counter()
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags[tag] += 1
+        if tag not in _VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'} at {self.getpos()}")
+        else:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def check_html(page: str) -> _WellFormed:
+    """Parse ``page``; assert balanced tags, the main structure, and no external resources or scripts."""
+    p = _WellFormed()
+    p.feed(page)
+    p.close()
+    assert not p.errors, p.errors[:5]
+    assert not p.stack, f"unclosed tags: {p.stack}"
+    assert page.lstrip().lower().startswith("<!doctype html>")
+    for tag in ("html", "head", "body", "style", "title", "h1"):
+        assert p.tags[tag] >= 1, tag
+    assert p.tags["script"] == 0 and p.tags["link"] == 0 and p.tags["img"] == 0
+    assert "http://" not in page and "https://" not in page
+    return p
+
+
+def table_header_index(lines: list[str]) -> int:
+    """Index of the first text line whose cells are the layer table's column titles."""
+    return next(i for i, ln in enumerate(lines) if tuple(c.strip() for c in ln.split("|")) == LayerRow.HEADERS)
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, "-m", "ckvp_compile.inspection", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ckvp-inspect: error: ")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_on_fixture_model(tmp_path):
+    html_path, json_path = tmp_path / "out.html", tmp_path / "out.json"
+    proc = run_cli("--model", str(FIXTURE_MODEL_DIR), "--html", str(html_path), "--json", str(json_path),
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "model summary: 8 attention sites, 8 MoE sites, 2 groups: [0-3] [4-7]" in text
+    assert "groups: [0-3] [4-7]" in text
+    assert "=== graph 0 (prefill)" in text and "(decode)" in text
+    lines = text.splitlines()
+    header = table_header_index(lines)
+    rows = lines[header + 2: header + 10]
+    assert [r.split("|")[0].strip() for r in rows] == [str(i) for i in range(8)]
+    assert all("sdpa" in r and "4/2/64" in r and "index_copy_" in r and "4/2" in r for r in rows), rows
+    assert "KV bytes/token: 8192 -> 8192 (unchanged)" in text  # 8 layers * 2 Hkv * 64 D * (4 + 4) bytes fp32
+
+    page = html_path.read_text()
+    parsed = check_html(page)
+    assert 'class="layers"' in page and "<th>H/Hkv/D</th>" in page and "<th>experts form</th>" in page
+    assert "8 attention sites, 8 MoE sites, 2 groups: [0-3] [4-7]" in "".join(parsed.text)
+    assert parsed.tags["tr"] >= 1 + 8  # header + one row per layer
+
+    data = json.loads(json_path.read_text())
+    assert data["summary"]["num_attention_sites"] == 8 and data["summary"]["num_moe_sites"] == 8
+    assert data["summary"]["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [g["phase"] for g in data["graphs"]][:1] == ["prefill"]
+
+
+def test_cli_bad_path(tmp_path):
+    proc = run_cli("--model", str(tmp_path / "no-such-model"), cwd=tmp_path)
+    assert_one_line_error(proc, "does not exist", "no-such-model")
+
+
+def test_cli_directory_without_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run_cli("--model", str(tmp_path / "empty"), cwd=tmp_path)
+    assert_one_line_error(proc, "config.json")
+
+
+def test_cli_bad_option(tmp_path):
+    proc = run_cli("--model", str(FIXTURE_MODEL_DIR), "--options", '{"bogus_option": 1}', cwd=tmp_path)
+    assert_one_line_error(proc, "bogus_option", "valid keys")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--options", "{not json"], "not valid JSON"),
+        (["--options", "[1, 2]"], "JSON object"),
+        (["--options", '{"group_size": 3}'], "group_size"),
+        (["--compiler", "tvm"], "invalid choice"),
+        (["--html", "/no/such/dir/out.html"], "does not exist"),
+        (["--prompt-len", "64"], "--max-cache-len"),
+    ],
+)
+def test_cli_usage_errors_in_process(args, needle, capsys):
+    assert main(["--model", str(FIXTURE_MODEL_DIR), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], err
+
+
+def test_cli_unloadable_directory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "not-a-real-architecture"}')
+    assert main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot load a causal LM" in err[0], err
+    not_dir = tmp_path / "file.txt"
+    not_dir.write_text("x")
+    assert main(["--model", str(not_dir)]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the diff machinery
+
+
+class SinToCosPass(CKVPPass):
+    """Test pass ('torch' stage): ``x.sin()`` -> ``torch.cos(x)``."""
+
+    name = "sin_to_cos"
+    stage = "torch"
+
+    def apply(self, graph):
+        n_rewritten = 0
+        for node in list(graph.nodes):
+            if node.op == "call_method" and node.target == "sin":
+                with graph.inserting_before(node):
+                    new = graph.call_function(torch.cos, node.args, node.kwargs)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                n_rewritten += 1
+        return n_rewritten
+
+
+class DoubleNegPass(CKVPPass):
+    """Test pass ('post_grad' stage): insert ``neg(neg(.))`` after the ``aten.cos`` node (a no-op numerically)."""
+
+    name = "double_neg"
+    stage = "post_grad"
+
+    def apply(self, graph):
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target == torch.ops.aten.cos.default:
+                with graph.inserting_after(node):
+                    first = graph.call_function(torch.ops.aten.neg.default, (node,))
+                with graph.inserting_after(first):
+                    second = graph.call_function(torch.ops.aten.neg.default, (first,))
+                node.replace_all_uses_with(second)
+                first.args = (node,)
+                return 1
+        return 0
+
+
+class SinModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x).sin() + 1
+
+
+def test_diff_shows_rewrites_and_replaced_counts():
+    model = SinModel()
+    x = torch.randn(2, 4)
+    expected = model(x)
+    report = inspect_model(model, (x,), extra_passes=[SinToCosPass(), DoubleNegPass()])
+    assert [g.phase for g in report.graphs] == ["call"]
+    g = report.graphs[0]
+    dynamo, post_grad = g.diffs
+    assert dynamo.changed and (dynamo.added, dynamo.removed) == (2, 2)
+    assert any(ln.startswith("-") and ".sin()" in ln for ln in dynamo.lines)
+    assert any(ln.startswith("+") and "torch.cos(" in ln for ln in dynamo.lines)
+    assert post_grad.changed and post_grad.added == 3 and post_grad.removed == 1
+    assert sum(ln.startswith("+") and "aten.neg.default" in ln for ln in post_grad.lines) == 2
+    assert g.replaced == {"sin": 1}
+    assert [(r.name, r.stage, r.matched) for r in g.pass_results] == [("sin_to_cos", "torch", 1),
+                                                                     ("double_neg", "post_grad", 1)]
+
+    text = report.to_text()
+    assert "replaced nodes: sin x1" in text and "+2 -2 lines" in text and "+3 -1 lines" in text
+    assert "sin_to_cos (torch): 1 site(s) rewritten" in text
+    page = report.to_html()
+    check_html(page)
+    assert '<span class="add">+    cos = torch.cos(linear)' in page
+    assert '<span class="del">-    sin = linear.sin()' in page
+    json.dumps(report.to_dict())
+
+    torch.testing.assert_close(model(x), expected)  # still runs eagerly, unchanged
+
+
+def test_text_diffs_truncate_unless_full():
+    class ManySin(torch.nn.Module):
+        def forward(self, x):
+            for _ in range(60):
+                x = x.sin()
+            return x
+
+    report = inspect_model(ManySin(), (torch.randn(3),), options={"compiler": "eager"},
+                           extra_passes=[SinToCosPass()])
+    short, full = report.to_text(), report.to_text(full=True)
+    assert "more diff lines" in short and "more diff lines" not in full
+    assert full.count("torch.cos(") == 60 and short.count("torch.cos(") < 60
+    assert "not recorded" in short  # compiler='eager' has no post-grad graph
+
+
+def test_hf_model_inspection_leaves_model_usable():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE_MODEL_DIR, dtype=torch.float32,
+                                                 local_files_only=True).eval()
+    ids = torch.arange(1, 6)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+    report = ckvp_compile.inspect(model, decode=False, prompt_len=4, max_cache_len=16)
+    assert report.graphs and {g.phase for g in report.graphs} == {"prefill"}
+    assert report.num_attention_sites == 8 and report.num_moe_sites == 8
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before)
+
+
+def test_inspect_model_argument_errors():
+    with pytest.raises(ValueError, match="example_inputs"):
+        inspect_model(SinModel())
+    with pytest.raises(ckvp_compile.CKVPConfigError, match="valid keys"):
+        inspect_model(SinModel(), (torch.randn(1, 4),), options={"nope": 1})
+    with pytest.raises(ckvp_compile.CKVPModelLoadError, match="does not exist"):
+        inspect_model("/no/such/model/dir")
+
+
+# ---------------------------------------------------------------------------------------------- the renderers
+
+
+def _synthetic_report() -> InspectionReport:
+    """A report built from hand-made sites (independent of the detectors): 3 layers, one unsupported pattern."""
+
+    def attn(layer: int, partial: bool = False) -> AttentionSite:
+        cache = lambda kind: CacheWriteSite(kind, "index_copy_", f"w{kind}{layer}", f"c{kind}{layer}",  # noqa: E731
+                                            "graph", f"v{kind}{layer}", "pos", (1, 2, 64, 16), itemsize=2)
+        rope = RopeSite("rotate_half", 8 if partial else 16, partial, "q", "k", "kin")
+        return AttentionSite(layer, f"model.layers.{layer}.self_attn", "sdpa", f"sdpa{layer}", "q", "k", "v", "o",
+                             4, 2, 16, 2, "repeat_kv", rope, cache("k"), cache("v"))
+
+    def moe(layer: int, shared: bool) -> MoESite:
+        se = SharedExpertSite(("su",), "sd", "sg", "add") if shared else None
+        return MoESite(layer, f"model.layers.{layer}.mlp", "router", "softmax", "sm", "topk", 8, 2, True, True,
+                       "batched_mm", ("bmm",), ("w",), 32, 64, se, "out")
+
+    analysis = GraphAnalysis(
+        attention=(attn(0), attn(1), attn(2, partial=True)),
+        moe=(moe(0, False), moe(1, True)),
+        unsupported=(UnsupportedSite("sliding_window", 2, "a <b>sliding</b> window & mask was found.",
+                                     "set sliding_window=None."),),
+        num_nodes=123,
+    )
+    plan = make_plan(analysis, CKVPConfig(group_size=2))
+    graph = GraphReport(0, "prefill", analysis, plan, "def f():\n    return x < 1\n", "def f():\n    return x < 2\n")
+    return InspectionReport("synthetic <model>", CKVPConfig(group_size=2), [graph], ["ckvp: a <warning>"], 0.5)
+
+
+def test_text_report_table_and_summary():
+    report = _synthetic_report()
+    assert (report.num_attention_sites, report.num_moe_sites) == (3, 2)
+    text = report.to_text()
+    assert "model summary: 3 attention sites, 2 MoE sites, 2 groups: [0-1] [2]" in text
+    lines = text.splitlines()
+    header = table_header_index(lines)
+    assert set(lines[header + 1]) == {"-", "+"}
+    row0, row1, row2 = (ln.split("|") for ln in lines[header + 2: header + 5])
+    assert [c.strip() for c in row0] == ["0", "sdpa", "4/2/16 GQA 2 (repeat_kv)", "rotate_half d=16", "index_copy_",
+                                         "softmax then top-k, renorm", "8/2", "batched_mm"]
+    assert "+shared (gated)" in row1[5]
+    assert row2[3].strip() == "rotate_half d=8 partial" and row2[5].strip() == "-"
+    assert "KV bytes/token: 384 -> 384 (unchanged)" in text  # 3 layers * 2 Hkv * 16 D * (2 + 2) bytes
+    assert "layer 2 [sliding_window]: a <b>sliding</b> window & mask was found. Fix: set sliding_window=None." in text
+    assert "attention [0-1]: kept: enable_latent_kv is off" in text
+    assert "attention [2]: kept: an unsupported pattern" in text
+    assert "+1 -1 lines" in text and "not recorded" in text
+
+
+def test_html_report_escapes_everything():
+    report = _synthetic_report()
+    page = report.to_html()
+    parsed = check_html(page)
+    assert "<b>" not in page and "&lt;b&gt;sliding&lt;/b&gt; window &amp; mask" in page
+    assert "synthetic &lt;model&gt;" in page and "ckvp: a &lt;warning&gt;" in page
+    assert '<span class="add">+    return x &lt; 2</span>' in page
+    assert parsed.tags["tr"] == 1 + 3 + 1 + 1  # layer table header + 3 rows, unsupported header + 1 row
+    json.dumps(report.to_dict())
