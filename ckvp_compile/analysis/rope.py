@@ -1,0 +1,331 @@
+"""Find the rotary position embedding (RoPE) that produced a query or key, by graph structure.
+
+Given the node a RoPE computation ends in (the rotated key that is written into the cache or fed to the
+attention), walk back through the small set of ops RoPE is written with and classify it:
+
+================  ===================================================================================
+form              how it is written (all detected in any operand order, with dtype casts in between)
+================  ===================================================================================
+``rotate_half``   HF / Llama: ``x*cos + cat(-x[..., D/2:], x[..., :D/2])*sin``; also written out as
+                  ``cat(x1*cos - x2*sin, x2*cos + x1*sin)`` with ``x1, x2`` the two halves
+``interleaved``   GPT-J / gpt-fast real form: pairs (x0, x1), (x2, x3)... rotated, through
+                  ``x[..., ::2]`` / ``x[..., 1::2]`` (e.g. ``stack(-x_odd, x_even).flatten(-2)``), or
+                  ``x.reshape(..., D/2, 2)`` then ``[..., 0]`` / ``[..., 1]`` or ``unbind(-1)``
+``complex``       Meta / gpt-fast: ``view_as_real(view_as_complex(x.reshape(..., D/2, 2)) * freqs_cis)``
+================  ===================================================================================
+
+Partial rotary (Phi, GLM, Qwen3-Next): only the first ``rotary_dim`` channels are rotated, the rest pass
+through, ``cat(rope(x[..., :rd]), x[..., rd:])`` (or through ``split([rd, D - rd], -1)``); then
+``k_in`` is the whole ``x`` and ``partial`` is True.
+
+A rotation is recognised by its sign: one of the two selections of the rotated tensor reaches a ``neg``,
+or the right-hand side of a ``sub``. Every function here is read-only and returns None when it does not
+recognise the pattern; none raises on unknown graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+
+from .graph import arg, example_value, op_name, shape_of
+
+#: Ops a RoPE computation is written with (walked through when collecting its region).
+_ROPE_OPS = frozenset(
+    {
+        "mul", "add", "sub", "neg", "cat", "stack", "getitem", "flatten", "reshape", "view", "float", "to",
+        "type_as", "half", "bfloat16", "unsqueeze", "squeeze", "view_as_complex", "view_as_real",
+        "unflatten", "unbind", "split", "chunk", "contiguous", "clone", "_to_copy", "expand", "select",
+    }
+)
+#: Ops that change only dtype or memory layout, never values' positions.
+_DTYPE_OPS = frozenset({"float", "to", "type_as", "half", "bfloat16", "contiguous", "clone", "_to_copy", "alias"})
+#: Ops that carry the negated half of a rotation on to the sine multiply.
+_ROT_CARRIERS = frozenset({"neg", "cat", "stack", "flatten", "reshape", "view"}) | _DTYPE_OPS
+#: How many producer hops a RoPE region may span.
+_MAX_REGION_DEPTH = 16
+
+
+@dataclass(frozen=True)
+class RopeMatch:
+    """What :func:`match_rope` found (nodes, not names; :class:`~.sites.RopeSite` holds the names).
+
+    Attributes:
+        form: 'rotate_half', 'interleaved' or 'complex'.
+        rotary_dim: channels rotated; partial: rotary_dim < head dim of ``k_in``.
+        out: the last RoPE node (the node :func:`match_rope` was given, views stripped).
+        x_in: the tensor entering RoPE (the whole head when partial); for a key this is the pre-RoPE key.
+        cos: the cosine table (or complex frequencies), None if not identified. sin: the sine table or None.
+    """
+
+    form: str
+    rotary_dim: int
+    partial: bool
+    out: fx.Node
+    x_in: fx.Node
+    cos: fx.Node | None
+    sin: fx.Node | None
+
+
+def strip_dtype(node: Any) -> Any:
+    """Walk back from ``node`` through dtype / layout-only ops (``float``, ``to``, ``type_as``, ``contiguous``)."""
+    while isinstance(node, fx.Node) and op_name(node) in _DTYPE_OPS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def last_dim_selection(node: fx.Node) -> tuple[fx.Node, int, int, int, bool] | None:
+    """Describe ``node`` as a selection along the last dim of another tensor, or return None.
+
+    Recognises ``x[..., a:b:c]``, ``x[:, :, :, a:b:c]`` (all other dims full), ``x[..., i]``, and
+    ``getitem(split(x, sizes, -1), i)`` / ``chunk(x, n, -1)`` / ``unbind(x, -1)``.
+
+    Returns:
+        ``(x, start, stop, step, squeezed)`` with non-negative ``start``/``stop`` resolved against
+        ``x.shape[-1]``; ``squeezed`` is True for an integer index (the last dim disappears).
+    """
+    if op_name(node) != "getitem" or len(node.args) < 2:
+        return None
+    base, idx = node.args[0], node.args[1]
+    if not isinstance(base, fx.Node):
+        return None
+    if op_name(base) in ("split", "chunk", "unbind", "split_with_sizes") and isinstance(idx, int):
+        return _split_selection(base, idx)
+    shape = shape_of(base)
+    if shape is None or not shape:
+        return None
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(isinstance(i, fx.Node) or i is None for i in idx):
+        return None
+    if idx and idx[0] is Ellipsis:
+        if len(idx) != 2:
+            return None
+        sel = idx[1]
+    else:
+        if len(idx) != len(shape) or any(i != slice(None) for i in idx[:-1]):
+            return None
+        sel = idx[-1]
+    size = shape[-1]
+    if isinstance(sel, int):
+        i = sel + size if sel < 0 else sel
+        return base, i, i + 1, 1, True
+    if isinstance(sel, slice) and all(isinstance(v, (int, type(None))) for v in (sel.start, sel.stop, sel.step)):
+        start, stop, step = sel.indices(size) if size > 0 else (sel.start or 0, sel.stop or 0, sel.step or 1)
+        return base, start, stop, step, False
+    return None
+
+
+def _split_selection(split: fx.Node, i: int) -> tuple[fx.Node, int, int, int, bool] | None:
+    x = split.args[0] if split.args else None
+    shape = shape_of(x)
+    if not isinstance(x, fx.Node) or not shape:
+        return None
+    kind = op_name(split)
+    dim = arg(split, 2, "dim", 0) if kind != "unbind" else arg(split, 1, "dim", 0)
+    if not isinstance(dim, int) or dim not in (-1, len(shape) - 1):
+        return None
+    size = shape[-1]
+    if kind == "unbind":
+        return x, i, i + 1, 1, True
+    spec = arg(split, 1, "split_size_or_sections" if kind == "split" else "chunks", None)
+    if kind == "chunk" and isinstance(spec, int) and spec > 0:
+        sizes = [-(-size // spec)] * spec
+    elif isinstance(spec, int) and spec > 0:
+        sizes = [spec] * (-(-size // spec))
+    elif isinstance(spec, (list, tuple)) and all(isinstance(s, int) for s in spec):
+        sizes = list(spec)
+    else:
+        return None
+    if i >= len(sizes):
+        return None
+    start = sum(sizes[:i])
+    return x, start, min(start + sizes[i], size), 1, False
+
+
+def _region(top: fx.Node) -> list[fx.Node]:
+    """Nodes reachable backwards from ``top`` through RoPE ops (``top`` first, then breadth first)."""
+    out: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    frontier = [top]
+    for _ in range(_MAX_REGION_DEPTH):
+        nxt: list[fx.Node] = []
+        for n in frontier:
+            if n in seen or op_name(n) not in _ROPE_OPS:
+                continue
+            seen.add(n)
+            out.append(n)
+            nxt.extend(n.all_input_nodes)
+        if not nxt:
+            break
+        frontier = nxt
+    return out
+
+
+def _is_negated(sel: fx.Node, region: set[fx.Node]) -> bool:
+    """True when ``sel`` (or ``sel * table``) reaches a ``neg`` or the subtrahend of a ``sub`` in ``region``."""
+    frontier = [sel]
+    for _ in range(4):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u not in region:
+                    continue
+                kind = op_name(u)
+                if kind == "neg" or (kind == "sub" and len(u.args) > 1 and u.args[1] is n):
+                    return True
+                if kind in _DTYPE_OPS or kind == "mul":
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+def _other_operand(mul: fx.Node, node: fx.Node) -> fx.Node | None:
+    a, b = (mul.args + (None, None))[:2]
+    other = b if a is node else a if b is node else None
+    return other if isinstance(other, fx.Node) else None
+
+
+def _tables(x: fx.Node, negated: fx.Node, region: list[fx.Node]) -> tuple[fx.Node | None, fx.Node | None]:
+    """Best-effort cos / sin tables.
+
+    cos: the other operand of the first multiply (graph order) of ``x`` or of a non-negated selection of
+    ``x``; sin: the other operand of the first multiply of the negated selection (or of what it becomes
+    through ``neg`` / ``cat`` / ``stack``).
+    """
+    rot = {negated}
+    for n in sorted(region):
+        if op_name(n) in _ROT_CARRIERS and any(
+            i in rot for i in n.all_input_nodes
+        ):
+            rot.add(n)
+    cos = sin = None
+    for n in sorted(region):
+        if op_name(n) != "mul":
+            continue
+        for operand in n.all_input_nodes:
+            if sin is None and operand in rot:
+                sin = _other_operand(n, operand)
+                break
+            sel = last_dim_selection(operand)
+            plain = strip_dtype(operand) is x or (sel is not None and strip_dtype(sel[0]) is x)
+            if cos is None and plain and operand not in rot:
+                cos = _other_operand(n, operand)
+                break
+    return cos, sin
+
+
+def _pairs_base(node: fx.Node) -> fx.Node | None:
+    """If ``node`` is ``x.reshape(..., D/2, 2)`` (through dtype ops), return ``x``."""
+    shape = shape_of(node)
+    n = strip_dtype(node)
+    if shape is None or len(shape) < 2 or shape[-1] != 2:
+        return None
+    if op_name(n) in ("reshape", "view", "unflatten") and isinstance(n.args[0], fx.Node):
+        src = n.args[0]
+        src_shape = shape_of(src)
+        if src_shape and src_shape[-1] == 2 * shape[-2]:
+            return strip_dtype(src)
+    return None
+
+
+def match_rope(out: fx.Node) -> RopeMatch | None:
+    """Classify the RoPE that ends in ``out`` (a rotated query or key), or return None when there is none.
+
+    Args:
+        out: the rotated tensor, views already stripped (e.g. HF ``k_embed``; gpt-fast's ``stack`` /
+            ``view_as_real``; a ``cat`` for partial rotary). Typically (B, Hkv, S, D) or (B, S, Hkv, D).
+    Returns:
+        A :class:`RopeMatch`: form, rotary_dim, partial, the pre-RoPE tensor ``x_in`` and the tables;
+        None when no rotation pattern is found (e.g. a NoPE layer). Never raises.
+    """
+    try:
+        return _match_rope(out)
+    except Exception:  # analysis never raises on unknown patterns
+        return None
+
+
+def _match_rope(out: fx.Node) -> RopeMatch | None:
+    region = _region(out)
+    region_set = set(region)
+    form: str | None = None
+    x: fx.Node | None = None
+    cos = sin = None
+    for n in region:
+        if op_name(n) == "view_as_complex" and isinstance(n.args[0], fx.Node):
+            x = _pairs_base(n.args[0])
+            if x is None:
+                continue
+            form = "complex"
+            for u in n.users:
+                if op_name(u) == "mul" and u in region_set:
+                    cos = _other_operand(u, n)
+                    break
+            break
+    if form is None:
+        for n in region:
+            sel = last_dim_selection(n)
+            if sel is None or not _is_negated(n, region_set):
+                continue
+            base, start, stop, step, squeezed = sel
+            base_shape = shape_of(base)
+            if base_shape is None:
+                continue
+            size = base_shape[-1]
+            if step == 2 and stop - start >= 1:
+                form, x = "interleaved", strip_dtype(base)
+            elif squeezed and size == 2:
+                pairs = _pairs_base(base)
+                if pairs is None:
+                    continue
+                form, x = "interleaved", pairs
+            elif step == 1 and not squeezed and size % 2 == 0 and {start, stop} <= {0, size // 2, size}:
+                form, x = "rotate_half", strip_dtype(base)
+            else:
+                continue
+            cos, sin = _tables(strip_dtype(base), n, region)
+            break
+    if form is None or x is None:
+        return None
+    x_shape = shape_of(x)
+    if not x_shape:
+        return None
+    rotary_dim = x_shape[-1]
+    x_in, partial = x, False
+    whole = _partial_source(x, out)
+    if whole is not None:
+        x_in, partial = whole, True
+    return RopeMatch(form, rotary_dim, partial, out, x_in, cos, sin)
+
+
+def _partial_source(x: fx.Node, out: fx.Node) -> fx.Node | None:
+    """If ``x`` is ``y[..., :rd]`` and ``out`` concatenates the pass-through ``y[..., rd:]``, return ``y``."""
+    sel = last_dim_selection(x)
+    if sel is None:
+        return None
+    y, start, stop, step, squeezed = sel
+    y_shape = shape_of(y)
+    if squeezed or step != 1 or start != 0 or not y_shape or stop >= y_shape[-1]:
+        return None
+    # the pass-through part must be concatenated back (through views) into the output
+    top = out
+    while op_name(top) != "cat" and top.args and isinstance(top.args[0], fx.Node) and op_name(top) in _DTYPE_OPS | {
+        "view", "reshape", "flatten"
+    }:
+        top = top.args[0]
+    if op_name(top) != "cat":
+        return None
+    for part in top.all_input_nodes:
+        psel = last_dim_selection(strip_dtype(part))
+        if psel is not None and strip_dtype(psel[0]) is strip_dtype(y) and psel[1] == stop:
+            return strip_dtype(y)
+    return None
+
+
+def is_tensor(node: Any) -> bool:
+    """True when ``node`` is an FX node whose recorded value is a tensor."""
+    import torch
+
+    return isinstance(example_value(node), torch.Tensor)
