@@ -363,6 +363,7 @@ def inspect_model(
     max_cache_len: int = 64,
     prompt_len: int = 8,
     extra_passes: Sequence[CKVPPass] = (),
+    dynamic: bool | None = False,
 ) -> InspectionReport:
     """Compile a model with the ``ckvp`` backend while recording, run it, and report what the backend did.
 
@@ -379,6 +380,9 @@ def inspect_model(
         decode: also run (and report) one decode step after the prefill.
         max_cache_len: static cache length S_max. prompt_len: prefill length S.
         extra_passes: extra :class:`CKVPPass` objects to run after the planned ones (tests, experiments).
+        dynamic: ``torch.compile``'s ``dynamic``. The default ``False`` compiles prefill and decode each for
+            its own shapes, as static-cache decoding does; ``None`` lets Dynamo mark the sequence length
+            dynamic on the decode recompile, as a plain ``torch.compile(model)`` would.
     Returns:
         An :class:`InspectionReport` with one :class:`GraphReport` per captured graph.
     Raises:
@@ -401,7 +405,7 @@ def inspect_model(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            compiled = torch.compile(model, backend=backend, fullgraph=False)
+            compiled = torch.compile(model, backend=backend, fullgraph=False, dynamic=dynamic)
             with torch.no_grad():
                 for phase, call in run_phases(model, compiled, example_inputs, decode=decode,
                                               max_cache_len=max_cache_len, prompt_len=prompt_len):
