@@ -142,13 +142,14 @@ def _rope_tables(cfg: GptFastConfig) -> dict[str, torch.Tensor]:
     """Precompute RoPE tables for positions 0..block_size-1.
 
     Returns:
-        complex form: {'freqs_cis': (block_size, D/2) complex64};
+        complex form: {'freqs_cis': (block_size, D/2, 2) fp32, (cos, sin) pairs for ``view_as_complex``};
         rotate_half form: {'rope_cos', 'rope_sin': (block_size, D) fp32}.
     """
     inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float64), inv_freq)  # (S_max, D/2)
     if cfg.rope_form == "complex":
-        return {"freqs_cis": torch.polar(torch.ones_like(angles), angles).to(torch.complex64)}
+        # Stored as real (cos, sin) pairs: Module.to(bf16) would drop the imaginary part of a complex buffer.
+        return {"freqs_cis": torch.view_as_real(torch.polar(torch.ones_like(angles), angles)).float()}
     full = torch.cat([angles, angles], dim=-1)  # (S_max, D)
     return {"rope_cos": full.cos().float(), "rope_sin": full.sin().float()}
 
@@ -158,12 +159,13 @@ def apply_rope_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor
 
     Args:
         x: (B, S, H, D) float.
-        freqs_cis: (S, D/2) complex64.
+        freqs_cis: (S, D/2, 2) float, (cos, sin) of each pair's angle; computed in fp32.
     Returns:
         (B, S, H, D) x.dtype.
     """
     xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, S, H, D/2)
-    out = torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3)
+    fc = torch.view_as_complex(freqs_cis.float())  # (S, D/2)
+    out = torch.view_as_real(xc * fc[None, :, None, :]).flatten(3)
     return out.type_as(x)
 
 

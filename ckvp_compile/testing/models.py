@@ -15,6 +15,13 @@ How transformers 5.x selects the experts implementation (checked on 5.24): exper
 ``experts_implementation=`` kwarg of ``from_config`` / ``from_pretrained`` (or ``PretrainedConfig(...,
 experts_implementation=...)``); ``None`` resolves to "grouped_mm". ``model.set_experts_implementation(name)``
 switches it after construction.
+
+Under Dynamo (checked on torch 2.13 CPU with ``backend="eager"``, prefill and decode with a ``StaticCache``):
+"grouped_mm" and "batched_mm" compile with ``fullgraph=True`` in fp32 and bf16 for all four families (one
+graph per call). "eager" does not: ``nonzero`` over the hit experts is data-dependent, ``fullgraph=True``
+raises ``UserError: Could not extract specialized integer from data-dependent expression``, and without
+it a 2-layer model breaks into about 14 prefill graphs and Dynamo hits ``recompile_limit`` (8) on
+transformers' ``deprecate_kwarg`` wrapper, whose code object is shared by every decorated forward.
 """
 
 from __future__ import annotations
@@ -106,7 +113,7 @@ def build_hf_moe(family: str, *, num_layers: int = 2, hidden: int = 64, num_head
             (except for olmoe, whose q/k norms assume it).
         experts_implementation: one of :data:`EXPERTS_IMPLEMENTATIONS`; on CPU fp32 "grouped_mm" runs the
             opaque ``transformers::grouped_mm_fallback`` custom op, bf16 runs ``aten._grouped_mm``; "eager"
-            loops over hit experts with ``nonzero`` (graph breaks under Dynamo).
+            loops over hit experts with ``nonzero`` (graph breaks under Dynamo, see the module docstring).
         attn_implementation: "sdpa" or "eager" (softmax(QK^T)V written out).
         dtype: parameter dtype.
         seed: ``torch.manual_seed`` value used for the weights (the global RNG state is restored afterwards).
