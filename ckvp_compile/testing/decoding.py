@@ -11,10 +11,12 @@ versions (5.17 on the GPU machine) take ``past_key_values`` and ``cache_position
 picks whichever the model's signature has.
 
 ``StaticCache`` allocates its K/V buffers lazily, on the first ``update``: when the prefill call is compiled,
-the buffers are created *inside the prefill graph* (``torch.zeros`` nodes; ``mark_static_address`` is skipped
-while Dynamo traces) and returned as extra graph outputs; in the decode graph they are placeholders (graph
-inputs, sources like ``L['cache'].layers[0].keys``), written by ``index_copy_`` at ``cumulative_length`` (also
-a placeholder, bumped with ``add_``).
+the buffers are created *inside the prefill graph* (``torch.zeros`` nodes) and returned as extra graph
+outputs; in the decode graph they are placeholders (graph inputs, sources like
+``L['kwargs']['cache'].layers[0].keys``), written by ``index_copy_`` at ``cumulative_length`` (a 0-d
+placeholder, bumped with ``add_``; the prefill graph reads it too, through a ``.to(device)``). Because
+``mark_static_address`` is skipped while Dynamo traces, buffers created by a compiled prefill are NOT static
+addresses (no ``_dynamo_static_input_type``); after an eager prefill they are (``compile_prefill=False``).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _logits(out: Any) -> torch.Tensor:
 
 def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_decode: int, *,
                           compile_fn: Callable[[torch.nn.Module], Callable] | None = None,
-                          max_cache_len: int = 64) -> list[torch.Tensor]:
+                          max_cache_len: int = 64, compile_prefill: bool = True) -> list[torch.Tensor]:
     """Run a static-cache prefill then ``n_decode`` greedy decode steps; return every call's logits.
 
     A fresh cache is used per call (a new ``StaticCache``; for gpt-fast, ``setup_caches`` zeroes or
@@ -87,6 +89,9 @@ def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_dec
         n_decode: number of decode steps (>= 0); each feeds the argmax of the previous step's last logits.
         compile_fn: wraps the model once, after the cache is set up.
         max_cache_len: cache length S_max; must be >= S + n_decode.
+        compile_prefill: with False the prefill runs on the uncompiled model and only decode steps go through
+            ``step`` (what ``generate()`` does): the HF ``StaticCache`` buffers then exist, marked static, before
+            the first compiled call.
     Returns:
         [prefill logits (B, S, V), step 1 logits (B, 1, V), ..., step n_decode logits (B, 1, V)].
     Raises:
@@ -106,15 +111,15 @@ def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_dec
             cache = make_static_cache(model, max_cache_len)
         step = compile_fn(model) if compile_fn is not None else model
 
-        def call(ids: torch.Tensor, start: int) -> torch.Tensor:
+        def call(ids: torch.Tensor, start: int, fn: Callable) -> torch.Tensor:
             if gpt_fast:
-                return _logits(step(ids, torch.arange(start, start + ids.shape[1], device=ids.device)))
-            return _logits(step(**hf_step_kwargs(model, ids, cache, start)))
+                return _logits(fn(ids, torch.arange(start, start + ids.shape[1], device=ids.device)))
+            return _logits(fn(**hf_step_kwargs(model, ids, cache, start)))
 
-        outs = [call(input_ids, 0)]
+        outs = [call(input_ids, 0, step if compile_prefill else model)]
         for i in range(n_decode):
             next_ids = outs[-1][:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
-            outs.append(call(next_ids, seqlen + i))
+            outs.append(call(next_ids, seqlen + i, step))
     return outs
 
 

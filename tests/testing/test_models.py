@@ -166,3 +166,12 @@ def test_drawn_shapes_build_and_decode(shape):
     assert sum(p.numel() for p in model.parameters()) <= estimate_moe_params(shape)
     ids = _prompt(batch=1, seqlen=3)
     _check_cache_path(model, ids, prefill_decode_logits(model, ids, 2, max_cache_len=8))
+
+
+def test_eager_prefill_then_compiled_decode_matches():
+    model = _build("qwen2_moe")
+    ids = _prompt(seed=2)
+    torch._dynamo.reset()
+    outs = prefill_decode_logits(model, ids, 2, max_cache_len=CACHE_LEN, compile_prefill=False,
+                                 compile_fn=lambda m: torch.compile(m, backend="eager", fullgraph=True))
+    _check_cache_path(model, ids, outs)
