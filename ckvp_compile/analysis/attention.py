@@ -412,11 +412,27 @@ def _name(n: fx.Node | None) -> str | None:
 
 
 def _heads(q: fx.Node, k: fx.Node) -> tuple[int, int, int]:
-    """(H, Hk, D) from Q (B, H..., S, D) and K (B, Hk..., T, D): every dim between batch and sequence is heads."""
-    qs, ks = shape_of(q), shape_of(k)
+    """(H, Hk, D) from Q (B, H..., S, D) and K (B, Hk..., T, D): every dim between batch and sequence is heads.
+
+    3-D operands of a ``bmm`` over (B*H, S, D) are looked through (views) to their 4-D source.
+    """
+    qs, ks = shape_of(_four_d(q)), shape_of(_four_d(k))
     if not qs or not ks or len(qs) < 4 or len(ks) < 4:
         return 0, 0, 0
     return math.prod(qs[1:-2]), math.prod(ks[1:-2]), qs[-1]
+
+
+def _four_d(node: fx.Node) -> fx.Node:
+    """``node``, or the nearest rank >= 4 tensor it is a view of (for (B*H, S, D) bmm operands)."""
+    n = node
+    for _ in range(6):
+        shape = shape_of(n)
+        if shape is not None and len(shape) >= 4:
+            return n
+        if op_name(n) not in VIEW_LIKE or not n.args or not isinstance(n.args[0], fx.Node):
+            break
+        n = n.args[0]
+    return node
 
 
 def _is_projection(n: Any) -> bool:
@@ -463,8 +479,10 @@ def _mla_evidence(kt: KVTrace, vt: KVTrace) -> list[fx.Node]:
     if kind == "cat" and shape:
         dim = arg(base, 1, "dim", 0)
         parts = base.args[0] if base.args and isinstance(base.args[0], (list, tuple)) else ()
-        if isinstance(dim, int) and dim % len(shape) == len(shape) - 1 and len(parts) >= 2 and match_rope(base) is None:
-            out.append(base)
+        if isinstance(dim, int) and dim % len(shape) == len(shape) - 1 and len(parts) >= 2:
+            rope = match_rope(base)  # a RoPE that ends in this cat (halves written out, or partial) is fine
+            if rope is None or not (rope.partial or rope.rotary_dim == shape[-1]):
+                out.append(base)
     elif kind in ALLOC_OPS:
         fills = [u for u in base.users if last_dim_selection(u) is not None
                  and any(op_name(w) == "copy_" and w.args[0] is u for w in u.users)]

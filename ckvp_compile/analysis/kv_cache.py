@@ -152,6 +152,8 @@ def cache_write_site(kind: str, trace: KVTrace, before: fx.Node) -> CacheWriteSi
         buffer, write, form = base, writes[-1], _WRITE_FORMS[op_name(writes[-1])]
     value = _written_value(write)
     pos = _position_arg(write)
+    while pos is not None and (_is_view_getitem(pos) or op_name(pos) in VIEW_LIKE) and isinstance(pos.args[0], fx.Node):
+        pos = pos.args[0]  # pos[None, None, :] -> pos
     if value is None:
         return None
     source = placeholder_source(buffer) if buffer.op == "placeholder" else "graph"
