@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from .attention_ops import is_projection
 from .graph import VIEW_LIKE, arg, dtype_of, op_name, placeholder_source, shape_of, strip_views
+from .rope import last_dim_selection, match_rope
 from .sites import CacheWriteSite
 
 #: Ops that repeat KV heads for grouped-query attention.
@@ -199,3 +201,47 @@ def grown_cache(trace: KVTrace) -> fx.Node | None:
 def is_cache_buffer(node: fx.Node) -> bool:
     """True when ``node`` is a tensor with positional writes (placeholder cache or one allocated in-graph)."""
     return bool(positional_writes(node))
+
+
+def mla_evidence(kt: KVTrace, vt: KVTrace) -> list[fx.Node]:
+    """Nodes showing multi-head latent attention, or [] when there are none.
+
+    Two structural signs, either suffices: (1) K or V is an up-projection (linear / matmul by a weight) of
+    a cache buffer, i.e. the cache holds a latent; (2) K is assembled along the head dim from several
+    parts (``cat(..., dim=-1)``, or a fresh buffer filled by ``copy_`` into last-dim slices) that is not a
+    partial RoPE of one tensor (DeepSeek's ``cat(k_nope, k_pe.expand(...))``).
+    """
+    out: list[fx.Node] = []
+    for t in (kt, vt):
+        proj = _through_splits(t.base)
+        if is_projection(proj) and proj.args and isinstance(proj.args[0], fx.Node):
+            if is_cache_buffer(trace_kv(proj.args[0]).base):
+                out.append(proj)
+    base = kt.base
+    kind = op_name(base)
+    shape = shape_of(base)
+    if kind == "cat" and shape:
+        dim = arg(base, 1, "dim", 0)
+        parts = base.args[0] if base.args and isinstance(base.args[0], (list, tuple)) else ()
+        if isinstance(dim, int) and dim % len(shape) == len(shape) - 1 and len(parts) >= 2:
+            rope = match_rope(base)  # a RoPE that ends in this cat (halves written out, or partial) is fine
+            if rope is None or not (rope.partial or rope.rotary_dim == shape[-1]):
+                out.append(base)
+    elif kind in ALLOC_OPS:
+        fills = [u for u in base.users if last_dim_selection(u) is not None
+                 and any(op_name(w) == "copy_" and w.args[0] is u for w in u.users)]
+        if len(fills) >= 2:
+            out.append(base)
+    return out
+
+
+def _through_splits(n: fx.Node) -> fx.Node:
+    """Walk back from ``getitem(split(x))`` / views to the producer of ``x``."""
+    for _ in range(8):
+        if op_name(n) == "getitem" and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in ("split", "chunk", "unbind"):
+            n = n.args[0].args[0]
+        elif op_name(n) in VIEW_LIKE and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        else:
+            break
+    return n
