@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from .graph import arg, example_value, op_name, shape_of
+from .graph import arg, op_name, shape_of
 
 #: Ops a RoPE computation is written with (walked through when collecting its region).
 _ROPE_OPS = frozenset(
@@ -322,10 +322,3 @@ def _partial_source(x: fx.Node, out: fx.Node) -> fx.Node | None:
         if psel is not None and strip_dtype(psel[0]) is strip_dtype(y) and psel[1] == stop:
             return strip_dtype(y)
     return None
-
-
-def is_tensor(node: Any) -> bool:
-    """True when ``node`` is an FX node whose recorded value is a tensor."""
-    import torch
-
-    return isinstance(example_value(node), torch.Tensor)

@@ -333,6 +333,23 @@ def test_plain_forward_has_sites_without_cache():
         check_site(gm, s, heads=4, kv_heads=2, head_dim=16, rope_form="rotate_half", cache_form=None)
 
 
+def test_layer_index_comes_from_the_module_path_not_graph_order():
+    """Layers run in reverse: the first attention in the graph is layer 1 (from nn_module_stack)."""
+
+    class Reversed(HandModel):
+        def forward(self, x, pos):
+            for layer in reversed(self.layers):
+                x = layer(x, pos)
+            return x
+
+    gm = _one_graph(capture_dynamo_graphs(Reversed(HandSpec(n_layer=3)).eval(), torch.randn(1, PROMPT_LEN, 48),
+                                          torch.arange(PROMPT_LEN)))
+    sites, _ = find_attention_sites(gm.graph)
+    assert [s.layer for s in sites] == [2, 1, 0]
+    assert [s.module_path for s in sites] == ["layers.2.attn", "layers.1.attn", "layers.0.attn"]
+    assert [s.k_cache.cache_source.count("['2']") for s in sites] == [1, 0, 0]
+
+
 def test_layers_numbered_in_graph_order_without_module_paths():
     """Attention in a plain function (no nn_module_stack): sites numbered 0, 1, ... in graph order."""
 
@@ -458,6 +475,17 @@ def test_analysis_is_read_only_and_idempotent(name):
         second = find_attention_sites(gm.graph)
         assert _snapshot(gm) == before
         assert first == second and len(first[0]) == 2
+
+
+def test_analyze_reports_the_attention_findings():
+    from ckvp_compile.analysis import analyze
+
+    gm = _captured("qwen3_moe")[1][0]
+    sites, unsupported = find_attention_sites(gm.graph)
+    result = analyze(gm)
+    assert result.attention == tuple(sorted(sites, key=lambda s: s.layer)) and len(result.attention) == 2
+    assert set(unsupported) <= set(result.unsupported)
+    assert result.attention_by_layer()[1].rope.k_in == sites[1].rope.k_in
 
 
 def test_unknown_graphs_give_no_sites_and_do_not_raise():
