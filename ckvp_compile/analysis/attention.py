@@ -37,7 +37,7 @@ import logging
 
 import torch.fx as fx
 
-from .attention_ops import AttentionOp, find_attention_ops, is_projection, op_heads
+from .attention_ops import AttentionOp, find_attention_ops, is_projection, is_weight, op_heads
 from .graph import (
     VIEW_LIKE,
     find_downstream,
@@ -151,15 +151,18 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
     rope_k = match_rope(strip_views(new_k))
     if rope_k is not None and (shape_of(rope_k.x_in) or (0,))[-1] != d:
         return None, []  # RoPE on part of the head whose pass-through part was not found: not understood
-    rope_q = match_rope(strip_views(c.q))
     k_in = rope_k.x_in if rope_k is not None else new_k
+    k_proj = _projection_upstream(k_in)
+    if rope_k is None and (k_proj is None or _has_table_input(k_proj, new_k)):
+        return None, []  # the key is transformed by a table (a RoPE form not recognised): not understood
+    rope_q = match_rope(strip_views(c.q))
     return AttentionSite(
         layer=layer,
         module_path=module_path(c.node),
         form=c.form,  # type: ignore[arg-type]
         attention_node=c.node.name,
         q_proj=_name(_projection_upstream(rope_q.x_in if rope_q is not None else c.q)),
-        k_proj=_name(_projection_upstream(k_in)),
+        k_proj=_name(k_proj),
         v_proj=_name(_projection_upstream(new_v)),
         o_proj=_name(find_downstream(c.node, is_projection, max_depth=8,
                                      through=lambda n: op_name(n) in VIEW_LIKE | {"getitem"})),
@@ -236,3 +239,35 @@ def _projection_upstream(node: fx.Node) -> fx.Node | None:
     if is_projection(node):
         return node
     return find_upstream(node, is_projection, max_depth=24, through=lambda n: op_name(n) in _PROJ_PATH_OPS)
+
+
+def _has_table_input(proj: fx.Node, out: fx.Node, max_depth: int = 32) -> bool:
+    """True when the path from ``proj`` to ``out`` takes in a side tensor of rank >= 2 that is not a weight.
+
+    Such a side input (a cos/sin or frequency table, a position-dependent mask) means the key is rotated
+    or otherwise position-dependent; a norm's weight (rank 1) or a scalar does not count.
+    """
+    seen: set[fx.Node] = set()
+    frontier = [out]
+    for _ in range(max_depth):  # everything out depends on, up to proj
+        nxt = []
+        for n in frontier:
+            if n in seen or n is proj:
+                continue
+            seen.add(n)
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    path = {proj}
+    changed = True
+    while changed:  # the nodes of `seen` that depend on proj
+        changed = False
+        for n in seen - path:
+            if any(i in path for i in n.all_input_nodes):
+                path.add(n)
+                changed = True
+    for n in path - {proj}:
+        for i in n.all_input_nodes:
+            shape = shape_of(i)
+            if i not in path and shape is not None and len(shape) >= 2 and not is_weight(i):
+                return True
+    return False

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class HandSpec:
-    rope: str = "interleaved"  # interleaved | pairs | complex | rotate_half_split | halves_cat | none
+    rope: str = "interleaved"  # interleaved | pairs | complex | rotate_half_split | halves_cat | signed_table | none
     rotary_dim: int | None = None  # None: the whole head
     cache: str | None = "setitem"  # setitem | index_put_ | index_copy_ | index_put | None
     product: str = "matmul"  # matmul | einsum | bmm
@@ -79,6 +79,9 @@ def _rotate(x: torch.Tensor, spec: HandSpec, pos: torch.Tensor) -> torch.Tensor:
     if spec.rope == "rotate_half_split":
         x1, x2 = torch.split(x, [half, half], dim=-1)
         return x * c + torch.cat([-x2, x1], dim=-1) * s
+    if spec.rope == "signed_table":  # rotate-half with the sign folded into the sine table: not recognised
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])
+        return x * c + torch.cat([x[..., half:], x[..., :half]], dim=-1) * (s * sign)
     if spec.rope == "halves_cat":
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

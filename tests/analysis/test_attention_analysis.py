@@ -323,6 +323,13 @@ def test_hand_written_forms(spec, rope_form, rotary_dim, gqa_form):
             torch.testing.assert_close(backend.values[s.rope.k_in], ref, rtol=0, atol=0)
 
 
+def test_unrecognised_rope_gives_no_site():
+    """A key rotated in a form the analysis does not know must not be reported as a RoPE-free key."""
+    model = HandModel(HandSpec(rope="signed_table")).eval()
+    gm = _one_graph(capture_dynamo_graphs(model, torch.randn(1, PROMPT_LEN, 48), torch.arange(PROMPT_LEN)))
+    assert find_attention_sites(gm.graph) == ([], [])
+
+
 def test_plain_forward_has_sites_without_cache():
     """A forward without a cache: sites with k_cache=None, nothing unsupported."""
     model = build_hf_moe("mixtral", **SHAPE)
