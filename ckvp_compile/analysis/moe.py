@@ -194,16 +194,22 @@ def _stacked_weight(node: object) -> fx.Node | None:
     return None
 
 
-def _has_node(index: object) -> bool:
+def _index_nodes(index: object) -> list[fx.Node]:
     if isinstance(index, fx.Node):
-        return True
+        return [index]
     if isinstance(index, (tuple, list)):
-        return any(_has_node(i) for i in index)
-    return False
+        return [i for i in index if isinstance(i, fx.Node)]
+    return []
+
+
+def _is_topk_index(node: fx.Node) -> bool:
+    """True when ``node`` is computed (within 4 hops) from a top-k's indices."""
+    return op_name(node) == "topk" or find_upstream(node, lambda m: op_name(m) == "topk", 4) is not None
 
 
 def _weight_gather(node: object) -> fx.Node | None:
-    """``W[idx]`` / ``index_select(W, 0, idx)`` with a tensor index and a stacked weight W: return W."""
+    """``W[idx]`` / ``index_select(W, 0, idx)`` with a stacked weight W and ``idx`` computed from a top-k's
+    indices: return W. (A cache gathered through a page table is not an expert weight.)"""
     n = strip_views(node, _EXTRA_VIEWS)
     if not isinstance(n, fx.Node) or op_name(n) not in _GATHERS or not n.args:
         return None
@@ -213,7 +219,7 @@ def _weight_gather(node: object) -> fx.Node | None:
         base, index = n.args[0], arg(n, 2, "index")
     else:
         base, index = n.args[0], (n.args[1] if len(n.args) > 1 else None)
-    if _has_node(index):
+    if any(_is_topk_index(i) for i in _index_nodes(index)):
         return _stacked_weight(base)
     return None
 
@@ -236,14 +242,19 @@ def _weight_select(node: object) -> fx.Node | None:
 
 def _is_dynamic_index_gather(node: fx.Node) -> bool:
     """``x[idx]`` where ``idx`` comes (within 3 hops) from ``where`` / ``nonzero`` (tokens routed to one expert)."""
-    if op_name(node) != "getitem" or len(node.args) < 2 or not _has_node(node.args[1]):
+    if op_name(node) != "getitem" or len(node.args) < 2:
         return False
-    index = node.args[1]
-    idx_nodes = [index] if isinstance(index, fx.Node) else [i for i in index if isinstance(i, fx.Node)]
-    for i in idx_nodes:
-        if op_name(i) in _DYNAMIC_INDEX or find_upstream(i, lambda m: op_name(m) in _DYNAMIC_INDEX, 3):
-            return True
-    return False
+    return any(op_name(i) in _DYNAMIC_INDEX or find_upstream(i, lambda m: op_name(m) in _DYNAMIC_INDEX, 3)
+               for i in _index_nodes(node.args[1]))
+
+
+def _routed_tokens(x: object) -> bool:
+    """True when ``x`` holds the tokens routed to one expert: ``h[token_idx]`` with ``token_idx`` from
+    ``where`` / ``nonzero``, possibly through the expert's earlier GEMMs and activation."""
+    return isinstance(x, fx.Node) and (
+        _is_dynamic_index_gather(x)
+        or find_upstream(x, _is_dynamic_index_gather, 8, through=lambda m: op_name(m) in _EXPERT_BODY) is not None
+    )
 
 
 def _classify_expert_gemm(node: fx.Node) -> _ExpertGemm | None:
@@ -265,18 +276,14 @@ def _classify_expert_gemm(node: fx.Node) -> _ExpertGemm | None:
             w = _weight_gather(a)
             if w is not None:
                 return _ExpertGemm(node, "batched_mm" if name == "matmul" else "weight_gather_einsum", w)
-    for a in operands:
-        w = _weight_select(a)
-        if w is not None:
-            return _ExpertGemm(node, "eager_loop", w)
-    if name == "linear" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
-        w = strip_views(node.args[1], _EXTRA_VIEWS)
-        x = node.args[0]
-        if w.op == "placeholder" and isinstance(x, fx.Node) and (
-            _is_dynamic_index_gather(x)
-            or find_upstream(x, _is_dynamic_index_gather, 8, through=lambda m: op_name(m) in _EXPERT_BODY)
-        ):
-            return _ExpertGemm(node, "eager_loop", w)
+    if name in ("linear", "matmul") and len(operands) >= 2 and _routed_tokens(operands[0]):
+        for a in operands[1:]:
+            w = _weight_select(a)
+            if w is None and name == "linear":
+                plain = strip_views(a, _EXTRA_VIEWS)
+                w = plain if plain.op in ("placeholder", "get_attr") else None
+            if w is not None:
+                return _ExpertGemm(node, "eager_loop", w)
     return None
 
 

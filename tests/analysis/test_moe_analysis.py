@@ -167,9 +167,13 @@ class _Block(nn.Module):
     """A MoE block with a configurable router, experts form and shared expert."""
 
     def __init__(self, dim=64, num_experts=4, top_k=2, ffn=32, *, routing="softmax_topk", renorm=True,
-                 experts="einsum", shared="none", weights_first=False) -> None:
+                 experts="einsum", shared="none", weights_first=False, paged_read=False) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        if paged_read:  # a (P, Dm, Dm) table gathered by a page index buffer, like a paged KV-cache read
+            self.pages = nn.Parameter(torch.randn(3, dim, dim) * 0.01)
+            self.register_buffer("page_table", torch.tensor([2, 0, 1, 1, 0, 2] * 4))
+        self.paged_read = paged_read
         self.experts = {"einsum": _GatherEinsumExperts, "module_list_loop": _ModuleListLoopExperts,
                         "dense_masked": _DenseMaskedExperts}[experts](dim, num_experts, ffn)
         self.top_k, self.routing, self.renorm, self.weights_first = top_k, routing, renorm, weights_first
@@ -183,6 +187,8 @@ class _Block(nn.Module):
     def forward(self, x):  # (B, S, Dm)
         shape = x.shape
         x = x.view(-1, shape[-1])
+        if self.paged_read:
+            x = x + torch.einsum("ti,tij->tj", x, self.pages[self.page_table[: x.shape[0]]])
         logits = self.gate(x)  # (T, E)
         if self.routing == "softmax_topk":
             w, idx = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
@@ -373,6 +379,29 @@ def test_weights_applied_inside_the_experts_reported():
     assert sites == []
     assert [(u.kind, u.layer) for u in unsupported] == [("unknown_combine", 0)]
     assert "weight_gather_einsum" in unsupported[0].reason
+
+
+def test_gathers_not_indexed_by_the_router_are_not_experts():
+    gm = _only_graph(_block_graphs(_Stack(paged_read=True)))
+    sites, unsupported = find_moe_sites(gm.graph)
+    assert unsupported == []
+    assert [(s.layer, len(s.expert_nodes)) for s in sites] == [(0, 3), (1, 3)]
+    assert not any("pages" in w for s in sites for w in s.expert_weights)
+
+
+def test_layer_index_comes_from_the_module_path():
+    """Qwen3-MoE with decoder_sparse_step=2: layers 1 and 3 are sparse, 0 and 2 dense."""
+    model = build_hf_moe("qwen3_moe", num_layers=4, decoder_sparse_step=2, norm_topk_prob=True)
+    sites, unsupported = find_moe_sites(_only_graph(capture_dynamo_graphs(model, input_ids=PROMPT)).graph)
+    assert unsupported == []
+    assert [(s.layer, s.module_path) for s in sites] == [(1, "model.layers.1.mlp"), (3, "model.layers.3.mlp")]
+
+
+def test_never_raises_on_graphs_without_metadata():
+    """symbolic_trace gives no example values, no sources and call_module linears: nothing is found."""
+    gm = torch.fx.symbolic_trace(_Stack(num_layers=1).layers[0])
+    assert any(n.target is torch.topk for n in gm.graph.nodes)
+    assert find_moe_sites(gm.graph) == ([], [])
 
 
 def test_fallback_layer_numbering_without_numbered_modules():
