@@ -65,7 +65,7 @@ _PROJ_PATH_OPS = VIEW_LIKE | {
 
 _DYNAMIC_FIX = (
     "use a static cache: generate(..., cache_implementation=\"static\"), or pass a transformers StaticCache "
-    "as past_key_values."
+    "as the model's cache argument (past_key_values; named cache in transformers >= 5.24)."
 )
 _MLA_FIX = "nothing to do, ckvp leaves MLA as is."
 _SLIDING_FIX = (
