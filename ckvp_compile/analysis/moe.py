@@ -174,7 +174,7 @@ def find_moe_sites(graph: fx.Graph) -> tuple[list[MoESite], list[UnsupportedSite
         except Exception as exc:  # analysis must never break compilation
             logger.debug("ckvp: MoE analysis of %s failed", t.name, exc_info=True)
             unsupported.append(UnsupportedSite(
-                "analysis_error", _layer_or_none(t), f"MoE analysis of top-k {t.name} failed ({exc!r}).",
+                "analysis_error", layer_index(t), f"MoE analysis of top-k {t.name} failed ({exc!r}).",
                 "please report this graph; the layer is left as captured.", (t.name,),
             ))
     return _number_layers(sites), unsupported
@@ -523,7 +523,7 @@ def _analyse_site(topk: fx.Node, gemms: list[_ExpertGemm]) -> tuple[MoESite | No
     num_experts = in_shape[-1] if in_shape else 0
     top_k = _topk_k(topk) or 0
     router = _trace_router(topk, num_experts)
-    layer = _layer_or_none(router.linear if router.linear is not None else topk)
+    layer = layer_index(router.linear if router.linear is not None else topk)
     gemm_names = tuple(g.node.name for g in gemms)
     where = f"top-k {topk.name} (E={num_experts}, A={top_k})"
 
@@ -540,7 +540,7 @@ def _analyse_site(topk: fx.Node, gemms: list[_ExpertGemm]) -> tuple[MoESite | No
         return None, [UnsupportedSite(
             "unknown_combine", layer,
             f"{where}: the outputs of its {form} expert GEMMs are never multiplied by the routing weights.",
-            "NYI: routing weights applied before the experts are not supported.", (topk.name, *gemm_names))]
+            "NYI: routing weights applied before or inside the experts (not to their outputs) are not supported.", (topk.name, *gemm_names))]
     combine, weight_operand = combines[0]
     weights = _trace_weights(weight_operand, topk)
 
@@ -624,7 +624,7 @@ def _analyse_routerless_experts(topk: fx.Node) -> list[UnsupportedSite]:
     router = _trace_router(topk, num_experts)
     if router.linear is None or (router.scoring is None and not _has_scoring_after(topk)):
         return []
-    layer = _layer_or_none(router.linear)
+    layer = layer_index(router.linear)
     nodes = (router.linear.name, topk.name)
     where = f"router {router.linear.name} -> top-k {topk.name} (E={num_experts}, A={k})"
     out: list[UnsupportedSite] = []
@@ -655,10 +655,6 @@ def _has_scoring_after(topk: fx.Node) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _layer_or_none(node: fx.Node) -> int | None:
-    return layer_index(node)
 
 
 def _number_layers(sites: list[MoESite]) -> list[MoESite]:
