@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; echo "install rc=$?"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; echo "install rc=$?"
 python3 - > "$OUT/versions.json" <<'PY'
 import json, torch, triton, transformers, subprocess
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()

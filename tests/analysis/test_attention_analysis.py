@@ -237,7 +237,8 @@ def test_k_in_is_the_pre_rope_key_by_value(name):
     for s in sites:
         got = backend.values[s.rope.k_in]
         ref = refs[s.layer].reshape(1, PROMPT_LEN, 2, 16)  # (B, S, Hkv, D)
-        torch.testing.assert_close(got if got.shape == ref.shape else got.transpose(1, 2), ref, rtol=0, atol=0)
+        # bitwise equal on the CPU machines; other BLAS builds (the GPU image's CPU path) differ by ~5e-7
+        torch.testing.assert_close(got if got.shape == ref.shape else got.transpose(1, 2), ref, rtol=1e-6, atol=1e-6)
 
 
 @given(shape=moe_model_shapes(max_layers=4).filter(lambda s: s["head_dim"] in (8, 16, 32)))
