@@ -120,3 +120,21 @@ def test_fixture_model_full_inductor():
     eager, compiled, rec = run_both(model, compiler="inductor")
     assert_logits_equal(eager, compiled)
     assert len(rec.graphs[0].analysis.attention) == 8 and len(rec.graphs[0].analysis.moe) == 8
+
+
+def test_dynamic_cache_warns_and_stays_correct():
+    """Acceptance 4: an unsupported pattern (HF DynamicCache) gives a warning with reason and fix, and the
+    compiled model's output is the untouched eager one."""
+    from ckvp_compile import UnsupportedPatternWarning
+
+    model = build_hf_moe("mixtral", num_layers=2)
+    ids = torch.randint(0, 256, (1, PROMPT_LEN))
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled_model = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"})
+        with pytest.warns(UnsupportedPatternWarning) as record:
+            # a DynamicCache: transformers' default when use_cache=True and no cache is passed
+            out = compiled_model(ids, use_cache=True).logits
+    messages = [str(w.message) for w in record]
+    assert any("cat" in m and "static" in m for m in messages), messages
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
