@@ -32,7 +32,10 @@ from .analysis import GraphAnalysis, analyze
 from .config import CKVPConfig
 from .errors import CKVPConfigError, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
+from .passes.latent_kv_cache import LatentKVCachePass, LatentRewritePlan
 from .plan import Plan, make_plan
+from .runtime.binding import bind_latent_store
+from .runtime.store import LatentKVStore, lookup_phantom
 
 logger = logging.getLogger(__name__)
 
@@ -98,19 +101,31 @@ class CKVPBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         config = self.config
         analysis = analyze(gm)
-        plan = make_plan(analysis, config)
+        binding = bind_latent_store(gm.graph, example_inputs, analysis)
+        plan = make_plan(analysis, config, binding)
+        if plan.blocking:
+            raise _compat.surface_through_dynamo(UnsupportedGraphError(
+                "ckvp: this graph reads a ckvp latent KV cache that cannot be rewritten, so it cannot run: "
+                + "; ".join(plan.blocking)
+                + ". Fix: use a dense cache (transformers StaticCache / the model's own) for this model, or "
+                "report the model with the output of ckvp-inspect."
+            ))
         self._report_unsupported(plan)
         record = GraphRecord(len(self.recorder.graphs) if self.recorder else 0, analysis, plan)
         if self.recorder is not None:
             self.recorder.graphs.append(record)
 
-        torch_passes, post_grad_passes = build_passes(plan)
+        torch_passes, post_grad_passes = build_passes(plan, analysis, binding)
         torch_passes += [p for p in self.extra_passes if p.stage == "torch"]
         post_grad_passes += [p for p in self.extra_passes if p.stage == "post_grad"]
 
         record.dynamo_before = gm.code
-        gm = self._run_torch_passes(gm, torch_passes, record)
+        gm = self._run_torch_passes(gm, torch_passes, record, must_succeed=bool(plan.latent_groups))
         record.dynamo_after = gm.code
+        latent = next((p for p in torch_passes if isinstance(p, LatentKVCachePass)), None)
+        if latent is not None:
+            store_inputs = _StoreArgs(latent.plan)
+            example_inputs = list(example_inputs) + store_inputs.tensors(latent.plan.store)
 
         def on_graph(when: str, graph: fx.Graph) -> None:
             code = graph.python_code("self").src
@@ -124,6 +139,8 @@ class CKVPBackend:
         )
         compiled = self._compile_inner(gm, example_inputs, manager)
         record.pass_results.extend(manager.results)
+        if latent is not None:
+            return store_inputs.wrap(compiled)
         return compiled
 
     # ------------------------------------------------------------------ steps
@@ -137,7 +154,9 @@ class CKVPBackend:
                 warnings.warn(msg, UnsupportedPatternWarning, stacklevel=2)
             logger.info(msg)
 
-    def _run_torch_passes(self, gm: fx.GraphModule, passes: list[CKVPPass], record: GraphRecord) -> fx.GraphModule:
+    def _run_torch_passes(
+        self, gm: fx.GraphModule, passes: list[CKVPPass], record: GraphRecord, must_succeed: bool = False
+    ) -> fx.GraphModule:
         if not passes:
             return gm
         candidate = fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -146,6 +165,11 @@ class CKVPBackend:
             candidate.recompile()
         except Exception as exc:  # a rewrite bug must never break the user's model
             record.fell_back = f"{type(exc).__name__}: {exc}"
+            if must_succeed:  # the untouched graph would read latent-cache phantoms: refuse, loudly
+                raise _compat.surface_through_dynamo(UnsupportedGraphError(
+                    f"ckvp: the latent KV rewrite failed ({record.fell_back}); a latent cache cannot run without "
+                    "it. Fix: use a dense cache for this model, and report it with the output of ckvp-inspect."
+                )) from exc
             if self.config.strict:
                 raise
             warnings.warn(
@@ -173,6 +197,44 @@ class CKVPBackend:
         if self.recorder is not None:
             patches["fx_graph_cache"] = False
         return _compat.compile_with_inductor(gm, example_inputs, patches)
+
+
+class _StoreArgs:
+    """Supplies the latent-store tensors the rewritten graph takes as extra inputs, per call.
+
+    The store is looked up at each call through the phantom cache tensor the graph receives, so one compiled
+    graph serves every cache (state never leaks between caches or models).
+    """
+
+    def __init__(self, plan: LatentRewritePlan) -> None:
+        self.names = list(plan.extra_inputs)
+        self.index = plan.store_input_index
+        self.groups = [gr.group for gr in plan.groups]
+
+    def tensors(self, store: LatentKVStore) -> list[Any]:
+        out = [store.rope_cos, store.rope_sin, store.slot_pos]
+        for g in self.groups:
+            out += [store.latent_k[g], store.latent_v[g], store.basis_k[g], store.basis_v[g]]
+        if store.rope_cos is None:  # a model without RoPE: the tables are unused, give empty ones
+            store.ensure_rope_tables(1, 1)
+            out[0], out[1] = store.rope_cos, store.rope_sin
+        assert len(out) == len(self.names), (self.names, len(out))  # internal: pass and wrapper agree
+        return out
+
+    def wrap(self, compiled: Callable) -> Callable:
+        index, boxed = self.index, getattr(compiled, "_boxed_call", False)
+
+        def run(*args: Any) -> Any:
+            hit = lookup_phantom(args[index])
+            if hit is None:
+                raise UnsupportedGraphError(
+                    "ckvp: a graph compiled for a ckvp latent cache was called with another cache; "
+                    "call torch._dynamo.reset() or keep one cache type per compiled model"
+                )
+            extra = self.tensors(hit[0])
+            return compiled([*args, *extra]) if boxed else compiled(*args, *extra)
+
+        return run
 
 
 def ckvp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,

@@ -74,10 +74,10 @@ class CKVPConfig:
         metadata=_doc("Adjacent attention layers that share one latent KV cache (G in DESIGN.md).", choices=GROUP_SIZES),
     )
     enable_latent_kv: bool = field(
-        default=False,
+        default=True,
         metadata=_doc(
-            "Rewrite the KV cache into the cross-layer latent (CKVP). NYI in this release: the analysis and "
-            "the plan run, the rewrite is not built yet."
+            "Rewrite the KV caches that are ckvp latent caches (CKVPStaticCache, use_latent_cache) into the "
+            "cross-layer latent store. Dense caches are never rewritten. False refuses a latent cache with an error."
         ),
     )
     enable_expert_gemm: bool = field(
@@ -114,11 +114,6 @@ class CKVPConfig:
         for key in self.inductor:
             if not isinstance(key, str):
                 raise CKVPConfigError(f"'inductor' option keys must be strings, got {key!r}")
-        if self.enable_latent_kv:
-            raise CKVPConfigError(
-                "NYI: enable_latent_kv=True (the CKVP latent KV rewrite) is not built in this release; "
-                "leave it False (the default) to compile with analysis and reporting only."
-            )
         if self.enable_expert_gemm:
             raise CKVPConfigError(
                 "NYI: enable_expert_gemm=True (the grouped expert GEMM rewrite) is not built in this release; "

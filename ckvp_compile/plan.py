@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from .analysis.sites import AttentionSite, GraphAnalysis, UnsupportedSite
 from .config import CKVPConfig
 
@@ -56,6 +58,9 @@ class Plan:
             them (2 * Hkv * D * itemsize per layer); 0 when no cache write was found.
         kv_bytes_per_token_planned: the same after the planned rewrites (== dense when none).
         config_hash: :meth:`CKVPConfig.compute_hash` of the options the plan was made with.
+        latent_groups: indices of the latent store's groups to rewrite (empty without a store).
+        blocking: reasons the graph cannot be compiled at all (a latent-store cache the rewrite cannot
+            take over: left untouched it would read a phantom); the backend raises them as errors.
     """
 
     groups: tuple[LayerGroup, ...]
@@ -64,6 +69,8 @@ class Plan:
     kv_bytes_per_token_dense: int
     kv_bytes_per_token_planned: int
     config_hash: str
+    latent_groups: tuple[int, ...] = ()
+    blocking: tuple[str, ...] = ()
 
     @property
     def rewrites(self) -> tuple[SiteDecision, ...]:
@@ -113,37 +120,93 @@ def _dense_kv_bytes_per_token(site: AttentionSite) -> int:
     return site.num_kv_heads * site.head_dim * (site.k_cache.itemsize + site.v_cache.itemsize)
 
 
-def make_plan(analysis: GraphAnalysis, config: CKVPConfig) -> Plan:
+def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan:
     """Decide, for every site of ``analysis``, whether it is rewritten under ``config``, and group layers.
+
+    The latent KV rewrite applies to the layers whose caches are phantoms of a latent store (``binding``,
+    from :func:`ckvp_compile.runtime.binding.bind_latent_store`), a whole store group at a time. A
+    store-backed layer that cannot be rewritten is *blocking*: its dense cache holds no data.
 
     Args:
         analysis: the findings of :func:`ckvp_compile.analysis.analyze` on one graph.
         config: the options in force.
+        binding: the graph's :class:`~ckvp_compile.runtime.binding.LatentBinding`, or None (dense caches).
     Returns:
         A frozen :class:`Plan`.
     """
-    unsupported_layers = {(u.layer) for u in analysis.unsupported if u.layer is not None}
+    unsupported_layers = {u.layer for u in analysis.unsupported if u.layer is not None}
+    sites = analysis.attention_by_layer()
+    latent_groups: list[int] = []
+    layer_reason: dict[int, str] = {}
+    blocking: list[str] = []
+    if binding is not None:
+        store = binding.store
+        for g, layers in enumerate(store.groups):
+            reason = ""
+            if not config.enable_latent_kv:
+                reason = "enable_latent_kv is off but the cache is a ckvp latent cache"
+            for layer in layers:
+                if reason:
+                    break
+                site = sites.get(layer)
+                if site is None:
+                    reason = f"layer {layer} of the group has no attention site in this graph"
+                elif layer in binding.problems:
+                    reason = f"layer {layer}: {binding.problems[layer]}"
+                elif layer not in binding.layers:
+                    reason = f"layer {layer}'s cache is not the store's"
+                elif layer in unsupported_layers:
+                    reason = f"layer {layer} has an unsupported pattern"
+                elif site.k_cache.position_node is None or site.v_cache.position_node is None:
+                    reason = f"layer {layer}: cache write positions not identified"
+                elif site.rope is not None and (site.rope.k_in is None or site.rope.cos is None):
+                    reason = f"layer {layer}: RoPE tables or pre-RoPE key not identified"
+            if reason:
+                present = [layer for layer in layers if layer in binding.layers]
+                if present:
+                    blocking.append(f"latent group {g} (layers {list(layers)}): {reason}")
+                for layer in layers:
+                    layer_reason[layer] = reason
+            else:
+                latent_groups.append(g)
+                for layer in layers:
+                    layer_reason[layer] = f"latent group {g}"
+        for layer, why in binding.problems.items():
+            if not any(layer in store.groups[g] for g in latent_groups):
+                blocking.append(f"layer {layer}: {why}")
     decisions: list[SiteDecision] = []
     for s in analysis.attention:
+        if s.layer in layer_reason:
+            rewrite = layer_reason[s.layer].startswith("latent group")
+            decisions.append(SiteDecision("attention", s.layer, rewrite, layer_reason[s.layer]))
+            continue
         if s.k_cache is None or s.v_cache is None:
             reason = "no KV-cache write found (a forward without a static cache): nothing to compress"
         elif s.layer in unsupported_layers:
             reason = "an unsupported pattern was found in this layer (see the warnings)"
-        elif not config.enable_latent_kv:
-            reason = "enable_latent_kv is off"
-        else:  # pragma: no cover - the option is refused until the rewrite lands
-            reason = "planned"
+        else:
+            reason = "dense cache: give the model a ckvp latent cache to compress it (README, 'Latent KV cache')"
         decisions.append(SiteDecision("attention", s.layer, False, reason))
     for m in analysis.moe:
         reason = "enable_expert_gemm is off" if not config.enable_expert_gemm else "planned"
         decisions.append(SiteDecision("moe", m.layer, False, reason))
     decisions.sort(key=lambda d: (d.layer, d.kind))
     dense = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention)
+    planned = dense
+    if binding is not None and latent_groups:
+        store = binding.store
+        itemsize = torch.empty((), dtype=store.dtype).element_size()
+        saved_layers = {layer for g in latent_groups for layer in store.groups[g]}
+        planned = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention if s.layer not in saved_layers)
+        planned += sum((store.k_offsets[g][-1] + store.v_offsets[g][-1]) * itemsize for g in latent_groups)
+        planned += 4  # slot position (int32) per token
     return Plan(
         groups=make_layer_groups(analysis.attention, config.group_size),
         decisions=tuple(decisions),
         unsupported=analysis.unsupported,
         kv_bytes_per_token_dense=dense,
-        kv_bytes_per_token_planned=dense,
+        kv_bytes_per_token_planned=planned,
         config_hash=config.compute_hash(),
+        latent_groups=tuple(latent_groups),
+        blocking=tuple(blocking),
     )

@@ -2,10 +2,9 @@
 'post_grad' passes on Inductor's functional ATen graph (expert dispatch), run by one
 :class:`~ckvp_compile.passes.manager.PostGradPassManager`.
 
-:func:`build_passes` turns a :class:`~ckvp_compile.plan.Plan` into the passes of each stage. In this release
-the CKVP latent-KV rewrite and the grouped-expert-GEMM rewrite are not built yet (their options raise a
-clear NYI error), so the plan never asks for them and both stage lists are empty: the pipeline runs, the
-graphs go to the inner compiler unchanged.
+:func:`build_passes` turns a :class:`~ckvp_compile.plan.Plan` into the passes of each stage. 'torch':
+:class:`~ckvp_compile.passes.latent_kv_cache.LatentKVCachePass` (CKVP). 'post_grad': none yet (the grouped
+expert GEMM rewrite is not built; its option raises a clear NYI error).
 """
 
 from __future__ import annotations
@@ -16,12 +15,22 @@ from .manager import PostGradPassManager, package_source_hash, run_passes
 __all__ = ["CKVPPass", "PassResult", "PostGradPassManager", "build_passes", "package_source_hash", "run_passes"]
 
 
-def build_passes(plan) -> tuple[list[CKVPPass], list[CKVPPass]]:
+def build_passes(plan, analysis=None, binding=None) -> tuple[list[CKVPPass], list[CKVPPass]]:
     """Return ``(torch_passes, post_grad_passes)`` for ``plan`` (a :class:`ckvp_compile.plan.Plan`).
 
-    Only sites whose decision says ``rewrite=True`` get a pass; with every rewrite disabled both lists are
-    empty.
+    Args:
+        plan: the decisions. analysis: the graph's :class:`GraphAnalysis` (needed when a rewrite is planned).
+        binding: the graph's latent-store binding (needed for the latent KV rewrite).
+    Returns:
+        The passes of each stage; both empty when nothing is rewritten.
     """
     torch_passes: list[CKVPPass] = []
     post_grad_passes: list[CKVPPass] = []
+    if plan.latent_groups:
+        from .latent_kv_cache import GroupRewrite, LatentKVCachePass, LatentRewritePlan
+
+        sites = analysis.attention_by_layer()
+        store = binding.store
+        groups = [GroupRewrite(g, tuple(sites[layer] for layer in store.groups[g])) for g in plan.latent_groups]
+        torch_passes.append(LatentKVCachePass(LatentRewritePlan(store, groups, binding.input_index)))
     return torch_passes, post_grad_passes

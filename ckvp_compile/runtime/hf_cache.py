@@ -1,0 +1,120 @@
+"""Latent KV caches users hand to their models: ``CKVPStaticCache`` (HF) and ``use_latent_cache`` (gpt-fast).
+
+The recipe (README, "Latent KV cache")::
+
+    bases = ckvp_compile.calibrate(model, samples, kv_ratio=4)          # once per model; bases.save(path)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=4096, max_batch_size=8)
+    model.forward = torch.compile(model.forward, backend="ckvp")
+    model.generate(ids, past_key_values=cache, disable_compile=True, ...)
+
+The cache's per-layer dense K/V tensors are zero-memory phantoms of a
+:class:`~ckvp_compile.runtime.store.LatentKVStore`; only the store's latents take memory. The ckvp backend
+rewrites the model's cache writes and reads into the store. Used eagerly (without the backend), the cache
+raises a :class:`~ckvp_compile.errors.CKVPError` saying so instead of computing anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CKVPConfigError, CKVPError
+from .store import LatentKVStore
+
+_EAGER_ERROR = (
+    "this is a ckvp latent KV cache: its dense K/V tensors hold no data and only a model compiled with "
+    "torch.compile(..., backend='ckvp') can use it. Compile the model's forward with the ckvp backend, or use a "
+    "dense cache (transformers StaticCache) for eager runs."
+)
+
+
+def _static_cache_base():
+    from transformers import StaticCache
+
+    return StaticCache
+
+
+def _check_bases(bases: Any, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    covered = sorted(layer for g in bases.groups for layer in g)
+    if covered != list(range(num_layers)) or (bases.num_kv_heads, bases.head_dim) != (num_kv_heads, head_dim):
+        raise CKVPConfigError(
+            f"the bases cover layers {covered} with Hkv={bases.num_kv_heads}, D={bases.head_dim}, but the model has "
+            f"{num_layers} layers with Hkv={num_kv_heads}, D={head_dim}. Fix: calibrate bases for this model "
+            "(ckvp_compile.calibrate)."
+        )
+
+
+class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
+    """A transformers ``StaticCache`` whose storage is the ckvp cross-layer latent store.
+
+    Args:
+        config: the model's config (``model.config``).
+        bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for this model.
+        max_cache_len: S_max, slots per sequence.
+        max_batch_size: B.
+        device, dtype: of the model's K/V (default: the bases' device... cpu, and float32).
+    Raises:
+        CKVPConfigError: the bases do not match the model's layers, KV heads or head dim.
+        CKVPError: (when used) any eager use; compile the model with ``backend="ckvp"``.
+    Notes:
+        Memory: ``self.store.nbytes()`` (latents + slot positions per sequence; bases and RoPE tables once).
+    """
+
+    def __init__(self, config: Any, bases: Any, max_cache_len: int, max_batch_size: int = 1,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        num_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        _check_bases(bases, len(self.layers), num_kv, head_dim)
+        self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype)
+        for i, layer in enumerate(self.layers):
+            probe = torch.empty(max_batch_size, num_kv, 0, head_dim, device=device, dtype=dtype)
+            layer.lazy_initialization(probe, probe)  # sets shapes, device, counters (allocates dense: freed below)
+            layer.keys = self.store.phantom(i, "k")
+            layer.values = self.store.phantom(i, "v")
+            for t in (layer.keys, layer.values):
+                torch._dynamo.mark_static_address(t)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """As ``StaticCache.update``, traced by the ckvp backend; raises :class:`CKVPError` in eager code."""
+        if not torch.compiler.is_compiling():
+            raise CKVPError(_EAGER_ERROR)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reset(self) -> None:
+        """Start over (a new ``generate()``): zero the store's latents and every layer's length counter."""
+        self.store.reset()
+        for layer in self.layers:
+            counter = getattr(layer, "cumulative_length", None)
+            if isinstance(counter, torch.Tensor):
+                counter.zero_()
+
+
+def use_latent_cache(model: torch.nn.Module, bases: Any) -> LatentKVStore:
+    """Replace a gpt-fast-style model's per-layer ``k_cache`` / ``v_cache`` buffers by latent-store phantoms.
+
+    Call after the model's ``setup_caches(max_batch_size, max_seq_length)``. Buffers are found as pairs of
+    (B, Hkv, S_max, D) buffers named ``k_cache`` and ``v_cache`` in the modules of each numbered layer, in
+    layer order.
+
+    Args:
+        model: the model (its caches already set up).
+        bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for it.
+    Returns:
+        The :class:`LatentKVStore` now holding the model's KV state (``store.reset()`` starts over).
+    Raises:
+        CKVPConfigError: no such buffers, or the bases do not match them.
+    """
+    caches = [m for m in model.modules() if isinstance(getattr(m, "k_cache", None), torch.Tensor)
+              and isinstance(getattr(m, "v_cache", None), torch.Tensor)]
+    if not caches:
+        raise CKVPConfigError("no module with k_cache / v_cache buffers found; call model.setup_caches(...) first")
+    b, hkv, s, d = caches[0].k_cache.shape
+    _check_bases(bases, len(caches), hkv, d)
+    store = LatentKVStore(bases, b, s, caches[0].k_cache.device, caches[0].k_cache.dtype)
+    for i, m in enumerate(caches):
+        m.k_cache = store.phantom(i, "k")
+        m.v_cache = store.phantom(i, "v")
+    return store

@@ -1,0 +1,176 @@
+"""The latent KV store: the device tensors that replace a model's dense KV cache under CKVP.
+
+One store serves one cache (one batch of sequences) of one model. It holds, per layer group g of the
+:class:`~ckvp_compile.latent.LatentBases`:
+
+==================  ====================================  =================================================
+tensor              shape                                 meaning
+==================  ====================================  =================================================
+``latent_k[g]``     (B, S_max, sum_h rK[g][h])            packed key latents, head h in columns
+                                                          ``k_offsets[g][h]:k_offsets[g][h+1]``
+``latent_v[g]``     (B, S_max, sum_h rV[g][h])            packed value latents
+``basis_k[g]``      (Hkv, G*D, max_h rK[g][h])            orthonormal bases (zero columns beyond a rank)
+``basis_v[g]``      (Hkv, G*D, max_h rV[g][h])
+==================  ====================================  =================================================
+
+and, shared by all groups, ``slot_pos`` (B, S_max) int32 (the RoPE position of each cache slot of each
+sequence) and the RoPE tables ``rope_cos`` / ``rope_sin`` (P_max, W), the model's own cos / sin at each
+position, filled as positions are first written (a function of the position only: model state, like vLLM's
+``cos_sin_cache``).
+
+The model keeps seeing its usual dense cache tensors, but they are *phantoms*: (B, Hkv, S_max, D) views with
+all strides 0 over one NaN element, so they take no memory. The ckvp backend finds the store of a graph
+through the phantoms it receives as inputs (:func:`lookup_phantom`), removes the graph's writes into them, and
+reads the store instead. Anything else that touches a phantom fails loudly: an in-place write raises
+"unsupported operation: more than one element of the written-to tensor refers to a single memory location",
+and a read yields NaN, never plausible numbers; the cache classes in :mod:`ckvp_compile.runtime.hf_cache`
+raise a :class:`CKVPError` before either can happen in eager code.
+
+Memory accounting (:meth:`LatentKVStore.nbytes`) separates per-sequence state (latents, slot positions),
+which is what the KV compression ratio counts, from model constants (bases, RoPE tables), which do not grow
+with batch or context and are reported beside it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CKVPConfigError
+
+_PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
+
+
+@dataclass(frozen=True)
+class StoreBytes:
+    """Bytes held by a :class:`LatentKVStore`.
+
+    Attributes:
+        latent: key and value latents (per sequence). slot_positions: ``slot_pos`` (per sequence).
+        bases: the bases on the device (model constant). rope_tables: cos / sin tables (model constant).
+        dense_equivalent: what the model's dense K and V caches of the same B and S_max would take.
+    """
+
+    latent: int
+    slot_positions: int
+    bases: int
+    rope_tables: int
+    dense_equivalent: int
+
+    @property
+    def per_sequence_state(self) -> int:
+        """Bytes that scale with batch x context: latents plus slot positions."""
+        return self.latent + self.slot_positions
+
+    @property
+    def ratio(self) -> float:
+        """Dense KV bytes over per-sequence latent-state bytes (the KV compression ratio)."""
+        return self.dense_equivalent / max(1, self.per_sequence_state)
+
+
+class LatentKVStore:
+    """Device tensors of the cross-layer latent KV cache of one cache (B sequences, S_max slots).
+
+    Args:
+        bases: the :class:`~ckvp_compile.latent.LatentBases` (groups, ranks, bases).
+        batch_size: B. max_cache_len: S_max.
+        device, dtype: where and in which dtype latents and bases live (the model's KV dtype).
+    Raises:
+        CKVPConfigError: batch_size or max_cache_len < 1.
+    """
+
+    def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str, dtype: torch.dtype):
+        if batch_size < 1 or max_cache_len < 1:
+            raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
+        self.bases = bases
+        self.batch_size, self.max_cache_len = batch_size, max_cache_len
+        self.device, self.dtype = torch.device(device), dtype
+        self.num_kv_heads, self.head_dim = bases.num_kv_heads, bases.head_dim
+        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in bases.groups)
+        self.k_offsets = [_offsets(r) for r in bases.k_ranks]
+        self.v_offsets = [_offsets(r) for r in bases.v_ranks]
+        b, s = batch_size, max_cache_len
+        self.latent_k = [torch.zeros(b, s, o[-1], device=self.device, dtype=dtype) for o in self.k_offsets]
+        self.latent_v = [torch.zeros(b, s, o[-1], device=self.device, dtype=dtype) for o in self.v_offsets]
+        self.basis_k = [p.to(self.device, dtype).contiguous() for p in bases.k_basis]
+        self.basis_v = [p.to(self.device, dtype).contiguous() for p in bases.v_basis]
+        self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+        self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ layout
+    def group_of(self, layer: int) -> tuple[int, int]:
+        """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""
+        for g, layers in enumerate(self.groups):
+            if layer in layers:
+                return g, layers.index(layer)
+        raise KeyError(layer)
+
+    def phantom(self, layer: int, kind: str) -> torch.Tensor:
+        """Return the zero-memory (B, Hkv, S_max, D) stand-in for layer ``layer``'s dense K or V cache.
+
+        The same tensor object is returned on every call, and it is registered so the backend can map it
+        back to this store (:func:`lookup_phantom`).
+        """
+        key = (layer, kind)
+        if key not in self._phantoms:
+            self.group_of(layer)
+            cell = torch.full((1,), float("nan"), device=self.device, dtype=self.dtype)
+            t = cell.expand(self.batch_size, self.num_kv_heads, self.max_cache_len, self.head_dim)
+            self._phantoms[key] = t
+            _PHANTOMS[t.data_ptr()] = (weakref.ref(self), layer, kind)
+        return self._phantoms[key]
+
+    def ensure_rope_tables(self, width: int, num_positions: int | None = None) -> None:
+        """Allocate the (P_max, W) cos / sin tables once W is known (the rewrite knows it from the graph)."""
+        p = num_positions or self.max_cache_len
+        if self.rope_cos is None or self.rope_cos.shape != (p, width):
+            self.rope_cos = torch.zeros(p, width, device=self.device, dtype=self.dtype)
+            self.rope_sin = torch.zeros(p, width, device=self.device, dtype=self.dtype)
+
+    def reset(self) -> None:
+        """Forget every sequence (a new ``generate()`` call): zero latents and slot positions in place."""
+        for t in (*self.latent_k, *self.latent_v, self.slot_pos):
+            t.zero_()
+
+    # ------------------------------------------------------------------ accounting
+    def nbytes(self) -> StoreBytes:
+        """Bytes held, split into per-sequence state and model constants; see :class:`StoreBytes`."""
+
+        def size(ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        layers = sum(len(g) for g in self.groups)
+        dense = 2 * layers * self.batch_size * self.num_kv_heads * self.max_cache_len * self.head_dim
+        return StoreBytes(
+            latent=size(self.latent_k) + size(self.latent_v),
+            slot_positions=size([self.slot_pos]),
+            bases=size(self.basis_k) + size(self.basis_v),
+            rope_tables=size([self.rope_cos, self.rope_sin]),
+            dense_equivalent=dense * torch.empty((), dtype=self.dtype).element_size(),
+        )
+
+
+def _offsets(ranks) -> list[int]:
+    out = [0]
+    for r in ranks:
+        out.append(out[-1] + int(r))
+    return out
+
+
+def lookup_phantom(t: Any) -> tuple[LatentKVStore, int, str] | None:
+    """Return ``(store, layer, 'k' | 'v')`` when ``t`` is a phantom cache tensor of a live store, else None."""
+    if not isinstance(t, torch.Tensor) or any(s != 0 for s in t.stride()) or t.numel() == 0:
+        return None
+    hit = _PHANTOMS.get(t.data_ptr())
+    if hit is None:
+        return None
+    store = hit[0]()
+    if store is None:
+        del _PHANTOMS[t.data_ptr()]
+        return None
+    return store, hit[1], hit[2]
