@@ -26,6 +26,7 @@ from .errors import (
     UnsupportedGraphError,
     UnsupportedPatternWarning,
 )
+from .latent import LatentBases, calibrate
 from .plan import Plan, make_plan
 
 __version__ = "0.1.0"
@@ -40,10 +41,12 @@ __all__ = [
     "CKVPWarning",
     "CompileRecorder",
     "GraphAnalysis",
+    "LatentBases",
     "Plan",
     "UnsupportedGraphError",
     "UnsupportedPatternWarning",
     "analyze",
+    "calibrate",
     "ckvp_backend",
     "inspect",
     "make_plan",

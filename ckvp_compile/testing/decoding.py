@@ -8,7 +8,8 @@ transformers 5.24 facts this module relies on (checked): the cache kwarg of ``*F
 ``cache`` (``past_key_values`` is a deprecated alias until 5.40) and there is no ``cache_position`` argument any
 more: a ``StaticLayer`` writes at ``cumulative_length``, a 0-d long tensor it increments in place. Older
 versions (5.17 on the GPU machine) take ``past_key_values`` and ``cache_position``; :func:`hf_step_kwargs`
-picks whichever the model's signature has.
+picks whichever the model's signature has. It and :func:`make_static_cache` live in
+:mod:`ckvp_compile.latent.capture` (calibration uses them too) and are re-exported here.
 
 ``StaticCache`` allocates its K/V buffers lazily, on the first ``update``: when the prefill call is compiled,
 the buffers are created *inside the prefill graph* (``torch.zeros`` nodes) and returned as extra graph
@@ -21,12 +22,12 @@ addresses (no ``_dynamo_static_input_type``); after an eager prefill they are (`
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
+from ..latent.capture import hf_step_kwargs, make_static_cache
 from .gpt_fast import GptFastMoE
 
 __all__ = ["prefill_decode_logits", "capture_dynamo_graphs", "capture_prefill_decode_graphs", "hf_step_kwargs",
@@ -35,39 +36,6 @@ __all__ = ["prefill_decode_logits", "capture_dynamo_graphs", "capture_prefill_de
 
 def _is_gpt_fast(model: torch.nn.Module) -> bool:
     return isinstance(model, GptFastMoE) or hasattr(model, "setup_caches")
-
-
-def make_static_cache(model: torch.nn.Module, max_cache_len: int):
-    """Return a fresh, empty ``transformers.StaticCache`` for ``model`` holding ``max_cache_len`` tokens."""
-    from transformers import StaticCache
-
-    return StaticCache(config=model.config, max_cache_len=max_cache_len)
-
-
-def hf_step_kwargs(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, start: int) -> dict[str, Any]:
-    """Keyword arguments for one cached forward of a Hugging Face causal LM.
-
-    Args:
-        model: the (uncompiled) HF model; its ``forward`` signature decides the argument names.
-        input_ids: (B, S) long, the new tokens.
-        cache: the ``StaticCache`` of this sequence.
-        start: absolute position of ``input_ids[:, 0]``.
-    Returns:
-        ``input_ids``, ``position_ids`` (B, S) long, the cache under ``cache=`` (5.24) or ``past_key_values=``
-        (older), ``cache_position`` (S,) long when the signature has it, and ``use_cache=True``.
-    """
-    bsz, seqlen = input_ids.shape
-    positions = torch.arange(start, start + seqlen, device=input_ids.device)
-    params = inspect.signature(model.forward).parameters
-    kwargs: dict[str, Any] = {
-        "input_ids": input_ids,
-        "position_ids": positions[None].repeat(bsz, 1),
-        "use_cache": True,
-    }
-    kwargs["cache" if "cache" in params else "past_key_values"] = cache
-    if "cache_position" in params:
-        kwargs["cache_position"] = positions
-    return kwargs
 
 
 def _logits(out: Any) -> torch.Tensor:

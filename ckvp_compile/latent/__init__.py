@@ -1,0 +1,34 @@
+"""Cross-layer latent KV cache (CKVP): calibrated bases, ranks, and the calibration that fits them.
+
+    bases = ckvp_compile.calibrate(model, samples, kv_ratio=4.0, group_size=4)
+    bases.save("bases.safetensors")
+    bases = LatentBases.load("bases.safetensors", model=model)
+
+Modules:
+    bases: :class:`LatentBases` (per layer group and KV head, orthonormal bases of the stacked pre-RoPE keys and
+        of the values; ranks; spectra; save / load as one safetensors file) and :func:`build_latent_bases`.
+    ranks: the rank budget and its allocation over (group, head, K/V), 'energy' or 'uniform'.
+    calibrate: :func:`calibrate` and :func:`collect_kv_moments`, collecting keys and values by graph structure.
+    capture: drives one static-cache prefill of a HF or gpt-fast model.
+
+See DESIGN.md, "CKVP in numbers". Source: xKV (Chang et al. 2025, arXiv:2503.18893), cross-layer SVD.
+"""
+
+from __future__ import annotations
+
+from .bases import FORMAT_VERSION, LatentBases, build_latent_bases, model_fingerprint
+from .calibrate import KVMoments, calibrate, collect_kv_moments
+from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_budget
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KVMoments",
+    "LatentBases",
+    "RANK_ALLOCATIONS",
+    "allocate_ranks",
+    "build_latent_bases",
+    "calibrate",
+    "collect_kv_moments",
+    "model_fingerprint",
+    "rank_budget",
+]

@@ -1,0 +1,407 @@
+"""Cross-layer latent bases: per layer group and KV head, an orthonormal basis of the stacked pre-RoPE keys
+and one of the stacked values, with the ranks kept and the spectra they were chosen from.
+
+Notation (DESIGN.md, "CKVP in numbers"): group g holds G_g adjacent layers l0..l0+G_g-1 (G_g = G except maybe
+the last group); for KV head h and token t, ``x_t = [k(l0,h,t); ...; k(l0+G_g-1,h,t)]`` in R^(G_g*D), layer j
+of the group in rows ``j*D:(j+1)*D``. The basis P(g,h) holds the top-r eigenvectors of the uncentered second
+moment ``C = sum_t x_t x_t^T / n`` (eigenvalues descending); the latent is ``z_t = P^T x_t`` in R^r and layer
+j's key is rebuilt from its row block, ``P[j*D:(j+1)*D] z_t``. Values likewise (no RoPE). On the calibration
+data the mean squared error ``E||x - P P^T x||^2`` equals the sum of the discarded eigenvalues.
+
+:class:`LatentBases` stores, per group g (tensors on one device):
+
+=====================  =====================  ======================================================
+field                  shape, dtype           meaning
+=====================  =====================  ======================================================
+``k_basis[g]``         (Hkv, G_g*D, Rmax_g)   key bases; head h uses columns ``:k_ranks[g][h]``, the
+                       float32 (or ``to``)    rest are zero. Rmax_g = max over heads of the rank.
+``k_ranks[g]``         tuple of Hkv ints      rank kept per head, 1..G_g*D
+``k_eigenvalues[g]``   (Hkv, G_g*D) float64   all eigenvalues of C, descending, >= 0
+``v_*``                as ``k_*``             values
+=====================  =====================  ======================================================
+
+Files: :meth:`LatentBases.save` writes ONE safetensors file, the tensors above as ``k_basis.<g>`` ... plus JSON
+metadata (``format``, ``format_version``, groups, ranks, fingerprint) in the safetensors metadata dict.
+
+Source: cross-layer SVD of grouped KV caches, xKV (Chang et al. 2025, arXiv:2503.18893), here fitted once on
+calibration text as DESIGN.md describes (xKV also fits per sequence at prefill).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+
+from ..errors import CKVPConfigError, CKVPShapeError
+from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_budget, retained_fraction
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "LatentBases", "build_latent_bases", "check_target_ratio",
+           "model_fingerprint"]
+
+Kind = Literal["k", "v"]
+#: ``format`` entry of a saved file's metadata.
+FORMAT_NAME = "ckvp-latent-bases"
+#: Version of the file layout; :meth:`LatentBases.load` reads this version only.
+FORMAT_VERSION = 1
+_RECALIBRATE = "re-run ckvp_compile.calibrate(model, samples) for this model and save() the result"
+
+# (fingerprint key, config attribute names tried in order: Hugging Face, then gpt-fast)
+_CONFIG_FIELDS = (
+    ("num_layers", ("num_hidden_layers", "n_layer", "n_layers")),
+    ("hidden", ("hidden_size", "dim", "d_model")),
+    ("num_heads", ("num_attention_heads", "n_head", "n_heads")),
+    ("num_kv_heads", ("num_key_value_heads", "n_local_heads", "n_kv_heads")),
+    ("head_dim", ("head_dim",)),
+)
+
+
+@dataclass(frozen=True, eq=False)
+class LatentBases:
+    """Calibrated cross-layer latent bases and ranks of one model (see the module docstring for the layout).
+
+    Attributes:
+        groups: layer indices of each group, ascending and consecutive; the last may be shorter than G.
+        num_kv_heads (Hkv), head_dim (D), group_size (G): shared by every group.
+        target_ratio: the requested dense / latent ratio (rho); rank_allocation: 'energy' or 'uniform'.
+        k_basis, v_basis, k_ranks, v_ranks, k_eigenvalues, v_eigenvalues: per group, see the module table.
+        model_fingerprint: what identifies the calibrated model (:func:`model_fingerprint`).
+        num_tokens: calibration tokens the second moments were averaged over.
+    Raises:
+        CKVPShapeError: a tensor's shape disagrees with the groups, Hkv, D or ranks.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    num_kv_heads: int
+    head_dim: int
+    group_size: int
+    target_ratio: float
+    rank_allocation: str
+    k_basis: tuple[torch.Tensor, ...]
+    v_basis: tuple[torch.Tensor, ...]
+    k_ranks: tuple[tuple[int, ...], ...]
+    v_ranks: tuple[tuple[int, ...], ...]
+    k_eigenvalues: tuple[torch.Tensor, ...]
+    v_eigenvalues: tuple[torch.Tensor, ...]
+    model_fingerprint: dict[str, Any]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        hkv, d = self.num_kv_heads, self.head_dim
+        for kind in ("k", "v"):
+            bases, ranks, eigs = self.basis(kind), self.ranks(kind), self.eigenvalues(kind)
+            if not len(bases) == len(ranks) == len(eigs) == len(self.groups):
+                raise CKVPShapeError(f"{kind}: need one basis, rank tuple and spectrum per group "
+                                     f"({len(self.groups)}), got {len(bases)}, {len(ranks)}, {len(eigs)}")
+            for g, layers in enumerate(self.groups):
+                n = len(layers) * d
+                rmax = max(ranks[g], default=0)
+                if len(ranks[g]) != hkv or not all(1 <= r <= n for r in ranks[g]):
+                    raise CKVPShapeError(f"{kind}_ranks[{g}] must be {hkv} ints in 1..{n}, got {ranks[g]}")
+                if tuple(bases[g].shape) != (hkv, n, rmax) or tuple(eigs[g].shape) != (hkv, n):
+                    raise CKVPShapeError(
+                        f"{kind}_basis[{g}] must be {(hkv, n, rmax)} and {kind}_eigenvalues[{g}] {(hkv, n)}, got "
+                        f"{tuple(bases[g].shape)} and {tuple(eigs[g].shape)}")
+
+    # ------------------------------------------------------------------ accessors
+    def basis(self, kind: Kind) -> tuple[torch.Tensor, ...]:
+        """``k_basis`` or ``v_basis``."""
+        return self.k_basis if kind == "k" else self.v_basis
+
+    def ranks(self, kind: Kind) -> tuple[tuple[int, ...], ...]:
+        """``k_ranks`` or ``v_ranks``."""
+        return self.k_ranks if kind == "k" else self.v_ranks
+
+    def eigenvalues(self, kind: Kind) -> tuple[torch.Tensor, ...]:
+        """``k_eigenvalues`` or ``v_eigenvalues``."""
+        return self.k_eigenvalues if kind == "k" else self.v_eigenvalues
+
+    @property
+    def num_layers(self) -> int:
+        """Layers covered by the groups (L)."""
+        return sum(len(layers) for layers in self.groups)
+
+    def layer_block(self, g: int, j: int, kind: Kind) -> torch.Tensor:
+        """Return layer j's rows of group g's basis: (Hkv, D, Rmax_g), a view of ``{kind}_basis[g]``.
+
+        Layer ``groups[g][j]``'s key (value) of head h is rebuilt as ``layer_block(g, j, kind)[h] @ z`` from the
+        latent ``z`` (zero beyond the head's rank).
+        """
+        if not 0 <= j < len(self.groups[g]):
+            raise IndexError(f"group {g} has layers 0..{len(self.groups[g]) - 1}, got j={j}")
+        d = self.head_dim
+        return self.basis(kind)[g][:, j * d:(j + 1) * d, :]
+
+    def latent_elements_per_token(self) -> int:
+        """Latent elements stored per token: the sum of every rank, K and V, over groups and heads."""
+        return sum(sum(r) for r in self.k_ranks) + sum(sum(r) for r in self.v_ranks)
+
+    def dense_elements_per_token(self) -> int:
+        """Elements the dense cache stores per token for the same layers: L * Hkv * D * 2."""
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    def ratio(self) -> float:
+        """Measured compression ratio dense / latent (>= ``target_ratio``; no quantization counted)."""
+        return self.dense_elements_per_token() / self.latent_elements_per_token()
+
+    def discarded_energy(self, g: int, h: int, kind: Kind) -> float:
+        """Sum of the discarded eigenvalues of (group g, head h): the mean squared error ``E||x - P P^T x||^2``
+        per calibration token, in the units of the keys (values) squared."""
+        return float(self.eigenvalues(kind)[g][h, self.ranks(kind)[g][h]:].sum())
+
+    def retained_fraction(self, g: int, h: int, kind: Kind) -> float:
+        """Kept share of (group g, head h)'s energy, ``sum(lambda[:r]) / sum(lambda)``, in [0, 1]."""
+        return retained_fraction(self.eigenvalues(kind)[g][h], self.ranks(kind)[g][h])
+
+    # ------------------------------------------------------------------ conversion
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "LatentBases":
+        """Return a copy with the bases on ``device`` in ``dtype`` (eigenvalues move but stay float64)."""
+        return dataclasses.replace(
+            self,
+            k_basis=tuple(b.to(device=device, dtype=dtype) for b in self.k_basis),
+            v_basis=tuple(b.to(device=device, dtype=dtype) for b in self.v_basis),
+            k_eigenvalues=tuple(e.to(device=device) for e in self.k_eigenvalues),
+            v_eigenvalues=tuple(e.to(device=device) for e in self.v_eigenvalues),
+        )
+
+    def _metadata(self) -> dict[str, Any]:
+        return {
+            "groups": [list(layers) for layers in self.groups], "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "group_size": self.group_size, "target_ratio": self.target_ratio,
+            "rank_allocation": self.rank_allocation, "k_ranks": [list(r) for r in self.k_ranks],
+            "v_ranks": [list(r) for r in self.v_ranks], "model_fingerprint": self.model_fingerprint,
+            "num_tokens": self.num_tokens,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the bases to ONE safetensors file (tensors + JSON metadata, ``format_version``).
+
+        Args:
+            path: file to write (overwritten); parent directories must exist.
+        """
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for kind in ("k", "v"):
+            for g in range(len(self.groups)):
+                tensors[f"{kind}_basis.{g}"] = self.basis(kind)[g].detach().cpu().contiguous()
+                tensors[f"{kind}_eigenvalues.{g}"] = self.eigenvalues(kind)[g].detach().cpu().contiguous()
+        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self._metadata())}
+        save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> "LatentBases":
+        """Read bases written by :meth:`save` (on CPU), optionally checking that they belong to ``model``.
+
+        Args:
+            path: the safetensors file.
+            model: when given, its :func:`model_fingerprint` must equal the stored one.
+        Returns:
+            The :class:`LatentBases`, tensors on CPU in the dtypes saved.
+        Raises:
+            CKVPConfigError: the file is missing, not a safetensors file, not a ckvp bases file, of another
+                format version, or inconsistent; or ``model`` is not the calibrated model (the message names
+                both models and says to re-run calibrate).
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise CKVPConfigError(f"no latent bases file at {str(path)!r}; create one with "
+                                  "ckvp_compile.calibrate(model, samples).save(path)")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                header = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
+            raise CKVPConfigError(f"{str(path)!r} is not a readable safetensors file ({type(exc).__name__}: "
+                                  f"{exc}); {_RECALIBRATE}") from None
+        if header.get("format") != FORMAT_NAME:
+            raise CKVPConfigError(f"{str(path)!r} is a safetensors file but not ckvp latent bases (metadata format="
+                                  f"{header.get('format')!r}, expected {FORMAT_NAME!r}); {_RECALIBRATE}")
+        if header.get("format_version") != str(FORMAT_VERSION):
+            raise CKVPConfigError(f"{str(path)!r} has latent bases format version {header.get('format_version')!r};"
+                                  f" this ckvp_compile reads version {FORMAT_VERSION}; {_RECALIBRATE}")
+        try:
+            meta = json.loads(header["meta"])
+            n = len(meta["groups"])
+            bases = cls(
+                groups=tuple(tuple(int(x) for x in layers) for layers in meta["groups"]),
+                num_kv_heads=int(meta["num_kv_heads"]), head_dim=int(meta["head_dim"]),
+                group_size=int(meta["group_size"]), target_ratio=float(meta["target_ratio"]),
+                rank_allocation=str(meta["rank_allocation"]),
+                k_basis=tuple(tensors[f"k_basis.{g}"] for g in range(n)),
+                v_basis=tuple(tensors[f"v_basis.{g}"] for g in range(n)),
+                k_ranks=tuple(tuple(int(r) for r in rs) for rs in meta["k_ranks"]),
+                v_ranks=tuple(tuple(int(r) for r in rs) for rs in meta["v_ranks"]),
+                k_eigenvalues=tuple(tensors[f"k_eigenvalues.{g}"] for g in range(n)),
+                v_eigenvalues=tuple(tensors[f"v_eigenvalues.{g}"] for g in range(n)),
+                model_fingerprint=dict(meta["model_fingerprint"]), num_tokens=int(meta["num_tokens"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
+            raise CKVPConfigError(f"{str(path)!r} holds corrupt ckvp latent bases ({type(exc).__name__}: {exc}); "
+                                  f"{_RECALIBRATE}") from None
+        if model is not None:
+            bases.check_model(model, source=str(path))
+        return bases
+
+    def check_model(self, model: torch.nn.Module, *, source: str = "these latent bases") -> None:
+        """Raise unless ``model``'s :func:`model_fingerprint` equals the calibrated model's.
+
+        Raises:
+            CKVPConfigError: naming both models, the fields that differ, and the fix (re-run calibrate).
+        """
+        stored = self.model_fingerprint
+        actual = model_fingerprint(model, stored.get("k_weight"))
+        diff = [k for k in sorted(set(stored) | set(actual)) if stored.get(k) != actual.get(k)]
+        if diff:
+            detail = "; ".join(f"{k}: calibrated {stored.get(k)!r}, model {actual.get(k)!r}" for k in diff)
+            raise CKVPConfigError(
+                f"{source} were calibrated on another model: {_describe(stored)}, but the model is "
+                f"{_describe(actual)} ({detail}); {_RECALIBRATE}")
+
+    # ------------------------------------------------------------------ report
+    def summary(self) -> str:
+        """Return a text table: group, layers, ranks per head (K / V), retained energy per head (%)."""
+        head = (f"LatentBases: {self.num_layers} layers in {len(self.groups)} groups of <= {self.group_size}, "
+                f"Hkv={self.num_kv_heads}, D={self.head_dim}; {self.dense_elements_per_token()} -> "
+                f"{self.latent_elements_per_token()} elements per token (ratio {self.ratio():.3f}, target "
+                f"{self.target_ratio:g}, '{self.rank_allocation}' allocation); {self.num_tokens} calibration tokens")
+        rows = [("group", "layers", "K ranks", "V ranks", "K retained %", "V retained %")]
+        for g, layers in enumerate(self.groups):
+            hs = range(self.num_kv_heads)
+            rows.append((
+                str(g), f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0]),
+                ",".join(map(str, self.k_ranks[g])), ",".join(map(str, self.v_ranks[g])),
+                ",".join(f"{100 * self.retained_fraction(g, h, 'k'):.1f}" for h in hs),
+                ",".join(f"{100 * self.retained_fraction(g, h, 'v'):.1f}" for h in hs),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join([head] + lines)
+
+    def __repr__(self) -> str:
+        return (f"LatentBases(groups={len(self.groups)}, layers={self.num_layers}, Hkv={self.num_kv_heads}, "
+                f"D={self.head_dim}, ratio={self.ratio():.3f}, target_ratio={self.target_ratio:g}, "
+                f"rank_allocation={self.rank_allocation!r})")
+
+
+def _describe(fp: dict[str, Any]) -> str:
+    sha = fp.get("k_weight_sha256") or "?"
+    return (f"{fp.get('architecture')} (L={fp.get('num_layers')}, hidden={fp.get('hidden')}, "
+            f"H={fp.get('num_heads')}, Hkv={fp.get('num_kv_heads')}, D={fp.get('head_dim')}, "
+            f"{fp.get('k_weight')} sha256 {sha[:12]})")
+
+
+def _weight_sha256(w: torch.Tensor) -> str:
+    """sha256 of a weight's shape and its values rounded to bf16 (so fp32 / bf16 / fp16 copies agree)."""
+    t = w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
+    h = hashlib.sha256(str(tuple(t.shape)).encode())
+    h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> dict[str, Any]:
+    """Return what identifies ``model`` for :meth:`LatentBases.load`: shape fields and one weight's hash.
+
+    Args:
+        model: a HF causal LM, a gpt-fast style model, or any ``nn.Module``.
+        k_weight: parameter name of the first attention layer's key projection (found by calibrate from the
+            graph); None or absent from the model: the first parameter of rank >= 2 is hashed instead.
+    Returns:
+        JSON-serialisable dict: ``architecture`` (class name), ``num_layers``, ``hidden``, ``num_heads``,
+        ``num_kv_heads``, ``head_dim`` (from ``model.config``, HF or gpt-fast names; None when absent),
+        ``k_weight`` (the parameter hashed) and ``k_weight_sha256`` (its values rounded to bf16, so the same
+        model in another dtype or on another device matches).
+    """
+    cfg = getattr(model, "config", None)
+    if cfg is not None and callable(getattr(cfg, "get_text_config", None)):
+        cfg = cfg.get_text_config()
+    fp: dict[str, Any] = {"architecture": type(model).__name__}
+    for key, names in _CONFIG_FIELDS:
+        value = next((getattr(cfg, n) for n in names if isinstance(getattr(cfg, n, None), int)), None)
+        fp[key] = value
+    if fp["head_dim"] is None and fp["hidden"] and fp["num_heads"]:
+        fp["head_dim"] = fp["hidden"] // fp["num_heads"]
+    params = dict(model.named_parameters())
+    if k_weight is None or k_weight not in params:
+        k_weight = next((n for n, p in params.items() if p.dim() >= 2), k_weight)
+    fp["k_weight"] = k_weight
+    fp["k_weight_sha256"] = _weight_sha256(params[k_weight]) if k_weight in params else None
+    return fp
+
+
+def check_target_ratio(target_ratio: float, dense_elements: int, num_units: int) -> None:
+    """Raise unless ``1 <= target_ratio <= dense_elements / num_units`` (at least rank 1 per unit).
+
+    Args:
+        target_ratio: rho requested. dense_elements: L*Hkv*D*2. num_units: groups * Hkv * 2.
+    Raises:
+        CKVPConfigError: naming the achievable range.
+    """
+    top = dense_elements / num_units
+    ok = isinstance(target_ratio, (int, float)) and not isinstance(target_ratio, bool)
+    if not ok or not 1 <= target_ratio <= top:
+        raise CKVPConfigError(
+            f"kv_ratio must be a number in [1, {top:g}] for this model ({dense_elements} dense KV elements per token,"
+            f" {num_units} (group, KV head, K/V) latents of rank >= 1), got {target_ratio!r}")
+
+
+def _eigh_desc(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decompose symmetric (Hkv, N, N) float64 matrices; eigenvalues descending (clamped >= 0),
+    eigenvector signs fixed so each vector's largest-magnitude entry is positive (deterministic output)."""
+    evals, evecs = torch.linalg.eigh(moment)
+    evals, evecs = evals.flip(-1).clamp_min(0), evecs.flip(-1)
+    idx = evecs.abs().argmax(dim=-2, keepdim=True)
+    sign = torch.sign(torch.gather(evecs, -2, idx))
+    return evals, evecs * torch.where(sign == 0, torch.ones_like(sign), sign)
+
+
+def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torch.Tensor],
+                       v_moments: Sequence[torch.Tensor], num_tokens: int, *, num_kv_heads: int, head_dim: int,
+                       group_size: int, target_ratio: float, rank_allocation: str,
+                       model_fingerprint: dict[str, Any]) -> LatentBases:
+    """Eigen-decompose per-group second moments, allocate ranks under the budget, and assemble the bases.
+
+    Args:
+        groups: layer indices per group. k_moments, v_moments: per group, (Hkv, G_g*D, G_g*D) float64, the sum
+            of ``x x^T`` over ``num_tokens`` calibration tokens (divided by it here).
+        num_tokens: n > 0. num_kv_heads, head_dim, group_size: Hkv, D, G.
+        target_ratio: rho; the budget is ``floor(L*Hkv*D*2 / rho)`` latent elements per token.
+        rank_allocation: 'energy' or 'uniform' (:func:`~.ranks.allocate_ranks`).
+        model_fingerprint: stored as is.
+    Returns:
+        :class:`LatentBases`, bases float32 on the moments' device.
+    Raises:
+        CKVPConfigError: unknown rank_allocation, or target_ratio out of the achievable range.
+    """
+    if rank_allocation not in RANK_ALLOCATIONS:
+        raise CKVPConfigError(f"rank_allocation must be one of {list(RANK_ALLOCATIONS)}, got {rank_allocation!r}")
+    dense = sum(len(layers) for layers in groups) * num_kv_heads * head_dim * 2
+    check_target_ratio(target_ratio, dense, 2 * len(groups) * num_kv_heads)
+    decomposed = {kind: [_eigh_desc(m / num_tokens) for m in moments]
+                  for kind, moments in (("k", k_moments), ("v", v_moments))}
+    spectra = [decomposed[kind][g][0][h] for kind in ("k", "v") for g in range(len(groups))
+               for h in range(num_kv_heads)]
+    flat = iter(allocate_ranks(spectra, rank_budget(dense, target_ratio), rank_allocation))  # type: ignore[arg-type]
+    out: dict[str, Any] = {}
+    for kind in ("k", "v"):
+        ranks = [tuple(next(flat) for _ in range(num_kv_heads)) for _ in groups]
+        bases = []
+        for (evals, evecs), rs in zip(decomposed[kind], ranks):
+            basis = evecs[:, :, :max(rs)].clone()  # (Hkv, G_g*D, Rmax_g)
+            for h, r in enumerate(rs):
+                basis[h, :, r:] = 0
+            bases.append(basis.float())
+        out[f"{kind}_basis"] = tuple(bases)
+        out[f"{kind}_ranks"] = tuple(ranks)
+        out[f"{kind}_eigenvalues"] = tuple(evals for evals, _ in decomposed[kind])
+    return LatentBases(groups=tuple(tuple(int(x) for x in layers) for layers in groups), num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, group_size=group_size, target_ratio=float(target_ratio),
+                       rank_allocation=rank_allocation, model_fingerprint=dict(model_fingerprint),
+                       num_tokens=int(num_tokens), **out)

@@ -1,0 +1,417 @@
+"""Calibrate cross-layer latent bases on sample text: collect pre-RoPE keys and values by graph structure, then
+eigen-decompose their stacked second moments per layer group and KV head.
+
+How keys and values are found (never by module names): the model's Dynamo graph for a static-cache prefill is
+captured by a recording backend, :func:`ckvp_compile.analysis.analyze` finds each layer's attention site, and the
+graph is executed with a recording ``torch.fx.Interpreter`` that keeps
+
+* the pre-RoPE key, ``site.rope.k_in`` (or the key written to the cache, ``site.k_cache.value_node``, when the
+  layer has no RoPE), brought to (B, Hkv, S, D): the permutation between RoPE's output and the tensor written to
+  the cache is read off the graph (gpt-fast applies RoPE on (B, S, Hkv, D) and transposes afterwards; Hugging
+  Face transposes first), with a fallback on matching dims to Hkv and D;
+* the value written to the cache, ``site.v_cache.value_node``, (B, Hkv, S, D).
+
+Per group g (layers from :func:`ckvp_compile.plan.make_layer_groups`) and KV head h the float64 sums
+``sum_t x_t x_t^T`` of the stacked ``x_t`` in R^(G_g*D) are accumulated over all samples; :func:`calibrate` then
+hands them to :func:`~.bases.build_latent_bases`.
+
+Source: cross-layer SVD of grouped KV caches, xKV (Chang et al. 2025, arXiv:2503.18893); the uncentered second
+moment's eigenvectors are the right singular vectors of the stacked token matrix xKV factorises. DESIGN.md,
+"CKVP in numbers".
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from ..analysis import AttentionSite, GraphAnalysis, analyze
+from ..analysis.attention_ops import is_weight
+from ..analysis.graph import node_map, op_name, shape_of
+from ..config import GROUP_SIZES, CKVPConfig
+from ..errors import CKVPConfigError, CKVPError
+from ..plan import make_layer_groups
+from .bases import LatentBases, build_latent_bases, check_target_ratio, model_fingerprint
+from .capture import prefill
+from .ranks import RANK_ALLOCATIONS
+
+__all__ = ["KVMoments", "calibrate", "collect_kv_moments"]
+
+logger = logging.getLogger(__name__)
+
+#: (xk, xv) per group, each (Hkv, N, G_g*D) float64: one sample's stacked keys and values (N = B*S tokens).
+StackedKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+_DTYPE_OR_LAYOUT = frozenset({"contiguous", "clone", "to", "float", "half", "bfloat16", "type_as", "_to_copy",
+                              "alias", "detach"})
+
+
+@dataclass
+class KVMoments:
+    """Accumulated second moments of the stacked pre-RoPE keys and values, per layer group.
+
+    Attributes:
+        groups: layer indices per group. num_kv_heads (Hkv), head_dim (D), group_size (G).
+        k, v: per group, (Hkv, G_g*D, G_g*D) float64, ``sum_t x_t x_t^T`` (not yet divided by ``num_tokens``).
+        num_tokens: tokens summed over (B*S over all samples).
+        model_fingerprint: :func:`~.bases.model_fingerprint` of the model.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    num_kv_heads: int
+    head_dim: int
+    group_size: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    num_tokens: int
+    model_fingerprint: dict[str, Any]
+
+    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy") -> LatentBases:
+        """Build :class:`LatentBases` at ``kv_ratio`` (see :func:`calibrate`); cheap, so several ratios can share
+        one collection."""
+        return build_latent_bases(self.groups, self.k, self.v, self.num_tokens, num_kv_heads=self.num_kv_heads,
+                                  head_dim=self.head_dim, group_size=self.group_size, target_ratio=kv_ratio,
+                                  rank_allocation=rank_allocation, model_fingerprint=self.model_fingerprint)
+
+    def regroup(self, group_size: int) -> "KVMoments":
+        """Return the moments for a smaller group size that divides this one, without recollecting.
+
+        A group of G' layers inside a group of G is a diagonal block of the stacked second moment, so moments
+        collected at G=8 give G=4, 2 and 1 (the same groups :func:`~ckvp_compile.plan.make_layer_groups` makes).
+
+        Raises:
+            CKVPConfigError: ``group_size`` does not divide :attr:`group_size`.
+        """
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 \
+                or self.group_size % group_size:
+            raise CKVPConfigError(f"regroup needs a group size dividing {self.group_size} (the collected one), got "
+                                  f"{group_size!r}; collect with a larger group_size instead")
+        d, groups, k, v = self.head_dim, [], [], []
+        for layers, mk, mv in zip(self.groups, self.k, self.v):
+            for start in range(0, len(layers), group_size):
+                part = layers[start:start + group_size]
+                rows = slice(start * d, (start + len(part)) * d)
+                groups.append(part)
+                k.append(mk[:, rows, rows].clone())
+                v.append(mv[:, rows, rows].clone())
+        return KVMoments(groups=tuple(groups), num_kv_heads=self.num_kv_heads, head_dim=d, group_size=group_size,
+                         k=k, v=v, num_tokens=self.num_tokens, model_fingerprint=self.model_fingerprint)
+
+
+def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: CKVPConfig | None = None, *,
+              group_size: int | None = None, kv_ratio: float = 4.0, rank_allocation: str = "energy",
+              max_cache_len: int | None = None, progress: bool = True) -> LatentBases:
+    """Fit cross-layer latent bases and per-head ranks for ``model`` on ``samples``.
+
+    Args:
+        model: a Hugging Face causal LM (driven with a ``StaticCache``) or a gpt-fast style model
+            (``setup_caches`` + ``input_pos``), in eval mode; other models are called as ``model(ids)`` and must
+            write a static KV cache themselves.
+        samples: an iterable of (B, S) integer token-id tensors, or of 1-D (S,) ones (batch 1). Each distinct
+            shape compiles once (Dynamo's recompile limit, 8 by default, bounds the distinct shapes).
+        config: a :class:`~ckvp_compile.CKVPConfig`; its ``group_size`` is used unless ``group_size`` is given.
+        group_size: G, layers per group (one of 1, 2, 4, 8); default ``config.group_size`` or 4.
+        kv_ratio: rho >= 1, the target dense / latent elements per token; the measured ratio is >= rho.
+        rank_allocation: 'energy' (maximise the retained energy fraction, summed over group, head, K/V) or
+            'uniform' (one rank everywhere).
+        max_cache_len: static cache length; default each sample's S.
+        progress: show a tqdm bar over the samples.
+    Returns:
+        :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
+    Raises:
+        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / samples (kv_ratio's message names the
+            achievable range), or no attention layer with a usable KV-cache write (the reason is given).
+    Notes:
+        Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
+        their next call. Memory: one sample's K and V of every layer in float64, plus 2 * Hkv * (G*D)^2 float64
+        per group. Runs under ``torch.no_grad()``.
+    Source: xKV (Chang et al. 2025, arXiv:2503.18893), cross-layer SVD; DESIGN.md "CKVP in numbers".
+    """
+    if config is not None and not isinstance(config, CKVPConfig):
+        raise CKVPConfigError(f"config must be a CKVPConfig or None, got {type(config).__name__}")
+    if group_size is None:
+        group_size = config.group_size if config is not None else 4
+    if rank_allocation not in RANK_ALLOCATIONS:
+        raise CKVPConfigError(f"rank_allocation must be one of {list(RANK_ALLOCATIONS)}, got {rank_allocation!r}")
+    if isinstance(kv_ratio, bool) or not isinstance(kv_ratio, (int, float)) or not kv_ratio >= 1:
+        raise CKVPConfigError(f"kv_ratio must be a number >= 1 (dense / latent elements per token), got {kv_ratio!r}")
+
+    def check_groups(groups: tuple[tuple[int, ...], ...], hkv: int, d: int) -> None:
+        check_target_ratio(kv_ratio, sum(map(len, groups)) * hkv * d * 2, 2 * len(groups) * hkv)
+
+    moments = _collect(model, samples, group_size=group_size, max_cache_len=max_cache_len, progress=progress,
+                       on_sample=None, on_groups=check_groups)
+    return moments.bases(kv_ratio, rank_allocation)
+
+
+def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int = 4,
+                       max_cache_len: int | None = None, progress: bool = True,
+                       on_sample: Callable[[StackedKV], None] | None = None) -> KVMoments:
+    """Collect the stacked second moments :func:`calibrate` uses, without choosing ranks.
+
+    Args:
+        model, samples, group_size, max_cache_len, progress: as for :func:`calibrate`.
+        on_sample: called after each sample with its stacked keys and values, per group ``(xk, xv)``, each
+            (Hkv, B*S, G_g*D) float64 (e.g. to measure reconstruction error on exactly these vectors).
+    Returns:
+        :class:`KVMoments`; ``.bases(kv_ratio, rank_allocation)`` builds :class:`LatentBases` from it.
+    Raises:
+        CKVPConfigError: as for :func:`calibrate`.
+    """
+    return _collect(model, samples, group_size=group_size, max_cache_len=max_cache_len, progress=progress,
+                    on_sample=on_sample, on_groups=None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# recording
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """What to keep from one graph node: ('k' | 'v', layer, permutation to (B, Hkv, S, D) or None) or
+    ('w', layer, None) for the layer's key-projection weight."""
+
+    kind: str
+    layer: int
+    perm: tuple[int, ...] | None = None
+
+
+class _RecordingInterpreter(fx.Interpreter):
+    """Runs a Dynamo graph node by node and hands the values of the probed nodes to ``sink``."""
+
+    def __init__(self, gm: fx.GraphModule, probes: dict[str, list[_Probe]],
+                 sink: Callable[[_Probe, Any], None]) -> None:
+        super().__init__(gm)
+        self.probes, self.sink = probes, sink
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        for probe in self.probes.get(n.name, ()):
+            self.sink(probe, out)
+        return out
+
+
+class _RecordingBackend:
+    """Dynamo backend: analyses each graph it receives and runs it with a :class:`_RecordingInterpreter`."""
+
+    def __init__(self) -> None:
+        self.analyses: list[GraphAnalysis] = []
+        self.values: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        analysis = analyze(gm)
+        self.analyses.append(analysis)
+        nodes = node_map(gm.graph)
+        probes: dict[str, list[_Probe]] = {}
+        for s in analysis.attention:
+            if s.k_cache is None or s.v_cache is None:
+                continue
+            if s.rope is not None and s.rope.k_in is not None:
+                k_node, perm = s.rope.k_in, _layout_perm(nodes[s.k_cache.value_node], s.rope.k_out)
+            else:
+                k_node, perm = s.k_cache.value_node, (0, 1, 2, 3)
+            probes.setdefault(k_node, []).append(_Probe("k", s.layer, perm))
+            probes.setdefault(s.v_cache.value_node, []).append(_Probe("v", s.layer, (0, 1, 2, 3)))
+            weight = _projection_weight(nodes.get(s.k_proj)) if s.k_proj is not None else None
+            if weight is not None:
+                probes.setdefault(weight, []).append(_Probe("w", s.layer))
+        return _RecordingInterpreter(gm, probes, self._record).run
+
+    def _record(self, probe: _Probe, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.values[(probe.kind, probe.layer)] = value.detach() if probe.kind == "w" else _to_bhsd(value, probe)
+
+    def sites(self) -> list[AttentionSite]:
+        """Cache-carrying attention sites over every graph seen, one per layer (first seen), sorted by layer."""
+        by_layer: dict[int, AttentionSite] = {}
+        for a in self.analyses:
+            for s in a.attention:
+                if s.k_cache is not None and s.v_cache is not None:
+                    by_layer.setdefault(s.layer, s)
+        return [by_layer[k] for k in sorted(by_layer)]
+
+
+def _projection_weight(proj: fx.Node | None) -> str | None:
+    """Name of the weight placeholder a projection node multiplies by (None when not found)."""
+    if proj is None:
+        return None
+    for n in proj.all_input_nodes:
+        if is_weight(n):
+            while n.op not in ("placeholder", "get_attr") and n.args and isinstance(n.args[0], fx.Node):
+                n = n.args[0]
+            return n.name
+    return None
+
+
+def _layout_perm(value: fx.Node, k_out: str | None) -> tuple[int, ...] | None:
+    """The permutation p with ``value == k_out.permute(p)``, read off the transposes / permutes between them.
+
+    Walks back from the tensor written to the cache through transpose, permute, shape-preserving view/reshape
+    and dtype/layout ops until RoPE's output ``k_out``. Returns None when the path holds anything else.
+    """
+    perm = [0, 1, 2, 3]
+    node: Any = value
+    for _ in range(32):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.name == k_out:
+            return tuple(perm)
+        name, src = op_name(node), (node.args[0] if node.args else None)
+        if not isinstance(src, fx.Node):
+            return None
+        if name in ("transpose", "swapaxes"):
+            a, b = (int(x) % 4 for x in node.args[1:3])
+            t = [0, 1, 2, 3]
+            t[a], t[b] = t[b], t[a]
+        elif name == "permute":
+            dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+            t = [int(x) % 4 for x in dims]
+        elif name in _DTYPE_OR_LAYOUT or (name in ("view", "reshape") and shape_of(node) == shape_of(src)):
+            t = [0, 1, 2, 3]
+        else:
+            return None
+        perm = [t[p] for p in perm]
+        node = src
+    return None
+
+
+def _to_bhsd(t: torch.Tensor, probe: _Probe) -> torch.Tensor:
+    """(B, Hkv, S, D) float64 copy of a recorded key or value (Hkv, D checked later)."""
+    if t.dim() == 4 and probe.perm is not None:
+        t = t.permute(probe.perm)
+    return t.detach().to(torch.float64)
+
+
+def _normalise(t: torch.Tensor, hkv: int, d: int, layer: int, kind: str) -> torch.Tensor:
+    """Check (B, Hkv, S, D); a (B, S, Hkv, D) tensor (layout not read off the graph) is transposed."""
+    if t.dim() == 4 and t.shape[1] == hkv and t.shape[3] == d:
+        return t
+    if t.dim() == 4 and t.shape[2] == hkv and t.shape[3] == d:
+        return t.transpose(1, 2)
+    raise CKVPError(f"layer {layer}: the recorded {kind} has shape {tuple(t.shape)}, expected (B, {hkv}, S, {d}) "
+                    f"or (B, S, {hkv}, {d}); this graph form is not supported by calibrate")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the sample loop
+
+
+def _as_batch(sample: Any, device: torch.device) -> torch.Tensor:
+    if not isinstance(sample, torch.Tensor) or sample.dtype.is_floating_point or sample.dtype.is_complex \
+            or sample.dtype == torch.bool or sample.dim() not in (1, 2) or sample.numel() == 0:
+        desc = f"{type(sample).__name__}" if not isinstance(sample, torch.Tensor) else \
+            f"tensor {tuple(sample.shape)} {sample.dtype}"
+        raise CKVPConfigError(f"each calibration sample must be a non-empty (B, S) or (S,) integer tensor of token "
+                              f"ids, got {desc}")
+    ids = sample if sample.dim() == 2 else sample[None]
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPConfigError:
+    reasons = [u.message() for a in backend.analyses for u in a.unsupported if u.kind != "unknown_experts_form"]
+    attn = [s for a in backend.analyses for s in a.attention]
+    if reasons:
+        why = " ".join(dict.fromkeys(reasons))
+    elif attn:
+        why = (f"attention was found in layers {sorted({s.layer for s in attn})} but no KV-cache write: the forward "
+               "ran without a static cache. Fix: pass a model driven with a static cache (HF StaticCache, gpt-fast "
+               "setup_caches).")
+    elif not backend.analyses:
+        why = "Dynamo captured no graph (the model ran eagerly). Fix: make the forward traceable by torch.compile."
+    else:
+        why = "no attention (scaled_dot_product_attention or softmax(QK^T)V) was found in the captured graph(s)."
+    return CKVPConfigError(f"calibrate: {type(model).__name__} has no attention layer with a usable KV cache, so "
+                           f"there is nothing to calibrate: {why}")
+
+
+def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int, max_cache_len: int | None,
+             progress: bool, on_sample: Callable[[StackedKV], None] | None,
+             on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None) -> KVMoments:
+    from tqdm.auto import tqdm
+
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise CKVPConfigError(f"group_size must be one of {list(GROUP_SIZES)}, got {group_size!r}")
+    device = _device_of(model)
+    backend = _RecordingBackend()
+    state: dict[str, Any] = {}
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
+        with torch.no_grad():
+            for sample in tqdm(samples, total=total, desc="ckvp calibrate", unit="sample", disable=not progress):
+                ids = _as_batch(sample, device)
+                cache_len = ids.shape[1] if max_cache_len is None else max_cache_len
+                if cache_len < ids.shape[1]:
+                    raise CKVPConfigError(f"max_cache_len={max_cache_len} is shorter than a sample of S={ids.shape[1]}"
+                                          " tokens; raise it or leave it None (each sample's length)")
+                backend.values.clear()
+                prefill(model, compiled, ids, cache_len)
+                if not state:
+                    state.update(_layout(model, backend, group_size, on_groups))
+                stacked = _stack(backend, state, tuple(ids.shape))
+                for g, (xk, xv) in enumerate(stacked):
+                    state["k"][g] += xk.mT @ xk
+                    state["v"][g] += xv.mT @ xv
+                state["tokens"] += ids.numel()
+                if on_sample is not None:
+                    on_sample(stacked)
+    finally:
+        torch._dynamo.reset()
+    if not state:
+        raise CKVPConfigError("calibrate needs at least one sample (a (B, S) tensor of token ids), got none")
+    return KVMoments(groups=state["groups"], num_kv_heads=state["hkv"], head_dim=state["d"], group_size=group_size,
+                     k=state["k"], v=state["v"], num_tokens=state["tokens"], model_fingerprint=state["fingerprint"])
+
+
+def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
+            on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None) -> dict[str, Any]:
+    """After the first sample: the layer groups, Hkv, D, the fingerprint, and zeroed moment accumulators."""
+    sites = [s for s in backend.sites() if ("k", s.layer) in backend.values and ("v", s.layer) in backend.values]
+    groups = make_layer_groups(tuple(sites), group_size)
+    if not groups:
+        raise _no_site_error(model, backend)
+    shapes = {(g.num_kv_heads, g.head_dim) for g in groups}
+    if len(shapes) > 1:
+        raise CKVPConfigError(f"NYI: calibrate needs one KV shape (Hkv, D) in every layer, got {sorted(shapes)} "
+                              f"over groups {[g.layers for g in groups]}")
+    hkv, d = shapes.pop()
+    layer_groups = tuple(g.layers for g in groups)
+    if on_groups is not None:
+        on_groups(layer_groups, hkv, d)
+    weight = backend.values.get(("w", layer_groups[0][0]))
+    name = next((n for n, p in model.named_parameters() if weight is not None and
+                 (p is weight or (p.data_ptr() == weight.data_ptr() and p.shape == weight.shape))), None)
+    dev = backend.values[("k", layer_groups[0][0])].device
+    return {"groups": layer_groups, "hkv": hkv, "d": d, "tokens": 0,
+            "fingerprint": model_fingerprint(model, name),
+            "k": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups],
+            "v": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups]}
+
+
+def _stack(backend: _RecordingBackend, state: dict[str, Any], shape: tuple[int, int]) -> StackedKV:
+    """This sample's (xk, xv) per group, each (Hkv, B*S, G_g*D) float64, layer j in columns j*D:(j+1)*D."""
+    hkv, d = state["hkv"], state["d"]
+    out: StackedKV = []
+    for layers in state["groups"]:
+        pair = []
+        for kind in ("k", "v"):
+            missing = [layer for layer in layers if (kind, layer) not in backend.values]
+            if missing:
+                raise CKVPError(
+                    f"calibrate: no {kind.upper()} was recorded for layers {missing} on a sample of shape {shape}: it "
+                    "ran without a captured graph (Dynamo's recompile limit of distinct shapes was reached, or the "
+                    "graph changed). Fix: give samples of one shape, e.g. windows of one length.")
+            parts = [_normalise(backend.values[(kind, layer)], hkv, d, layer, kind) for layer in layers]
+            x = torch.cat(parts, dim=-1)  # (B, Hkv, S, G_g*D)
+            pair.append(x.permute(1, 0, 2, 3).reshape(hkv, -1, x.shape[-1]))
+        out.append((pair[0], pair[1]))
+    return out
