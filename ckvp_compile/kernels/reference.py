@@ -1,0 +1,330 @@
+"""Pure-PyTorch twins of the ckvp kernels: the math every kernel, op and test is checked against.
+
+This module imports torch only (no Triton): the CPU path, the tests and the benchmarks all use it.
+
+Latent KV notation (DESIGN.md, "CKVP in numbers"). A group of ``G`` layers, ``Hkv`` KV heads of dim ``D``,
+``H`` query heads (``H % Hkv == 0``), batch ``B``, ``S`` new tokens, ``S_max`` cache slots. For KV head ``h``
+the group stacks the ``G`` layers' pre-RoPE keys of one token, ``x_t`` in R^(G*D), and keeps only the latent
+``z_t = P_h^T x_t`` in R^(r_h), ``P_h`` an orthonormal (G*D, r_h) basis. Layer ``j`` rebuilds its key from its
+row block, ``P_h[j*D:(j+1)*D] z_t``, then applies RoPE at the token's position. Values likewise, without RoPE.
+
+Packed layout shared by every function here:
+
+==============  ===========================================================================================
+``latent``      (B, S_max, R_tot) any float dtype; KV head ``h`` owns columns ``offsets[h]:offsets[h+1]``
+``offsets``     Hkv+1 non-decreasing ints, ``offsets[0] == 0``, ``R_tot = offsets[-1]``; ``r_h`` its width
+``basis``       (Hkv, G*D, R_max), zero beyond each head's rank (columns ``r_h:`` of head ``h``)
+``basis_block`` (Hkv, D, R_max), layer ``j``'s rows ``basis[:, j*D:(j+1)*D, :]``
+``cos_table``   (P_max, W) indexed by RoPE *position*; ``W`` per :func:`rope_table_width`
+``slot_pos``    (B, S_max) int32, the RoPE position of every cache slot of every sequence
+==============  ===========================================================================================
+
+RoPE forms (``apply_rope_ref``), each over the first ``rotary_dim`` channels, the rest passing through:
+
+* ``rotate_half`` (HF / Llama): ``x*cos + cat(-x2, x1)*sin`` with ``x1, x2`` the halves; tables of width
+  ``rotary_dim`` (HF's ``cat(freqs, freqs)``).
+* ``interleaved`` (GPT-J): pairs ``(x0, x1), (x2, x3), ...`` rotated, ``x*cos + stack(-x_odd, x_even)*sin``;
+  tables of width ``rotary_dim`` with each frequency repeated twice (``f0, f0, f1, f1, ...``), as GPT-J's
+  ``duplicate_interleave`` makes them. Tables of width ``rotary_dim/2`` are not accepted: repeat them first.
+* ``complex`` (gpt-fast / Meta): pairs as complex numbers times ``cos + i*sin``; tables of width
+  ``rotary_dim/2`` (the real and imaginary parts of ``freqs_cis``).
+* ``none``: identity (values).
+
+All math runs in fp32; results are cast to the documented dtype at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "ROPE_FORMS",
+    "apply_rope_ref",
+    "latent_append_ref",
+    "latent_attention_ref",
+    "latent_reconstruct_ref",
+    "rope_table_update_ref",
+    "rope_table_width",
+    "sdpa_ref",
+    "unpack_latent_ref",
+]
+
+#: RoPE forms the latent ops understand ('none' for values).
+ROPE_FORMS = ("none", "rotate_half", "interleaved", "complex")
+
+
+def rope_table_width(form: str, rotary_dim: int) -> int:
+    """Return the width W of the cos/sin tables of a RoPE form (0 for 'none')."""
+    if form == "none":
+        return 0
+    if form in ("rotate_half", "interleaved"):
+        return rotary_dim
+    if form == "complex":
+        return rotary_dim // 2
+    raise ValueError(f"rope form must be one of {ROPE_FORMS}, but got {form!r}")
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str, rotary_dim: int) -> torch.Tensor:
+    """Apply rotary position embedding to the first ``rotary_dim`` channels of ``x``, as the model does.
+
+    Args:
+        x: (..., D) float.
+        cos, sin: broadcastable to (..., W), W = :func:`rope_table_width` (form, rotary_dim).
+        form: one of :data:`ROPE_FORMS`.
+        rotary_dim: channels rotated, even, <= D; channels ``rotary_dim:`` pass through.
+    Returns:
+        (..., D) in the promoted dtype of ``x``, ``cos`` and ``sin``.
+    """
+    if form == "none":
+        return x
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    if form == "rotate_half":
+        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+        out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    elif form == "interleaved":
+        x_even, x_odd = rot[..., 0::2], rot[..., 1::2]
+        out = rot * cos + torch.stack((-x_odd, x_even), dim=-1).flatten(-2) * sin
+    elif form == "complex":
+        x_even, x_odd = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1).flatten(-2)
+    else:
+        raise ValueError(f"rope form must be one of {ROPE_FORMS}, but got {form!r}")
+    return torch.cat((out, rest.to(out.dtype)), dim=-1)
+
+
+def _head_columns(offsets: Sequence[int], r_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (idx, valid), both (Hkv, r_pad): latent column of head h's j-th latent coordinate, and j < r_h."""
+    off = torch.tensor(list(offsets), dtype=torch.long, device=device)
+    j = torch.arange(r_pad, device=device)
+    valid = j[None, :] < (off[1:] - off[:-1])[:, None]
+    idx = torch.where(valid, off[:-1, None] + j[None, :], torch.zeros_like(valid, dtype=torch.long))
+    return idx, valid
+
+
+def unpack_latent_ref(latent: torch.Tensor, offsets: Sequence[int], r_pad: int) -> torch.Tensor:
+    """Split the packed latent into per-head, zero-padded coordinates.
+
+    Args:
+        latent: (B, T, R_tot) float, packed as described in the module docstring.
+        offsets: Hkv+1 ints.
+        r_pad: padded rank R_max (>= every r_h).
+    Returns:
+        (B, Hkv, T, r_pad) fp32, zero in columns ``r_h:`` of head ``h``.
+    """
+    b, t = latent.shape[:2]
+    hkv = len(offsets) - 1
+    if latent.shape[-1] == 0 or r_pad == 0:
+        return latent.new_zeros((b, hkv, t, r_pad), dtype=torch.float32)
+    idx, valid = _head_columns(offsets, r_pad, latent.device)
+    z = latent[..., idx.flatten()].float().view(b, t, hkv, r_pad)
+    z = torch.where(valid[None, None], z, 0.0)  # other heads' columns (or NaN) never leak in
+    return z.permute(0, 2, 1, 3)
+
+
+def latent_append_ref(
+    latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor
+) -> None:
+    """Project the group's stacked new keys (or values) onto each head's basis and store them in the latent.
+
+    Args:
+        latent: (B, S_max, R_tot) float, written in place at ``latent[:, slots]``.
+        x: (B, Hkv, S, G*D) float, the G layers' pre-RoPE keys of the new tokens, layer-major.
+        basis: (Hkv, G*D, R_max) float, orthonormal columns, zero beyond each head's rank.
+        offsets: Hkv+1 ints, head h owns latent columns offsets[h]:offsets[h+1].
+        slots: (S,) int, distinct cache slots of the new tokens.
+    Returns:
+        None. ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` in fp32, cast to
+        latent.dtype.
+    """
+    b, hkv, s, _ = x.shape
+    r_pad = basis.shape[-1]
+    z = torch.einsum("bhsk,hkr->bshr", x.float(), basis.float())  # (B, S, Hkv, R_max)
+    _, valid = _head_columns(offsets, r_pad, latent.device)
+    packed = z.reshape(b, s, hkv * r_pad)[..., valid.flatten()]  # (B, S, R_tot): head-major, as the layout
+    latent[:, slots.long()] = packed.to(latent.dtype)
+
+
+def rope_table_update_ref(
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    slot_pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Record the model's RoPE tables at the new tokens' positions and each new slot's position.
+
+    Args:
+        cos_table, sin_table: (P_max, W) float, written in place at rows ``position_ids``.
+        slot_pos: (B, S_max) int32, written in place at columns ``slots``.
+        cos, sin: (B or 1, S, W) float, the model's tables for the new tokens.
+        position_ids: (B or 1, S) int, the new tokens' RoPE positions (< P_max).
+        slots: (S,) int, the new tokens' cache slots.
+    Returns:
+        None. ``cos_table[position_ids] = cos``, ``sin_table[position_ids] = sin``,
+        ``slot_pos[:, slots] = position_ids``. The tables are a model constant per position, so the batch row
+        that writes a shared position does not matter.
+    """
+    bp = max(cos.shape[0], sin.shape[0], position_ids.shape[0])
+    s, w = cos.shape[1], cos.shape[2]
+    pos = position_ids.long().expand(bp, s)
+    cos_table[pos] = cos.expand(bp, s, w).to(cos_table.dtype)
+    sin_table[pos] = sin.expand(bp, s, w).to(sin_table.dtype)
+    slot_pos[:, slots.long()] = position_ids.to(slot_pos.dtype).expand(slot_pos.shape[0], s)
+
+
+def _rebuild(
+    latent: torch.Tensor,
+    basis_block: torch.Tensor,
+    offsets: Sequence[int],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    slot_pos: torch.Tensor,
+    rope_form: str,
+    rotary_dim: int,
+) -> torch.Tensor:
+    """(B, Hkv, T, D) fp32: every slot of ``latent`` (B, T, R_tot) rebuilt and rotated at ``slot_pos`` (B, T)."""
+    z = unpack_latent_ref(latent, offsets, basis_block.shape[-1])  # (B, Hkv, T, R_max)
+    pre = torch.einsum("bhtr,hdr->bhtd", z, basis_block.float())
+    if rope_form == "none":
+        return pre
+    pos = slot_pos.long()
+    cos = cos_table.float()[pos][:, None]  # (B, 1, T, W)
+    sin = sin_table.float()[pos][:, None]
+    return apply_rope_ref(pre, cos, sin, rope_form, rotary_dim)
+
+
+def latent_reconstruct_ref(
+    latent: torch.Tensor,
+    basis_block: torch.Tensor,
+    offsets: Sequence[int],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    slot_pos: torch.Tensor,
+    rope_form: str,
+    rotary_dim: int,
+    new: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Rebuild one layer's dense cache from the group latent, with RoPE, current-call tokens exact.
+
+    Args:
+        latent: (B, S_max, R_tot) float.
+        basis_block: (Hkv, D, R_max) float, this layer's rows of the group basis.
+        offsets: Hkv+1 ints.
+        cos_table, sin_table: (P_max, W) float, position-indexed (ignored for rope_form 'none').
+        slot_pos: (B, S_max) int, RoPE position of every slot (values < P_max; ignored for 'none').
+        rope_form: one of :data:`ROPE_FORMS`.
+        rotary_dim: channels rotated (ignored for 'none').
+        new: (B, Hkv, S, D) float, this call's exact tokens (post-RoPE for keys).
+        slots: (S,) int, their slots.
+    Returns:
+        (B, Hkv, S_max, D) new.dtype: ``RoPE(latent_h @ basis_block[h, :, :r_h]^T)`` per head and slot, with
+        slots ``slots`` replaced by ``new``.
+    """
+    out = _rebuild(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim)
+    out[:, :, slots.long()] = new.float()
+    return out.to(new.dtype)
+
+
+def _attention_weights(
+    q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """(B, Hkv, H/Hkv, S, T) fp32 softmax weights of q (B, H, S, D) over k (B, Hkv, T, D), GQA by grouping.
+
+    A row that the mask removes entirely gets weight 0 everywhere, as torch SDPA's math path does.
+    """
+    b, h, s, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    qf = q.float().reshape(b, hkv, h // hkv, s, d)
+    scores = torch.einsum("bgrsd,bgtd->bgrst", qf, k.float()) * scale
+    if attn_mask is not None:
+        mask = attn_mask.expand(b, h, s, t).reshape(b, hkv, h // hkv, s, t)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    weights = torch.softmax(scores, dim=-1)
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    return torch.where(dead, 0.0, weights)
+
+
+def sdpa_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dense scaled-dot-product attention with GQA, the baseline the latent attention approximates.
+
+    Args:
+        q: (B, H, S, D) float.
+        k, v: (B, Hkv, T, D) float, H % Hkv == 0; query head i reads KV head i // (H/Hkv).
+        attn_mask: broadcastable to (B, H, S, T): bool (True = attend) or additive float; None = no mask.
+        scale: score scale, default 1/sqrt(D).
+    Returns:
+        (B, H, S, D) q.dtype, computed in fp32.
+    """
+    b, h, s, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    w = _attention_weights(q, k, attn_mask, scale)
+    out = torch.einsum("bgrst,bgtd->bgrsd", w, v.float())
+    return out.reshape(b, h, s, d).to(q.dtype)
+
+
+def latent_attention_ref(
+    q: torch.Tensor,
+    latent_k: torch.Tensor,
+    latent_v: torch.Tensor,
+    basis_k_block: torch.Tensor,
+    basis_v_block: torch.Tensor,
+    k_offsets: Sequence[int],
+    v_offsets: Sequence[int],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    slot_pos: torch.Tensor,
+    rope_form: str,
+    rotary_dim: int,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    slots: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    kv_len: int,
+) -> torch.Tensor:
+    """Attend over cache slots [0, kv_len) of the latent K/V, values absorbed, current-call tokens exact.
+
+    Args:
+        q: (B, H, S, D) float, post-RoPE queries.
+        latent_k, latent_v: (B, S_max, Rk_tot) / (B, S_max, Rv_tot) float.
+        basis_k_block, basis_v_block: (Hkv, D, Rk_max) / (Hkv, D, Rv_max) float, this layer's rows.
+        k_offsets, v_offsets: Hkv+1 ints each.
+        cos_table, sin_table, slot_pos, rope_form, rotary_dim: the keys' RoPE, as in
+            :func:`latent_reconstruct_ref`.
+        new_k, new_v: (B, Hkv, S, D) float, this call's exact keys (post-RoPE) and values.
+        slots: (S,) int, their slots, all < kv_len.
+        attn_mask: broadcastable to (B, H, S, kv_len), bool (True = attend) or additive float, or None.
+        scale: score scale.
+        kv_len: slots attended, 1 <= kv_len <= S_max.
+    Returns:
+        (B, H, S, D) q.dtype, fp32 accumulation. With ``w`` the softmax weights, past slots contribute
+        ``(w_past @ latent_v_h) @ basis_v_block[h, :, :r_h]^T`` (value absorption: the dense values are never
+        formed) and the current call's slots contribute ``w_new @ new_v``.
+    """
+    b, h, s, d = q.shape
+    hkv = basis_k_block.shape[0]
+    idx = slots.long()
+    k = _rebuild(latent_k[:, :kv_len], basis_k_block, k_offsets, cos_table, sin_table, slot_pos[:, :kv_len],
+                 rope_form, rotary_dim)
+    k[:, :, idx] = new_k.float()
+    w = _attention_weights(q, k, attn_mask, scale)  # (B, Hkv, H/Hkv, S, kv_len)
+    zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1])  # (B, Hkv, kv_len, Rv)
+    zv[:, :, idx] = 0.0  # the current call's slots come from new_v below
+    absorbed = torch.einsum("bgrst,bgtk->bgrsk", w, zv)  # (B, Hkv, H/Hkv, S, Rv): per query head, in latent space
+    out = torch.einsum("bgrsk,gdk->bgrsd", absorbed, basis_v_block.float())
+    out = out + torch.einsum("bgrsn,bgnd->bgrsd", w[..., idx], new_v.float())
+    return out.reshape(b, h, s, d).to(q.dtype)

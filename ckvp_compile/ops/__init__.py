@@ -1,0 +1,32 @@
+"""torch.library ops of ckvp_compile, namespace ``ckvp`` (``torch.ops.ckvp.<verb_object>``).
+
+One module per op family; each defines its ops with ``torch.library.custom_op`` (eager kernel -> the
+pure-PyTorch reference in :mod:`ckvp_compile.kernels.reference`, plus ``register_fake``) when it is imported.
+Importing this package defines nothing: call :func:`register_all` (the backend does, once).
+
+Families:
+    latent_kv: ``latent_append``, ``rope_table_update``, ``latent_reconstruct``, ``latent_attention``
+        (cross-layer latent KV cache, DESIGN.md "CKVP in numbers").
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["OP_MODULES", "register_all"]
+
+#: Modules under ``ckvp_compile.ops`` that define ops; :func:`register_all` imports each once.
+OP_MODULES: tuple[str, ...] = ("latent_kv",)
+
+
+def register_all() -> list[str]:
+    """Define every ckvp op (idempotent: a second call defines nothing and returns the same names).
+
+    Returns:
+        The qualified names of the ops defined, e.g. ``['ckvp::latent_append', ...]``, sorted.
+    """
+    names: list[str] = []
+    for module in OP_MODULES:
+        mod = importlib.import_module(f"{__name__}.{module}")  # cached after the first import
+        names.extend(f"ckvp::{name}" for name in getattr(mod, "OPS", {}))
+    return sorted(names)

@@ -1,0 +1,381 @@
+"""The cross-layer latent KV ops: ``torch.ops.ckvp.{latent_append, rope_table_update, latent_reconstruct,
+latent_attention}``.
+
+Each op is a ``torch.library.custom_op`` (opaque to Inductor: an extern call) whose eager kernel validates its
+inputs and calls the pure-PyTorch twin in :mod:`ckvp_compile.kernels.reference`; a ``register_fake`` kernel
+runs the same validation on shapes only, so a wrong shape fails at trace time with the same message.
+Notation and the packed latent layout: the docstring of :mod:`ckvp_compile.kernels.reference`.
+
+Schemas (``int[]`` offsets are compile-time constants; ``SymInt kv_len`` may be symbolic)::
+
+    ckvp::latent_append(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots) -> ()
+    ckvp::rope_table_update(Tensor(a!) cos_table, Tensor(b!) sin_table, Tensor(c!) slot_pos, Tensor cos,
+        Tensor sin, Tensor position_ids, Tensor slots) -> ()
+    ckvp::latent_reconstruct(Tensor latent, Tensor basis_block, int[] offsets, Tensor cos_table,
+        Tensor sin_table, Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots) -> Tensor
+    ckvp::latent_attention(Tensor q, Tensor latent_k, Tensor latent_v, Tensor basis_k_block,
+        Tensor basis_v_block, int[] k_offsets, int[] v_offsets, Tensor cos_table, Tensor sin_table,
+        Tensor slot_pos, str rope_form, int rotary_dim, Tensor new_k, Tensor new_v, Tensor slots,
+        Tensor? attn_mask, float scale, SymInt kv_len) -> Tensor
+
+Not checked (they need the data, which fake tensors do not have, and a host sync on GPU): slot and position
+values in range (``slots < S_max`` and ``< kv_len``, ``position_ids < P_max``, ``slot_pos < P_max``), and
+``slots`` being distinct. Out-of-range indices raise PyTorch's own index error on CPU.
+
+Imported by :func:`ckvp_compile.ops.register_all`; importing this module defines the ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CKVPShapeError
+from ..kernels import reference as ref
+
+__all__ = ["OPS", "latent_append", "latent_attention", "latent_reconstruct", "rope_table_update"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def _fail(op: str, msg: str) -> None:
+    raise CKVPShapeError(f"ckvp::{op}: {msg}")
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _expect_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[Any], layout: str) -> None:
+    """Fail unless ``t.shape`` equals ``expected`` (None entries match anything); ``layout`` names the dims."""
+    shape = _shape(t)
+    if len(shape) != len(expected) or any(e is not None and s != e for s, e in zip(shape, expected)):
+        want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") + ")"
+        _fail(op, f"{name} must be {layout} = {want}, but got {shape}")
+
+
+def _expect_ndim(op: str, name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        _fail(op, f"{name} must be {ndim}-D {layout}, but got shape {_shape(t)}")
+
+
+def _expect_float(op: str, name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        _fail(op, f"{name} must be a floating-point tensor, but got {t.dtype}")
+
+
+def _expect_index(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _INDEX_DTYPES:
+        _fail(op, f"{name} must be int32 or int64, but got {t.dtype}")
+
+
+def _expect_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        _fail(op, f"all tensors must be on one device, but got {devices}")
+
+
+def _check_offsets(op: str, name: str, offsets: Sequence[int], hkv: int, r_tot: Any, r_pad: Any) -> None:
+    """offsets: Hkv+1 non-decreasing ints from 0 to R_tot (the latent width), every rank <= R_max (basis width)."""
+    offsets = list(offsets)
+    if len(offsets) != hkv + 1:
+        _fail(op, f"{name} must have Hkv+1 = {hkv + 1} entries (Hkv = basis.shape[0]), but got {len(offsets)}: "
+                  f"{offsets}")
+    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+        _fail(op, f"{name} must be non-decreasing and start at 0, but got {offsets}")
+    if offsets[-1] != r_tot:
+        _fail(op, f"{name}[-1] must equal the latent width R_tot = {r_tot}, but got {offsets[-1]}")
+    ranks = [b - a for a, b in zip(offsets, offsets[1:])]
+    if ranks and max(ranks) > r_pad:
+        _fail(op, f"every head's rank {ranks} (from {name}) must be <= the basis width R_max = {r_pad}")
+
+
+def _check_rope(op: str, form: str, rotary_dim: int, d: Any, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                slot_pos: torch.Tensor, b: Any, s_max: Any) -> None:
+    if form not in ref.ROPE_FORMS:
+        _fail(op, f"rope_form must be one of {ref.ROPE_FORMS}, but got {form!r}")
+    if form == "none":
+        return
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
+        _fail(op, f"rotary_dim must be even and in [2, D = {d}], but got {rotary_dim}")
+    w = ref.rope_table_width(form, rotary_dim)
+    _expect_shape(op, "cos_table", cos_table, (None, w), f"(P_max, W) with W = {w} for {form!r}")
+    _expect_shape(op, "sin_table", sin_table, _shape(cos_table), "cos_table's shape")
+    _expect_float(op, "cos_table", cos_table)
+    _expect_float(op, "sin_table", sin_table)
+    _expect_shape(op, "slot_pos", slot_pos, (b, s_max), "(B, S_max)")
+    _expect_index(op, "slot_pos", slot_pos)
+
+
+def _check_slots(op: str, slots: torch.Tensor) -> Any:
+    _expect_ndim(op, "slots", slots, 1, "(S,)")
+    _expect_index(op, "slots", slots)
+    return slots.shape[0]
+
+
+def _check_latent_append(latent, x, basis, offsets, slots) -> None:
+    op = "latent_append"
+    _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
+    _expect_ndim(op, "basis", basis, 3, "(Hkv, G*D, R_max)")
+    s = _check_slots(op, slots)
+    b, hkv, gd = latent.shape[0], basis.shape[0], basis.shape[1]
+    _expect_shape(op, "x", x, (b, hkv, s, gd), "(B, Hkv, S, G*D) from latent, basis and slots")
+    for name, t in (("latent", latent), ("x", x), ("basis", basis)):
+        _expect_float(op, name, t)
+    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis.shape[2])
+    _expect_same_device(op, latent=latent, x=x, basis=basis, slots=slots)
+
+
+def _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots) -> None:
+    op = "rope_table_update"
+    _expect_ndim(op, "cos_table", cos_table, 2, "(P_max, W)")
+    _expect_shape(op, "sin_table", sin_table, _shape(cos_table), "cos_table's shape (P_max, W)")
+    _expect_ndim(op, "slot_pos", slot_pos, 2, "(B, S_max)")
+    _expect_index(op, "slot_pos", slot_pos)
+    s = _check_slots(op, slots)
+    b, w = slot_pos.shape[0], cos_table.shape[1]
+    _expect_ndim(op, "cos", cos, 3, "(B or 1, S, W)")
+    if cos.shape[0] not in (1, b):
+        _fail(op, f"cos must be (B or 1, S, W) with B = {b} (slot_pos.shape[0]), but got {_shape(cos)}")
+    _expect_shape(op, "cos", cos, (cos.shape[0], s, w), "(B or 1, S, W) from slots and cos_table")
+    _expect_shape(op, "sin", sin, _shape(cos), "cos's shape (B or 1, S, W)")
+    _expect_ndim(op, "position_ids", position_ids, 2, "(B or 1, S)")
+    if position_ids.shape[0] not in (1, b):
+        _fail(op, f"position_ids must be (B or 1, S) with B = {b} (slot_pos.shape[0]), but got "
+                  f"{_shape(position_ids)}")
+    _expect_shape(op, "position_ids", position_ids, (position_ids.shape[0], s), "(B or 1, S) from slots")
+    _expect_index(op, "position_ids", position_ids)
+    for name, t in (("cos_table", cos_table), ("sin_table", sin_table), ("cos", cos), ("sin", sin)):
+        _expect_float(op, name, t)
+    _expect_same_device(op, cos_table=cos_table, sin_table=sin_table, slot_pos=slot_pos, cos=cos, sin=sin,
+                        position_ids=position_ids, slots=slots)
+
+
+def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                              new, slots) -> None:
+    op = "latent_reconstruct"
+    _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
+    _expect_ndim(op, "basis_block", basis_block, 3, "(Hkv, D, R_max)")
+    s = _check_slots(op, slots)
+    b, s_max = latent.shape[0], latent.shape[1]
+    hkv, d = basis_block.shape[0], basis_block.shape[1]
+    _expect_shape(op, "new", new, (b, hkv, s, d), "(B, Hkv, S, D) from latent, basis_block and slots")
+    for name, t in (("latent", latent), ("basis_block", basis_block), ("new", new)):
+        _expect_float(op, name, t)
+    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis_block.shape[2])
+    _check_rope(op, rope_form, rotary_dim, d, cos_table, sin_table, slot_pos, b, s_max)
+    _expect_same_device(op, latent=latent, basis_block=basis_block, new=new, slots=slots,
+                        **({} if rope_form == "none" else dict(cos_table=cos_table, sin_table=sin_table,
+                                                                slot_pos=slot_pos)))
+
+
+def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
+                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale,
+                            kv_len) -> None:
+    op = "latent_attention"
+    _expect_ndim(op, "q", q, 4, "(B, H, S, D)")
+    _expect_ndim(op, "basis_k_block", basis_k_block, 3, "(Hkv, D, Rk_max)")
+    b, h, s, d = q.shape
+    hkv = basis_k_block.shape[0]
+    _expect_shape(op, "basis_k_block", basis_k_block, (hkv, d, None), "(Hkv, D, Rk_max) with D from q")
+    _expect_shape(op, "basis_v_block", basis_v_block, (hkv, d, None), "(Hkv, D, Rv_max) with Hkv, D from basis_k_block")
+    if hkv == 0 or h % hkv:
+        _fail(op, f"the query heads H = {h} (q.shape[1]) must be a multiple of the KV heads Hkv = {hkv} "
+                  f"(basis_k_block.shape[0])")
+    _expect_shape(op, "latent_k", latent_k, (b, None, None), "(B, S_max, Rk_tot) with B from q")
+    s_max = latent_k.shape[1]
+    _expect_shape(op, "latent_v", latent_v, (b, s_max, None), "(B, S_max, Rv_tot) from q and latent_k")
+    if _check_slots(op, slots) != s:
+        _fail(op, f"slots must be (S,) with S = {s} (q.shape[2]), but got {_shape(slots)}")
+    _expect_shape(op, "new_k", new_k, (b, hkv, s, d), "(B, Hkv, S, D) from q and basis_k_block")
+    _expect_shape(op, "new_v", new_v, (b, hkv, s, d), "(B, Hkv, S, D) from q and basis_k_block")
+    for name, t in (("q", q), ("latent_k", latent_k), ("latent_v", latent_v), ("basis_k_block", basis_k_block),
+                    ("basis_v_block", basis_v_block), ("new_k", new_k), ("new_v", new_v)):
+        _expect_float(op, name, t)
+    _check_offsets(op, "k_offsets", k_offsets, hkv, latent_k.shape[2], basis_k_block.shape[2])
+    _check_offsets(op, "v_offsets", v_offsets, hkv, latent_v.shape[2], basis_v_block.shape[2])
+    _check_rope(op, rope_form, rotary_dim, d, cos_table, sin_table, slot_pos, b, s_max)
+    if not 1 <= kv_len <= s_max:
+        _fail(op, f"kv_len must be in [1, S_max = {s_max}] (latent_k.shape[1]), but got {kv_len}")
+    if attn_mask is not None:
+        target = (b, h, s, kv_len)
+        mshape = _shape(attn_mask)
+        if len(mshape) > 4 or any(m != 1 and m != t for m, t in zip(reversed(mshape), reversed(target))):
+            _fail(op, f"attn_mask must be broadcastable to (B, H, S, kv_len) = {target}, but got {mshape}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            _fail(op, f"attn_mask must be bool (True = attend) or an additive float mask, but got {attn_mask.dtype}")
+    _expect_same_device(op, q=q, latent_k=latent_k, latent_v=latent_v, basis_k_block=basis_k_block,
+                        basis_v_block=basis_v_block, new_k=new_k, new_v=new_v, slots=slots, attn_mask=attn_mask,
+                        **({} if rope_form == "none" else dict(cos_table=cos_table, sin_table=sin_table,
+                                                                slot_pos=slot_pos)))
+
+
+# ------------------------------------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op(
+    "ckvp::latent_append",
+    mutates_args=("latent",),
+    schema="(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots) -> ()",
+)
+def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
+                  slots: torch.Tensor) -> None:
+    """Project the group's stacked new keys (or values) onto each head's basis and write them into the latent.
+
+    Args:
+        latent: (B, S_max, R_tot) float, mutated at ``latent[:, slots]``.
+        x: (B, Hkv, S, G*D) float, the group's G layers' new pre-RoPE keys (or values), layer-major.
+        basis: (Hkv, G*D, R_max) float, orthonormal columns, zero beyond each head's rank.
+        offsets: Hkv+1 ints, head h owns latent columns offsets[h]:offsets[h+1].
+        slots: (S,) int32|int64, distinct cache slots < S_max.
+    Returns:
+        None; ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` (fp32, cast).
+    Raises:
+        CKVPShapeError: a shape, dtype or device does not match the layout above.
+    Reference: kernels/reference.py::latent_append_ref
+    """
+    _check_latent_append(latent, x, basis, offsets, slots)
+    ref.latent_append_ref(latent, x, basis, offsets, slots)
+
+
+@latent_append.register_fake
+def _(latent, x, basis, offsets, slots) -> None:
+    _check_latent_append(latent, x, basis, offsets, slots)
+
+
+@torch.library.custom_op(
+    "ckvp::rope_table_update",
+    mutates_args=("cos_table", "sin_table", "slot_pos"),
+    schema="(Tensor(a!) cos_table, Tensor(b!) sin_table, Tensor(c!) slot_pos, Tensor cos, Tensor sin, "
+    "Tensor position_ids, Tensor slots) -> ()",
+)
+def rope_table_update(cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, position_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Record the model's RoPE tables at the new tokens' positions, and each new slot's position per sequence.
+
+    Args:
+        cos_table, sin_table: (P_max, W) float, position-indexed; mutated at rows ``position_ids``.
+        slot_pos: (B, S_max) int32|int64, RoPE position of every slot; mutated at columns ``slots``.
+        cos, sin: (B or 1, S, W) float, the model's tables for the new tokens (W per
+            :func:`~ckvp_compile.kernels.reference.rope_table_width`).
+        position_ids: (B or 1, S) int32|int64, the new tokens' positions (< P_max; per sequence with left
+            padding).
+        slots: (S,) int32|int64, the new tokens' slots.
+    Returns:
+        None; ``cos_table[position_ids] = cos``, ``sin_table[position_ids] = sin``,
+        ``slot_pos[:, slots] = position_ids``.
+    Raises:
+        CKVPShapeError: a shape, dtype or device does not match the layout above.
+    Reference: kernels/reference.py::rope_table_update_ref
+    """
+    _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
+    ref.rope_table_update_ref(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
+
+
+@rope_table_update.register_fake
+def _(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots) -> None:
+    _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
+
+
+@torch.library.custom_op(
+    "ckvp::latent_reconstruct",
+    mutates_args=(),
+    schema="(Tensor latent, Tensor basis_block, int[] offsets, Tensor cos_table, Tensor sin_table, "
+    "Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots) -> Tensor",
+)
+def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets: Sequence[int],
+                       cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str,
+                       rotary_dim: int, new: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rebuild one layer's dense K (or V) cache from the group latent, RoPE applied, current-call tokens exact.
+
+    Args:
+        latent: (B, S_max, R_tot) float.
+        basis_block: (Hkv, D, R_max) float, this layer's rows ``basis[:, j*D:(j+1)*D]`` of the group basis.
+        offsets: Hkv+1 ints.
+        cos_table, sin_table: (P_max, W) float, position-indexed (any tensors for rope_form 'none').
+        slot_pos: (B, S_max) int32|int64, each slot's RoPE position (any tensor for 'none').
+        rope_form: 'none' (values), 'rotate_half', 'interleaved' or 'complex'.
+        rotary_dim: channels rotated, even, <= D (ignored for 'none').
+        new: (B, Hkv, S, D) float, this call's exact tokens (post-RoPE keys, or values).
+        slots: (S,) int32|int64, their slots.
+    Returns:
+        (B, Hkv, S_max, D) new.dtype, computed in fp32.
+    Raises:
+        CKVPShapeError: a shape, dtype, device or RoPE argument does not match the layout above.
+    Reference: kernels/reference.py::latent_reconstruct_ref
+    """
+    _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                              new, slots)
+    out = ref.latent_reconstruct_ref(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form,
+                                     rotary_dim, new, slots)
+    return out.contiguous()  # the fake promises contiguous strides
+
+
+@latent_reconstruct.register_fake
+def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, new, slots):
+    _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                              new, slots)
+    b, s_max = latent.shape[0], latent.shape[1]
+    return new.new_empty((b, basis_block.shape[0], s_max, basis_block.shape[1]))
+
+
+@torch.library.custom_op(
+    "ckvp::latent_attention",
+    mutates_args=(),
+    schema="(Tensor q, Tensor latent_k, Tensor latent_v, Tensor basis_k_block, Tensor basis_v_block, "
+    "int[] k_offsets, int[] v_offsets, Tensor cos_table, Tensor sin_table, Tensor slot_pos, str rope_form, "
+    "int rotary_dim, Tensor new_k, Tensor new_v, Tensor slots, Tensor? attn_mask, float scale, SymInt kv_len) "
+    "-> Tensor",
+)
+def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
+                     basis_v_block: torch.Tensor, k_offsets: Sequence[int], v_offsets: Sequence[int],
+                     cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str,
+                     rotary_dim: int, new_k: torch.Tensor, new_v: torch.Tensor, slots: torch.Tensor,
+                     attn_mask: torch.Tensor | None, scale: float, kv_len: int) -> torch.Tensor:
+    """Attend over latent cache slots [0, kv_len): keys rebuilt with RoPE, values absorbed, new tokens exact.
+
+    Args:
+        q: (B, H, S, D) float, post-RoPE queries; query head i reads KV head i // (H/Hkv).
+        latent_k, latent_v: (B, S_max, Rk_tot) / (B, S_max, Rv_tot) float.
+        basis_k_block, basis_v_block: (Hkv, D, Rk_max) / (Hkv, D, Rv_max) float, this layer's rows.
+        k_offsets, v_offsets: Hkv+1 ints each.
+        cos_table, sin_table, slot_pos, rope_form, rotary_dim: the keys' RoPE, as in
+            :func:`latent_reconstruct`.
+        new_k, new_v: (B, Hkv, S, D) float, this call's exact keys (post-RoPE) and values.
+        slots: (S,) int32|int64, their slots, all < kv_len.
+        attn_mask: broadcastable to (B, H, S, kv_len), bool (True = attend) or additive float; None = no mask.
+        scale: score scale (1/sqrt(D) for standard attention).
+        kv_len: slots attended, 1 <= kv_len <= S_max.
+    Returns:
+        (B, H, S, D) q.dtype, fp32 accumulation. Rows the mask removes entirely are 0, as in torch SDPA.
+    Raises:
+        CKVPShapeError: a shape, dtype, device, RoPE or mask argument does not match the layout above.
+    Reference: kernels/reference.py::latent_attention_ref
+    """
+    _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
+                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len)
+    out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
+                                   cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
+                                   attn_mask, scale, kv_len)
+    return out.contiguous()  # the fake promises contiguous strides
+
+
+@latent_attention.register_fake
+def _(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table, sin_table, slot_pos,
+      rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len):
+    _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
+                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len)
+    return q.new_empty(q.shape)
+
+
+#: The ops this module defines, by name.
+OPS = {
+    "latent_append": latent_append,
+    "rope_table_update": rope_table_update,
+    "latent_reconstruct": latent_reconstruct,
+    "latent_attention": latent_attention,
+}
