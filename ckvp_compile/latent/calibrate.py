@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 #: (xk, xv) per group, each (Hkv, N, G_g*D) float64: one sample's stacked keys and values (N = B*S tokens).
 StackedKV = list[tuple[torch.Tensor, torch.Tensor]]
 
+_RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "_unsafe_view"})
 _DTYPE_OR_LAYOUT = frozenset({"contiguous", "clone", "to", "float", "half", "bfloat16", "type_as", "_to_copy",
                               "alias", "detach"})
 
@@ -212,6 +213,8 @@ class _RecordingBackend:
                 continue
             if s.rope is not None and s.rope.k_in is not None:
                 k_node, perm = s.rope.k_in, _layout_perm(nodes[s.k_cache.value_node], s.rope.k_out)
+                if perm is None:
+                    logger.debug("ckvp calibrate: layer %d: key layout not read off the graph; matching dims", s.layer)
             else:
                 k_node, perm = s.k_cache.value_node, (0, 1, 2, 3)
             probes.setdefault(k_node, []).append(_Probe("k", s.layer, perm))
@@ -250,8 +253,9 @@ def _projection_weight(proj: fx.Node | None) -> str | None:
 def _layout_perm(value: fx.Node, k_out: str | None) -> tuple[int, ...] | None:
     """The permutation p with ``value == k_out.permute(p)``, read off the transposes / permutes between them.
 
-    Walks back from the tensor written to the cache through transpose, permute, shape-preserving view/reshape
-    and dtype/layout ops until RoPE's output ``k_out``. Returns None when the path holds anything else.
+    Walks back from the tensor written to the cache through transpose, permute, dtype/layout ops and reshapes
+    of the trailing dims only (the complex form's ``flatten(3)`` of RoPE's (B, S, Hkv, D/2, 2) output) until
+    RoPE's output ``k_out``. Returns None when the path holds anything else.
     """
     perm = [0, 1, 2, 3]
     node: Any = value
@@ -270,13 +274,19 @@ def _layout_perm(value: fx.Node, k_out: str | None) -> tuple[int, ...] | None:
         elif name == "permute":
             dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
             t = [int(x) % 4 for x in dims]
-        elif name in _DTYPE_OR_LAYOUT or (name in ("view", "reshape") and shape_of(node) == shape_of(src)):
+        elif name in _DTYPE_OR_LAYOUT or (name in _RESHAPES and _same_leading_dims(node, src)):
             t = [0, 1, 2, 3]
         else:
             return None
         perm = [t[p] for p in perm]
         node = src
     return None
+
+
+def _same_leading_dims(a: fx.Node, b: fx.Node) -> bool:
+    """True when ``a`` and ``b`` have rank >= 4 and the same first three dims (a reshape of trailing dims)."""
+    sa, sb = shape_of(a), shape_of(b)
+    return sa is not None and sb is not None and min(len(sa), len(sb)) >= 4 and sa[:3] == sb[:3]
 
 
 def _to_bhsd(t: torch.Tensor, probe: _Probe) -> torch.Tensor:

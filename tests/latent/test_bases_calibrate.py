@@ -1,0 +1,278 @@
+"""Cross-layer latent bases: calibration by graph structure, the properties DESIGN.md promises, rank allocation,
+and the safetensors round trip.
+
+Properties (DESIGN.md, "CKVP in numbers"), over random HF-family and gpt-fast models: bases are orthonormal; at
+full rank P P^T x == x; on the calibration data the mean squared reconstruction error equals the sum of the
+discarded eigenvalues; ranks meet the budget; 'energy' allocation discards no more normalised energy than
+'uniform'.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ckvp_compile import CKVPConfig, CKVPConfigError, LatentBases, calibrate
+from ckvp_compile.latent import KVMoments, allocate_ranks, collect_kv_moments, rank_budget
+from ckvp_compile.testing import FIXTURE_MODEL_DIR, HF_FAMILIES, GptFastConfig, GptFastMoE, build_hf_moe, \
+    load_fixture_model
+
+RATIOS = (1.0, 2.0, 3.0, 4.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: these tiny matmuls run ~1000x slower with 2 OpenMP threads on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gpt_fast(seed: int = 0, **shape) -> GptFastMoE:
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=3, dim=32, n_head=4, n_local_heads=2, head_dim=8)
+    cfg.update(shape)
+    return GptFastMoE(GptFastConfig(**cfg)).eval()
+
+
+def _samples(n: int, shape: tuple[int, ...], seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, shape, generator=gen) for _ in range(n)]
+
+
+def _normalised_discard(b: LatentBases) -> float:
+    return sum(1 - b.retained_fraction(g, h, kind) for kind in "kv" for g in range(len(b.groups))
+               for h in range(b.num_kv_heads))
+
+
+def _check_bases(b: LatentBases, stacked: list, rho: float, alloc: str) -> None:
+    """Orthonormality, the budget, and MSE == discarded energy on the collected x."""
+    dense, latent = b.dense_elements_per_token(), b.latent_elements_per_token()
+    budget = rank_budget(dense, rho)
+    assert b.ratio() >= rho and latent <= budget
+    if alloc == "energy":
+        assert latent >= budget - 1
+    else:  # uniform: one r everywhere (capped), and r + 1 would not fit
+        caps = [len(layers) * b.head_dim for layers in b.groups for _ in range(b.num_kv_heads)] * 2
+        flat = [r for kind in "kv" for rs in b.ranks(kind) for r in rs]
+        r = max(flat)
+        assert flat == [min(r, c) for c in caps]
+        assert r == max(caps) or sum(min(r + 1, c) for c in caps) > budget
+    for kind, idx in (("k", 0), ("v", 1)):
+        for g, layers in enumerate(b.groups):
+            x_all = torch.cat([s[g][idx] for s in stacked], dim=1)  # (Hkv, N, G_g*D) float64
+            assert b.basis(kind)[g].shape == (b.num_kv_heads, len(layers) * b.head_dim, max(b.ranks(kind)[g]))
+            for h, r in enumerate(b.ranks(kind)[g]):
+                basis = b.basis(kind)[g][h]
+                assert basis.dtype == torch.float32 and not basis[:, r:].any()
+                p = basis[:, :r].double()
+                torch.testing.assert_close(p.T @ p, torch.eye(r, dtype=torch.float64), atol=1e-5, rtol=0)
+                x = x_all[h]
+                mse = ((x - x @ p @ p.T) ** 2).sum(-1).mean().item()
+                disc = b.discarded_energy(g, h, kind)
+                trace = float(b.eigenvalues(kind)[g][h].sum())
+                assert abs(mse - disc) <= 1e-4 * disc + 1e-9 * trace, (kind, g, h, r, mse, disc, trace)
+                if r == len(layers) * b.head_dim:  # full rank: exact reconstruction
+                    x32 = x.float()
+                    recon = x32 @ basis @ basis.T
+                    torch.testing.assert_close(recon, x32, rtol=1e-4, atol=1e-4 * float(x32.abs().max()))
+
+
+@st.composite
+def _random_models(draw):
+    family = draw(st.sampled_from(HF_FAMILIES + ("gpt_fast",)))
+    head_dim = draw(st.sampled_from((8, 16, 32)))
+    num_heads = draw(st.sampled_from((1, 2, 4)))
+    num_kv_heads = draw(st.sampled_from([k for k in (1, 2, 4) if num_heads % k == 0]))  # MHA / GQA / MQA
+    shape = dict(num_layers=draw(st.integers(1, 5)), hidden=num_heads * head_dim, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, num_experts=4, top_k=2, ffn=16)
+    group_size = draw(st.sampled_from((1, 2, 4)))
+    if family == "gpt_fast":
+        torch.manual_seed(0)
+        rope = draw(st.sampled_from(("complex", "rotate_half")))
+        model = GptFastMoE(GptFastConfig.from_shape(shape, rope_form=rope)).eval()
+    else:
+        model = build_hf_moe(family, **shape)
+    return family, shape, group_size, model
+
+
+@given(case=_random_models(), batch=st.sampled_from((1, 2)))
+def test_bases_properties_on_random_models(case, batch):
+    """Groups follow make_layer_groups; bases orthonormal; full rank exact; MSE == discarded; budgets met;
+    energy allocation discards no more normalised energy than uniform."""
+    family, shape, group_size, model = case
+    stacked: list = []
+    moments = collect_kv_moments(model, _samples(2, (batch, 12)), group_size=group_size, progress=False,
+                                 on_sample=stacked.append)
+    layers = list(range(shape["num_layers"]))
+    assert moments.groups == tuple(tuple(layers[i:i + group_size]) for i in range(0, len(layers), group_size))
+    assert (moments.num_kv_heads, moments.head_dim) == (shape["num_kv_heads"], shape["head_dim"])
+    assert moments.num_tokens == 2 * batch * 12 and len(stacked) == 2
+    full = moments.bases(1.0)
+    assert full.k_ranks == tuple((len(g) * shape["head_dim"],) * shape["num_kv_heads"] for g in full.groups)
+    _check_bases(full, stacked, 1.0, "energy")
+    top = full.dense_elements_per_token() / (2 * len(full.groups) * full.num_kv_heads)
+    for rho in (r for r in RATIOS[1:] if r <= top):
+        energy, uniform = moments.bases(rho, "energy"), moments.bases(rho, "uniform")
+        _check_bases(energy, stacked, rho, "energy")
+        _check_bases(uniform, stacked, rho, "uniform")
+        assert _normalised_discard(energy) <= _normalised_discard(uniform) + 1e-9
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_energy_allocation_is_optimal(data):
+    """The greedy 'energy' ranks reach the brute-force maximum of the summed retained fractions."""
+    units = data.draw(st.integers(1, 3))
+    spectra = []
+    for _ in range(units):
+        n = data.draw(st.integers(1, 4))
+        vals = data.draw(st.lists(st.floats(0, 10), min_size=n, max_size=n))
+        spectra.append(torch.tensor(sorted(vals, reverse=True), dtype=torch.float64))
+    budget = data.draw(st.integers(units, sum(s.numel() for s in spectra)))
+
+    def score(ranks):
+        return sum(float(s[:r].sum()) / float(s.sum()) if float(s.sum()) > 0 else 1.0 for s, r in zip(spectra, ranks))
+
+    ranks = allocate_ranks(spectra, budget, "energy")
+    assert sum(ranks) == budget and all(1 <= r <= s.numel() for r, s in zip(ranks, spectra))
+    best = max(score(rs) for rs in itertools.product(*[range(1, s.numel() + 1) for s in spectra])
+               if sum(rs) <= budget)
+    assert score(ranks) >= best - 1e-12
+    uniform = allocate_ranks(spectra, budget, "uniform")
+    assert sum(uniform) <= budget and score(uniform) <= score(ranks) + 1e-12
+
+
+def test_rank_budget_never_undershoots_ratio():
+    for dense in (96, 192, 2048, 4097):
+        for rho in (1, 1.5, 2.0, 3, 3.3, 4.0, 7.0, 8.0):
+            b = rank_budget(dense, rho)
+            assert dense / b >= rho and dense / (b + 1) < rho
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_fast"])
+def test_collected_keys_are_pre_rope_and_values_as_cached(family):
+    """Layer 0's recorded K is k_proj(norm(embed(ids))) before RoPE, in (B, Hkv, S, D) order, V likewise; the
+    gpt-fast case has S == Hkv, where only the graph (not the shapes) tells the layouts apart."""
+    b, s, hkv, d = 2, 4, 4, 8
+    if family == "gpt_fast":
+        model = _gpt_fast(n_head=4, n_local_heads=hkv)
+        layer = model.layers[0]
+        qkv = layer.attention.wqkv(layer.attention_norm(model.tok_embeddings(ids := _samples(1, (b, s))[0])))
+        k, v = qkv[..., 4 * d:4 * d + hkv * d], qkv[..., 4 * d + hkv * d:]
+    else:
+        model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=hkv, head_dim=d, hidden=32)
+        layer = model.model.layers[0]
+        h = layer.input_layernorm(model.model.embed_tokens(ids := _samples(1, (b, s))[0]))
+        k, v = layer.self_attn.k_proj(h), layer.self_attn.v_proj(h)
+    stacked: list = []
+    with torch.no_grad():
+        k, v = (t.view(b, s, hkv, d).permute(2, 0, 1, 3).reshape(hkv, b * s, d).double() for t in (k, v))
+    collect_kv_moments(model, [ids], group_size=2, progress=False, on_sample=stacked.append)
+    xk, xv = stacked[0][0]
+    torch.testing.assert_close(xk[..., :d], k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xv[..., :d], v, rtol=1e-5, atol=1e-5)
+
+
+def test_calibrate_matches_moments_and_regroup():
+    """calibrate() == collect_kv_moments().bases(); group_size= overrides the config and the last group is
+    shorter; moments at G=2 regrouped to G=1 == moments collected at G=1."""
+    model, samples = _gpt_fast(n_layer=3), _samples(3, (1, 16))
+    bases = calibrate(model, samples, CKVPConfig(group_size=4), group_size=2, kv_ratio=2.0, progress=False)
+    moments = collect_kv_moments(model, samples, group_size=2, progress=False)
+    again = moments.bases(2.0)
+    assert bases.groups == ((0, 1), (2,)) and bases.group_size == 2 and bases.num_tokens == 48
+    assert bases.k_ranks == again.k_ranks and bases.v_ranks == again.v_ranks
+    for g in range(2):
+        torch.testing.assert_close(bases.k_basis[g], again.k_basis[g], rtol=0, atol=0)
+    one = collect_kv_moments(model, samples, group_size=1, progress=False)
+    regrouped = moments.regroup(1)
+    assert regrouped.groups == one.groups == ((0,), (1,), (2,))
+    for a, b in zip(regrouped.k + regrouped.v, one.k + one.v):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(CKVPConfigError, match="dividing 2"):
+        moments.regroup(4)
+
+
+def test_save_load_round_trip_and_fingerprint(tmp_path):
+    model = _gpt_fast()
+    bases = calibrate(model, _samples(2, (1, 16)), group_size=2, kv_ratio=2.0, progress=False)
+    path = tmp_path / "bases.safetensors"
+    bases.save(path)
+    loaded = LatentBases.load(path, model=model)
+    for field in ("groups", "num_kv_heads", "head_dim", "group_size", "target_ratio", "rank_allocation", "k_ranks",
+                  "v_ranks", "model_fingerprint", "num_tokens"):
+        assert getattr(loaded, field) == getattr(bases, field), field
+    for name in ("k_basis", "v_basis", "k_eigenvalues", "v_eigenvalues"):
+        for a, b in zip(getattr(loaded, name), getattr(bases, name)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert loaded.summary() == bases.summary()
+    # the same weights in bf16 still match; another model does not
+    LatentBases.load(path, model=_gpt_fast().to(torch.bfloat16))
+    with pytest.raises(CKVPConfigError, match=r"calibrated on another model.*GptFastMoE.*re-run ckvp_compile.calibrate"):
+        LatentBases.load(path, model=_gpt_fast(seed=1))
+    with pytest.raises(CKVPConfigError, match="MixtralForCausalLM"):
+        LatentBases.load(path, model=build_hf_moe("mixtral"))
+    with pytest.raises(CKVPConfigError, match="no latent bases file"):
+        LatentBases.load(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CKVPConfigError, match="not a readable safetensors file"):
+        LatentBases.load(tmp_path / "junk.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(CKVPConfigError, match="not ckvp latent bases"):
+        LatentBases.load(tmp_path / "other.safetensors")
+    half = bases.to(dtype=torch.bfloat16)
+    assert half.k_basis[0].dtype == torch.bfloat16 and half.k_eigenvalues[0].dtype == torch.float64
+    assert bases.layer_block(1, 0, "v").shape == (2, 8, max(bases.v_ranks[1]))
+    torch.testing.assert_close(bases.layer_block(0, 1, "k"), bases.k_basis[0][:, 8:16])
+
+
+def test_errors_name_the_fix():
+    model, samples = _gpt_fast(), _samples(1, (1, 8))
+    # 3 layers in groups (0, 1), (2,); Hkv=2, D=8: dense 96 elements, at least 8 latents -> ratio <= 12
+    with pytest.raises(CKVPConfigError, match=r"kv_ratio must be a number in \[1, 12\]"):
+        calibrate(model, samples, group_size=2, kv_ratio=12.5, progress=False)
+    with pytest.raises(CKVPConfigError, match="kv_ratio must be a number >= 1"):
+        calibrate(model, samples, kv_ratio=0.5, progress=False)
+    with pytest.raises(CKVPConfigError, match="rank_allocation must be one of"):
+        calibrate(model, samples, rank_allocation="entropy", progress=False)
+    with pytest.raises(CKVPConfigError, match=r"group_size must be one of \[1, 2, 4, 8\]"):
+        calibrate(model, samples, group_size=3, progress=False)
+    with pytest.raises(CKVPConfigError, match="at least one sample"):
+        calibrate(model, [], progress=False)
+    with pytest.raises(CKVPConfigError, match="integer tensor of token ids"):
+        calibrate(model, [torch.zeros(1, 8)], progress=False)
+
+    class Cacheless(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.inner(ids)  # input_pos=None: no KV cache
+
+    with pytest.raises(CKVPConfigError, match="no attention layer with a usable KV cache.*no KV-cache write"):
+        calibrate(Cacheless(model), samples, progress=False)
+
+
+def test_fixture_model_ratio_4_group_4():
+    """The trained fixture: 4 windows of 256 held-out bytes, kv_ratio 4, G=4 -> 2 groups; prints the ranks."""
+    model = load_fixture_model()
+    data = (FIXTURE_MODEL_DIR / "eval_text.txt").read_bytes()
+    windows = [torch.tensor(list(data[i * 256:(i + 1) * 256])) for i in range(4)]
+    bases = calibrate(model, windows, group_size=4, kv_ratio=4.0, progress=False)
+    print("\n" + bases.summary())
+    assert bases.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and bases.num_tokens == 1024
+    assert (bases.num_kv_heads, bases.head_dim) == (2, 64)
+    assert bases.dense_elements_per_token() == 2048 and bases.latent_elements_per_token() == 512
+    assert bases.model_fingerprint["k_weight"] == "model.layers.0.self_attn.k_proj.weight"
+    for kind in "kv":
+        for g in range(2):
+            for h in range(2):
+                assert bases.retained_fraction(g, h, kind) > 0.9
