@@ -222,7 +222,7 @@ class _StoreArgs:
         return out
 
     def wrap(self, compiled: Callable) -> Callable:
-        index, boxed = self.index, getattr(compiled, "_boxed_call", False)
+        index = self.index
 
         def run(*args: Any) -> Any:
             hit = lookup_phantom(args[index])
@@ -232,7 +232,7 @@ class _StoreArgs:
                     "call torch._dynamo.reset() or keep one cache type per compiled model"
                 )
             extra = self.tensors(hit[0])
-            return compiled([*args, *extra]) if boxed else compiled(*args, *extra)
+            return compiled(*args, *extra)
 
         return run
 

@@ -47,6 +47,9 @@ def run_passes(
 ) -> list[PassResult]:
     """Run ``passes`` in order on ``graph`` (in place), linting after each that rewrote something.
 
+    No dead-code elimination here: FX's DCE drops in-place method calls on the torch-level graph (e.g. HF's
+    ``cumulative_length.add_``), so each pass removes the nodes it makes dead itself.
+
     Args:
         passes: passes of one stage.
         graph: the graph to rewrite.
@@ -60,7 +63,6 @@ def run_passes(
     for p in passes:
         res = p(graph)
         if res.matched:
-            graph.eliminate_dead_code()
             graph.lint()
         results.append(res)
     if on_graph is not None:

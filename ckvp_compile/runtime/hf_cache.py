@@ -103,7 +103,8 @@ def use_latent_cache(model: torch.nn.Module, bases: Any) -> LatentKVStore:
         model: the model (its caches already set up).
         bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for it.
     Returns:
-        The :class:`LatentKVStore` now holding the model's KV state (``store.reset()`` starts over).
+        The :class:`LatentKVStore` now holding the model's KV state (``store.reset()`` starts over); each
+        cache module keeps it as ``ckvp_store``.
     Raises:
         CKVPConfigError: no such buffers, or the bases do not match them.
     """
@@ -117,4 +118,5 @@ def use_latent_cache(model: torch.nn.Module, bases: Any) -> LatentKVStore:
     for i, m in enumerate(caches):
         m.k_cache = store.phantom(i, "k")
         m.v_cache = store.phantom(i, "v")
+        m.ckvp_store = store  # the model keeps its store alive (the phantom registry only holds weak refs)
     return store

@@ -1,0 +1,118 @@
+"""CKVP end to end: a latent cache compiled with the ckvp backend.
+
+At full rank (r = G x head_dim) the latent store is exact, so logits equal the dense model's within fp32
+tolerance through prefill and 16 decode steps; at a lower rank the per-sequence state really shrinks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckvp_compile import CKVPBackend, CKVPConfig, CKVPError, CompileRecorder
+from ckvp_compile.latent import calibrate
+from ckvp_compile.runtime.hf_cache import CKVPStaticCache, use_latent_cache
+from ckvp_compile.testing import HF_FAMILIES, GptFastConfig, GptFastMoE, build_hf_moe, prefill_decode_logits
+from ckvp_compile.testing.decoding import hf_step_kwargs
+from ckvp_compile.testing.strategies import moe_model_shapes
+
+N_DECODE = 16
+PROMPT = 6
+CACHE = 32
+
+
+def hf_latent_logits(model, ids, cache, backend):
+    step = torch.compile(model, backend=backend, fullgraph=True)
+    outs = []
+    with torch.no_grad():
+        out = step(**hf_step_kwargs(model, ids, cache, 0)).logits
+        outs.append(out)
+        for i in range(N_DECODE):
+            out = step(**hf_step_kwargs(model, out[:, -1:].argmax(-1), cache, ids.shape[1] + i)).logits
+            outs.append(out)
+    return outs
+
+
+def assert_close_all(eager, latent, tol=2e-4):
+    assert len(eager) == len(latent) == N_DECODE + 1
+    for i, (a, b) in enumerate(zip(eager, latent)):
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol, msg=lambda m: f"step {i}: {m}")
+
+
+def calib_samples(n=3, length=20):
+    return [torch.randint(0, 256, (1, length)) for _ in range(n)]
+
+
+@given(shape=moe_model_shapes(max_layers=5, hidden_matches_heads=True), family=st.sampled_from(HF_FAMILIES),
+       group_size=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2))
+@settings(max_examples=5)
+def test_hf_full_rank_equals_dense(shape, family, group_size, batch):
+    model = build_hf_moe(family, **shape)
+    bases = calibrate(model, calib_samples(), group_size=group_size, kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, 256, (batch, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    rec = CompileRecorder()
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=batch)
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
+    assert_close_all(eager, latent)
+    groups = len(bases.groups)
+    for g in rec.graphs:
+        assert g.plan.latent_groups == tuple(range(groups)) and g.plan.blocking == ()
+        assert [(r.name, r.matched) for r in g.pass_results] == [("latent_kv_cache", shape["num_layers"])]
+
+
+@given(shape=moe_model_shapes(max_layers=4), rope=st.sampled_from(["complex", "rotate_half"]),
+       group_size=st.sampled_from([1, 2, 4]))
+@settings(max_examples=4)
+def test_gpt_fast_full_rank_equals_dense(shape, rope, group_size):
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig.from_shape(shape, rope_form=rope)).eval()
+    bases = calibrate(model, calib_samples(), group_size=group_size, kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, 256, (1, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager"))
+
+    def compile_latent(m):
+        use_latent_cache(m, bases)
+        return torch.compile(m, backend=backend, fullgraph=True)
+
+    latent = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE, compile_fn=compile_latent)
+    assert_close_all(eager, latent)
+
+
+def test_storage_really_shrinks_at_ratio_4():
+    """Acceptance 3 (CPU): the tensors holding KV state take <= 1/4 x 1.1 of the dense bytes."""
+    model = build_hf_moe("mixtral", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16)
+    bases = calibrate(model, calib_samples(), group_size=4, kv_ratio=4.0, progress=False)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=256, max_batch_size=2)
+    dense_bytes = 4 * 2 * (2 * 2 * 256 * 16) * 4  # layers x (K, V) x B*Hkv*S*D x fp32
+    kv_state = {id(t.untyped_storage()): t.untyped_storage().nbytes() for layer in cache.layers
+                for t in (layer.keys, layer.values)}
+    store = cache.store
+    for t in (*store.latent_k, *store.latent_v, store.slot_pos):
+        kv_state[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+    total = sum(kv_state.values())
+    assert total <= dense_bytes / 4 * 1.1, (total, dense_bytes)
+    assert store.nbytes().ratio >= 4 / 1.1
+    for layer in cache.layers:  # phantoms: one element each
+        assert layer.keys.untyped_storage().nbytes() == 4 and layer.keys.shape == (2, 2, 256, 16)
+
+
+def test_eager_use_of_a_latent_cache_is_a_clear_error():
+    model = build_hf_moe("mixtral", num_layers=2)
+    bases = calibrate(model, calib_samples(1), group_size=2, kv_ratio=2.0, progress=False)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=16)
+    with pytest.raises(CKVPError, match="backend='ckvp'"):
+        with torch.no_grad():
+            model(**hf_step_kwargs(model, torch.randint(0, 256, (1, 4)), cache, 0))
+    assert torch.isnan(cache.layers[0].keys).all()  # never plausible numbers
+
+
+def test_bases_for_another_model_are_refused():
+    model = build_hf_moe("mixtral", num_layers=2)
+    other = build_hf_moe("mixtral", num_layers=3)
+    bases = calibrate(other, calib_samples(1), group_size=1, kv_ratio=2.0, progress=False)
+    with pytest.raises(ValueError, match="calibrate"):
+        CKVPStaticCache(model.config, bases, max_cache_len=16)
