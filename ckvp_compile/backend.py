@@ -148,7 +148,9 @@ class CKVPBackend:
         for u in plan.unsupported:
             msg = u.message()
             if self.config.strict:
-                err = UnsupportedGraphError(msg + " (strict=True: set strict=False to compile it untouched)")
+                err = UnsupportedGraphError(
+                    msg.replace(" Left untouched.", "") + " (strict=True: set strict=False to compile it untouched)"
+                )
                 raise _compat.surface_through_dynamo(err)
             if self.config.warn_unsupported:
                 warnings.warn(msg, UnsupportedPatternWarning, stacklevel=2)

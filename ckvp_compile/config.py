@@ -71,7 +71,7 @@ class CKVPConfig:
     )
     group_size: int = field(
         default=4,
-        metadata=_doc("Adjacent attention layers that share one latent KV cache (G in DESIGN.md).", choices=GROUP_SIZES),
+        metadata=_doc("Adjacent attention layers that share one latent KV cache (G): 1, 2, 4 or 8.", choices=GROUP_SIZES),
     )
     enable_latent_kv: bool = field(
         default=True,

@@ -100,6 +100,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("generate.py: error: --device cuda, but this torch has no CUDA device; use --device cpu")
     dtype = getattr(torch, args.dtype)
     model, encode, decode = load(args.model, args.device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
