@@ -116,3 +116,31 @@ def test_bases_for_another_model_are_refused():
     bases = calibrate(other, calib_samples(1), group_size=1, kv_ratio=2.0, progress=False)
     with pytest.raises(ValueError, match="calibrate"):
         CKVPStaticCache(model.config, bases, max_cache_len=16)
+
+
+def _make_kv_low_rank(model, rank: int) -> None:
+    """Give every layer's K and V projection rank ``rank`` per KV head (so keys/values are exactly low rank)."""
+    torch.manual_seed(1)
+    cfg = model.config
+    d, hkv = cfg.head_dim, cfg.num_key_value_heads
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+            w = proj.weight.data.view(hkv, d, -1)
+            for h in range(hkv):
+                u, s, vt = torch.linalg.svd(w[h], full_matrices=False)
+                w[h] = (u[:, :rank] * s[:rank]) @ vt[:rank]
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_reduced_rank_is_exact_on_exactly_low_rank_kv(group_size):
+    """With K/V of true rank 2 per head and layer, a 4x latent keeps every direction: logits equal dense.
+    This checks the wiring at reduced rank (layer blocks, head offsets, K vs V), which full rank cannot."""
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    _make_kv_low_rank(model, 2)
+    bases = calibrate(model, calib_samples(), group_size=group_size, kv_ratio=4.0, progress=False)
+    assert bases.ratio() >= 4.0
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager")))
+    assert_close_all(eager, latent, tol=1e-3)
