@@ -51,7 +51,8 @@ class Plan:
     """The result of planning one graph.
 
     Attributes:
-        groups: the layer groups of cache-carrying attention layers (last may be shorter than G).
+        groups: the layer groups of cache-carrying attention layers (last may be shorter than G): the latent
+            store's calibrated groups when the caches are latent caches, else grouped by ``config.group_size``.
         decisions: one per attention and MoE site, in layer order.
         unsupported: recognised patterns left untouched (from the analysis).
         kv_bytes_per_token_dense: bytes of K and V cached per token over all layers, as the model stores
@@ -200,8 +201,14 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
         planned = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention if s.layer not in saved_layers)
         planned += sum((store.k_offsets[g][-1] + store.v_offsets[g][-1]) * itemsize for g in latent_groups)
         planned += 4  # slot position (int32) per token
+    groups = make_layer_groups(analysis.attention, config.group_size)
+    if binding is not None:  # the store's calibrated grouping is the one in force
+        groups = tuple(
+            LayerGroup(g, tuple(layers), binding.store.num_kv_heads, binding.store.head_dim)
+            for g, layers in enumerate(binding.store.groups)
+        )
     return Plan(
-        groups=make_layer_groups(analysis.attention, config.group_size),
+        groups=groups,
         decisions=tuple(decisions),
         unsupported=analysis.unsupported,
         kv_bytes_per_token_dense=dense,
