@@ -42,10 +42,13 @@ from .graph import (
     VIEW_LIKE,
     find_downstream,
     find_upstream,
-    layer_index,
+    LayerFinding,
+    layer_prefix,
     module_path,
     node_map,
+    number_findings,
     op_name,
+    positions,
     shape_of,
     strip_views,
 )
@@ -83,47 +86,43 @@ def find_attention_sites(graph: fx.Graph) -> tuple[list[AttentionSite], list[Uns
     Returns:
         ``(sites, unsupported)``: sites in graph order (one per attention op understood); unsupported
         patterns (dynamic cache, MLA, sliding window) with reason and fix, which get no site.
-        Layer indices come from ``nn_module_stack`` (:func:`~.graph.layer_index`); when no attention has
-        one, attentions are numbered in graph order.
+        Layer indices come from the attention's module path (:func:`~.graph.assign_layer_indices`:
+        ``model.layers.3.self_attn`` -> 3; nested paths numbered in graph order); when no attention has
+        a numbered path, attentions are numbered in graph order.
     Raises:
         Nothing: an attention that cannot be analysed is skipped (logged at DEBUG).
     """
-    try:
-        candidates = find_attention_ops(graph)
-    except Exception:  # analysis never raises on unknown graphs
-        logger.debug("ckvp: attention candidate search failed", exc_info=True)
-        return [], []
-    layers = _layers(candidates)
-    nodes = node_map(graph)
+    findings = attention_findings(graph)
     sites: list[AttentionSite] = []
     unsupported: list[UnsupportedSite] = []
-    for cand, layer in zip(candidates, layers):
-        try:
-            site, bad = _analyse(cand, layer, nodes)
-        except Exception:
-            logger.debug("ckvp: attention at %s not analysed", cand.node.name, exc_info=True)
-            continue
-        unsupported.extend(bad)
-        if site is not None:
-            sites.append(site)
+    for items in number_findings(findings):
+        for x in items:
+            (sites if isinstance(x, AttentionSite) else unsupported).append(x)
     logger.debug("ckvp: %d attention sites, %d unsupported", len(sites), len(unsupported))
     return sites, unsupported
 
 
-def _layers(candidates: list[AttentionOp]) -> list[int]:
-    found = [layer_index(c.node) for c in candidates]
-    if all(x is None for x in found):
-        return list(range(len(candidates)))
-    used = {x for x in found if x is not None}
-    out, nxt = [], 0
-    for x in found:
-        if x is None:
-            while nxt in used:
-                nxt += 1
-            used.add(nxt)
-            x = nxt
-        out.append(x)
-    return out
+def attention_findings(graph: fx.Graph) -> list[LayerFinding]:
+    """The attention sites and unsupported patterns of ``graph``, one :class:`~.graph.LayerFinding` per
+    attention op that gave either, with layer -1 until :func:`~.graph.number_findings` numbers them."""
+    try:
+        candidates = find_attention_ops(graph)
+    except Exception:  # analysis never raises on unknown graphs
+        logger.debug("ckvp: attention candidate search failed", exc_info=True)
+        return []
+    nodes = node_map(graph)
+    where = positions(graph)
+    findings: list[LayerFinding] = []
+    for cand in candidates:
+        try:
+            site, bad = _analyse(cand, -1, nodes)
+        except Exception:
+            logger.debug("ckvp: attention at %s not analysed", cand.node.name, exc_info=True)
+            continue
+        items = list(bad) + ([site] if site is not None else [])
+        if items:
+            findings.append(LayerFinding(where[cand.node], layer_prefix(module_path(cand.node)), "attention", items))
+    return findings
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,13 +8,17 @@ class names. Nothing here mutates a graph.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import networkx as nx
 import torch
 import torch.fx as fx
+
+from .sites import UnsupportedSite
 
 # Names that mean the same operation, folded onto one canonical name.
 _ALIASES = {
@@ -155,20 +159,122 @@ def _normalise_path(path: str) -> str:
     return path.strip(".")
 
 
-_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+def layer_prefix(path: str) -> str | None:
+    """Return the layer identity of a module path: its prefix up to and including the LAST integer component.
 
-
-def layer_index(node: fx.Node) -> int | None:
-    """Return the layer index a node belongs to: the first integer component of its module path.
-
-    ``model.layers.3.self_attn.k_proj`` -> 3; ``layers.0.attention`` -> 0; a node outside any numbered
-    module (embedding, final norm) -> None. For a placeholder the Dynamo source name is used.
+    ``model.layers.3.self_attn`` -> ``'model.layers.3'``; ``stages.1.layers.0.attn`` -> ``'stages.1.layers.0'``;
+    ``G.models.1.layers.0.attention`` -> ``'G.models.1.layers.0'``; a path without an integer component
+    (``lm_head``, ``blocks.b0.attn``, ``''``) -> None.
     """
+    parts = path.split(".") if path else []
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def node_layer_prefix(node: fx.Node) -> str | None:
+    """Return :func:`layer_prefix` of ``node``'s module path (for a placeholder, of its Dynamo source name)."""
     path = module_path(node)
     if not path and node.op == "placeholder":
         path = _normalise_path(placeholder_source(node) or "")
-    m = _LAYER_RE.search(path)
-    return int(m.group(1)) if m else None
+    return layer_prefix(path)
+
+
+def layer_index(node: fx.Node) -> int | None:
+    """Return the integer that ends ``node``'s layer prefix (:func:`node_layer_prefix`), or None.
+
+    ``model.layers.3.self_attn.k_proj`` -> 3; ``layers.0.attention`` -> 0; a node outside any numbered
+    module (embedding, final norm) -> None. This is the raw number of one node; the ``layer`` of a site
+    comes from :func:`assign_layer_indices`, which also handles nested paths (``stages.1.layers.0``).
+    """
+    prefix = node_layer_prefix(node)
+    return int(prefix.rsplit(".", 1)[-1]) if prefix is not None else None
+
+
+def _stem(prefix: str) -> str:
+    return prefix.rsplit(".", 1)[0] if "." in prefix else ""
+
+
+def assign_layer_indices(items: Sequence[tuple[int, str | None, str]]) -> list[int]:
+    """Number the layers of a graph's findings, from their layer prefixes (:func:`layer_prefix`).
+
+    Args:
+        items: one ``(position, prefix, kind)`` per finding: its position in the graph (node order), its layer
+            prefix (``'model.layers.3'``, None when its module path has no integer component) and its kind
+            (``'attention'``, ``'moe'``).
+    Returns:
+        One layer index per item, in the order given:
+
+        * when every prefix shares one stem (``model.layers.<i>``), the index is that integer ``i``;
+        * otherwise (nested stages ``stages.<s>.layers.<j>``, several models ``models.<m>.layers.<j>``) the
+          distinct prefixes are numbered 0, 1, ... in graph order (by their first position);
+        * items without a prefix are numbered per kind in graph order with the integers not already used:
+          the k-th such attention and the k-th such MoE get the same index.
+
+        Items of the same prefix (a layer's attention and its MoE) always get the same index.
+    """
+    prefixes = {p for _, p, _ in items if p is not None}
+    if len({_stem(p) for p in prefixes}) == 1:
+        index_of = {p: int(p.rsplit(".", 1)[-1]) for p in prefixes}
+    else:
+        first: dict[str, int] = {}
+        for pos, p, _ in items:
+            if p is not None:
+                first[p] = min(pos, first.get(p, pos))
+        index_of = {p: i for i, p in enumerate(sorted(first, key=lambda q: (first[q], q)))}
+    used = set(index_of.values())
+    free: list[int] = []
+    next_of_kind: dict[str, int] = {}
+    out: list[int | None] = [index_of[p] if p is not None else None for _, p, _ in items]
+    for i in sorted((i for i, (_, p, _) in enumerate(items) if p is None), key=lambda i: items[i][0]):
+        k = next_of_kind.get(items[i][2], 0)
+        next_of_kind[items[i][2]] = k + 1
+        while len(free) <= k:
+            candidate = free[-1] + 1 if free else 0
+            while candidate in used:
+                candidate += 1
+            free.append(candidate)
+        out[i] = free[k]
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class LayerFinding:
+    """What one detector found at one place in the graph, before layer numbering.
+
+    Attributes:
+        position: graph position (node order) of the finding's anchor node (the attention op, the router).
+        prefix: the layer prefix of its module path (:func:`layer_prefix`), None when not numbered.
+        kind: 'attention' or 'moe'.
+        items: the sites and unsupported patterns found there (frozen dataclasses with a ``layer`` field).
+    """
+
+    position: int
+    prefix: str | None
+    kind: str
+    items: list[Any] = field(default_factory=list)
+
+
+def number_findings(findings: Sequence[LayerFinding]) -> list[list[Any]]:
+    """Give every item of ``findings`` its layer index (:func:`assign_layer_indices`); aligned with ``findings``.
+
+    A finding without a layer prefix that holds only unsupported patterns (no site) is not attributable to a
+    layer: its items get ``layer=None`` and it takes no number from the sites.
+    """
+    numbered = [f for f in findings if f.prefix is not None or not all(isinstance(x, UnsupportedSite) for x in f.items)]
+    index_of = dict(zip(map(id, numbered), assign_layer_indices([(f.position, f.prefix, f.kind) for f in numbered])))
+    return [[dataclasses.replace(x, layer=index_of.get(id(f))) for x in f.items] for f in findings]
+
+
+def has_numbered_layers(graph: fx.Graph) -> bool:
+    """True when some call in ``graph`` runs inside a module path with an integer component (``layers.3``)."""
+    return any(n.op.startswith("call_") and node_layer_prefix(n) is not None for n in graph.nodes)
+
+
+def positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Map node -> its position in ``graph`` (node order)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def node_map(graph: fx.Graph) -> dict[str, fx.Node]:
@@ -311,8 +417,3 @@ def ancestors(node: fx.Node, max_depth: int = 10_000) -> set[fx.Node]:
         frontier = nxt
         depth += 1
     return out
-
-
-def fallback_layer_indices(nodes: list[fx.Node]) -> dict[fx.Node, int]:
-    """Number ``nodes`` (already in graph order) 0, 1, 2... for graphs without numbered module paths."""
-    return {n: i for i, n in enumerate(nodes)}

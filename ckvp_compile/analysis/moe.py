@@ -47,8 +47,11 @@ kind                       structure
 ``unknown_combine``        expert GEMMs whose outputs are never multiplied by the routing weights
 =========================  ========================================================================================
 
-A top-k without expert GEMMs is only reported when it looks like a router: k < E <= 1024 (this keeps a
-sampling top-k over vocabulary logits out of the report). :func:`find_moe_sites` never raises: a candidate
+A top-k without expert GEMMs is only reported when it looks like a router: k < E <= 1024, a linear producing
+the E scores and a softmax / sigmoid, E not the vocabulary size (the rows of an embedding table in the graph),
+and, when the graph has numbered layers, the router linear inside one (``model.layers.3.mlp.gate``, not
+``lm_head``). This keeps a sampling top-k over vocabulary logits out of the report. Layer indices come from
+the module paths (:func:`~.graph.assign_layer_indices`). :func:`find_moe_sites` never raises: a candidate
 whose analysis fails unexpectedly is logged at DEBUG and reported as ``UnsupportedSite(kind='analysis_error')``.
 
 Dimension glossary: T tokens, Dm model dim, E experts, A active experts per token (top-k), I expert FFN dim.
@@ -62,6 +65,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Iterable
 
+import torch
 import torch.fx as fx
 
 from .graph import (
@@ -69,11 +73,17 @@ from .graph import (
     ancestors,
     arg,
     find_downstream,
+    dtype_of,
     find_upstream,
-    layer_index,
+    has_numbered_layers,
+    LayerFinding,
+    layer_prefix,
     module_path,
+    node_layer_prefix,
+    number_findings,
     op_name,
     placeholder_source,
+    positions,
     shape_of,
     strip_views,
     tensor_args,
@@ -142,15 +152,27 @@ def find_moe_sites(graph: fx.Graph) -> tuple[list[MoESite], list[UnsupportedSite
             ``example_value`` fake tensors, ``nn_module_stack`` metadata). Read only: nothing is modified.
     Returns:
         (sites, unsupported): one :class:`MoESite` per understood router -> top-k -> experts -> combine, in
-        graph order, ``layer`` from the router's ``nn_module_stack`` (numbered in graph order when the graph has
-        no numbered module paths); and the recognised-but-unusable patterns (see the module docstring).
+        graph order, ``layer`` from the site's module path (:func:`~.graph.assign_layer_indices`; numbered in
+        graph order when the graph has no numbered module paths); and the recognised-but-unusable patterns
+        (see the module docstring).
     Raises:
         Nothing: unknown patterns are not reported; unexpected failures become ``analysis_error`` entries.
     """
+    sites: list[MoESite] = []
+    unsupported: list[UnsupportedSite] = []
+    for items in number_findings(moe_findings(graph)):
+        for x in items:
+            (sites if isinstance(x, MoESite) else unsupported).append(x)
+    return sites, unsupported
+
+
+def moe_findings(graph: fx.Graph) -> list[LayerFinding]:
+    """The MoE sites and unsupported patterns of ``graph``, one :class:`~.graph.LayerFinding` per top-k that
+    gave either, with layer -1 until :func:`~.graph.number_findings` numbers them."""
     nodes = list(graph.nodes)
     topks = [n for n in nodes if op_name(n) == "topk"]
     if not topks:
-        return [], []
+        return []
     owned: dict[fx.Node, list[_ExpertGemm]] = {t: [] for t in topks}
     for n in nodes:
         gemm = _classify_expert_gemm(n)
@@ -160,24 +182,57 @@ def find_moe_sites(graph: fx.Graph) -> tuple[list[MoESite], list[UnsupportedSite
         if owner is not None:
             owned[owner].append(gemm)
 
-    sites: list[MoESite] = []
-    unsupported: list[UnsupportedSite] = []
+    where = positions(graph)
+    context = _GraphContext(numbered=has_numbered_layers(graph), vocab=_vocabulary_sizes(nodes))
+    findings: list[LayerFinding] = []
     for t in topks:
+        anchor, path = t, module_path(t)
         try:
             if owned[t]:
-                site, problems = _analyse_site(t, owned[t])
-                if site is not None:
-                    sites.append(site)
-                unsupported += problems
+                items, anchor, path = _analyse_site(t, owned[t])
             else:
-                unsupported += _analyse_routerless_experts(t)
+                items, anchor, path = _analyse_routerless_experts(t, context)
         except Exception as exc:  # analysis must never break compilation
             logger.debug("ckvp: MoE analysis of %s failed", t.name, exc_info=True)
-            unsupported.append(UnsupportedSite(
-                "analysis_error", layer_index(t), f"MoE analysis of top-k {t.name} failed ({exc!r}).",
+            items = [UnsupportedSite(
+                "analysis_error", -1, f"MoE analysis of top-k {t.name} failed ({exc!r}).",
                 "please report this graph; the layer is left as captured.", (t.name,),
-            ))
-    return _number_layers(sites), unsupported
+            )]
+        if items:
+            findings.append(LayerFinding(where[anchor], _layer_prefix_of(path, anchor), "moe", items))
+    return findings
+
+
+@dataclass(frozen=True)
+class _GraphContext:
+    """Facts about the whole graph that decide whether a top-k without experts can be a router.
+
+    numbered: some call runs inside a numbered module path (``layers.3``): routers then live in numbered layers.
+    vocab: the row counts of the embedding tables used in the graph (the vocabulary sizes).
+    """
+
+    numbered: bool
+    vocab: frozenset[int]
+
+
+def _vocabulary_sizes(nodes: Iterable[fx.Node]) -> frozenset[int]:
+    """Rows V of every embedding table (V, D) looked up in the graph (``F.embedding`` / ``aten.embedding``)."""
+    sizes = set()
+    for n in nodes:
+        if op_name(n) != "embedding":
+            continue
+        for a in tensor_args(n):
+            shape = shape_of(a)
+            if shape is not None and len(shape) == 2 and (dtype_of(a) or torch.int64).is_floating_point:
+                sizes.add(shape[0])
+                break
+    return frozenset(s for s in sizes if s > 0)
+
+
+def _layer_prefix_of(path: str, anchor: fx.Node) -> str | None:
+    """The layer prefix of a MoE finding: from its (common) module path, else from its anchor node's."""
+    prefix = layer_prefix(path)
+    return prefix if prefix is not None else node_layer_prefix(anchor)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -517,40 +572,47 @@ def _root(linear: fx.Node) -> fx.Node | None:
 # Assembling a site
 
 
-def _analyse_site(topk: fx.Node, gemms: list[_ExpertGemm]) -> tuple[MoESite | None, list[UnsupportedSite]]:
-    """Build the MoESite of ``topk`` and its expert GEMMs, or say why it cannot be used."""
+def _analyse_site(topk: fx.Node, gemms: list[_ExpertGemm]) -> tuple[list[MoESite | UnsupportedSite], fx.Node, str]:
+    """Build the MoESite of ``topk`` and its expert GEMMs, or say why it cannot be used.
+
+    Returns ([the site] or the problems, the anchor node (router linear, else the top-k), the module path
+    common to the router and the expert GEMMs). Layer fields are -1 (numbered later).
+    """
     in_shape = shape_of(topk.args[0]) or ()
     num_experts = in_shape[-1] if in_shape else 0
     top_k = _topk_k(topk) or 0
     router = _trace_router(topk, num_experts)
-    layer = layer_index(router.linear if router.linear is not None else topk)
+    anchor = router.linear if router.linear is not None else topk
+    path = _common_path(anchor, *(g.node for g in gemms))
+    layer = -1
     gemm_names = tuple(g.node.name for g in gemms)
     where = f"top-k {topk.name} (E={num_experts}, A={top_k})"
 
     forms = sorted({g.form for g in gemms})
     if len(forms) > 1:
-        return None, [UnsupportedSite(
+        return [UnsupportedSite(
             "unknown_experts_form", layer, f"{where} feeds expert GEMMs of several forms ({', '.join(forms)}).",
-            _FORM_FIX, (topk.name, *gemm_names))]
+            _FORM_FIX, (topk.name, *gemm_names))], anchor, path
     form = forms[0]
 
     downs = _down_gemms(gemms)
     combines = [c for c in (_find_combine(d.node) for d in downs) if c is not None]
     if not combines:
-        return None, [UnsupportedSite(
+        return [UnsupportedSite(
             "unknown_combine", layer,
             f"{where}: the outputs of its {form} expert GEMMs are never multiplied by the routing weights.",
-            "NYI: routing weights applied before or inside the experts (not to their outputs) are not supported.", (topk.name, *gemm_names))]
+            "NYI: routing weights applied before or inside the experts (not to their outputs) are not supported.",
+            (topk.name, *gemm_names))], anchor, path
     combine, weight_operand = combines[0]
     weights = _trace_weights(weight_operand, topk)
 
     problems = _router_problems(router, weights)
     if problems:
         nodes = tuple(n.name for n in (router.linear, topk) if n is not None) + gemm_names
-        return None, [UnsupportedSite(
+        return [UnsupportedSite(
             "unsupported_router", layer,
             f"{where} with {form} experts: routing not expressible as softmax/sigmoid -> top-k "
-            f"[-> renormalise]: {'; '.join(problems)}.", _ROUTER_FIX, nodes)]
+            f"[-> renormalise]: {'; '.join(problems)}.", _ROUTER_FIX, nodes)], anchor, path
     assert router.linear is not None  # _router_problems reports a missing router
 
     scoring = router.scoring if router.scoring is not None else weights.scoring
@@ -561,8 +623,8 @@ def _analyse_site(topk: fx.Node, gemms: list[_ExpertGemm]) -> tuple[MoESite | No
     shared, out = (found[0], _extend_views(found[1])) if found else (None, _extend_views(routed))
     down_weight = (sorted(downs, key=lambda g: _position(g.node))[-1] if downs else gemms[-1]).weight
     site = MoESite(
-        layer=layer if layer is not None else -1,
-        module_path=_common_path(router.linear, *(g.node for g in gemms)),
+        layer=layer,
+        module_path=path,
         router_node=router.linear.name,
         scoring=_SCORING[op_name(scoring)],
         scoring_node=scoring.name,
@@ -579,7 +641,7 @@ def _analyse_site(topk: fx.Node, gemms: list[_ExpertGemm]) -> tuple[MoESite | No
         shared_expert=shared,
         output_node=out.name,
     )
-    return site, []
+    return [site], anchor, path
 
 
 def _router_problems(router: _Router, weights: _Weights) -> list[str]:
@@ -611,20 +673,30 @@ def _has_gather(weights: _Weights) -> bool:
     return any(op_name(n) == "gather" for n in weights.other_ops)
 
 
-def _analyse_routerless_experts(topk: fx.Node) -> list[UnsupportedSite]:
-    """A router -> top-k without expert GEMMs: a graph break before the experts, or an unknown experts form."""
+def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[list[UnsupportedSite], fx.Node, str]:
+    """A router -> top-k without expert GEMMs: a graph break before the experts, or an unknown experts form.
+
+    With no expert weights gathered, only the routing itself says this is MoE, so a top-k is taken for a
+    router only when it looks like one: ``k < E <= MAX_ROUTER_EXPERTS``, a linear producing the E scores, a
+    softmax / sigmoid, E not the vocabulary size (an embedding table's rows: top-k over vocabulary logits is
+    sampling), and, in a graph with numbered layers, the linear inside a numbered layer (an LM head is not).
+    Returns (the patterns found, the anchor node, its module path).
+    """
+    none: tuple[list[UnsupportedSite], fx.Node, str] = ([], topk, "")
     indices = _topk_indices(topk)
     in_shape = shape_of(topk.args[0]) if topk.args else None
     k = _topk_k(topk)
     if indices is None or not indices.users or not in_shape or k is None:
-        return []
+        return none
     num_experts = in_shape[-1]
-    if not (0 < k < num_experts <= MAX_ROUTER_EXPERTS):
-        return []
+    if not (0 < k < num_experts <= MAX_ROUTER_EXPERTS) or num_experts in context.vocab:
+        return none
     router = _trace_router(topk, num_experts)
     if router.linear is None or (router.scoring is None and not _has_scoring_after(topk)):
-        return []
-    layer = layer_index(router.linear)
+        return none
+    if context.numbered and node_layer_prefix(router.linear) is None:
+        return none
+    layer = -1
     nodes = (router.linear.name, topk.name)
     where = f"router {router.linear.name} -> top-k {topk.name} (E={num_experts}, A={k})"
     out: list[UnsupportedSite] = []
@@ -645,7 +717,7 @@ def _analyse_routerless_experts(topk: fx.Node) -> list[UnsupportedSite]:
                                     f"{_ROUTER_OP_HINTS.get(op_name(n), 'an unknown op')}"
                                     for n in router.other_ops) + ".",
             _ROUTER_FIX, nodes))
-    return out
+    return out, router.linear, module_path(router.linear)
 
 
 def _has_scoring_after(topk: fx.Node) -> bool:
@@ -655,13 +727,6 @@ def _has_scoring_after(topk: fx.Node) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _number_layers(sites: list[MoESite]) -> list[MoESite]:
-    """Give sites without a layer index (-1) their position among all sites, in graph order."""
-    if all(s.layer >= 0 for s in sites):
-        return sites
-    return [s if s.layer >= 0 else dataclasses.replace(s, layer=i) for i, s in enumerate(sites)]
 
 
 def _hidden_dim(router: fx.Node) -> int:

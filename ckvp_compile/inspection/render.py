@@ -1,10 +1,10 @@
 """Render an :class:`~ckvp_compile.inspection.report.InspectionReport` as plain text or as one HTML page.
 
-Both renderers show the same content: the model summary, then per graph the layer table, groups, KV bytes
-per token, decisions, unsupported patterns, pass results, replaced nodes and the diffs. The text form cuts
-each diff to :data:`TEXT_DIFF_LINES` lines unless ``full``; the HTML form (``templates/report.html.jinja``,
-jinja2 with autoescape on) is self-contained: inline CSS, no scripts or external resources, diffs as colored
-``<pre>`` blocks, and the rewritten graphs' code in collapsed ``<details>``.
+Both renderers show the same content: the model summary, then per graph the analysis notes, the layer table,
+groups, KV bytes per token, decisions, unsupported patterns, pass results, replaced nodes and the diffs. The
+text form cuts each diff to :data:`TEXT_DIFF_LINES` lines unless ``full``; the HTML form
+(``templates/report.html.jinja``, jinja2 with autoescape on) is self-contained: inline CSS, no scripts or
+external resources, diffs as colored ``<pre>`` blocks, and the rewritten graphs' code in collapsed ``<details>``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def _graph_text(g: "GraphReport", full: bool) -> list[str]:
     a = g.analysis
     out = [f"=== graph {g.index} ({g.phase}): {a.num_nodes} nodes, {len(a.attention)} attention sites, "
            f"{len(a.moe)} MoE sites ==="]
+    out += [f"note: {n}" for n in a.notes]
     rows = g.layer_rows()
     if rows:
         out += format_table(LayerRow.HEADERS, [r.cells() for r in rows])
@@ -156,6 +157,7 @@ def html_context(report: "InspectionReport") -> dict[str, Any]:
             "num_nodes": g.analysis.num_nodes,
             "num_attention": len(g.analysis.attention),
             "num_moe": len(g.analysis.moe),
+            "notes": list(g.analysis.notes),
             "rows": [r.cells() for r in g.layer_rows()],
             "groups": format_groups(g.plan.groups),
             "kv_bytes": g.kv_bytes_line(),

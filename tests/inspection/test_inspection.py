@@ -349,3 +349,20 @@ def test_html_report_escapes_everything():
     assert '<span class="add">+    return x &lt; 2</span>' in page
     assert parsed.tags["tr"] == 1 + 3 + 1 + 1  # layer table header + 3 rows, unsupported header + 1 row
     json.dumps(report.to_dict())
+
+
+def test_reports_print_the_analysis_notes():
+    """A graph whose sites have no numbered module path carries a note; text, HTML and JSON all show it."""
+    import dataclasses
+
+    from ckvp_compile.analysis import UNNUMBERED_NOTE
+
+    report = _synthetic_report()
+    g = report.graphs[0]
+    g.analysis = dataclasses.replace(g.analysis, notes=(UNNUMBERED_NOTE,))
+    text = report.to_text()
+    assert f"note: {UNNUMBERED_NOTE}" in text.splitlines()
+    assert text.index("note: ") < text.index("\ngroups: ")
+    assert f"note: {UNNUMBERED_NOTE}" in "".join(check_html(report.to_html()).text)
+    assert json.loads(json.dumps(report.to_dict()))["graphs"][0]["analysis"]["notes"] == [UNNUMBERED_NOTE]
+    assert "note:" not in _synthetic_report().to_text()
