@@ -44,11 +44,53 @@ def test_uuid_changes_with_package_sources(monkeypatch):
     assert PostGradPassManager([], h).uuid() != before
 
 
-def test_source_hash_covers_pass_files():
+def test_source_hash_covers_every_source_but_testing_and_inspection():
     import ckvp_compile.passes.manager as m
 
     assert len(package_source_hash()) == 64
-    assert "passes" in m.HASHED_DIRS and "lowering" in m.HASHED_DIRS and "kernels" in m.HASHED_DIRS
+    hashed = {str(p.relative_to(m._PACKAGE_DIR)) for p in m.hashed_source_files()}
+    for sub in ("passes", "lowering", "kernels", "ops", "runtime", "latent", "analysis"):
+        assert any(h.startswith(sub + "/") for h in hashed), sub
+    assert {"config.py", "backend.py", "plan.py", "_compat.py"} <= hashed
+    assert "inspection/templates/report.html.jinja" not in hashed
+    assert not any(h.startswith(("testing/", "inspection/")) or "__pycache__" in h for h in hashed)
+    assert set(m.UNHASHED_DIRS) == {"testing", "inspection"}
+
+
+def test_source_hash_sees_edits_within_the_process(tmp_path, monkeypatch):
+    """No stale cache: editing, adding or removing a hashed source changes the hash in the same process;
+    testing/ and inspection/ do not count."""
+    from ckvp_compile.passes import manager
+
+    for rel in ("passes/a.py", "runtime/store.py", "ops/fake.py", "kernels/t.jinja", "config.py",
+                "testing/models.py", "inspection/templates/page.jinja", "notes.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n")
+    monkeypatch.setattr(manager, "_PACKAGE_DIR", tmp_path)
+    seen = [package_source_hash()]
+    assert package_source_hash() == seen[0]  # stable
+
+    def changes(edit) -> bool:
+        edit()
+        seen.append(package_source_hash())
+        return seen[-1] != seen[-2]
+
+    append = lambda rel: lambda: (tmp_path / rel).write_text((tmp_path / rel).read_text() + "x = 1\n")  # noqa: E731
+    assert changes(append("runtime/store.py"))
+    assert changes(append("ops/fake.py"))
+    assert changes(append("passes/a.py"))
+    assert changes(append("kernels/t.jinja"))
+    assert changes(append("config.py"))
+    assert changes(lambda: (tmp_path / "latent").mkdir() or (tmp_path / "latent" / "new.py").write_text("y = 2\n"))
+    assert changes(lambda: (tmp_path / "ops" / "fake.py").unlink())
+    assert not changes(append("testing/models.py"))
+    assert not changes(append("inspection/templates/page.jinja"))
+    assert not changes(append("notes.txt"))
+    assert len(set(seen)) == 8
+    h = CKVPConfig().compute_hash()
+    before = PostGradPassManager([], h).uuid()
+    (tmp_path / "plan.py").write_text("z = 3\n")
+    assert PostGradPassManager([], h).uuid() != before  # the manager's uuid follows
 
 
 def test_run_passes_rewrites_and_reports():

@@ -2,9 +2,11 @@
 
 Inductor caches compiled graphs keyed (among other things) by the ``uuid()`` of the custom passes in its
 config; a pass without a uuid bypasses the cache, and a stale uuid would serve code compiled by an older
-pass. :func:`package_source_hash` therefore hashes every source file of the package's ``passes/``,
-``lowering/`` and ``kernels/`` directories (custom lowerings and templates are not in Inductor's key
-either), and the manager's uuid adds the options' hash and its passes' own uuids.
+pass. :func:`package_source_hash` therefore hashes every ``.py`` / ``.jinja`` source file of the package
+except ``testing/`` and ``inspection/`` (passes, lowerings and kernels, but also the ops' fake kernels, the
+runtime, the latent calibration and the analysis all shape the compiled code, and none is in Inductor's key),
+and the manager's uuid adds the options' hash and its passes' own uuids. The hash is recomputed when a file's
+(path, mtime, size) changes, so an edit within a running process is seen.
 torch 2.11 accepts a single object for ``post_grad_custom_post_pass``, not a list: hence one manager.
 Prior art: vLLM ``vllm/compilation/pass_manager.py`` (PostGradPassManager).
 """
@@ -25,19 +27,52 @@ from .base import CKVPPass, PassResult
 logger = logging.getLogger(__name__)
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
-HASHED_DIRS = ("passes", "lowering", "kernels")
+#: Package subdirectories that cannot change compiled code: their sources are not hashed.
+UNHASHED_DIRS = ("testing", "inspection")
+HASHED_SUFFIXES = (".py", ".jinja")
 
 
-@functools.lru_cache(maxsize=1)
+def hashed_source_files() -> list[Path]:
+    """Return the package's ``.py`` / ``.jinja`` files outside :data:`UNHASHED_DIRS`, in sorted order."""
+    out = []
+    for path in sorted(_PACKAGE_DIR.rglob("*")):
+        rel = path.relative_to(_PACKAGE_DIR).parts
+        if path.suffix in HASHED_SUFFIXES and rel[0] not in UNHASHED_DIRS and "__pycache__" not in rel \
+                and path.is_file():
+            out.append(path)
+    return out
+
+
 def package_source_hash() -> str:
-    """Return the sha256 of every ``.py``/``.jinja`` file under passes/, lowering/ and kernels/ (sorted paths)."""
+    """Return the sha256 of the package's sources (:func:`hashed_source_files`: relative path and contents).
+
+    Each call lists the files and stats them; the contents are re-read only when some file's
+    (path, st_mtime_ns, st_size) differs from a previous call, so edits in a running process are seen.
+    """
+    stamps = []
+    for path in hashed_source_files():
+        try:
+            st = path.stat()
+        except OSError:  # removed while listing
+            continue
+        stamps.append((str(path.relative_to(_PACKAGE_DIR)), st.st_mtime_ns, st.st_size))
+    return _hash_sources(str(_PACKAGE_DIR), tuple(stamps))
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_sources(root: str, stamps: tuple[tuple[str, int, int], ...]) -> str:
     h = hashlib.sha256()
-    for sub in HASHED_DIRS:
-        for path in sorted((_PACKAGE_DIR / sub).rglob("*")):
-            if path.suffix in (".py", ".jinja") and path.is_file():
-                h.update(str(path.relative_to(_PACKAGE_DIR)).encode())
-                h.update(path.read_bytes())
+    for rel, _, _ in stamps:
+        try:
+            data = (Path(root) / rel).read_bytes()
+        except OSError:
+            data = b""
+        h.update(f"{rel}\0{len(data)}\0".encode())
+        h.update(data)
     return h.hexdigest()
+
+
+package_source_hash.cache_clear = _hash_sources.cache_clear  # type: ignore[attr-defined]  # the old lru_cache API
 
 
 def run_passes(
@@ -96,7 +131,7 @@ class PostGradPassManager(custom_graph_pass_base()):  # type: ignore[misc]
         self.results.extend(run_passes(self.passes, graph, self.on_graph))
 
     def uuid(self) -> str:
-        """Hash of the package's pass/lowering/kernel sources, the options, and each pass's own uuid."""
+        """Hash of the package's sources (:func:`package_source_hash`), the options, and each pass's own uuid."""
         h = hashlib.sha256()
         h.update(package_source_hash().encode())
         h.update(self.config_hash.encode())
