@@ -6,6 +6,8 @@ imported here and nowhere else; ``tests/test_compat.py`` checks that each one ex
 
 from __future__ import annotations
 
+import functools
+import typing
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,6 +21,7 @@ REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
     ("torch._inductor.decomposition", "select_decomp_table"),
     ("torch._inductor", "list_mode_options"),
+    ("torch._inductor.config", "get_config_copy"),
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("torch._dynamo.backends.debugging", "boxed_nop"),
 )
@@ -38,6 +41,44 @@ def inductor_mode_options(mode: str) -> dict[str, Any]:
     from torch._inductor import list_mode_options
 
     return dict(list_mode_options(mode))
+
+
+@functools.lru_cache(maxsize=1)
+def inductor_config_defaults() -> dict[str, Any]:
+    """Return every ``torch._inductor.config`` option, name -> default value.
+
+    Nested options are dotted (``'triton.cudagraphs'``), as ``torch._inductor.config.patch`` takes them. An
+    option whose default is computed at import (torch stores a sentinel) maps to its current value. Imports
+    Inductor's config (lazily: only when ``inductor`` patches are given).
+    """
+    import torch._inductor.config as config
+
+    out = dict(config.get_config_copy())
+    entries = getattr(config, "_config", None) or {}
+    for name, entry in entries.items():
+        default = getattr(entry, "default", None)
+        if type(default) is object:  # torch's "computed at import" sentinel
+            try:
+                default = out[name] if name in out else getattr(config, name)
+            except AttributeError:
+                continue
+        out[name] = default
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def inductor_config_accepts_none(name: str) -> bool:
+    """True when the Inductor option ``name`` is declared to accept None (``bool | None``, ``int | None``...),
+    or when its declared type is unknown on this torch."""
+    import torch._inductor.config as config
+
+    entry = (getattr(config, "_config", None) or {}).get(name)
+    value_type = getattr(entry, "value_type", None)
+    if value_type is None or value_type is type(None):
+        return True
+    if isinstance(value_type, str):
+        return "None" in value_type
+    return type(None) in typing.get_args(value_type)
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict[str, Any]) -> Callable:

@@ -7,20 +7,27 @@ onto a field of :class:`CKVPConfig` and rejects unknown keys and bad values with
 
 Inductor settings pass through unchanged under the ``"inductor"`` key, e.g.
 ``options={"inductor": {"max_autotune": True}}``; ``mode=`` (or the ``"mode"`` option, since torch refuses
-``mode`` and ``options`` together) selects Inductor's preset for that mode.
+``mode`` and ``options`` together) selects Inductor's preset for that mode. Each ``inductor`` key must be a
+``torch._inductor.config`` option (nested ones dotted, ``"triton.cudagraphs"``) and its value must have the
+type of the option's default and be JSON-like (None, bool, int, float, str, and lists / dicts of them): the
+options are hashed into Inductor's cache key (:meth:`CKVPConfig.compute_hash`), and an object's ``repr``
+(with its address) would make that hash differ from run to run. With ``compiler='aot_eager'`` or ``'eager'``
+Inductor never runs, so ``inductor`` patches (and a ``mode``) are ignored, with a :class:`CKVPWarning`.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import difflib
 import hashlib
 import json
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from .errors import CKVPConfigError
+from .errors import CKVPConfigError, CKVPWarning
 
 CONFIG_VERSION = 1
 
@@ -66,7 +73,8 @@ class CKVPConfig:
         default_factory=dict,
         metadata=_doc(
             "Inductor config patches passed through unchanged (torch._inductor.config names, e.g. "
-            "{'max_autotune': True}). Applied after the mode preset."
+            "{'max_autotune': True}; checked: known name, the default's type, JSON-like value). Applied after "
+            "the mode preset; ignored, with a warning, unless compiler='inductor'."
         ),
     )
     group_size: int = field(
@@ -114,6 +122,16 @@ class CKVPConfig:
         for key in self.inductor:
             if not isinstance(key, str):
                 raise CKVPConfigError(f"'inductor' option keys must be strings, got {key!r}")
+        if self.inductor:
+            _check_inductor_patches(self.inductor)
+        if self.compiler != "inductor":
+            ignored = ([f"inductor={dict(self.inductor)!r}"] if self.inductor else []) + (
+                [f"mode={self.mode!r}"] if self.mode != "default" else [])
+            if ignored:
+                warnings.warn(
+                    f"ckvp: compiler={self.compiler!r} does not run Inductor, so {' and '.join(ignored)} "
+                    f"{'is' if len(ignored) == 1 else 'are'} ignored (Inductor options apply only with "
+                    "compiler='inductor').", CKVPWarning, stacklevel=3)
         if self.enable_expert_gemm:
             raise CKVPConfigError(
                 "NYI: enable_expert_gemm=True (the grouped expert GEMM rewrite) is not built in this release; "
@@ -168,8 +186,15 @@ class CKVPConfig:
         return out
 
     def compute_hash(self) -> str:
-        """Return a stable sha256 hex digest of every option; part of the pass manager's cache ``uuid()``."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=repr)
+        """Return a stable sha256 hex digest of every option; part of the pass manager's cache ``uuid()``.
+
+        Raises:
+            CKVPConfigError: an ``inductor`` value is not JSON-like (it has no stable serialisation; the
+                constructor already refuses such values, so this only happens if one was mutated in place).
+        """
+        for key, value in self.inductor.items():
+            _check_json_like(key, value)
+        blob = json.dumps(self.to_dict(), sort_keys=True, allow_nan=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @classmethod
@@ -181,6 +206,66 @@ class CKVPConfig:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             rows.append((f.name, _type_name(hints[f.name]), repr(default), f.metadata.get("doc", "")))
         return rows
+
+
+#: Inductor option default type -> (accepted value types, the name used in messages).
+_INDUCTOR_VALUE_TYPES: tuple[tuple[type, tuple[type, ...], str], ...] = (
+    (bool, (bool,), "a bool"),
+    (int, (int,), "an int"),
+    (float, (int, float), "a number"),
+    (str, (str,), "a str"),
+    (list, (list, tuple), "a list"),
+    (tuple, (list, tuple), "a list or tuple"),
+    (dict, (collections.abc.Mapping,), "a dict"),
+)
+
+
+def _check_inductor_patches(patches: Mapping[str, Any]) -> None:
+    """Check each Inductor patch: a known ``torch._inductor.config`` name, a value of the default's type, JSON-like.
+
+    The default's type decides (bool, int, float: int or float, str, list / tuple, dict); None is accepted
+    where the default is None or the option is declared ``X | None``; options whose default is None or an
+    object accept any JSON-like value.
+    """
+    from . import _compat
+
+    defaults = _compat.inductor_config_defaults()
+    for key, value in patches.items():
+        if key not in defaults:
+            close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.7)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise CKVPConfigError(
+                f"unknown Inductor option {key!r} under 'inductor'.{hint} Valid names are the options of "
+                "torch._inductor.config (nested ones dotted, e.g. 'triton.cudagraphs'; list them with "
+                "torch._inductor.config.get_config_copy())."
+            )
+        default = defaults[key]
+        if value is None:
+            if default is not None and not _compat.inductor_config_accepts_none(key):
+                raise CKVPConfigError(f"Inductor option {key!r} does not accept None (default {default!r})")
+        elif default is not None:
+            for default_type, accepted, name in _INDUCTOR_VALUE_TYPES:
+                if type(default) is default_type:  # exact: bool is not an int here
+                    bad_bool = isinstance(value, bool) and bool not in accepted
+                    if bad_bool or not isinstance(value, accepted):
+                        raise CKVPConfigError(
+                            f"Inductor option {key!r} must be {name} (its default is {default!r}), "
+                            f"got {type(value).__name__} {value!r}"
+                        )
+                    break
+        _check_json_like(key, value)
+
+
+def _check_json_like(key: str, value: Any) -> None:
+    """Raise CKVPConfigError when ``value`` (of Inductor option ``key``) has no stable JSON form."""
+    try:
+        json.dumps(value, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise CKVPConfigError(
+            f"Inductor option {key!r} has a value that is not JSON-like ({type(value).__name__}: {exc}); ckvp "
+            "hashes the options into Inductor's cache key and only hashes None, bool, int, float, str and "
+            "lists / dicts of them (an object's repr holds its address and would change every run)."
+        ) from None
 
 
 def _type_name(tp: Any) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _options(args: argparse.Namespace) -> Any:
     """Parse and validate ``--options`` / ``--compiler`` into a CKVPConfig (raises _UsageError)."""
     from ..config import CKVPConfig
-    from ..errors import CKVPConfigError
+    from ..errors import CKVPConfigError, CKVPWarning
 
     try:
         opts = json.loads(args.options)
@@ -68,15 +69,37 @@ def _options(args: argparse.Namespace) -> Any:
         opts["compiler"] = args.compiler
     opts.setdefault("compiler", "aot_eager")
     try:
-        return CKVPConfig.from_options(opts)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CKVPWarning)
+            config = CKVPConfig.from_options(opts)
     except CKVPConfigError as exc:
         raise _UsageError(f"invalid --options: {exc}") from None
+    for w in caught:  # e.g. inductor patches ignored by the aot_eager inspection compiler: one line each
+        if issubclass(w.category, CKVPWarning):
+            print(f"{PROG}: warning: {_one_line(w.message)}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return config
 
 
 def _check_writable(path: str | None, flag: str) -> None:
-    if path is not None and not Path(path).resolve().parent.is_dir():
-        raise _UsageError(f"{flag} {path!r}: directory {str(Path(path).resolve().parent)!r} does not exist; "
-                          "create it or pick another path")
+    """Refuse an output path that cannot be written, before anything is compiled (raises _UsageError)."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        example = str(target / f"report.{flag.lstrip('-')}")
+        raise _UsageError(f"{flag} {path!r} is a directory; give a file name, e.g. {example!r}")
+    parent = target.resolve().parent
+    if not parent.exists():
+        raise _UsageError(f"{flag} {path!r}: directory {str(parent)!r} does not exist; create it or pick another "
+                          "path")
+    if not parent.is_dir():
+        raise _UsageError(f"{flag} {path!r}: {str(parent)!r} is not a directory; pick another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _UsageError(f"{flag} {path!r}: directory {str(parent)!r} is not writable; pick another path")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise _UsageError(f"{flag} {path!r}: the file exists and is not writable; pick another path")
 
 
 def _one_line(text: str) -> str:

@@ -151,6 +151,8 @@ def test_cli_bad_option(tmp_path):
         (["--options", "{not json"], "not valid JSON"),
         (["--options", "[1, 2]"], "JSON object"),
         (["--options", '{"group_size": 3}'], "group_size"),
+        (["--options", '{"inductor": {"max_autotun": true}}'], "Did you mean 'max_autotune'"),
+        (["--options", '{"inductor": {"max_autotune": 1}}'], "must be a bool"),
         (["--compiler", "tvm"], "invalid choice"),
         (["--html", "/no/such/dir/out.html"], "does not exist"),
         (["--prompt-len", "64"], "--max-cache-len"),
@@ -160,6 +162,50 @@ def test_cli_usage_errors_in_process(args, needle, capsys):
     assert main(["--model", str(FIXTURE_MODEL_DIR), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], err
+
+
+def _no_compiling(monkeypatch):
+    from ckvp_compile.inspection import capture, report
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded or compiled before the output paths were checked")
+
+    monkeypatch.setattr(capture, "load_model_dir", fail)
+    monkeypatch.setattr(report, "inspect_model", fail)
+
+
+def test_cli_output_paths_checked_before_compiling(tmp_path, capsys, monkeypatch):
+    _no_compiling(monkeypatch)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        (["--html", str(tmp_path)], "is a directory"),
+        (["--json", str(tmp_path)], "is a directory"),
+        (["--json", str(a_file / "out.json")], "is not a directory"),
+        (["--html", str(tmp_path / "missing" / "out.html")], "does not exist"),
+    ]
+    for args, needle in cases:
+        assert main(["--model", str(FIXTURE_MODEL_DIR), *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], (args, err)
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)  # an unwritable directory (tests may run as root)
+    assert main(["--model", str(FIXTURE_MODEL_DIR), "--html", str(tmp_path / "out.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not writable" in err[0], err
+
+
+def test_cli_warns_in_one_line_when_inductor_options_are_ignored(capsys, monkeypatch):
+    from ckvp_compile.errors import CKVPModelLoadError
+    from ckvp_compile.inspection import capture
+
+    def not_loadable(path):
+        raise CKVPModelLoadError("stop here")
+
+    monkeypatch.setattr(capture, "load_model_dir", not_loadable)
+    assert main(["--model", "x", "--options", '{"inductor": {"max_autotune": true}}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("ckvp-inspect: warning: ") and "ignored" in err[0], err
+    assert "compiler='aot_eager'" in err[0] and err[1] == "ckvp-inspect: error: stop here"
 
 
 def test_cli_unloadable_directory(tmp_path, capsys):
