@@ -1,0 +1,501 @@
+"""CKVP fidelity benchmark: perplexity and next-token agreement of the latent KV cache against the dense model.
+
+    python -m ckvp_compile.bench.fidelity                       # the fixture, default configs
+    python -m ckvp_compile.bench.fidelity --group-sizes 1 4 --kv-ratios 2 4 8 --allocations energy \\
+        --extra uniform:4:4 --json out.json --plot out.png
+
+What is measured (honestly: through the real compiled rewrite, never a simulation of it):
+
+1. Text -> token ids (bytes are token ids when ``vocab_size == 256``, else the model directory's tokenizer),
+   split into non-overlapping windows of ``--window`` tokens. The first ``--calib-windows`` windows calibrate the
+   bases; the NEXT ``--eval-windows`` windows (disjoint from calibration) are evaluated.
+2. Dense reference: teacher-forced negative log-likelihood of every eval window under the model, one plain full
+   forward per batch of windows (exact for a dense cache).
+3. CKVP, per (group size G, kv ratio, rank allocation): bases from the calibration windows' second moments
+   (collected once at the largest G and regrouped: a G'-layer group's moment is a diagonal block of the G one),
+   a :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` of ``max_cache_len=window``,
+   ``max_batch_size=--batch``, and the model compiled once with
+   ``CKVPBackend(CKVPConfig(compiler="aot_eager"))``, ``fullgraph=True``. Each batch of windows is fed
+   teacher-forced in chunks of ``--chunk`` tokens: the tokens of the current chunk attend to each other exactly
+   (their own K/V), every earlier token only through the latent store (reconstructed from the latent, RoPE
+   re-applied at its position). ``--chunk 1`` is pure decode (every past token from the latent); larger chunks
+   are slightly optimistic for decode, since up to chunk-1 recent tokens are exact. ``cache.reset()`` runs
+   before every batch; for the first config (``--reset-check all``: every config) the first batch is evaluated
+   again after the others and must give bit-identical NLL (reset really resets).
+4. Per config: NLL over positions 1..window-1 of every eval window, perplexity ``exp(mean NLL)``, the relative
+   change against dense, and top-1 next-token agreement with the dense model's argmax. The measured ratio is
+   ``StoreBytes.ratio``: dense K/V bytes over the per-sequence latent state (latents + slot positions, every
+   byte the cache holds that scales with batch x context) at ``max_cache_len = window``. Bases and RoPE tables
+   are model constants, reported separately.
+
+A window count that the batch does not divide is padded with copies of the last window (their results are
+dropped), so every call has the cache's batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "EvalStats",
+    "FidelityConfig",
+    "FidelityResult",
+    "ckvp_stats",
+    "dense_stats",
+    "load_token_ids",
+    "main",
+    "markdown_table",
+    "plot_results",
+    "run_fidelity",
+    "split_windows",
+]
+
+#: The trained tiny Mixtral fixture shipped with the repository.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-mixtral-pystdlib"
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    """One CKVP configuration: layers per group, requested dense / latent ratio, rank allocation."""
+
+    group_size: int
+    kv_ratio: float
+    rank_allocation: str = "energy"
+
+    @classmethod
+    def parse(cls, text: str) -> "FidelityConfig":
+        """Parse ``allocation:group_size:ratio`` (e.g. ``uniform:4:4``)."""
+        try:
+            alloc, g, r = text.split(":")
+            return cls(int(g), float(r), alloc)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected allocation:group_size:ratio (e.g. uniform:4:4), got {text!r}")
+
+
+@dataclass
+class EvalStats:
+    """Teacher-forced statistics of a set of windows: per window NLL sum (nats) and top-1 agreements."""
+
+    nll: torch.Tensor  # (N,) float64, summed over positions 1..W-1
+    tokens: int  # predicted tokens in all: N * (W - 1)
+    agree: torch.Tensor | None = None  # (N,) int64, positions whose argmax equals the dense argmax
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(float(self.nll.sum()) / self.tokens)
+
+
+@dataclass
+class FidelityResult:
+    """One row of the benchmark table (see the module docstring for each quantity)."""
+
+    group_size: int
+    rank_allocation: str
+    kv_ratio: float  # requested
+    measured_ratio: float  # StoreBytes.ratio: dense KV bytes / per-sequence latent-state bytes
+    elements_ratio: float  # LatentBases.ratio(): dense / latent elements per token (no slot positions)
+    latent_bytes: int  # per-sequence state of the whole cache (B sequences, window slots)
+    slot_position_bytes: int
+    dense_bytes: int  # dense K/V bytes of the same B and window
+    bases_bytes: int  # model constant
+    rope_table_bytes: int  # model constant
+    batch_size: int
+    dense_ppl: float
+    ckvp_ppl: float
+    ppl_change_pct: float
+    top1_agreement_pct: float
+    reset_check_max_abs_diff: float | None  # None: not checked for this config
+    graphs_compiled: int
+    layers_rewritten: int
+    k_ranks: list[list[int]] = field(default_factory=list)
+    v_ranks: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+
+
+def load_token_ids(text_path: str | Path, model: torch.nn.Module, model_dir: str | Path | None = None) -> torch.Tensor:
+    """Return the text's token ids, (N,) long: its bytes when ``vocab_size == 256``, else the model's tokenizer."""
+    data = Path(text_path).read_bytes()
+    if getattr(model.config, "vocab_size", None) == 256:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return torch.tensor(tok(data.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
+
+
+def split_windows(ids: torch.Tensor, window: int) -> torch.Tensor:
+    """Split (N,) token ids into non-overlapping windows: (N // window, window); the tail is dropped."""
+    n = ids.numel() // window
+    return ids[: n * window].view(n, window)
+
+
+def _batches(windows: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor, int]]:
+    """(batch (B, W), number of real windows in it); the last batch is padded with copies of its last window."""
+    out = []
+    for i in range(0, windows.shape[0], batch_size):
+        chunk = windows[i:i + batch_size]
+        real = chunk.shape[0]
+        if real < batch_size:
+            chunk = torch.cat([chunk, chunk[-1:].expand(batch_size - real, -1)])
+        out.append((chunk, real))
+    return out
+
+
+def _nll_and_argmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-window NLL sum over positions 1..W-1 (float64) and the argmax predictions (B, W-1)."""
+    lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+    nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
+    return nll, logits[:, :-1].argmax(-1)
+
+
+# ------------------------------------------------------------------------------------------------------ measuring
+
+
+def dense_stats(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4,
+                progress: bool = False) -> tuple[EvalStats, torch.Tensor]:
+    """Dense reference: one full forward per batch (no cache). Returns the stats and the argmax (N, W-1)."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    nlls, preds = [], []
+    with torch.no_grad():
+        for batch, real in tqdm(_batches(windows, batch_size), desc="dense", disable=not progress):
+            logits = model(input_ids=batch.to(device), use_cache=False).logits.float().cpu()
+            nll, pred = _nll_and_argmax(logits, batch)
+            nlls.append(nll[:real])
+            preds.append(pred[:real])
+    n, w = windows.shape
+    return EvalStats(torch.cat(nlls), n * (w - 1)), torch.cat(preds)
+
+
+def _ckvp_batch(model: torch.nn.Module, step: Callable, cache: Any, batch: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Teacher-force one batch of windows through the compiled model in chunks; return the logits (B, W, V)."""
+    from ..latent.capture import hf_step_kwargs
+
+    device = next(model.parameters()).device
+    cache.reset()
+    ids = batch.to(device)
+    outs = []
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            out = step(**hf_step_kwargs(model, ids[:, start:start + chunk], cache, start))
+            outs.append(out.logits.float().cpu())
+    return torch.cat(outs, dim=1)
+
+
+def ckvp_stats(model: torch.nn.Module, step: Callable, cache: Any, windows: torch.Tensor, dense_pred: torch.Tensor,
+               chunk: int = 16, progress: bool = False, desc: str = "ckvp",
+               reset_check: bool = True) -> tuple[EvalStats, float | None]:
+    """Evaluate ``windows`` through ``step`` (the model compiled with the ckvp backend) and a latent cache.
+
+    Args:
+        model: the uncompiled HF model (for the forward's argument names).
+        step: ``torch.compile(model, backend=CKVPBackend(...), fullgraph=True)``.
+        cache: a :class:`CKVPStaticCache` with ``max_cache_len >= W``; its batch size is the batch used.
+        windows: (N, W) token ids. dense_pred: (N, W-1) the dense model's argmax, for the agreement.
+        chunk: tokens per call (1 = pure decode).
+        reset_check: evaluate the first batch again after the others.
+    Returns:
+        The stats, and the largest |NLL difference| of the first batch evaluated again after the others (0.0
+        when ``cache.reset()`` really resets; None without ``reset_check``).
+    """
+    from tqdm.auto import tqdm
+
+    bsz = cache.store.batch_size
+    batches = _batches(windows, bsz)
+    nlls, agree = [], []
+    first_nll = None
+    for batch, real in tqdm(batches, desc=desc, disable=not progress):
+        nll, pred = _nll_and_argmax(_ckvp_batch(model, step, cache, batch, chunk), batch)
+        if first_nll is None:
+            first_nll = nll
+        nlls.append(nll[:real])
+        agree.append(pred[:real])
+    reset_diff = None
+    if reset_check:
+        again, _ = _nll_and_argmax(_ckvp_batch(model, step, cache, batches[0][0], chunk), batches[0][0])
+        reset_diff = float((again - first_nll).abs().max())
+    pred = torch.cat(agree)
+    n, w = windows.shape
+    stats = EvalStats(torch.cat(nlls), n * (w - 1), (pred == dense_pred).sum(-1))
+    return stats, reset_diff
+
+
+def _collect_moments(model: torch.nn.Module, calib: torch.Tensor, group_sizes: Sequence[int], batch_size: int,
+                     progress: bool) -> dict[int, Any]:
+    """Second moments per group size: collected once at the largest and regrouped when it is a multiple of
+    every other (a smaller group's moment is a diagonal block), else collected per group size."""
+    from ..latent import collect_kv_moments
+
+    top = max(group_sizes)
+    if any(top % g for g in group_sizes):
+        return {g: collect_kv_moments(model, _batches_exact(calib, batch_size), group_size=g, progress=progress)
+                for g in group_sizes}
+    moments = collect_kv_moments(model, _batches_exact(calib, batch_size), group_size=top, progress=progress)
+    return {g: moments if g == top else moments.regroup(g) for g in group_sizes}
+
+
+def _batches_exact(windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Calibration batches: no padding (a padded copy would be counted twice); at most two distinct shapes."""
+    return [windows[i:i + batch_size] for i in range(0, windows.shape[0], batch_size)]
+
+
+def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windows: torch.Tensor,
+                 configs: Sequence[FidelityConfig], *, chunk: int = 16, batch_size: int = 4,
+                 progress: bool = True, log: Callable[[str], None] | None = None,
+                 dense: tuple[EvalStats, torch.Tensor] | None = None,
+                 reset_check: str = "first") -> list[FidelityResult]:
+    """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config.
+
+    ``reset_check``: 'first' (the first config only: reset is the same code for every config), 'all' or 'none'.
+
+    Raises:
+        RuntimeError: a compiled graph was not rewritten into the latent store for every layer, or
+            ``cache.reset()`` did not reset (the first batch, evaluated again, gave another NLL).
+    """
+    from .. import CKVPBackend, CKVPConfig, CompileRecorder
+    from ..runtime.hf_cache import CKVPStaticCache
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    param = next(model.parameters())
+    window = eval_windows.shape[1]
+    if dense is None:
+        t0 = time.perf_counter()
+        dense = dense_stats(model, eval_windows, batch_size, progress)
+        log(f"dense: perplexity {dense[0].perplexity:.5f} ({time.perf_counter() - t0:.1f} s)")
+    dense_eval, dense_pred = dense
+    t0 = time.perf_counter()
+    moments = _collect_moments(model, calib_windows, sorted({c.group_size for c in configs}), batch_size, progress)
+    log(f"calibration moments: {calib_windows.shape[0]} windows x {calib_windows.shape[1]} tokens "
+        f"({time.perf_counter() - t0:.1f} s)")
+    num_layers = model.config.get_text_config().num_hidden_layers
+    results = []
+    for cfg in configs:
+        t0 = time.perf_counter()
+        bases = moments[cfg.group_size].bases(cfg.kv_ratio, cfg.rank_allocation)
+        torch._dynamo.reset()
+        cache = CKVPStaticCache(model.config, bases, max_cache_len=window, max_batch_size=batch_size,
+                                device=param.device, dtype=param.dtype)
+        rec = CompileRecorder()
+        backend = CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=cfg.group_size), recorder=rec)
+        step = torch.compile(model, backend=backend, fullgraph=True)
+        name = f"G={cfg.group_size} {cfg.rank_allocation} {cfg.kv_ratio:g}x"
+        check = reset_check == "all" or (reset_check == "first" and not results)
+        stats, reset_diff = ckvp_stats(model, step, cache, eval_windows, dense_pred, chunk, progress, name, check)
+        for g in rec.graphs:
+            matched = sum(r.matched for r in g.pass_results if r.name == "latent_kv_cache")
+            if g.fell_back or matched != num_layers or g.plan.latent_groups != tuple(range(len(bases.groups))):
+                raise RuntimeError(f"{name}: graph {g.index} was not rewritten into the latent store for every "
+                                   f"layer (matched {matched} of {num_layers}, fell back: {g.fell_back})")
+        if reset_diff is not None and reset_diff != 0.0:
+            raise RuntimeError(f"{name}: cache.reset() did not reset: the first batch evaluated again differs "
+                               f"by {reset_diff:g} nats")
+        nb = cache.store.nbytes()
+        ppl = stats.perplexity
+        results.append(FidelityResult(
+            group_size=cfg.group_size, rank_allocation=cfg.rank_allocation, kv_ratio=cfg.kv_ratio,
+            measured_ratio=nb.ratio, elements_ratio=bases.ratio(), latent_bytes=nb.latent,
+            slot_position_bytes=nb.slot_positions, dense_bytes=nb.dense_equivalent, bases_bytes=nb.bases,
+            rope_table_bytes=nb.rope_tables, batch_size=batch_size, dense_ppl=dense_eval.perplexity, ckvp_ppl=ppl,
+            ppl_change_pct=100 * (ppl / dense_eval.perplexity - 1),
+            top1_agreement_pct=100 * float(stats.agree.sum()) / stats.tokens,
+            reset_check_max_abs_diff=reset_diff, graphs_compiled=len(rec.graphs), layers_rewritten=num_layers,
+            k_ranks=[list(r) for r in bases.k_ranks], v_ranks=[list(r) for r in bases.v_ranks],
+            seconds=time.perf_counter() - t0,
+        ))
+        r = results[-1]
+        log(f"{name}: measured {r.measured_ratio:.3f}x, ppl {r.ckvp_ppl:.5f} ({r.ppl_change_pct:+.3f}%), "
+            f"top-1 {r.top1_agreement_pct:.2f}% ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
+    torch._dynamo.reset()
+    return results
+
+
+# -------------------------------------------------------------------------------------------------------- output
+
+
+def markdown_table(results: Sequence[FidelityResult]) -> str:
+    """The results as a markdown table (one row per config)."""
+    head = ("| G | allocation | requested | measured ratio | latent + slot bytes / seq | bases + RoPE bytes "
+            "(model) | dense ppl | ckvp ppl | change | top-1 agree |")
+    rows = [head, "|" + "---|" * 10]
+    for r in results:
+        per_seq = (r.latent_bytes + r.slot_position_bytes) // r.batch_size
+        rows.append(
+            f"| {r.group_size} | {r.rank_allocation} | {r.kv_ratio:g}x | {r.measured_ratio:.3f}x | {per_seq:,} | "
+            f"{r.bases_bytes:,} + {r.rope_table_bytes:,} | {r.dense_ppl:.4f} | {r.ckvp_ppl:.4f} | "
+            f"{r.ppl_change_pct:+.3f}% | {r.top1_agreement_pct:.2f}% |")
+    return "\n".join(rows)
+
+
+#: The naive baseline of models/README.md (static cross-layer PCA, G=4, on OTHER windows): (ratio, % rise).
+NAIVE_PCA_G4 = ((2.0, 0.05), (4.0, 1.4), (8.0, 8.4))
+
+
+def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str = "", target_pct: float | None = 1.0,
+                 baseline: Sequence[tuple[float, float]] | None = NAIVE_PCA_G4) -> bool:
+    """Plot perplexity rise (%) against the measured ratio, one line per (G, allocation). False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[tuple[int, str], list[FidelityResult]] = {}
+    for r in results:
+        lines.setdefault((r.group_size, r.rank_allocation), []).append(r)
+    for (g, alloc), rs in sorted(lines.items()):
+        rs = sorted(rs, key=lambda r: r.measured_ratio)
+        ax.plot([r.measured_ratio for r in rs], [r.ppl_change_pct for r in rs], marker="o" if alloc == "energy" else "s",
+                linestyle="-" if len(rs) > 1 else "none", label=f"CKVP G={g}, {alloc}")
+    if baseline:
+        ax.plot(*zip(*baseline), color="grey", linestyle=":", marker="x",
+                label="naive static PCA G=4 (models/README, other windows)")
+    if target_pct is not None:
+        ax.axhline(target_pct, color="red", linewidth=0.8, linestyle="--", label=f"target: +{target_pct:g}% at 4x")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+    ax.set_yscale("symlog", linthresh=0.1, linscale=0.5)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:+g}%" if y else "0"))
+    ax.set_ylim(bottom=min([0.0] + [r.ppl_change_pct * 1.2 for r in results]))
+    ax.set_xlabel("measured KV compression ratio (dense bytes / per-sequence latent state)")
+    ax.set_ylabel("perplexity rise vs dense (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ckvp_compile.bench.fidelity", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="HF model directory (default: the fixture)")
+    p.add_argument("--text", default=None, help="evaluation text (default: <model>/eval_text.txt)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--calib-windows", type=int, default=16, help="first windows, for calibration (default 16)")
+    p.add_argument("--eval-windows", type=int, default=8, help="the next windows, evaluated (default 8)")
+    p.add_argument("--chunk", type=int, default=16, help="tokens per compiled call; 1 = pure decode (default 16)")
+    p.add_argument("--batch", type=int, default=4, help="windows per call (default 4)")
+    p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--kv-ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform"])
+    p.add_argument("--extra", type=FidelityConfig.parse, nargs="*", default=None,
+                   help="additional configs allocation:G:ratio (default: uniform:G:4 for each G)")
+    p.add_argument("--reset-check", default="first", choices=["first", "all", "none"],
+                   help="evaluate the first batch twice (bit-identical NLL required) for the first config / all")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--json", default=None, help="write results (and the run's settings) here")
+    p.add_argument("--plot", default=None, help="write the perplexity-rise plot here (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--from-json", default=None,
+                   help="measure nothing: print the table of (and --plot) the results in this --json file")
+    return p
+
+
+def _plot_title(st: dict[str, Any]) -> str:
+    return (f"{Path(st['model']).name}: {st['eval_windows']} x {st['window']} held-out tokens, chunk {st['chunk']}, "
+            f"{st['dtype']}")
+
+
+def _display_path(p: Path) -> str:
+    """``p`` relative to the working directory when inside it (portable in committed results), else absolute."""
+    try:
+        return str(p.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(p.resolve())
+
+
+def _cpu_name() -> str:
+    """The CPU model (Linux /proc/cpuinfo) and the logical cores, or the platform's machine name."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        return f"{names[0]}, {len(names)} logical cores" if names else platform.machine()
+    except OSError:
+        return platform.machine()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from transformers import AutoModelForCausalLM
+    import transformers
+
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        results = [FidelityResult(**r) for r in data["results"]]
+        print(markdown_table(results))
+        st = data["settings"]
+        if args.plot and not plot_results(results, args.plot, _plot_title(st)):
+            print("matplotlib is not installed: no plot (pip install 'ckvp-compile[bench]')", file=sys.stderr)
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    model_dir = Path(args.model)
+    text = Path(args.text) if args.text else model_dir / "eval_text.txt"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype),
+                                                 attn_implementation="sdpa", local_files_only=True)
+    model = model.to(args.device).eval()
+    windows = split_windows(load_token_ids(text, model, model_dir), args.window)
+    need = args.calib_windows + args.eval_windows
+    if windows.shape[0] < need:
+        raise SystemExit(f"{text} has {windows.shape[0]} windows of {args.window} tokens; {need} are needed")
+    calib = windows[:args.calib_windows]
+    evals = windows[args.calib_windows:need]
+    configs = [FidelityConfig(g, r, a) for g in args.group_sizes for a in args.allocations for r in args.kv_ratios]
+    extra = args.extra if args.extra is not None else [FidelityConfig(g, 4.0, "uniform") for g in args.group_sizes
+                                                        if "uniform" not in args.allocations]
+    configs += [c for c in extra if c not in configs]
+    results = run_fidelity(model, calib, evals, configs, chunk=args.chunk, batch_size=args.batch,
+                           progress=not args.no_progress, reset_check=args.reset_check)
+    elapsed = time.perf_counter() - t_start
+    table = markdown_table(results)
+    print(table)
+    print(f"\n{len(evals)} eval windows x {args.window} tokens (windows {args.calib_windows}..{need - 1}), "
+          f"calibration on windows 0..{args.calib_windows - 1}, chunk {args.chunk}, batch {args.batch}; "
+          f"{elapsed:.0f} s")
+    settings = {
+        "command": "python -m ckvp_compile.bench.fidelity " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": _display_path(model_dir), "text": _display_path(text), "window": args.window, "calib_windows": args.calib_windows,
+        "eval_windows": args.eval_windows, "eval_window_indices": [args.calib_windows, need - 1],
+        "chunk": args.chunk, "batch": args.batch, "reset_check": args.reset_check, "dtype": args.dtype, "device": args.device,
+        "compiler": "aot_eager", "fullgraph": True, "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "machine": _cpu_name() if args.device == "cpu" else args.device,
+        "threads": torch.get_num_threads(), "seconds": round(elapsed, 1),
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": settings, "results": [asdict(r) for r in results]},
+                                              indent=1) + "\n")
+    if args.plot:
+        if not plot_results(results, args.plot, _plot_title(settings)):
+            print("matplotlib is not installed: no plot (pip install 'ckvp-compile[bench]')", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
