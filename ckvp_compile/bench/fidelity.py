@@ -286,7 +286,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     results = []
     for cfg in configs:
         t0 = time.perf_counter()
-        bases = moments[cfg.group_size].bases(cfg.kv_ratio, cfg.rank_allocation)
+        alloc, _, basis = cfg.rank_allocation.partition("+")
+        bases = moments[cfg.group_size].bases(cfg.kv_ratio, alloc, basis or "pca")
         torch._dynamo.reset()
         cache = CKVPStaticCache(model.config, bases, max_cache_len=window, max_batch_size=batch_size,
                                 device=param.device, dtype=param.dtype)
@@ -400,7 +401,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="windows per call (default 4)")
     p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--kv-ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
-    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform"])
+    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted"],
+                   help="rank allocation, '+weighted': query/output-aware bases (latent.weighting)")
     p.add_argument("--extra", type=FidelityConfig.parse, nargs="*", default=None,
                    help="additional configs allocation:G:ratio (default: uniform:G:4 for each G)")
     p.add_argument("--reset-check", default="first", choices=["first", "all", "none"],

@@ -39,9 +39,10 @@ from typing import Any, Literal, Sequence
 import torch
 
 from ..errors import CKVPConfigError, CKVPShapeError
+from .weighting import weighted_projection_basis
 from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_budget, retained_fraction
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "LatentBases", "build_latent_bases", "check_target_ratio",
+__all__ = ["BASES", "FORMAT_NAME", "FORMAT_VERSION", "LatentBases", "build_latent_bases", "check_target_ratio",
            "model_fingerprint"]
 
 Kind = Literal["k", "v"]
@@ -49,6 +50,8 @@ Kind = Literal["k", "v"]
 FORMAT_NAME = "ckvp-latent-bases"
 #: Version of the file layout; :meth:`LatentBases.load` reads this version only.
 FORMAT_VERSION = 1
+#: Valid values of ``basis``: 'pca' (top eigenvectors of the second moment) or 'weighted' (:mod:`.weighting`).
+BASES: tuple[str, ...] = ("pca", "weighted")
 _RECALIBRATE = "re-run ckvp_compile.calibrate(model, samples) for this model and save() the result"
 
 # (fingerprint key, config attribute names tried in order: Hugging Face, then gpt-fast)
@@ -365,7 +368,8 @@ def _eigh_desc(moment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torch.Tensor],
                        v_moments: Sequence[torch.Tensor], num_tokens: int, *, num_kv_heads: int, head_dim: int,
                        group_size: int, target_ratio: float, rank_allocation: str,
-                       model_fingerprint: dict[str, Any]) -> LatentBases:
+                       model_fingerprint: dict[str, Any], k_weights: Sequence[torch.Tensor] | None = None,
+                       v_weights: Sequence[torch.Tensor] | None = None) -> LatentBases:
     """Eigen-decompose per-group second moments, allocate ranks under the budget, and assemble the bases.
 
     Args:
@@ -375,6 +379,10 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
         target_ratio: rho; the budget is ``floor(L*Hkv*D*2 / rho)`` latent elements per token.
         rank_allocation: 'energy' or 'uniform' (:func:`~.ranks.allocate_ranks`).
         model_fingerprint: stored as is.
+        k_weights, v_weights: per group, (Hkv, G_g*D, G_g*D) symmetric PSD weights S; when given, the ranks are
+            still allocated from the plain spectra, then each unit's basis is the orthonormal P minimising
+            ``tr(S (I - PP^T) C (I - PP^T))`` (:func:`~.weighting.weighted_projection_basis`) instead of PCA.
+            The stored eigenvalues stay those of C.
     Returns:
         :class:`LatentBases`, bases float32 on the moments' device.
     Raises:
@@ -393,9 +401,13 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
     for kind in ("k", "v"):
         ranks = [tuple(next(flat) for _ in range(num_kv_heads)) for _ in groups]
         bases = []
-        for (evals, evecs), rs in zip(decomposed[kind], ranks):
+        weights = k_weights if kind == "k" else v_weights
+        for g, ((evals, evecs), rs) in enumerate(zip(decomposed[kind], ranks)):
             basis = evecs[:, :, :max(rs)].clone()  # (Hkv, G_g*D, Rmax_g)
             for h, r in enumerate(rs):
+                if weights is not None:
+                    c = (k_moments if kind == "k" else v_moments)[g][h] / num_tokens
+                    basis[h, :, :r] = weighted_projection_basis(c, weights[g][h].to(c), r)
                 basis[h, :, r:] = 0
             bases.append(basis.float())
         out[f"{kind}_basis"] = tuple(bases)

@@ -23,7 +23,7 @@ moment's eigenvectors are the right singular vectors of the stacked token matrix
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -35,7 +35,7 @@ from ..analysis.graph import node_map, op_name, shape_of
 from ..config import GROUP_SIZES, CKVPConfig
 from ..errors import CKVPConfigError, CKVPError
 from ..plan import make_layer_groups
-from .bases import LatentBases, build_latent_bases, check_target_ratio, model_fingerprint
+from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, model_fingerprint
 from .capture import prefill
 from .ranks import RANK_ALLOCATIONS
 
@@ -70,13 +70,47 @@ class KVMoments:
     v: list[torch.Tensor]
     num_tokens: int
     model_fingerprint: dict[str, Any]
+    #: per layer: (H, D) mean squared query channels (post-RoPE; RoPE keeps each pair's energy), when found
+    q_energy: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: per layer: the output projection weight (hidden, H*D), when found
+    w_o: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: per layer: the RoPE form ('rotate_half', 'interleaved', 'complex'; 'none' without RoPE)
+    rope_form: dict[int, str] = field(default_factory=dict)
 
-    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy") -> LatentBases:
-        """Build :class:`LatentBases` at ``kv_ratio`` (see :func:`calibrate`); cheap, so several ratios can share
-        one collection."""
+    def weights(self, kind: str) -> list[torch.Tensor]:
+        """Per group, (Hkv, G_g*D, G_g*D) block-diagonal weights of the 'weighted' basis (module
+        :mod:`~.weighting`): keys by the rotation-averaged query energy, values by ``W_o^T W_o``; a layer whose
+        queries or output projection were not found gets the identity (plain PCA for its block)."""
+        from .weighting import key_query_weight, value_output_weight
+
+        hkv, d, out = self.num_kv_heads, self.head_dim, []
+        for layers in self.groups:
+            blocks = []
+            for layer in layers:
+                if kind == "k" and layer in self.q_energy and self.rope_form.get(layer, "none") != "none":
+                    blocks.append(key_query_weight(self.q_energy[layer], hkv, self.rope_form[layer]))
+                elif kind == "v" and layer in self.w_o:
+                    w = self.w_o[layer]
+                    blocks.append(value_output_weight(w, w.shape[1] // d, hkv))
+                else:
+                    logger.warning("ckvp calibrate: layer %d: no %s for the weighted %s basis; using plain PCA there",
+                                   layer, "query" if kind == "k" else "output projection", kind.upper())
+                    blocks.append(torch.eye(d, dtype=torch.float64).expand(hkv, d, d))
+            out.append(torch.stack([torch.block_diag(*[b[h].cpu() for b in blocks]) for h in range(hkv)]))
+        return out
+
+    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca") -> LatentBases:
+        """Build :class:`LatentBases` at ``kv_ratio`` (see :func:`calibrate`); cheap for ``basis='pca'``, so several
+        ratios can share one collection ('weighted' runs a small manifold optimisation per unit)."""
+        if basis not in BASES:
+            raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
+        weights = {}
+        if basis == "weighted":
+            weights = {"k_weights": self.weights("k"), "v_weights": self.weights("v")}
         return build_latent_bases(self.groups, self.k, self.v, self.num_tokens, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, group_size=self.group_size, target_ratio=kv_ratio,
-                                  rank_allocation=rank_allocation, model_fingerprint=self.model_fingerprint)
+                                  rank_allocation=rank_allocation, model_fingerprint=self.model_fingerprint,
+                                  **weights)
 
     def regroup(self, group_size: int) -> "KVMoments":
         """Return the moments for a smaller group size that divides this one, without recollecting.
@@ -100,12 +134,13 @@ class KVMoments:
                 k.append(mk[:, rows, rows].clone())
                 v.append(mv[:, rows, rows].clone())
         return KVMoments(groups=tuple(groups), num_kv_heads=self.num_kv_heads, head_dim=d, group_size=group_size,
-                         k=k, v=v, num_tokens=self.num_tokens, model_fingerprint=self.model_fingerprint)
+                         k=k, v=v, num_tokens=self.num_tokens, model_fingerprint=self.model_fingerprint,
+                         q_energy=self.q_energy, w_o=self.w_o, rope_form=self.rope_form)
 
 
 def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: CKVPConfig | None = None, *,
               group_size: int | None = None, kv_ratio: float = 4.0, rank_allocation: str = "energy",
-              max_cache_len: int | None = None, progress: bool = True) -> LatentBases:
+              basis: str = "pca", max_cache_len: int | None = None, progress: bool = True) -> LatentBases:
     """Fit cross-layer latent bases and per-head ranks for ``model`` on ``samples``.
 
     Args:
@@ -119,6 +154,9 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         kv_ratio: rho >= 1, the target dense / latent elements per token; the measured ratio is >= rho.
         rank_allocation: 'energy' (maximise the retained energy fraction, summed over group, head, K/V) or
             'uniform' (one rank everywhere).
+        basis: 'pca' (top eigenvectors of the second moment) or 'weighted' (orthonormal bases minimising the
+            query-weighted key error and the W_o-weighted value error, :mod:`~.weighting`; on the fixture at 4x
+            G=4 with 'uniform' ranks it lowers the perplexity rise, see benchmarks/results).
         max_cache_len: static cache length; default each sample's S.
         progress: show a tqdm bar over the samples.
     Returns:
@@ -140,13 +178,15 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         raise CKVPConfigError(f"rank_allocation must be one of {list(RANK_ALLOCATIONS)}, got {rank_allocation!r}")
     if isinstance(kv_ratio, bool) or not isinstance(kv_ratio, (int, float)) or not kv_ratio >= 1:
         raise CKVPConfigError(f"kv_ratio must be a number >= 1 (dense / latent elements per token), got {kv_ratio!r}")
+    if basis not in BASES:
+        raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
 
     def check_groups(groups: tuple[tuple[int, ...], ...], hkv: int, d: int) -> None:
         check_target_ratio(kv_ratio, sum(map(len, groups)) * hkv * d * 2, 2 * len(groups) * hkv)
 
     moments = _collect(model, samples, group_size=group_size, max_cache_len=max_cache_len, progress=progress,
                        on_sample=None, on_groups=check_groups)
-    return moments.bases(kv_ratio, rank_allocation)
+    return moments.bases(kv_ratio, rank_allocation, basis)
 
 
 def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int = 4,
@@ -222,11 +262,21 @@ class _RecordingBackend:
             weight = _projection_weight(nodes.get(s.k_proj)) if s.k_proj is not None else None
             if weight is not None:
                 probes.setdefault(weight, []).append(_Probe("w", s.layer))
+            o_weight = _projection_weight(nodes.get(s.o_proj)) if s.o_proj is not None else None
+            if o_weight is not None:
+                probes.setdefault(o_weight, []).append(_Probe("o", s.layer))
+            if s.rope is not None and s.rope.q_out is not None:
+                probes.setdefault(s.rope.q_out, []).append(_Probe("q", s.layer))
         return _RecordingInterpreter(gm, probes, self._record).run
 
     def _record(self, probe: _Probe, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            self.values[(probe.kind, probe.layer)] = value.detach() if probe.kind == "w" else _to_bhsd(value, probe)
+            if probe.kind in ("w", "o"):
+                self.values[(probe.kind, probe.layer)] = value.detach()
+            elif probe.kind == "q":
+                self.values[("q", probe.layer)] = value.detach().to(torch.float64).square()
+            else:
+                self.values[(probe.kind, probe.layer)] = _to_bhsd(value, probe)
 
     def sites(self) -> list[AttentionSite]:
         """Cache-carrying attention sites over every graph seen, one per layer (first seen), sorted by layer."""
@@ -371,6 +421,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
                 for g, (xk, xv) in enumerate(stacked):
                     state["k"][g] += xk.mT @ xk
                     state["v"][g] += xv.mT @ xv
+                _accumulate_queries(backend, state)
                 state["tokens"] += ids.numel()
                 if on_sample is not None:
                     on_sample(stacked)
@@ -378,8 +429,10 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
         torch._dynamo.reset()
     if not state:
         raise CKVPConfigError("calibrate needs at least one sample (a (B, S) tensor of token ids), got none")
+    q_energy = {layer: q / state["tokens"] for layer, q in state["q"].items()}
     return KVMoments(groups=state["groups"], num_kv_heads=state["hkv"], head_dim=state["d"], group_size=group_size,
-                     k=state["k"], v=state["v"], num_tokens=state["tokens"], model_fingerprint=state["fingerprint"])
+                     k=state["k"], v=state["v"], num_tokens=state["tokens"], model_fingerprint=state["fingerprint"],
+                     q_energy=q_energy, w_o=state["w_o"], rope_form=state["rope_form"])
 
 
 def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
@@ -401,7 +454,15 @@ def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
     name = next((n for n, p in model.named_parameters() if weight is not None and
                  (p is weight or (p.data_ptr() == weight.data_ptr() and p.shape == weight.shape))), None)
     dev = backend.values[("k", layer_groups[0][0])].device
-    return {"groups": layer_groups, "hkv": hkv, "d": d, "tokens": 0,
+    by_layer = {s.layer: s for s in sites}
+    w_o = {layer: backend.values[("o", layer)].detach().to("cpu", torch.float64) for layer in by_layer
+           if ("o", layer) in backend.values and backend.values[("o", layer)].dim() == 2
+           and backend.values[("o", layer)].shape[1] == by_layer[layer].num_heads * d}
+    rope_form = {layer: (s.rope.form if s.rope is not None and not s.rope.partial else "none")
+                 for layer, s in by_layer.items()}
+    heads = {layer: s.num_heads for layer, s in by_layer.items()}
+    return {"groups": layer_groups, "hkv": hkv, "d": d, "tokens": 0, "w_o": w_o, "rope_form": rope_form,
+            "heads": heads, "q": {},
             "fingerprint": model_fingerprint(model, name),
             "k": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups],
             "v": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups]}
@@ -425,3 +486,17 @@ def _stack(backend: _RecordingBackend, state: dict[str, Any], shape: tuple[int, 
             pair.append(x.permute(1, 0, 2, 3).reshape(hkv, -1, x.shape[-1]))
         out.append((pair[0], pair[1]))
     return out
+
+
+def _accumulate_queries(backend: _RecordingBackend, state: dict[str, Any]) -> None:
+    """Add this sample's squared post-RoPE query channels, summed over tokens, per layer as (H, D) float64.
+
+    The head axis is the one of size H among dims 1 and 2 of the (B, H, S, D) or (B, S, H, D) query (dim 1 when
+    both are H); a query of another shape is skipped (its layer then falls back to plain PCA keys)."""
+    d = state["d"]
+    for layer, h in state["heads"].items():
+        q = backend.values.get(("q", layer))
+        if q is None or q.dim() != 4 or q.shape[-1] != d or h not in (q.shape[1], q.shape[2]):
+            continue
+        per_head = q.sum(dim=(0, 2)) if q.shape[1] == h else q.sum(dim=(0, 1))
+        state["q"][layer] = state["q"].get(layer, 0) + per_head.cpu()
