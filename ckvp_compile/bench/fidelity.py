@@ -23,7 +23,9 @@ What is measured (honestly: through the real compiled rewrite, never a simulatio
    before every batch; for the first config (``--reset-check all``: every config) the first batch is evaluated
    again after the others and must give bit-identical NLL (reset really resets).
 4. Per config: NLL over positions 1..window-1 of every eval window, perplexity ``exp(mean NLL)``, the relative
-   change against dense, and top-1 next-token agreement with the dense model's argmax. The measured ratio is
+   change against dense, top-1 next-token agreement with the dense model's argmax, and the mean KL divergence
+   ``KL(p_dense || p_ckvp)`` per predicted token (nats): perplexity alone can move either way when the cache is
+   perturbed, the KL is zero only for the dense distribution. The measured ratio is
    ``StoreBytes.ratio``: dense K/V bytes over the per-sequence latent state (latents + slot positions, every
    byte the cache holds that scales with batch x context) at ``max_cache_len = window``. Bases and RoPE tables
    are model constants, reported separately.
@@ -52,6 +54,7 @@ __all__ = [
     "FidelityConfig",
     "FidelityResult",
     "ckvp_stats",
+    "DenseReference",
     "dense_stats",
     "load_token_ids",
     "main",
@@ -85,11 +88,12 @@ class FidelityConfig:
 
 @dataclass
 class EvalStats:
-    """Teacher-forced statistics of a set of windows: per window NLL sum (nats) and top-1 agreements."""
+    """Teacher-forced statistics of a set of windows: per window NLL sum (nats), top-1 agreements and KL to dense."""
 
     nll: torch.Tensor  # (N,) float64, summed over positions 1..W-1
     tokens: int  # predicted tokens in all: N * (W - 1)
     agree: torch.Tensor | None = None  # (N,) int64, positions whose argmax equals the dense argmax
+    kl: torch.Tensor | None = None  # (N,) float64, sum over positions of KL(p_dense || p_ckvp) in nats
 
     @property
     def perplexity(self) -> float:
@@ -115,6 +119,7 @@ class FidelityResult:
     ckvp_ppl: float
     ppl_change_pct: float
     top1_agreement_pct: float
+    kl_to_dense: float  # mean over predicted positions of KL(p_dense || p_ckvp), nats per token
     reset_check_max_abs_diff: float | None  # None: not checked for this config
     graphs_compiled: int
     layers_rewritten: int
@@ -155,31 +160,42 @@ def _batches(windows: torch.Tensor, batch_size: int) -> list[tuple[torch.Tensor,
     return out
 
 
-def _nll_and_argmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-window NLL sum over positions 1..W-1 (float64) and the argmax predictions (B, W-1)."""
+@dataclass
+class DenseReference:
+    """The dense model on the eval windows: its stats, argmax (N, W-1) and log-probabilities (N, W-1, V) float32."""
+
+    stats: EvalStats
+    pred: torch.Tensor
+    logp: torch.Tensor
+
+
+def _nll_and_argmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-window NLL sum over positions 1..W-1 (float64), the argmax predictions (B, W-1) and the
+    log-probabilities (B, W-1, V) float64 of the predicting positions 0..W-2."""
     lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
     nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
-    return nll, logits[:, :-1].argmax(-1)
+    return nll, logits[:, :-1].argmax(-1), lp
 
 
 # ------------------------------------------------------------------------------------------------------ measuring
 
 
 def dense_stats(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4,
-                progress: bool = False) -> tuple[EvalStats, torch.Tensor]:
-    """Dense reference: one full forward per batch (no cache). Returns the stats and the argmax (N, W-1)."""
+                progress: bool = False) -> DenseReference:
+    """Dense reference: one full forward per batch (no cache)."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    nlls, preds = [], []
+    nlls, preds, logps = [], [], []
     with torch.no_grad():
         for batch, real in tqdm(_batches(windows, batch_size), desc="dense", disable=not progress):
             logits = model(input_ids=batch.to(device), use_cache=False).logits.float().cpu()
-            nll, pred = _nll_and_argmax(logits, batch)
+            nll, pred, lp = _nll_and_argmax(logits, batch)
             nlls.append(nll[:real])
             preds.append(pred[:real])
+            logps.append(lp[:real].float())
     n, w = windows.shape
-    return EvalStats(torch.cat(nlls), n * (w - 1)), torch.cat(preds)
+    return DenseReference(EvalStats(torch.cat(nlls), n * (w - 1)), torch.cat(preds), torch.cat(logps))
 
 
 def _ckvp_batch(model: torch.nn.Module, step: Callable, cache: Any, batch: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -197,7 +213,7 @@ def _ckvp_batch(model: torch.nn.Module, step: Callable, cache: Any, batch: torch
     return torch.cat(outs, dim=1)
 
 
-def ckvp_stats(model: torch.nn.Module, step: Callable, cache: Any, windows: torch.Tensor, dense_pred: torch.Tensor,
+def ckvp_stats(model: torch.nn.Module, step: Callable, cache: Any, windows: torch.Tensor, dense: DenseReference,
                chunk: int = 16, progress: bool = False, desc: str = "ckvp",
                reset_check: bool = True) -> tuple[EvalStats, float | None]:
     """Evaluate ``windows`` through ``step`` (the model compiled with the ckvp backend) and a latent cache.
@@ -206,7 +222,8 @@ def ckvp_stats(model: torch.nn.Module, step: Callable, cache: Any, windows: torc
         model: the uncompiled HF model (for the forward's argument names).
         step: ``torch.compile(model, backend=CKVPBackend(...), fullgraph=True)``.
         cache: a :class:`CKVPStaticCache` with ``max_cache_len >= W``; its batch size is the batch used.
-        windows: (N, W) token ids. dense_pred: (N, W-1) the dense model's argmax, for the agreement.
+        windows: (N, W) token ids. dense: the dense model on the same windows (:func:`dense_stats`), for the
+            top-1 agreement and the KL divergence.
         chunk: tokens per call (1 = pure decode).
         reset_check: evaluate the first batch again after the others.
     Returns:
@@ -217,21 +234,22 @@ def ckvp_stats(model: torch.nn.Module, step: Callable, cache: Any, windows: torc
 
     bsz = cache.store.batch_size
     batches = _batches(windows, bsz)
-    nlls, agree = [], []
+    nlls, agree, kls = [], [], []
     first_nll = None
-    for batch, real in tqdm(batches, desc=desc, disable=not progress):
-        nll, pred = _nll_and_argmax(_ckvp_batch(model, step, cache, batch, chunk), batch)
+    for i, (batch, real) in enumerate(tqdm(batches, desc=desc, disable=not progress)):
+        nll, pred, lp = _nll_and_argmax(_ckvp_batch(model, step, cache, batch, chunk), batch)
         if first_nll is None:
             first_nll = nll
+        ref = dense.logp[i * bsz:i * bsz + real].double()
         nlls.append(nll[:real])
-        agree.append(pred[:real])
+        agree.append((pred[:real] == dense.pred[i * bsz:i * bsz + real]).sum(-1))
+        kls.append((ref.exp() * (ref - lp[:real])).sum((-1, -2)))
     reset_diff = None
     if reset_check:
-        again, _ = _nll_and_argmax(_ckvp_batch(model, step, cache, batches[0][0], chunk), batches[0][0])
+        again = _nll_and_argmax(_ckvp_batch(model, step, cache, batches[0][0], chunk), batches[0][0])[0]
         reset_diff = float((again - first_nll).abs().max())
-    pred = torch.cat(agree)
     n, w = windows.shape
-    stats = EvalStats(torch.cat(nlls), n * (w - 1), (pred == dense_pred).sum(-1))
+    stats = EvalStats(torch.cat(nlls), n * (w - 1), torch.cat(agree), torch.cat(kls))
     return stats, reset_diff
 
 
@@ -257,7 +275,7 @@ def _batches_exact(windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]
 def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windows: torch.Tensor,
                  configs: Sequence[FidelityConfig], *, chunk: int = 16, batch_size: int = 4,
                  progress: bool = True, log: Callable[[str], None] | None = None,
-                 dense: tuple[EvalStats, torch.Tensor] | None = None,
+                 dense: DenseReference | None = None,
                  reset_check: str = "first") -> list[FidelityResult]:
     """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config.
 
@@ -276,8 +294,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     if dense is None:
         t0 = time.perf_counter()
         dense = dense_stats(model, eval_windows, batch_size, progress)
-        log(f"dense: perplexity {dense[0].perplexity:.5f} ({time.perf_counter() - t0:.1f} s)")
-    dense_eval, dense_pred = dense
+        log(f"dense: perplexity {dense.stats.perplexity:.5f} ({time.perf_counter() - t0:.1f} s)")
+    dense_eval = dense.stats
     t0 = time.perf_counter()
     moments = _collect_moments(model, calib_windows, sorted({c.group_size for c in configs}), batch_size, progress)
     log(f"calibration moments: {calib_windows.shape[0]} windows x {calib_windows.shape[1]} tokens "
@@ -296,7 +314,7 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
         step = torch.compile(model, backend=backend, fullgraph=True)
         name = f"G={cfg.group_size} {cfg.rank_allocation} {cfg.kv_ratio:g}x"
         check = reset_check == "all" or (reset_check == "first" and not results)
-        stats, reset_diff = ckvp_stats(model, step, cache, eval_windows, dense_pred, chunk, progress, name, check)
+        stats, reset_diff = ckvp_stats(model, step, cache, eval_windows, dense, chunk, progress, name, check)
         for g in rec.graphs:
             matched = sum(r.matched for r in g.pass_results if r.name == "latent_kv_cache")
             if g.fell_back or matched != num_layers or g.plan.latent_groups != tuple(range(len(bases.groups))):
@@ -314,13 +332,14 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             rope_table_bytes=nb.rope_tables, batch_size=batch_size, dense_ppl=dense_eval.perplexity, ckvp_ppl=ppl,
             ppl_change_pct=100 * (ppl / dense_eval.perplexity - 1),
             top1_agreement_pct=100 * float(stats.agree.sum()) / stats.tokens,
+            kl_to_dense=float(stats.kl.sum()) / stats.tokens,
             reset_check_max_abs_diff=reset_diff, graphs_compiled=len(rec.graphs), layers_rewritten=num_layers,
             k_ranks=[list(r) for r in bases.k_ranks], v_ranks=[list(r) for r in bases.v_ranks],
             seconds=time.perf_counter() - t0,
         ))
         r = results[-1]
         log(f"{name}: measured {r.measured_ratio:.3f}x, ppl {r.ckvp_ppl:.5f} ({r.ppl_change_pct:+.3f}%), "
-            f"top-1 {r.top1_agreement_pct:.2f}% ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
+            f"top-1 {r.top1_agreement_pct:.2f}%, KL {r.kl_to_dense:.5f} ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
     torch._dynamo.reset()
     return results
 
@@ -331,14 +350,14 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
 def markdown_table(results: Sequence[FidelityResult]) -> str:
     """The results as a markdown table (one row per config)."""
     head = ("| G | allocation | requested | measured ratio | latent + slot bytes / seq | bases + RoPE bytes "
-            "(model) | dense ppl | ckvp ppl | change | top-1 agree |")
-    rows = [head, "|" + "---|" * 10]
+            "(model) | dense ppl | ckvp ppl | change | top-1 agree | KL to dense (nats/token) |")
+    rows = [head, "|" + "---|" * 11]
     for r in results:
         per_seq = (r.latent_bytes + r.slot_position_bytes) // r.batch_size
         rows.append(
             f"| {r.group_size} | {r.rank_allocation} | {r.kv_ratio:g}x | {r.measured_ratio:.3f}x | {per_seq:,} | "
             f"{r.bases_bytes:,} + {r.rope_table_bytes:,} | {r.dense_ppl:.4f} | {r.ckvp_ppl:.4f} | "
-            f"{r.ppl_change_pct:+.3f}% | {r.top1_agreement_pct:.2f}% |")
+            f"{r.ppl_change_pct:+.3f}% | {r.top1_agreement_pct:.2f}% | {r.kl_to_dense:.5f} |")
     return "\n".join(rows)
 
 

@@ -39,7 +39,8 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     assert (full["kv_ratio"], four["kv_ratio"]) == (1.0, 4.0)
     # full rank: the latent store is exact, so the compiled chunked run equals the dense full forward
     assert abs(full["ckvp_ppl"] / full["dense_ppl"] - 1) < 1e-4, full
-    assert full["top1_agreement_pct"] > 99.0
+    assert full["top1_agreement_pct"] > 99.0 and full["kl_to_dense"] < 1e-6
+    assert four["kl_to_dense"] > full["kl_to_dense"]
     assert full["reset_check_max_abs_diff"] == 0.0  # the first config evaluates a window twice
     assert four["measured_ratio"] >= 4 / 1.1, four
     assert four["latent_bytes"] + four["slot_position_bytes"] <= four["dense_bytes"] / 4 * 1.1
