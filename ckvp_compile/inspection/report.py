@@ -168,32 +168,23 @@ class GraphDiff:
 
 
 @dataclass
-class GraphReport:
-    """What the backend found and did in one captured graph.
+class GraphReport(GraphRecord):
+    """What the backend found and did in one captured graph: a :class:`~ckvp_compile.backend.GraphRecord`
+    plus the model call that captured it.
 
     Attributes:
-        index: order of capture. phase: 'prefill', 'decode' or 'call' (the model call that captured it).
-        analysis, plan: as recorded by the backend. pass_results: one per pass run.
-        dynamo_before / dynamo_after / post_grad_before / post_grad_after: the graph code around each stage.
-        fell_back: why the rewritten graph was dropped for the original one, or ''.
+        phase: 'prefill', 'decode' or 'call'. Every other field is the record's (analysis, plan, graph code
+            around each stage, pass results, fallback reason).
     """
 
-    index: int
-    phase: str
-    analysis: GraphAnalysis
-    plan: Plan
-    dynamo_before: str = ""
-    dynamo_after: str = ""
-    post_grad_before: str = ""
-    post_grad_after: str = ""
-    pass_results: list[PassResult] = field(default_factory=list)
-    fell_back: str = ""
+    phase: str = "call"
 
     @classmethod
     def from_record(cls, record: GraphRecord, phase: str) -> "GraphReport":
         """Build the report of one :class:`~ckvp_compile.backend.GraphRecord`."""
-        return cls(record.index, phase, record.analysis, record.plan, record.dynamo_before, record.dynamo_after,
-                   record.post_grad_before, record.post_grad_after, list(record.pass_results), record.fell_back)
+        fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(GraphRecord)}
+        fields["pass_results"] = list(record.pass_results)
+        return cls(**fields, phase=phase)
 
     @property
     def num_sites(self) -> int:

@@ -362,7 +362,7 @@ def _synthetic_report() -> InspectionReport:
         num_nodes=123,
     )
     plan = make_plan(analysis, CKVPConfig(group_size=2))
-    graph = GraphReport(0, "prefill", analysis, plan, "def f():\n    return x < 1\n", "def f():\n    return x < 2\n")
+    graph = GraphReport(0, analysis, plan, "def f():\n    return x < 1\n", "def f():\n    return x < 2\n", phase="prefill")
     return InspectionReport("synthetic <model>", CKVPConfig(group_size=2), [graph], ["ckvp: a <warning>"], 0.5)
 
 
