@@ -467,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
-        results = [FidelityResult(**r) for r in data["results"]]
+        # files written before the KL column have no kl_to_dense: shown as nan
+        results = [FidelityResult(**{"kl_to_dense": float("nan"), **r}) for r in data["results"]]
         print(markdown_table(results))
         st = data["settings"]
         if args.plot and not plot_results(results, args.plot, _plot_title(st)):
