@@ -334,18 +334,25 @@ def strip_views(node: Any, extra: Iterable[str] = ()) -> Any:
     return node
 
 
-def users_through_views(node: fx.Node, extra: Iterable[str] = ()) -> Iterator[fx.Node]:
-    """Yield the first non-view users of ``node``, looking through ``VIEW_LIKE`` ops (depth first)."""
+def users_through_views(
+    node: fx.Node,
+    extra: Iterable[str] = (),
+    users: Callable[[fx.Node], Iterable[fx.Node]] = lambda n: n.users,
+) -> Iterator[fx.Node]:
+    """Yield the first non-view users of ``node``, looking through ``VIEW_LIKE`` ops (plus ``extra``), depth first.
+
+    ``users`` chooses which users of a node count (default: all of them).
+    """
     skip = VIEW_LIKE | frozenset(extra)
     seen: set[fx.Node] = set()
-    stack = list(node.users)
+    stack = list(users(node))
     while stack:
         u = stack.pop()
         if u in seen:
             continue
         seen.add(u)
         if op_name(u) in skip:
-            stack.extend(u.users)
+            stack.extend(users(u))
         else:
             yield u
 

@@ -70,6 +70,7 @@ import torch.fx as fx
 
 from .graph import (
     VIEW_LIKE,
+    users_through_views,
     ancestors,
     arg,
     find_downstream,
@@ -504,16 +505,7 @@ def _consumers(node: fx.Node) -> list[fx.Node]:
 
 def _through_views(node: fx.Node) -> Iterable[fx.Node]:
     """Non-view consumers of ``node``, looking through view / dtype ops."""
-    stack, seen = _consumers(node), set()
-    while stack:
-        u = stack.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        if op_name(u) in _PASS:
-            stack.extend(_consumers(u))
-        else:
-            yield u
+    return users_through_views(node, _PASS - VIEW_LIKE, users=_consumers)
 
 
 def _extend_views(node: fx.Node) -> fx.Node:
