@@ -7,6 +7,8 @@ Importing this package defines nothing: call :func:`register_all` (the backend d
 Families:
     latent_kv: ``latent_append``, ``rope_table_update``, ``latent_reconstruct``, ``latent_attention``
         (cross-layer latent KV cache, DESIGN.md "CKVP in numbers").
+    moe: ``moe_experts`` (the routed experts of one MoE layer as grouped GEMMs, DESIGN.md "Expert GEMM in
+        numbers").
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import importlib
 __all__ = ["OP_MODULES", "register_all"]
 
 #: Modules under ``ckvp_compile.ops`` that define ops; :func:`register_all` imports each once.
-OP_MODULES: tuple[str, ...] = ("latent_kv",)
+OP_MODULES: tuple[str, ...] = ("latent_kv", "moe")
 
 
 def register_all() -> list[str]:

@@ -1,0 +1,122 @@
+"""The grouped expert op: ``torch.ops.ckvp.moe_experts``, the routed experts of one MoE layer in one call.
+
+Schema::
+
+    ckvp::moe_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_gate, Tensor w_up,
+        Tensor w_down) -> Tensor
+
+A ``torch.library.custom_op`` (opaque to Inductor: an extern call). Its eager kernel validates the inputs and
+runs, on CUDA, the Triton grouped GEMMs of :mod:`ckvp_compile.kernels.grouped_gemm` (device-side routing, gate/up
+GEMM with the SiLU epilogue, down GEMM with the routing weight, deterministic top-k combine; no host
+synchronisation), and elsewhere the PyTorch reference :func:`ckvp_compile.kernels.moe_reference.moe_experts_ref`.
+The ``register_fake`` kernel runs the same validation on shapes only, so a wrong shape fails at trace time with
+the same message.
+
+Weight layouts follow what the analysis reports for the supported models, with no copies: HF transformers 5.x
+stores ``gate_up_proj`` (E, 2I, Dm), gate rows first, and ``down_proj`` (E, Dm, I): pass ``gate_up_proj[:, :I]``
+and ``gate_up_proj[:, I:]`` (views); gpt-fast stores ``w1`` (gate) and ``w3`` (up) as (E, I, Dm) and ``w2``
+(E, Dm, I). Any strides are accepted.
+
+Not checked (it needs the data, a host sync on GPU): ``topk_ids`` values in [0, E). Out-of-range ids raise
+PyTorch's index error on CPU.
+
+Imported by :func:`ckvp_compile.ops.register_all`; importing this module defines the op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CKVPShapeError
+from ..kernels import moe_reference as moe_ref
+
+__all__ = ["OPS", "check_moe_experts", "moe_experts"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(msg: str) -> None:
+    raise CKVPShapeError(f"ckvp::moe_experts: {msg}")
+
+
+def check_moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """Validate the inputs of :func:`moe_experts` (shapes, dtypes, devices; works on fake tensors).
+
+    Raises:
+        CKVPShapeError: naming the argument, the expected layout and the actual shape / dtype / device.
+    """
+    if hidden.dim() != 2:
+        _fail(f"hidden must be 2-D (T, Dm), but got shape {tuple(hidden.shape)}; flatten the batch first "
+              "(hidden.reshape(-1, Dm))")
+    t, dm = hidden.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        _fail(f"topk_ids must be (T, A) with T = {t} (hidden.shape[0]), but got {tuple(topk_ids.shape)}")
+    a = topk_ids.shape[1]
+    if topk_ids.dtype not in _INDEX_DTYPES:
+        _fail(f"topk_ids must be int32 or int64, but got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != (t, a):
+        _fail(f"topk_weights must be (T, A) = ({t}, {a}) like topk_ids, but got {tuple(topk_weights.shape)}")
+    if not hidden.is_floating_point() or not topk_weights.is_floating_point():
+        _fail(f"hidden and topk_weights must be floating point, but got {hidden.dtype} and {topk_weights.dtype}")
+    if w_gate.dim() != 3 or w_gate.shape[2] != dm:
+        _fail(f"w_gate must be (E, I, Dm) with Dm = {dm} (hidden.shape[1]), but got {tuple(w_gate.shape)}; "
+              "HF's fused gate_up_proj (E, 2I, Dm) is passed as gate_up_proj[:, :I] and gate_up_proj[:, I:]")
+    e, i = w_gate.shape[0], w_gate.shape[1]
+    if tuple(w_up.shape) != (e, i, dm):
+        _fail(f"w_up must be (E, I, Dm) = ({e}, {i}, {dm}) like w_gate, but got {tuple(w_up.shape)}")
+    if tuple(w_down.shape) != (e, dm, i):
+        _fail(f"w_down must be (E, Dm, I) = ({e}, {dm}, {i}) from w_gate, but got {tuple(w_down.shape)}; a "
+              "(E, I, Dm) down weight must be passed transposed (w.transpose(1, 2), a view)")
+    if not 1 <= a <= e:
+        _fail(f"top-k A = {a} (topk_ids.shape[1]) must be in [1, E = {e}] (w_gate.shape[0])")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if w.dtype != hidden.dtype:
+            _fail(f"{name} must have hidden's dtype {hidden.dtype}, but got {w.dtype}; cast the weights once "
+                  "(model.to(dtype)), not per call")
+    devices = {n: x.device for n, x in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                                        ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))}
+    if len(set(devices.values())) > 1:
+        _fail(f"all tensors must be on one device, but got {devices}")
+
+
+@torch.library.custom_op("ckvp::moe_experts", mutates_args=())
+def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate: torch.Tensor,
+                w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Apply each token's top-k experts (SwiGLU FFNs) and sum them with the routing weights.
+
+    Args:
+        hidden: (T, Dm) fp32|bf16|fp16, the tokens (the router's input).
+        topk_ids: (T, A) int32|int64, expert of each (token, slot), in [0, E).
+        topk_weights: (T, A) float (any float dtype; used in fp32), routing weight of each (token, slot).
+        w_gate, w_up: (E, I, Dm) hidden.dtype, any strides (views of HF's gate_up_proj are fine).
+        w_down: (E, Dm, I) hidden.dtype, any strides.
+    Returns:
+        (T, Dm) hidden.dtype: ``out[t] = sum_a w[t,a] * W_down[e] (silu(W_gate[e] x_t) * W_up[e] x_t)`` with
+        ``e = topk_ids[t, a]``; accumulates in fp32.
+    Raises:
+        CKVPShapeError: a shape, dtype or device does not match the layout above.
+    Notes:
+        CUDA: Triton grouped GEMMs (:func:`ckvp_compile.kernels.grouped_gemm.moe_experts_triton`), workspace
+        P_pad*I*itemsize + P*Dm*4 bytes (P = T*A). Elsewhere: the PyTorch reference.
+    Reference: kernels/moe_reference.py::moe_experts_ref (oracle: moe_experts_loop_ref)
+    Source: algorithm of vLLM fused_moe / MegaBlocks (sorted, tile-padded routing; grouped GEMMs).
+    """
+    check_moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(hidden.shape)
+    if hidden.is_cuda:
+        from ..kernels.grouped_gemm import moe_experts_triton
+
+        return moe_experts_triton(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
+    return moe_ref.moe_experts_ref(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+
+@moe_experts.register_fake
+def _(hidden, topk_ids, topk_weights, w_gate, w_up, w_down) -> torch.Tensor:
+    check_moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
+    return hidden.new_empty(hidden.shape)
+
+
+#: op name -> its Python handle (read by :func:`ckvp_compile.ops.register_all`).
+OPS = {"moe_experts": moe_experts}
