@@ -1,0 +1,313 @@
+"""Triton grouped expert GEMMs over tile-padded, expert-sorted (token, slot) rows.
+
+Algorithm (notation of :mod:`ckvp_compile.kernels.moe_reference`: T tokens, A top-k, E experts, Dm model dim,
+I FFN dim, P = T*A pairs, P_pad padded rows, BLOCK_M the M tile):
+
+* routing: :func:`~ckvp_compile.kernels.moe_reference.moe_align_ref` (static-shape torch ops on the device, no
+  host sync) sorts the pairs by expert and pads each expert's segment to BLOCK_M, so every M tile belongs to one
+  expert (``block_expert[tile]``, -1 for the unused tail tiles, which exit at once);
+* ``_grouped_gate_up_kernel``: grid (tiles, cdiv(I, BLOCK_N)). Each program gathers its BLOCK_M tokens' rows of
+  ``hidden`` (row = pair // A) and multiplies them by the BLOCK_N rows of ``W_gate[e]`` and ``W_up[e]`` in one
+  K loop (both accumulators in fp32), then stores ``silu(gate) * up``: the activation never goes to memory
+  unfused;
+* ``_grouped_down_kernel``: grid (tiles, cdiv(Dm, BLOCK_N), SPLIT_K). Multiplies the activation rows by
+  ``W_down[e]``, scales each row by its pair's routing weight and writes (or, split-K, atomically adds) it to the
+  pair's row of an fp32 (P, Dm) buffer; the top-k combine is then a sum over A (deterministic unless SPLIT_K > 1).
+
+Software pipelining: the K loops are plain ``for`` loops over K tiles; Triton's ``num_stages`` pipelines them
+(the next weight tile is loading while the current one is in the tensor cores), TMA-free so it runs on any GPU
+and in the interpreter. Small M (decode): BLOCK_M = 16 rows per tile (the smallest ``tl.dot`` M) and at most
+``min(E, P)`` non-empty tiles, with narrow N tiles and split-K for the down projection so that a batch-1 layer
+still spreads over all SMs.
+
+The kernels are written once here; a lowering (Inductor TritonTemplate) is meant to reuse these bodies.
+Source: the tiling of the Triton tutorials ``03-matrix-multiplication.py`` / ``08-grouped-gemm.py`` and the
+routing layout of vLLM ``fused_moe`` (tokens sorted by expert, padded to the M tile), written from scratch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_reference import moe_align_ref
+
+__all__ = ["GemmConfig", "block_m_for", "gate_up_configs", "down_configs", "grouped_down", "grouped_gate_up",
+           "moe_experts_triton"]
+
+
+# ------------------------------------------------------------------------------------------------ configs
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration of a grouped GEMM kernel (BLOCK_M comes from the routing, not from here)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Pick the M tile from the expected rows per non-empty expert, P / min(E, P) (vLLM's rule of thumb).
+
+    Rules: (1) decode and small batches (<= 16 rows per expert) use 16, the smallest ``tl.dot`` M, so padding
+    wastes at most 15 rows per expert; (2) up to 64 rows use 32; (3) up to 256 use 64; (4) else 128.
+    Retune: raise the thresholds on GPUs with more registers per SM.
+    """
+    rows = num_pairs / max(1, min(num_experts, num_pairs))
+    if rows <= 16:
+        return 16
+    if rows <= 64:
+        return 32
+    if rows <= 256:
+        return 64
+    return 128
+
+
+def gate_up_configs(block_m: int) -> list[GemmConfig]:
+    """Candidate configs of the gate/up kernel for an M tile, pruned by rule: (1) small M favours narrow N
+    tiles (more programs per expert) and deep K tiles with more stages (bandwidth bound); (2) large M favours
+    square tiles (compute bound)."""
+    if block_m <= 32:
+        return [GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4), GemmConfig(128, 128, 4, 3),
+                GemmConfig(64, 256, 8, 3)]
+    return [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 8, 3)]
+
+
+def down_configs(block_m: int) -> list[GemmConfig]:
+    """Candidate configs of the down kernel; small M adds split-K (Dm / BLOCK_N programs per expert are too few
+    to fill the GPU at batch 1)."""
+    if block_m <= 32:
+        return [GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4), GemmConfig(64, 128, 4, 4, split_k=4),
+                GemmConfig(128, 128, 4, 4, split_k=8)]
+    return [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 8, 3)]
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    # pointers
+    x_ptr, wg_ptr, wu_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
+    # sizes: N = I (output columns), K = Dm, num_pairs = P
+    N, K, num_pairs,
+    # strides
+    stride_xm, stride_xk,
+    stride_ge, stride_gn, stride_gk,
+    stride_ue, stride_un, stride_uk,
+    stride_om, stride_on,
+    # meta-parameters
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ids_ptr + offs_m)
+        valid = pair < num_pairs
+        token = (pair // TOP_K).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        g_ptrs = wg_ptr + expert * stride_ge + offs_n[None, :] * stride_gn + offs_k[:, None] * stride_gk
+        u_ptrs = wu_ptr + expert * stride_ue + offs_n[None, :] * stride_un + offs_k[:, None] * stride_uk
+        n_ok = offs_n[None, :] < N
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            g_ptrs += BLOCK_K * stride_gk
+            u_ptrs += BLOCK_K * stride_uk
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _grouped_down_kernel(
+    # pointers
+    a_ptr, wd_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr,
+    # sizes: N = Dm (output columns), K = I, num_pairs = P
+    N, K, num_pairs,
+    # strides (out is the fp32 (P, Dm) pair buffer)
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_om, stride_on,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ids_ptr + offs_m)
+        valid = pair < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+        k_first = pid_k * tiles_per_split * BLOCK_K
+        offs_k = k_first + tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+        w_ptrs = wd_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        n_ok = offs_n[None, :] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tiles_per_split):
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+        weight = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+        out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc, mask=valid[:, None] & n_ok)
+        else:
+            tl.atomic_add(out_ptrs, acc, mask=valid[:, None] & n_ok)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in IEEE fp32 (exact parity with the reference); 16-bit inputs use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def grouped_gate_up(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                    w_gate: torch.Tensor, w_up: torch.Tensor, top_k: int, block_m: int,
+                    config: GemmConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the gate/up kernel: ``out[r] = silu(x @ W_gate[e]^T) * (x @ W_up[e]^T)`` per sorted row.
+
+    Args:
+        hidden: (T, Dm) fp32|bf16|fp16. sorted_ids: (P_pad,) int32, block_expert: (P_pad/block_m,) int32 from
+            ``moe_align_ref(topk_ids, E, block_m)``. w_gate, w_up: (E, I, Dm) hidden.dtype, any strides.
+        top_k: A. block_m: the routing's M tile (>= 16, a power of two). config: tile sizes.
+        out: optional (P_pad, I) hidden.dtype buffer.
+    Returns:
+        (P_pad, I) hidden.dtype; rows of tiles with expert -1 are left unwritten, pad rows of used tiles are 0.
+    Reference: kernels/moe_reference.py::grouped_gate_up_ref
+    """
+    p_pad, (e, n, k) = sorted_ids.shape[0], w_gate.shape
+    if out is None:
+        out = hidden.new_empty(p_pad, n)
+    grid = (p_pad // block_m, triton.cdiv(n, config.block_n))
+    _grouped_gate_up_kernel[grid](
+        hidden, w_gate, w_up, out, sorted_ids, block_expert,
+        n, k, hidden.shape[0] * top_k,
+        hidden.stride(0), hidden.stride(1),
+        w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
+        w_up.stride(0), w_up.stride(1), w_up.stride(2),
+        out.stride(0), out.stride(1),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        PRECISION=_precision(hidden.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def grouped_down(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, w_down: torch.Tensor,
+                 topk_weights: torch.Tensor, block_m: int, config: GemmConfig,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the down kernel: ``out[p] = w[p] * (act[r] @ W_down[e]^T)`` for the row r holding pair p.
+
+    Args:
+        act: (P_pad, I) from :func:`grouped_gate_up`. sorted_ids, block_expert: the routing. w_down: (E, Dm, I)
+            act.dtype, any strides. topk_weights: (T, A) float, contiguous. block_m, config: as for gate/up.
+        out: optional zero-filled (P, Dm) fp32 buffer (must be zero when ``config.split_k > 1``).
+    Returns:
+        (P, Dm) fp32 (P = topk_weights.numel()).
+    Reference: kernels/moe_reference.py::grouped_down_ref
+    """
+    num_pairs = topk_weights.numel()
+    e, n, k = w_down.shape
+    if out is None:
+        out = torch.zeros(num_pairs, n, dtype=torch.float32, device=act.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    grid = (sorted_ids.shape[0] // block_m, triton.cdiv(n, config.block_n), config.split_k)
+    _grouped_down_kernel[grid](
+        act, w_down, out, sorted_ids, block_expert, weights,
+        n, k, num_pairs,
+        act.stride(0), act.stride(1),
+        w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        PRECISION=_precision(act.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+_TUNED: dict[tuple, GemmConfig] = {}
+
+
+def _tune(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
+    """Return the fastest of ``candidates`` for ``key`` (timed once per process with triton.testing.do_bench on
+    scratch outputs; cached). Under the interpreter, or with CKVP_MOE_NO_TUNE=1, the first candidate."""
+    if key in _TUNED:
+        return _TUNED[key]
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("CKVP_MOE_NO_TUNE") == "1" or len(candidates) == 1:
+        best = candidates[0]
+    else:
+        from triton.testing import do_bench
+
+        times = []
+        for cfg in candidates:
+            try:
+                times.append((do_bench(functools.partial(launch, cfg), warmup=5, rep=20), cfg))
+            except Exception:  # a config the GPU cannot run (too much shared memory): skip it
+                continue
+        best = min(times, key=lambda tc: tc[0])[1] if times else candidates[0]
+    _TUNED[key] = best
+    return best
+
+
+def moe_experts_triton(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                       gate_up_config: GemmConfig | None = None, down_config: GemmConfig | None = None,
+                       block_m: int | None = None) -> torch.Tensor:
+    """The routed experts on the GPU: device-side routing, gate/up + SiLU kernel, down + weight kernel, combine.
+
+    Args:
+        hidden: (T, Dm), topk_ids: (T, A) int, topk_weights: (T, A) float, w_gate / w_up: (E, I, Dm),
+            w_down: (E, Dm, I), all on one device (inputs validated by ``ckvp::moe_experts``).
+        gate_up_config, down_config: fixed configs; default: tuned once per (E, I, Dm, M tile, dtype).
+        block_m: the M tile; default :func:`block_m_for`.
+    Returns:
+        (T, Dm) hidden.dtype. No host synchronisation (the routing's sizes are worst-case static).
+    Reference: kernels/moe_reference.py::moe_experts_ref
+    """
+    t, a = topk_ids.shape
+    e, i, dm = w_gate.shape
+    bm = block_m or block_m_for(t * a, e)
+    sorted_ids, block_expert = moe_align_ref(topk_ids, e, bm)
+    key = (e, i, dm, bm, hidden.dtype, str(hidden.device))
+    if gate_up_config is None:
+        scratch = hidden.new_empty(sorted_ids.shape[0], i)
+        gate_up_config = _tune(("gate_up",) + key, gate_up_configs(bm), lambda c: grouped_gate_up(
+            hidden, sorted_ids, block_expert, w_gate, w_up, a, bm, c, out=scratch))
+    act = grouped_gate_up(hidden, sorted_ids, block_expert, w_gate, w_up, a, bm, gate_up_config)
+    if down_config is None:
+        scratch = torch.zeros(t * a, dm, dtype=torch.float32, device=hidden.device)
+        down_config = _tune(("down",) + key, down_configs(bm), lambda c: grouped_down(
+            act, sorted_ids, block_expert, w_down, topk_weights, bm, c, out=scratch))
+    pairs = grouped_down(act, sorted_ids, block_expert, w_down, topk_weights, bm, down_config)
+    return pairs.view(t, a, dm).sum(1).to(hidden.dtype)
