@@ -212,6 +212,7 @@ class _StoreArgs:
         self.names = list(plan.extra_inputs)
         self.index = plan.store_input_index
         self.groups = [gr.group for gr in plan.groups]
+        self.layout = plan.store.layout()
 
     def tensors(self, store: LatentKVStore) -> list[Any]:
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
@@ -232,6 +233,12 @@ class _StoreArgs:
                 raise UnsupportedGraphError(
                     "ckvp: a graph compiled for a ckvp latent cache was called with another cache; "
                     "call torch._dynamo.reset() or keep one cache type per compiled model"
+                )
+            if hit[0].layout() != self.layout:
+                raise UnsupportedGraphError(
+                    "ckvp: a graph compiled for one ckvp latent cache was called with a cache of another layout "
+                    "(batch size, length, ranks, latent format or dtype); call torch._dynamo.reset() before "
+                    "switching, or keep one cache layout per compiled model"
                 )
             extra = self.tensors(hit[0])
             return compiled(*args, *extra)

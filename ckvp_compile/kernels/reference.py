@@ -11,7 +11,8 @@ row block, ``P_h[j*D:(j+1)*D] z_t``, then applies RoPE at the token's position. 
 Packed layout shared by every function here:
 
 ==============  ===========================================================================================
-``latent``      (B, S_max, R_tot) any float dtype; KV head ``h`` owns columns ``offsets[h]:offsets[h+1]``
+``latent``      (B, S_max, R_tot) any float dtype; KV head ``h`` owns columns ``offsets[h]:offsets[h+1]``;
+                or (B, S_max, row_bytes) uint8 in a quantized ``fmt`` (:mod:`.latent_format`)
 ``offsets``     Hkv+1 non-decreasing ints, ``offsets[0] == 0``, ``R_tot = offsets[-1]``; ``r_h`` its width
 ``basis``       (Hkv, G*D, R_max), zero beyond each head's rank (columns ``r_h:`` of head ``h``)
 ``basis_block`` (Hkv, D, R_max), layer ``j``'s rows ``basis[:, j*D:(j+1)*D, :]``
@@ -38,6 +39,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from .latent_format import dequantize_latent_ref, parse_latent_format, quantize_latent_ref
 
 __all__ = [
     "ROPE_FORMS",
@@ -103,16 +106,20 @@ def _head_columns(offsets: Sequence[int], r_pad: int, device: torch.device) -> t
     return idx, valid
 
 
-def unpack_latent_ref(latent: torch.Tensor, offsets: Sequence[int], r_pad: int) -> torch.Tensor:
+def unpack_latent_ref(latent: torch.Tensor, offsets: Sequence[int], r_pad: int, fmt: str = "float") -> torch.Tensor:
     """Split the packed latent into per-head, zero-padded coordinates.
 
     Args:
-        latent: (B, T, R_tot) float, packed as described in the module docstring.
+        latent: (B, T, R_tot) float, packed as described in the module docstring; or (B, T, row_bytes) uint8
+            in a quantized ``fmt`` (:mod:`ckvp_compile.kernels.latent_format`), dequantized first.
         offsets: Hkv+1 ints.
         r_pad: padded rank R_max (>= every r_h).
+        fmt: the latent's storage format.
     Returns:
         (B, Hkv, T, r_pad) fp32, zero in columns ``r_h:`` of head ``h``.
     """
+    if parse_latent_format(fmt).quantized:
+        latent = dequantize_latent_ref(latent, offsets, fmt)
     b, t = latent.shape[:2]
     hkv = len(offsets) - 1
     if latent.shape[-1] == 0 or r_pad == 0:
@@ -124,7 +131,8 @@ def unpack_latent_ref(latent: torch.Tensor, offsets: Sequence[int], r_pad: int) 
 
 
 def latent_append_ref(
-    latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor
+    latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor,
+    fmt: str = "float",
 ) -> None:
     """Project the group's stacked new keys (or values) onto each head's basis and store them in the latent.
 
@@ -134,15 +142,18 @@ def latent_append_ref(
         basis: (Hkv, G*D, R_max) float, orthonormal columns, zero beyond each head's rank.
         offsets: Hkv+1 ints, head h owns latent columns offsets[h]:offsets[h+1].
         slots: (S,) int, distinct cache slots of the new tokens.
+        fmt: the latent's storage format; a quantized one takes a uint8 (B, S_max, row_bytes) latent.
     Returns:
         None. ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` in fp32, cast to
-        latent.dtype.
+        latent.dtype (or quantized per :func:`~ckvp_compile.kernels.latent_format.quantize_latent_ref`).
     """
     b, hkv, s, _ = x.shape
     r_pad = basis.shape[-1]
     z = torch.einsum("bhsk,hkr->bshr", x.float(), basis.float())  # (B, S, Hkv, R_max)
     _, valid = _head_columns(offsets, r_pad, latent.device)
     packed = z.reshape(b, s, hkv * r_pad)[..., valid.flatten()]  # (B, S, R_tot): head-major, as the layout
+    if parse_latent_format(fmt).quantized:
+        packed = quantize_latent_ref(packed, offsets, fmt)
     latent[:, slots.long()] = packed.to(latent.dtype)
 
 
@@ -185,9 +196,10 @@ def _rebuild(
     slot_pos: torch.Tensor,
     rope_form: str,
     rotary_dim: int,
+    fmt: str = "float",
 ) -> torch.Tensor:
     """(B, Hkv, T, D) fp32: every slot of ``latent`` (B, T, R_tot) rebuilt and rotated at ``slot_pos`` (B, T)."""
-    z = unpack_latent_ref(latent, offsets, basis_block.shape[-1])  # (B, Hkv, T, R_max)
+    z = unpack_latent_ref(latent, offsets, basis_block.shape[-1], fmt)  # (B, Hkv, T, R_max)
     pre = torch.einsum("bhtr,hdr->bhtd", z, basis_block.float())
     if rope_form == "none":
         return pre
@@ -208,6 +220,7 @@ def latent_reconstruct_ref(
     rotary_dim: int,
     new: torch.Tensor,
     slots: torch.Tensor,
+    fmt: str = "float",
 ) -> torch.Tensor:
     """Rebuild one layer's dense cache from the group latent, with RoPE, current-call tokens exact.
 
@@ -221,11 +234,12 @@ def latent_reconstruct_ref(
         rotary_dim: channels rotated (ignored for 'none').
         new: (B, Hkv, S, D) float, this call's exact tokens (post-RoPE for keys).
         slots: (S,) int, their slots.
+        fmt: the latent's storage format (see :func:`unpack_latent_ref`).
     Returns:
         (B, Hkv, S_max, D) new.dtype: ``RoPE(latent_h @ basis_block[h, :, :r_h]^T)`` per head and slot, with
         slots ``slots`` replaced by ``new``.
     """
-    out = _rebuild(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim)
+    out = _rebuild(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, fmt)
     out[:, :, slots.long()] = new.float()
     return out.to(new.dtype)
 
@@ -295,6 +309,8 @@ def latent_attention_ref(
     attn_mask: torch.Tensor | None,
     scale: float,
     kv_len: int,
+    k_fmt: str = "float",
+    v_fmt: str = "float",
 ) -> torch.Tensor:
     """Attend over cache slots [0, kv_len) of the latent K/V, values absorbed, current-call tokens exact.
 
@@ -310,6 +326,7 @@ def latent_attention_ref(
         attn_mask: broadcastable to (B, H, S, kv_len), bool (True = attend) or additive float, or None.
         scale: score scale.
         kv_len: slots attended, 1 <= kv_len <= S_max.
+        k_fmt, v_fmt: the latents' storage formats (see :func:`unpack_latent_ref`).
     Returns:
         (B, H, S, D) q.dtype, fp32 accumulation. With ``w`` the softmax weights, past slots contribute
         ``(w_past @ latent_v_h) @ basis_v_block[h, :, :r_h]^T`` (value absorption: the dense values are never
@@ -319,10 +336,10 @@ def latent_attention_ref(
     hkv = basis_k_block.shape[0]
     idx = slots.long()
     k = _rebuild(latent_k[:, :kv_len], basis_k_block, k_offsets, cos_table, sin_table, slot_pos[:, :kv_len],
-                 rope_form, rotary_dim)
+                 rope_form, rotary_dim, k_fmt)
     k[:, :, idx] = new_k.float()
     w = _attention_weights(q, k, attn_mask, scale)  # (B, Hkv, H/Hkv, S, kv_len)
-    zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1])  # (B, Hkv, kv_len, Rv)
+    zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1], v_fmt)  # (B, Hkv, kv_len, Rv)
     zv[:, :, idx] = 0.0  # the current call's slots come from new_v below
     absorbed = torch.einsum("bgrst,bgtk->bgrsk", w, zv)  # (B, Hkv, H/Hkv, S, Rv): per query head, in latent space
     out = torch.einsum("bgrsk,gdk->bgrsd", absorbed, basis_v_block.float())

@@ -8,15 +8,21 @@ Notation and the packed latent layout: the docstring of :mod:`ckvp_compile.kerne
 
 Schemas (``int[]`` offsets are compile-time constants; ``SymInt kv_len`` may be symbolic)::
 
-    ckvp::latent_append(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots) -> ()
+    ckvp::latent_append(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots,
+        str fmt="float") -> ()
     ckvp::rope_table_update(Tensor(a!) cos_table, Tensor(b!) sin_table, Tensor(c!) slot_pos, Tensor cos,
         Tensor sin, Tensor position_ids, Tensor slots) -> ()
     ckvp::latent_reconstruct(Tensor latent, Tensor basis_block, int[] offsets, Tensor cos_table,
-        Tensor sin_table, Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots) -> Tensor
+        Tensor sin_table, Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots,
+        str fmt="float") -> Tensor
     ckvp::latent_attention(Tensor q, Tensor latent_k, Tensor latent_v, Tensor basis_k_block,
         Tensor basis_v_block, int[] k_offsets, int[] v_offsets, Tensor cos_table, Tensor sin_table,
         Tensor slot_pos, str rope_form, int rotary_dim, Tensor new_k, Tensor new_v, Tensor slots,
-        Tensor? attn_mask, float scale, SymInt kv_len) -> Tensor
+        Tensor? attn_mask, float scale, SymInt kv_len, str k_fmt="float", str v_fmt="float") -> Tensor
+
+``fmt`` / ``k_fmt`` / ``v_fmt`` name the latent's storage format (:mod:`ckvp_compile.kernels.latent_format`):
+``"float"`` (a float latent of width R_tot) or a quantized one such as ``"int8/32"`` (a uint8 latent whose
+width is the format's row bytes).
 
 Not checked (they need the data, which fake tensors do not have, and a host sync on GPU): slot and position
 values in range (``slots < S_max`` and ``< kv_len``, ``position_ids < P_max``, ``slot_pos < P_max``), and
@@ -33,6 +39,7 @@ import torch
 
 from ..errors import CKVPShapeError
 from ..kernels import reference as ref
+from ..kernels.latent_format import parse_latent_format
 
 __all__ = ["OPS", "latent_append", "latent_attention", "latent_reconstruct", "rope_table_update"]
 
@@ -79,15 +86,33 @@ def _expect_same_device(op: str, **tensors: torch.Tensor | None) -> None:
         _fail(op, f"all tensors must be on one device, but got {devices}")
 
 
-def _check_offsets(op: str, name: str, offsets: Sequence[int], hkv: int, r_tot: Any, r_pad: Any) -> None:
-    """offsets: Hkv+1 non-decreasing ints from 0 to R_tot (the latent width), every rank <= R_max (basis width)."""
+def _check_latent(op: str, name: str, latent: torch.Tensor, fmt: str) -> None:
+    """A float latent for 'float', a uint8 one for a quantized format; an unknown format fails."""
+    try:
+        f = parse_latent_format(fmt)
+    except ValueError as e:
+        _fail(op, str(e))
+    if f.quantized and latent.dtype != torch.uint8:
+        _fail(op, f"{name} must be uint8 for the quantized format {f.name!r}, but got {latent.dtype}")
+    if not f.quantized:
+        _expect_float(op, name, latent)
+
+
+def _check_offsets(op: str, name: str, offsets: Sequence[int], hkv: int, r_tot: Any, r_pad: Any,
+                   fmt: str = "float") -> None:
+    """offsets: Hkv+1 non-decreasing ints from 0 to R_tot, every rank <= R_max (basis width); the latent width
+    ``r_tot`` must be R_tot ('float') or the format's row bytes."""
     offsets = list(offsets)
     if len(offsets) != hkv + 1:
         _fail(op, f"{name} must have Hkv+1 = {hkv + 1} entries (Hkv = basis.shape[0]), but got {len(offsets)}: "
                   f"{offsets}")
     if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
         _fail(op, f"{name} must be non-decreasing and start at 0, but got {offsets}")
-    if offsets[-1] != r_tot:
+    f = parse_latent_format(fmt)
+    if f.quantized and f.row_width(offsets) != r_tot:
+        _fail(op, f"the latent width {r_tot} must equal the {f.name} row bytes {f.row_width(offsets)} of {name} = "
+                  f"{offsets}")
+    if not f.quantized and offsets[-1] != r_tot:
         _fail(op, f"{name}[-1] must equal the latent width R_tot = {r_tot}, but got {offsets[-1]}")
     ranks = [b - a for a, b in zip(offsets, offsets[1:])]
     if ranks and max(ranks) > r_pad:
@@ -117,16 +142,17 @@ def _check_slots(op: str, slots: torch.Tensor) -> Any:
     return slots.shape[0]
 
 
-def _check_latent_append(latent, x, basis, offsets, slots) -> None:
+def _check_latent_append(latent, x, basis, offsets, slots, fmt="float") -> None:
     op = "latent_append"
     _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
     _expect_ndim(op, "basis", basis, 3, "(Hkv, G*D, R_max)")
     s = _check_slots(op, slots)
     b, hkv, gd = latent.shape[0], basis.shape[0], basis.shape[1]
     _expect_shape(op, "x", x, (b, hkv, s, gd), "(B, Hkv, S, G*D) from latent, basis and slots")
-    for name, t in (("latent", latent), ("x", x), ("basis", basis)):
+    _check_latent(op, "latent", latent, fmt)
+    for name, t in (("x", x), ("basis", basis)):
         _expect_float(op, name, t)
-    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis.shape[2])
+    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis.shape[2], fmt)
     _expect_same_device(op, latent=latent, x=x, basis=basis, slots=slots)
 
 
@@ -156,7 +182,7 @@ def _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_
 
 
 def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
-                              new, slots) -> None:
+                              new, slots, fmt="float") -> None:
     op = "latent_reconstruct"
     _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
     _expect_ndim(op, "basis_block", basis_block, 3, "(Hkv, D, R_max)")
@@ -164,9 +190,10 @@ def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table
     b, s_max = latent.shape[0], latent.shape[1]
     hkv, d = basis_block.shape[0], basis_block.shape[1]
     _expect_shape(op, "new", new, (b, hkv, s, d), "(B, Hkv, S, D) from latent, basis_block and slots")
-    for name, t in (("latent", latent), ("basis_block", basis_block), ("new", new)):
+    _check_latent(op, "latent", latent, fmt)
+    for name, t in (("basis_block", basis_block), ("new", new)):
         _expect_float(op, name, t)
-    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis_block.shape[2])
+    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis_block.shape[2], fmt)
     _check_rope(op, rope_form, rotary_dim, d, cos_table, sin_table, slot_pos, b, s_max)
     _expect_same_device(op, latent=latent, basis_block=basis_block, new=new, slots=slots,
                         **({} if rope_form == "none" else dict(cos_table=cos_table, sin_table=sin_table,
@@ -175,7 +202,7 @@ def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table
 
 def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale,
-                            kv_len) -> None:
+                            kv_len, k_fmt="float", v_fmt="float") -> None:
     op = "latent_attention"
     _expect_ndim(op, "q", q, 4, "(B, H, S, D)")
     _expect_ndim(op, "basis_k_block", basis_k_block, 3, "(Hkv, D, Rk_max)")
@@ -193,11 +220,13 @@ def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block,
         _fail(op, f"slots must be (S,) with S = {s} (q.shape[2]), but got {_shape(slots)}")
     _expect_shape(op, "new_k", new_k, (b, hkv, s, d), "(B, Hkv, S, D) from q and basis_k_block")
     _expect_shape(op, "new_v", new_v, (b, hkv, s, d), "(B, Hkv, S, D) from q and basis_k_block")
-    for name, t in (("q", q), ("latent_k", latent_k), ("latent_v", latent_v), ("basis_k_block", basis_k_block),
-                    ("basis_v_block", basis_v_block), ("new_k", new_k), ("new_v", new_v)):
+    _check_latent(op, "latent_k", latent_k, k_fmt)
+    _check_latent(op, "latent_v", latent_v, v_fmt)
+    for name, t in (("q", q), ("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block), ("new_k", new_k),
+                    ("new_v", new_v)):
         _expect_float(op, name, t)
-    _check_offsets(op, "k_offsets", k_offsets, hkv, latent_k.shape[2], basis_k_block.shape[2])
-    _check_offsets(op, "v_offsets", v_offsets, hkv, latent_v.shape[2], basis_v_block.shape[2])
+    _check_offsets(op, "k_offsets", k_offsets, hkv, latent_k.shape[2], basis_k_block.shape[2], k_fmt)
+    _check_offsets(op, "v_offsets", v_offsets, hkv, latent_v.shape[2], basis_v_block.shape[2], v_fmt)
     _check_rope(op, rope_form, rotary_dim, d, cos_table, sin_table, slot_pos, b, s_max)
     if not 1 <= kv_len <= s_max:
         _fail(op, f"kv_len must be in [1, S_max = {s_max}] (latent_k.shape[1]), but got {kv_len}")
@@ -220,31 +249,34 @@ def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block,
 @torch.library.custom_op(
     "ckvp::latent_append",
     mutates_args=("latent",),
-    schema="(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots) -> ()",
+    schema="(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots, str fmt=\"float\") -> ()",
 )
 def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
-                  slots: torch.Tensor) -> None:
+                  slots: torch.Tensor, fmt: str = "float") -> None:
     """Project the group's stacked new keys (or values) onto each head's basis and write them into the latent.
 
     Args:
-        latent: (B, S_max, R_tot) float, mutated at ``latent[:, slots]``.
+        latent: (B, S_max, R_tot) float, or (B, S_max, row_bytes) uint8 for a quantized ``fmt``; mutated at
+            ``latent[:, slots]``.
         x: (B, Hkv, S, G*D) float, the group's G layers' new pre-RoPE keys (or values), layer-major.
         basis: (Hkv, G*D, R_max) float, orthonormal columns, zero beyond each head's rank.
         offsets: Hkv+1 ints, head h owns latent columns offsets[h]:offsets[h+1].
         slots: (S,) int32|int64, distinct cache slots < S_max.
+        fmt: the latent's storage format ('float', 'int8/32', 'int4/32', 'int2/32', ...).
     Returns:
-        None; ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` (fp32, cast).
+        None; ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` (fp32, then cast or
+        quantized per token and block).
     Raises:
         CKVPShapeError: a shape, dtype or device does not match the layout above.
     Reference: kernels/reference.py::latent_append_ref
     """
-    _check_latent_append(latent, x, basis, offsets, slots)
-    ref.latent_append_ref(latent, x, basis, offsets, slots)
+    _check_latent_append(latent, x, basis, offsets, slots, fmt)
+    ref.latent_append_ref(latent, x, basis, offsets, slots, fmt)
 
 
 @latent_append.register_fake
-def _(latent, x, basis, offsets, slots) -> None:
-    _check_latent_append(latent, x, basis, offsets, slots)
+def _(latent, x, basis, offsets, slots, fmt="float") -> None:
+    _check_latent_append(latent, x, basis, offsets, slots, fmt)
 
 
 @torch.library.custom_op(
@@ -285,15 +317,15 @@ def _(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots) -> None:
     "ckvp::latent_reconstruct",
     mutates_args=(),
     schema="(Tensor latent, Tensor basis_block, int[] offsets, Tensor cos_table, Tensor sin_table, "
-    "Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots) -> Tensor",
+    "Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots, str fmt=\"float\") -> Tensor",
 )
 def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets: Sequence[int],
                        cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str,
-                       rotary_dim: int, new: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                       rotary_dim: int, new: torch.Tensor, slots: torch.Tensor, fmt: str = "float") -> torch.Tensor:
     """Rebuild one layer's dense K (or V) cache from the group latent, RoPE applied, current-call tokens exact.
 
     Args:
-        latent: (B, S_max, R_tot) float.
+        latent: (B, S_max, R_tot) float, or (B, S_max, row_bytes) uint8 for a quantized ``fmt``.
         basis_block: (Hkv, D, R_max) float, this layer's rows ``basis[:, j*D:(j+1)*D]`` of the group basis.
         offsets: Hkv+1 ints.
         cos_table, sin_table: (P_max, W) float, position-indexed (any tensors for rope_form 'none').
@@ -302,6 +334,7 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
         rotary_dim: channels rotated, even, <= D (ignored for 'none').
         new: (B, Hkv, S, D) float, this call's exact tokens (post-RoPE keys, or values).
         slots: (S,) int32|int64, their slots.
+        fmt: the latent's storage format.
     Returns:
         (B, Hkv, S_max, D) new.dtype, computed in fp32.
     Raises:
@@ -309,16 +342,16 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
     Reference: kernels/reference.py::latent_reconstruct_ref
     """
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
-                              new, slots)
+                              new, slots, fmt)
     out = ref.latent_reconstruct_ref(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form,
-                                     rotary_dim, new, slots)
+                                     rotary_dim, new, slots, fmt)
     return out.contiguous()  # the fake promises contiguous strides
 
 
 @latent_reconstruct.register_fake
-def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, new, slots):
+def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, new, slots, fmt="float"):
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
-                              new, slots)
+                              new, slots, fmt)
     b, s_max = latent.shape[0], latent.shape[1]
     return new.new_empty((b, basis_block.shape[0], s_max, basis_block.shape[1]))
 
@@ -328,19 +361,21 @@ def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, r
     mutates_args=(),
     schema="(Tensor q, Tensor latent_k, Tensor latent_v, Tensor basis_k_block, Tensor basis_v_block, "
     "int[] k_offsets, int[] v_offsets, Tensor cos_table, Tensor sin_table, Tensor slot_pos, str rope_form, "
-    "int rotary_dim, Tensor new_k, Tensor new_v, Tensor slots, Tensor? attn_mask, float scale, SymInt kv_len) "
-    "-> Tensor",
+    "int rotary_dim, Tensor new_k, Tensor new_v, Tensor slots, Tensor? attn_mask, float scale, SymInt kv_len, "
+    "str k_fmt=\"float\", str v_fmt=\"float\") -> Tensor",
 )
 def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
                      basis_v_block: torch.Tensor, k_offsets: Sequence[int], v_offsets: Sequence[int],
                      cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str,
                      rotary_dim: int, new_k: torch.Tensor, new_v: torch.Tensor, slots: torch.Tensor,
-                     attn_mask: torch.Tensor | None, scale: float, kv_len: int) -> torch.Tensor:
+                     attn_mask: torch.Tensor | None, scale: float, kv_len: int, k_fmt: str = "float",
+                     v_fmt: str = "float") -> torch.Tensor:
     """Attend over latent cache slots [0, kv_len): keys rebuilt with RoPE, values absorbed, new tokens exact.
 
     Args:
         q: (B, H, S, D) float, post-RoPE queries; query head i reads KV head i // (H/Hkv).
-        latent_k, latent_v: (B, S_max, Rk_tot) / (B, S_max, Rv_tot) float.
+        latent_k, latent_v: (B, S_max, Rk_tot) / (B, S_max, Rv_tot) float, or uint8 rows of a quantized
+            ``k_fmt`` / ``v_fmt``.
         basis_k_block, basis_v_block: (Hkv, D, Rk_max) / (Hkv, D, Rv_max) float, this layer's rows.
         k_offsets, v_offsets: Hkv+1 ints each.
         cos_table, sin_table, slot_pos, rope_form, rotary_dim: the keys' RoPE, as in
@@ -350,6 +385,7 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
         attn_mask: broadcastable to (B, H, S, kv_len), bool (True = attend) or additive float; None = no mask.
         scale: score scale (1/sqrt(D) for standard attention).
         kv_len: slots attended, 1 <= kv_len <= S_max.
+        k_fmt, v_fmt: the latents' storage formats.
     Returns:
         (B, H, S, D) q.dtype, fp32 accumulation. Rows the mask removes entirely are 0, as in torch SDPA.
     Raises:
@@ -357,18 +393,20 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
     Reference: kernels/reference.py::latent_attention_ref
     """
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
-                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len)
+                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
+                            k_fmt, v_fmt)
     out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
                                    cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
-                                   attn_mask, scale, kv_len)
+                                   attn_mask, scale, kv_len, k_fmt, v_fmt)
     return out.contiguous()  # the fake promises contiguous strides
 
 
 @latent_attention.register_fake
 def _(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table, sin_table, slot_pos,
-      rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len):
+      rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt="float", v_fmt="float"):
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
-                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len)
+                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
+                            k_fmt, v_fmt)
     return q.new_empty(q.shape)
 
 

@@ -106,9 +106,9 @@ class LatentKVCachePass(CKVPPass):
                 d = site.head_dim
                 form = site.rope.form if site.rope is not None else "none"
                 rd = site.rope.rotary_dim if site.rope is not None else 0
-                for kind, write, latent, basis, offsets, rope in (
-                    ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form),
-                    ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none"),
+                for kind, write, latent, basis, offsets, rope, fmt in (
+                    ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form, store.k_format),
+                    ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none", store.v_format),
                 ):
                     w, cache, value = nodes[write.write_node], nodes[write.cache_node], nodes[write.value_node]
                     slots = nodes[write.position_node]
@@ -120,7 +120,7 @@ class LatentKVCachePass(CKVPPass):
                         recon = graph.call_function(
                             torch.ops.ckvp.latent_reconstruct.default,
                             (latent, block, offsets, rope_cos, rope_sin, slot_pos, rope, rd if rope != "none" else 0,
-                             value, slots),
+                             value, slots, fmt),
                         )
                     for user in list(cache.users):
                         if user is not w and order.get(user, len(order)) > order[w]:
@@ -149,11 +149,11 @@ class LatentKVCachePass(CKVPPass):
                 xv = graph.call_function(torch.cat, (v_nodes, -1))
             with graph.inserting_after(xv):
                 ak = graph.call_function(
-                    torch.ops.ckvp.latent_append.default, (lat_k, xk, bas_k, store.k_offsets[g], slots)
+                    torch.ops.ckvp.latent_append.default, (lat_k, xk, bas_k, store.k_offsets[g], slots, store.k_format)
                 )
             with graph.inserting_after(ak):
                 av = graph.call_function(
-                    torch.ops.ckvp.latent_append.default, (lat_v, xv, bas_v, store.v_offsets[g], slots)
+                    torch.ops.ckvp.latent_append.default, (lat_v, xv, bas_v, store.v_offsets[g], slots, store.v_format)
                 )
             if cos_n is not None:
                 with graph.inserting_after(av):

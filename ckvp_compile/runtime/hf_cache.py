@@ -53,22 +53,29 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
         bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for this model.
         max_cache_len: S_max, slots per sequence.
         max_batch_size: B.
-        device, dtype: of the model's K/V (default: the bases' device... cpu, and float32).
+        device, dtype: of the model's K/V (default: cpu, and float32).
+        latent_format: storage of the key and value latents, one format for both or a (K, V) pair:
+            ``"float"`` (default), ``"int8"``, ``"int4"``, ``"int2"``, optionally with ``/block`` (see
+            :mod:`ckvp_compile.kernels.latent_format`).
+        latent_dtype: dtype of ``"float"`` latents (default ``dtype``).
     Raises:
-        CKVPConfigError: the bases do not match the model's layers, KV heads or head dim.
+        CKVPConfigError: the bases do not match the model's layers, KV heads or head dim; an unknown format.
         CKVPError: (when used) any eager use; compile the model with ``backend="ckvp"``.
     Notes:
         Memory: ``self.store.nbytes()`` (latents + slot positions per sequence; bases and RoPE tables once).
     """
 
     def __init__(self, config: Any, bases: Any, max_cache_len: int, max_batch_size: int = 1,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 latent_format: str | tuple[str, str] = "float", latent_dtype: torch.dtype | None = None) -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         num_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         _check_bases(bases, len(self.layers), num_kv, head_dim)
-        self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype)
+        k_format, v_format = _formats(latent_format)
+        self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
+                                   latent_dtype)
         for i, layer in enumerate(self.layers):
             probe = torch.empty(max_batch_size, num_kv, 0, head_dim, device=device, dtype=dtype)
             layer.lazy_initialization(probe, probe)  # sets shapes, device, counters (allocates dense: freed below)
@@ -92,7 +99,16 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 counter.zero_()
 
 
-def use_latent_cache(model: torch.nn.Module, bases: Any) -> LatentKVStore:
+def _formats(latent_format: str | tuple[str, str]) -> tuple[str, str]:
+    if isinstance(latent_format, str):
+        return latent_format, latent_format
+    if isinstance(latent_format, (tuple, list)) and len(latent_format) == 2:
+        return latent_format[0], latent_format[1]
+    raise CKVPConfigError(f"latent_format must be a format name or a (K, V) pair of them, got {latent_format!r}")
+
+
+def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tuple[str, str] = "float",
+                     latent_dtype: torch.dtype | None = None) -> LatentKVStore:
     """Replace a gpt-fast-style model's per-layer ``k_cache`` / ``v_cache`` buffers by latent-store phantoms.
 
     Call after the model's ``setup_caches(max_batch_size, max_seq_length)``. Buffers are found as pairs of
@@ -102,6 +118,7 @@ def use_latent_cache(model: torch.nn.Module, bases: Any) -> LatentKVStore:
     Args:
         model: the model (its caches already set up).
         bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for it.
+        latent_format, latent_dtype: as for :class:`CKVPStaticCache`.
     Returns:
         The :class:`LatentKVStore` now holding the model's KV state (``store.reset()`` starts over); each
         cache module keeps it as ``ckvp_store``.
@@ -114,7 +131,8 @@ def use_latent_cache(model: torch.nn.Module, bases: Any) -> LatentKVStore:
         raise CKVPConfigError("no module with k_cache / v_cache buffers found; call model.setup_caches(...) first")
     b, hkv, s, d = caches[0].k_cache.shape
     _check_bases(bases, len(caches), hkv, d)
-    store = LatentKVStore(bases, b, s, caches[0].k_cache.device, caches[0].k_cache.dtype)
+    store = LatentKVStore(bases, b, s, caches[0].k_cache.device, caches[0].k_cache.dtype, *_formats(latent_format),
+                          latent_dtype)
     for i, m in enumerate(caches):
         m.k_cache = store.phantom(i, "k")
         m.v_cache = store.phantom(i, "v")

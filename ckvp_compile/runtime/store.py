@@ -7,8 +7,10 @@ One store serves one cache (one batch of sequences) of one model. It holds, per 
 tensor              shape                                 meaning
 ==================  ====================================  =================================================
 ``latent_k[g]``     (B, S_max, sum_h rK[g][h])            packed key latents, head h in columns
-                                                          ``k_offsets[g][h]:k_offsets[g][h+1]``
-``latent_v[g]``     (B, S_max, sum_h rV[g][h])            packed value latents
+                                                          ``k_offsets[g][h]:k_offsets[g][h+1]``; uint8
+                                                          (B, S_max, row_bytes) in a quantized
+                                                          ``k_format`` (``kernels/latent_format.py``)
+``latent_v[g]``     (B, S_max, sum_h rV[g][h])            packed value latents (``v_format``)
 ``basis_k[g]``      (Hkv, G*D, max_h rK[g][h])            orthonormal bases (zero columns beyond a rank)
 ``basis_v[g]``      (Hkv, G*D, max_h rV[g][h])
 ==================  ====================================  =================================================
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from ..errors import CKVPConfigError
+from ..kernels.latent_format import parse_latent_format
 
 _PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
 
@@ -52,6 +55,7 @@ class StoreBytes:
         latent: key and value latents (per sequence). slot_positions: ``slot_pos`` (per sequence).
         bases: the bases on the device (model constant). rope_tables: cos / sin tables (model constant).
         dense_equivalent: what the model's dense K and V caches of the same B and S_max would take.
+        dense_elements: their element count (for :meth:`ratio_vs` another dense dtype).
     """
 
     latent: int
@@ -59,6 +63,7 @@ class StoreBytes:
     bases: int
     rope_tables: int
     dense_equivalent: int
+    dense_elements: int = 0
 
     @property
     def per_sequence_state(self) -> int:
@@ -70,6 +75,12 @@ class StoreBytes:
         """Dense KV bytes over per-sequence latent-state bytes (the KV compression ratio)."""
         return self.dense_equivalent / max(1, self.per_sequence_state)
 
+    def ratio_vs(self, dense_dtype: torch.dtype) -> float:
+        """The KV compression ratio against a dense cache stored in ``dense_dtype`` (e.g. the checkpoint's
+        bf16 when the model computes in fp32): dense elements x its size over per-sequence latent-state bytes."""
+        size = torch.empty((), dtype=dense_dtype).element_size()
+        return self.dense_elements * size / max(1, self.per_sequence_state)
+
 
 class LatentKVStore:
     """Device tensors of the cross-layer latent KV cache of one cache (B sequences, S_max slots).
@@ -77,24 +88,42 @@ class LatentKVStore:
     Args:
         bases: the :class:`~ckvp_compile.latent.LatentBases` (groups, ranks, bases).
         batch_size: B. max_cache_len: S_max.
-        device, dtype: where and in which dtype latents and bases live (the model's KV dtype).
+        device, dtype: where the store lives and the model's KV dtype (bases, RoPE tables, phantoms).
+        k_format, v_format: storage format of the key / value latents: ``"float"`` (default) or a quantized
+            one, ``"int8"``, ``"int4"``, ``"int2"`` with an optional ``/block`` (see
+            :mod:`ckvp_compile.kernels.latent_format`).
+        latent_dtype: float dtype of ``"float"`` latents (default ``dtype``; e.g. bf16 latents for an fp32
+            model).
     Raises:
-        CKVPConfigError: batch_size or max_cache_len < 1.
+        CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, or a non-float latent_dtype.
     """
 
-    def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
+                 dtype: torch.dtype, k_format: str = "float", v_format: str = "float",
+                 latent_dtype: torch.dtype | None = None):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
+        try:
+            kf, vf = parse_latent_format(k_format), parse_latent_format(v_format)
+        except ValueError as e:
+            raise CKVPConfigError(str(e)) from None
+        latent_dtype = latent_dtype or dtype
+        if not latent_dtype.is_floating_point:
+            raise CKVPConfigError(f"latent_dtype must be a float dtype (the dtype of 'float' latents), got "
+                                  f"{latent_dtype}; for integer latents pass k_format/v_format='int8' etc.")
         self.bases = bases
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
         self.device, self.dtype = torch.device(device), dtype
+        self.k_format, self.v_format, self.latent_dtype = kf.name, vf.name, latent_dtype
         self.num_kv_heads, self.head_dim = bases.num_kv_heads, bases.head_dim
         self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in bases.groups)
         self.k_offsets = [_offsets(r) for r in bases.k_ranks]
         self.v_offsets = [_offsets(r) for r in bases.v_ranks]
         b, s = batch_size, max_cache_len
-        self.latent_k = [torch.zeros(b, s, o[-1], device=self.device, dtype=dtype) for o in self.k_offsets]
-        self.latent_v = [torch.zeros(b, s, o[-1], device=self.device, dtype=dtype) for o in self.v_offsets]
+        self.latent_k = [torch.zeros(b, s, kf.row_width(o), device=self.device, dtype=kf.storage_dtype(latent_dtype))
+                         for o in self.k_offsets]
+        self.latent_v = [torch.zeros(b, s, vf.row_width(o), device=self.device, dtype=vf.storage_dtype(latent_dtype))
+                         for o in self.v_offsets]
         self.basis_k = [p.to(self.device, dtype).contiguous() for p in bases.k_basis]
         self.basis_v = [p.to(self.device, dtype).contiguous() for p in bases.v_basis]
         self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
@@ -103,6 +132,12 @@ class LatentKVStore:
         self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ layout
+    def layout(self) -> tuple:
+        """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats and dtypes."""
+        return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
+                tuple(map(tuple, self.v_offsets)), self.k_format, self.v_format, self.latent_dtype, self.dtype,
+                str(self.device))
+
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""
         for g, layers in enumerate(self.groups):
@@ -152,6 +187,7 @@ class LatentKVStore:
             bases=size(self.basis_k) + size(self.basis_v),
             rope_tables=size([self.rope_cos, self.rope_sin]),
             dense_equivalent=dense * torch.empty((), dtype=self.dtype).element_size(),
+            dense_elements=dense,
         )
 
 

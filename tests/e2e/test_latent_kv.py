@@ -144,3 +144,36 @@ def test_reduced_rank_is_exact_on_exactly_low_rank_kv(group_size):
     cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
     latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager")))
     assert_close_all(eager, latent, tol=1e-3)
+
+
+@pytest.mark.parametrize("fmt,tol", [("int8/8", 2e-2), ("int4/8", 2e-1)])
+def test_quantized_latents_shrink_and_track_dense(fmt, tol):
+    """Quantized latents (per-token blocks): the store holds uint8 rows of the format's width, the bytes really
+    shrink, and the logits stay within the quantization error of the exact low-rank latent (and move off it:
+    the quantization is really applied)."""
+    torch.manual_seed(0)
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    _make_kv_low_rank(model, 2)
+    bases = calibrate(model, calib_samples(), group_size=2, kv_ratio=4.0, progress=False)
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2, latent_format=fmt)
+    store = cache.store
+    assert all(t.dtype == torch.uint8 for t in (*store.latent_k, *store.latent_v))
+    float_cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    assert store.nbytes().latent < float_cache.store.nbytes().latent / 2
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager")))
+    assert_close_all(eager, latent, tol=tol)
+    assert max((a - b).abs().max().item() for a, b in zip(eager[1:], latent[1:])) > 1e-6
+
+
+def test_a_graph_refuses_a_cache_of_another_layout():
+    model = build_hf_moe("mixtral", num_layers=2)
+    bases = calibrate(model, calib_samples(1), group_size=2, kv_ratio=2.0, progress=False)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+    ids = torch.randint(0, 256, (1, 4))
+    with torch.no_grad():
+        step(**hf_step_kwargs(model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), 0))
+        other = CKVPStaticCache(model.config, bases, max_cache_len=16, latent_format="int8")
+        with pytest.raises(Exception, match="another layout"):
+            step(**hf_step_kwargs(model, ids, other, 0))

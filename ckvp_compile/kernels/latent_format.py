@@ -1,0 +1,218 @@
+"""Storage formats of the packed latent, and their pure-PyTorch quantize / dequantize references.
+
+A latent row holds one token's coordinates for every KV head of a layer group (``R_tot`` values, head ``h`` in
+columns ``offsets[h]:offsets[h+1]``; see :mod:`ckvp_compile.kernels.reference`). It is stored in one of these
+formats, named by a string that the ops take as a compile-time constant:
+
+==============  ==========================================================================================
+``"float"``     the latent tensor's own float dtype, (B, S_max, R_tot)
+``"int8/32"``   asymmetric ``bits``-bit codes (``int8``, ``int4``, ``int2``) in blocks of ``block`` coordinates
+``"int4/32"``   of one token and one head (``/block`` is optional, default 32); a uint8 tensor
+``"int2/32"``   (B, S_max, row_bytes)
+==============  ==========================================================================================
+
+Quantized row layout (per token; ``nb_h = ceil(r_h / block)`` blocks for head h, ``NB = sum_h nb_h``)::
+
+    [ codes: NB*block*bits/8 bytes | scales: NB fp16 | mins: NB fp16 ]
+
+Head ``h``'s coordinates are zero-padded to ``nb_h*block`` (the padding is stored and counted, so blocks
+never straddle heads and a decode kernel reads only its own head's bytes). Codes are little-endian within a
+byte (``8/bits`` codes per byte, the first in the lowest bits). A block with minimum ``lo`` and maximum ``hi``
+stores ``min = lo`` rounded down to fp16 and ``scale = (hi - min) / (2**bits - 1)`` rounded up to fp16, so
+every value lies in ``[min, min + (2**bits-1)*scale]`` and ``|dequantize(quantize(x)) - x| <= scale / 2``
+(KIVI's asymmetric per-token quantization, Liu et al., 2024; here along the latent coordinates of one token,
+which streams: a token is final when written, and no dense residual window is needed).
+
+Values beyond fp16's range (|x| > 65504) are not representable: :func:`quantize_latent_ref` raises.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["LatentFormat", "dequantize_latent_ref", "pack_codes", "parse_latent_format", "quantize_latent_ref",
+           "unpack_codes"]
+
+_FORMAT_RE = re.compile(r"^int(8|4|2)(?:/(\d+))?$")
+_FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """A parsed latent storage format (see the module docstring).
+
+    Attributes:
+        name: the canonical string (``"float"`` or ``"int<bits>/<block>"``).
+        bits: 8, 4 or 2; 16 means ``"float"`` (the tensor's own dtype, whatever its width).
+        block: coordinates per scale / min (0 for ``"float"``).
+    """
+
+    name: str
+    bits: int
+    block: int
+
+    @property
+    def quantized(self) -> bool:
+        """True for the integer formats."""
+        return self.bits < 16
+
+    def padded_offsets(self, offsets: Sequence[int]) -> list[int]:
+        """Return Hkv+1 offsets of each head's zero-padded coordinates (multiples of ``block``)."""
+        out = [0]
+        for a, b in zip(offsets, offsets[1:]):
+            out.append(out[-1] + _ceil_to(int(b) - int(a), self.block))
+        return out
+
+    def num_blocks(self, offsets: Sequence[int]) -> int:
+        """NB: quantization blocks per token row."""
+        return self.padded_offsets(offsets)[-1] // self.block
+
+    def row_width(self, offsets: Sequence[int]) -> int:
+        """Last-dim size of the stored latent: R_tot for ``"float"``, the row bytes for quantized formats."""
+        if not self.quantized:
+            return int(offsets[-1])
+        nb = self.num_blocks(offsets)
+        return nb * self.block * self.bits // 8 + 4 * nb
+
+    def bytes_per_token(self, offsets: Sequence[int], float_itemsize: int) -> int:
+        """Bytes one token's row takes (``float_itemsize`` is the element size used for ``"float"``)."""
+        return self.row_width(offsets) * (1 if self.quantized else float_itemsize)
+
+    def storage_dtype(self, float_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the stored latent: ``float_dtype`` for ``"float"``, uint8 otherwise."""
+        return torch.uint8 if self.quantized else float_dtype
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
+    """Parse ``"float"``, ``"int8"``, ``"int4/64"`` ... into a :class:`LatentFormat`.
+
+    Raises:
+        ValueError: an unknown name, or a block that is not a positive multiple of ``8 / bits`` codes
+            (a block must fill whole bytes).
+    """
+    if isinstance(fmt, LatentFormat):
+        return fmt
+    if fmt == "float":
+        return LatentFormat("float", 16, 0)
+    m = _FORMAT_RE.match(str(fmt))
+    if m is None:
+        raise ValueError(f"latent format must be 'float', 'int8', 'int4' or 'int2' (optionally '/block', e.g. "
+                         f"'int4/64'), but got {fmt!r}")
+    bits, block = int(m.group(1)), int(m.group(2) or 32)
+    if block < 1 or (block * bits) % 8:
+        raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of {8 // bits} codes so "
+                         f"that it fills whole bytes")
+    return LatentFormat(f"int{bits}/{block}", bits, block)
+
+
+def _pad_index(offsets: Sequence[int], fmt: LatentFormat, device: torch.device) -> torch.Tensor:
+    """(R_tot,) long: padded column of every packed coordinate."""
+    padded = fmt.padded_offsets(offsets)
+    cols = [torch.arange(int(a), int(b)) - int(a) + p for a, b, p in zip(offsets, offsets[1:], padded)]
+    return (torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long)).to(device)
+
+
+def _block_params(xb: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, scale) fp16 per block of ``xb`` (..., NB, block) fp32, rounded so the block's range is covered."""
+    lo, hi = xb.amin(dim=-1), xb.amax(dim=-1)
+    mn = lo.to(torch.float16)
+    mn = torch.where(mn.float() > lo, torch.nextafter(mn, torch.full_like(mn, -math.inf)), mn)
+    levels = (1 << bits) - 1
+    scale = ((hi - mn.float()) / levels).to(torch.float16)
+    short = mn.float() + levels * scale.float() < hi
+    scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    return mn, scale
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-bit codes (..., N) uint8 (values < 2**bits, N a multiple of 8/bits) into (..., N*bits/8)
+    uint8 bytes, the first code of each byte in its lowest bits."""
+    per_byte = 8 // bits
+    c = codes.view(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.uint8) * bits
+    return (c << shifts).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: (..., M) uint8 bytes -> (..., M*8/bits) uint8 codes."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.to(torch.uint8).flatten(-2)
+
+
+def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | LatentFormat") -> torch.Tensor:
+    """Quantize packed latent rows into the stored byte layout of ``fmt``.
+
+    Args:
+        z: (..., R_tot) float, packed latent coordinates (``R_tot = offsets[-1]``).
+        offsets: Hkv+1 ints.
+        fmt: a quantized format (``"int8"``, ``"int4/64"``, ...).
+    Returns:
+        (..., row_bytes) uint8 (:meth:`LatentFormat.row_width`).
+    Raises:
+        ValueError: ``fmt`` is ``"float"`` or unknown, or a value is not finite or beyond fp16's range.
+    """
+    f = parse_latent_format(fmt)
+    if not f.quantized:
+        raise ValueError("quantize_latent_ref needs a quantized format, not 'float'")
+    lead = z.shape[:-1]
+    zf = z.float()
+    if zf.numel() and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
+        raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
+    padded = f.padded_offsets(offsets)
+    nb = padded[-1] // f.block
+    if nb == 0:
+        return torch.zeros(*lead, 0, dtype=torch.uint8, device=z.device)
+    xp = zf.new_zeros(*lead, padded[-1])
+    xp[..., _pad_index(offsets, f, z.device)] = zf
+    xb = xp.view(*lead, nb, f.block)
+    mn, scale = _block_params(xb, f.bits)
+    levels = (1 << f.bits) - 1
+    safe = torch.where(scale.float() > 0, scale.float(), 1.0)
+    codes = torch.round((xb - mn.float()[..., None]) / safe[..., None]).clamp_(0, levels).to(torch.uint8)
+    packed = pack_codes(codes.view(*lead, nb * f.block), f.bits)
+    return torch.cat((packed, scale.view(torch.uint8).view(*lead, 2 * nb),
+                      mn.view(torch.uint8).view(*lead, 2 * nb)), dim=-1)
+
+
+def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str | LatentFormat") -> torch.Tensor:
+    """Decode stored rows back to packed latent coordinates.
+
+    Args:
+        rows: (..., row_bytes) uint8 as written by :func:`quantize_latent_ref`.
+        offsets: Hkv+1 ints.
+        fmt: the format they were written with.
+    Returns:
+        (..., R_tot) fp32: ``code * scale + min`` per coordinate (padding dropped).
+    Raises:
+        ValueError: ``fmt`` is ``"float"``, or ``rows`` is not uint8 of the format's row width.
+    """
+    f = parse_latent_format(fmt)
+    if not f.quantized:
+        raise ValueError("dequantize_latent_ref needs a quantized format, not 'float'")
+    width = f.row_width(offsets)
+    if rows.dtype != torch.uint8 or rows.shape[-1] != width:
+        raise ValueError(f"rows must be uint8 (..., {width}) for {f.name} with offsets {list(offsets)}, but got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    lead = rows.shape[:-1]
+    nb = f.num_blocks(offsets)
+    if nb == 0:
+        return torch.zeros(*lead, 0, dtype=torch.float32, device=rows.device)
+    per_byte = 8 // f.bits
+    n_code_bytes = nb * f.block // per_byte
+    packed = rows[..., :n_code_bytes]
+    scale = rows[..., n_code_bytes:n_code_bytes + 2 * nb].contiguous().view(torch.float16).float()
+    mn = rows[..., n_code_bytes + 2 * nb:].contiguous().view(torch.float16).float()
+    codes = unpack_codes(packed, f.bits)
+    x = codes.view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]
+    return x.view(*lead, nb * f.block)[..., _pad_index(offsets, f, rows.device)]

@@ -1,0 +1,94 @@
+"""Quantized latent storage formats (kernels/latent_format.py): round-trip bounds, packing, layout, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckvp_compile.kernels.latent_format import (
+    dequantize_latent_ref,
+    pack_codes,
+    parse_latent_format,
+    quantize_latent_ref,
+    unpack_codes,
+)
+
+FORMATS = ["int8", "int8/64", "int4", "int4/16", "int2/8", "int2"]
+
+
+@st.composite
+def latents(draw):
+    ranks = draw(st.lists(st.integers(0, 40), min_size=1, max_size=4))
+    offsets = [0]
+    for r in ranks:
+        offsets.append(offsets[-1] + r)
+    lead = (draw(st.integers(1, 3)), draw(st.integers(1, 5)))
+    scale = draw(st.sampled_from([1e-3, 1.0, 50.0]))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(*lead, offsets[-1], generator=g) * scale
+    if draw(st.booleans()) and z.numel():  # constant blocks (scale 0) and outliers
+        z[..., : min(3, z.shape[-1])] = 7.0
+    return z, offsets
+
+
+def _step_per_coordinate(rows, offsets, fmt):
+    """The block scale of every packed coordinate (for the half-step bound)."""
+    f = parse_latent_format(fmt)
+    nb = f.num_blocks(offsets)
+    if nb == 0:
+        return torch.zeros(*rows.shape[:-1], 0)
+    n_code = nb * f.block * f.bits // 8
+    scale = rows[..., n_code:n_code + 2 * nb].contiguous().view(torch.float16).float()
+    padded = f.padded_offsets(offsets)
+    block_of = torch.cat([(torch.arange(b - a) + p) // f.block
+                          for a, b, p in zip(offsets, offsets[1:], padded)] or [torch.zeros(0, dtype=torch.long)])
+    return scale[..., block_of]
+
+
+@given(latents(), st.sampled_from(FORMATS))
+@settings(max_examples=25)
+def test_dequantize_quantize_within_half_a_step(data, fmt):
+    z, offsets = data
+    f = parse_latent_format(fmt)
+    rows = quantize_latent_ref(z, offsets, fmt)
+    assert rows.dtype == torch.uint8 and rows.shape == (*z.shape[:-1], f.row_width(offsets))
+    x = dequantize_latent_ref(rows, offsets, fmt)
+    assert x.shape == z.shape
+    step = _step_per_coordinate(rows, offsets, fmt)
+    err = (x - z).abs()
+    # half a step, plus fp32 rounding of code * scale + min
+    bound = step / 2 + 1e-6 * (z.abs() + step * (1 << f.bits))
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@given(st.sampled_from([8, 4, 2]), st.integers(1, 6), st.integers(0, 2**16))
+@settings(max_examples=20)
+def test_code_packing_round_trips_bit_exactly(bits, n_bytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (3, n_bytes * 8 // bits), generator=g, dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (3, n_bytes) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    assert torch.equal(pack_codes(unpack_codes(packed, bits), bits), packed)
+
+
+def test_row_layout_counts_every_byte():
+    f = parse_latent_format("int4/32")
+    # heads of rank 40 and 8 -> 2 + 1 blocks of 32 codes at 4 bits = 48 bytes, + 3 fp16 scales + 3 fp16 mins
+    assert f.row_width([0, 40, 48]) == 48 + 12
+    assert parse_latent_format("int8").name == "int8/32"
+    assert parse_latent_format("float").row_width([0, 5, 9]) == 9
+
+
+@pytest.mark.parametrize("bad", ["int3", "fp8", "int4/3", "int2/2", "int8/0"])
+def test_unknown_formats_are_refused_with_the_valid_names(bad):
+    with pytest.raises(ValueError, match="int8|block"):
+        parse_latent_format(bad)
+
+
+def test_values_beyond_fp16_range_are_refused():
+    with pytest.raises(ValueError, match="fp16 range"):
+        quantize_latent_ref(torch.tensor([[1e6, 0.0]]), [0, 2], "int8")
