@@ -25,10 +25,16 @@ What is measured (honestly: through the real compiled rewrite, never a simulatio
 4. Per config: NLL over positions 1..window-1 of every eval window, perplexity ``exp(mean NLL)``, the relative
    change against dense, top-1 next-token agreement with the dense model's argmax, and the mean KL divergence
    ``KL(p_dense || p_ckvp)`` per predicted token (nats): perplexity alone can move either way when the cache is
-   perturbed, the KL is zero only for the dense distribution. The measured ratio is
-   ``StoreBytes.ratio``: dense K/V bytes over the per-sequence latent state (latents + slot positions, every
-   byte the cache holds that scales with batch x context) at ``max_cache_len = window``. Bases and RoPE tables
-   are model constants, reported separately.
+   perturbed, the KL is zero only for the dense distribution.
+
+Bytes. The requested ``kv_ratio`` and the measured ratio are in *bytes*: a dense K/V cache of ``--batch``
+sequences x ``--window`` slots in ``--dense-dtype`` (default bf16, the checkpoint's dtype; the model may compute
+in fp32) over every byte the latent store holds for the same batch and window: latent rows in their storage
+format (``--latent-formats``: ``float`` = ``--latent-dtype``, default bf16; ``int8`` / ``int4`` / ``int2`` codes
+plus fp16 block scales and minimums), int32 slot positions, and the bases (in ``--latent-dtype``, shared by
+the batch). A requested ratio of 1 is the full-rank control. The ranks are fitted to meet the requested byte ratio (:func:`~ckvp_compile.latent.budget.
+fit_byte_ratio`). The store's RoPE tables (a cache of the model's own cos / sin per position) are reported
+separately, and so is the ratio of the per-sequence state alone (latents + slot positions).
 
 A window count that the batch does not divide is padded with copies of the last window (their results are
 dropped), so every call has the cache's batch size.
@@ -70,20 +76,24 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-mixtr
 
 @dataclass(frozen=True)
 class FidelityConfig:
-    """One CKVP configuration: layers per group, requested dense / latent ratio, rank allocation."""
+    """One CKVP configuration: layers per group, requested byte ratio, rank allocation, latent storage format."""
 
     group_size: int
     kv_ratio: float
     rank_allocation: str = "energy"
+    latent_format: str = "float"
 
     @classmethod
     def parse(cls, text: str) -> "FidelityConfig":
-        """Parse ``allocation:group_size:ratio`` (e.g. ``uniform:4:4``)."""
+        """Parse ``allocation:group_size:ratio[:format]`` (e.g. ``uniform:4:4`` or ``uniform:4:4:int8``)."""
         try:
-            alloc, g, r = text.split(":")
-            return cls(int(g), float(r), alloc)
+            alloc, g, r, *fmt = text.split(":")
+            if len(fmt) > 1:
+                raise ValueError(text)
+            return cls(int(g), float(r), alloc, *fmt)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected allocation:group_size:ratio (e.g. uniform:4:4), got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected allocation:group_size:ratio[:format] (e.g. uniform:4:4:int8), "
+                                             f"got {text!r}")
 
 
 @dataclass
@@ -106,8 +116,8 @@ class FidelityResult:
 
     group_size: int
     rank_allocation: str
-    kv_ratio: float  # requested
-    measured_ratio: float  # StoreBytes.ratio: dense KV bytes / per-sequence latent-state bytes
+    kv_ratio: float  # requested, in bytes (see the module docstring)
+    measured_ratio: float  # dense KV bytes (dense_dtype) / (latents + slot positions + bases) at batch x window
     elements_ratio: float  # LatentBases.ratio(): dense / latent elements per token (no slot positions)
     latent_bytes: int  # per-sequence state of the whole cache (B sequences, window slots)
     slot_position_bytes: int
@@ -126,6 +136,10 @@ class FidelityResult:
     k_ranks: list[list[int]] = field(default_factory=list)
     v_ranks: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
+    latent_format: str = "float"
+    latent_dtype: str = "float32"  # of 'float' latents and of the bases (results before this field: model dtype)
+    dense_dtype: str = "float32"  # the dense cache the ratio is counted against
+    per_sequence_ratio: float = 0.0  # dense bytes / (latents + slot positions): the bases left out
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -276,16 +290,21 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
                  configs: Sequence[FidelityConfig], *, chunk: int = 16, batch_size: int = 4,
                  progress: bool = True, log: Callable[[str], None] | None = None,
                  dense: DenseReference | None = None,
-                 reset_check: str = "first") -> list[FidelityResult]:
+                 reset_check: str = "first", latent_dtype: torch.dtype = torch.bfloat16,
+                 dense_dtype: torch.dtype = torch.bfloat16) -> list[FidelityResult]:
     """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config.
 
     ``reset_check``: 'first' (the first config only: reset is the same code for every config), 'all' or 'none'.
+    ``latent_dtype``: of 'float' latents and of the bases. ``dense_dtype``: the dense cache the byte ratio is
+    counted against.
 
     Raises:
         RuntimeError: a compiled graph was not rewritten into the latent store for every layer, or
             ``cache.reset()`` did not reset (the first batch, evaluated again, gave another NLL).
     """
     from .. import CKVPBackend, CKVPConfig, CompileRecorder
+    from ..kernels.latent_format import parse_latent_format
+    from ..latent.budget import dense_kv_bytes, fit_byte_ratio, store_bytes
     from ..runtime.hf_cache import CKVPStaticCache
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -305,14 +324,26 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     for cfg in configs:
         t0 = time.perf_counter()
         alloc, _, basis = cfg.rank_allocation.partition("+")
-        bases = moments[cfg.group_size].bases(cfg.kv_ratio, alloc, basis or "pca")
+        mom = moments[cfg.group_size]
+        fmt = parse_latent_format(cfg.latent_format).name
+
+        def byte_ratio(b):
+            return (dense_kv_bytes(b, batch_size, window, dense_dtype)
+                    / store_bytes(b, batch_size, window, fmt, fmt, latent_dtype))
+
+        top = (num_layers * mom.num_kv_heads * mom.head_dim * 2) / (2 * len(mom.groups) * mom.num_kv_heads)
+        if cfg.kv_ratio == 1.0:  # the full-rank control (the store then holds more than the dense cache)
+            pca = mom.bases(1.0, alloc, "pca")
+        else:
+            pca = fit_byte_ratio(lambda r: mom.bases(r, alloc, "pca"), cfg.kv_ratio, top, byte_ratio)
+        bases = pca if (basis or "pca") == "pca" else mom.bases(pca.target_ratio, alloc, basis)
         torch._dynamo.reset()
         cache = CKVPStaticCache(model.config, bases, max_cache_len=window, max_batch_size=batch_size,
-                                device=param.device, dtype=param.dtype)
+                                device=param.device, dtype=param.dtype, latent_format=fmt, latent_dtype=latent_dtype)
         rec = CompileRecorder()
         backend = CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=cfg.group_size), recorder=rec)
         step = torch.compile(model, backend=backend, fullgraph=True)
-        name = f"G={cfg.group_size} {cfg.rank_allocation} {cfg.kv_ratio:g}x"
+        name = f"G={cfg.group_size} {cfg.rank_allocation} {fmt} {cfg.kv_ratio:g}x"
         check = reset_check == "all" or (reset_check == "first" and not results)
         stats, reset_diff = ckvp_stats(model, step, cache, eval_windows, dense, chunk, progress, name, check)
         for g in rec.graphs:
@@ -327,16 +358,21 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
         ppl = stats.perplexity
         results.append(FidelityResult(
             group_size=cfg.group_size, rank_allocation=cfg.rank_allocation, kv_ratio=cfg.kv_ratio,
-            measured_ratio=nb.ratio, elements_ratio=bases.ratio(), latent_bytes=nb.latent,
-            slot_position_bytes=nb.slot_positions, dense_bytes=nb.dense_equivalent, bases_bytes=nb.bases,
+            measured_ratio=nb.ratio_vs(dense_dtype), elements_ratio=bases.ratio(), latent_bytes=nb.latent,
+            slot_position_bytes=nb.slot_positions, dense_bytes=nb.dense_elements * dense_dtype.itemsize,
+            bases_bytes=nb.bases,
             rope_table_bytes=nb.rope_tables, batch_size=batch_size, dense_ppl=dense_eval.perplexity, ckvp_ppl=ppl,
             ppl_change_pct=100 * (ppl / dense_eval.perplexity - 1),
             top1_agreement_pct=100 * float(stats.agree.sum()) / stats.tokens,
             kl_to_dense=float(stats.kl.sum()) / stats.tokens,
             reset_check_max_abs_diff=reset_diff, graphs_compiled=len(rec.graphs), layers_rewritten=num_layers,
             k_ranks=[list(r) for r in bases.k_ranks], v_ranks=[list(r) for r in bases.v_ranks],
-            seconds=time.perf_counter() - t0,
+            seconds=time.perf_counter() - t0, latent_format=fmt, latent_dtype=str(latent_dtype).removeprefix("torch."),
+            dense_dtype=str(dense_dtype).removeprefix("torch."), per_sequence_ratio=nb.ratio_vs(dense_dtype, False),
         ))
+        if abs(results[-1].measured_ratio * store_bytes(bases, batch_size, window, fmt, fmt, latent_dtype)
+               - results[-1].dense_bytes) > 1e-6 * results[-1].dense_bytes:
+            raise RuntimeError(f"{name}: the store holds other bytes than latent.budget.store_bytes counts")
         r = results[-1]
         log(f"{name}: measured {r.measured_ratio:.3f}x, ppl {r.ckvp_ppl:.5f} ({r.ppl_change_pct:+.3f}%), "
             f"top-1 {r.top1_agreement_pct:.2f}%, KL {r.kl_to_dense:.5f} ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
@@ -349,16 +385,26 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
 
 def markdown_table(results: Sequence[FidelityResult]) -> str:
     """The results as a markdown table (one row per config)."""
-    head = ("| G | allocation | requested | measured ratio | latent + slot bytes / seq | bases + RoPE bytes "
-            "(model) | dense ppl | ckvp ppl | change | top-1 agree | KL to dense (nats/token) |")
-    rows = [head, "|" + "---|" * 11]
+    head = ("| G | allocation | format | ranks K / V | requested | measured ratio (with bases) | per-sequence ratio "
+            "| latent + slot bytes / seq | bases + RoPE bytes | dense ppl | ckvp ppl | change | top-1 agree "
+            "| KL to dense (nats/token) |")
+    rows = [head, "|" + "---|" * 14]
     for r in results:
         per_seq = (r.latent_bytes + r.slot_position_bytes) // r.batch_size
+        ranks = f"{_rank_summary(r.k_ranks)} / {_rank_summary(r.v_ranks)}"
         rows.append(
-            f"| {r.group_size} | {r.rank_allocation} | {r.kv_ratio:g}x | {r.measured_ratio:.3f}x | {per_seq:,} | "
+            f"| {r.group_size} | {r.rank_allocation} | {r.latent_format} | {ranks} | {r.kv_ratio:g}x | "
+            f"{r.measured_ratio:.3f}x | {r.per_sequence_ratio:.3f}x | {per_seq:,} | "
             f"{r.bases_bytes:,} + {r.rope_table_bytes:,} | {r.dense_ppl:.4f} | {r.ckvp_ppl:.4f} | "
             f"{r.ppl_change_pct:+.3f}% | {r.top1_agreement_pct:.2f}% | {r.kl_to_dense:.5f} |")
     return "\n".join(rows)
+
+
+def _rank_summary(ranks: Sequence[Sequence[int]]) -> str:
+    flat = [r for g in ranks for r in g]
+    if not flat:
+        return "-"
+    return str(flat[0]) if min(flat) == max(flat) else f"{min(flat)}-{max(flat)}"
 
 
 #: The naive baseline of models/README.md (static cross-layer PCA, G=4, on OTHER windows): (ratio, % rise).
@@ -379,11 +425,11 @@ def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[tuple[int, str], list[FidelityResult]] = {}
     for r in results:
-        lines.setdefault((r.group_size, r.rank_allocation), []).append(r)
-    for (g, alloc), rs in sorted(lines.items()):
+        lines.setdefault((r.group_size, r.rank_allocation, r.latent_format), []).append(r)
+    for (g, alloc, fmt), rs in sorted(lines.items()):
         rs = sorted(rs, key=lambda r: r.measured_ratio)
         ax.plot([r.measured_ratio for r in rs], [r.ppl_change_pct for r in rs], marker="o" if alloc == "energy" else "s",
-                linestyle="-" if len(rs) > 1 else "none", label=f"CKVP G={g}, {alloc}")
+                linestyle="-" if len(rs) > 1 else "none", label=f"CKVP G={g}, {alloc}, {fmt}")
     if baseline:
         ax.plot(*zip(*baseline), color="grey", linestyle=":", marker="x",
                 label="naive static PCA G=4 (models/README, other windows)")
@@ -394,7 +440,7 @@ def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str
     ax.set_yscale("symlog", linthresh=0.1, linscale=0.5)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:+g}%" if y else "0"))
     ax.set_ylim(bottom=min([0.0] + [r.ppl_change_pct * 1.2 for r in results]))
-    ax.set_xlabel("measured KV compression ratio (dense bytes / per-sequence latent state)")
+    ax.set_xlabel("measured KV compression ratio (dense bytes / latents + slots + bases)")
     ax.set_ylabel("perplexity rise vs dense (%)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -422,8 +468,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted"],
                    help="rank allocation, '+weighted': query/output-aware bases (latent.weighting)")
+    p.add_argument("--latent-formats", nargs="+", default=["float"],
+                   help="latent storage formats: float, int8, int4, int2, optionally /block (default: float)")
+    p.add_argument("--latent-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of 'float' latents and of the bases (default bfloat16)")
+    p.add_argument("--dense-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="the dense cache the byte ratio is counted against (default bfloat16, the checkpoint's)")
     p.add_argument("--extra", type=FidelityConfig.parse, nargs="*", default=None,
-                   help="additional configs allocation:G:ratio (default: uniform:G:4 for each G)")
+                   help="additional configs allocation:G:ratio[:format] (default: uniform:G:4 for each G)")
     p.add_argument("--reset-check", default="first", choices=["first", "all", "none"],
                    help="evaluate the first batch twice (bit-identical NLL required) for the first config / all")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -488,12 +540,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{text} has {windows.shape[0]} windows of {args.window} tokens; {need} are needed")
     calib = windows[:args.calib_windows]
     evals = windows[args.calib_windows:need]
-    configs = [FidelityConfig(g, r, a) for g in args.group_sizes for a in args.allocations for r in args.kv_ratios]
-    extra = args.extra if args.extra is not None else [FidelityConfig(g, 4.0, "uniform") for g in args.group_sizes
+    configs = [FidelityConfig(g, r, a, f) for g in args.group_sizes for f in args.latent_formats
+               for a in args.allocations for r in args.kv_ratios]
+    extra = args.extra if args.extra is not None else [FidelityConfig(g, 4.0, "uniform", f) for g in args.group_sizes
+                                                        for f in args.latent_formats
                                                         if "uniform" not in args.allocations]
     configs += [c for c in extra if c not in configs]
     results = run_fidelity(model, calib, evals, configs, chunk=args.chunk, batch_size=args.batch,
-                           progress=not args.no_progress, reset_check=args.reset_check)
+                           progress=not args.no_progress, reset_check=args.reset_check,
+                           latent_dtype=getattr(torch, args.latent_dtype), dense_dtype=getattr(torch, args.dense_dtype))
     elapsed = time.perf_counter() - t_start
     table = markdown_table(results)
     print(table)
@@ -505,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": _display_path(model_dir), "text": _display_path(text), "window": args.window, "calib_windows": args.calib_windows,
         "eval_windows": args.eval_windows, "eval_window_indices": [args.calib_windows, need - 1],
         "chunk": args.chunk, "batch": args.batch, "reset_check": args.reset_check, "dtype": args.dtype, "device": args.device,
+        "latent_dtype": args.latent_dtype, "dense_dtype": args.dense_dtype,
         "compiler": "aot_eager", "fullgraph": True, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "machine": _cpu_name() if args.device == "cpu" else args.device,

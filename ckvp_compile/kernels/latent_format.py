@@ -11,12 +11,13 @@ formats, named by a string that the ops take as a compile-time constant:
 ``"int2/32"``   (B, S_max, row_bytes)
 ==============  ==========================================================================================
 
-Quantized row layout (per token; ``nb_h = ceil(r_h / block)`` blocks for head h, ``NB = sum_h nb_h``)::
+Quantized row layout (per token; ``nb_h = ceil(r_h / block)`` blocks for head h, ``NB = sum_h nb_h``,
+``cb_h = ceil(r_h * bits / 8)`` code bytes for head h)::
 
-    [ codes: NB*block*bits/8 bytes | scales: NB fp16 | mins: NB fp16 ]
+    [ codes: head 0 (cb_0 bytes), head 1 (cb_1 bytes), ... | scales: NB fp16 | mins: NB fp16 ]
 
-Head ``h``'s coordinates are zero-padded to ``nb_h*block`` (the padding is stored and counted, so blocks
-never straddle heads and a decode kernel reads only its own head's bytes). Codes are little-endian within a
+Blocks never straddle heads (a decode kernel reads only its own head's bytes); a head's last block may be
+shorter than ``block``, and only the byte holding its last code is padded. Codes are little-endian within a
 byte (``8/bits`` codes per byte, the first in the lowest bits). A block with minimum ``lo`` and maximum ``hi``
 stores ``min = lo`` rounded down to fp16 and ``scale = (hi - min) / (2**bits - 1)`` rounded up to fp16, so
 every value lies in ``[min, min + (2**bits-1)*scale]`` and ``|dequantize(quantize(x)) - x| <= scale / 2``
@@ -72,12 +73,15 @@ class LatentFormat:
         """NB: quantization blocks per token row."""
         return self.padded_offsets(offsets)[-1] // self.block
 
+    def code_bytes(self, offsets: Sequence[int]) -> list[int]:
+        """Per head, the bytes of its codes: ``ceil(r_h * bits / 8)``."""
+        return [-(-(int(b) - int(a)) * self.bits // 8) for a, b in zip(offsets, offsets[1:])]
+
     def row_width(self, offsets: Sequence[int]) -> int:
         """Last-dim size of the stored latent: R_tot for ``"float"``, the row bytes for quantized formats."""
         if not self.quantized:
             return int(offsets[-1])
-        nb = self.num_blocks(offsets)
-        return nb * self.block * self.bits // 8 + 4 * nb
+        return sum(self.code_bytes(offsets)) + 4 * self.num_blocks(offsets)
 
     def bytes_per_token(self, offsets: Sequence[int], float_itemsize: int) -> int:
         """Bytes one token's row takes (``float_itemsize`` is the element size used for ``"float"``)."""
@@ -118,6 +122,13 @@ def _pad_index(offsets: Sequence[int], fmt: LatentFormat, device: torch.device) 
     """(R_tot,) long: padded column of every packed coordinate."""
     padded = fmt.padded_offsets(offsets)
     cols = [torch.arange(int(a), int(b)) - int(a) + p for a, b, p in zip(offsets, offsets[1:], padded)]
+    return (torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long)).to(device)
+
+
+def _code_byte_index(offsets: Sequence[int], fmt: LatentFormat, device: torch.device) -> torch.Tensor:
+    """(sum_h cb_h,) long: the byte of the padded packed codes that each stored code byte is."""
+    padded = fmt.padded_offsets(offsets)
+    cols = [torch.arange(cb) + p * fmt.bits // 8 for cb, p in zip(fmt.code_bytes(offsets), padded)]
     return (torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long)).to(device)
 
 
@@ -180,7 +191,7 @@ def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | Lat
     levels = (1 << f.bits) - 1
     safe = torch.where(scale.float() > 0, scale.float(), 1.0)
     codes = torch.round((xb - mn.float()[..., None]) / safe[..., None]).clamp_(0, levels).to(torch.uint8)
-    packed = pack_codes(codes.view(*lead, nb * f.block), f.bits)
+    packed = pack_codes(codes.view(*lead, nb * f.block), f.bits)[..., _code_byte_index(offsets, f, z.device)]
     return torch.cat((packed, scale.view(torch.uint8).view(*lead, 2 * nb),
                       mn.view(torch.uint8).view(*lead, 2 * nb)), dim=-1)
 
@@ -208,11 +219,11 @@ def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str 
     nb = f.num_blocks(offsets)
     if nb == 0:
         return torch.zeros(*lead, 0, dtype=torch.float32, device=rows.device)
-    per_byte = 8 // f.bits
-    n_code_bytes = nb * f.block // per_byte
-    packed = rows[..., :n_code_bytes]
-    scale = rows[..., n_code_bytes:n_code_bytes + 2 * nb].contiguous().view(torch.float16).float()
-    mn = rows[..., n_code_bytes + 2 * nb:].contiguous().view(torch.float16).float()
+    n_code_bytes = sum(f.code_bytes(offsets))
+    packed = rows.new_zeros(*lead, nb * f.block * f.bits // 8)
+    packed[..., _code_byte_index(offsets, f, rows.device)] = rows[..., :n_code_bytes]
+    scale = rows[..., n_code_bytes:n_code_bytes + 2 * nb].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
+    mn = rows[..., n_code_bytes + 2 * nb:].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
     codes = unpack_codes(packed, f.bits)
     x = codes.view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]
     return x.view(*lead, nb * f.block)[..., _pad_index(offsets, f, rows.device)]

@@ -75,11 +75,17 @@ class StoreBytes:
         """Dense KV bytes over per-sequence latent-state bytes (the KV compression ratio)."""
         return self.dense_equivalent / max(1, self.per_sequence_state)
 
-    def ratio_vs(self, dense_dtype: torch.dtype) -> float:
-        """The KV compression ratio against a dense cache stored in ``dense_dtype`` (e.g. the checkpoint's
-        bf16 when the model computes in fp32): dense elements x its size over per-sequence latent-state bytes."""
+    def ratio_vs(self, dense_dtype: torch.dtype, with_bases: bool = True, with_rope_tables: bool = False) -> float:
+        """The KV compression ratio against a dense cache of the same B and S_max stored in ``dense_dtype``
+        (e.g. the checkpoint's bf16 when the model computes in fp32).
+
+        The denominator is the per-sequence state plus, by default, the bases (every byte of the store that
+        replaces K/V; the bases are shared by the B sequences, so they weigh less at larger B and S_max) and,
+        optionally, the RoPE tables (a cache of the model's own cos / sin per position)."""
         size = torch.empty((), dtype=dense_dtype).element_size()
-        return self.dense_elements * size / max(1, self.per_sequence_state)
+        held = self.per_sequence_state + (self.bases if with_bases else 0)
+        held += self.rope_tables if with_rope_tables else 0
+        return self.dense_elements * size / max(1, held)
 
 
 class LatentKVStore:
@@ -92,8 +98,8 @@ class LatentKVStore:
         k_format, v_format: storage format of the key / value latents: ``"float"`` (default) or a quantized
             one, ``"int8"``, ``"int4"``, ``"int2"`` with an optional ``/block`` (see
             :mod:`ckvp_compile.kernels.latent_format`).
-        latent_dtype: float dtype of ``"float"`` latents (default ``dtype``; e.g. bf16 latents for an fp32
-            model).
+        latent_dtype: float dtype of ``"float"`` latents and of the bases on the device (default ``dtype``;
+            e.g. bf16 for an fp32 model, so that what is stored is what a bf16 deployment stores).
     Raises:
         CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, or a non-float latent_dtype.
     """
@@ -124,8 +130,8 @@ class LatentKVStore:
                          for o in self.k_offsets]
         self.latent_v = [torch.zeros(b, s, vf.row_width(o), device=self.device, dtype=vf.storage_dtype(latent_dtype))
                          for o in self.v_offsets]
-        self.basis_k = [p.to(self.device, dtype).contiguous() for p in bases.k_basis]
-        self.basis_v = [p.to(self.device, dtype).contiguous() for p in bases.v_basis]
+        self.basis_k = [p.to(self.device, latent_dtype).contiguous() for p in bases.k_basis]
+        self.basis_v = [p.to(self.device, latent_dtype).contiguous() for p in bases.v_basis]
         self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None

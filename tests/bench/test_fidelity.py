@@ -31,11 +31,12 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     out = tmp_path / "results.json"
     rc = main(["--model", str(tmp_path / "model"), "--text", str(text), "--window", str(WINDOW),
                "--calib-windows", "2", "--eval-windows", "1", "--chunk", "8", "--batch", "1",
-               "--group-sizes", "2", "--kv-ratios", "1", "4", "--extra", "--json", str(out), "--no-progress"])
+               "--group-sizes", "2", "--kv-ratios", "1", "4", "--extra", "uniform:2:4:int8", "--json", str(out), "--no-progress",
+               "--latent-dtype", "float32", "--dense-dtype", "float32"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["settings"]["eval_window_indices"] == [2, 2]
-    full, four = data["results"]
+    full, four, four_int8 = data["results"]
     assert (full["kv_ratio"], four["kv_ratio"]) == (1.0, 4.0)
     # full rank: the latent store is exact, so the compiled chunked run equals the dense full forward
     assert abs(full["ckvp_ppl"] / full["dense_ppl"] - 1) < 1e-4, full
@@ -44,6 +45,9 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     assert full["reset_check_max_abs_diff"] == 0.0  # the first config evaluates a window twice
     assert four["measured_ratio"] >= 4 / 1.1, four
     assert four["latent_bytes"] + four["slot_position_bytes"] <= four["dense_bytes"] / 4 * 1.1
-    for r in (full, four):
+    # int8 latents: every byte counted (codes, fp16 block scales and minimums, slot positions, fp32 bases)
+    assert four_int8["latent_format"] == "int8/32" and four_int8["measured_ratio"] >= 4, four_int8
+    assert four_int8["elements_ratio"] < four["elements_ratio"]  # the same bytes buy more rank
+    for r in (full, four, four_int8):
         assert r["graphs_compiled"] >= 1 and r["layers_rewritten"] == 4
-    assert "| 2 | energy | 4x |" in capsys.readouterr().out
+    assert "| 2 | energy | float |" in capsys.readouterr().out

@@ -40,8 +40,8 @@ def _step_per_coordinate(rows, offsets, fmt):
     nb = f.num_blocks(offsets)
     if nb == 0:
         return torch.zeros(*rows.shape[:-1], 0)
-    n_code = nb * f.block * f.bits // 8
-    scale = rows[..., n_code:n_code + 2 * nb].contiguous().view(torch.float16).float()
+    n_code = sum(f.code_bytes(offsets))
+    scale = rows[..., n_code:n_code + 2 * nb].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
     padded = f.padded_offsets(offsets)
     block_of = torch.cat([(torch.arange(b - a) + p) // f.block
                           for a, b, p in zip(offsets, offsets[1:], padded)] or [torch.zeros(0, dtype=torch.long)])
@@ -77,8 +77,10 @@ def test_code_packing_round_trips_bit_exactly(bits, n_bytes, seed):
 
 def test_row_layout_counts_every_byte():
     f = parse_latent_format("int4/32")
-    # heads of rank 40 and 8 -> 2 + 1 blocks of 32 codes at 4 bits = 48 bytes, + 3 fp16 scales + 3 fp16 mins
-    assert f.row_width([0, 40, 48]) == 48 + 12
+    # heads of rank 40 and 7 -> 20 + 4 code bytes (the last half byte padded), 2 + 1 blocks: 3 fp16 scales and
+    # 3 fp16 mins
+    assert f.row_width([0, 40, 47]) == 24 + 12
+    assert parse_latent_format("int2/32").row_width([0, 5]) == 2 + 4
     assert parse_latent_format("int8").name == "int8/32"
     assert parse_latent_format("float").row_width([0, 5, 9]) == 9
 

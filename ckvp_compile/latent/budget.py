@@ -1,0 +1,83 @@
+"""Byte budgets: the ranks that meet a target KV compression ratio counted in bytes, for a latent format.
+
+:func:`~ckvp_compile.latent.calibrate` takes ``kv_ratio`` in *elements* (dense K/V elements over latent
+elements per token). What a user sees on the device is bytes: latent rows in their storage format
+(:mod:`ckvp_compile.kernels.latent_format`: 16-bit floats, or int8 / int4 / int2 codes plus fp16 block scales),
+one int32 RoPE position per slot, and the bases themselves. :func:`store_bytes` counts those bytes for a
+:class:`~ckvp_compile.latent.LatentBases` exactly as :class:`~ckvp_compile.runtime.store.LatentKVStore`
+allocates them, and :func:`fit_byte_ratio` searches the element ratio whose bases meet a byte ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CKVPConfigError
+from ..kernels.latent_format import parse_latent_format
+
+__all__ = ["dense_kv_bytes", "fit_byte_ratio", "store_bytes"]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dense_kv_bytes(bases: Any, batch_size: int, max_cache_len: int, dtype: torch.dtype) -> int:
+    """Bytes of the dense K and V caches the bases replace: layers x 2 x B x Hkv x S_max x D x itemsize."""
+    layers = sum(len(g) for g in bases.groups)
+    return 2 * layers * batch_size * bases.num_kv_heads * max_cache_len * bases.head_dim * _itemsize(dtype)
+
+
+def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str = "float", v_format: str = "float",
+                latent_dtype: torch.dtype = torch.bfloat16, with_bases: bool = True) -> int:
+    """Bytes a :class:`~ckvp_compile.runtime.store.LatentKVStore` of these bases holds for B sequences of S_max
+    slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``latent_dtype``.
+
+    RoPE tables are not counted (a cache of the model's own cos / sin; ``StoreBytes.rope_tables``).
+    """
+    kf, vf = parse_latent_format(k_format), parse_latent_format(v_format)
+    item = _itemsize(latent_dtype)
+    per_token = 4  # slot_pos
+    for ranks_k, ranks_v in zip(bases.k_ranks, bases.v_ranks):
+        for f, ranks in ((kf, ranks_k), (vf, ranks_v)):
+            offsets = [0]
+            for r in ranks:
+                offsets.append(offsets[-1] + int(r))
+            per_token += f.bytes_per_token(offsets, item)
+    total = per_token * batch_size * max_cache_len
+    if with_bases:
+        total += sum(p.numel() for p in (*bases.k_basis, *bases.v_basis)) * item
+    return total
+
+
+def fit_byte_ratio(build: Callable[[float], Any], target: float, max_elements_ratio: float,
+                   bytes_ratio: Callable[[Any], float], iterations: int = 40) -> Any:
+    """Return the bases with the most latent elements whose byte ratio is >= ``target``.
+
+    Args:
+        build: element ratio -> LatentBases (e.g. ``lambda r: moments.bases(r, "uniform")``); larger ratios
+            give smaller (or equal) ranks.
+        target: the byte ratio to meet (>= 1).
+        max_elements_ratio: the largest element ratio ``build`` accepts (every rank 1).
+        bytes_ratio: LatentBases -> dense bytes / held bytes (e.g. via :func:`store_bytes`).
+        iterations: bisection steps over the element ratio.
+    Raises:
+        CKVPConfigError: the target is not reachable even at the largest element ratio.
+    """
+    lo, hi = 1.0, float(max_elements_ratio)
+    best = build(hi)
+    if bytes_ratio(best) < target:
+        raise CKVPConfigError(f"a byte ratio of {target:g} is not reachable (at most {bytes_ratio(best):.3g} at rank 1 "
+                              "everywhere); lower kv_ratio, use fewer bits or a longer cache")
+    if bytes_ratio(build(lo)) >= target:
+        return build(lo)
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        b = build(mid)
+        if bytes_ratio(b) >= target:
+            hi, best = mid, b
+        else:
+            lo = mid
+    return best
