@@ -189,8 +189,14 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
             reason = "dense cache: give the model a ckvp latent cache to compress it (README, 'Latent KV cache')"
         decisions.append(SiteDecision("attention", s.layer, False, reason))
     for m in analysis.moe:
-        reason = "enable_expert_gemm is off" if not config.enable_expert_gemm else "planned"
-        decisions.append(SiteDecision("moe", m.layer, False, reason))
+        if not config.enable_expert_gemm:
+            decisions.append(SiteDecision("moe", m.layer, False, "enable_expert_gemm is off"))
+        elif m.layer in unsupported_layers:
+            decisions.append(SiteDecision("moe", m.layer, False,
+                                          "an unsupported pattern was found in this layer (see the warnings)"))
+        else:
+            decisions.append(SiteDecision("moe", m.layer, True,
+                                          f"grouped expert GEMM (ckvp::moe_experts, from {m.experts_form})"))
     decisions.sort(key=lambda d: (d.layer, d.kind))
     dense = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention)
     planned = dense

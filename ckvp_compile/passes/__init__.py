@@ -3,8 +3,10 @@
 :class:`~ckvp_compile.passes.manager.PostGradPassManager`.
 
 :func:`build_passes` turns a :class:`~ckvp_compile.plan.Plan` into the passes of each stage. 'torch':
-:class:`~ckvp_compile.passes.latent_kv_cache.LatentKVCachePass` (CKVP). 'post_grad': none yet (the grouped
-expert GEMM rewrite is not built; its option raises a clear NYI error).
+:class:`~ckvp_compile.passes.latent_kv_cache.LatentKVCachePass` (CKVP), then
+:class:`~ckvp_compile.passes.expert_gemm.ExpertGemmPass` (``enable_expert_gemm``: each planned MoE site's routed
+experts become one ``ckvp::moe_experts`` call; it runs on the Dynamo graph, where the analysis named the site's
+nodes). 'post_grad': none yet.
 """
 
 from __future__ import annotations
@@ -33,4 +35,9 @@ def build_passes(plan, analysis=None, binding=None) -> tuple[list[CKVPPass], lis
         store = binding.store
         groups = [GroupRewrite(g, tuple(sites[layer] for layer in store.groups[g])) for g in plan.latent_groups]
         torch_passes.append(LatentKVCachePass(LatentRewritePlan(store, groups, binding.input_index)))
+    expert_layers = {d.layer for d in plan.decisions if d.kind == "moe" and d.rewrite}
+    if expert_layers and analysis is not None:
+        from .expert_gemm import ExpertGemmPass
+
+        torch_passes.append(ExpertGemmPass([m for m in analysis.moe if m.layer in expert_layers]))
     return torch_passes, post_grad_passes
