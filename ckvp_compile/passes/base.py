@@ -22,6 +22,8 @@ class PassResult:
         matched: how many sites it rewrote. skipped: the reason it did not apply, or ''.
         elapsed_ms: wall time of the pass in milliseconds.
         replaced: count of removed nodes per canonical op name (``analysis.graph.op_name``).
+        notes: per site (layer), what the pass chose to leave as it was there and why (a pass's ``notes``
+            dict; empty reasons are omitted).
     """
 
     name: str
@@ -30,6 +32,7 @@ class PassResult:
     skipped: str
     elapsed_ms: float
     replaced: tuple[tuple[str, int], ...] = ()
+    notes: tuple[tuple[int, str], ...] = ()
 
 
 class CKVPPass:
@@ -72,7 +75,8 @@ class CKVPPass:
         after = _op_counts(graph)
         replaced = tuple(sorted((k, v - after.get(k, 0)) for k, v in before.items() if v > after.get(k, 0)))
         logger.info("ckvp pass %s: %d site(s) rewritten in %.1f ms", self.name, matched, elapsed)
-        return PassResult(self.name, self.stage, matched, "", elapsed, replaced)
+        notes = tuple(sorted((k, v) for k, v in getattr(self, "notes", {}).items() if v))
+        return PassResult(self.name, self.stage, matched, "", elapsed, replaced, notes)
 
 
 def _op_counts(graph: fx.Graph) -> dict[str, int]:

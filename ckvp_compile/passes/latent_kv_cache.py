@@ -24,7 +24,17 @@ are rebuilt. Tokens of the current call are attended exactly (``k_rot``/``v`` ov
 tokens come from the latent. Every view, mask and GQA expansion the model applies after reading its cache
 stays as it was, so the attention itself is untouched.
 
-Reference: DESIGN.md; xKV (Chang et al., 2025) for cross-layer shared low-rank KV.
+Attention over the cache (the default, ``absorb_attention=True``): where the layer's attention is one SDPA
+call whose K and V come from the rebuilt caches through pure layout ops (views, GQA ``repeat_kv`` expansion,
+a leading slice of the slots), the SDPA itself becomes ``ckvp.latent_attention``: keys rebuilt from the latent
+with RoPE, scores for every query head of a KV head (GQA), and the values *absorbed* (softmax weights times the
+value latent, projected by the layer's value basis block once per query), so dense values are never formed.
+The layout chain is verified by replaying it on an index probe (it must map query head i to KV head
+``i // (H/Hkv)`` and slot t to slot t); a chain that does anything else, ``is_causal=True``, dropout, or a
+hand-written softmax(QK^T)V keeps the reconstruct-then-SDPA form, with the reason in :attr:`notes`.
+
+Reference: DESIGN.md; xKV (Chang et al., 2025) for cross-layer shared low-rank KV; value absorption as in
+DeepSeek-V2's MLA (DeepSeek-AI, 2024) and Palu (Chang et al., 2024).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.node import map_arg
 
 from ..analysis.graph import dtype_of, find_upstream, node_map, shape_of
 from ..analysis.sites import AttentionSite
@@ -76,8 +87,11 @@ class LatentKVCachePass(CKVPPass):
     name = "latent_kv_cache"
     stage = "torch"
 
-    def __init__(self, plan: LatentRewritePlan) -> None:
+    def __init__(self, plan: LatentRewritePlan, absorb_attention: bool = True) -> None:
         self.plan = plan
+        self.absorb_attention = absorb_attention
+        #: per layer, why its SDPA was not turned into ckvp.latent_attention ('' when it was)
+        self.notes: dict[int, str] = {}
 
     def is_applicable(self, graph: fx.Graph) -> str:
         return "" if self.plan.groups else "no layer group has a latent store"
@@ -102,10 +116,12 @@ class LatentKVCachePass(CKVPPass):
             lat_k, lat_v = inputs.add(f"ckvp_latent_k_{g}"), inputs.add(f"ckvp_latent_v_{g}")
             bas_k, bas_v = inputs.add(f"ckvp_basis_k_{g}"), inputs.add(f"ckvp_basis_v_{g}")
             k_pre_nodes, v_nodes, last_write = [], [], None
+            readers: list[fx.Node | None] = []  # the latent_attention nodes: the append goes after them
             for j, site in enumerate(gr.sites):
                 d = site.head_dim
                 form = site.rope.form if site.rope is not None else "none"
                 rd = site.rope.rotary_dim if site.rope is not None else 0
+                recons: dict[str, tuple[fx.Node, fx.Node, fx.Node, fx.Node]] = {}
                 for kind, write, latent, basis, offsets, rope, fmt in (
                     ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form, store.k_format),
                     ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none", store.v_format),
@@ -132,14 +148,22 @@ class LatentKVCachePass(CKVPPass):
                             f"layer {site.layer}: the {kind} cache is read before its write; cannot rewrite"
                         )
                     order[recon] = order.pop(w)
+                    recons[kind] = (recon, block, value, slots)
                     last_write = recon if last_write is None or order[recon] > order[last_write] else last_write
                     if kind == "k":
                         k_pre_nodes.append(_as_bhsd(graph, nodes[site.rope.k_in] if site.rope else value, site, recon))
                     else:
                         v_nodes.append(value)
+                if self.absorb_attention:
+                    note, fused = _absorb_attention(graph, nodes[site.attention_node], site, recons,
+                                                    (lat_k, lat_v, rope_cos, rope_sin, slot_pos), store, g)
+                    self.notes[site.layer] = note
+                    readers.append(fused)
+                else:
+                    self.notes[site.layer] = "absorb_attention=False"
                 rewritten += 1
             slots = nodes[gr.sites[-1].k_cache.position_node]
-            involved = set(k_pre_nodes) | set(v_nodes) | {slots, last_write}
+            involved = set(k_pre_nodes) | set(v_nodes) | {slots, last_write} | {r for r in readers if r is not None}
             if cos_n is not None:
                 involved |= {cos_n, sin_n, pos_n}
             anchor = [n for n in graph.nodes if n in involved][-1]
@@ -163,6 +187,114 @@ class LatentKVCachePass(CKVPPass):
                     )
         self.plan.extra_inputs = inputs.names
         return rewritten
+
+
+_LAYOUT_METHODS = {"view", "reshape", "expand", "contiguous", "unsqueeze", "repeat_interleave", "flatten",
+                   "transpose", "permute"}
+_LAYOUT_FUNCTIONS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.repeat_interleave, torch.flatten,
+                     torch.transpose, torch.permute}
+
+
+def _layout_chain(start: fx.Node, end: fx.Node) -> list[fx.Node] | None:
+    """The nodes from ``start`` (exclusive) to ``end`` (inclusive) when ``end`` is reached from ``start`` through
+    single-tensor layout ops (each taking the previous node and constants only); None otherwise."""
+    chain, n = [], end
+    while n is not start:
+        if n.op == "call_method" and n.target in _LAYOUT_METHODS:
+            pass
+        elif n.op == "call_function" and n.target in _LAYOUT_FUNCTIONS:
+            pass
+        else:
+            return None
+        tensors = [a for a in n.all_input_nodes]
+        if len(tensors) != 1:
+            return None
+        chain.append(n)
+        n = tensors[0]
+    return chain[::-1]
+
+
+def _replay(chain: list[fx.Node], x: torch.Tensor, prev: fx.Node) -> torch.Tensor:
+    """Run the layout ops of ``chain`` on ``x`` (standing for ``prev``)."""
+    for n in chain:
+        args, kwargs = map_arg((n.args, n.kwargs), lambda a: x if a is prev else a)
+        x = getattr(x, n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+        prev = n
+    return x
+
+
+def _is_gqa_view(chain: list[fx.Node], start: fx.Node, shape: tuple[int, ...], num_heads: int,
+                 enable_gqa: bool) -> int | None:
+    """Replay ``chain`` on an index probe of ``shape`` (B, Hkv, S_max, D): return kv_len when the result is the
+    probe with each KV head repeated H/Hkv times (or not at all with ``enable_gqa``) and slots [0, kv_len);
+    None otherwise."""
+    b, hkv, s_max, d = shape
+    probe = torch.arange(b * hkv * s_max * d, dtype=torch.float64).view(b, hkv, s_max, d)
+    try:
+        out = _replay(chain, probe, start)
+    except Exception:  # an op the probe cannot take: not a layout chain we understand
+        return None
+    heads = hkv if enable_gqa else num_heads
+    if out.dim() != 4 or out.shape[0] != b or out.shape[1] != heads or out.shape[3] != d or heads % hkv:
+        return None
+    kv_len = out.shape[2]
+    expected = probe.repeat_interleave(heads // hkv, dim=1)[:, :, :kv_len]
+    return kv_len if 1 <= kv_len <= s_max and torch.equal(out, expected) else None
+
+
+def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
+                      recons: dict[str, tuple[fx.Node, fx.Node, fx.Node, fx.Node]], inputs: tuple, store: Any,
+                      g: int) -> tuple[str, fx.Node | None]:
+    """Replace the site's SDPA by ``ckvp.latent_attention`` (see the module docstring); return ('', the new node)
+    when done, else (the reason it was left as reconstruct-then-SDPA, None)."""
+    if site.form != "sdpa" or attn.target is not torch._C._nn.scaled_dot_product_attention:
+        return f"attention form {site.form!r} is not one SDPA call", None
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, attn.args))
+    bound.update(attn.kwargs)
+    if bound.get("dropout_p", 0.0) not in (0, 0.0) or bound.get("is_causal", False):
+        return "SDPA with dropout or is_causal=True", None
+    q, k_in, v_in = bound.get("query"), bound.get("key"), bound.get("value")
+    mask = bound.get("attn_mask")
+    if not all(isinstance(t, fx.Node) for t in (q, k_in, v_in)) or (mask is not None and not isinstance(mask, fx.Node)):
+        return "SDPA inputs are not graph tensors", None
+    recon_k, block_k, new_k, slots = recons["k"]
+    recon_v, block_v, new_v, _ = recons["v"]
+    shape = (store.batch_size, store.num_kv_heads, store.max_cache_len, store.head_dim)
+    gqa = bool(bound.get("enable_gqa", False))
+    lens = []
+    for start, end in ((recon_k, k_in), (recon_v, v_in)):
+        chain = _layout_chain(start, end)
+        kv_len = None if chain is None else _is_gqa_view(chain, start, shape, site.num_heads, gqa)
+        if kv_len is None:
+            return "K/V reach SDPA through ops other than a GQA expansion and a leading slot slice", None
+        lens.append(kv_len)
+    if lens[0] != lens[1]:
+        return "K and V are sliced to different lengths", None
+    scale = bound.get("scale")
+    scale = float(site.head_dim ** -0.5 if scale is None else scale)
+    lat_k, lat_v, rope_cos, rope_sin, slot_pos = inputs
+    form = site.rope.form if site.rope is not None else "none"
+    rd = site.rope.rotary_dim if site.rope is not None else 0
+    with graph.inserting_before(attn):
+        out = graph.call_function(
+            torch.ops.ckvp.latent_attention.default,
+            (q, lat_k, lat_v, block_k, block_v, store.k_offsets[g], store.v_offsets[g], rope_cos, rope_sin,
+             slot_pos, form, rd, new_k, new_v, slots, mask, scale, lens[0], store.k_format, store.v_format),
+        )
+    out.meta.update({k: v for k, v in attn.meta.items() if k in ("val", "example_value", "tensor_meta",
+                                                                  "nn_module_stack", "stack_trace")})
+    attn.replace_all_uses_with(out)
+    graph.erase_node(attn)
+    for end in (k_in, v_in):  # the layout chains and the reconstructs, now unused
+        n = end
+        while isinstance(n, fx.Node) and not n.users and n.op != "placeholder":
+            prev = n.all_input_nodes
+            graph.erase_node(n)
+            n = prev[0] if len(prev) == 1 else None
+            if n in (block_k, block_v, new_k, new_v, slots):
+                break
+    return "", out
 
 
 class _StoreInputs:

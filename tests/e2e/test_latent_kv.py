@@ -177,3 +177,38 @@ def test_a_graph_refuses_a_cache_of_another_layout():
         other = CKVPStaticCache(model.config, bases, max_cache_len=16, latent_format="int8")
         with pytest.raises(Exception, match="another layout"):
             step(**hf_step_kwargs(model, ids, other, 0))
+
+
+def _latent_graph_ops(rec):
+    ops = {}
+    for g in rec.graphs:
+        text = g.dynamo_after
+        ops[g.index] = {name: text.count(f"torch.ops.ckvp.{name}.default(") for name in
+                        ("latent_attention", "latent_reconstruct", "latent_append")}
+        ops[g.index]["sdpa"] = text.count("scaled_dot_product_attention(")
+        ops[g.index]["notes"] = [r.notes for r in g.pass_results if r.name == "latent_kv_cache"][0]
+    return ops
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_attention_over_the_latent_is_fused_where_understood(attn):
+    """SDPA over the rebuilt caches becomes ckvp.latent_attention (values absorbed) in every layer; a
+    hand-written softmax(QK^T)V keeps reconstruct-then-attention, says why, and is still exact at full rank."""
+    model = build_hf_moe("qwen3_moe", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                         attn_implementation=attn)
+    bases = calibrate(model, calib_samples(), group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    rec = CompileRecorder()
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
+    assert_close_all(eager, latent)
+    for ops in _latent_graph_ops(rec).values():
+        assert ops["latent_append"] == 4  # K and V of 2 groups
+        if attn == "sdpa":
+            assert (ops["latent_attention"], ops["latent_reconstruct"], ops["sdpa"]) == (3, 0, 0), ops
+            assert ops["notes"] == ()
+        else:
+            assert (ops["latent_attention"], ops["latent_reconstruct"]) == (0, 6), ops
+            assert [layer for layer, _ in ops["notes"]] == [0, 1, 2]
+            assert "not one SDPA call" in ops["notes"][0][1]
