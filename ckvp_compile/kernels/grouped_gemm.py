@@ -3,16 +3,19 @@
 Algorithm (notation of :mod:`ckvp_compile.kernels.moe_reference`: T tokens, A top-k, E experts, Dm model dim,
 I FFN dim, P = T*A pairs, P_pad padded rows, BLOCK_M the M tile):
 
-* routing: :func:`~ckvp_compile.kernels.moe_reference.moe_align_ref` (static-shape torch ops on the device, no
-  host sync) sorts the pairs by expert and pads each expert's segment to BLOCK_M, so every M tile belongs to one
-  expert (``block_expert[tile]``, -1 for the unused tail tiles, which exit at once);
+* routing: ``_moe_align_kernel`` (one program, one launch; :func:`moe_align`) sorts the pairs by expert (stable:
+  a pair's rank is a cumulative sum over a one-hot (E, P) tile) and pads each expert's segment to BLOCK_M, so
+  every M tile belongs to one expert (``block_expert[tile]``, -1 for the unused tail tiles, which exit at once).
+  Sizes are worst-case static: no host sync. Routings too large for one program's registers use
+  :func:`~ckvp_compile.kernels.moe_reference.moe_align_ref` (static-shape torch ops, several launches);
 * ``_grouped_gate_up_kernel``: grid (tiles, cdiv(I, BLOCK_N)). Each program gathers its BLOCK_M tokens' rows of
   ``hidden`` (row = pair // A) and multiplies them by the BLOCK_N rows of ``W_gate[e]`` and ``W_up[e]`` in one
   K loop (both accumulators in fp32), then stores ``silu(gate) * up``: the activation never goes to memory
   unfused;
 * ``_grouped_down_kernel``: grid (tiles, cdiv(Dm, BLOCK_N), SPLIT_K). Multiplies the activation rows by
   ``W_down[e]``, scales each row by its pair's routing weight and writes (or, split-K, atomically adds) it to the
-  pair's row of an fp32 (P, Dm) buffer; the top-k combine is then a sum over A (deterministic unless SPLIT_K > 1).
+  pair's row of an fp32 (P, Dm) buffer; ``_combine_kernel`` then sums each token's A rows in slot order and
+  casts (deterministic unless SPLIT_K > 1, whose atomic adds may change the last bits between runs).
 
 Software pipelining: the K loops are plain ``for`` loops over K tiles; Triton's ``num_stages`` pipelines them
 (the next weight tile is loading while the current one is in the tensor cores), TMA-free so it runs on any GPU
@@ -37,8 +40,8 @@ import triton.language as tl
 
 from .moe_reference import moe_align_ref
 
-__all__ = ["GemmConfig", "block_m_for", "gate_up_configs", "down_configs", "grouped_down", "grouped_gate_up",
-           "moe_experts_triton"]
+__all__ = ["GemmConfig", "block_m_for", "combine", "down_configs", "gate_up_configs", "grouped_down",
+           "grouped_gate_up", "moe_align", "moe_experts_triton", "prune_configs"]
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -56,39 +59,73 @@ class GemmConfig:
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
-    """Pick the M tile from the expected rows per non-empty expert, P / min(E, P) (vLLM's rule of thumb).
+    """Pick the M tile from the mean rows per non-empty expert, P / min(E, P), so that most experts fit in one
+    tile (each extra M tile of an expert re-reads its weights, from L2 at best).
 
-    Rules: (1) decode and small batches (<= 16 rows per expert) use 16, the smallest ``tl.dot`` M, so padding
-    wastes at most 15 rows per expert; (2) up to 64 rows use 32; (3) up to 256 use 64; (4) else 128.
-    Retune: raise the thresholds on GPUs with more registers per SM.
+    Rules: (1) up to 8 rows (decode, small batches): 16, the smallest ``tl.dot`` M; (2) up to 20: 32; (3) up to
+    48: 64; (4) else 128 (compute-bound sizes: the largest tile that keeps two fp32 accumulators in registers).
+    Retune: measured on an H200 (benchmarks/results/2026-11-29-moe-h200); raise the thresholds where routing is
+    skewed (the busiest expert sets the tile count).
     """
     rows = num_pairs / max(1, min(num_experts, num_pairs))
-    if rows <= 16:
+    if rows <= 8:
         return 16
-    if rows <= 64:
+    if rows <= 20:
         return 32
-    if rows <= 256:
+    if rows <= 48:
         return 64
     return 128
 
 
-def gate_up_configs(block_m: int) -> list[GemmConfig]:
-    """Candidate configs of the gate/up kernel for an M tile, pruned by rule: (1) small M favours narrow N
-    tiles (more programs per expert) and deep K tiles with more stages (bandwidth bound); (2) large M favours
-    square tiles (compute bound)."""
-    if block_m <= 32:
-        return [GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4), GemmConfig(128, 128, 4, 3),
-                GemmConfig(64, 256, 8, 3)]
-    return [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 8, 3)]
+#: Shared memory a config may use, in bytes (H100/H200: 227 KB per block). The estimate counts ``num_stages``
+#: buffers; Triton allocates about one fewer, which leaves room for its own scratch.
+SMEM_BUDGET = 224 * 1024
 
 
-def down_configs(block_m: int) -> list[GemmConfig]:
-    """Candidate configs of the down kernel; small M adds split-K (Dm / BLOCK_N programs per expert are too few
-    to fill the GPU at batch 1)."""
+def prune_configs(configs: list[GemmConfig], block_m: int, itemsize: int, b_tiles: int) -> list[GemmConfig]:
+    """Drop configs that cannot run: (1) pipelined tiles over :data:`SMEM_BUDGET` (``num_stages`` copies of the
+    A tile and ``b_tiles`` B tiles); (2) duplicates. Keeps the order (the first survivor is the untuned default)."""
+    out = []
+    for c in configs:
+        smem = c.num_stages * (block_m * c.block_k + b_tiles * c.block_k * c.block_n) * itemsize
+        if smem <= SMEM_BUDGET and c not in out:
+            out.append(c)
+    return out or [GemmConfig(32, 32, 4, 2)]
+
+
+def gate_up_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
+    """Candidate configs of the gate/up kernel (two B tiles per stage), pruned by :func:`prune_configs`.
+
+    Small M (<= 32, bandwidth bound): narrow-to-medium N tiles so that a batch-1 layer gives several waves of
+    programs over the SMs, deep K tiles and 3-5 stages to keep many weight bytes in flight. Large M: square
+    tiles, 8 warps (compute bound)."""
     if block_m <= 32:
-        return [GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4), GemmConfig(64, 128, 4, 4, split_k=4),
-                GemmConfig(128, 128, 4, 4, split_k=8)]
-    return [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 8, 3)]
+        cands = [GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4), GemmConfig(64, 256, 4, 3),
+                 GemmConfig(128, 128, 4, 3), GemmConfig(32, 128, 4, 5), GemmConfig(64, 128, 4, 5),
+                 GemmConfig(128, 64, 4, 4)]
+    elif block_m == 64:
+        cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 3),
+                 GemmConfig(128, 64, 4, 4)]
+    else:
+        cands = [GemmConfig(64, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 8, 3),
+                 GemmConfig(64, 64, 4, 3)]
+    return prune_configs(cands, block_m, itemsize, b_tiles=2)
+
+
+def down_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
+    """Candidate configs of the down kernel (one B tile per stage), pruned by :func:`prune_configs`; small M adds
+    split-K (Dm / BLOCK_N programs per expert are too few to fill the GPU at batch 1)."""
+    if block_m <= 32:
+        cands = [GemmConfig(32, 256, 4, 4), GemmConfig(64, 128, 4, 4), GemmConfig(32, 128, 4, 5),
+                 GemmConfig(64, 256, 4, 3, split_k=2), GemmConfig(64, 128, 4, 4, split_k=4),
+                 GemmConfig(128, 128, 4, 4, split_k=4), GemmConfig(32, 256, 4, 4, split_k=2)]
+    elif block_m == 64:
+        cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 4),
+                 GemmConfig(128, 128, 8, 3)]
+    else:
+        cands = [GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 3), GemmConfig(128, 128, 8, 3),
+                 GemmConfig(64, 64, 4, 4)]
+    return prune_configs(cands, block_m, itemsize, b_tiles=1)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -184,6 +221,93 @@ def _grouped_down_kernel(
             tl.store(out_ptrs, acc, mask=valid[:, None] & n_ok)
         else:
             tl.atomic_add(out_ptrs, acc, mask=valid[:, None] & n_ok)
+
+
+@triton.jit
+def _moe_align_kernel(
+    # pointers: topk_ids (P,) flattened, outputs sorted_ids (P_pad,) and block_expert (P_pad / BLOCK_M,)
+    ids_ptr, sorted_ids_ptr, block_expert_ptr,
+    # sizes
+    num_pairs, num_experts, p_pad, num_tiles,
+    # meta-parameters: P_BLOCK >= P and E_BLOCK >= E (powers of two)
+    BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):
+    """One program: the routing of ``moe_align_ref`` (stable sort by expert, segments padded to BLOCK_M)."""
+    offs_p = tl.arange(0, P_BLOCK)
+    p_ok = offs_p < num_pairs
+    ids = tl.load(ids_ptr + offs_p, mask=p_ok, other=num_experts).to(tl.int32)  # padding lanes: no expert
+    offs_e = tl.arange(0, E_BLOCK)
+    onehot = (offs_e[:, None] == ids[None, :]).to(tl.int32)  # (E_BLOCK, P_BLOCK)
+    counts = tl.sum(onehot, axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    rank = tl.sum(onehot * tl.cumsum(onehot, axis=1), axis=0) - 1  # earlier pairs of the same expert
+    dest = tl.sum(onehot * padded_start[:, None], axis=0) + rank
+    for off in range(0, p_pad, FILL_BLOCK):  # pad rows hold P
+        rows = off + tl.arange(0, FILL_BLOCK)
+        tl.store(sorted_ids_ptr + rows, tl.full([FILL_BLOCK], 0, tl.int32) + num_pairs, mask=rows < p_pad)
+    tl.debug_barrier()  # the pad fill lands before the pairs overwrite their rows
+    tl.store(sorted_ids_ptr + dest, offs_p, mask=p_ok)
+    for off in range(0, num_tiles, FILL_BLOCK):
+        tiles = off + tl.arange(0, FILL_BLOCK)
+        expert = tl.sum((padded_end[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_expert_ptr + tiles, expert, mask=tiles < num_tiles)
+
+
+@triton.jit
+def _combine_kernel(
+    pairs_ptr, out_ptr,  # (T*A, N) fp32 -> (T, N) out dtype
+    N, stride_pm, stride_om,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[t] = sum_a pairs[t*A + a], fp32 sum in slot order (deterministic), cast on store."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for a in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (t * TOP_K + a) * stride_pm + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+#: Largest E_BLOCK * P_BLOCK the one-program routing kernel takes (its one-hot tile lives in registers); larger
+#: routings use the static-shape torch ops of moe_align_ref (several launches, amortised at those sizes).
+ALIGN_MAX_TILE = 8192
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-side routing, one launch when small: same outputs as :func:`~.moe_reference.moe_align_ref`.
+
+    Args:
+        topk_ids: (T, A) int32|int64 on the GPU (or on CPU under the interpreter). num_experts: E. block_m: M tile.
+    Returns:
+        sorted_ids (P_pad,) int32 and block_expert (P_pad / block_m,) int32 (-1 for unused tiles).
+    Reference: kernels/moe_reference.py::moe_align_ref
+    """
+    from .moe_reference import padded_rows
+
+    p = topk_ids.numel()
+    p_block, e_block = triton.next_power_of_2(max(p, 1)), triton.next_power_of_2(num_experts)
+    if p == 0 or p_block * e_block > ALIGN_MAX_TILE:
+        return moe_align_ref(topk_ids, num_experts, block_m)
+    p_pad = padded_rows(p, num_experts, block_m)
+    sorted_ids = torch.empty(p_pad, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(p_pad // block_m, dtype=torch.int32, device=topk_ids.device)
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, block_expert, p, num_experts, p_pad, p_pad // block_m,
+                            BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block, FILL_BLOCK=256, num_warps=4)
+    return sorted_ids, block_expert
+
+
+def combine(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum each token's A rows of the (T*A, N) fp32 pair buffer, in slot order, into a (T, N) ``dtype`` tensor."""
+    n = pairs.shape[1]
+    out = torch.empty(pairs.shape[0] // top_k, n, dtype=dtype, device=pairs.device)
+    if out.shape[0]:
+        _combine_kernel[(out.shape[0], triton.cdiv(n, 1024))](pairs, out, n, pairs.stride(0), out.stride(0),
+                                                             TOP_K=top_k, BLOCK_N=1024, num_warps=4)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -298,16 +422,19 @@ def moe_experts_triton(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     t, a = topk_ids.shape
     e, i, dm = w_gate.shape
     bm = block_m or block_m_for(t * a, e)
-    sorted_ids, block_expert = moe_align_ref(topk_ids, e, bm)
-    key = (e, i, dm, bm, hidden.dtype, str(hidden.device))
+    sorted_ids, block_expert = moe_align(topk_ids, e, bm)
+    key = (e, i, dm, bm, triton.next_power_of_2(t * a), hidden.dtype, str(hidden.device))
+    itemsize = hidden.element_size()
     if gate_up_config is None:
         scratch = hidden.new_empty(sorted_ids.shape[0], i)
-        gate_up_config = _tune(("gate_up",) + key, gate_up_configs(bm), lambda c: grouped_gate_up(
+        gate_up_config = _tune(("gate_up",) + key, gate_up_configs(bm, itemsize), lambda c: grouped_gate_up(
             hidden, sorted_ids, block_expert, w_gate, w_up, a, bm, c, out=scratch))
     act = grouped_gate_up(hidden, sorted_ids, block_expert, w_gate, w_up, a, bm, gate_up_config)
     if down_config is None:
         scratch = torch.zeros(t * a, dm, dtype=torch.float32, device=hidden.device)
-        down_config = _tune(("down",) + key, down_configs(bm), lambda c: grouped_down(
+        down_config = _tune(("down",) + key, down_configs(bm, itemsize), lambda c: grouped_down(
             act, sorted_ids, block_expert, w_down, topk_weights, bm, c, out=scratch))
-    pairs = grouped_down(act, sorted_ids, block_expert, w_down, topk_weights, bm, down_config)
-    return pairs.view(t, a, dm).sum(1).to(hidden.dtype)
+    alloc = torch.zeros if down_config.split_k > 1 else torch.empty  # split-K accumulates atomically
+    pairs = alloc(t * a, dm, dtype=torch.float32, device=hidden.device)
+    grouped_down(act, sorted_ids, block_expert, w_down, topk_weights, bm, down_config, out=pairs)
+    return combine(pairs, a, hidden.dtype)

@@ -5,7 +5,9 @@ interpreter, against the PyTorch references (kernels/moe_reference.py) and the f
 it (Inductor does), so the checks run in a child process started with the variable set: this file executed as
 a script. Shapes are tiny (the interpreter runs each program in Python): the whole child takes a few seconds.
 Covered: partial N and K tiles, empty experts, every token on one expert, top-k 1..4, strided (HF fused
-gate_up) weights, split-K down, the M tiles 16 and 32, fp32 exactness (IEEE dots) and the full launcher.
+gate_up) weights, split-K down, the M tiles 16 and 32, fp32 exactness (IEEE dots), the full launcher, the
+one-program routing kernel (vs the torch routing, and its fallback size), the combine kernel, and config
+pruning (the untuned default fits shared memory in fp32 and bf16).
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ def _check_cases() -> None:
             golden = ref.moe_experts_loop_ref(*(v.double() if v.is_floating_point() else v for v in args))
             err = (out.double() - golden).abs().max() / golden.abs().max()
             assert err <= 1e-5, (t, e, a, dm, i, mode, block_m, float(err))
+    # the one-program routing kernel equals the torch routing, including pad tiles and the fallback size
+    for t, e, a, bm, seed in ((1, 8, 2, 16, 0), (13, 5, 3, 16, 1), (30, 60, 4, 16, 2), (100, 16, 4, 32, 4),
+                              (2000, 8, 2, 128, 3)):
+        ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(seed + k))[:a]
+                           for k in range(t)])
+        for got, want in zip(gg.moe_align(ids, e, bm), ref.moe_align_ref(ids, e, bm)):
+            assert torch.equal(got, want), (t, e, a, bm)
+    pairs = torch.randn(12, 40)
+    torch.testing.assert_close(gg.combine(pairs, 3, torch.float32), pairs.view(4, 3, 40).sum(1))
+    # configs: the first survivor fits shared memory for fp32 too (it is the untuned default)
+    for bm in (16, 32, 64, 128):
+        for itemsize in (2, 4):
+            for cfgs, tiles in ((gg.gate_up_configs(bm, itemsize), 2), (gg.down_configs(bm, itemsize), 1)):
+                c = cfgs[0]
+                assert c.num_stages * (bm * c.block_k + tiles * c.block_k * c.block_n) * itemsize <= gg.SMEM_BUDGET
     # an autotuned launch picks the first candidate under the interpreter and stays correct
     x = make_moe_inputs(dict(tokens=2, num_experts=2, top_k=1, hidden=16, ffn=16, mode="random", seed=4))
     args = (x["hidden"], x["topk_ids"], x["topk_weights"], x["w_gate"], x["w_up"], x["w_down"])

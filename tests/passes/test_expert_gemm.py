@@ -168,3 +168,21 @@ def test_pass_uuid_is_stable_and_source_keyed():
     assert ExpertGemmPass(()).uuid() == ExpertGemmPass(()).uuid()
     assert ExpertGemmPass(()).uuid() != PostGradPassManager([], "x").uuid()
     assert ExpertGemmPass(()).is_applicable(torch.fx.Graph()) != ""
+
+
+@pytest.mark.slow
+def test_full_inductor_output_code_calls_the_ckvp_op():
+    """Full Inductor (CPU): the rewritten graph compiles, the ckvp op is in the generated code (as an extern call:
+    on CPU its reference runs), the HF experts' grouped_mm fallback is not, and logits equal eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = build_hf_moe("qwen2_moe", num_layers=1)
+    ids = torch.randint(0, 256, (1, PROMPT_LEN))
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model, backend="ckvp", options={"enable_expert_gemm": True})
+        out, codes = run_and_get_code(lambda: compiled(ids, use_cache=False).logits)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    code = "\n".join(codes)
+    assert "torch.ops.ckvp.moe_experts.default(" in code
+    assert "grouped_mm_fallback" not in code
