@@ -3,11 +3,13 @@
 Three kinds of model are driven without example inputs:
 
 * a Hugging Face causal LM: a static-cache prefill of ``prompt_len`` random token ids, then (``decode=True``)
-  one decode step, both with a fresh ``transformers.StaticCache``. The cache argument is called ``cache`` in
+  one decode step, both with a fresh ``transformers.StaticCache`` (or, given latent bases, a fresh
+  :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache`). The cache argument is called ``cache`` in
   transformers >= 5.24 (``past_key_values`` before) and ``cache_position`` exists only in older versions, so
   the keyword names are taken from the model's ``forward`` signature;
 * a gpt-fast style model (anything with ``setup_caches(batch, seq)`` and ``forward(idx, input_pos)``): the same
-  prefill and decode through its own caches;
+  prefill and decode through its own caches (given latent bases, turned into latent-store phantoms by
+  :func:`~ckvp_compile.runtime.hf_cache.use_latent_cache`, and given back by :meth:`LatentCaches.restore`);
 * any other ``nn.Module``: one call with the user's example inputs.
 
 This module only runs models; what was recorded is turned into a report by :mod:`.report`.
@@ -16,6 +18,7 @@ This module only runs models; what was recorded is turned into a report by :mod:
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,6 +82,59 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _dtype_of(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+@dataclass
+class LatentCaches:
+    """The latent caches an inspection drives the model with, and what they replaced.
+
+    Attributes:
+        bases: the :class:`~ckvp_compile.latent.LatentBases`. k_format, v_format: latent storage formats.
+        latent_dtype: dtype of 'float' latents (None: the model's dtype).
+        stores: every :class:`~ckvp_compile.runtime.store.LatentKVStore` made, in order (one per prefill).
+    """
+
+    bases: Any
+    k_format: str = "float"
+    v_format: str = "float"
+    latent_dtype: torch.dtype | None = None
+    stores: list[Any] = field(default_factory=list)
+    _saved: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+
+    def hf_cache(self, model: torch.nn.Module, max_cache_len: int) -> Any:
+        """Return a fresh batch-1 ``CKVPStaticCache`` for an HF model (its store is appended to ``stores``)."""
+        from ..runtime.hf_cache import CKVPStaticCache
+
+        cache = CKVPStaticCache(model.config, self.bases, max_cache_len, 1, device=_device_of(model),
+                                dtype=_dtype_of(model), latent_format=(self.k_format, self.v_format),
+                                latent_dtype=self.latent_dtype)
+        self.stores.append(cache.store)
+        return cache
+
+    def gpt_fast(self, model: torch.nn.Module) -> None:
+        """Turn a gpt-fast model's (just set up) dense caches into phantoms of a new store, keeping the buffers."""
+        from ..runtime.hf_cache import use_latent_cache
+
+        if not self._saved:
+            self._saved = [(m, m.k_cache, m.v_cache) for m in model.modules()
+                           if isinstance(getattr(m, "k_cache", None), torch.Tensor)
+                           and isinstance(getattr(m, "v_cache", None), torch.Tensor)]
+        self.stores.append(use_latent_cache(model, self.bases, (self.k_format, self.v_format), self.latent_dtype))
+
+    def restore(self) -> None:
+        """Give a gpt-fast model back the dense cache buffers it had before :meth:`gpt_fast` (no-op for HF)."""
+        for m, k, v in self._saved:
+            m.k_cache, m.v_cache = k, v
+            if hasattr(m, "ckvp_store"):
+                del m.ckvp_store
+        self._saved = []
+
+
 def _hf_kwargs(model: torch.nn.Module, ids: torch.Tensor, cache: Any, start: int) -> dict[str, Any]:
     """Keyword arguments of one cached forward of an HF causal LM (names from its ``forward`` signature)."""
     params = inspect.signature(model.forward).parameters
@@ -99,6 +155,7 @@ def run_phases(
     decode: bool,
     max_cache_len: int,
     prompt_len: int,
+    latent: LatentCaches | None = None,
 ) -> list[tuple[str, Callable[[], Any]]]:
     """Return the calls to make, as ``(phase, thunk)`` pairs, in order; calling each thunk runs that phase.
 
@@ -110,12 +167,17 @@ def run_phases(
         decode: add one decode step after the prefill (ignored with ``example_inputs``).
         max_cache_len: static cache length S_max.
         prompt_len: prefill length S.
+        latent: drive the model with latent caches of these bases instead of dense ones (HF or gpt-fast
+            models only; each prefill makes a new store, appended to ``latent.stores``).
     Returns:
         ``[("prefill", f), ("decode", f)]`` or ``[("call", f)]``.
     Raises:
         ValueError: no example inputs for a model that cannot be driven without them, or
-            ``prompt_len + decode > max_cache_len``, or ``prompt_len < 1``.
+            ``prompt_len + decode > max_cache_len``, or ``prompt_len < 1``, or ``latent`` with example inputs.
     """
+    if example_inputs is not None and latent is not None:
+        raise ValueError("a latent-cache inspection drives the model itself (an HF causal LM or a gpt-fast style "
+                         "model); leave example_inputs out")
     if example_inputs is not None:
         if isinstance(example_inputs, dict):
             return [("call", lambda: compiled(**example_inputs))]
@@ -138,7 +200,8 @@ def run_phases(
 
         def step(ids: torch.Tensor, start: int) -> Any:
             if start == 0:
-                state["cache"] = StaticCache(config=model.config, max_cache_len=max_cache_len)
+                state["cache"] = (StaticCache(config=model.config, max_cache_len=max_cache_len) if latent is None
+                                  else latent.hf_cache(model, max_cache_len))
             out = compiled(**_hf_kwargs(model, ids, state["cache"], start))
             state["logits"] = out.logits
             return out
@@ -146,7 +209,11 @@ def run_phases(
 
         def step(ids: torch.Tensor, start: int) -> Any:
             if start == 0:
+                if latent is not None:
+                    latent.restore()  # dense buffers back before setup_caches zeroes them
                 model.setup_caches(1, max_cache_len)
+                if latent is not None:
+                    latent.gpt_fast(model)
             out = compiled(ids, torch.arange(start, start + ids.shape[1], device=device))
             state["logits"] = out
             return out

@@ -2,6 +2,12 @@
 
     ckvp-inspect --model DIR [--html FILE] [--json FILE] [--options JSON] [--compiler aot_eager|eager|inductor]
                  [--no-decode] [--full] [--traceback]
+                 [--kv-ratio R [--rank-allocation energy|uniform] [--group-size G] [--text FILE]
+                  [--calibration-samples N] [--save-bases FILE] | --bases FILE] [--latent-format FMT]
+
+With ``--kv-ratio`` (calibrate bases now, on a few random-token samples or windows of ``--text``) or ``--bases``
+(a file from ``LatentBases.save``) the model runs with a ckvp latent KV cache, so the latent rewrite really
+happens and the report shows the latent plan: groups, rank per KV head for K and V, formats and bytes per token.
 
 Prints the text report on stdout; ``--html`` / ``--json`` also write the HTML page / the JSON data. Exit
 status: 0 on success; 2 for a user mistake (bad arguments, a path that is not a loadable model, invalid
@@ -50,7 +56,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-len", type=int, default=64, help="static cache length (default 64)")
     p.add_argument("--prompt-len", type=int, default=8, help="prefill length in tokens (default 8)")
     p.add_argument("--traceback", action="store_true", help="show the traceback when compiling fails")
+    lat = p.add_argument_group("latent KV cache (inspect the CKVP rewrite itself)")
+    src = lat.add_mutually_exclusive_group()
+    src.add_argument("--kv-ratio", type=float, metavar="R",
+                     help="calibrate latent bases now at this ratio (dense / latent elements per token, >= 1) and "
+                          "inspect with a latent cache")
+    src.add_argument("--bases", metavar="FILE", help="inspect with a latent cache of these bases (LatentBases.save)")
+    lat.add_argument("--latent-format", metavar="FMT",
+                     help="latent storage: float (default), int8, int4 or int2, optionally /block (e.g. int4/64), "
+                          "or K,V (e.g. int8,int4)")
+    lat.add_argument("--rank-allocation", choices=("energy", "uniform"),
+                     help="with --kv-ratio: per-head ranks by retained energy (default) or one rank everywhere")
+    lat.add_argument("--group-size", type=int, choices=(1, 2, 4, 8),
+                     help="with --kv-ratio: layers per latent group G (default: the options' group_size, 4)")
+    lat.add_argument("--text", metavar="FILE", help="with --kv-ratio: calibrate on windows of this text file "
+                     "(default: random token ids, fine for inspecting, not for deploying)")
+    lat.add_argument("--calibration-samples", type=int, metavar="N",
+                     help="with --kv-ratio: calibration samples of 32 tokens (default 4)")
+    lat.add_argument("--save-bases", metavar="FILE", help="with --kv-ratio: also save the calibrated bases")
     return p
+
+
+def _latent(args: argparse.Namespace) -> Any:
+    """Build the latent options from the command line, or None without --kv-ratio / --bases (raises _UsageError)."""
+    from ..errors import CKVPConfigError
+    from .latent import LatentInspectOptions
+
+    calibration_only = [f for f, v in (("--rank-allocation", args.rank_allocation), ("--group-size", args.group_size),
+                                       ("--text", args.text), ("--calibration-samples", args.calibration_samples),
+                                       ("--save-bases", args.save_bases)) if v is not None]
+    if args.kv_ratio is None and args.bases is None:
+        given = calibration_only + (["--latent-format"] if args.latent_format is not None else [])
+        if given:
+            raise _UsageError(f"{given[0]} needs a latent cache: add --kv-ratio R (calibrate now) or --bases FILE")
+        return None
+    if args.bases is not None and calibration_only:
+        raise _UsageError(f"{calibration_only[0]} applies to calibration (--kv-ratio); the --bases file already fixes "
+                          "the groups and ranks: drop it, or calibrate with --kv-ratio instead of --bases")
+    if args.calibration_samples is not None and args.calibration_samples < 1:
+        raise _UsageError(f"--calibration-samples must be >= 1, got {args.calibration_samples}")
+    _check_writable(args.save_bases, "--save-bases")
+    fields: dict[str, Any] = {"kv_ratio": args.kv_ratio, "bases": args.bases}
+    if args.latent_format is not None:
+        fields["latent_format"] = args.latent_format
+    for name in ("rank_allocation", "group_size", "text"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.calibration_samples is not None:
+        fields["num_samples"] = args.calibration_samples
+    try:
+        return LatentInspectOptions(**fields)
+    except CKVPConfigError as exc:
+        flag = {"kv_ratio": "--kv-ratio", "latent format": "--latent-format", "latent_format": "--latent-format",
+                "calibration text": "--text", "no latent bases file": "--bases"}
+        prefix = next((f for k, f in flag.items() if str(exc).startswith(k)), "")
+        raise _UsageError(f"{prefix + ': ' if prefix else ''}{exc}") from None
 
 
 def _options(args: argparse.Namespace) -> Any:
@@ -67,6 +127,11 @@ def _options(args: argparse.Namespace) -> Any:
         raise _UsageError(f"--options must be a JSON object of CKVPConfig fields, got {type(opts).__name__}")
     if args.compiler:
         opts["compiler"] = args.compiler
+    if args.group_size is not None:  # the calibration's G is the plan's G too
+        if opts.get("group_size", args.group_size) != args.group_size:
+            raise _UsageError(f"--group-size {args.group_size} disagrees with --options group_size="
+                              f"{opts['group_size']}; give one of them")
+        opts["group_size"] = args.group_size
     opts.setdefault("compiler", "aot_eager")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -121,12 +186,13 @@ def _run(argv: Sequence[str] | None) -> int:
     config = _options(args)
     _check_writable(args.html, "--html")
     _check_writable(args.json, "--json")
+    latent = _latent(args)
 
     if args.prompt_len < 1 or args.prompt_len + (not args.no_decode) > args.max_cache_len:
         raise _UsageError(f"--prompt-len {args.prompt_len} (+1 decode step) does not fit --max-cache-len "
                           f"{args.max_cache_len}; raise --max-cache-len or lower --prompt-len (>= 1)")
 
-    from ..errors import CKVPModelLoadError
+    from ..errors import CKVPConfigError, CKVPModelLoadError
     from .capture import load_model_dir
     from .report import inspect_model
 
@@ -137,8 +203,14 @@ def _run(argv: Sequence[str] | None) -> int:
             model = load_model_dir(args.model)
         except CKVPModelLoadError as exc:
             raise _UsageError(str(exc)) from None
-        report = inspect_model(model, options=config, decode=not args.no_decode,
-                               max_cache_len=args.max_cache_len, prompt_len=args.prompt_len)
+        try:
+            report = inspect_model(model, options=config, decode=not args.no_decode,
+                                   max_cache_len=args.max_cache_len, prompt_len=args.prompt_len, latent=latent)
+        except CKVPConfigError as exc:  # bases of another model, an unreachable --kv-ratio, a short --text
+            if latent is None:
+                raise
+            flag = "--bases" if args.bases is not None else "--kv-ratio"
+            raise _UsageError(f"{flag}: {exc}") from None
     report.model = Path(args.model).resolve().name
     sys.stdout.write(report.to_text(full=args.full))
     try:
@@ -148,6 +220,9 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(report.to_dict(), indent=1), encoding="utf-8")
             print(f"wrote {args.json}")
+        if args.save_bases and report.latent is not None:
+            report.latent.bases.save(args.save_bases)
+            print(f"wrote {args.save_bases}")
     except OSError as exc:
         raise _UsageError(f"cannot write the report: {exc.strerror}: {exc.filename}") from None
     return 0

@@ -1,7 +1,9 @@
 """Render an :class:`~ckvp_compile.inspection.report.InspectionReport` as plain text or as one HTML page.
 
-Both renderers show the same content: the model summary, then per graph the analysis notes, the layer table,
-groups, KV bytes per token, decisions, unsupported patterns, pass results, replaced nodes and the diffs. The
+Both renderers show the same content: the model summary, the "latent KV" section when the model ran with a
+latent cache (groups, rank per head for K and V, formats, bytes per token, the store's measured bytes, page and
+window), then per graph the analysis notes, the layer table, groups, KV bytes per token, decisions, unsupported
+patterns, pass results (nodes each pass replaced, ckvp ops it added), replaced nodes and the diffs. The
 text form cuts each diff to :data:`TEXT_DIFF_LINES` lines unless ``full``; the HTML form
 (``templates/report.html.jinja``, jinja2 with autoescape on) is self-contained: inline CSS, no scripts or
 external resources, diffs as colored ``<pre>`` blocks, and the rewritten graphs' code in collapsed ``<details>``.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .latent import LatentGroupRow
 from .report import LayerRow, format_groups
 
 if TYPE_CHECKING:
@@ -46,11 +49,42 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[
     return [line(headers), "-+-".join("-" * w for w in widths)] + [line(r) for r in rows]
 
 
-def _pass_line(r: Any) -> str:
+def _counts(items: Any) -> str:
+    return ", ".join(f"{op} x{n}" for op, n in items)
+
+
+def _pass_line(r: Any, added: dict[str, int] | None = None) -> str:
+    """One pass result: sites rewritten, nodes removed per op, and (when known) the ckvp ops it added."""
     if r.skipped:
         return f"{r.name} ({r.stage}): skipped: {r.skipped}"
-    replaced = ", ".join(f"{op} x{n}" for op, n in r.replaced) or "nothing"
-    return f"{r.name} ({r.stage}): {r.matched} site(s) rewritten in {r.elapsed_ms:.1f} ms; replaced {replaced}"
+    line = (f"{r.name} ({r.stage}): {r.matched} site(s) rewritten in {r.elapsed_ms:.1f} ms; "
+            f"replaced {_counts(r.replaced) or 'nothing'}")
+    if added:
+        line += f"; added {_counts(added.items())}"
+    return line
+
+
+def _pass_lines(g: "GraphReport") -> list[str]:
+    return [_pass_line(r, added) for r, added in zip(g.pass_results, g.pass_added())]
+
+
+def _stage_added_lines(g: "GraphReport") -> list[str]:
+    """'ckvp ops added by the torch passes: ...' for stages where several passes ran (not attributable)."""
+    out = []
+    attributed = {r.stage for r, a in zip(g.pass_results, g.pass_added()) if a is not None}
+    for stage in ("torch", "post_grad"):
+        added = g.added_ckvp_ops(stage)
+        if added and stage not in attributed:
+            out.append(f"ckvp ops added by the '{stage}' passes: {_counts(added.items())}")
+    return out
+
+
+def latent_text(latent: Any) -> list[str]:
+    """Return the "latent KV" section as text lines (header, per-group table, bytes, store, page, window)."""
+    out = ["latent KV (CKVP store the model ran with):", "  " + latent.header_line()]
+    out += ["  " + ln for ln in format_table(LatentGroupRow.HEADERS, [r.cells() for r in latent.groups])]
+    out += ["  " + ln for ln in latent.lines()]
+    return out
 
 
 def _diff_text(d: "GraphDiff", full: bool) -> list[str]:
@@ -74,7 +108,9 @@ def _graph_text(g: "GraphReport", full: bool) -> list[str]:
         out += format_table(LayerRow.HEADERS, [r.cells() for r in rows])
     else:
         out.append("no attention or MoE sites found in this graph")
-    out.append(f"groups: {format_groups(g.plan.groups)}")
+    out.append(f"groups: {format_groups(g.plan.groups)}"
+               + (f" (latent groups rewritten: {', '.join(map(str, g.plan.latent_groups))})"
+                  if g.plan.latent_groups else ""))
     out.append(f"KV bytes/token: {g.kv_bytes_line()}")
     out.append("decisions:" + ("" if g.plan.decisions else " none"))
     out += ["  " + ln for ln in g.decision_lines()]
@@ -83,7 +119,7 @@ def _graph_text(g: "GraphReport", full: bool) -> list[str]:
         where = f"layer {u.layer}" if u.layer is not None else "graph"
         out.append(f"  {where} [{u.kind}]: {u.reason} Fix: {u.fix}")
     out.append("passes:" + ("" if g.pass_results else " none run"))
-    out += ["  " + _pass_line(r) for r in g.pass_results]
+    out += ["  " + ln for ln in _pass_lines(g) + _stage_added_lines(g)]
     out.append("replaced nodes: " + (", ".join(f"{op} x{n}" for op, n in g.replaced.items()) or "none"))
     if g.fell_back:
         out.append(f"FELL BACK to the original graph: {g.fell_back}")
@@ -111,6 +147,8 @@ def render_text(report: "InspectionReport", *, full: bool = False) -> str:
     ]
     if main is not None:
         out.append(f"KV bytes/token: {main.kv_bytes_line()}")
+    if report.latent is not None:
+        out += [""] + latent_text(report.latent)
     for g in report.graphs:
         out += [""] + _graph_text(g, full)
     if report.warnings:
@@ -160,11 +198,12 @@ def html_context(report: "InspectionReport") -> dict[str, Any]:
             "notes": list(g.analysis.notes),
             "rows": [r.cells() for r in g.layer_rows()],
             "groups": format_groups(g.plan.groups),
+            "latent_groups": ", ".join(map(str, g.plan.latent_groups)),
             "kv_bytes": g.kv_bytes_line(),
             "decisions": g.decision_lines(),
             "unsupported": [{"where": f"layer {u.layer}" if u.layer is not None else "graph", "kind": u.kind,
                              "reason": u.reason, "fix": u.fix} for u in g.plan.unsupported],
-            "passes": [_pass_line(r) for r in g.pass_results],
+            "passes": _pass_lines(g) + _stage_added_lines(g),
             "replaced": list(g.replaced.items()),
             "fell_back": g.fell_back,
             "diffs": [{"title": d.title, "stat": d.stat(), "changed": d.changed,
@@ -183,7 +222,15 @@ def html_context(report: "InspectionReport") -> dict[str, Any]:
         "headers": LayerRow.HEADERS,
         "graphs": graphs,
         "warnings": list(report.warnings),
+        "latent": _latent_context(report.latent),
     }
+
+
+def _latent_context(latent: Any) -> dict[str, Any] | None:
+    if latent is None:
+        return None
+    return {"header": latent.header_line(), "headers": LatentGroupRow.HEADERS,
+            "rows": [r.cells() for r in latent.groups], "lines": latent.lines()}
 
 
 def render_html(report: "InspectionReport") -> str:

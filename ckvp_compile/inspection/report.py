@@ -4,7 +4,10 @@
 graph is recorded without code generation), drives the model through prefill and decode, and returns an
 :class:`InspectionReport`: per captured graph, the sites found per layer, the plan (layer groups, decisions and
 their reasons, KV bytes per token before and after), unsupported patterns with reason and fix, what the passes
-replaced, and unified diffs of the Dynamo graph and of the post-grad ATen graph before and after the rewrites.
+replaced and which ``ckvp`` ops they added, and unified diffs of the Dynamo graph and of the post-grad ATen
+graph before and after the rewrites.
+Given latent options (:class:`~.latent.LatentInspectOptions`) the model runs with a ckvp latent KV cache, so
+the latent rewrite really happens, and the report adds the "latent KV" section (:class:`~.latent.LatentReport`).
 Rendering lives in :mod:`.render`.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,9 +31,12 @@ from ..config import CKVPConfig
 from ..errors import CKVPWarning
 from ..passes import CKVPPass, PassResult
 from ..plan import LayerGroup, Plan
-from .capture import load_model_dir, run_phases
+from .capture import LatentCaches, is_gpt_fast, is_hf_causal_lm, load_model_dir, run_phases
+from .latent import LatentInspectOptions, LatentReport, format_pair, resolve_bases
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+
+_CKVP_OP = re.compile(r"torch\.ops\.ckvp\.(\w+)")
 
 #: Inner compiler of an inspection unless the options name one: records the post-grad graph, no codegen.
 DEFAULT_INSPECTION_COMPILER = "aot_eager"
@@ -175,9 +182,13 @@ class GraphReport(GraphRecord):
     Attributes:
         phase: 'prefill', 'decode' or 'call'. Every other field is the record's (analysis, plan, graph code
             around each stage, pass results, fallback reason).
+        kv_bytes_per_token_latent: with a latent cache, the KV bytes one token takes after the rewrite as the
+            store holds them (the rewritten groups' rows in their formats + the int32 slot position, plus the
+            dense K/V of layers left dense); None without one (the plan's figure is shown then).
     """
 
     phase: str = "call"
+    kv_bytes_per_token_latent: int | None = None
 
     @classmethod
     def from_record(cls, record: GraphRecord, phase: str) -> "GraphReport":
@@ -206,8 +217,15 @@ class GraphReport(GraphRecord):
                 for (kind, rewrite, reason), layers in folded.items()]
 
     def kv_bytes_line(self) -> str:
-        """Return 'dense -> planned' KV bytes per token, with the ratio; or why there is none."""
+        """Return 'dense -> planned' KV bytes per token, with the ratio; or why there is none.
+
+        With a latent cache the 'after' figure is :attr:`kv_bytes_per_token_latent` (bytes the store holds).
+        """
         dense, planned = self.plan.kv_bytes_per_token_dense, self.plan.kv_bytes_per_token_planned
+        if self.kv_bytes_per_token_latent is not None and dense:
+            after = self.kv_bytes_per_token_latent
+            return (f"{dense} -> {after} ({dense / after:.2f}x smaller; latent rows in their storage format + "
+                    "slot position, per sequence)")
         if not dense:
             return "n/a (no KV-cache write found)"
         if planned == dense:
@@ -223,6 +241,28 @@ class GraphReport(GraphRecord):
             GraphDiff.of("post_grad", "post-grad ATen graph, before -> after the 'post_grad' passes",
                          self.post_grad_before, self.post_grad_after),
         )
+
+    def added_ckvp_ops(self, stage: str) -> dict[str, int]:
+        """Return ``ckvp`` ops added by a stage's passes: calls of ``torch.ops.ckvp.<op>`` in the code after the
+        stage minus before it, per op name ('torch': the Dynamo graph; 'post_grad': the ATen graph)."""
+        before, after = ((self.dynamo_before, self.dynamo_after) if stage == "torch"
+                         else (self.post_grad_before, self.post_grad_after))
+        counts: dict[str, int] = {}
+        for op in _CKVP_OP.findall(after):
+            counts[op] = counts.get(op, 0) + 1
+        for op in _CKVP_OP.findall(before):
+            counts[op] = counts.get(op, 0) - 1
+        return {f"ckvp.{op}": n for op, n in sorted(counts.items()) if n > 0}
+
+    def pass_added(self) -> list[dict[str, int] | None]:
+        """Per entry of ``pass_results``: the ckvp ops it added, when it is the only pass that ran in its stage
+        (the code is recorded per stage, not per pass); None when several share the stage or it was skipped."""
+        ran: dict[str, int] = {}
+        for r in self.pass_results:
+            if not r.skipped:
+                ran[r.stage] = ran.get(r.stage, 0) + 1
+        return [self.added_ckvp_ops(r.stage) if not r.skipped and ran[r.stage] == 1 else None
+                for r in self.pass_results]
 
     @property
     def replaced(self) -> dict[str, int]:
@@ -245,11 +285,15 @@ class GraphReport(GraphRecord):
             "layers": [dataclasses.asdict(r) for r in self.layer_rows()],
             "groups": format_groups(self.plan.groups),
             "kv_bytes_per_token": {"dense": self.plan.kv_bytes_per_token_dense,
-                                   "planned": self.plan.kv_bytes_per_token_planned},
+                                   "planned": self.plan.kv_bytes_per_token_planned,
+                                   "latent": self.kv_bytes_per_token_latent},
             "analysis": dataclasses.asdict(self.analysis),
             "plan": plan,
             "pass_results": [dataclasses.asdict(r) for r in self.pass_results],
             "replaced": self.replaced,
+            "added_ckvp_ops": {"torch": self.added_ckvp_ops("torch"), "post_grad": self.added_ckvp_ops("post_grad")},
+            "latent_groups": list(self.plan.latent_groups),
+            "kv_bytes_per_token_latent": self.kv_bytes_per_token_latent,
             "fell_back": self.fell_back,
             "diffs": [{"name": d.name, "title": d.title, "recorded": d.recorded, "added": d.added,
                        "removed": d.removed, "diff": "\n".join(d.lines)} for d in self.diffs],
@@ -269,7 +313,8 @@ class InspectionReport:
         model: the model's name (its directory name, or its class name).
         config: the options the backend ran with. graphs: the captured graphs, in capture order.
         warnings: the ckvp warnings raised while compiling (unsupported patterns, rewrites that fell back).
-        elapsed_s: wall time of the compile and calls.
+        elapsed_s: wall time of the compile and calls (and of a calibration, when one ran).
+        latent: the "latent KV" section when the model ran with a latent cache, else None.
     """
 
     model: str
@@ -277,6 +322,7 @@ class InspectionReport:
     graphs: list[GraphReport]
     warnings: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    latent: LatentReport | None = None
 
     @property
     def main_graph(self) -> GraphReport | None:
@@ -318,6 +364,7 @@ class InspectionReport:
                         "main_graph": self.main_graph.index if self.main_graph else None},
             "elapsed_s": self.elapsed_s,
             "warnings": list(self.warnings),
+            "latent": self.latent.to_dict() if self.latent is not None else None,
             "graphs": [g.to_dict() for g in self.graphs],
         }
 
@@ -355,11 +402,17 @@ def inspect_model(
     prompt_len: int = 8,
     extra_passes: Sequence[CKVPPass] = (),
     dynamic: bool | None = False,
+    latent: LatentInspectOptions | Mapping[str, Any] | None = None,
 ) -> InspectionReport:
     """Compile a model with the ``ckvp`` backend while recording, run it, and report what the backend did.
 
     Resets Dynamo before and after; the model itself is not modified (an HF model gets a fresh
     ``StaticCache``, a gpt-fast model's ``setup_caches`` is called), so it runs eagerly afterwards.
+
+    With ``latent`` the model runs with a ckvp latent KV cache instead (bases from a file, or calibrated now on a
+    few samples), so the latent rewrite runs; the report's ``latent`` section describes the store (groups,
+    rank per head for K and V, formats, bytes per token) and each graph's KV bytes line is measured on it. A
+    gpt-fast model gets its dense cache buffers back afterwards.
 
     Args:
         model_or_dir: an ``nn.Module``, or the path of a local Hugging Face model directory (loaded in float32).
@@ -374,23 +427,41 @@ def inspect_model(
         dynamic: ``torch.compile``'s ``dynamic``. The default ``False`` compiles prefill and decode each for
             its own shapes, as static-cache decoding does; ``None`` lets Dynamo mark the sequence length
             dynamic on the decode recompile, as a plain ``torch.compile(model)`` would.
+        latent: a :class:`~.latent.LatentInspectOptions` (or a dict of its fields, e.g.
+            ``{"kv_ratio": 4, "latent_format": "int8"}``): inspect with a latent cache. Needs an HF causal LM or
+            a gpt-fast style model and no ``example_inputs``.
     Returns:
         An :class:`InspectionReport` with one :class:`GraphReport` per captured graph.
     Raises:
         CKVPModelLoadError: ``model_or_dir`` is a path that is not a loadable model directory.
-        CKVPConfigError: an unknown option or a bad value.
-        ValueError: no ``example_inputs`` for a model that needs them, or prompt/cache lengths that do not fit.
+        CKVPConfigError: an unknown option or a bad value; bad latent options, bases calibrated for another
+            model, or a kv_ratio the model cannot reach (the message names the range).
+        ValueError: no ``example_inputs`` for a model that needs them, prompt/cache lengths that do not fit,
+            or ``latent`` with ``example_inputs`` or a model that is neither an HF causal LM nor gpt-fast style.
         UnsupportedGraphError: ``strict=True`` and a site the rewrites cannot use.
     """
     config = _resolve_config(options)
+    latent_opts = LatentInspectOptions.of(latent)
+    if latent_opts is not None and example_inputs is not None:
+        raise ValueError("a latent-cache inspection drives the model itself (an HF causal LM or a gpt-fast style "
+                         "model) through prefill and decode; leave example_inputs out")
     if isinstance(model_or_dir, (str, Path)):
         name = Path(model_or_dir).name or str(model_or_dir)
         model = load_model_dir(model_or_dir)
     else:
         name, model = type(model_or_dir).__name__, model_or_dir
+    start = time.perf_counter()
+    caches, source = None, ""
+    if latent_opts is not None:
+        if not (is_hf_causal_lm(model) or is_gpt_fast(model)):
+            raise ValueError(f"{type(model).__name__} is neither a Hugging Face causal LM nor a gpt-fast style model;"
+                             " a latent-cache inspection needs one of them (or inspect it without latent=)")
+        with torch.no_grad():
+            bases, source = resolve_bases(model, latent_opts, config.group_size)
+        k_format, v_format = format_pair(latent_opts.latent_format)
+        caches = LatentCaches(bases, k_format, v_format, latent_opts.latent_dtype)
     recorder = CompileRecorder()
     backend = CKVPBackend(config, recorder=recorder, extra_passes=extra_passes)
-    start = time.perf_counter()
     torch._dynamo.reset()
     phases_of_graphs: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
@@ -399,11 +470,13 @@ def inspect_model(
             compiled = torch.compile(model, backend=backend, fullgraph=False, dynamic=dynamic)
             with torch.no_grad():
                 for phase, call in run_phases(model, compiled, example_inputs, decode=decode,
-                                              max_cache_len=max_cache_len, prompt_len=prompt_len):
+                                              max_cache_len=max_cache_len, prompt_len=prompt_len, latent=caches):
                     call()
                     phases_of_graphs += [phase] * (len(recorder.graphs) - len(phases_of_graphs))
         finally:
             torch._dynamo.reset()
+            if caches is not None:
+                caches.restore()
     ckvp_warnings: list[str] = []
     for w in caught:
         if issubclass(w.category, CKVPWarning):
@@ -412,4 +485,23 @@ def inspect_model(
         else:  # not ours: hand it on unchanged
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     graphs = [GraphReport.from_record(r, phase) for r, phase in zip(recorder.graphs, phases_of_graphs)]
-    return InspectionReport(name, config, graphs, ckvp_warnings, time.perf_counter() - start)
+    latent_report = None
+    if caches is not None and caches.stores:
+        store = caches.stores[-1]
+        latent_report = LatentReport.of(store, source)
+        for g in graphs:
+            g.kv_bytes_per_token_latent = _latent_kv_bytes(g, latent_report) if g.plan.latent_groups else None
+    return InspectionReport(name, config, graphs, ckvp_warnings, time.perf_counter() - start, latent_report)
+
+
+def _latent_kv_bytes(g: GraphReport, latent: LatentReport) -> int:
+    """KV bytes per token of one sequence after ``g``'s rewrite: its rewritten groups' latent rows + the slot
+    position, plus the dense K and V of its cache-writing layers outside those groups."""
+    rows = {r.index: r for r in latent.groups}
+    covered = {layer for i in g.plan.latent_groups for layer in rows[i].layers}
+    dense = sum(s.num_kv_heads * s.head_dim * (s.k_cache.itemsize + s.v_cache.itemsize)
+                for s in g.analysis.attention
+                if s.layer not in covered and s.k_cache is not None and s.v_cache is not None)
+    row_bytes = {i: r.k_bytes_per_token + r.v_bytes_per_token for i, r in rows.items()}
+    slot_bytes = latent.latent_bytes_per_token - sum(row_bytes.values())  # the int32 slot position
+    return dense + slot_bytes + sum(row_bytes[i] for i in g.plan.latent_groups)

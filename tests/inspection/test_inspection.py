@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -412,3 +413,172 @@ def test_reports_print_the_analysis_notes():
     assert f"note: {UNNUMBERED_NOTE}" in "".join(check_html(report.to_html()).text)
     assert json.loads(json.dumps(report.to_dict()))["graphs"][0]["analysis"]["notes"] == [UNNUMBERED_NOTE]
     assert "note:" not in _synthetic_report().to_text()
+
+
+# ---------------------------------------------------------------------------------------------- latent KV cache
+
+
+@pytest.fixture(scope="module")
+def tiny_latent(tmp_path_factory):
+    """A tiny 4-layer Mixtral saved as a model directory, and bases calibrated for it (G=2, ratio 4), saved too."""
+    from ckvp_compile.inspection.latent import LatentInspectOptions, calibration_samples
+    from ckvp_compile.latent import calibrate
+    from ckvp_compile.testing import build_hf_moe
+
+    root = tmp_path_factory.mktemp("tiny_latent")
+    model = build_hf_moe("mixtral", num_layers=4)
+    model.save_pretrained(root / "model")
+    samples, _ = calibration_samples(model, LatentInspectOptions(kv_ratio=4, num_samples=2))
+    bases = calibrate(model, samples, group_size=2, kv_ratio=4, progress=False)
+    bases.save(root / "bases.safetensors")
+    return root / "model", root / "bases.safetensors", model, bases
+
+
+def _latent_table(text: str) -> list[list[str]]:
+    """Rows of the text report's latent-group table, as stripped cells."""
+    from ckvp_compile.inspection.latent import LatentGroupRow
+
+    lines = text.splitlines()
+    header = next(i for i, ln in enumerate(lines)
+                  if tuple(c.strip() for c in ln.split("|")) == LatentGroupRow.HEADERS)
+    rows = []
+    for ln in lines[header + 2:]:
+        cells = [c.strip() for c in ln.split("|")]
+        if len(cells) != len(LatentGroupRow.HEADERS):
+            break
+        rows.append(cells)
+    return rows
+
+
+def test_cli_kv_ratio_shows_the_latent_plan(tiny_latent, tmp_path, capsys):
+    from ckvp_compile.latent import LatentBases
+    from ckvp_compile.runtime.store import LatentKVStore
+
+    model_dir = tiny_latent[0]
+    html_path, json_path, bases_path = tmp_path / "r.html", tmp_path / "r.json", tmp_path / "b.safetensors"
+    assert main(["--model", str(model_dir), "--kv-ratio", "4", "--group-size", "2", "--calibration-samples", "2",
+                 "--html", str(html_path), "--json", str(json_path), "--save-bases", str(bases_path)]) == 0
+    text = capsys.readouterr().out
+    bases = LatentBases.load(bases_path)
+    assert bases.groups == ((0, 1), (2, 3)) and bases.target_ratio == 4
+
+    # the groups and the rank of every KV head for K and V are the calibrated bases'
+    assert "latent KV (CKVP store the model ran with):" in text
+    rows = _latent_table(text)
+    assert [r[:4] for r in rows] == [[str(g), f"{a}-{b}", ",".join(map(str, bases.k_ranks[g])),
+                                      ",".join(map(str, bases.v_ranks[g]))] for g, (a, b) in enumerate(bases.groups)]
+    assert all(r[6] == r[7] == "float" for r in rows)
+    assert "groups: [0-1] [2-3] (latent groups rewritten: 0, 1)" in text
+    assert "page: 1 token (every token projected at its group's last layer); recent dense window: the current " \
+           "call's tokens only" in text
+
+    # the bytes are what a store of these bases holds (nbytes()), per token and in total
+    store = LatentKVStore(bases, 1, 64, "cpu", torch.float32)
+    store.ensure_rope_tables(bases.head_dim)  # (S_max, D) cos and sin, allocated by the rewrite (rotate-half)
+    nb = store.nbytes()
+    per_token = nb.per_sequence_state // 64
+    assert f"KV bytes/token per sequence: dense 1024 -> latent {per_token} " in text  # 4 L * 2 Hkv * 16 D * 2 * 4 B
+    assert (f"latents {nb.latent} + slot positions {nb.slot_positions} = {nb.per_sequence_state} B per-sequence "
+            f"state vs dense {nb.dense_equivalent} B: ratio {nb.ratio:.2f}x; bases {nb.bases} B") in text
+    assert f"KV bytes/token: 1024 -> {per_token} ({1024 / per_token:.2f}x smaller" in text
+
+    # the rewrite ran on both graphs: cache writes removed, latent ops in the after-graph, shown per pass
+    data = json.loads(json_path.read_text())
+    assert [g["phase"] for g in data["graphs"]] == ["prefill", "decode"]
+    for g in data["graphs"]:
+        assert g["latent_groups"] == [0, 1] and g["replaced"]["index_copy_"] == 8
+        assert "torch.ops.ckvp.latent_append" in g["code"]["dynamo_after"]
+        assert "torch.ops.ckvp.latent_append" not in g["code"]["dynamo_before"]
+        assert g["added_ckvp_ops"]["torch"]["ckvp.latent_append"] == 4  # K and V of 2 groups
+        assert g["kv_bytes_per_token"]["latent"] == per_token
+    assert sum("latent_kv_cache (torch): 4 site(s) rewritten" in ln and "index_copy_ x8" in ln
+               and "added ckvp.latent_append x4" in ln for ln in text.splitlines()) == 2
+    latent = data["latent"]
+    assert latent["store_bytes"] == dataclasses.asdict(nb) and latent["latent_bytes_per_token"] == per_token
+    assert [g["k_ranks"] for g in latent["groups"]] == [list(r) for r in bases.k_ranks]
+    assert [g["v_ranks"] for g in latent["groups"]] == [list(r) for r in bases.v_ranks]
+
+    page = html_path.read_text()
+    parsed = check_html(page)
+    assert 'class="latent"' in page and "<th>K ranks/head</th>" in page
+    assert f"dense 1024 -&gt; latent {per_token}" in page and "recent dense window" in "".join(parsed.text)
+
+
+def test_latent_format_changes_the_bytes(tiny_latent):
+    from ckvp_compile.kernels.latent_format import parse_latent_format
+    from ckvp_compile.runtime.store import LatentKVStore
+
+    _, _, model, bases = tiny_latent
+    reports = {fmt: inspect_model(model, latent={"bases": bases, "latent_format": fmt}, decode=False,
+                                  prompt_len=4, max_cache_len=16) for fmt in ("float", "int8")}
+    f, q = reports["float"].latent, reports["int8"].latent
+    assert q.latent_bytes_per_token < f.latent_bytes_per_token
+    for fmt, rep in (("float", f), ("int8/32", q)):
+        nb = LatentKVStore(bases, 1, 16, "cpu", torch.float32, fmt, fmt).nbytes()
+        assert rep.store_bytes["latent"] == nb.latent and rep.latent_bytes_per_token == nb.per_sequence_state // 16
+        for row in rep.groups:
+            offsets = [0] + list(torch.tensor(row.k_ranks).cumsum(0).tolist())
+            assert row.k_format == fmt and row.k_bytes_per_token == parse_latent_format(fmt).bytes_per_token(offsets, 4)
+    assert reports["int8"].graphs[0].kv_bytes_per_token_latent == q.latent_bytes_per_token
+    assert "int8/32" in reports["int8"].to_text()
+    with torch.no_grad():  # the HF model is untouched: it still runs eagerly with a dense cache
+        model(torch.arange(1, 5)[None])
+
+
+def test_latent_inspection_of_a_gpt_fast_model_restores_its_caches():
+    from ckvp_compile.runtime.store import lookup_phantom
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    model = GptFastMoE(GptFastConfig(n_layer=2)).eval()
+    model.setup_caches(1, 16)
+    dense = [(m.k_cache, m.v_cache) for m in model.modules() if hasattr(m, "k_cache")]
+    report = inspect_model(model, latent={"kv_ratio": 2, "group_size": 2, "num_samples": 1, "sample_len": 8},
+                           decode=False, prompt_len=4, max_cache_len=16)
+    assert [r.layers for r in report.latent.groups] == [(0, 1)]
+    g = report.graphs[0]
+    assert g.plan.latent_groups == (0,) and g.added_ckvp_ops("torch")["ckvp.latent_append"] == 2
+    after = [t for m in model.modules() if hasattr(m, "k_cache") for t in (m.k_cache, m.v_cache)]
+    assert len(after) == len(dense) * 2 == 4  # dense buffers again (calibration may have re-allocated them)
+    assert all(lookup_phantom(t) is None and 0 not in t.stride() and t.shape[2] == 16 for t in after)
+    assert not any(hasattr(m, "ckvp_store") for m in model.modules())
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]]), torch.arange(3))).all()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--kv-ratio", "0.5"], "--kv-ratio: kv_ratio must be a number >= 1"),
+        (["--kv-ratio", "2", "--bases", "b.safetensors"], "not allowed with argument"),
+        (["--kv-ratio", "2", "--latent-format", "int3"], "--latent-format: latent format must be 'float'"),
+        (["--latent-format", "int8"], "--latent-format needs a latent cache: add --kv-ratio R"),
+        (["--group-size", "2"], "--group-size needs a latent cache"),
+        (["--kv-ratio", "2", "--group-size", "3"], "invalid choice"),
+        (["--kv-ratio", "2", "--rank-allocation", "best"], "invalid choice"),
+        (["--kv-ratio", "2", "--group-size", "2", "--options", '{"group_size": 4}'], "disagrees"),
+        (["--kv-ratio", "2", "--calibration-samples", "0"], "--calibration-samples must be >= 1"),
+        (["--kv-ratio", "2", "--text", "/no/such/text.txt"], "--text: calibration text"),
+        (["--bases", "/no/such/bases.safetensors"], "--bases: no latent bases file"),
+        (["--kv-ratio", "2", "--save-bases", "/no/such/dir/b.safetensors"], "does not exist"),
+    ],
+)
+def test_cli_latent_usage_errors(args, needle, capsys, monkeypatch):
+    _no_compiling(monkeypatch)
+    assert main(["--model", str(FIXTURE_MODEL_DIR), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], err
+
+
+def test_cli_latent_errors_found_on_the_model(tiny_latent, tmp_path, capsys):
+    """Errors only the model can reveal: bases of another model, a ratio it cannot reach; one line, status 2."""
+    from ckvp_compile.testing import build_hf_moe
+
+    other = tmp_path / "other"
+    build_hf_moe("mixtral", num_layers=2).save_pretrained(other)
+    capsys.readouterr()  # drop save_pretrained's progress bar
+    for args, needle in ((["--model", str(other), "--bases", str(tiny_latent[1])], "calibrated on another model"),
+                         (["--model", str(tiny_latent[0]), "--kv-ratio", "1000", "--calibration-samples", "1"],
+                          "--kv-ratio: ")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], err
