@@ -65,7 +65,17 @@ def _pass_line(r: Any, added: dict[str, int] | None = None) -> str:
 
 
 def _pass_lines(g: "GraphReport") -> list[str]:
-    return [_pass_line(r, added) for r, added in zip(g.pass_results, g.pass_added())]
+    """One line per pass result, each followed by its per-layer notes (what it left as it was, and why)."""
+    from .report import format_layers
+
+    out = []
+    for r, added in zip(g.pass_results, g.pass_added()):
+        out.append(_pass_line(r, added))
+        folded: dict[str, list[int]] = {}
+        for layer, note in getattr(r, "notes", ()):
+            folded.setdefault(note, []).append(layer)
+        out += [f"  {r.name} note, layers [{format_layers(layers)}]: {note}" for note, layers in folded.items()]
+    return out
 
 
 def _stage_added_lines(g: "GraphReport") -> list[str]:

@@ -582,3 +582,19 @@ def test_cli_latent_errors_found_on_the_model(tiny_latent, tmp_path, capsys):
         assert main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], err
+
+
+def test_pass_notes_and_added_ops_are_shown_per_pass():
+    from ckvp_compile.passes import PassResult
+
+    report = _synthetic_report()
+    g = report.graphs[0]
+    g.dynamo_before = "def f(x):\n    return x\n"
+    g.dynamo_after = "def f(x):\n    y = torch.ops.ckvp.latent_append.default(x)\n    return y\n"
+    g.pass_results = [PassResult("latent_kv_cache", "torch", 2, "", 1.0, (("index_copy_", 4),),
+                                 ((0, "hand-written attention"), (1, "hand-written attention")))]
+    text = report.to_text()
+    assert ("latent_kv_cache (torch): 2 site(s) rewritten in 1.0 ms; replaced index_copy_ x4; added "
+            "ckvp.latent_append x1") in text
+    assert "latent_kv_cache note, layers [0-1]: hand-written attention" in text
+    assert "latent_kv_cache note, layers [0-1]: hand-written attention" in "".join(check_html(report.to_html()).text)
