@@ -7,6 +7,8 @@ Implementations (same weights, same routing, bf16):
 
 * ``ckvp``: ``torch.ops.ckvp.moe_experts`` (device-side routing + the Triton grouped GEMMs of
   ``ckvp_compile/kernels/grouped_gemm.py``), configs tuned once per shape before timing;
+* ``ckvp_compiled``: ``torch.ops.ckvp.moe_experts_triton`` compiled by Inductor (default mode): the kernels are
+  traced into Inductor's graph, with the configs lists' first entries (no tuning while tracing);
 * ``grouped_mm_autotune``: transformers' ``grouped_mm`` experts (``aten._grouped_mm``) compiled by Inductor with
   ``mode="max-autotune-no-cudagraphs"``;
 * ``grouped_mm``: the same, eager; ``batched_mm``: transformers' decode default on GPU (weights gathered per
@@ -38,7 +40,7 @@ SHAPES = {  # name -> (Dm, I, E, A)
     "qwen2_moe": (2048, 1408, 60, 4),
     "olmoe": (2048, 1024, 64, 8),
 }
-IMPLS = ("ckvp", "grouped_mm_autotune", "grouped_mm", "batched_mm", "eager")
+IMPLS = ("ckvp", "ckvp_compiled", "grouped_mm_autotune", "grouped_mm", "batched_mm", "eager")
 
 
 def hf_experts(impl: str, dm: int, i: int, e: int, a: int, gate_up: torch.Tensor, down: torch.Tensor):
@@ -87,6 +89,8 @@ def main() -> None:
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--autotune-batches", nargs="+", type=int, default=None,
                    help="batches for grouped_mm_autotune (its autotuning costs ~25 s per shape); default all")
+    p.add_argument("--compiled-batches", nargs="+", type=int, default=None,
+                   help="batches for ckvp_compiled (an Inductor compile each); default all")
     p.add_argument("--max-gather-gb", type=float, default=40.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -124,6 +128,10 @@ def main() -> None:
             fns = {}
             if "ckvp" in args.impls:
                 fns["ckvp"] = lambda: torch.ops.ckvp.moe_experts(x, ids, wts, w_gate, w_up, down)
+            if "ckvp_compiled" in args.impls and (args.compiled_batches is None or t in args.compiled_batches):
+                op = torch.compile(lambda h, k, w: torch.ops.ckvp.moe_experts_triton(h, k, w, w_gate, w_up, down),
+                                   fullgraph=True, dynamic=False)
+                fns["ckvp_compiled"] = lambda c=op: c(x, ids, wts)
             if "grouped_mm" in args.impls:
                 fns["grouped_mm"] = lambda: mods["grouped_mm"](x, ids, wts)
             if "grouped_mm_autotune" in args.impls and (args.autotune_batches is None or t in args.autotune_batches):
@@ -175,7 +183,8 @@ def main() -> None:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "us" not in r:
-            lines.append(f"| {r['shape']} | {r['batch']} | {r['impl']} | {r.get('skipped') or r.get('error')} | | | | |")
+            why = r.get("skipped") or r.get("error")
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['impl']} | {why} | | | | |")
             continue
         lines.append(f"| {r['shape']} | {r['batch']} | {r['impl']} | {r['graph_us'] or '-'} | {r['us']} | "
                      f"{r['floor_us']} | {100 * r['floor_share']:.0f}% | {r['rel_err']:.1e} |")

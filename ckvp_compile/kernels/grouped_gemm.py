@@ -96,13 +96,12 @@ def prune_configs(configs: list[GemmConfig], block_m: int, itemsize: int, b_tile
 def gate_up_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
     """Candidate configs of the gate/up kernel (two B tiles per stage), pruned by :func:`prune_configs`.
 
-    Small M (<= 32, bandwidth bound): narrow-to-medium N tiles so that a batch-1 layer gives several waves of
-    programs over the SMs, deep K tiles and 3-5 stages to keep many weight bytes in flight. Large M: square
-    tiles, 8 warps (compute bound)."""
+    Small M (<= 32, bandwidth bound): deep K tiles and 3-5 stages to keep many weight bytes in flight; the first
+    entry (the untuned default, used under torch.compile) won the tuning at Mixtral shape, batch 1, on an H200.
+    Large M: square tiles, 8 warps (compute bound)."""
     if block_m <= 32:
-        cands = [GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4), GemmConfig(64, 256, 4, 3),
-                 GemmConfig(128, 128, 4, 3), GemmConfig(32, 128, 4, 5), GemmConfig(64, 128, 4, 5),
-                 GemmConfig(128, 64, 4, 4)]
+        cands = [GemmConfig(128, 128, 4, 3), GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4),
+                 GemmConfig(64, 128, 4, 5), GemmConfig(32, 128, 4, 5)]
     elif block_m == 64:
         cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 3),
                  GemmConfig(128, 64, 4, 4)]
@@ -116,8 +115,7 @@ def down_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
     """Candidate configs of the down kernel (one B tile per stage), pruned by :func:`prune_configs`; small M adds
     split-K (Dm / BLOCK_N programs per expert are too few to fill the GPU at batch 1)."""
     if block_m <= 32:
-        cands = [GemmConfig(32, 256, 4, 4), GemmConfig(64, 128, 4, 4), GemmConfig(32, 128, 4, 5),
-                 GemmConfig(64, 256, 4, 3, split_k=2), GemmConfig(64, 128, 4, 4, split_k=4),
+        cands = [GemmConfig(32, 256, 4, 4), GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4, split_k=4),
                  GemmConfig(128, 128, 4, 4, split_k=4), GemmConfig(32, 256, 4, 4, split_k=2)]
     elif block_m == 64:
         cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 4),
@@ -295,8 +293,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     p_pad = padded_rows(p, num_experts, block_m)
     sorted_ids = torch.empty(p_pad, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(p_pad // block_m, dtype=torch.int32, device=topk_ids.device)
-    _moe_align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, block_expert, p, num_experts, p_pad, p_pad // block_m,
-                            BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block, FILL_BLOCK=256, num_warps=4)
+    _wrap(_moe_align_kernel)[(1,)](topk_ids.reshape(-1), sorted_ids, block_expert, p, num_experts, p_pad,
+                                   p_pad // block_m, BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block,
+                                   FILL_BLOCK=256, num_warps=4)
     return sorted_ids, block_expert
 
 
@@ -305,12 +304,30 @@ def combine(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor
     n = pairs.shape[1]
     out = torch.empty(pairs.shape[0] // top_k, n, dtype=dtype, device=pairs.device)
     if out.shape[0]:
-        _combine_kernel[(out.shape[0], triton.cdiv(n, 1024))](pairs, out, n, pairs.stride(0), out.stride(0),
+        _wrap(_combine_kernel)[(out.shape[0], triton.cdiv(n, 1024))](pairs, out, n, pairs.stride(0), out.stride(0),
                                                              TOP_K=top_k, BLOCK_N=1024, num_warps=4)
     return out
 
 
 # ------------------------------------------------------------------------------------------------ launchers
+
+
+def _wrap(kernel):
+    """``torch.library.wrap_triton(kernel)``: a plain launch in eager mode, a traced kernel call inside a
+    ``triton_op`` under ``torch.compile`` (Inductor then emits the kernel). Interpreted kernels
+    (TRITON_INTERPRET=1) launch as they are (torch 2.11's wrap_triton rejects them)."""
+    try:
+        return torch.library.wrap_triton(kernel)
+    except RuntimeError:
+        return kernel
+
+
+def _tracing(*tensors: torch.Tensor) -> bool:
+    """True under torch.compile / fake-tensor tracing, where nothing can be launched or timed."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or any(is_fake(t) for t in tensors)
+
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -336,7 +353,7 @@ def grouped_gate_up(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert
     if out is None:
         out = hidden.new_empty(p_pad, n)
     grid = (p_pad // block_m, triton.cdiv(n, config.block_n))
-    _grouped_gate_up_kernel[grid](
+    _wrap(_grouped_gate_up_kernel)[grid](
         hidden, w_gate, w_up, out, sorted_ids, block_expert,
         n, k, hidden.shape[0] * top_k,
         hidden.stride(0), hidden.stride(1),
@@ -368,7 +385,7 @@ def grouped_down(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torc
         out = torch.zeros(num_pairs, n, dtype=torch.float32, device=act.device)
     weights = topk_weights.reshape(-1).contiguous()
     grid = (sorted_ids.shape[0] // block_m, triton.cdiv(n, config.block_n), config.split_k)
-    _grouped_down_kernel[grid](
+    _wrap(_grouped_down_kernel)[grid](
         act, w_down, out, sorted_ids, block_expert, weights,
         n, k, num_pairs,
         act.stride(0), act.stride(1),
@@ -383,11 +400,14 @@ def grouped_down(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torc
 _TUNED: dict[tuple, GemmConfig] = {}
 
 
-def _tune(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
+def _tune(key: tuple, candidates: list[GemmConfig], launch, tracing: bool = False) -> GemmConfig:
     """Return the fastest of ``candidates`` for ``key`` (timed once per process with triton.testing.do_bench on
-    scratch outputs; cached). Under the interpreter, or with CKVP_MOE_NO_TUNE=1, the first candidate."""
+    scratch outputs; cached). While tracing, under the interpreter, or with CKVP_MOE_NO_TUNE=1: the first
+    candidate (the configs lists are ordered so that it is a good default)."""
     if key in _TUNED:
         return _TUNED[key]
+    if tracing:
+        return candidates[0]  # not cached: a later eager call still tunes
     if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("CKVP_MOE_NO_TUNE") == "1" or len(candidates) == 1:
         best = candidates[0]
     else:
@@ -425,15 +445,16 @@ def moe_experts_triton(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     sorted_ids, block_expert = moe_align(topk_ids, e, bm)
     key = (e, i, dm, bm, triton.next_power_of_2(t * a), hidden.dtype, str(hidden.device))
     itemsize = hidden.element_size()
+    tracing = _tracing(hidden)
     if gate_up_config is None:
-        scratch = hidden.new_empty(sorted_ids.shape[0], i)
         gate_up_config = _tune(("gate_up",) + key, gate_up_configs(bm, itemsize), lambda c: grouped_gate_up(
-            hidden, sorted_ids, block_expert, w_gate, w_up, a, bm, c, out=scratch))
+            hidden, sorted_ids, block_expert, w_gate, w_up, a, bm, c,
+            out=hidden.new_empty(sorted_ids.shape[0], i)), tracing)
     act = grouped_gate_up(hidden, sorted_ids, block_expert, w_gate, w_up, a, bm, gate_up_config)
     if down_config is None:
-        scratch = torch.zeros(t * a, dm, dtype=torch.float32, device=hidden.device)
+        scratch = None if tracing else torch.zeros(t * a, dm, dtype=torch.float32, device=hidden.device)
         down_config = _tune(("down",) + key, down_configs(bm, itemsize), lambda c: grouped_down(
-            act, sorted_ids, block_expert, w_down, topk_weights, bm, c, out=scratch))
+            act, sorted_ids, block_expert, w_down, topk_weights, bm, c, out=scratch), tracing)
     alloc = torch.zeros if down_config.split_k > 1 else torch.empty  # split-K accumulates atomically
     pairs = alloc(t * a, dm, dtype=torch.float32, device=hidden.device)
     grouped_down(act, sorted_ids, block_expert, w_down, topk_weights, bm, down_config, out=pairs)

@@ -1,9 +1,14 @@
 """The grouped expert op: ``torch.ops.ckvp.moe_experts``, the routed experts of one MoE layer in one call.
 
-Schema::
+Schema (both ops)::
 
     ckvp::moe_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w_gate, Tensor w_up,
         Tensor w_down) -> Tensor
+    ckvp::moe_experts_triton(...the same...) -> Tensor
+
+``moe_experts_triton`` is the same computation as a ``torch.library.triton_op``: under ``torch.compile`` on CUDA
+Inductor traces its body and emits the ckvp Triton kernels in its output code (the expert GEMM pass uses it for
+CUDA graphs); on other devices it calls ``moe_experts``.
 
 A ``torch.library.custom_op`` (opaque to Inductor: an extern call). Its eager kernel validates the inputs and
 runs, on CUDA, the Triton grouped GEMMs of :mod:`ckvp_compile.kernels.grouped_gemm` (device-side routing, gate/up
@@ -30,7 +35,7 @@ import torch
 from ..errors import CKVPShapeError
 from ..kernels import moe_reference as moe_ref
 
-__all__ = ["OPS", "check_moe_experts", "moe_experts"]
+__all__ = ["OPS", "check_moe_experts", "moe_experts", "moe_experts_triton"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -118,5 +123,33 @@ def _(hidden, topk_ids, topk_weights, w_gate, w_up, w_down) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
 
+def _moe_experts_triton(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``ckvp::moe_experts`` as a ``torch.library.triton_op``: the same contract, traceable by Inductor.
+
+    On CUDA the body (the routing kernel, the two grouped GEMM kernels and the combine kernel, launched through
+    ``wrap_triton``) is traced into the graph, so Inductor emits the ckvp kernels in its output code, places them
+    in its CUDA graphs and fuses the surrounding ops; the configs are the lists' first entries (no timing while
+    tracing). Elsewhere it calls the opaque ``ckvp::moe_experts`` (the reference path), because a triton_op's CPU
+    kernel is bypassed under AOTAutograd.
+
+    Args, Returns, Raises: as :func:`moe_experts`.
+    Reference: kernels/moe_reference.py::moe_experts_ref
+    """
+    check_moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
+    if hidden.is_cuda and hidden.shape[0] > 0:
+        from ..kernels.grouped_gemm import moe_experts_triton
+
+        return moe_experts_triton(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
+    return torch.ops.ckvp.moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+
+try:
+    import triton  # noqa: F401  (the triton_op needs Triton importable, even to trace the CPU branch)
+except ImportError:  # pragma: no cover - CPU installs without Triton: only the opaque op exists
+    moe_experts_triton = None
+else:
+    moe_experts_triton = torch.library.triton_op("ckvp::moe_experts_triton", _moe_experts_triton, mutates_args=())
+
 #: op name -> its Python handle (read by :func:`ckvp_compile.ops.register_all`).
-OPS = {"moe_experts": moe_experts}
+OPS = {"moe_experts": moe_experts, **({"moe_experts_triton": moe_experts_triton} if moe_experts_triton else {})}

@@ -11,7 +11,7 @@ the ends of the experts computation are read, never its middle::
         routed      = sum_a w * down(silu(gate(x)) * up(x))  (T, Dm)   sort / gather / bmm / einsum / loop ...
         out         = routed [+ shared_expert(x)] ...
     after
-        routed      = ckvp.moe_experts(x, ids, w, W_gate, W_up, W_down)
+        routed      = ckvp.moe_experts(x, ids, w, W_gate, W_up, W_down)   (ckvp.moe_experts_triton on CUDA)
         out         = routed [+ shared_expert(x)] ...        (the router, scoring and shared expert untouched)
 
 ``w`` is the tensor the model multiplies its expert outputs by, traced back from the combine to its (T, A)
@@ -308,7 +308,7 @@ def _rewrite(graph: fx.Graph, rw: _Rewrite, site: MoESite) -> None:
             new.append(n)
             return n
 
-        out = graph.call_function(torch.ops.ckvp.moe_experts.default,
+        out = graph.call_function(_op_for(rw.x),
                                   (rw.x, rw.ids, rw.weights, weight(rw.gate), weight(rw.up), rw.down))
         new.append(out)
         r_shape, r_dtype = _shape(routed), _dtype(routed)
@@ -326,6 +326,15 @@ def _rewrite(graph: fx.Graph, rw: _Rewrite, site: MoESite) -> None:
         c.replace_input_with(routed, out)
     _remove_dead(graph, routed, site)
     logger.debug("ckvp expert_gemm: layer %d (%s) -> %s", site.layer, site.experts_form, out.name)
+
+
+def _op_for(x: fx.Node):
+    """The op to call: on CUDA the traceable ``ckvp::moe_experts_triton`` (Inductor emits its Triton kernels),
+    elsewhere the opaque ``ckvp::moe_experts`` (the reference; Inductor calls it as an extern kernel)."""
+    val = x.meta.get("example_value")
+    if isinstance(val, torch.Tensor) and val.device.type == "cuda" and hasattr(torch.ops.ckvp, "moe_experts_triton"):
+        return torch.ops.ckvp.moe_experts_triton.default
+    return torch.ops.ckvp.moe_experts.default
 
 
 def _dtype(node: fx.Node):
