@@ -293,7 +293,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     p_pad = padded_rows(p, num_experts, block_m)
     sorted_ids = torch.empty(p_pad, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(p_pad // block_m, dtype=torch.int32, device=topk_ids.device)
-    _wrap(_moe_align_kernel)[(1,)](topk_ids.reshape(-1), sorted_ids, block_expert, p, num_experts, p_pad,
+    _wrap(_moe_align_kernel, topk_ids)[(1,)](topk_ids.reshape(-1), sorted_ids, block_expert, p, num_experts, p_pad,
                                    p_pad // block_m, BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block,
                                    FILL_BLOCK=256, num_warps=4)
     return sorted_ids, block_expert
@@ -304,18 +304,23 @@ def combine(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor
     n = pairs.shape[1]
     out = torch.empty(pairs.shape[0] // top_k, n, dtype=dtype, device=pairs.device)
     if out.shape[0]:
-        _wrap(_combine_kernel)[(out.shape[0], triton.cdiv(n, 1024))](pairs, out, n, pairs.stride(0), out.stride(0),
-                                                             TOP_K=top_k, BLOCK_N=1024, num_warps=4)
+        grid = (out.shape[0], triton.cdiv(n, 1024))
+        _wrap(_combine_kernel, pairs)[grid](pairs, out, n, pairs.stride(0), out.stride(0), TOP_K=top_k,
+                                            BLOCK_N=1024, num_warps=4)
     return out
 
 
 # ------------------------------------------------------------------------------------------------ launchers
 
 
-def _wrap(kernel):
-    """``torch.library.wrap_triton(kernel)``: a plain launch in eager mode, a traced kernel call inside a
-    ``triton_op`` under ``torch.compile`` (Inductor then emits the kernel). Interpreted kernels
-    (TRITON_INTERPRET=1) launch as they are (torch 2.11's wrap_triton rejects them)."""
+def _wrap(kernel, *tensors: torch.Tensor):
+    """The kernel to launch: ``torch.library.wrap_triton(kernel)`` while tracing (inside a ``triton_op`` under
+    ``torch.compile``: Inductor then emits the kernel), the plain kernel otherwise: on the H200 machine the eager
+    op took 1.84 ms per Mixtral layer with every launch through wrap_triton against 1.06 ms with plain launches
+    (and more kernels), batch 1, benchmarks/results/2026-11-29-moe-h200.
+    Interpreted kernels (TRITON_INTERPRET=1) always launch as they are (torch 2.11's wrap_triton rejects them)."""
+    if not _tracing(*tensors):
+        return kernel
     try:
         return torch.library.wrap_triton(kernel)
     except RuntimeError:
@@ -353,7 +358,7 @@ def grouped_gate_up(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert
     if out is None:
         out = hidden.new_empty(p_pad, n)
     grid = (p_pad // block_m, triton.cdiv(n, config.block_n))
-    _wrap(_grouped_gate_up_kernel)[grid](
+    _wrap(_grouped_gate_up_kernel, hidden)[grid](
         hidden, w_gate, w_up, out, sorted_ids, block_expert,
         n, k, hidden.shape[0] * top_k,
         hidden.stride(0), hidden.stride(1),
@@ -385,7 +390,7 @@ def grouped_down(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torc
         out = torch.zeros(num_pairs, n, dtype=torch.float32, device=act.device)
     weights = topk_weights.reshape(-1).contiguous()
     grid = (sorted_ids.shape[0] // block_m, triton.cdiv(n, config.block_n), config.split_k)
-    _wrap(_grouped_down_kernel)[grid](
+    _wrap(_grouped_down_kernel, act)[grid](
         act, w_down, out, sorted_ids, block_expert, weights,
         n, k, num_pairs,
         act.stride(0), act.stride(1),

@@ -6,6 +6,8 @@ top-k 1..8, up to 64 experts), relative error ||out - ref|| / ||ref|| <= 1e-2 in
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -35,24 +37,28 @@ def test_triton_op_eager_equals_opaque_op():
                                rtol=2e-2, atol=2e-2)
 
 
-def test_compiled_hf_model_emits_the_ckvp_kernels():
-    """Acceptance: a compiled HF MoE model (full Inductor, bf16, CUDA) shows the ckvp expert kernels in Inductor's
-    output code, and its logits match eager."""
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_compiled_hf_model_emits_the_ckvp_kernels(dtype, bound):
+    """Acceptance: a compiled HF MoE model (full Inductor, CUDA) shows the ckvp expert kernels in Inductor's output
+    code, and its logits match eager (fp32: IEEE dots in the ckvp kernels; bf16: rounding of the whole model)."""
     from torch._inductor.utils import run_and_get_code
 
     from ckvp_compile.testing import build_hf_moe
 
     model = build_hf_moe("mixtral", num_layers=1, hidden=128, num_heads=4, head_dim=32, num_experts=8, ffn=96,
-                         dtype=torch.bfloat16).cuda()
+                         dtype=dtype).cuda()
     ids = torch.randint(0, 256, (2, 9), device="cuda")
     with torch.no_grad():
         eager = model(ids, use_cache=False).logits.float()
         compiled = torch.compile(model, backend="ckvp", options={"enable_expert_gemm": True})
         out, codes = run_and_get_code(lambda: compiled(ids, use_cache=False).logits.float())
     code = "\n".join(codes)
-    for kernel in ("_moe_align_kernel", "_grouped_gate_up_kernel", "_grouped_down_kernel", "_combine_kernel"):
-        assert kernel in code, kernel
-    assert float((out - eager).norm() / eager.norm()) <= 2e-2
+    missing = [k for k in ("_moe_align_kernel", "_grouped_gate_up_kernel", "_grouped_down_kernel", "_combine_kernel")
+               if k not in code]
+    launched = sorted(set(re.findall(r"(\w+)\.run\(", code)))
+    assert not missing, f"kernels {missing} not in the output code; it launches {launched}"
+    err = float((out - eager).norm() / eager.norm())
+    assert err <= bound, err
 
 
 @given(case=moe_routing_cases(max_tokens=300, dims=(16, 40, 64, 136)), dtype=st.sampled_from(list(BOUND)))
