@@ -9,6 +9,8 @@ Families:
         (cross-layer latent KV cache, DESIGN.md "CKVP in numbers").
     moe: ``moe_experts`` (the routed experts of one MoE layer as grouped GEMMs, DESIGN.md "Expert GEMM in
         numbers").
+    latent_attention_cuda: no new op; the Triton CUDA kernel of ``latent_attention``, imported only where CUDA
+        and Triton are available (:data:`CUDA_MODULES`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ __all__ = ["OP_MODULES", "register_all"]
 
 #: Modules under ``ckvp_compile.ops`` that define ops; :func:`register_all` imports each once.
 OP_MODULES: tuple[str, ...] = ("latent_kv", "moe")
+#: Modules that add CUDA kernels to ops defined above; imported after them, only with CUDA and Triton present.
+CUDA_MODULES: tuple[str, ...] = ("latent_attention_cuda",)
+
+
+def _cuda_and_triton() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
 def register_all() -> list[str]:
@@ -28,7 +40,7 @@ def register_all() -> list[str]:
         The qualified names of the ops defined, e.g. ``['ckvp::latent_append', ...]``, sorted.
     """
     names: list[str] = []
-    for module in OP_MODULES:
+    for module in OP_MODULES + (CUDA_MODULES if _cuda_and_triton() else ()):
         mod = importlib.import_module(f"{__name__}.{module}")  # cached after the first import
         names.extend(f"ckvp::{name}" for name in getattr(mod, "OPS", {}))
     return sorted(names)

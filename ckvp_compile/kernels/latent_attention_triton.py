@@ -1,0 +1,581 @@
+"""Fused Triton attention over the cross-layer latent KV cache (flash-decoding over packed, quantized latents).
+
+Notation and layout: :mod:`ckvp_compile.kernels.reference` (``B, H, Hkv, S, D``, ``G = H/Hkv`` query heads per KV
+head, latent ranks ``r_h``, ``R_max`` basis width) and :mod:`ckvp_compile.kernels.latent_format` (storage rows).
+
+Algorithm, two launches, no host synchronisation:
+
+* ``_latent_attention_split_kernel``, grid (n_split, B*Hkv, S). Program (c, b*Hkv+h, s) walks its contiguous
+  range of BLOCK_N-slot tiles of [0, kv_len) for sequence b, KV head h, query token s. Per tile it loads the key
+  and value latent rows of head h (float, or packed codes dequantized in registers with their block's fp16
+  scale and min), rebuilds the tile's pre-RoPE keys with ``tl.dot`` against the layer's basis block
+  (R x D, in BLOCK_R chunks), rotates them at each slot's position (cos/sin rows gathered from the tables through
+  ``slot_pos``), scores the G query heads of h at once (GQA: one latent read serves G heads), applies the mask,
+  and folds the tile into an fp32 online softmax (FlashAttention-2's running max / sum) whose accumulator is the
+  softmax-weighted VALUE LATENT, (G, Rv): value absorption as in DeepSeek-V2's MLA, so dense values are never
+  formed. The current call's slots (``slots``) are skipped here. It stores (max, sum, accumulator) per program.
+* ``_latent_attention_reduce_kernel``, grid (B*Hkv, S): merges the splits' partial softmaxes (FlashDecoding's
+  second step), adds the current call's tokens exactly from ``new_k`` / ``new_v`` (fp32), projects the absorbed
+  latent once with the basis_v block, ``out = (acc @ P_v^T + w_new @ new_v) / sum``, and stores (G, D) per program.
+
+RoPE without register shuffles: each form pairs channel ``i1(j)`` with ``i2(j)``, j < rotary_dim/2
+(rotate_half: j and j + rd/2; interleaved / complex: 2j and 2j+1), and
+``out[i1] = x[i1] cos1 - x[i2] sin1``, ``out[i2] = x[i2] cos2 + x[i1] sin2`` with table columns c1(j), c2(j)
+(rotate_half: j, j + rd/2; interleaved: 2j, 2j+1; complex: j, j). So the basis rows i1(.), i2(.) and the rest
+(rd:D) are loaded as three separate (R, ·) operands, the keys come out of ``tl.dot`` already split in the pairs'
+halves, and the query is loaded split the same way; scores are the sum of three dots.
+
+Precision: every product runs on bf16 tensor cores with fp32 accumulation; an operand that is not exactly
+bf16 (fp32 or fp16 data, dequantized latents, softmax weights, rebuilt keys) is split into bf16 hi + lo parts
+and multiplied twice (``_dot_split``: about 16 mantissa bits, error ~1e-5 relative), which keeps the kernel
+within 1e-3 of the fp32 reference; a bf16 latent against a bf16 basis is one exact bf16 dot.
+
+The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``) and both kernels are the single
+source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
+FlashDecoding (Dao et al., 2023, https://crfm.stanford.edu/2023/10/12/flashdecoding.html: split-KV + reduction),
+FlashAttention-2 (Dao, 2023, arXiv:2307.08691: online softmax), DeepSeek-V2 (arXiv:2405.04434: latent absorption),
+xKV (arXiv:2503.18893) / Palu (arXiv:2407.21118): RoPE re-applied to low-rank keys inside the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .latent_format import parse_latent_format
+from .reference import ROPE_FORMS
+
+__all__ = ["DecodeConfig", "default_config", "latent_attention_triton", "unsupported_reason"]
+
+_ROPE_CODE = {"none": 0, "rotate_half": 1, "interleaved": 2, "complex": 3}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+#: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
+MAX_HEAD_DIM = 256
+MAX_RANK = 512
+MAX_GROUP = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch configuration. block_n: slots per tile; block_r: latent coordinates per rebuild chunk;
+    split: programs per (sequence, KV head, query) along the context (None: enough to fill ``target_programs``);
+    min_tiles: fewest tiles per split (bounds the partial-result traffic at short contexts);
+    key_split: rebuild keys from a non-bf16 latent (quantized, fp16, fp32) with the hi/lo split (two bf16 dots,
+    ~fp32 accurate); False rounds the latent to bf16 once (one dot, about 2x less tensor work, ~2^-9 relative
+    error per coordinate)."""
+
+    block_n: int = 64
+    block_r: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    split: int | None = None
+    min_tiles: int = 4
+    target_programs: int = 264
+    key_split: bool = True
+
+
+def default_config() -> DecodeConfig:
+    """The untuned default (see the H200 results under benchmarks/results/ for the measured alternatives)."""
+    return DecodeConfig()
+
+
+# ------------------------------------------------------------------------------------------------ jit helpers
+
+
+@triton.jit
+def _fp16_at(ptr, step, mask):
+    """fp32 value of the little-endian fp16 stored in the two bytes at ``ptr`` and ``ptr + step``."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + step, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _latent_tile(row_ptr, row_ok, cols, col0, blk0, rank, scale_base, min_base, stride_w,
+                 BITS: tl.constexpr, QBLOCK: tl.constexpr):
+    """(N, len(cols)) fp32 coordinates ``cols`` of one head's latent for the rows starting at ``row_ptr`` (N,).
+
+    Float format (BITS == 16): columns ``col0 + cols``. Quantized: code of coordinate j is bits
+    ``(j % (8/BITS)) * BITS`` of byte ``col0 + j*BITS/8``; block ``blk0 + j // QBLOCK`` holds its fp16 scale at
+    byte ``scale_base + 2*blk`` and min at ``min_base + 2*blk``; value = code * scale + min. Zero where
+    ``~row_ok`` or ``j >= rank``."""
+    ok = row_ok[:, None] & (cols < rank)[None, :]
+    if BITS == 16:
+        z = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        byte = col0 + (cols * BITS) // 8
+        shift = (cols % (8 // BITS)) * BITS
+        raw = tl.load(row_ptr[:, None] + (byte * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
+        code = (raw >> shift[None, :]) & ((1 << BITS) - 1)
+        blk = blk0 + cols // QBLOCK
+        sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
+        mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
+        z = tl.where(ok, code.to(tl.float32) * sc + mn, 0.0)
+    return z
+
+
+@triton.jit
+def _mm(x, y, acc, INTERPRET: tl.constexpr):
+    """``acc + x @ y`` for bf16 x, y; under the interpreter (whose bf16 dot is wrong) as fp32, exactly the same
+    products."""
+    if INTERPRET:
+        acc = tl.dot(x.to(tl.float32), y.to(tl.float32), acc)
+    else:
+        acc = tl.dot(x, y, acc)
+    return acc
+
+
+@triton.jit
+def _dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` on bf16 tensor cores: an operand whose values are not exactly bf16 (``*_EXACT`` False) is
+    split into ``hi = bf16(x)`` and ``lo = bf16(x - hi)``; the lo x lo term (~2^-16 relative) is dropped."""
+    a_hi = a.to(tl.bfloat16)
+    b_hi = b.to(tl.bfloat16)
+    acc = _mm(a_hi, b_hi, acc, INTERPRET)
+    if not A_EXACT:
+        acc = _mm((a - a_hi.to(tl.float32)).to(tl.bfloat16), b_hi, acc, INTERPRET)
+    if not B_EXACT:
+        acc = _mm(a_hi, (b - b_hi.to(tl.float32)).to(tl.bfloat16), acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _rope_rows(half, rot_dim, d_model, HALF: tl.constexpr, REST: tl.constexpr, ROPE: tl.constexpr):
+    """Channel indices (i1, i2) of the rotated pairs, j < HALF, with their table columns (c1, c2) and validity,
+    and the pass-through channels (rest, rest_ok); see the module docstring."""
+    j = tl.arange(0, HALF)
+    if ROPE == 1:
+        i1 = j
+        i2 = j + half
+        c1 = j
+        c2 = j + half
+    else:
+        i1 = 2 * j
+        i2 = 2 * j + 1
+        if ROPE == 2:
+            c1 = 2 * j
+            c2 = 2 * j + 1
+        else:
+            c1 = j
+            c2 = j
+    rest = rot_dim + tl.arange(0, REST)
+    return i1, i2, c1, c2, j < half, rest, rest < d_model
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _latent_attention_split_kernel(
+    # pointers
+    q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr,
+    m_ptr, l_ptr, acc_ptr,
+    # sizes and scalars
+    Hkv, S, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rot_dim, rk_max,
+    k_scale_base, k_min_base, v_scale_base, v_min_base,
+    # strides
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_lkb, stride_lks, stride_lkw,
+    stride_lvb, stride_lvs, stride_lvw,
+    stride_bkb, stride_bkh, stride_bkd, stride_bkr,
+    stride_cp, stride_cw, stride_sp, stride_sw,
+    stride_pb, stride_ps,
+    stride_mb, stride_mh, stride_ms, stride_mt,
+    # meta-parameters
+    G_PAD: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr,
+    ROPE: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, SLOT_BLOCK: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr,
+    V_BITS: tl.constexpr, V_QBLOCK: tl.constexpr, MASK: tl.constexpr, Q_EXACT: tl.constexpr,
+    ZK_EXACT: tl.constexpr, BK_EXACT: tl.constexpr, ZV_EXACT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
+
+    Shapes: q (B, H, S, D); latent_k (B, S_max, Wk), latent_v (B, S_max, Wv) (float, or uint8 rows); basis_k
+    (Hkv, D, Rk_max); cos/sin (P_max, W); slot_pos (B, S_max); slots (S,); mask (B, H, S, kv_len) by strides;
+    kmeta / vmeta (Hkv, 3) int32 = (first column or code byte, first block, rank); m / l (rows, n_split, G) and
+    acc (rows, n_split, G, RV_PAD) fp32 with rows = B*Hkv*S.
+    """
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    s = tl.program_id(2)
+    b = bh // Hkv
+    h = bh % Hkv
+    heads = h * G + tl.arange(0, G_PAD)
+    head_ok = tl.arange(0, G_PAD) < G
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + heads * stride_qh  # (G_PAD,)
+    k_col0 = tl.load(kmeta_ptr + 3 * h)
+    k_blk0 = tl.load(kmeta_ptr + 3 * h + 1)
+    k_rank = tl.load(kmeta_ptr + 3 * h + 2)
+    v_col0 = tl.load(vmeta_ptr + 3 * h)
+    v_blk0 = tl.load(vmeta_ptr + 3 * h + 1)
+    v_rank = tl.load(vmeta_ptr + 3 * h + 2)
+    i1, i2, c1, c2, rot_ok, rest, rest_ok = _rope_rows(half, rot_dim, D, HALF, REST, ROPE)
+    q1 = tl.load(q_row[:, None] + (i1 * stride_qd)[None, :], mask=head_ok[:, None] & rot_ok[None, :], other=0.0)
+    q2 = tl.load(q_row[:, None] + (i2 * stride_qd)[None, :], mask=head_ok[:, None] & rot_ok[None, :], other=0.0)
+    q3 = tl.load(q_row[:, None] + (rest * stride_qd)[None, :], mask=head_ok[:, None] & rest_ok[None, :], other=0.0)
+    q1 = q1.to(tl.float32)
+    q2 = q2.to(tl.float32)
+    q3 = q3.to(tl.float32)
+    bk_head = bk_ptr + b.to(tl.int64) * stride_bkb + h * stride_bkh
+    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh  # (G_PAD,)
+
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, RV_PAD), tl.float32)
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    t_start = c * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
+    for t in range(t_start, t_end):
+        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs < kv_len
+        is_new = offs < 0
+        for j0 in range(0, S, SLOT_BLOCK):  # the current call's slots come exactly from new_k / new_v
+            sj = j0 + tl.arange(0, SLOT_BLOCK)
+            sl = tl.load(slots_ptr + sj, mask=sj < S, other=-1)
+            is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
+        col_ok = row_ok & ~is_new
+        lk_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
+        # rebuild the tile's pre-RoPE keys, split into the rotated pairs' halves and the pass-through channels
+        x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
+        x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
+        x3 = tl.zeros((BLOCK_N, REST), tl.float32)
+        for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            z = _latent_tile(lk_rows, col_ok, r, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, stride_lkw,
+                             K_BITS, K_QBLOCK)
+            b_ok = (r < rk_max)[:, None]
+            b_rows = bk_head + (r * stride_bkr)[:, None]
+            if HAS_ROT:
+                p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, INTERPRET)
+                x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, INTERPRET)
+            if HAS_REST:
+                p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
+                x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, INTERPRET)
+        scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
+        if HAS_ROT:
+            pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
+            tab_ok = col_ok[:, None] & rot_ok[None, :]
+            cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
+            sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
+            if ROPE == 3:
+                cos2 = cos1
+                sin2 = sin1
+            else:
+                cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok,
+                               other=0.0)
+                sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok,
+                               other=0.0)
+            o1 = x1 * cos1.to(tl.float32) - x2 * sin1.to(tl.float32)
+            o2 = x2 * cos2.to(tl.float32) + x1 * sin2.to(tl.float32)
+            scores = _dot_split(q1, tl.trans(o1), scores, Q_EXACT, False, INTERPRET)
+            scores = _dot_split(q2, tl.trans(o2), scores, Q_EXACT, False, INTERPRET)
+        if HAS_REST:
+            scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, INTERPRET)
+        scores = scores * qk_scale  # log2 units: qk_scale = scale * log2(e)
+        if MASK == 1:
+            mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                         other=0)
+            scores = tl.where(mv != 0, scores, float("-inf"))
+        if MASK == 2:
+            mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                         other=0.0)
+            scores = scores + mv.to(tl.float32) * 1.4426950408889634
+        scores = tl.where(col_ok[None, :], scores, float("-inf"))
+        # online softmax (FlashAttention-2) over the absorbed value latent
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
+        zv = _latent_tile(lv_rows, col_ok, tl.arange(0, RV_PAD), v_col0, v_blk0, v_rank, v_scale_base, v_min_base,
+                          stride_lvw, V_BITS, V_QBLOCK)
+        acc = _dot_split(p, zv, acc * alpha[:, None], False, ZV_EXACT, INTERPRET)
+        m_i = m_new
+
+    row = (bh * S + s) * n_split + c
+    g = tl.arange(0, G_PAD)
+    tl.store(m_ptr + row * G + g, m_i, mask=head_ok)
+    tl.store(l_ptr + row * G + g, l_i, mask=head_ok)
+    rv = tl.arange(0, RV_PAD)
+    tl.store(acc_ptr + (row * G + g)[:, None] * RV_PAD + rv[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
+def _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd, stride_mt,
+                D_PAD: tl.constexpr, NEW_BLOCK: tl.constexpr, MASK: tl.constexpr, G_PAD: tl.constexpr, G):
+    """(G_PAD, NEW_BLOCK) fp32 log2-unit scores of q (G_PAD, D_PAD) against new keys j0 + [0, NEW_BLOCK), masked
+    at their slots' columns; -inf beyond S."""
+    j = j0 + tl.arange(0, NEW_BLOCK)
+    j_ok = j < S
+    d = tl.arange(0, D_PAD)
+    k = tl.load(nk_head + (j * stride_nks)[:, None] + (d * stride_nkd)[None, :], mask=j_ok[:, None] & (d < D)[None, :],
+                other=0.0).to(tl.float32)
+    sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale
+    sl = tl.load(slots_ptr + j, mask=j_ok, other=0)
+    m_ok = (tl.arange(0, G_PAD) < G)[:, None] & j_ok[None, :]
+    if MASK == 1:
+        mv = tl.load(mask_row[:, None] + (sl * stride_mt)[None, :], mask=m_ok, other=0)
+        sc = tl.where(mv != 0, sc, float("-inf"))
+    if MASK == 2:
+        mv = tl.load(mask_row[:, None] + (sl * stride_mt)[None, :], mask=m_ok, other=0.0)
+        sc = sc + mv.to(tl.float32) * 1.4426950408889634
+    return tl.where(j_ok[None, :], sc, float("-inf"))
+
+
+@triton.jit
+def _latent_attention_reduce_kernel(
+    # pointers
+    q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+    # sizes and scalars
+    Hkv, S, n_split, qk_scale, G, D, rv_max,
+    # strides
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_nkb, stride_nkh, stride_nks, stride_nkd,
+    stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+    stride_bvb, stride_bvh, stride_bvd, stride_bvr,
+    stride_mb, stride_mh, stride_ms, stride_mt,
+    stride_ob, stride_oh, stride_os, stride_od,
+    # meta-parameters
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEW_BLOCK: tl.constexpr, MASK: tl.constexpr, BV_EXACT: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Merge the splits of one (sequence, KV head, query token), add the exact new tokens, project, normalise.
+
+    Shapes: new_k / new_v (B, Hkv, S, D); basis_v (Hkv, D, Rv_max); out (B, H, S, D) q.dtype; the rest as in
+    ``_latent_attention_split_kernel``. Rows whose every score is masked get 0 (torch SDPA's math path).
+    """
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    g = tl.arange(0, G_PAD)
+    head_ok = g < G
+    heads = h * G + g
+    d = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + (heads * stride_qh)[:, None]
+                + (d * stride_qd)[None, :], mask=head_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    nk_head = nk_ptr + b.to(tl.int64) * stride_nkb + h * stride_nkh
+    nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
+    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh
+    row0 = (bh * S + s) * n_split
+    m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
+    for c in range(0, n_split):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf")))
+    for j0 in range(0, S, NEW_BLOCK):
+        sc = _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd, stride_mt,
+                         D_PAD, NEW_BLOCK, MASK, G_PAD, G)
+        m_all = tl.maximum(m_all, tl.max(sc, axis=1))
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros((G_PAD,), tl.float32)
+    rv = tl.arange(0, RV_PAD)
+    acc = tl.zeros((G_PAD, RV_PAD), tl.float32)
+    for c in range(0, n_split):
+        w = tl.exp2(tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf")) - m_use)
+        l_all += w * tl.load(l_ptr + (row0 + c) * G + g, mask=head_ok, other=0.0)
+        part = tl.load(acc_ptr + ((row0 + c) * G + g)[:, None] * RV_PAD + rv[None, :], mask=head_ok[:, None],
+                       other=0.0)
+        acc += w[:, None] * part
+    for j0 in range(0, S, NEW_BLOCK):
+        sc = _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd, stride_mt,
+                         D_PAD, NEW_BLOCK, MASK, G_PAD, G)
+        l_all += tl.sum(tl.exp2(sc - m_use[:, None]), axis=1)
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    out_row = out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + heads * stride_oh
+    for d0 in tl.static_range(0, D_PAD, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        pv = tl.load(bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
+                     mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+        o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, INTERPRET)
+        for j0 in range(0, S, NEW_BLOCK):
+            sc = _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd,
+                             stride_mt, D_PAD, NEW_BLOCK, MASK, G_PAD, G)
+            p = tl.exp2(sc - m_use[:, None])
+            j = j0 + tl.arange(0, NEW_BLOCK)
+            v = tl.load(nv_head + (j * stride_nvs)[:, None] + (dd * stride_nvd)[None, :],
+                        mask=(j < S)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+            o += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        tl.store(out_row[:, None] + (dd * stride_od)[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & (dd < D)[None, :])
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
+                       basis_v_block: torch.Tensor, rope_form: str, attn_mask: torch.Tensor | None,
+                       cos_table: torch.Tensor, new_k: torch.Tensor, k_fmt: str = "float",
+                       v_fmt: str = "float") -> str | None:
+    """Why :func:`latent_attention_triton` cannot run these (already validated) inputs, or None if it can.
+
+    The op's CUDA kernel calls the reference whenever this returns a reason, so nothing unsupported runs wrong.
+    """
+    if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
+        return f"device {q.device} (Triton needs CUDA, or TRITON_INTERPRET=1 on CPU)"
+    if rope_form not in ROPE_FORMS:
+        return f"rope_form {rope_form!r}"
+    for name, fmt, lat in (("k_fmt", k_fmt, latent_k), ("v_fmt", v_fmt, latent_v)):
+        f = parse_latent_format(fmt)
+        if f.quantized and f.bits not in (8, 4, 2):
+            return f"{name} {fmt!r}"
+        if not f.quantized and lat.dtype not in _FLOATS:
+            return f"{name} 'float' with latent dtype {lat.dtype}"
+    for name, t in (("q", q), ("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block), ("new_k", new_k)):
+        if t.dtype not in _FLOATS:
+            return f"{name} dtype {t.dtype}"
+    if rope_form != "none" and cos_table.dtype not in _FLOATS:
+        return f"cos/sin table dtype {cos_table.dtype}"
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
+        return f"attn_mask dtype {attn_mask.dtype}"
+    b, h, s, d = q.shape
+    hkv = basis_k_block.shape[-3]
+    if b == 0 or s == 0:
+        return "an empty batch or query"
+    if d > MAX_HEAD_DIM or h // hkv > MAX_GROUP:
+        return f"head_dim {d} > {MAX_HEAD_DIM} or {h // hkv} query heads per KV head > {MAX_GROUP}"
+    rk, rv = basis_k_block.shape[-1], basis_v_block.shape[-1]
+    if not (1 <= rk <= MAX_RANK and 1 <= rv <= MAX_RANK):
+        return f"basis widths Rk_max = {rk}, Rv_max = {rv} outside [1, {MAX_RANK}]"
+    return None
+
+
+_META: dict[tuple, torch.Tensor] = {}
+
+
+def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """((Hkv, 3) int32 per head: first column (float) or code byte, first block, rank; scale base; min base).
+
+    Cached per (offsets, format, device): the tensor is built once (outside any CUDA-graph capture that replays it).
+    """
+    f = parse_latent_format(fmt)
+    offsets = [int(o) for o in offsets]
+    ranks = [b - a for a, b in zip(offsets, offsets[1:])]
+    if f.quantized:
+        cb = f.code_bytes(offsets)
+        nb = [-(-r // f.block) for r in ranks]
+        col0 = [sum(cb[:i]) for i in range(len(ranks))]
+        blk0 = [sum(nb[:i]) for i in range(len(ranks))]
+        scale_base, min_base = sum(cb), sum(cb) + 2 * sum(nb)
+    else:
+        col0, blk0, scale_base, min_base = offsets[:-1], [0] * len(ranks), 0, 0
+    key = (tuple(offsets), f.name, str(device))
+    if key not in _META:
+        _META[key] = torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)], dtype=torch.int32,
+                                  device=device).reshape(-1, 3)
+    return _META[key], scale_base, min_base
+
+
+def _basis_strides(basis: torch.Tensor) -> tuple:
+    """(batch, head, D, R) strides of a (Hkv, D, R) shared or (B, Hkv, D, R) per-sequence (online) basis block."""
+    return tuple(basis.stride()) if basis.dim() == 4 else (0, *basis.stride())
+
+
+def _np2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(int(x), 1)))
+
+
+def latent_attention_triton(
+    q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
+    basis_v_block: torch.Tensor, k_offsets: Sequence[int], v_offsets: Sequence[int], cos_table: torch.Tensor,
+    sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int, new_k: torch.Tensor,
+    new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, kv_len: int,
+    k_fmt: str = "float", v_fmt: str = "float", config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attend over latent cache slots [0, kv_len) with the fused kernels: the math of ``latent_attention_ref``.
+
+    Args: exactly those of ``torch.ops.ckvp.latent_attention`` (shapes, dtypes and layout there), already
+        validated; ``config`` picks tile sizes, warps, stages and the context split.
+    Returns:
+        (B, H, S, D) q.dtype, contiguous; fp32 softmax and accumulation; rows the mask removes entirely are 0.
+    Raises:
+        NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses (the op falls back to the
+            reference before calling this).
+    Notes:
+        Workspace: (B*Hkv*S*n_split*G) * (2 + next_pow2(Rv_max)) fp32. Bytes read per call: the latent rows of
+        [0, kv_len) once per query token, slot_pos, the cos/sin rows of their positions, q, new_k/new_v and the
+        basis blocks (from L2 after the first program).
+    Reference: kernels/reference.py::latent_attention_ref
+    """
+    reason = unsupported_reason(q, latent_k, latent_v, basis_k_block, basis_v_block, rope_form, attn_mask,
+                                cos_table, new_k, k_fmt, v_fmt)
+    if reason is not None:
+        raise NotImplementedError(f"NYI: latent_attention_triton does not support {reason}; call "
+                                  f"kernels.reference.latent_attention_ref instead")
+    cfg = config or default_config()
+    b, h, s, d = q.shape
+    hkv = basis_k_block.shape[-3]
+    g = h // hkv
+    kf, vf = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
+    kmeta, k_sb, k_mb = _head_meta(k_offsets, k_fmt, q.device)
+    vmeta, v_sb, v_mb = _head_meta(v_offsets, v_fmt, q.device)
+    rk_max, rv_max = basis_k_block.shape[-1], basis_v_block.shape[-1]
+    rope = _ROPE_CODE[rope_form]
+    rd = 0 if rope == 0 else int(rotary_dim)
+    half = rd // 2
+    g_pad = _np2(g)
+    rk_pad, rv_pad = _np2(rk_max), _np2(rv_max)
+    block_r = min(cfg.block_r, rk_pad)
+    n_tiles = triton.cdiv(kv_len, cfg.block_n)
+    if cfg.split is not None:
+        n_split = max(1, min(cfg.split, n_tiles))
+    else:
+        want = triton.cdiv(cfg.target_programs, b * hkv * s)
+        n_split = max(1, min(want, n_tiles // max(cfg.min_tiles, 1)))
+    tiles_per_split = triton.cdiv(n_tiles, n_split)
+    n_split = triton.cdiv(n_tiles, tiles_per_split)
+    if attn_mask is None:
+        mask_kind, mask, mstrides = 0, q, (0, 0, 0, 0)
+    else:
+        mask = attn_mask.expand(b, h, s, kv_len)
+        mask_kind = 1 if mask.dtype == torch.bool else 2
+        if mask_kind == 1:
+            mask = mask.view(torch.uint8)
+        mstrides = mask.stride()
+    if rope == 0:
+        cos_table = sin_table = slot_pos = q  # never read
+        cstr = sstr = pstr = (0, 0)
+    else:
+        cstr, sstr, pstr = cos_table.stride(), sin_table.stride(), slot_pos.stride()
+    rows = b * hkv * s
+    m_ws = torch.empty(rows * n_split * g, dtype=torch.float32, device=q.device)
+    l_ws = torch.empty_like(m_ws)
+    acc_ws = torch.empty(rows * n_split * g * rv_pad, dtype=torch.float32, device=q.device)
+    # the interpreter casts stores by truncation; there, store fp32 and round to q.dtype in torch (as the reference)
+    out = torch.empty(b, h, s, d, dtype=torch.float32 if _interpreting() else q.dtype, device=q.device)
+    qk_scale = float(scale) * math.log2(math.e)
+    bf16 = torch.bfloat16
+    _latent_attention_split_kernel[(n_split, b * hkv, s)](
+        q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
+        m_ws, l_ws, acc_ws,
+        hkv, s, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rd, rk_max, k_sb, k_mb, v_sb, v_mb,
+        *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
+        *mstrides,
+        G_PAD=g_pad, HALF=_np2(half), REST=_np2(d - rd), HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope,
+        RK_PAD=rk_pad, RV_PAD=rv_pad, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
+        SLOT_BLOCK=min(triton.next_power_of_2(s), 16), K_BITS=kf.bits, K_QBLOCK=max(kf.block, 1),
+        V_BITS=vf.bits, V_QBLOCK=max(vf.block, 1), MASK=mask_kind, Q_EXACT=q.dtype == bf16,
+        ZK_EXACT=(not kf.quantized and latent_k.dtype == bf16) or not cfg.key_split,
+        BK_EXACT=basis_k_block.dtype == bf16,
+        ZV_EXACT=(not vf.quantized and latent_v.dtype == bf16), INTERPRET=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _latent_attention_reduce_kernel[(b * hkv, s)](
+        q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
+        hkv, s, n_split, qk_scale, g, d, rv_max,
+        *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
+        G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)), NEW_BLOCK=min(_np2(s, 1), 8),
+        MASK=mask_kind, BV_EXACT=basis_v_block.dtype == bf16, INTERPRET=_interpreting(), num_warps=4,
+    )
+    return out.to(q.dtype)

@@ -1,0 +1,58 @@
+"""The CUDA kernel of ``ckvp::latent_attention``: the fused Triton decode kernel, the reference otherwise.
+
+``torch.library.register_kernel("ckvp::latent_attention", "cuda", ...)`` overrides the op's default (reference)
+kernel for CUDA tensors only: CPU behaviour is untouched. The same validation as the op's default kernel runs
+first (``ops.latent_kv._check_latent_attention``), then
+:func:`ckvp_compile.kernels.latent_attention_triton.unsupported_reason` decides: None -> the Triton kernels;
+a reason -> ``kernels.reference.latent_attention_ref`` (logged at DEBUG), so an unsupported combination is slow,
+never wrong. The op stays opaque to Inductor (an extern call); the TritonTemplate lowering is separate.
+
+Imported by :func:`ckvp_compile.ops.register_all` only when CUDA and Triton are available (after ``latent_kv``,
+which defines the op). Defines no new op: ``OPS`` is empty.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from ..kernels import reference as ref
+from ..kernels.latent_attention_triton import latent_attention_triton, unsupported_reason
+from . import latent_kv
+from .latent_kv import _check_latent_attention
+
+__all__ = ["OPS", "latent_attention_cuda"]
+
+logger = logging.getLogger(__name__)
+
+#: No new ops here (this module adds a device kernel to ``ckvp::latent_attention``).
+OPS: dict = {}
+
+
+def latent_attention_cuda(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor,
+                          basis_k_block: torch.Tensor, basis_v_block: torch.Tensor, k_offsets: Sequence[int],
+                          v_offsets: Sequence[int], cos_table: torch.Tensor, sin_table: torch.Tensor,
+                          slot_pos: torch.Tensor, rope_form: str, rotary_dim: int, new_k: torch.Tensor,
+                          new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
+                          kv_len: int, k_fmt: str = "float", v_fmt: str = "float") -> torch.Tensor:
+    """``ckvp::latent_attention`` on CUDA tensors (arguments, result and errors as
+    :func:`ckvp_compile.ops.latent_kv.latent_attention`): the Triton kernels where supported, else the reference.
+
+    Raises:
+        CKVPShapeError: a shape, dtype, device, RoPE or mask argument does not match the op's layout.
+    Reference: kernels/reference.py::latent_attention_ref
+    """
+    args = (q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table, sin_table,
+            slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt, v_fmt)
+    _check_latent_attention(*args)
+    reason = unsupported_reason(q, latent_k, latent_v, basis_k_block, basis_v_block, rope_form, attn_mask,
+                                cos_table, new_k, k_fmt, v_fmt)
+    if reason is None:
+        return latent_attention_triton(*args)
+    logger.debug("ckvp::latent_attention on %s: reference path (%s)", q.device, reason)
+    return ref.latent_attention_ref(*args).contiguous()
+
+
+latent_kv.latent_attention.register_kernel("cuda")(latent_attention_cuda)
