@@ -30,7 +30,7 @@ import torch.fx as fx
 from . import _compat
 from .analysis import GraphAnalysis, analyze
 from .config import CKVPConfig
-from .errors import CKVPConfigError, UnsupportedGraphError, UnsupportedPatternWarning
+from .errors import CKVPConfigError, CKVPError, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
 from .passes.latent_kv_cache import LatentKVCachePass, LatentRewritePlan
 from .plan import Plan, make_plan
@@ -213,6 +213,7 @@ class _StoreArgs:
         self.index = plan.store_input_index
         self.groups = [gr.group for gr in plan.groups]
         self.layout = plan.store.layout()
+        self.fits_online_bases = plan.fits_online_bases
 
     def tensors(self, store: LatentKVStore) -> list[Any]:
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
@@ -240,8 +241,17 @@ class _StoreArgs:
                     "(batch size, length, ranks, latent format or dtype); call torch._dynamo.reset() before "
                     "switching, or keep one cache layout per compiled model"
                 )
-            extra = self.tensors(hit[0])
-            return compiled(*args, *extra)
+            store = hit[0]
+            if store.online and not self.fits_online_bases and not store.online_fitted:
+                raise CKVPError(
+                    "ckvp: this cache uses online latent bases, which are fitted from each sequence's prompt at its "
+                    "prefill; the first call after cache.reset() must hold at least 2 tokens (a prompt of one token "
+                    "cannot fit them). Use calibrated bases (ckvp_compile.calibrate) for one-token prompts."
+                )
+            out = compiled(*args, *self.tensors(store))
+            if store.online and self.fits_online_bases:
+                store.online_fitted = True
+            return out
 
         return run
 

@@ -14,8 +14,9 @@ Packed layout shared by every function here:
 ``latent``      (B, S_max, R_tot) any float dtype; KV head ``h`` owns columns ``offsets[h]:offsets[h+1]``;
                 or (B, S_max, row_bytes) uint8 in a quantized ``fmt`` (:mod:`.latent_format`)
 ``offsets``     Hkv+1 non-decreasing ints, ``offsets[0] == 0``, ``R_tot = offsets[-1]``; ``r_h`` its width
-``basis``       (Hkv, G*D, R_max), zero beyond each head's rank (columns ``r_h:`` of head ``h``)
-``basis_block`` (Hkv, D, R_max), layer ``j``'s rows ``basis[:, j*D:(j+1)*D, :]``
+``basis``       (Hkv, G*D, R_max), zero beyond each head's rank (columns ``r_h:`` of head ``h``); or
+                (B, Hkv, G*D, R_max), one basis per sequence (online bases)
+``basis_block`` (Hkv, D, R_max), layer ``j``'s rows ``basis[:, j*D:(j+1)*D, :]`` (or (B, Hkv, D, R_max))
 ``cos_table``   (P_max, W) indexed by RoPE *position*; ``W`` per :func:`rope_table_width`
 ``slot_pos``    (B, S_max) int32, the RoPE position of every cache slot of every sequence
 ==============  ===========================================================================================
@@ -48,6 +49,7 @@ __all__ = [
     "latent_append_ref",
     "latent_attention_ref",
     "latent_reconstruct_ref",
+    "online_basis_fit_ref",
     "rope_table_update_ref",
     "rope_table_width",
     "sdpa_ref",
@@ -149,12 +151,40 @@ def latent_append_ref(
     """
     b, hkv, s, _ = x.shape
     r_pad = basis.shape[-1]
-    z = torch.einsum("bhsk,hkr->bshr", x.float(), basis.float())  # (B, S, Hkv, R_max)
+    eq = "bhsk,bhkr->bshr" if basis.dim() == 4 else "bhsk,hkr->bshr"
+    z = torch.einsum(eq, x.float(), basis.float())  # (B, S, Hkv, R_max)
     _, valid = _head_columns(offsets, r_pad, latent.device)
     packed = z.reshape(b, s, hkv * r_pad)[..., valid.flatten()]  # (B, S, R_tot): head-major, as the layout
     if parse_latent_format(fmt).quantized:
         packed = quantize_latent_ref(packed, offsets, fmt)
     latent[:, slots.long()] = packed.to(latent.dtype)
+
+
+def online_basis_fit_ref(basis: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor) -> None:
+    """Fit each sequence's basis from its own tokens, when the call starts the sequence (online bases).
+
+    Args:
+        basis: (B, Hkv, G*D, R_max) float, mutated in place when ``slots`` holds slot 0.
+        x: (B, Hkv, S, G*D) float, the group's stacked new pre-RoPE keys (or values) of this call.
+        offsets: Hkv+1 ints; head h keeps the top ``r_h = offsets[h+1] - offsets[h]`` eigenvectors.
+        slots: (S,) int, the new tokens' slots.
+    Returns:
+        None. When ``min(slots) == 0``: ``basis[b, h, :, :r_h]`` = the top-r_h eigenvectors (descending
+        eigenvalues, each vector's largest-magnitude entry positive) of ``x[b, h]^T x[b, h]``, zero beyond
+        r_h; otherwise unchanged. Decided on the device (``torch.where``), without a host synchronisation.
+    Source: xKV (Chang et al. 2025), per-prompt SVD of the stacked cross-layer keys.
+    """
+    xf = x.float()
+    moment = torch.einsum("bhsk,bhsl->bhkl", xf, xf)
+    _, evecs = torch.linalg.eigh(moment)  # ascending
+    evecs = evecs.flip(-1)[..., : basis.shape[-1]]
+    idx = evecs.abs().argmax(dim=-2, keepdim=True)
+    evecs = evecs * torch.sign(torch.gather(evecs, -2, idx)).clamp_min(0).mul(2).sub(1)
+    ranks = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=basis.device)
+    keep = torch.arange(basis.shape[-1], device=basis.device)[None, :] < ranks[:, None]  # (Hkv, R_max)
+    fitted = torch.where(keep[None, :, None, :], evecs, 0.0).to(basis.dtype)
+    first = slots.min() == 0
+    basis.copy_(torch.where(first, fitted, basis))
 
 
 def rope_table_update_ref(
@@ -200,7 +230,7 @@ def _rebuild(
 ) -> torch.Tensor:
     """(B, Hkv, T, D) fp32: every slot of ``latent`` (B, T, R_tot) rebuilt and rotated at ``slot_pos`` (B, T)."""
     z = unpack_latent_ref(latent, offsets, basis_block.shape[-1], fmt)  # (B, Hkv, T, R_max)
-    pre = torch.einsum("bhtr,hdr->bhtd", z, basis_block.float())
+    pre = torch.einsum("bhtr,bhdr->bhtd" if basis_block.dim() == 4 else "bhtr,hdr->bhtd", z, basis_block.float())
     if rope_form == "none":
         return pre
     pos = slot_pos.long()
@@ -342,6 +372,7 @@ def latent_attention_ref(
     zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1], v_fmt)  # (B, Hkv, kv_len, Rv)
     zv[:, :, idx] = 0.0  # the current call's slots come from new_v below
     absorbed = torch.einsum("bgrst,bgtk->bgrsk", w, zv)  # (B, Hkv, H/Hkv, S, Rv): per query head, in latent space
-    out = torch.einsum("bgrsk,gdk->bgrsd", absorbed, basis_v_block.float())
+    eq = "bgrsk,bgdk->bgrsd" if basis_v_block.dim() == 4 else "bgrsk,gdk->bgrsd"
+    out = torch.einsum(eq, absorbed, basis_v_block.float())
     out = out + torch.einsum("bgrsn,bgnd->bgrsd", w[..., idx], new_v.float())
     return out.reshape(b, h, s, d).to(q.dtype)

@@ -10,6 +10,8 @@ Modules:
     ranks: the rank budget and its allocation over (group, head, K/V), 'energy' or 'uniform'.
     calibrate: :func:`calibrate` and :func:`collect_kv_moments`, collecting keys and values by graph structure.
     capture: drives one static-cache prefill of a HF or gpt-fast model.
+    online: :func:`online_bases`, ranks only; each sequence's bases are fitted at its prefill.
+    budget: byte counts of a store, and ranks fitted to a byte ratio for a latent format.
 
 See DESIGN.md, "CKVP in numbers". Source: xKV (Chang et al. 2025, arXiv:2503.18893), cross-layer SVD.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from .bases import FORMAT_VERSION, LatentBases, build_latent_bases, model_fingerprint
 from .calibrate import KVMoments, calibrate, collect_kv_moments
+from .online import online_bases
 from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_budget
 
 __all__ = [
@@ -30,5 +33,6 @@ __all__ = [
     "calibrate",
     "collect_kv_moments",
     "model_fingerprint",
+    "online_bases",
     "rank_budget",
 ]

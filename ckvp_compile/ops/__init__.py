@@ -5,8 +5,8 @@ pure-PyTorch reference in :mod:`ckvp_compile.kernels.reference`, plus ``register
 Importing this package defines nothing: call :func:`register_all` (the backend does, once).
 
 Families:
-    latent_kv: ``latent_append``, ``rope_table_update``, ``latent_reconstruct``, ``latent_attention``
-        (cross-layer latent KV cache, DESIGN.md "CKVP in numbers").
+    latent_kv: ``latent_append``, ``rope_table_update``, ``latent_reconstruct``, ``latent_attention``,
+        ``online_basis_fit`` (cross-layer latent KV cache, DESIGN.md "CKVP in numbers").
     moe: ``moe_experts`` (the routed experts of one MoE layer as grouped GEMMs, DESIGN.md "Expert GEMM in
         numbers").
     latent_attention_cuda: no new op; the Triton CUDA kernel of ``latent_attention``, imported only where CUDA

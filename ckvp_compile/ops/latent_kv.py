@@ -41,7 +41,7 @@ from ..errors import CKVPShapeError
 from ..kernels import reference as ref
 from ..kernels.latent_format import parse_latent_format
 
-__all__ = ["OPS", "latent_append", "latent_attention", "latent_reconstruct", "rope_table_update"]
+__all__ = ["OPS", "latent_append", "latent_attention", "latent_reconstruct", "online_basis_fit", "rope_table_update"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -104,7 +104,7 @@ def _check_offsets(op: str, name: str, offsets: Sequence[int], hkv: int, r_tot: 
     ``r_tot`` must be R_tot ('float') or the format's row bytes."""
     offsets = list(offsets)
     if len(offsets) != hkv + 1:
-        _fail(op, f"{name} must have Hkv+1 = {hkv + 1} entries (Hkv = basis.shape[0]), but got {len(offsets)}: "
+        _fail(op, f"{name} must have Hkv+1 = {hkv + 1} entries (Hkv from the basis), but got {len(offsets)}: "
                   f"{offsets}")
     if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
         _fail(op, f"{name} must be non-decreasing and start at 0, but got {offsets}")
@@ -142,17 +142,28 @@ def _check_slots(op: str, slots: torch.Tensor) -> Any:
     return slots.shape[0]
 
 
+def _basis_dims(op: str, name: str, basis: torch.Tensor, b: Any, layout: str) -> tuple[Any, Any, Any]:
+    """(Hkv, N, R_max) of a shared (Hkv, N, R_max) basis or a per-sequence (B, Hkv, N, R_max) one."""
+    if basis.dim() == 4:
+        if basis.shape[0] != b:
+            _fail(op, f"{name} must be (B, {layout}) with B = {b} for per-sequence (online) bases, but got "
+                      f"{_shape(basis)}")
+        return basis.shape[1], basis.shape[2], basis.shape[3]
+    _expect_ndim(op, name, basis, 3, f"({layout}) or (B, {layout})")
+    return basis.shape[0], basis.shape[1], basis.shape[2]
+
+
 def _check_latent_append(latent, x, basis, offsets, slots, fmt="float") -> None:
     op = "latent_append"
     _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
-    _expect_ndim(op, "basis", basis, 3, "(Hkv, G*D, R_max)")
     s = _check_slots(op, slots)
-    b, hkv, gd = latent.shape[0], basis.shape[0], basis.shape[1]
+    b = latent.shape[0]
+    hkv, gd, r_pad = _basis_dims(op, "basis", basis, b, "Hkv, G*D, R_max")
     _expect_shape(op, "x", x, (b, hkv, s, gd), "(B, Hkv, S, G*D) from latent, basis and slots")
     _check_latent(op, "latent", latent, fmt)
     for name, t in (("x", x), ("basis", basis)):
         _expect_float(op, name, t)
-    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis.shape[2], fmt)
+    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], r_pad, fmt)
     _expect_same_device(op, latent=latent, x=x, basis=basis, slots=slots)
 
 
@@ -185,15 +196,14 @@ def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table
                               new, slots, fmt="float") -> None:
     op = "latent_reconstruct"
     _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
-    _expect_ndim(op, "basis_block", basis_block, 3, "(Hkv, D, R_max)")
     s = _check_slots(op, slots)
     b, s_max = latent.shape[0], latent.shape[1]
-    hkv, d = basis_block.shape[0], basis_block.shape[1]
+    hkv, d, r_pad = _basis_dims(op, "basis_block", basis_block, b, "Hkv, D, R_max")
     _expect_shape(op, "new", new, (b, hkv, s, d), "(B, Hkv, S, D) from latent, basis_block and slots")
     _check_latent(op, "latent", latent, fmt)
     for name, t in (("basis_block", basis_block), ("new", new)):
         _expect_float(op, name, t)
-    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], basis_block.shape[2], fmt)
+    _check_offsets(op, "offsets", offsets, hkv, latent.shape[2], r_pad, fmt)
     _check_rope(op, rope_form, rotary_dim, d, cos_table, sin_table, slot_pos, b, s_max)
     _expect_same_device(op, latent=latent, basis_block=basis_block, new=new, slots=slots,
                         **({} if rope_form == "none" else dict(cos_table=cos_table, sin_table=sin_table,
@@ -205,14 +215,17 @@ def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block,
                             kv_len, k_fmt="float", v_fmt="float") -> None:
     op = "latent_attention"
     _expect_ndim(op, "q", q, 4, "(B, H, S, D)")
-    _expect_ndim(op, "basis_k_block", basis_k_block, 3, "(Hkv, D, Rk_max)")
     b, h, s, d = q.shape
-    hkv = basis_k_block.shape[0]
-    _expect_shape(op, "basis_k_block", basis_k_block, (hkv, d, None), "(Hkv, D, Rk_max) with D from q")
-    _expect_shape(op, "basis_v_block", basis_v_block, (hkv, d, None), "(Hkv, D, Rv_max) with Hkv, D from basis_k_block")
+    hkv, dk, rk_pad = _basis_dims(op, "basis_k_block", basis_k_block, b, "Hkv, D, Rk_max")
+    hv, dv, rv_pad = _basis_dims(op, "basis_v_block", basis_v_block, b, "Hkv, D, Rv_max")
+    if dk != d:
+        _fail(op, f"basis_k_block must be (Hkv, D, Rk_max) with D = {d} from q, but got {_shape(basis_k_block)}")
+    if (hv, dv) != (hkv, d) or basis_v_block.dim() != basis_k_block.dim():
+        _fail(op, f"basis_v_block must be like basis_k_block {_shape(basis_k_block)} up to its rank, but got "
+                  f"{_shape(basis_v_block)}")
     if hkv == 0 or h % hkv:
         _fail(op, f"the query heads H = {h} (q.shape[1]) must be a multiple of the KV heads Hkv = {hkv} "
-                  f"(basis_k_block.shape[0])")
+                  f"(from basis_k_block)")
     _expect_shape(op, "latent_k", latent_k, (b, None, None), "(B, S_max, Rk_tot) with B from q")
     s_max = latent_k.shape[1]
     _expect_shape(op, "latent_v", latent_v, (b, s_max, None), "(B, S_max, Rv_tot) from q and latent_k")
@@ -225,8 +238,8 @@ def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block,
     for name, t in (("q", q), ("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block), ("new_k", new_k),
                     ("new_v", new_v)):
         _expect_float(op, name, t)
-    _check_offsets(op, "k_offsets", k_offsets, hkv, latent_k.shape[2], basis_k_block.shape[2], k_fmt)
-    _check_offsets(op, "v_offsets", v_offsets, hkv, latent_v.shape[2], basis_v_block.shape[2], v_fmt)
+    _check_offsets(op, "k_offsets", k_offsets, hkv, latent_k.shape[2], rk_pad, k_fmt)
+    _check_offsets(op, "v_offsets", v_offsets, hkv, latent_v.shape[2], rv_pad, v_fmt)
     _check_rope(op, rope_form, rotary_dim, d, cos_table, sin_table, slot_pos, b, s_max)
     if not 1 <= kv_len <= s_max:
         _fail(op, f"kv_len must be in [1, S_max = {s_max}] (latent_k.shape[1]), but got {kv_len}")
@@ -353,7 +366,7 @@ def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, r
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
                               new, slots, fmt)
     b, s_max = latent.shape[0], latent.shape[1]
-    return new.new_empty((b, basis_block.shape[0], s_max, basis_block.shape[1]))
+    return new.new_empty((b, basis_block.shape[-3], s_max, basis_block.shape[-2]))
 
 
 @torch.library.custom_op(
@@ -410,8 +423,46 @@ def _(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
     return q.new_empty(q.shape)
 
 
+def _check_online_basis_fit(basis, x, offsets, slots) -> None:
+    op = "online_basis_fit"
+    _expect_ndim(op, "basis", basis, 4, "(B, Hkv, G*D, R_max)")
+    s = _check_slots(op, slots)
+    b, hkv, gd, r_pad = basis.shape
+    _expect_shape(op, "x", x, (b, hkv, s, gd), "(B, Hkv, S, G*D) from basis and slots")
+    _expect_float(op, "basis", basis)
+    _expect_float(op, "x", x)
+    _check_offsets(op, "offsets", offsets, hkv, list(offsets)[-1] if len(offsets) else 0, r_pad)
+    _expect_same_device(op, basis=basis, x=x, slots=slots)
+
+
+@torch.library.custom_op("ckvp::online_basis_fit", mutates_args=("basis",),
+                         schema="(Tensor(a!) basis, Tensor x, int[] offsets, Tensor slots) -> ()")
+def online_basis_fit(basis: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor) -> None:
+    """Fit each sequence's latent basis from this call's tokens when the call starts the sequence (slot 0).
+
+    Args:
+        basis: (B, Hkv, G*D, R_max) float, per-sequence bases; mutated when ``slots`` holds slot 0.
+        x: (B, Hkv, S, G*D) float, the group's stacked new pre-RoPE keys (or values), layer-major.
+        offsets: Hkv+1 ints; head h keeps ``offsets[h+1] - offsets[h]`` eigenvectors.
+        slots: (S,) int32|int64, the new tokens' slots.
+    Returns:
+        None; see :func:`~ckvp_compile.kernels.reference.online_basis_fit_ref` (decided on the device).
+    Raises:
+        CKVPShapeError: a shape, dtype or device does not match the layout above.
+    Reference: kernels/reference.py::online_basis_fit_ref; xKV (Chang et al. 2025).
+    """
+    _check_online_basis_fit(basis, x, offsets, slots)
+    ref.online_basis_fit_ref(basis, x, offsets, slots)
+
+
+@online_basis_fit.register_fake
+def _(basis, x, offsets, slots) -> None:
+    _check_online_basis_fit(basis, x, offsets, slots)
+
+
 #: The ops this module defines, by name.
 OPS = {
+    "online_basis_fit": online_basis_fit,
     "latent_append": latent_append,
     "rope_table_update": rope_table_update,
     "latent_reconstruct": latent_reconstruct,

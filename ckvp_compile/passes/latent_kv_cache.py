@@ -73,12 +73,15 @@ class LatentRewritePlan:
         store_input_index: index (among the graph's original inputs) of a phantom of the store; the runtime
             wrapper finds the store of each call through it.
         extra_inputs: filled by the pass: names of the store tensors appended as graph inputs, in order.
+        fits_online_bases: filled by the pass: the graph fits online bases (a multi-token call), so running it
+            may start a sequence; a graph that does not (decode) needs them fitted first.
     """
 
     store: Any
     groups: list[GroupRewrite]
     store_input_index: int
     extra_inputs: list[str] = field(default_factory=list)
+    fits_online_bases: bool = False
 
 
 class LatentKVCachePass(CKVPPass):
@@ -128,10 +131,9 @@ class LatentKVCachePass(CKVPPass):
                 ):
                     w, cache, value = nodes[write.write_node], nodes[write.cache_node], nodes[write.value_node]
                     slots = nodes[write.position_node]
+                    rows = (slice(None),) * (2 if store.online else 1) + (slice(j * d, (j + 1) * d), slice(None))
                     with graph.inserting_after(w):
-                        block = graph.call_function(
-                            operator.getitem, (basis, (slice(None), slice(j * d, (j + 1) * d), slice(None)))
-                        )
+                        block = graph.call_function(operator.getitem, (basis, rows))
                     with graph.inserting_after(block):
                         recon = graph.call_function(
                             torch.ops.ckvp.latent_reconstruct.default,
@@ -171,7 +173,15 @@ class LatentKVCachePass(CKVPPass):
                 xk = graph.call_function(torch.cat, (k_pre_nodes, -1))
             with graph.inserting_after(xk):
                 xv = graph.call_function(torch.cat, (v_nodes, -1))
-            with graph.inserting_after(xv):
+            fit_after = xv
+            new_tokens = shape_of(v_nodes[0])
+            if store.online and new_tokens is not None and new_tokens[2] > 1:
+                for lat_basis, x, offsets in ((bas_k, xk, store.k_offsets[g]), (bas_v, xv, store.v_offsets[g])):
+                    with graph.inserting_after(fit_after):
+                        fit_after = graph.call_function(
+                            torch.ops.ckvp.online_basis_fit.default, (lat_basis, x, offsets, slots))
+                self.plan.fits_online_bases = True
+            with graph.inserting_after(fit_after):
                 ak = graph.call_function(
                     torch.ops.ckvp.latent_append.default, (lat_k, xk, bas_k, store.k_offsets[g], slots, store.k_format)
                 )

@@ -11,7 +11,8 @@ tensor              shape                                 meaning
                                                           (B, S_max, row_bytes) in a quantized
                                                           ``k_format`` (``kernels/latent_format.py``)
 ``latent_v[g]``     (B, S_max, sum_h rV[g][h])            packed value latents (``v_format``)
-``basis_k[g]``      (Hkv, G*D, max_h rK[g][h])            orthonormal bases (zero columns beyond a rank)
+``basis_k[g]``      (Hkv, G*D, max_h rK[g][h])            orthonormal bases (zero columns beyond a rank);
+                                                          (B, Hkv, G*D, ...) per sequence for online bases
 ``basis_v[g]``      (Hkv, G*D, max_h rV[g][h])
 ==================  ====================================  =================================================
 
@@ -56,6 +57,7 @@ class StoreBytes:
         bases: the bases on the device (model constant). rope_tables: cos / sin tables (model constant).
         dense_equivalent: what the model's dense K and V caches of the same B and S_max would take.
         dense_elements: their element count (for :meth:`ratio_vs` another dense dtype).
+        online_bases: the bases are per sequence (fitted at each prefill), so they are per-sequence state.
     """
 
     latent: int
@@ -64,11 +66,13 @@ class StoreBytes:
     rope_tables: int
     dense_equivalent: int
     dense_elements: int = 0
+    online_bases: bool = False
 
     @property
     def per_sequence_state(self) -> int:
-        """Bytes that scale with batch x context: latents plus slot positions."""
-        return self.latent + self.slot_positions
+        """Bytes that scale with the batch (and context): latents plus slot positions, plus the bases when they
+        are online (per sequence)."""
+        return self.latent + self.slot_positions + (self.bases if self.online_bases else 0)
 
     @property
     def ratio(self) -> float:
@@ -83,7 +87,7 @@ class StoreBytes:
         replaces K/V; the bases are shared by the B sequences, so they weigh less at larger B and S_max) and,
         optionally, the RoPE tables (a cache of the model's own cos / sin per position)."""
         size = torch.empty((), dtype=dense_dtype).element_size()
-        held = self.per_sequence_state + (self.bases if with_bases else 0)
+        held = self.per_sequence_state + (self.bases if with_bases and not self.online_bases else 0)
         held += self.rope_tables if with_rope_tables else 0
         return self.dense_elements * size / max(1, held)
 
@@ -130,8 +134,15 @@ class LatentKVStore:
                          for o in self.k_offsets]
         self.latent_v = [torch.zeros(b, s, vf.row_width(o), device=self.device, dtype=vf.storage_dtype(latent_dtype))
                          for o in self.v_offsets]
-        self.basis_k = [p.to(self.device, latent_dtype).contiguous() for p in bases.k_basis]
-        self.basis_v = [p.to(self.device, latent_dtype).contiguous() for p in bases.v_basis]
+        self.online = bool(getattr(bases, "online", False))
+        if self.online:  # per-sequence bases, fitted at each sequence's prefill (ckvp::online_basis_fit)
+            self.basis_k = [torch.zeros(b, *p.shape, device=self.device, dtype=latent_dtype) for p in bases.k_basis]
+            self.basis_v = [torch.zeros(b, *p.shape, device=self.device, dtype=latent_dtype) for p in bases.v_basis]
+        else:
+            self.basis_k = [p.to(self.device, latent_dtype).contiguous() for p in bases.k_basis]
+            self.basis_v = [p.to(self.device, latent_dtype).contiguous() for p in bases.v_basis]
+        #: host-side: whether the online bases were fitted by a prefill since the last reset (no device sync)
+        self.online_fitted = False
         self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -142,7 +153,7 @@ class LatentKVStore:
         """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats and dtypes."""
         return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
                 tuple(map(tuple, self.v_offsets)), self.k_format, self.v_format, self.latent_dtype, self.dtype,
-                str(self.device))
+                str(self.device), self.online)
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""
@@ -174,9 +185,14 @@ class LatentKVStore:
             self.rope_sin = torch.zeros(p, width, device=self.device, dtype=self.dtype)
 
     def reset(self) -> None:
-        """Forget every sequence (a new ``generate()`` call): zero latents and slot positions in place."""
+        """Forget every sequence (a new ``generate()`` call): zero latents and slot positions (and online bases)
+        in place."""
         for t in (*self.latent_k, *self.latent_v, self.slot_pos):
             t.zero_()
+        if self.online:
+            for t in (*self.basis_k, *self.basis_v):
+                t.zero_()
+            self.online_fitted = False
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> StoreBytes:
@@ -193,7 +209,7 @@ class LatentKVStore:
             bases=size(self.basis_k) + size(self.basis_v),
             rope_tables=size([self.rope_cos, self.rope_sin]),
             dense_equivalent=dense * torch.empty((), dtype=self.dtype).element_size(),
-            dense_elements=dense,
+            dense_elements=dense, online_bases=self.online,
         )
 
 

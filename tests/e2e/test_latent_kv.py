@@ -212,3 +212,42 @@ def test_attention_over_the_latent_is_fused_where_understood(attn):
             assert (ops["latent_attention"], ops["latent_reconstruct"]) == (0, 6), ops
             assert [layer for layer, _ in ops["notes"]] == [0, 1, 2]
             assert "not one SDPA call" in ops["notes"][0][1]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_online_bases_full_rank_equal_dense(family):
+    """Online bases (fitted from each prompt at prefill): at full rank the per-sequence basis is a complete
+    orthonormal basis, so logits equal dense; the bases are per-sequence bytes."""
+    from ckvp_compile.latent import online_bases
+
+    model = build_hf_moe(family, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+    bases = online_bases(model, group_size=2, kv_ratio=1.0)
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    rec = CompileRecorder()
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
+    assert_close_all(eager, latent)
+    nb = cache.store.nbytes()
+    assert nb.online_bases and nb.per_sequence_state == nb.latent + nb.slot_positions + nb.bases
+    assert sum(g.dynamo_after.count("ckvp.online_basis_fit.default(") for g in rec.graphs[:1]) == 4
+    assert sum(g.dynamo_after.count("ckvp.online_basis_fit.default(") for g in rec.graphs[1:]) == 0
+
+
+def test_online_bases_exact_on_low_rank_kv_and_need_a_real_prompt():
+    """At a reduced rank that still spans the prompt's (exactly low-rank) keys and values, online bases are exact;
+    a cache whose first call is one token cannot fit them and says so."""
+    from ckvp_compile.latent import online_bases
+
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    _make_kv_low_rank(model, 2)
+    bases = online_bases(model, group_size=2, kv_ratio=4.0)  # rank 8 of 32 >= 2 layers x rank 2
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager"))
+    assert_close_all(eager, hf_latent_logits(model, ids, cache, backend), tol=1e-3)
+    cache.reset()
+    step = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad(), pytest.raises(CKVPError, match="at least 2 tokens"):
+        step(**hf_step_kwargs(model, ids[:, :1], cache, 0))
