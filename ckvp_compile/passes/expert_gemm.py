@@ -175,7 +175,16 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
     r_shape = shape_of(routed)
     if r_shape is None or int(torch.Size(r_shape).numel()) != t * dm:
         raise _Skip(f"the routed output {routed.name} has shape {r_shape}, expected T*Dm = {t * dm} elements")
+    if r_shape != _shape(x) and _symbolic(routed):
+        raise _Skip(f"the routed output {routed.name} has another shape than the router input and dynamic sizes "
+                    "(a symbolic reshape is NYI); compile with dynamic=False")
     return _Rewrite(x, ids, weights, gate, up, down, routed, i)
+
+
+def _symbolic(node: fx.Node) -> bool:
+    """True when the node's recorded shape has a symbolic (dynamic) size."""
+    val = node.meta.get("example_value")
+    return isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape)
 
 
 def _is_down(g, gemms) -> bool:

@@ -170,6 +170,22 @@ def test_pass_uuid_is_stable_and_source_keyed():
     assert ExpertGemmPass(()).is_applicable(torch.fx.Graph()) != ""
 
 
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_dynamic_token_count_and_inner_compilers(compiler):
+    """dynamic=True (one graph for every prompt length) and both cheap inner compilers: rewritten, equal to eager."""
+    model = build_hf_moe("mixtral", num_layers=1)
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler=compiler, enable_expert_gemm=True), recorder=rec)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for n in (5, 9, 13):
+            ids = torch.randint(0, 256, (2, n))
+            torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                       rtol=1e-5, atol=1e-5)
+    assert rec.graphs and all(len(OP_CALL.findall(g.dynamo_after)) == 1 for g in rec.graphs)
+    assert len(rec.graphs) < 3 and any("SymInt" in g.dynamo_before for g in rec.graphs)  # symbolic token count
+
+
 @pytest.mark.slow
 def test_full_inductor_output_code_calls_the_ckvp_op():
     """Full Inductor (CPU): the rewritten graph compiles, the ckvp op is in the generated code (as an extern call:
