@@ -25,6 +25,9 @@ def main() -> None:
     p.add_argument("--max-cache-len", type=int, default=4096)
     p.add_argument("--ratios", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--latent-format", default="float", help="float, int8, int4, int2 (optionally /block)")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--allocation", default="energy", choices=["energy", "uniform"])
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, StaticCache
 
@@ -75,15 +78,33 @@ def main() -> None:
 
     dense = measure(dense_cache, "dense StaticCache", 1.0)
     dense_bytes = dense["cache_bytes_allocated"]
+    from ckvp_compile.latent import collect_kv_moments
+    from ckvp_compile.latent.budget import dense_kv_bytes, fit_byte_ratio, store_bytes
+
+    moments = collect_kv_moments(model.float(), samples, group_size=args.group_size, progress=False)
+    model.to(dtype)
+    fmt = args.latent_format
+    layers = model.config.num_hidden_layers
+    top = layers * moments.head_dim / len(moments.groups)  # element ratio at rank 1 everywhere
+
+    def byte_ratio(b):  # every byte the store holds but the RoPE tables, against the dense cache in this dtype
+        return (dense_kv_bytes(b, args.batch, args.max_cache_len, dtype)
+                / store_bytes(b, args.batch, args.max_cache_len, fmt, fmt, dtype))
+
     for ratio in args.ratios:
-        bases = ckvp_compile.calibrate(model.float(), samples, group_size=4, kv_ratio=ratio, progress=False)
-        model.to(dtype)
+        if ratio == 1.0:
+            bases = moments.bases(1.0, args.allocation)
+        else:
+            bases = fit_byte_ratio(lambda r: moments.bases(r, args.allocation), ratio, top, byte_ratio)
         measure(lambda: CKVPStaticCache(model.config, bases, max_cache_len=args.max_cache_len,
-                                        max_batch_size=args.batch, device=dev, dtype=dtype), "CKVPStaticCache", ratio)
+                                        max_batch_size=args.batch, device=dev, dtype=dtype, latent_format=fmt),
+                f"CKVPStaticCache {fmt}", ratio)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "command": f"python benchmarks/ckvp_memory_gpu.py --out $OUT --dtype {args.dtype}", "dense_cache_bytes": dense_bytes}
-    (args.out / f"memory_{args.dtype}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            "command": f"python benchmarks/ckvp_memory_gpu.py --out $OUT --dtype {args.dtype} --latent-format {fmt} "
+                       f"--batch {args.batch} --group-size {args.group_size} --allocation {args.allocation}",
+            "dense_cache_bytes": dense_bytes}
+    (args.out / f"memory_{args.dtype}_{fmt.replace('/', '-')}_b{args.batch}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"| cache | requested ratio | device bytes held by the cache | dense / this | agreement with dense tokens |")
     print("| --- | --- | --- | --- | --- |")
     ref = rows[0]["tokens"]

@@ -422,7 +422,7 @@ def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str
         import matplotlib.ticker
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     lines: dict[tuple[int, str], list[FidelityResult]] = {}
     for r in results:
         lines.setdefault((r.group_size, r.rank_allocation, r.latent_format), []).append(r)
@@ -443,7 +443,7 @@ def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str
     ax.set_xlabel("measured KV compression ratio (dense bytes / latents + slots + bases)")
     ax.set_ylabel("perplexity rise vs dense (%)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
