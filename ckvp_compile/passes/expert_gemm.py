@@ -170,6 +170,18 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
     combine = [c for c in (moe_analysis._find_combine(g.node) for g in downs) if c is not None]
     if not combine:
         raise _Skip("the combine (expert outputs times routing weights) was not found")
+    for g in ups:
+        for d in downs:
+            extra = _ops_between(g.node, d.node) - {"chunk", "split", "silu", "mul"} if \
+                d.node in _descendants(g.node, 12) else set()
+            if extra:
+                raise _Skip(f"{', '.join(sorted(extra))} between the expert GEMMs {g.node.name} and {d.node.name} "
+                            "(an expert bias or another activation: NYI in the fused op; only silu(gate) * up)")
+    for g in downs:
+        extra = _ops_between(g.node, combine[0][0])
+        if extra:
+            raise _Skip(f"{', '.join(sorted(extra))} between the down GEMM {g.node.name} and the combine (an expert "
+                        "bias or output norm: NYI in the fused op)")
     weights = _routing_weights(combine[0][1], topk, t, t_shape[1])
     routed = moe_analysis._routed_output(combine[0][0])
     r_shape = shape_of(routed)
@@ -179,6 +191,28 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
         raise _Skip(f"the routed output {routed.name} has another shape than the router input and dynamic sizes "
                     "(a symbolic reshape is NYI); compile with dynamic=False")
     return _Rewrite(x, ids, weights, gate, up, down, routed, i)
+
+
+def _ops_between(start: fx.Node, end: fx.Node) -> set[str]:
+    """Names of the compute ops (not views, gathers or masks) on the paths from ``start`` forward to ``end``, and of
+    in-place ops that modify a tensor on those paths (``out.add_(bias)`` is not on the data path, but changes it)."""
+    allowed = _VIEWS | {"getitem", "masked_fill", "index", "index_select"}
+    path = {start} | {n for n in _descendants(start, 12) if n is not end and end in _descendants(n, 12)}
+    found = {op_name(n) for n in path if n is not start and op_name(n) not in allowed}
+    for n in path:
+        for u in n.users:
+            name = op_name(u)
+            if u.args and u.args[0] is n and (name in _INPLACE or (name.endswith("_") and not name.startswith("_"))):
+                found.add(name)
+    return found
+
+
+def _descendants(node: fx.Node, depth: int) -> set[fx.Node]:
+    out, frontier = set(), [node]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in out]
+        out.update(frontier)
+    return out
 
 
 def _symbolic(node: fx.Node) -> bool:

@@ -170,6 +170,36 @@ def test_pass_uuid_is_stable_and_source_keyed():
     assert ExpertGemmPass(()).is_applicable(torch.fx.Graph()) != ""
 
 
+def _biased_cond_ffn_forward(self, x, expert_indices):
+    """gpt-fast experts with a per-expert bias added in place to the gate projection or to the output (HF adds
+    expert biases; gpt-oss has them): not on the data path the analysis follows, and the fused op has no bias."""
+    w1, w3, w2 = self.w1[expert_indices], self.w3[expert_indices], self.w2[expert_indices]
+    gate = torch.einsum("ti,taoi->tao", x, w1)
+    if self.bias_at == "gate":
+        gate.add_(self.bias[expert_indices])
+    h = F.silu(gate) * torch.einsum("ti,taoi->tao", x, w3)
+    out = torch.einsum("tao,taio->tai", h, w2)
+    if self.bias_at == "down":
+        out.add_(self.bias[expert_indices])
+    return out
+
+
+@pytest.mark.parametrize("bias_at", ["gate", "down"])
+def test_in_place_expert_bias_left_untouched_with_warning(bias_at):
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=1)).eval()
+    for block in model.layers:
+        ffn = block.block_sparse_moe.cond_ffn
+        width = ffn.w1.shape[1] if bias_at == "gate" else ffn.w2.shape[1]
+        ffn.bias = torch.nn.Parameter(torch.randn(ffn.w1.shape[0], width))
+        ffn.bias_at = bias_at
+        ffn.forward = types.MethodType(_biased_cond_ffn_forward, ffn)
+    with pytest.warns(UnsupportedPatternWarning, match="add_ between the"):
+        eager, compiled, rec = run_both(model, batch=1)
+    assert_equal_logits(eager, compiled)
+    assert all(not OP_CALL.findall(g.dynamo_after) for g in rec.graphs)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_dynamic_token_count_and_inner_compilers(compiler):
     """dynamic=True (one graph for every prompt length) and both cheap inner compilers: rewritten, equal to eager."""
