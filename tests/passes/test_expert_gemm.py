@@ -216,6 +216,34 @@ def test_dynamic_token_count_and_inner_compilers(compiler):
     assert len(rec.graphs) < 3 and any("SymInt" in g.dynamo_before for g in rec.graphs)  # symbolic token count
 
 
+def test_composes_with_the_latent_kv_rewrite():
+    """Both rewrites on one graph (full-rank latent cache, exact): the latent pass runs first, then the expert
+    pass, and prefill + decode logits equal the dense eager model's."""
+    from ckvp_compile.latent import calibrate
+    from ckvp_compile.runtime.hf_cache import CKVPStaticCache
+    from ckvp_compile.testing.decoding import hf_step_kwargs
+
+    model = build_hf_moe("qwen2_moe", num_layers=2)
+    samples = [torch.randint(0, 256, (1, 20)) for _ in range(3)]
+    bases = calibrate(model, samples, group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, 256, (1, PROMPT_LEN))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=24)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=24, max_batch_size=1)
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    step = torch.compile(model, backend=backend, fullgraph=True)
+    outs = []
+    with torch.no_grad():
+        out = step(**hf_step_kwargs(model, ids, cache, 0)).logits
+        outs.append(out)
+        for i in range(N_DECODE):
+            out = step(**hf_step_kwargs(model, out[:, -1:].argmax(-1), cache, PROMPT_LEN + i)).logits
+            outs.append(out)
+    assert_equal_logits(eager, outs)
+    for g in rec.graphs:
+        assert [(r.name, r.matched) for r in g.pass_results] == [("latent_kv_cache", 2), ("expert_gemm", 2)]
+
+
 @pytest.mark.slow
 def test_full_inductor_output_code_calls_the_ckvp_op():
     """Full Inductor (CPU): the rewritten graph compiles, the ckvp op is in the generated code (as an extern call:
