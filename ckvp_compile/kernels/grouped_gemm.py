@@ -96,9 +96,10 @@ def prune_configs(configs: list[GemmConfig], block_m: int, itemsize: int, b_tile
 def gate_up_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
     """Candidate configs of the gate/up kernel (two B tiles per stage), pruned by :func:`prune_configs`.
 
-    Small M (<= 32, bandwidth bound): deep K tiles and 3-5 stages to keep many weight bytes in flight; the first
-    entry (the untuned default, used under torch.compile) won the tuning at Mixtral shape, batch 1, on an H200.
-    Large M: square tiles, 8 warps (compute bound)."""
+    Small M (<= 32, bandwidth bound): deep K tiles and 3-5 stages to keep many weight bytes in flight. Large M:
+    square tiles, 8 warps (compute bound). The first entry of each list is the untuned default (used under
+    torch.compile): the H200 tuning winner at Mixtral shape (batch 8 and 64 for small M, 512 for M = 128;
+    benchmarks/results/2026-11-29-moe-h200/run2_moe.json)."""
     if block_m <= 32:
         cands = [GemmConfig(128, 128, 4, 3), GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4),
                  GemmConfig(64, 128, 4, 5), GemmConfig(32, 128, 4, 5)]
@@ -106,7 +107,7 @@ def gate_up_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
         cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 3),
                  GemmConfig(128, 64, 4, 4)]
     else:
-        cands = [GemmConfig(64, 64, 8, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 8, 3),
+        cands = [GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 8, 4), GemmConfig(64, 128, 8, 3),
                  GemmConfig(64, 64, 4, 3)]
     return prune_configs(cands, block_m, itemsize, b_tiles=2)
 
@@ -121,7 +122,7 @@ def down_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
         cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 4),
                  GemmConfig(128, 128, 8, 3)]
     else:
-        cands = [GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 3), GemmConfig(128, 128, 8, 3),
+        cands = [GemmConfig(256, 64, 8, 3), GemmConfig(128, 64, 8, 4), GemmConfig(128, 128, 8, 3),
                  GemmConfig(64, 64, 4, 4)]
     return prune_configs(cands, block_m, itemsize, b_tiles=1)
 
