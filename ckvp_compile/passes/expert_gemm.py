@@ -32,7 +32,6 @@ compilation passes.
 from __future__ import annotations
 
 import logging
-import operator
 import warnings
 from dataclasses import dataclass
 
@@ -40,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis import moe as moe_analysis
-from ..analysis.graph import ancestors, node_map, op_name, placeholder_source, shape_of, strip_views
+from ..analysis.graph import ancestors, node_map, op_name, shape_of, strip_views
 from ..analysis.sites import MoESite
 from ..errors import UnsupportedPatternWarning
 from .base import CKVPPass
