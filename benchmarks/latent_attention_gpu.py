@@ -16,7 +16,7 @@ Data: random latent codes and fp16 block scales/mins written directly in the sto
 quantisation pass needed at 32k x 32), random orthonormal basis blocks, N(0, 1) queries: the scores are O(1).
 
     python benchmarks/latent_attention_gpu.py --out DIR [--batches 1,8,32] [--contexts 4096,32768]
-        [--formats int8/32:256,float:256,int4/32:128] [--sweep] [--flex]
+        [--formats int8/32:256,float:256,int4/32:128] [--sweep] [--flex] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -122,10 +122,34 @@ def kernel_bytes(args: tuple, n_split: int, rv_pad: int) -> dict:
     return {"latent": latent, "total": latent + other}
 
 
-def dump(out_dir: str, env: dict, results: list, sweeps: list, best_cfg: dict) -> None:
+def dump(out_dir: str, payload: dict) -> None:
     with open(os.path.join(out_dir, "latent_attention_h200.json"), "w") as fh:
-        json.dump({"env": env, "results": results, "sweep": sweeps,
-                   "best_config": {k: v.__dict__ for k, v in best_cfg.items()}}, fh, indent=1)
+        json.dump(payload, fh, indent=1, default=str)
+
+
+def to64(args: tuple) -> tuple:
+    """The arguments on the CPU, floats in fp64 (quantized latents stay uint8): the golden reference's inputs."""
+    return tuple(t.detach().cpu().double() if torch.is_tensor(t) and t.is_floating_point() else
+                 (t.detach().cpu() if torch.is_tensor(t) else t) for t in args)
+
+
+def try_config(args: tuple, want: torch.Tensor, cfg: DecodeConfig, rep: int = 30) -> dict:
+    """Run one config: relative error against ``want`` and median ms (or the error it raised)."""
+    try:
+        out = latent_attention_triton(*args, config=cfg)
+        err = rel_err(out, want)
+        ms = bench(lambda: latent_attention_triton(*args, config=cfg), warmup=10, rep=rep)
+        return {"config": dataclasses.asdict(cfg), "rel_err": err, "ms": ms}
+    except Exception as e:  # a config that does not compile or fit: reported, skipped
+        return {"config": dataclasses.asdict(cfg), "error": repr(e)[:400]}
+
+
+#: Swept on the first format (the others reuse its winner): DecodeConfig() is block_n 32, 8 warps, 2 stages.
+SWEEP = [DecodeConfig(), DecodeConfig(block_n=64, num_warps=8), DecodeConfig(block_n=32, num_warps=4),
+         DecodeConfig(num_stages=3), DecodeConfig(block_n=64, num_warps=8, hoist_basis=True),
+         DecodeConfig(hoist_basis=True), DecodeConfig(key_split=False)]
+#: Variants at a small shape, each against the fp64 golden: they tell a precision problem from a compiler one.
+DIAG = [DecodeConfig(), DecodeConfig(f32_dots=True), DecodeConfig(num_stages=1), DecodeConfig(align_hint=False)]
 
 
 def main() -> None:
@@ -134,10 +158,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--formats", default="int8/32:256,float:256,int4/32:128")
-    ap.add_argument("--sweep", action="store_true", help="time several configs at the largest shape per format")
-    ap.add_argument("--flex", action="store_true", help="also time FlexAttention decoding (compiles per shape)")
+    ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs at batch 8, the largest context")
+    ap.add_argument("--short-formats", default="int4/32", help="formats timed only at the largest context, B >= 8")
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention decoding at batch 8, 32k")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining grid rows after this long")
+    ap.add_argument("--diag-shape", default="2,4096", help="batch,context of the diagnostics")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    t_start = time.time()
     import triton
 
     from ckvp_compile.ops import register_all
@@ -151,95 +179,107 @@ def main() -> None:
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
     formats = [(f.rsplit(":", 1)[0], int(f.rsplit(":", 1)[1])) for f in a.formats.split(",")]
+    payload = {"env": env, "diagnostics": [], "sweep": [], "results": [], "skipped": []}
 
-    sdpa = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), dynamic=False)
-    results, sweeps = [], []
-    best_cfg: dict[str, DecodeConfig] = {}
-    for fi, (fmt, rank) in enumerate(formats):
-        cfg = DecodeConfig()
-        if a.sweep and fi == 0:  # tile sizes swept on the first format; the others reuse its winner
-            b, t = max(batches), max(contexts)
-            args = make_inputs(b, t, fmt, rank)
-            cands = [DecodeConfig(block_n=n, num_warps=w) for n in (32, 64, 128) for w in (4, 8)]
-            if fmt != "float":
-                cands.append(DecodeConfig(key_split=False))
+    # (0) diagnostics at a small shape: kernel variants, and the GPU fp32 reference, against an fp64 CPU golden
+    db, dt = (int(x) for x in a.diag_shape.split(","))
+    for fmt, rank in formats[:1]:
+        args = make_inputs(db, dt, fmt, rank, seed=11)
+        want = ref_chunked(args, 4)
+        gold = ref.latent_attention_ref(*to64(args)).cuda()
+        row = {"format": fmt, "rank": rank, "batch": db, "context": dt, "gpu_ref_vs_fp64": rel_err(want, gold)}
+        row["variants"] = []
+        for cfg in DIAG:
+            r = try_config(args, want, cfg, rep=10)
+            if "error" not in r:
+                r["vs_fp64"] = rel_err(latent_attention_triton(*args, config=cfg), gold)
+            row["variants"].append(r)
+        payload["diagnostics"].append(row)
+        print("diag", json.dumps(row, default=str), flush=True)
+    dump(a.out, payload)
+
+    sdpa = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    dense_cache: dict[tuple, dict] = {}
+    short = set(a.short_formats.split(","))
+    best = DecodeConfig()
+    for fmt, rank in formats:
+        cfg = dataclasses.replace(best, key_split=True)
+        if a.sweep and fmt == formats[0][0]:  # (1) configs at batch 8, the largest context; fastest within 1e-3
+            args = make_inputs(8, max(contexts), fmt, rank, seed=5)
             want = ref_chunked(args, 4)
             timed = []
-            for c in cands:
-                try:
-                    out = latent_attention_triton(*args, config=c)
-                    err = rel_err(out, want)
-                    ms = bench(lambda: latent_attention_triton(*args, config=c), warmup=10, rep=30)
-                except Exception as e:  # a config that does not compile or fit: report it, skip it
-                    sweeps.append({"format": fmt, "rank": rank, "config": c.__dict__, "error": repr(e)[:300]})
-                    print("sweep", c, "failed", repr(e)[:300], flush=True)
-                    continue
-                sweeps.append({"format": fmt, "rank": rank, "batch": b, "context": t, "config": c.__dict__,
-                               "ms": ms, "rel_err": err})
-                print("sweep", fmt, c, f"{ms:.3f} ms err {err:.2e}", flush=True)
-                if err <= 1e-3:
-                    timed.append((ms, c))
+            for c in SWEEP:
+                r = dict(try_config(args, want, c), format=fmt, rank=rank, batch=8, context=max(contexts))
+                payload["sweep"].append(r)
+                print("sweep", json.dumps(r), flush=True)
+                if "error" not in r and r["rel_err"] <= 1e-3:
+                    timed.append((r["ms"], c))
             if timed:
-                cfg = min(timed, key=lambda x: x[0])[1]
+                cfg = best = min(timed, key=lambda x: x[0])[1]
             del args, want
-        elif best_cfg:
-            cfg = dataclasses.replace(next(iter(best_cfg.values())), key_split=True)
-        best_cfg[fmt] = cfg
+        # (2) the grid: numerics and time against dense decode attention over the same context
         for b in batches:
             for t in contexts:
+                if fmt in short and (b < 8 or t < max(contexts)):
+                    continue
+                if time.time() - t_start > a.budget_s:
+                    payload["skipped"].append({"format": fmt, "batch": b, "context": t, "why": "time budget"})
+                    continue
                 torch.cuda.empty_cache()
                 args = make_inputs(b, t, fmt, rank, seed=b * 7 + t)
                 want = ref_chunked(args, 4)
                 out = latent_attention_triton(*args, config=cfg)
                 err = rel_err(out, want)
-                op_out = torch.ops.ckvp.latent_attention(*args)
-                op_err = rel_err(op_out, want)
-                del want
+                op_err = rel_err(torch.ops.ckvp.latent_attention(*args), want)
+                del want, out
                 ms = bench(lambda: latent_attention_triton(*args, config=cfg))
                 n_tiles = triton.cdiv(t, cfg.block_n)
-                want_split = triton.cdiv(cfg.target_programs, b * HKV)
-                n_split = max(1, min(want_split, n_tiles // cfg.min_tiles))
+                n_split = max(1, min(triton.cdiv(cfg.target_programs, b * HKV), n_tiles // cfg.min_tiles))
                 n_split = triton.cdiv(n_tiles, triton.cdiv(n_tiles, n_split))
                 nbytes = kernel_bytes(args, n_split, triton.next_power_of_2(rank))
-                q = args[0]
-                k = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)
-                dense_bytes = 2 * k.numel() * 2
-                dense = {"sdpa_eager_ms": bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))}
-                try:
-                    dense["sdpa_compiled_ms"] = bench(lambda: sdpa(q, k, v))
-                except Exception as e:
-                    dense["sdpa_compiled_error"] = repr(e)[:300]
-                if a.flex and t >= 32768 and b >= 8:
+                dense_bytes = 2 * b * HKV * t * D * 2
+                if (b, t) not in dense_cache:
+                    q = args[0]
+                    k = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)
+                    v = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)
+                    dense = {"sdpa_eager_ms": bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))}
                     try:
-                        from torch.nn.attention.flex_attention import flex_attention
-
-                        flex = torch.compile(flex_attention, dynamic=False)
-                        t0 = time.time()
-                        flex(q, k, v, enable_gqa=True)
-                        dense["flex_compile_s"] = time.time() - t0
-                        dense["flex_compiled_ms"] = bench(lambda: flex(q, k, v, enable_gqa=True))
+                        dense["sdpa_compiled_ms"] = bench(lambda: sdpa(q, k, v))
                     except Exception as e:
-                        dense["flex_error"] = repr(e)[:300]
+                        dense["sdpa_compiled_error"] = repr(e)[:300]
+                    if a.flex and (b, t) == (8, max(contexts)):  # compiles per shape: one data point
+                        try:
+                            from torch.nn.attention.flex_attention import flex_attention
+
+                            flex = torch.compile(flex_attention, dynamic=False)
+                            t0 = time.time()
+                            flex(q, k, v, enable_gqa=True)
+                            dense["flex_compile_s"] = time.time() - t0
+                            dense["flex_compiled_ms"] = bench(lambda: flex(q, k, v, enable_gqa=True))
+                        except Exception as e:
+                            dense["flex_error"] = repr(e)[:300]
+                    dense_cache[(b, t)] = dense
+                    del k, v
+                dense = dense_cache[(b, t)]
                 dense_ms = min(v_ for k_, v_ in dense.items() if k_.endswith("_ms"))
-                del k, v
                 bw = nbytes["total"] / (ms * 1e-3)
-                row = {"format": fmt, "rank": rank, "batch": b, "context": t, "config": cfg.__dict__,
+                row = {"format": fmt, "rank": rank, "batch": b, "context": t, "config": dataclasses.asdict(cfg),
                        "rel_err": err, "op_rel_err": op_err, "ms": ms, "n_split": n_split,
                        "bytes_latent": nbytes["latent"], "bytes_total": nbytes["total"], "GBps": bw / 1e9,
                        "copy_share": bw / copy_bw, "dense_bytes": dense_bytes, **dense, "dense_best_ms": dense_ms,
                        "speedup": dense_ms / ms, "byte_ratio": dense_bytes / nbytes["latent"],
                        "speedup_over_byte_ratio": (dense_ms / ms) / (dense_bytes / nbytes["latent"])}
-                results.append(row)
+                payload["results"].append(row)
                 print(f"{fmt:8s} r{rank} B{b:<3d} T{t:<6d} err {err:.1e} op {op_err:.1e} | {ms:7.3f} ms "
                       f"{bw / 1e9:6.0f} GB/s ({100 * bw / copy_bw:4.1f}% copy) | dense {dense_ms:7.3f} ms "
                       f"speedup {dense_ms / ms:5.2f} vs bytes {dense_bytes / nbytes['latent']:5.2f}", flush=True)
                 del args
-                dump(a.out, env, results, sweeps, best_cfg)
-    dump(a.out, env, results, sweeps, best_cfg)
+                dump(a.out, payload)
+    payload["wall_s"] = time.time() - t_start
+    dump(a.out, payload)
     print("\n| format | rank | B | T | rel err | ms | GB/s | % copy | dense ms | speedup | dense/latent bytes |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
+    for r in payload["results"]:
         print(f"| {r['format']} | {r['rank']} | {r['batch']} | {r['context']} | {r['rel_err']:.1e} | {r['ms']:.3f} | "
               f"{r['GBps']:.0f} | {100 * r['copy_share']:.1f} | {r['dense_best_ms']:.3f} | {r['speedup']:.2f} | "
               f"{r['byte_ratio']:.2f} |")

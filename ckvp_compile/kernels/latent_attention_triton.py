@@ -68,9 +68,12 @@ class DecodeConfig:
     min_tiles: fewest tiles per split (bounds the partial-result traffic at short contexts);
     key_split: rebuild keys from a non-bf16 latent (quantized, fp16, fp32) with the hi/lo split (two bf16 dots,
     ~fp32 accurate); False rounds the latent to bf16 once (one dot, about 2x less tensor work, ~2^-9 relative
-    error per coordinate)."""
+    error per coordinate); hoist_basis: load the whole basis block once per program, before the tile loop (one
+    rebuild dot over all of R per tile; needs registers or shared memory for it), instead of a BLOCK_R chunk per
+    tile from L2; f32_dots: multiply the bf16 parts as fp32 (tf32 tensor cores, same products; always on under
+    the interpreter); align_hint: tell the compiler how the heads' first columns are aligned (vector loads)."""
 
-    block_n: int = 64
+    block_n: int = 32
     block_r: int = 64
     num_warps: int = 8
     num_stages: int = 2
@@ -78,6 +81,9 @@ class DecodeConfig:
     min_tiles: int = 4
     target_programs: int = 264
     key_split: bool = True
+    hoist_basis: bool = False
+    f32_dots: bool = False
+    align_hint: bool = True
 
 
 def default_config() -> DecodeConfig:
@@ -97,34 +103,70 @@ def _fp16_at(ptr, step, mask):
 
 
 @triton.jit
-def _latent_tile(row_ptr, row_ok, cols, col0, blk0, rank, scale_base, min_base, stride_w,
-                 BITS: tl.constexpr, QBLOCK: tl.constexpr):
-    """(N, len(cols)) fp32 coordinates ``cols`` of one head's latent for the rows starting at ``row_ptr`` (N,).
+def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
+                 NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
+                 BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
+                 HALF_WORDS: tl.constexpr):
+    """(NROWS, NCOLS) fp32 latent coordinates j = C0 + [0, NCOLS) of one head, rows starting at ``row_ptr``.
 
-    Float format (BITS == 16): columns ``col0 + cols``. Quantized: code of coordinate j is bits
+    Float format (BITS == 16): columns ``col0 + j``. Quantized: the code of coordinate j is bits
     ``(j % (8/BITS)) * BITS`` of byte ``col0 + j*BITS/8``; block ``blk0 + j // QBLOCK`` holds its fp16 scale at
-    byte ``scale_base + 2*blk`` and min at ``min_base + 2*blk``; value = code * scale + min. Zero where
-    ``~row_ok`` or ``j >= rank``."""
+    byte ``scale_base + 2*blk`` and min at ``min_base + 2*blk``; value = code * scale + min. BLOCKWISE (QBLOCK
+    divides NCOLS and C0): each block's scale and min are loaded once per row and broadcast over its QBLOCK
+    coordinates; otherwise gathered per coordinate. COL_ALIGN / RANK_ALIGN: powers of two dividing ``col0`` /
+    ``rank`` (the compiler can then vectorise the row loads); HALF_WORDS: the scales and mins start at even bytes
+    of even-strided rows (loaded as 16-bit words). Zero where ``~row_ok`` or ``j >= rank``."""
+    if COL_ALIGN > 1:
+        col0 = (col0 // COL_ALIGN) * COL_ALIGN  # exact (the host checked it); tells the compiler the alignment
+    if RANK_ALIGN > 1:
+        rank = (rank // RANK_ALIGN) * RANK_ALIGN
+    cols = C0 + tl.arange(0, NCOLS)
     ok = row_ok[:, None] & (cols < rank)[None, :]
     if BITS == 16:
         z = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
-        byte = col0 + (cols * BITS) // 8
-        shift = (cols % (8 // BITS)) * BITS
-        raw = tl.load(row_ptr[:, None] + (byte * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
-        code = (raw >> shift[None, :]) & ((1 << BITS) - 1)
-        blk = blk0 + cols // QBLOCK
-        sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
-        mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
-        z = tl.where(ok, code.to(tl.float32) * sc + mn, 0.0)
+        if BITS == 8:
+            code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0)
+        elif BITS == 4:  # byte i holds codes 2i (low nibble) and 2i+1: load the bytes once, interleave the nibbles
+            hb = C0 // 2 + tl.arange(0, NCOLS // 2)
+            h_ok = row_ok[:, None] & (2 * hb < rank)[None, :]
+            raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :], mask=h_ok, other=0).to(tl.int32)
+            code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
+        else:  # BITS == 2: codes 4i .. 4i+3 in bits 0-1, 2-3, 4-5, 6-7 of byte i
+            qb = C0 // 4 + tl.arange(0, NCOLS // 4)
+            q_ok = row_ok[:, None] & (4 * qb < rank)[None, :]
+            raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :], mask=q_ok, other=0).to(tl.int32)
+            code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
+            code = tl.reshape(code, (NROWS, NCOLS))
+        code = code.to(tl.float32)
+        if BLOCKWISE:
+            kb = tl.arange(0, NCOLS // QBLOCK)
+            blk = blk0 + C0 // QBLOCK + kb
+            b_ok = row_ok[:, None] & ((C0 + kb * QBLOCK) < rank)[None, :]
+            if HALF_WORDS:
+                words = row_ptr.to(tl.pointer_type(tl.uint16))
+                sc = tl.load(words[:, None] + (scale_base // 2 + blk)[None, :], mask=b_ok, other=0)
+                mn = tl.load(words[:, None] + (min_base // 2 + blk)[None, :], mask=b_ok, other=0)
+                sc = sc.to(tl.float16, bitcast=True).to(tl.float32)
+                mn = mn.to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
+                mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
+            mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
+        else:
+            blk = blk0 + cols // QBLOCK
+            sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
+            mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
+        z = tl.where(ok, code * sc + mn, 0.0)
     return z
 
 
 @triton.jit
-def _mm(x, y, acc, INTERPRET: tl.constexpr):
-    """``acc + x @ y`` for bf16 x, y; under the interpreter (whose bf16 dot is wrong) as fp32, exactly the same
-    products."""
-    if INTERPRET:
+def _mm(x, y, acc, F32_DOT: tl.constexpr):
+    """``acc + x @ y`` for bf16 x, y; F32_DOT: as an fp32 dot of the same values (exact products on tf32 tensor
+    cores; required under the interpreter, whose bf16 dot is wrong)."""
+    if F32_DOT:
         acc = tl.dot(x.to(tl.float32), y.to(tl.float32), acc)
     else:
         acc = tl.dot(x, y, acc)
@@ -132,16 +174,16 @@ def _mm(x, y, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, INTERPRET: tl.constexpr):
+def _dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, F32_DOT: tl.constexpr):
     """``acc + a @ b`` on bf16 tensor cores: an operand whose values are not exactly bf16 (``*_EXACT`` False) is
     split into ``hi = bf16(x)`` and ``lo = bf16(x - hi)``; the lo x lo term (~2^-16 relative) is dropped."""
     a_hi = a.to(tl.bfloat16)
     b_hi = b.to(tl.bfloat16)
-    acc = _mm(a_hi, b_hi, acc, INTERPRET)
+    acc = _mm(a_hi, b_hi, acc, F32_DOT)
     if not A_EXACT:
-        acc = _mm((a - a_hi.to(tl.float32)).to(tl.bfloat16), b_hi, acc, INTERPRET)
+        acc = _mm((a - a_hi.to(tl.float32)).to(tl.bfloat16), b_hi, acc, F32_DOT)
     if not B_EXACT:
-        acc = _mm(a_hi, (b - b_hi.to(tl.float32)).to(tl.bfloat16), acc, INTERPRET)
+        acc = _mm(a_hi, (b - b_hi.to(tl.float32)).to(tl.bfloat16), acc, F32_DOT)
     return acc
 
 
@@ -192,7 +234,10 @@ def _latent_attention_split_kernel(
     ROPE: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, SLOT_BLOCK: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr,
     V_BITS: tl.constexpr, V_QBLOCK: tl.constexpr, MASK: tl.constexpr, Q_EXACT: tl.constexpr,
-    ZK_EXACT: tl.constexpr, BK_EXACT: tl.constexpr, ZV_EXACT: tl.constexpr, INTERPRET: tl.constexpr,
+    ZK_EXACT: tl.constexpr, BK_EXACT: tl.constexpr, ZV_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
+    K_BLOCKWISE: tl.constexpr, V_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr, K_ALIGN: tl.constexpr,
+    V_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, V_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
+    V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -215,7 +260,9 @@ def _latent_attention_split_kernel(
     v_col0 = tl.load(vmeta_ptr + 3 * h)
     v_blk0 = tl.load(vmeta_ptr + 3 * h + 1)
     v_rank = tl.load(vmeta_ptr + 3 * h + 2)
-    i1, i2, c1, c2, rot_ok, rest, rest_ok = _rope_rows(half, rot_dim, D, HALF, REST, ROPE)
+    if HALF_ALIGN > 1:
+        half = (half // HALF_ALIGN) * HALF_ALIGN  # exact (host-checked): aligned, vectorisable row loads
+    i1, i2, c1, c2, rot_ok, rest, rest_ok = _rope_rows(half, 2 * half, D, HALF, REST, ROPE)
     q1 = tl.load(q_row[:, None] + (i1 * stride_qd)[None, :], mask=head_ok[:, None] & rot_ok[None, :], other=0.0)
     q2 = tl.load(q_row[:, None] + (i2 * stride_qd)[None, :], mask=head_ok[:, None] & rot_ok[None, :], other=0.0)
     q3 = tl.load(q_row[:, None] + (rest * stride_qd)[None, :], mask=head_ok[:, None] & rest_ok[None, :], other=0.0)
@@ -224,6 +271,16 @@ def _latent_attention_split_kernel(
     q3 = q3.to(tl.float32)
     bk_head = bk_ptr + b.to(tl.int64) * stride_bkb + h * stride_bkh
     mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh  # (G_PAD,)
+
+    if HOIST:  # the whole (RK_PAD, .) basis block stays on chip across the tile loop (BLOCK_R == RK_PAD)
+        r = tl.arange(0, RK_PAD)
+        b_ok = (r < rk_max)[:, None]
+        b_rows = bk_head + (r * stride_bkr)[:, None]
+        if HAS_ROT:
+            p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+            p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+        if HAS_REST:
+            p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
 
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
@@ -246,19 +303,22 @@ def _latent_attention_split_kernel(
         x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
         x3 = tl.zeros((BLOCK_N, REST), tl.float32)
         for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            z = _latent_tile(lk_rows, col_ok, r, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, stride_lkw,
-                             K_BITS, K_QBLOCK)
-            b_ok = (r < rk_max)[:, None]
-            b_rows = bk_head + (r * stride_bkr)[:, None]
+            z = _latent_tile(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, stride_lkw,
+                             r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS)
+            if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
+                r = r0 + tl.arange(0, BLOCK_R)
+                b_ok = (r < rk_max)[:, None]
+                b_rows = bk_head + (r * stride_bkr)[:, None]
+                if HAS_ROT:
+                    p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                    p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                if HAS_REST:
+                    p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
             if HAS_ROT:
-                p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-                p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-                x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, INTERPRET)
-                x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, INTERPRET)
+                x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
+                x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
             if HAS_REST:
-                p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
-                x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, INTERPRET)
+                x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
         scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
         if HAS_ROT:
             pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
@@ -275,10 +335,10 @@ def _latent_attention_split_kernel(
                                other=0.0)
             o1 = x1 * cos1.to(tl.float32) - x2 * sin1.to(tl.float32)
             o2 = x2 * cos2.to(tl.float32) + x1 * sin2.to(tl.float32)
-            scores = _dot_split(q1, tl.trans(o1), scores, Q_EXACT, False, INTERPRET)
-            scores = _dot_split(q2, tl.trans(o2), scores, Q_EXACT, False, INTERPRET)
+            scores = _dot_split(q1, tl.trans(o1), scores, Q_EXACT, False, F32_DOT)
+            scores = _dot_split(q2, tl.trans(o2), scores, Q_EXACT, False, F32_DOT)
         if HAS_REST:
-            scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, INTERPRET)
+            scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, F32_DOT)
         scores = scores * qk_scale  # log2 units: qk_scale = scale * log2(e)
         if MASK == 1:
             mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
@@ -296,9 +356,9 @@ def _latent_attention_split_kernel(
         p = tl.exp2(scores - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
-        zv = _latent_tile(lv_rows, col_ok, tl.arange(0, RV_PAD), v_col0, v_blk0, v_rank, v_scale_base, v_min_base,
-                          stride_lvw, V_BITS, V_QBLOCK)
-        acc = _dot_split(p, zv, acc * alpha[:, None], False, ZV_EXACT, INTERPRET)
+        zv = _latent_tile(lv_rows, col_ok, v_col0, v_blk0, v_rank, v_scale_base, v_min_base, stride_lvw, 0,
+                          BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN, V_WORDS)
+        acc = _dot_split(p, zv, acc * alpha[:, None], False, ZV_EXACT, F32_DOT)
         m_i = m_new
 
     row = (bh * S + s) * n_split + c
@@ -346,7 +406,7 @@ def _latent_attention_reduce_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     # meta-parameters
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    NEW_BLOCK: tl.constexpr, MASK: tl.constexpr, BV_EXACT: tl.constexpr, INTERPRET: tl.constexpr,
+    NEW_BLOCK: tl.constexpr, MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """Merge the splits of one (sequence, KV head, query token), add the exact new tokens, project, normalise.
 
@@ -394,7 +454,7 @@ def _latent_attention_reduce_kernel(
         dd = d0 + tl.arange(0, BLOCK_D)
         pv = tl.load(bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
                      mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
-        o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, INTERPRET)
+        o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
         for j0 in range(0, S, NEW_BLOCK):
             sc = _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd,
                              stride_mt, D_PAD, NEW_BLOCK, MASK, G_PAD, G)
@@ -454,8 +514,9 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
 _META: dict[tuple, torch.Tensor] = {}
 
 
-def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[torch.Tensor, int, int]:
-    """((Hkv, 3) int32 per head: first column (float) or code byte, first block, rank; scale base; min base).
+def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[torch.Tensor, int, int, list]:
+    """((Hkv, 3) int32 per head: first column (float) or code byte, first block, rank; scale base; min base;
+    the first columns as ints).
 
     Cached per (offsets, format, device): the tensor is built once (outside any CUDA-graph capture that replays it).
     """
@@ -474,12 +535,35 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
     if key not in _META:
         _META[key] = torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)], dtype=torch.int32,
                                   device=device).reshape(-1, 3)
-    return _META[key], scale_base, min_base
+    return _META[key], scale_base, min_base, list(col0)
 
 
 def _basis_strides(basis: torch.Tensor) -> tuple:
     """(batch, head, D, R) strides of a (Hkv, D, R) shared or (B, Hkv, D, R) per-sequence (online) basis block."""
     return tuple(basis.stride()) if basis.dim() == 4 else (0, *basis.stride())
+
+
+def _align(cols: list) -> int:
+    """The largest power of two <= 16 dividing every head's first column (element or byte index)."""
+    a = 16
+    while a > 1 and any(int(c) % a for c in cols):
+        a //= 2
+    return a
+
+
+def _ranks(offsets: Sequence[int]) -> list:
+    return [int(b) - int(a) for a, b in zip(offsets, offsets[1:])]
+
+
+def _words(f, latent: torch.Tensor, scale_base: int, min_base: int) -> bool:
+    """Quantized rows whose fp16 scales / mins sit at even byte addresses (even base, row and batch strides)."""
+    return (f.quantized and latent.stride(-1) == 1 and scale_base % 2 == 0 and min_base % 2 == 0
+            and latent.stride(0) % 2 == 0 and latent.stride(1) % 2 == 0 and latent.data_ptr() % 2 == 0)
+
+
+def _blockwise(f, ncols: int) -> bool:
+    """A quantized format whose blocks tile every chunk of ``ncols`` coordinates (power-of-two block <= ncols)."""
+    return f.quantized and f.block & (f.block - 1) == 0 and f.block <= ncols
 
 
 def _np2(x: int, lo: int = 16) -> int:
@@ -518,15 +602,16 @@ def latent_attention_triton(
     hkv = basis_k_block.shape[-3]
     g = h // hkv
     kf, vf = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
-    kmeta, k_sb, k_mb = _head_meta(k_offsets, k_fmt, q.device)
-    vmeta, v_sb, v_mb = _head_meta(v_offsets, v_fmt, q.device)
+    kmeta, k_sb, k_mb, kmeta_cols = _head_meta(k_offsets, k_fmt, q.device)
+    vmeta, v_sb, v_mb, vmeta_cols = _head_meta(v_offsets, v_fmt, q.device)
     rk_max, rv_max = basis_k_block.shape[-1], basis_v_block.shape[-1]
     rope = _ROPE_CODE[rope_form]
     rd = 0 if rope == 0 else int(rotary_dim)
     half = rd // 2
     g_pad = _np2(g)
     rk_pad, rv_pad = _np2(rk_max), _np2(rv_max)
-    block_r = min(cfg.block_r, rk_pad)
+    block_r = rk_pad if cfg.hoist_basis else min(cfg.block_r, rk_pad)
+    f32_dot = _interpreting() or cfg.f32_dots
     n_tiles = triton.cdiv(kv_len, cfg.block_n)
     if cfg.split is not None:
         n_split = max(1, min(cfg.split, n_tiles))
@@ -564,18 +649,24 @@ def latent_attention_triton(
         *mstrides,
         G_PAD=g_pad, HALF=_np2(half), REST=_np2(d - rd), HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope,
         RK_PAD=rk_pad, RV_PAD=rv_pad, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
-        SLOT_BLOCK=min(triton.next_power_of_2(s), 16), K_BITS=kf.bits, K_QBLOCK=max(kf.block, 1),
+        SLOT_BLOCK=16, K_BITS=kf.bits, K_QBLOCK=max(kf.block, 1),
         V_BITS=vf.bits, V_QBLOCK=max(vf.block, 1), MASK=mask_kind, Q_EXACT=q.dtype == bf16,
         ZK_EXACT=(not kf.quantized and latent_k.dtype == bf16) or not cfg.key_split,
         BK_EXACT=basis_k_block.dtype == bf16,
-        ZV_EXACT=(not vf.quantized and latent_v.dtype == bf16), INTERPRET=_interpreting(),
+        ZV_EXACT=(not vf.quantized and latent_v.dtype == bf16), F32_DOT=f32_dot,
+        K_BLOCKWISE=_blockwise(kf, block_r), V_BLOCKWISE=_blockwise(vf, rv_pad), HOIST=cfg.hoist_basis,
+        K_ALIGN=_align(kmeta_cols) if cfg.align_hint else 1, V_ALIGN=_align(vmeta_cols) if cfg.align_hint else 1,
+        K_RALIGN=_align(_ranks(k_offsets)) if cfg.align_hint else 1,
+        V_RALIGN=_align(_ranks(v_offsets)) if cfg.align_hint else 1,
+        K_WORDS=cfg.align_hint and _words(kf, latent_k, k_sb, k_mb),
+        V_WORDS=cfg.align_hint and _words(vf, latent_v, v_sb, v_mb), HALF_ALIGN=_align([half]) if cfg.align_hint else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _latent_attention_reduce_kernel[(b * hkv, s)](
         q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
         hkv, s, n_split, qk_scale, g, d, rv_max,
         *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
-        G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)), NEW_BLOCK=min(_np2(s, 1), 8),
-        MASK=mask_kind, BV_EXACT=basis_v_block.dtype == bf16, INTERPRET=_interpreting(), num_warps=4,
+        G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)), NEW_BLOCK=4,
+        MASK=mask_kind, BV_EXACT=basis_v_block.dtype == bf16, F32_DOT=f32_dot, num_warps=4,
     )
     return out.to(q.dtype)

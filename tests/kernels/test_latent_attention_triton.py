@@ -7,7 +7,8 @@ it, so the kernel checks run in a child process started with the variable set: t
 GQA ratios 1-4 with Hkv 1-3 (MQA included), D in {16, 32, 64}, unequal ranks per head for K and V, kv_len up to
 40, one to three new tokens, latent formats float / int8 / int4 / int2 with several block sizes (ragged last
 blocks), the four RoPE forms with partial rotary_dim, bool / additive masks of several broadcast shapes (fully
-masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes and context splits.
+masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes, rebuild chunks,
+the hoisted basis, alignment hints and context splits.
 Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, every row masked, the op's CUDA kernel function
 (dispatch to Triton, and to the reference for an unsupported dtype). Bound: relative error (Frobenius) <= 1e-3.
 """
@@ -137,8 +138,9 @@ def _check_property(n_examples: int) -> None:
                  mask_p=draw(st.sampled_from((0.2, 0.7))),
                  dtype=draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16))),
                  pos_dtype=draw(st.sampled_from((torch.int32, torch.int64))))
-        cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=16, num_warps=1,
-                           split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8)
+        cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=draw(st.sampled_from((16, 32))),
+                           num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
+                           hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
