@@ -140,6 +140,20 @@ def test_errors_name_the_argument(change, message):
         torch.ops.ckvp.moe_experts(*_args(x))
 
 
+def test_triton_op_twin_on_cpu_calls_the_reference():
+    """``ckvp::moe_experts_triton`` (the traceable twin the pass uses on CUDA) has the same contract; on CPU it
+    computes with the reference, eagerly and compiled, and its opcheck passes."""
+    case = dict(tokens=6, num_experts=5, top_k=2, hidden=16, ffn=24, mode="skewed", seed=3)
+    x = make_moe_inputs(case)
+    torch.library.opcheck(torch.ops.ckvp.moe_experts_triton.default, _args(x))
+    want = torch.ops.ckvp.moe_experts(*_args(x))
+    assert torch.equal(torch.ops.ckvp.moe_experts_triton(*_args(x)), want)
+    f = torch.compile(lambda *a: torch.ops.ckvp.moe_experts_triton(*a), backend="aot_eager", fullgraph=True)
+    assert torch.equal(f(*_args(x)), want)
+    with pytest.raises(CKVPShapeError, match="w_down must be"):
+        torch.ops.ckvp.moe_experts_triton(*_args(x)[:5], x["w_down"][:, :-1])
+
+
 def test_compiles_fullgraph():
     case = dict(tokens=7, num_experts=5, top_k=2, hidden=16, ffn=24, mode="random", seed=2)
     x = make_moe_inputs(case)
