@@ -20,10 +20,12 @@ I FFN dim, P = T*A pairs, P_pad padded rows, BLOCK_M the M tile):
 Software pipelining: the K loops are plain ``for`` loops over K tiles; Triton's ``num_stages`` pipelines them
 (the next weight tile is loading while the current one is in the tensor cores), TMA-free so it runs on any GPU
 and in the interpreter. Small M (decode): BLOCK_M = 16 rows per tile (the smallest ``tl.dot`` M) and at most
-``min(E, P)`` non-empty tiles, with narrow N tiles and split-K for the down projection so that a batch-1 layer
-still spreads over all SMs.
+``min(E, P)`` non-empty tiles, narrow N tiles and split-K candidates for the down projection so that a batch-1
+layer still spreads over all SMs (at Mixtral shape on the H200 the tuner chose 32-wide N tiles, no split-K).
 
-The kernels are written once here; a lowering (Inductor TritonTemplate) is meant to reuse these bodies.
+The kernels are written once here. Inductor sees them through the ``triton_op`` ``ckvp::moe_experts_triton``
+(traced: the kernels appear in its output code, launched with the config lists' first entries); an autotuned
+TritonTemplate lowering that would reuse these bodies is not built.
 Source: the tiling of the Triton tutorials ``03-matrix-multiplication.py`` / ``08-grouped-gemm.py`` and the
 routing layout of vLLM ``fused_moe`` (tokens sorted by expert, padded to the M tile), written from scratch.
 """
