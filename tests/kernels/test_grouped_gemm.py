@@ -56,7 +56,7 @@ def _check_cases() -> None:
             assert err <= 1e-5, (t, e, a, dm, i, mode, block_m, float(err))
     # the one-program routing kernel equals the torch routing, including pad tiles and the fallback size
     for t, e, a, bm, seed in ((1, 8, 2, 16, 0), (13, 5, 3, 16, 1), (30, 60, 4, 16, 2), (100, 16, 4, 32, 4),
-                              (2000, 8, 2, 128, 3)):
+                              (1, 1, 1, 16, 5), (7, 1, 1, 16, 6), (2000, 8, 2, 128, 3)):
         ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(seed + k))[:a]
                            for k in range(t)])
         for got, want in zip(gg.moe_align(ids, e, bm), ref.moe_align_ref(ids, e, bm)):
