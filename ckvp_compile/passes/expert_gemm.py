@@ -157,6 +157,10 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
     downs = [g for g in gemms if _is_down(g, gemms)]
     ups = [g for g in gemms if not _is_down(g, gemms)]
     down_w = {g.weight for g in downs}
+    if len(down_w) > 1 and all(len(_shape(w) or ()) == 2 for w in down_w):
+        raise _Skip(f"the experts keep {len(down_w)} separate 2-D down weights (an nn.ModuleList of experts, "
+                    "transformers 4.x style); the fused op reads stacked (E, ...) weights and stacking them on every "
+                    "call would copy all expert weights: NYI (transformers 5 stores them stacked)")
     if len(down_w) != 1:
         raise _Skip(f"expected one stacked down weight, found {len(down_w)}")
     down = down_w.pop()

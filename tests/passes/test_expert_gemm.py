@@ -202,6 +202,38 @@ def test_in_place_expert_bias_left_untouched_with_warning(bias_at):
     assert all(not OP_CALL.findall(g.dynamo_after) for g in rec.graphs)
 
 
+class _ModuleListMoE(torch.nn.Module):
+    """transformers 4.x style: router, softmax, top-k, renormalise, an nn.ModuleList of SwiGLU experts in a loop."""
+
+    def __init__(self, dim: int = 32, num_experts: int = 4, ffn: int = 16) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "w1": torch.nn.Linear(dim, ffn, bias=False), "w3": torch.nn.Linear(dim, ffn, bias=False),
+            "w2": torch.nn.Linear(ffn, dim, bias=False)}) for _ in range(num_experts))
+
+    def forward(self, x):
+        w, idx = torch.topk(torch.softmax(self.gate(x), -1), 2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(idx, num_classes=len(self.experts)).permute(2, 1, 0)  # (E, A, T)
+        for e, ex in enumerate(self.experts):
+            slot, token = torch.where(mask[e])
+            h = x[token]
+            out.index_add_(0, token, ex["w2"](F.silu(ex["w1"](h)) * ex["w3"](h)) * w[token, slot, None])
+        return out
+
+
+def test_module_list_experts_left_untouched_with_warning():
+    model = _ModuleListMoE().eval()
+    x = torch.randn(9, 32)
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), \
+            pytest.warns(UnsupportedPatternWarning, match="separate 2-D down weights"), torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_dynamic_token_count_and_inner_compilers(compiler):
     """dynamic=True (one graph for every prompt length) and both cheap inner compilers: rewritten, equal to eager."""
