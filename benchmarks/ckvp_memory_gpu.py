@@ -79,23 +79,14 @@ def main() -> None:
     dense = measure(dense_cache, "dense StaticCache", 1.0)
     dense_bytes = dense["cache_bytes_allocated"]
     from ckvp_compile.latent import collect_kv_moments
-    from ckvp_compile.latent.budget import dense_kv_bytes, fit_byte_ratio, store_bytes
+    from ckvp_compile.latent.budget import bases_for_byte_ratio
 
     moments = collect_kv_moments(model.float(), samples, group_size=args.group_size, progress=False)
     model.to(dtype)
     fmt = args.latent_format
-    layers = model.config.num_hidden_layers
-    top = layers * moments.head_dim / len(moments.groups)  # element ratio at rank 1 everywhere
-
-    def byte_ratio(b):  # every byte the store holds but the RoPE tables, against the dense cache in this dtype
-        return (dense_kv_bytes(b, args.batch, args.max_cache_len, dtype)
-                / store_bytes(b, args.batch, args.max_cache_len, fmt, fmt, dtype))
-
-    for ratio in args.ratios:
-        if ratio == 1.0:
-            bases = moments.bases(1.0, args.allocation)
-        else:
-            bases = fit_byte_ratio(lambda r: moments.bases(r, args.allocation), ratio, top, byte_ratio)
+    for ratio in args.ratios:  # every byte the store holds but the RoPE tables, against the dense cache's dtype
+        bases = bases_for_byte_ratio(moments, ratio, fmt, batch_size=args.batch, max_cache_len=args.max_cache_len,
+                                     rank_allocation=args.allocation, dense_dtype=dtype, latent_dtype=dtype)
         measure(lambda: CKVPStaticCache(model.config, bases, max_cache_len=args.max_cache_len,
                                         max_batch_size=args.batch, device=dev, dtype=dtype, latent_format=fmt),
                 f"CKVPStaticCache {fmt}", ratio)

@@ -36,6 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compress the KV cache into the CKVP latent at this ratio (calibrates on the model's "
                         "eval_text.txt first); default: dense cache")
     p.add_argument("--group-size", type=int, default=4, help="layers sharing one latent (with --kv-ratio)")
+    p.add_argument("--latent-format", default="int8",
+                   help="latent storage with --kv-ratio: float, int8 (default), int4, int2, optionally /block; "
+                        "--kv-ratio then counts bytes (latents, scales, slot positions, bases) against a 16-bit "
+                        "dense cache")
+    p.add_argument("--budget-len", type=int, default=4096,
+                   help="with --kv-ratio: the cache length (one sequence) the byte ratio is met at, bases counted "
+                        "(default 4096; the bases are shared by all sequences and contexts, like weights)")
     return p.parse_args(argv)
 
 
@@ -67,11 +74,15 @@ def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
     ids = encode(text_file.read_text(encoding="utf-8", errors="replace")[-16 * 256:])
     samples = [torch.tensor([ids[i:i + 256]]) for i in range(0, len(ids) - 255, 256)][:16]
     start = time.perf_counter()
-    bases = calibrate(model, samples, group_size=args.group_size, kv_ratio=args.kv_ratio, progress=False)
+    dtype = getattr(torch, args.dtype)
+    kv_dtype = torch.bfloat16 if dtype == torch.float32 else dtype  # the dense cache a deployment would hold
+    bases = calibrate(model, samples, group_size=args.group_size, kv_ratio=args.kv_ratio, progress=False,
+                      latent_format=args.latent_format, cache_len=args.budget_len, dense_dtype=kv_dtype,
+                      latent_dtype=kv_dtype)
     print(f"calibrated CKVP bases on {len(samples)} x 256 tokens in {time.perf_counter() - start:.1f} s")
     print(bases.summary())
     return CKVPStaticCache(model.config, bases, max_cache_len=max_cache_len, max_batch_size=1,
-                           device=args.device, dtype=getattr(torch, args.dtype))
+                           device=args.device, dtype=dtype, latent_format=args.latent_format, latent_dtype=kv_dtype)
 
 
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) -> tuple[list[int], float]:
@@ -132,10 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     if cache is None:
         print(f"KV cache: dense, {dense_per_token} bytes per token")
     else:
-        nb = cache.store.nbytes()
-        per_token = nb.per_sequence_state / cache.store.max_cache_len
-        print(f"KV cache: CKVP latent, {per_token:.0f} bytes per token (dense {dense_per_token}; measured ratio "
-              f"{nb.ratio:.2f}x); model constants (bases + RoPE tables): {nb.bases + nb.rope_tables} bytes")
+        nb, store = cache.store.nbytes(), cache.store
+        kv_dtype = store.latent_dtype
+        dense_kv = dense_per_token // torch.empty((), dtype=dtype).element_size() * kv_dtype.itemsize
+        per_token = nb.per_sequence_state / store.max_cache_len
+        print(f"KV cache: CKVP latent ({store.k_format}), {per_token:.0f} bytes per token per sequence (dense "
+              f"{str(kv_dtype).removeprefix('torch.')} {dense_kv}); measured ratio with the bases counted "
+              f"{nb.ratio_vs(kv_dtype):.2f}x at this run's cache length ({store.max_cache_len} slots), "
+              f"{nb.ratio_vs(kv_dtype, with_bases=False):.2f}x without them; ranks fitted for {args.kv_ratio:g}x "
+              f"with the bases counted at {args.budget_len} slots; bases {nb.bases} bytes, RoPE tables "
+              f"{nb.rope_tables} bytes")
     n = len(ckvp_ids)
     print(f"eager:              {eager_s:7.2f} s  ({n / eager_s:7.1f} tokens/s)")
     print(f"ckvp first call:    {first_s:7.2f} s  (includes compilation with compiler={args.compiler!r})")

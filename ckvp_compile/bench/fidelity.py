@@ -304,7 +304,7 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     """
     from .. import CKVPBackend, CKVPConfig, CompileRecorder
     from ..kernels.latent_format import parse_latent_format
-    from ..latent.budget import dense_kv_bytes, fit_byte_ratio, store_bytes
+    from ..latent.budget import bases_for_byte_ratio, store_bytes
     from ..runtime.hf_cache import CKVPStaticCache
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -324,19 +324,10 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     for cfg in configs:
         t0 = time.perf_counter()
         alloc, _, basis = cfg.rank_allocation.partition("+")
-        mom = moments[cfg.group_size]
         fmt = parse_latent_format(cfg.latent_format).name
-
-        def byte_ratio(b):
-            return (dense_kv_bytes(b, batch_size, window, dense_dtype)
-                    / store_bytes(b, batch_size, window, fmt, fmt, latent_dtype))
-
-        top = (num_layers * mom.num_kv_heads * mom.head_dim * 2) / (2 * len(mom.groups) * mom.num_kv_heads)
-        if cfg.kv_ratio == 1.0:  # the full-rank control (the store then holds more than the dense cache)
-            pca = mom.bases(1.0, alloc, "pca")
-        else:
-            pca = fit_byte_ratio(lambda r: mom.bases(r, alloc, "pca"), cfg.kv_ratio, top, byte_ratio)
-        bases = pca if (basis or "pca") == "pca" else mom.bases(pca.target_ratio, alloc, basis)
+        bases = bases_for_byte_ratio(moments[cfg.group_size], cfg.kv_ratio, fmt, batch_size=batch_size,
+                                     max_cache_len=window, rank_allocation=alloc, basis=basis or "pca",
+                                     dense_dtype=dense_dtype, latent_dtype=latent_dtype)
         torch._dynamo.reset()
         cache = CKVPStaticCache(model.config, bases, max_cache_len=window, max_batch_size=batch_size,
                                 device=param.device, dtype=param.dtype, latent_format=fmt, latent_dtype=latent_dtype)

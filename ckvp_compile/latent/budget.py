@@ -17,7 +17,7 @@ import torch
 from ..errors import CKVPConfigError
 from ..kernels.latent_format import parse_latent_format
 
-__all__ = ["dense_kv_bytes", "fit_byte_ratio", "store_bytes"]
+__all__ = ["bases_for_byte_ratio", "dense_kv_bytes", "fit_byte_ratio", "store_bytes"]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -81,3 +81,42 @@ def fit_byte_ratio(build: Callable[[float], Any], target: float, max_elements_ra
         else:
             lo = mid
     return best
+
+
+def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "float", *, batch_size: int = 1,
+                         max_cache_len: int = 4096, rank_allocation: str = "energy", basis: str = "pca",
+                         dense_dtype: torch.dtype = torch.bfloat16,
+                         latent_dtype: torch.dtype = torch.bfloat16) -> Any:
+    """Bases from collected moments whose store meets ``kv_ratio`` in bytes (see :func:`store_bytes`).
+
+    Args:
+        moments: :class:`~ckvp_compile.latent.KVMoments` (``collect_kv_moments``).
+        kv_ratio: dense bytes / store bytes (latents, slot positions and bases; not the RoPE tables) for
+            ``batch_size`` sequences of ``max_cache_len`` slots; 1.0 means full rank (a control: the store then
+            holds more than the dense cache).
+        latent_format: storage of the latents (``"float"`` = ``latent_dtype``, ``"int8"``, ``"int4/64"``, ...).
+        batch_size, max_cache_len: the cache the ratio is counted for (the bases are shared by the batch).
+        rank_allocation, basis: as for :func:`~ckvp_compile.latent.calibrate` ('weighted' bases get the ranks
+            the 'pca' fit chose).
+        dense_dtype: the dense cache compared against (the checkpoint's dtype, usually bf16).
+        latent_dtype: dtype of 'float' latents and of the bases on the device.
+    Returns:
+        :class:`~ckvp_compile.latent.LatentBases`.
+    Raises:
+        CKVPConfigError: an unknown format, or a ratio no rank reaches.
+    """
+    try:
+        fmt = parse_latent_format(latent_format).name
+    except ValueError as e:
+        raise CKVPConfigError(str(e)) from None
+    if kv_ratio == 1.0:
+        return moments.bases(1.0, rank_allocation, basis)
+
+    def byte_ratio(b: Any) -> float:
+        return (dense_kv_bytes(b, batch_size, max_cache_len, dense_dtype)
+                / store_bytes(b, batch_size, max_cache_len, fmt, fmt, latent_dtype))
+
+    layers = sum(len(g) for g in moments.groups)
+    top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere
+    pca = fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca"), kv_ratio, top, byte_ratio)
+    return pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis)

@@ -140,7 +140,9 @@ class KVMoments:
 
 def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: CKVPConfig | None = None, *,
               group_size: int | None = None, kv_ratio: float = 4.0, rank_allocation: str = "energy",
-              basis: str = "pca", max_cache_len: int | None = None, progress: bool = True) -> LatentBases:
+              basis: str = "pca", max_cache_len: int | None = None, progress: bool = True,
+              latent_format: str | None = None, batch_size: int = 1, cache_len: int = 4096,
+              dense_dtype: torch.dtype = torch.bfloat16, latent_dtype: torch.dtype = torch.bfloat16) -> LatentBases:
     """Fit cross-layer latent bases and per-head ranks for ``model`` on ``samples``.
 
     Args:
@@ -151,7 +153,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             shape compiles once (Dynamo's recompile limit, 8 by default, bounds the distinct shapes).
         config: a :class:`~ckvp_compile.CKVPConfig`; its ``group_size`` is used unless ``group_size`` is given.
         group_size: G, layers per group (one of 1, 2, 4, 8); default ``config.group_size`` or 4.
-        kv_ratio: rho >= 1, the target dense / latent elements per token; the measured ratio is >= rho.
+        kv_ratio: rho >= 1, the target dense / latent elements per token; the measured ratio is >= rho. With
+            ``latent_format``, the target dense / held *bytes* instead (see below).
         rank_allocation: 'energy' (maximise the retained energy fraction, summed over group, head, K/V) or
             'uniform' (one rank everywhere).
         basis: 'pca' (top eigenvectors of the second moment) or 'weighted' (orthonormal bases minimising the
@@ -159,6 +162,12 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             G=4 with 'uniform' ranks it lowers the perplexity rise, see benchmarks/results).
         max_cache_len: static cache length; default each sample's S.
         progress: show a tqdm bar over the samples.
+        latent_format: when given (``"float"``, ``"int8"``, ``"int4"``, ...: the format the cache will store),
+            ranks are fitted so that a cache of ``batch_size`` sequences x ``cache_len`` slots holds
+            ``kv_ratio`` times fewer bytes than a dense ``dense_dtype`` cache, counting the latent rows, slot
+            positions and the bases in ``latent_dtype``
+            (:func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`). Pass the same format to the cache.
+        batch_size, cache_len, dense_dtype, latent_dtype: that cache (with ``latent_format``).
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
@@ -186,6 +195,12 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
 
     moments = _collect(model, samples, group_size=group_size, max_cache_len=max_cache_len, progress=progress,
                        on_sample=None, on_groups=check_groups)
+    if latent_format is not None:
+        from .budget import bases_for_byte_ratio
+
+        return bases_for_byte_ratio(moments, kv_ratio, latent_format, batch_size=batch_size, max_cache_len=cache_len,
+                                    rank_allocation=rank_allocation, basis=basis, dense_dtype=dense_dtype,
+                                    latent_dtype=latent_dtype)
     return moments.bases(kv_ratio, rank_allocation, basis)
 
 
