@@ -251,3 +251,36 @@ def test_online_bases_exact_on_low_rank_kv_and_need_a_real_prompt():
     step = torch.compile(model, backend=backend, fullgraph=True)
     with torch.no_grad(), pytest.raises(CKVPError, match="at least 2 tokens"):
         step(**hf_step_kwargs(model, ids[:, :1], cache, 0))
+
+
+def test_left_padded_batch_each_sequence_at_its_own_position():
+    """HF generate() with left padding: each sequence has its own RoPE positions (slot_pos per sequence); at full
+    rank the latent cache gives the dense logits at every step."""
+    from transformers import StaticCache
+
+    model = build_hf_moe("qwen2_moe", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    bases = calibrate(model, calib_samples(), group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.randint(1, 256, (2, 7))
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0  # the first sequence is 3 tokens shorter, padded on the left
+
+    def run(cache):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False,
+                                 disable_compile=True, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+        return out.sequences, torch.stack(out.logits)
+
+    dense_seq, dense_logits = run(StaticCache(config=model.config, max_cache_len=CACHE))
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    fwd = model.forward
+    model.forward = torch.compile(model.forward, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")),
+                                  fullgraph=True)
+    try:
+        latent_seq, latent_logits = run(cache)
+    finally:
+        model.forward = fwd
+    torch.testing.assert_close(latent_logits, dense_logits, rtol=2e-4, atol=2e-4)
+    assert torch.equal(latent_seq, dense_seq)
+    pos = cache.store.slot_pos[:, :7]
+    assert pos[0, 3:].tolist() == list(range(4)) and pos[1].tolist() == list(range(7))
