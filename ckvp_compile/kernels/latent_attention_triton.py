@@ -30,8 +30,17 @@ bf16 (fp32 or fp16 data, dequantized latents, softmax weights, rebuilt keys) is 
 and multiplied twice (``_dot_split``: about 16 mantissa bits, error ~1e-5 relative), which keeps the kernel
 within 1e-3 of the fp32 reference; a bf16 latent against a bf16 basis is one exact bf16 dot.
 
-The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``) and both kernels are the single
-source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
+Loads: a quantized block's fp16 scale and min are loaded once per row and broadcast over its coordinates;
+int4 / int2 codes are loaded as whole bytes and unpacked with ``tl.join``; host-checked alignments of the heads'
+columns, ranks and rotary half are passed as constexprs so that row loads vectorise (``cp.async`` 16 B).
+
+Status (benchmarks/results/2026-11-29-latent-attention-h200): exact under the interpreter; on the H200 the
+previous version missed the 1e-3 bound (the current call's tokens were mis-merged by a 3-D broadcast form in
+the reduce kernel, now 2-D per token, not yet re-measured) and reached 7% (int8) / 29% (bf16) of copy bandwidth.
+``ckvp::latent_attention``'s CUDA kernel therefore keeps the reference by default (``USE_TRITON``).
+
+The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``, ``_new_score``) and both kernels are
+the single source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
 FlashDecoding (Dao et al., 2023, https://crfm.stanford.edu/2023/10/12/flashdecoding.html: split-KV + reduction),
 FlashAttention-2 (Dao, 2023, arXiv:2307.08691: online softmax), DeepSeek-V2 (arXiv:2405.04434: latent absorption),
 xKV (arXiv:2503.18893) / Palu (arXiv:2407.21118): RoPE re-applied to low-rank keys inside the kernel.
@@ -219,7 +228,7 @@ def _latent_attention_split_kernel(
     q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr,
     m_ptr, l_ptr, acc_ptr,
     # sizes and scalars
-    Hkv, S, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rot_dim, rk_max,
+    Hkv, S, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rk_max,
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     # strides
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -370,25 +379,21 @@ def _latent_attention_split_kernel(
 
 
 @triton.jit
-def _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd, stride_mt,
-                D_PAD: tl.constexpr, NEW_BLOCK: tl.constexpr, MASK: tl.constexpr, G_PAD: tl.constexpr, G):
-    """(G_PAD, NEW_BLOCK) fp32 log2-unit scores of q (G_PAD, D_PAD) against new keys j0 + [0, NEW_BLOCK), masked
-    at their slots' columns; -inf beyond S."""
-    j = j0 + tl.arange(0, NEW_BLOCK)
-    j_ok = j < S
+def _new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd, stride_mt,
+               D_PAD: tl.constexpr, MASK: tl.constexpr):
+    """(G_PAD,) fp32 log2-unit scores of q (G_PAD, D_PAD) against the new key j, masked at its slot's column."""
     d = tl.arange(0, D_PAD)
-    k = tl.load(nk_head + (j * stride_nks)[:, None] + (d * stride_nkd)[None, :], mask=j_ok[:, None] & (d < D)[None, :],
-                other=0.0).to(tl.float32)
-    sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale
-    sl = tl.load(slots_ptr + j, mask=j_ok, other=0)
-    m_ok = (tl.arange(0, G_PAD) < G)[:, None] & j_ok[None, :]
-    if MASK == 1:
-        mv = tl.load(mask_row[:, None] + (sl * stride_mt)[None, :], mask=m_ok, other=0)
-        sc = tl.where(mv != 0, sc, float("-inf"))
-    if MASK == 2:
-        mv = tl.load(mask_row[:, None] + (sl * stride_mt)[None, :], mask=m_ok, other=0.0)
-        sc = sc + mv.to(tl.float32) * 1.4426950408889634
-    return tl.where(j_ok[None, :], sc, float("-inf"))
+    k = tl.load(nk_head + j * stride_nks + d * stride_nkd, mask=d < D, other=0.0).to(tl.float32)
+    sc = tl.sum(q * k[None, :], axis=1) * qk_scale
+    if MASK != 0:
+        sl = tl.load(slots_ptr + j)
+        if MASK == 1:
+            mv = tl.load(mask_row + sl * stride_mt, mask=head_ok, other=0)
+            sc = tl.where(mv != 0, sc, float("-inf"))
+        else:
+            mv = tl.load(mask_row + sl * stride_mt, mask=head_ok, other=0.0)
+            sc = sc + mv.to(tl.float32) * 1.4426950408889634
+    return sc
 
 
 @triton.jit
@@ -406,12 +411,14 @@ def _latent_attention_reduce_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     # meta-parameters
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    NEW_BLOCK: tl.constexpr, MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
+    MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """Merge the splits of one (sequence, KV head, query token), add the exact new tokens, project, normalise.
 
     Shapes: new_k / new_v (B, Hkv, S, D); basis_v (Hkv, D, Rv_max); out (B, H, S, D) q.dtype; the rest as in
-    ``_latent_attention_split_kernel``. Rows whose every score is masked get 0 (torch SDPA's math path).
+    ``_latent_attention_split_kernel``. The new tokens are taken one at a time with 2-D tiles only (an earlier
+    (G, tokens, D) broadcast form computed wrong sums on the H200). Rows whose every score is masked get 0
+    (torch SDPA's math path).
     """
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -430,10 +437,9 @@ def _latent_attention_reduce_kernel(
     m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
     for c in range(0, n_split):
         m_all = tl.maximum(m_all, tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf")))
-    for j0 in range(0, S, NEW_BLOCK):
-        sc = _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd, stride_mt,
-                         D_PAD, NEW_BLOCK, MASK, G_PAD, G)
-        m_all = tl.maximum(m_all, tl.max(sc, axis=1))
+    for j in range(0, S):
+        m_all = tl.maximum(m_all, _new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks,
+                                             stride_nkd, stride_mt, D_PAD, MASK))
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.zeros((G_PAD,), tl.float32)
     rv = tl.arange(0, RV_PAD)
@@ -444,25 +450,22 @@ def _latent_attention_reduce_kernel(
         part = tl.load(acc_ptr + ((row0 + c) * G + g)[:, None] * RV_PAD + rv[None, :], mask=head_ok[:, None],
                        other=0.0)
         acc += w[:, None] * part
-    for j0 in range(0, S, NEW_BLOCK):
-        sc = _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd, stride_mt,
-                         D_PAD, NEW_BLOCK, MASK, G_PAD, G)
-        l_all += tl.sum(tl.exp2(sc - m_use[:, None]), axis=1)
+    for j in range(0, S):
+        l_all += tl.exp2(_new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd,
+                                    stride_mt, D_PAD, MASK) - m_use)
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     out_row = out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + heads * stride_oh
+    bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
     for d0 in tl.static_range(0, D_PAD, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
-        pv = tl.load(bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
+        pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
                      mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
         o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
-        for j0 in range(0, S, NEW_BLOCK):
-            sc = _new_scores(q, nk_head, slots_ptr, mask_row, j0, S, D, qk_scale, stride_nks, stride_nkd,
-                             stride_mt, D_PAD, NEW_BLOCK, MASK, G_PAD, G)
-            p = tl.exp2(sc - m_use[:, None])
-            j = j0 + tl.arange(0, NEW_BLOCK)
-            v = tl.load(nv_head + (j * stride_nvs)[:, None] + (dd * stride_nvd)[None, :],
-                        mask=(j < S)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
-            o += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        for j in range(0, S):
+            p = tl.exp2(_new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd,
+                                   stride_mt, D_PAD, MASK) - m_use)
+            v = tl.load(nv_head + j * stride_nvs + dd * stride_nvd, mask=dd < D, other=0.0).to(tl.float32)
+            o += p[:, None] * v[None, :]
         tl.store(out_row[:, None] + (dd * stride_od)[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
                  mask=head_ok[:, None] & (dd < D)[None, :])
 
@@ -488,8 +491,8 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
         return f"rope_form {rope_form!r}"
     for name, fmt, lat in (("k_fmt", k_fmt, latent_k), ("v_fmt", v_fmt, latent_v)):
         f = parse_latent_format(fmt)
-        if f.quantized and f.bits not in (8, 4, 2):
-            return f"{name} {fmt!r}"
+        if f.quantized and (getattr(f, "segments", None) is not None or f.bits not in (8, 4, 2)):
+            return f"{name} {fmt!r} (uniform int8/int4/int2 formats only)"
         if not f.quantized and lat.dtype not in _FLOATS:
             return f"{name} 'float' with latent dtype {lat.dtype}"
     for name, t in (("q", q), ("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block), ("new_k", new_k)):
@@ -644,7 +647,7 @@ def latent_attention_triton(
     _latent_attention_split_kernel[(n_split, b * hkv, s)](
         q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
         m_ws, l_ws, acc_ws,
-        hkv, s, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rd, rk_max, k_sb, k_mb, v_sb, v_mb,
+        hkv, s, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
         *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
         *mstrides,
         G_PAD=g_pad, HALF=_np2(half), REST=_np2(d - rd), HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope,
@@ -666,7 +669,7 @@ def latent_attention_triton(
         q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
         hkv, s, n_split, qk_scale, g, d, rv_max,
         *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
-        G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)), NEW_BLOCK=4,
+        G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)),
         MASK=mask_kind, BV_EXACT=basis_v_block.dtype == bf16, F32_DOT=f32_dot, num_warps=4,
     )
     return out.to(q.dtype)
