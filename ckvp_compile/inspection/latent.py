@@ -290,11 +290,11 @@ class LatentReport:
         from ..kernels.latent_format import parse_latent_format
 
         bases = store.bases
-        kf, vf = parse_latent_format(store.k_format), parse_latent_format(store.v_format)
         item = torch.empty((), dtype=store.latent_dtype).element_size()
         rows = []
         for g, layers in enumerate(store.groups):
             ko, vo = store.k_offsets[g], store.v_offsets[g]
+            kf, vf = parse_latent_format(store.k_formats[g]), parse_latent_format(store.v_formats[g])
             hs = range(store.num_kv_heads)
             rows.append(LatentGroupRow(
                 g, tuple(layers),

@@ -9,6 +9,9 @@ formats, named by a string that the ops take as a compile-time constant:
 ``"int8/32"``   asymmetric ``bits``-bit codes (``int8``, ``int4``, ``int2``) in blocks of ``block`` coordinates
 ``"int4/32"``   of one token and one head (``/block`` is optional, default 32); a uint8 tensor
 ``"int2/32"``   (B, S_max, row_bytes)
+``"mix/32:..."`` a bit plan per KV head (``planner`` output): ``mix/<block>:<head 0>,<head 1>,...`` with each
+                head a ``+``-joined list of ``<bits>x<count>`` segments in coordinate order (e.g.
+                ``mix/32:8x32+4x64+2x32,8x32+4x32``); a head's counts sum to its rank. Bits 8, 4 or 2.
 ==============  ==========================================================================================
 
 Quantized row layout (per token; ``nb_h = ceil(r_h / block)`` blocks for head h, ``NB = sum_h nb_h``,
@@ -17,7 +20,9 @@ Quantized row layout (per token; ``nb_h = ceil(r_h / block)`` blocks for head h,
     [ codes: head 0 (cb_0 bytes), head 1 (cb_1 bytes), ... | scales: NB fp16 | mins: NB fp16 ]
 
 Blocks never straddle heads (a decode kernel reads only its own head's bytes); a head's last block may be
-shorter than ``block``, and only the byte holding its last code is padded. Codes are little-endian within a
+shorter than ``block``, and only the byte holding its last code is padded. A ``mix`` format lays out every
+(head, segment) *piece* the same way, in order: the piece's ``ceil(count*bits/8)`` code bytes, then all
+pieces' scales, then all pieces' mins; a uniform format is the mix with one piece per head. Codes are little-endian within a
 byte (``8/bits`` codes per byte, the first in the lowest bits). A block with minimum ``lo`` and maximum ``hi``
 stores ``min = lo`` rounded down to fp16 and ``scale = (hi - min) / (2**bits - 1)`` rounded up to fp16, so
 every value lies in ``[min, min + (2**bits-1)*scale]`` and ``|dequantize(quantize(x)) - x| <= scale / 2``
@@ -40,6 +45,8 @@ __all__ = ["LatentFormat", "dequantize_latent_ref", "pack_codes", "parse_latent_
            "unpack_codes"]
 
 _FORMAT_RE = re.compile(r"^int(8|4|2)(?:/(\d+))?$")
+_MIX_RE = re.compile(r"^mix/(\d+):(.*)$")
+_SEGMENT_RE = re.compile(r"^(8|4|2)x(\d+)$")
 _FP16_MAX = 65504.0
 
 
@@ -56,11 +63,42 @@ class LatentFormat:
     name: str
     bits: int
     block: int
+    #: mix formats: per KV head, ((bits, count), ...) in coordinate order; None for uniform formats (bits 0 marks
+    #: a mix)
+    segments: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def quantized(self) -> bool:
-        """True for the integer formats."""
+        """True for the integer formats (uniform or mix)."""
         return self.bits < 16
+
+    @property
+    def mixed(self) -> bool:
+        """True for a per-head bit plan (``mix/...``)."""
+        return self.segments is not None
+
+    def pieces(self, offsets: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        """(first packed column, count, bits, first block) of every (head, segment) piece, in row order.
+
+        Raises:
+            ValueError: a mix format whose heads or counts do not match ``offsets``.
+        """
+        ranks = [int(b) - int(a) for a, b in zip(offsets, offsets[1:])]
+        if self.segments is None:
+            segs = [((self.bits, r),) for r in ranks]
+        else:
+            segs = list(self.segments)
+            if len(segs) != len(ranks) or [sum(c for _, c in hs) for hs in segs] != ranks:
+                raise ValueError(f"latent format {self.name!r} plans {[sum(c for _, c in hs) for hs in segs]} "
+                                 f"coordinates per head, but the ranks are {ranks}")
+        out, block0 = [], 0
+        for a, hs in zip(offsets, segs):
+            col = int(a)
+            for bits, count in hs:
+                out.append((col, count, bits, block0))
+                col += count
+                block0 += -(-count // self.block)
+        return out
 
     def padded_offsets(self, offsets: Sequence[int]) -> list[int]:
         """Return Hkv+1 offsets of each head's zero-padded coordinates (multiples of ``block``)."""
@@ -71,10 +109,14 @@ class LatentFormat:
 
     def num_blocks(self, offsets: Sequence[int]) -> int:
         """NB: quantization blocks per token row."""
+        if self.mixed:
+            return sum(-(-count // self.block) for _, count, _, _ in self.pieces(offsets))
         return self.padded_offsets(offsets)[-1] // self.block
 
     def code_bytes(self, offsets: Sequence[int]) -> list[int]:
-        """Per head, the bytes of its codes: ``ceil(r_h * bits / 8)``."""
+        """Per head (per piece for a mix), the bytes of its codes: ``ceil(count * bits / 8)``."""
+        if self.mixed:
+            return [-(-count * bits // 8) for _, count, bits, _ in self.pieces(offsets)]
         return [-(-(int(b) - int(a)) * self.bits // 8) for a, b in zip(offsets, offsets[1:])]
 
     def row_width(self, offsets: Sequence[int]) -> int:
@@ -107,10 +149,26 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
         return fmt
     if fmt == "float":
         return LatentFormat("float", 16, 0)
+    mix = _MIX_RE.match(str(fmt))
+    if mix is not None:
+        block = int(mix.group(1))
+        heads = []
+        for head in mix.group(2).split(","):
+            segs = []
+            for seg in head.split("+"):
+                m = _SEGMENT_RE.match(seg)
+                if m is None or int(m.group(2)) < 1:
+                    raise ValueError(f"latent format {fmt!r}: segment {seg!r} must be '<bits>x<count>' with bits 8, 4 "
+                                     f"or 2 and count >= 1 (e.g. 'mix/32:8x32+4x64,8x32')")
+                segs.append((int(m.group(1)), int(m.group(2))))
+            heads.append(tuple(segs))
+        if block < 8 or block % 8:
+            raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of 8")
+        return LatentFormat(str(fmt), 0, block, tuple(heads))
     m = _FORMAT_RE.match(str(fmt))
     if m is None:
         raise ValueError(f"latent format must be 'float', 'int8', 'int4' or 'int2' (optionally '/block', e.g. "
-                         f"'int4/64'), but got {fmt!r}")
+                         f"'int4/64'), or a 'mix/<block>:...' bit plan, but got {fmt!r}")
     bits, block = int(m.group(1)), int(m.group(2) or 32)
     if block < 1 or (block * bits) % 8:
         raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of {8 // bits} codes so "
@@ -180,6 +238,8 @@ def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | Lat
     zf = z.float()
     if zf.numel() and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
         raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
+    if f.mixed:
+        return _quantize_pieces(zf, offsets, f)
     padded = f.padded_offsets(offsets)
     nb = padded[-1] // f.block
     if nb == 0:
@@ -216,6 +276,8 @@ def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str 
         raise ValueError(f"rows must be uint8 (..., {width}) for {f.name} with offsets {list(offsets)}, but got "
                          f"{rows.dtype} {tuple(rows.shape)}")
     lead = rows.shape[:-1]
+    if f.mixed:
+        return _dequantize_pieces(rows, offsets, f)
     nb = f.num_blocks(offsets)
     if nb == 0:
         return torch.zeros(*lead, 0, dtype=torch.float32, device=rows.device)
@@ -227,3 +289,51 @@ def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str 
     codes = unpack_codes(packed, f.bits)
     x = codes.view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]
     return x.view(*lead, nb * f.block)[..., _pad_index(offsets, f, rows.device)]
+
+
+def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).view(*t.shape[:-1], 2 * t.shape[-1])
+
+
+def _bytes_fp16(b: torch.Tensor) -> torch.Tensor:
+    return b.clone(memory_format=torch.contiguous_format).view(torch.float16).float()
+
+
+def _quantize_pieces(zf: torch.Tensor, offsets: Sequence[int], f: LatentFormat) -> torch.Tensor:
+    """quantize_latent_ref for any format, one (head, segment) piece at a time (the layout of the docstring)."""
+    lead = zf.shape[:-1]
+    codes, scales, mins = [], [], []
+    for col, count, bits, _ in f.pieces(offsets):
+        nb = -(-count // f.block)
+        xp = zf.new_zeros(*lead, nb * f.block)
+        xp[..., :count] = zf[..., col:col + count]
+        xb = xp.view(*lead, nb, f.block)
+        mn, scale = _block_params(xb, bits)
+        safe = torch.where(scale.float() > 0, scale.float(), 1.0)
+        c = torch.round((xb - mn.float()[..., None]) / safe[..., None]).clamp_(0, (1 << bits) - 1).to(torch.uint8)
+        codes.append(pack_codes(c.view(*lead, nb * f.block), bits)[..., :-(-count * bits // 8)])
+        scales.append(_fp16_bytes(scale))
+        mins.append(_fp16_bytes(mn))
+    if not codes:
+        return torch.zeros(*lead, 0, dtype=torch.uint8, device=zf.device)
+    return torch.cat(codes + scales + mins, dim=-1)
+
+
+def _dequantize_pieces(rows: torch.Tensor, offsets: Sequence[int], f: LatentFormat) -> torch.Tensor:
+    """dequantize_latent_ref for any format, one piece at a time."""
+    lead = rows.shape[:-1]
+    pieces = f.pieces(offsets)
+    out = torch.zeros(*lead, int(offsets[-1]), dtype=torch.float32, device=rows.device)
+    n_code = sum(f.code_bytes(offsets))
+    nb_all = f.num_blocks(offsets)
+    byte = 0
+    for col, count, bits, block0 in pieces:
+        nb, cb = -(-count // f.block), -(-count * bits // 8)
+        packed = rows.new_zeros(*lead, nb * f.block * bits // 8)
+        packed[..., :cb] = rows[..., byte:byte + cb]
+        byte += cb
+        scale = _bytes_fp16(rows[..., n_code + 2 * block0:n_code + 2 * (block0 + nb)])
+        mn = _bytes_fp16(rows[..., n_code + 2 * (nb_all + block0):n_code + 2 * (nb_all + block0 + nb)])
+        x = unpack_codes(packed, bits).view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]
+        out[..., col:col + count] = x.view(*lead, nb * f.block)[..., :count]
+    return out

@@ -75,6 +75,9 @@ class LatentBases:
         k_basis, v_basis, k_ranks, v_ranks, k_eigenvalues, v_eigenvalues: per group, see the module table.
         model_fingerprint: what identifies the calibrated model (:func:`model_fingerprint`).
         num_tokens: calibration tokens the second moments were averaged over.
+        k_formats, v_formats: per group, the latent storage format planned for it
+            (:mod:`~ckvp_compile.latent.planner`, e.g. a ``mix/...`` bit plan); empty when none was planned. A
+            cache built with ``latent_format="auto"`` uses them.
         online: True for online bases (:func:`~ckvp_compile.latent.online_bases`): only the ranks are fixed
             here; each sequence's bases are fitted at its prefill from its own keys and values, and the
             tensors held here are zero placeholders.
@@ -97,6 +100,8 @@ class LatentBases:
     model_fingerprint: dict[str, Any]
     num_tokens: int
     online: bool = False
+    k_formats: tuple[str, ...] = ()
+    v_formats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
@@ -182,7 +187,8 @@ class LatentBases:
             "head_dim": self.head_dim, "group_size": self.group_size, "target_ratio": self.target_ratio,
             "rank_allocation": self.rank_allocation, "k_ranks": [list(r) for r in self.k_ranks],
             "v_ranks": [list(r) for r in self.v_ranks], "model_fingerprint": self.model_fingerprint,
-            "num_tokens": self.num_tokens, "online": self.online,
+            "num_tokens": self.num_tokens, "online": self.online, "k_formats": list(self.k_formats),
+            "v_formats": list(self.v_formats),
         }
 
     def save(self, path: str | Path) -> None:
@@ -249,7 +255,8 @@ class LatentBases:
                 k_eigenvalues=tuple(tensors[f"k_eigenvalues.{g}"] for g in range(n)),
                 v_eigenvalues=tuple(tensors[f"v_eigenvalues.{g}"] for g in range(n)),
                 model_fingerprint=dict(meta["model_fingerprint"]), num_tokens=int(meta["num_tokens"]),
-                online=bool(meta.get("online", False)),
+                online=bool(meta.get("online", False)), k_formats=tuple(meta.get("k_formats", ())),
+                v_formats=tuple(meta.get("v_formats", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
             raise CKVPConfigError(f"{str(path)!r} holds corrupt ckvp latent bases ({type(exc).__name__}: {exc}); "

@@ -109,8 +109,12 @@ def _check_offsets(op: str, name: str, offsets: Sequence[int], hkv: int, r_tot: 
     if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
         _fail(op, f"{name} must be non-decreasing and start at 0, but got {offsets}")
     f = parse_latent_format(fmt)
-    if f.quantized and f.row_width(offsets) != r_tot:
-        _fail(op, f"the latent width {r_tot} must equal the {f.name} row bytes {f.row_width(offsets)} of {name} = "
+    try:
+        width = f.row_width(offsets)
+    except ValueError as e:
+        _fail(op, f"{name}: {e}")
+    if f.quantized and width != r_tot:
+        _fail(op, f"the latent width {r_tot} must equal the {f.name} row bytes {width} of {name} = "
                   f"{offsets}")
     if not f.quantized and offsets[-1] != r_tot:
         _fail(op, f"{name}[-1] must equal the latent width R_tot = {r_tot}, but got {offsets[-1]}")

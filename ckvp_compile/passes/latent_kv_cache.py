@@ -126,8 +126,8 @@ class LatentKVCachePass(CKVPPass):
                 rd = site.rope.rotary_dim if site.rope is not None else 0
                 recons: dict[str, tuple[fx.Node, fx.Node, fx.Node, fx.Node]] = {}
                 for kind, write, latent, basis, offsets, rope, fmt in (
-                    ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form, store.k_format),
-                    ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none", store.v_format),
+                    ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form, store.k_formats[g]),
+                    ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none", store.v_formats[g]),
                 ):
                     w, cache, value = nodes[write.write_node], nodes[write.cache_node], nodes[write.value_node]
                     slots = nodes[write.position_node]
@@ -183,11 +183,11 @@ class LatentKVCachePass(CKVPPass):
                 self.plan.fits_online_bases = True
             with graph.inserting_after(fit_after):
                 ak = graph.call_function(
-                    torch.ops.ckvp.latent_append.default, (lat_k, xk, bas_k, store.k_offsets[g], slots, store.k_format)
+                    torch.ops.ckvp.latent_append.default, (lat_k, xk, bas_k, store.k_offsets[g], slots, store.k_formats[g])
                 )
             with graph.inserting_after(ak):
                 av = graph.call_function(
-                    torch.ops.ckvp.latent_append.default, (lat_v, xv, bas_v, store.v_offsets[g], slots, store.v_format)
+                    torch.ops.ckvp.latent_append.default, (lat_v, xv, bas_v, store.v_offsets[g], slots, store.v_formats[g])
                 )
             if cos_n is not None:
                 with graph.inserting_after(av):
@@ -290,7 +290,7 @@ def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
         out = graph.call_function(
             torch.ops.ckvp.latent_attention.default,
             (q, lat_k, lat_v, block_k, block_v, store.k_offsets[g], store.v_offsets[g], rope_cos, rope_sin,
-             slot_pos, form, rd, new_k, new_v, slots, mask, scale, lens[0], store.k_format, store.v_format),
+             slot_pos, form, rd, new_k, new_v, slots, mask, scale, lens[0], store.k_formats[g], store.v_formats[g]),
         )
     out.meta.update({k: v for k, v in attn.meta.items() if k in ("val", "example_value", "tensor_meta",
                                                                   "nn_module_stack", "stack_trace")})

@@ -100,8 +100,9 @@ class LatentKVStore:
         batch_size: B. max_cache_len: S_max.
         device, dtype: where the store lives and the model's KV dtype (bases, RoPE tables, phantoms).
         k_format, v_format: storage format of the key / value latents: ``"float"`` (default) or a quantized
-            one, ``"int8"``, ``"int4"``, ``"int2"`` with an optional ``/block`` (see
-            :mod:`ckvp_compile.kernels.latent_format`).
+            one, ``"int8"``, ``"int4"``, ``"int2"`` with an optional ``/block``, or a ``mix/...`` bit plan (see
+            :mod:`ckvp_compile.kernels.latent_format`); one for every group, a sequence with one per group, or
+            ``"auto"``: the bases' planned formats (``LatentBases.k_formats``), else ``"float"``.
         latent_dtype: float dtype of ``"float"`` latents and of the bases on the device (default ``dtype``;
             e.g. bf16 for an fp32 model, so that what is stored is what a bf16 deployment stores).
     Raises:
@@ -113,8 +114,10 @@ class LatentKVStore:
                  latent_dtype: torch.dtype | None = None):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
+        ngroups = len(bases.groups)
         try:
-            kf, vf = parse_latent_format(k_format), parse_latent_format(v_format)
+            kfs = _group_formats(k_format, getattr(bases, "k_formats", ()), ngroups)
+            vfs = _group_formats(v_format, getattr(bases, "v_formats", ()), ngroups)
         except ValueError as e:
             raise CKVPConfigError(str(e)) from None
         latent_dtype = latent_dtype or dtype
@@ -124,16 +127,20 @@ class LatentKVStore:
         self.bases = bases
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
         self.device, self.dtype = torch.device(device), dtype
-        self.k_format, self.v_format, self.latent_dtype = kf.name, vf.name, latent_dtype
+        self.k_formats, self.v_formats = [f.name for f in kfs], [f.name for f in vfs]
+        self.latent_dtype = latent_dtype
         self.num_kv_heads, self.head_dim = bases.num_kv_heads, bases.head_dim
         self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in bases.groups)
         self.k_offsets = [_offsets(r) for r in bases.k_ranks]
         self.v_offsets = [_offsets(r) for r in bases.v_ranks]
         b, s = batch_size, max_cache_len
-        self.latent_k = [torch.zeros(b, s, kf.row_width(o), device=self.device, dtype=kf.storage_dtype(latent_dtype))
-                         for o in self.k_offsets]
-        self.latent_v = [torch.zeros(b, s, vf.row_width(o), device=self.device, dtype=vf.storage_dtype(latent_dtype))
-                         for o in self.v_offsets]
+        try:
+            self.latent_k = [torch.zeros(b, s, f.row_width(o), device=self.device, dtype=f.storage_dtype(latent_dtype))
+                             for f, o in zip(kfs, self.k_offsets)]
+            self.latent_v = [torch.zeros(b, s, f.row_width(o), device=self.device, dtype=f.storage_dtype(latent_dtype))
+                             for f, o in zip(vfs, self.v_offsets)]
+        except ValueError as e:  # a bit plan for other ranks
+            raise CKVPConfigError(f"{e}; plan the formats for these bases (ckvp_compile.latent.planner)") from None
         self.online = bool(getattr(bases, "online", False))
         if self.online:  # per-sequence bases, fitted at each sequence's prefill (ckvp::online_basis_fit)
             self.basis_k = [torch.zeros(b, *p.shape, device=self.device, dtype=latent_dtype) for p in bases.k_basis]
@@ -149,10 +156,21 @@ class LatentKVStore:
         self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ layout
+    @property
+    def k_format(self) -> str:
+        """The key latents' format when every group has the same one, else the groups' formats joined by ';'."""
+        return self.k_formats[0] if len(set(self.k_formats)) == 1 else ";".join(self.k_formats)
+
+    @property
+    def v_format(self) -> str:
+        """As :attr:`k_format`, for the value latents."""
+        return self.v_formats[0] if len(set(self.v_formats)) == 1 else ";".join(self.v_formats)
+
     def layout(self) -> tuple:
         """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats and dtypes."""
         return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
-                tuple(map(tuple, self.v_offsets)), self.k_format, self.v_format, self.latent_dtype, self.dtype,
+                tuple(map(tuple, self.v_offsets)), tuple(self.k_formats), tuple(self.v_formats), self.latent_dtype,
+                self.dtype,
                 str(self.device), self.online)
 
     def group_of(self, layer: int) -> tuple[int, int]:
@@ -211,6 +229,18 @@ class LatentKVStore:
             dense_equivalent=dense * torch.empty((), dtype=self.dtype).element_size(),
             dense_elements=dense, online_bases=self.online,
         )
+
+
+def _group_formats(fmt: Any, planned: Any, ngroups: int) -> list:
+    """One parsed format per group from a name, a per-group sequence, or 'auto' (the bases' plan, else float)."""
+    if isinstance(fmt, str) and fmt == "auto":
+        fmt = list(planned) if planned else "float"
+    if isinstance(fmt, str):
+        return [parse_latent_format(fmt)] * ngroups
+    fmts = list(fmt)
+    if len(fmts) != ngroups:
+        raise ValueError(f"{len(fmts)} latent formats given for {ngroups} layer groups; give one per group")
+    return [parse_latent_format(f) for f in fmts]
 
 
 def _offsets(ranks) -> list[int]:

@@ -94,3 +94,47 @@ def test_unknown_formats_are_refused_with_the_valid_names(bad):
 def test_values_beyond_fp16_range_are_refused():
     with pytest.raises(ValueError, match="fp16 range"):
         quantize_latent_ref(torch.tensor([[1e6, 0.0]]), [0, 2], "int8")
+
+
+@st.composite
+def mixed_formats(draw):
+    """A latent and a random per-head bit plan ('mix/<block>:...') whose counts sum to each head's rank."""
+    block = draw(st.sampled_from([8, 16, 32]))
+    heads, offsets = [], [0]
+    for _ in range(draw(st.integers(1, 3))):
+        segs = [(draw(st.sampled_from([8, 4, 2])), draw(st.integers(1, 40))) for _ in range(draw(st.integers(1, 3)))]
+        heads.append("+".join(f"{b}x{c}" for b, c in segs))
+        offsets.append(offsets[-1] + sum(c for _, c in segs))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    z = torch.randn(2, 3, offsets[-1], generator=g) * draw(st.sampled_from([0.01, 1.0, 30.0]))
+    return z, offsets, f"mix/{block}:" + ",".join(heads)
+
+
+@given(mixed_formats())
+@settings(max_examples=25)
+def test_mixed_bit_plans_round_trip_within_half_a_step(data):
+    from ckvp_compile.kernels.latent_format import _quantize_pieces
+
+    z, offsets, fmt = data
+    f = parse_latent_format(fmt)
+    rows = quantize_latent_ref(z, offsets, fmt)
+    assert rows.shape[-1] == f.row_width(offsets)
+    x = dequantize_latent_ref(rows, offsets, fmt)
+    n_code, nb = sum(f.code_bytes(offsets)), f.num_blocks(offsets)
+    scales = rows[..., n_code:n_code + 2 * nb].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
+    for col, count, bits, block0 in f.pieces(offsets):
+        blocks = block0 + torch.arange(count) // f.block
+        step = scales[..., blocks]
+        err = (x[..., col:col + count] - z[..., col:col + count]).abs()
+        assert bool((err <= step / 2 + 1e-6 * (z[..., col:col + count].abs() + step * (1 << bits))).all())
+    # a uniform format laid out piece by piece is the same bytes as its vectorised layout
+    uniform = "int4/" + str(f.block)
+    assert torch.equal(_quantize_pieces(z.float(), offsets, parse_latent_format(uniform)),
+                       quantize_latent_ref(z, offsets, uniform))
+
+
+def test_mixed_plan_must_match_the_ranks():
+    with pytest.raises(ValueError, match="plans"):
+        parse_latent_format("mix/32:8x4+4x4").row_width([0, 9])
+    with pytest.raises(ValueError, match="segment"):
+        parse_latent_format("mix/32:3x4")
