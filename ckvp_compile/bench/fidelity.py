@@ -305,6 +305,7 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     from .. import CKVPBackend, CKVPConfig, CompileRecorder
     from ..kernels.latent_format import parse_latent_format
     from ..latent.budget import bases_for_byte_ratio, store_bytes
+    from ..latent.planner import plan_for_byte_ratio
     from ..runtime.hf_cache import CKVPStaticCache
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -324,17 +325,26 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     for cfg in configs:
         t0 = time.perf_counter()
         alloc, _, basis = cfg.rank_allocation.partition("+")
-        fmt = parse_latent_format(cfg.latent_format).name
-        bases = bases_for_byte_ratio(moments[cfg.group_size], cfg.kv_ratio, fmt, batch_size=batch_size,
-                                     max_cache_len=window, rank_allocation=alloc, basis=basis or "pca",
-                                     dense_dtype=dense_dtype, latent_dtype=latent_dtype)
+        if alloc == "planned":  # rank and bits per (group, head, K/V): latent.planner; format 'mix/<block>'
+            block = int(cfg.latent_format.split("/")[1]) if cfg.latent_format.startswith("mix/") else 32
+            bases = _or_skip(log, cfg, plan_for_byte_ratio, moments[cfg.group_size].bases(1.0, "uniform"),
+                             cfg.kv_ratio, batch_size=batch_size, max_cache_len=window, block=block,
+                             dense_dtype=dense_dtype, latent_dtype=latent_dtype)
+            fmt, label = "auto", f"mix/{block}"
+        else:
+            fmt = label = parse_latent_format(cfg.latent_format).name
+            bases = _or_skip(log, cfg, bases_for_byte_ratio, moments[cfg.group_size], cfg.kv_ratio, fmt,
+                             batch_size=batch_size, max_cache_len=window, rank_allocation=alloc,
+                             basis=basis or "pca", dense_dtype=dense_dtype, latent_dtype=latent_dtype)
+        if bases is None:
+            continue
         torch._dynamo.reset()
         cache = CKVPStaticCache(model.config, bases, max_cache_len=window, max_batch_size=batch_size,
                                 device=param.device, dtype=param.dtype, latent_format=fmt, latent_dtype=latent_dtype)
         rec = CompileRecorder()
         backend = CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=cfg.group_size), recorder=rec)
         step = torch.compile(model, backend=backend, fullgraph=True)
-        name = f"G={cfg.group_size} {cfg.rank_allocation} {fmt} {cfg.kv_ratio:g}x"
+        name = f"G={cfg.group_size} {cfg.rank_allocation} {label} {cfg.kv_ratio:g}x"
         check = reset_check == "all" or (reset_check == "first" and not results)
         stats, reset_diff = ckvp_stats(model, step, cache, eval_windows, dense, chunk, progress, name, check)
         for g in rec.graphs:
@@ -358,7 +368,7 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             kl_to_dense=float(stats.kl.sum()) / stats.tokens,
             reset_check_max_abs_diff=reset_diff, graphs_compiled=len(rec.graphs), layers_rewritten=num_layers,
             k_ranks=[list(r) for r in bases.k_ranks], v_ranks=[list(r) for r in bases.v_ranks],
-            seconds=time.perf_counter() - t0, latent_format=fmt, latent_dtype=str(latent_dtype).removeprefix("torch."),
+            seconds=time.perf_counter() - t0, latent_format=label, latent_dtype=str(latent_dtype).removeprefix("torch."),
             dense_dtype=str(dense_dtype).removeprefix("torch."), per_sequence_ratio=nb.ratio_vs(dense_dtype, False),
         ))
         if abs(results[-1].measured_ratio * store_bytes(bases, batch_size, window, fmt, fmt, latent_dtype)
@@ -369,6 +379,17 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             f"top-1 {r.top1_agreement_pct:.2f}%, KL {r.kl_to_dense:.5f} ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
     torch._dynamo.reset()
     return results
+
+
+def _or_skip(log: Callable[[str], None], cfg: FidelityConfig, fit: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fit(*args, **kwargs)``, or None (logged) when the config's ratio cannot be met (CKVPConfigError)."""
+    from ..errors import CKVPConfigError
+
+    try:
+        return fit(*args, **kwargs)
+    except CKVPConfigError as e:
+        log(f"G={cfg.group_size} {cfg.rank_allocation} {cfg.latent_format} {cfg.kv_ratio:g}x: skipped: {e}")
+        return None
 
 
 # -------------------------------------------------------------------------------------------------------- output
@@ -457,8 +478,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="windows per call (default 4)")
     p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--kv-ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
-    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted"],
-                   help="rank allocation, '+weighted': query/output-aware bases (latent.weighting)")
+    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted", "planned"],
+                   help="rank allocation, '+weighted': query/output-aware bases (latent.weighting); 'planned': rank "
+                        "and bits per (group, head, K/V) by latent.planner (format mix/<block>, default mix/32)")
     p.add_argument("--latent-formats", nargs="+", default=["float"],
                    help="latent storage formats: float, int8, int4, int2, optionally /block (default: float)")
     p.add_argument("--latent-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],

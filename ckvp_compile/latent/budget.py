@@ -33,14 +33,21 @@ def dense_kv_bytes(bases: Any, batch_size: int, max_cache_len: int, dtype: torch
 def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str = "float", v_format: str = "float",
                 latent_dtype: torch.dtype = torch.bfloat16, with_bases: bool = True) -> int:
     """Bytes a :class:`~ckvp_compile.runtime.store.LatentKVStore` of these bases holds for B sequences of S_max
-    slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``latent_dtype``.
+    slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``latent_dtype``. A format of
+    ``"auto"`` takes the bases' planned per-group formats (``k_formats`` / ``v_formats``), else ``"float"``.
 
     RoPE tables are not counted (a cache of the model's own cos / sin; ``StoreBytes.rope_tables``).
     """
-    kf, vf = parse_latent_format(k_format), parse_latent_format(v_format)
+    def per_group(fmt: str, planned: Any) -> list:
+        if fmt == "auto":
+            return [parse_latent_format(f) for f in planned] if planned else [parse_latent_format("float")] * n
+        return [parse_latent_format(fmt)] * n
+
+    n = len(bases.groups)
+    kfs, vfs = per_group(k_format, getattr(bases, "k_formats", ())), per_group(v_format, getattr(bases, "v_formats", ()))
     item = _itemsize(latent_dtype)
     per_token = 4  # slot_pos
-    for ranks_k, ranks_v in zip(bases.k_ranks, bases.v_ranks):
+    for kf, vf, ranks_k, ranks_v in zip(kfs, vfs, bases.k_ranks, bases.v_ranks):
         for f, ranks in ((kf, ranks_k), (vf, ranks_v)):
             offsets = [0]
             for r in ranks:

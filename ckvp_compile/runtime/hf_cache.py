@@ -55,7 +55,8 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
         max_batch_size: B.
         device, dtype: of the model's K/V (default: cpu, and float32).
         latent_format: storage of the key and value latents, one format for both or a (K, V) pair:
-            ``"float"`` (default), ``"int8"``, ``"int4"``, ``"int2"``, optionally with ``/block`` (see
+            ``"auto"`` (default: the bases' planned per-group formats from :mod:`ckvp_compile.latent.planner`,
+            else ``"float"``), ``"float"``, ``"int8"``, ``"int4"``, ``"int2"``, optionally with ``/block`` (see
             :mod:`ckvp_compile.kernels.latent_format`).
         latent_dtype: dtype of ``"float"`` latents (default ``dtype``).
     Raises:
@@ -67,7 +68,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
 
     def __init__(self, config: Any, bases: Any, max_cache_len: int, max_batch_size: int = 1,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 latent_format: str | tuple[str, str] = "float", latent_dtype: torch.dtype | None = None) -> None:
+                 latent_format: str | tuple[str, str] = "auto", latent_dtype: torch.dtype | None = None) -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -107,7 +108,7 @@ def _formats(latent_format: str | tuple[str, str]) -> tuple[str, str]:
     raise CKVPConfigError(f"latent_format must be a format name or a (K, V) pair of them, got {latent_format!r}")
 
 
-def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tuple[str, str] = "float",
+def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tuple[str, str] = "auto",
                      latent_dtype: torch.dtype | None = None) -> LatentKVStore:
     """Replace a gpt-fast-style model's per-layer ``k_cache`` / ``v_cache`` buffers by latent-store phantoms.
 

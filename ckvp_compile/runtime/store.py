@@ -110,7 +110,7 @@ class LatentKVStore:
     """
 
     def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
-                 dtype: torch.dtype, k_format: str = "float", v_format: str = "float",
+                 dtype: torch.dtype, k_format: str = "auto", v_format: str = "auto",
                  latent_dtype: torch.dtype | None = None):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
