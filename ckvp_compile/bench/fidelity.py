@@ -145,14 +145,26 @@ class FidelityResult:
 # ----------------------------------------------------------------------------------------------------------- data
 
 
-def load_token_ids(text_path: str | Path, model: torch.nn.Module, model_dir: str | Path | None = None) -> torch.Tensor:
-    """Return the text's token ids, (N,) long: its bytes when ``vocab_size == 256``, else the model's tokenizer."""
+def load_token_ids(text_path: str | Path, model: torch.nn.Module, model_dir: str | Path | None = None,
+                   tokenizer: str | None = None) -> torch.Tensor:
+    """Return the text's token ids, (N,) long.
+
+    ``tokenizer``: 'bytes' (each byte is a token id), a local HF tokenizer directory, or None: bytes when the
+    model's ``vocab_size`` is 256, else the tokenizer in ``model_dir``.
+
+    Raises:
+        SystemExit: no tokenizer can be loaded (the message names --tokenizer).
+    """
     data = Path(text_path).read_bytes()
-    if getattr(model.config, "vocab_size", None) == 256:
+    if tokenizer == "bytes" or (tokenizer is None and getattr(model.config, "vocab_size", None) == 256):
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer or model_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"fidelity: error: no tokenizer in {tokenizer or model_dir} ({type(e).__name__}); pass "
+                         f"--tokenizer DIR (a local HF tokenizer) or --tokenizer bytes") from None
     return torch.tensor(tok(data.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
 
 
@@ -468,7 +480,7 @@ def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ckvp_compile.bench.fidelity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="ckvp-bench fidelity", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="HF model directory (default: the fixture)")
     p.add_argument("--text", default=None, help="evaluation text (default: <model>/eval_text.txt)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
@@ -477,7 +489,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=16, help="tokens per compiled call; 1 = pure decode (default 16)")
     p.add_argument("--batch", type=int, default=4, help="windows per call (default 4)")
     p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--kv-ratios", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    p.add_argument("--kv-ratios", "--kv-ratio", type=float, nargs="+", default=[2.0, 4.0, 8.0],
+                   help="requested byte ratios (see the module docstring)")
+    p.add_argument("--tokenizer", default=None,
+                   help="'bytes' or a local HF tokenizer directory (default: bytes when the vocabulary is 256, else "
+                        "the model directory's tokenizer)")
     p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted", "planned"],
                    help="rank allocation, '+weighted': query/output-aware bases (latent.weighting); 'planned': rank "
                         "and bits per (group, head, K/V) by latent.planner (format mix/<block>, default mix/32)")
@@ -547,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype),
                                                  attn_implementation="sdpa", local_files_only=True)
     model = model.to(args.device).eval()
-    windows = split_windows(load_token_ids(text, model, model_dir), args.window)
+    windows = split_windows(load_token_ids(text, model, model_dir, args.tokenizer), args.window)
     need = args.calib_windows + args.eval_windows
     if windows.shape[0] < need:
         raise SystemExit(f"{text} has {windows.shape[0]} windows of {args.window} tokens; {need} are needed")

@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from ckvp_compile.bench.fidelity import _batches, main, split_windows
+from ckvp_compile.bench.cli import main as bench_cli
+from ckvp_compile.bench.fidelity import _batches, split_windows
 from ckvp_compile.testing import build_hf_moe
 
 WINDOW = 32
@@ -29,9 +30,9 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     text = tmp_path / "text.bin"
     text.write_bytes(bytes(torch.randint(0, 256, (3 * WINDOW,), generator=g).tolist()))
     out = tmp_path / "results.json"
-    rc = main(["--model", str(tmp_path / "model"), "--text", str(text), "--window", str(WINDOW),
-               "--calib-windows", "2", "--eval-windows", "1", "--chunk", "8", "--batch", "1",
-               "--group-sizes", "2", "--kv-ratios", "1", "4", "--extra", "uniform:2:4:int8", "--json", str(out), "--no-progress",
+    rc = bench_cli(["fidelity", "--model", str(tmp_path / "model"), "--text", str(text), "--window", str(WINDOW),
+               "--calib-windows", "2", "--eval-windows", "1", "--chunk", "8", "--batch", "1", "--tokenizer", "bytes",
+               "--group-sizes", "2", "--kv-ratio", "1", "4", "--extra", "uniform:2:4:int8", "--json", str(out), "--no-progress",
                "--latent-dtype", "float32", "--dense-dtype", "float32"])
     assert rc == 0
     data = json.loads(out.read_text())
@@ -51,3 +52,7 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     for r in (full, four, four_int8):
         assert r["graphs_compiled"] >= 1 and r["layers_rewritten"] == 4
     assert "| 2 | energy | float |" in capsys.readouterr().out
+
+
+def test_bench_cli_usage_errors():
+    assert bench_cli([]) == 2 and bench_cli(["nope"]) == 2 and bench_cli(["--help"]) == 0

@@ -1,0 +1,37 @@
+"""``ckvp-bench``: the benchmark command line.
+
+    ckvp-bench fidelity --model DIR --text FILE --kv-ratio 4 8 16 [--window 512] [--calib-windows N]
+        [--eval-windows N] [--json OUT] [--plot OUT.png] [--tokenizer bytes|DIR] ...
+
+Subcommands:
+    fidelity: perplexity, top-1 agreement and KL of the CKVP latent cache against the dense model
+        (:mod:`ckvp_compile.bench.fidelity`; ``ckvp-bench fidelity --help``).
+
+The GPU speed benchmarks live in ``benchmarks/`` (``moe_gpu.py``, ``latent_attention_gpu.py``) and run on a CUDA
+machine from the repository.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+_SUBCOMMANDS = {"fidelity": "ckvp_compile.bench.fidelity"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ckvp-bench <subcommand> [args]``; returns the exit status (2 for a usage error)."""
+    import importlib
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in _SUBCOMMANDS:
+        bad = f"ckvp-bench: error: unknown subcommand {args[0]!r}\n" if args and args[0] not in ("-h", "--help") else ""
+        sys.stderr.write(bad + "usage: ckvp-bench {" + ",".join(_SUBCOMMANDS) + "} [args]  (ckvp-bench fidelity --help)\n")
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    return importlib.import_module(_SUBCOMMANDS[args[0]]).main(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
