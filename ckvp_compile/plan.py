@@ -57,7 +57,8 @@ class Plan:
         unsupported: recognised patterns left untouched (from the analysis).
         kv_bytes_per_token_dense: bytes of K and V cached per token over all layers, as the model stores
             them (2 * Hkv * D * itemsize per layer); 0 when no cache write was found.
-        kv_bytes_per_token_planned: the same after the planned rewrites (== dense when none).
+        kv_bytes_per_token_planned: the same after the planned rewrites (== dense when none): latent rows in
+            their storage formats plus the int32 slot position; the bases (shared) are not included.
         config_hash: :meth:`CKVPConfig.compute_hash` of the options the plan was made with.
         latent_groups: indices of the latent store's groups to rewrite (empty without a store).
         blocking: reasons the graph cannot be compiled at all (a latent-store cache the rewrite cannot
@@ -201,11 +202,15 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
     dense = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention)
     planned = dense
     if binding is not None and latent_groups:
+        from .kernels.latent_format import parse_latent_format
+
         store = binding.store
-        itemsize = torch.empty((), dtype=store.dtype).element_size()
+        itemsize = torch.empty((), dtype=store.latent_dtype).element_size()
         saved_layers = {layer for g in latent_groups for layer in store.groups[g]}
         planned = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention if s.layer not in saved_layers)
-        planned += sum((store.k_offsets[g][-1] + store.v_offsets[g][-1]) * itemsize for g in latent_groups)
+        planned += sum(parse_latent_format(store.k_formats[g]).bytes_per_token(store.k_offsets[g], itemsize)
+                       + parse_latent_format(store.v_formats[g]).bytes_per_token(store.v_offsets[g], itemsize)
+                       for g in latent_groups)  # latent rows in their storage format (codes + scales)
         planned += 4  # slot position (int32) per token
     groups = make_layer_groups(analysis.attention, config.group_size)
     if binding is not None:  # the store's calibrated grouping is the one in force

@@ -339,9 +339,11 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
         alloc, _, basis = cfg.rank_allocation.partition("+")
         if alloc == "planned":  # rank and bits per (group, head, K/V): latent.planner; format 'mix/<block>'
             block = int(cfg.latent_format.split("/")[1]) if cfg.latent_format.startswith("mix/") else 32
-            bases = _or_skip(log, cfg, plan_for_byte_ratio, moments[cfg.group_size].bases(1.0, "uniform"),
+            mom = moments[cfg.group_size]
+            weights = {"k": mom.weights("k"), "v": mom.weights("v")} if basis == "weighted" else None
+            bases = _or_skip(log, cfg, plan_for_byte_ratio, mom.bases(1.0, "uniform"),
                              cfg.kv_ratio, batch_size=batch_size, max_cache_len=window, block=block,
-                             dense_dtype=dense_dtype, latent_dtype=latent_dtype)
+                             dense_dtype=dense_dtype, latent_dtype=latent_dtype, weights=weights)
             fmt, label = "auto", f"mix/{block}"
         else:
             fmt = label = parse_latent_format(cfg.latent_format).name
@@ -494,9 +496,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="'bytes' or a local HF tokenizer directory (default: bytes when the vocabulary is 256, else "
                         "the model directory's tokenizer)")
-    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted", "planned"],
+    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted", "planned", "planned+weighted"],
                    help="rank allocation, '+weighted': query/output-aware bases (latent.weighting); 'planned': rank "
-                        "and bits per (group, head, K/V) by latent.planner (format mix/<block>, default mix/32)")
+                        "and bits per (group, head, K/V) by latent.planner (format mix/<block>, default mix/32); "
+                        "'planned+weighted': its errors weighted by the queries (K) and the output projection (V)")
     p.add_argument("--latent-formats", nargs="+", default=["float"],
                    help="latent storage formats: float, int8, int4, int2, optionally /block (default: float)")
     p.add_argument("--latent-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],

@@ -43,22 +43,26 @@ __all__ = ["BIT_CHOICES", "plan_bits", "plan_for_byte_ratio"]
 BIT_CHOICES = (0, 2, 4, 8)
 
 
-def _block_errors(eig: torch.Tensor, block: int, samples: int, generator: torch.Generator) -> list[dict[int, float]]:
-    """Per block of ``eig`` (descending variances): expected squared error at each of BIT_CHOICES."""
+def _block_errors(eig: torch.Tensor, block: int, samples: int, generator: torch.Generator,
+                  weight: torch.Tensor | None = None) -> list[dict[int, float]]:
+    """Per block of ``eig`` (descending variances): expected squared error at each of BIT_CHOICES, each
+    coordinate's error times its ``weight`` (1 without weights)."""
     out = []
     for start in range(0, eig.numel(), block):
         lam = eig[start:start + block].double().clamp_min(0)
+        w = torch.ones_like(lam) if weight is None else weight[start:start + block].double().clamp_min(0)
         z = torch.randn(samples, lam.numel(), generator=generator, dtype=torch.float64) * lam.sqrt()
         span = (z.amax(dim=1) - z.amin(dim=1)) ** 2
-        errs = {0: float(lam.sum())}
+        errs = {0: float((lam * w).sum())}
         for b in BIT_CHOICES[1:]:
-            errs[b] = min(errs[0], float(span.mean()) / (12 * ((1 << b) - 1) ** 2) * lam.numel())
+            errs[b] = min(errs[0], float(span.mean()) / (12 * ((1 << b) - 1) ** 2) * float(w.sum()))
         out.append(errs)
     return out
 
 
 def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sharing_bases: int = 2048,
-              basis_itemsize: int = 2, samples: int = 512, seed: int = 0) -> Any:
+              basis_itemsize: int = 2, samples: int = 512, seed: int = 0,
+              weights: dict[str, Sequence[torch.Tensor]] | None = None) -> Any:
     """Choose rank and bits per (group, KV head, K/V) for a byte budget (see the module docstring).
 
     Args:
@@ -71,6 +75,10 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
             these tokens); a large number makes the bases free.
         basis_itemsize: bytes per basis element on the device (2 for bf16).
         samples, seed: Monte Carlo samples per block for the error model, and their seed.
+        weights: optional ``{"k": [...], "v": [...]}``, per group a (Hkv, G*D, G*D) PSD matrix W of the error
+            measure ``e^T W e`` (e.g. :meth:`KVMoments.weights`: the query energy for keys, ``W_o^T W_o`` for
+            values); each principal component i is weighted by ``p_i^T W p_i``, and a unit's errors are
+            normalised by its weighted trace.
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with the planned ranks (the bases truncated, zero beyond each
         head's rank), ``rank_allocation="planned"`` and the ``mix/{block}:...`` formats per group.
@@ -89,8 +97,12 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
                 raise CKVPConfigError("plan_bits needs full-rank bases (calibrate / moments.bases with kv_ratio=1)")
             for h in range(hkv):
                 eig = bases.eigenvalues(kind)[g][h].detach().cpu()
-                trace = float(eig.sum()) or 1.0
-                units.append((kind, g, h, trace, rows, _block_errors(eig, block, samples, gen)))
+                w = None
+                if weights is not None:
+                    p = bases.basis(kind)[g][h].detach().cpu().double()
+                    w = torch.einsum("ni,nm,mi->i", p, weights[kind][g][h].cpu().double(), p)
+                trace = float((eig.double() * (1 if w is None else w)).sum()) or 1.0
+                units.append((kind, g, h, trace, rows, _block_errors(eig, block, samples, gen, w)))
 
     def sizes(u: int) -> list[int]:
         rows = units[u][4]
@@ -179,7 +191,8 @@ def _planned_bases(bases: Any, units: Sequence, state: Sequence[list[int]], size
 
 def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1, max_cache_len: int = 4096,
                         block: int = 32, dense_dtype: torch.dtype = torch.bfloat16,
-                        latent_dtype: torch.dtype = torch.bfloat16, iterations: int = 8) -> Any:
+                        latent_dtype: torch.dtype = torch.bfloat16, iterations: int = 8,
+                        weights: dict[str, Sequence[torch.Tensor]] | None = None) -> Any:
     """:func:`plan_bits` at the budget that makes a store of these sequences hold ``kv_ratio`` times fewer bytes
     than a dense ``dense_dtype`` cache, counted as :func:`~ckvp_compile.latent.budget.store_bytes` counts them
     (latent rows with scales, slot positions, and the bases in ``latent_dtype`` padded to each group's largest
@@ -195,7 +208,8 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
     item = torch.empty((), dtype=latent_dtype).element_size()
     budget = dense / kv_ratio / tokens - 4  # per token, minus the int32 slot position
     for _ in range(iterations):
-        planned = plan_bits(full_bases, budget, block=block, tokens_sharing_bases=tokens, basis_itemsize=item)
+        planned = plan_bits(full_bases, budget, block=block, tokens_sharing_bases=tokens, basis_itemsize=item,
+                            weights=weights)
         planned = dataclasses.replace(planned, target_ratio=float(kv_ratio))
         held = store_bytes(planned, batch_size, max_cache_len, "auto", "auto", latent_dtype)
         if dense / held >= kv_ratio:
