@@ -284,3 +284,15 @@ def test_left_padded_batch_each_sequence_at_its_own_position():
     assert torch.equal(latent_seq, dense_seq)
     pos = cache.store.slot_pos[:, :7]
     assert pos[0, 3:].tolist() == list(range(4)) and pos[1].tolist() == list(range(7))
+
+
+@pytest.mark.parametrize("family,heads", [("mixtral", (2, 1)), ("qwen3_moe", (4, 2))])
+def test_head_dim_128_full_rank_equals_dense(family, heads):
+    """head_dim 128 (MQA and GQA): at full rank the latent cache (value-absorbed latent attention) is exact."""
+    h, hkv = heads
+    model = build_hf_moe(family, num_layers=2, hidden=128, num_heads=h, num_kv_heads=hkv, head_dim=128)
+    bases = calibrate(model, calib_samples(), group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, 256, (1, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=1)
+    assert_close_all(eager, hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"))))
