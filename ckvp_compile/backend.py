@@ -214,14 +214,18 @@ class _StoreArgs:
         self.groups = [gr.group for gr in plan.groups]
         self.layout = plan.store.layout()
         self.fits_online_bases = plan.fits_online_bases
+        #: (P_max, W) of the RoPE tables the graph was compiled with (None: a model without RoPE)
+        rope = plan.store.rope_cos
+        self.rope_shape = None if rope is None else tuple(rope.shape)
 
     def tensors(self, store: LatentKVStore) -> list[Any]:
+        if self.rope_shape is not None:  # another store of the same layout has no tables yet: allocate them
+            store.ensure_rope_tables(self.rope_shape[1], self.rope_shape[0])
+        elif store.rope_cos is None:  # a model without RoPE: the tables are unused, give empty ones
+            store.ensure_rope_tables(1, 1)
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
         for g in self.groups:
             out += [store.latent_k[g], store.latent_v[g], store.basis_k[g], store.basis_v[g]]
-        if store.rope_cos is None:  # a model without RoPE: the tables are unused, give empty ones
-            store.ensure_rope_tables(1, 1)
-            out[0], out[1] = store.rope_cos, store.rope_sin
         assert len(out) == len(self.names), (self.names, len(out))  # internal: pass and wrapper agree
         return out
 

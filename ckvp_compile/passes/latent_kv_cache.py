@@ -282,6 +282,8 @@ def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
     if lens[0] != lens[1]:
         return "K and V are sliced to different lengths", None
     scale = bound.get("scale")
+    if isinstance(scale, fx.Node):  # a symbolic float (dynamic=True): the op takes a constant
+        return "SDPA scale is a graph value (a symbolic float under dynamic shapes)", None
     scale = float(site.head_dim ** -0.5 if scale is None else scale)
     lat_k, lat_v, rope_cos, rope_sin, slot_pos = inputs
     form = site.rope.form if site.rope is not None else "none"

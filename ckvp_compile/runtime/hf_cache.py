@@ -87,9 +87,19 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         """As ``StaticCache.update``, traced by the ckvp backend; raises :class:`CKVPError` in eager code."""
+        if key_states.dtype != self.store.dtype:  # else SDPA fails while tracing, on mixed dtypes
+            raise CKVPConfigError(
+                f"this ckvp latent KV cache was built for {self.store.dtype} K/V, but the model's keys are "
+                f"{key_states.dtype}. Fix: CKVPStaticCache(..., dtype={key_states.dtype})."
+            )
         if not torch.compiler.is_compiling():
             raise CKVPError(_EAGER_ERROR)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: reorder the store's sequences (StaticCache's own reorder would replace the phantoms by dense
+        NaN tensors)."""
+        self.store.reorder(beam_idx)
 
     def reset(self) -> None:
         """Start over (a new ``generate()``): zero the store's latents and every layer's length counter."""

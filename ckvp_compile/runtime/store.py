@@ -212,6 +212,16 @@ class LatentKVStore:
                 t.zero_()
             self.online_fitted = False
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Reorder the B sequences in place (beam search): sequence i takes sequence ``index[i]``'s latents, slot
+        positions (and online bases)."""
+        idx = index.to(self.device, torch.long)
+        per_sequence = [*self.latent_k, *self.latent_v, self.slot_pos]
+        if self.online:
+            per_sequence += [*self.basis_k, *self.basis_v]
+        for t in per_sequence:
+            t.copy_(t.index_select(0, idx))
+
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> StoreBytes:
         """Bytes held, split into per-sequence state and model constants; see :class:`StoreBytes`."""

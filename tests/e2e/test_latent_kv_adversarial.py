@@ -1,0 +1,106 @@
+"""Adversarial checks of the latent KV cache: misuse and edge cases that must give right answers or clear errors.
+
+Each test is a minimal reproduction of a problem found by trying to break the cache (CPU, tiny models,
+``compiler="aot_eager"``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckvp_compile import CKVPBackend, CKVPConfig, CKVPConfigError
+from ckvp_compile.latent import calibrate
+from ckvp_compile.runtime.hf_cache import CKVPStaticCache
+from ckvp_compile.testing import build_hf_moe, prefill_decode_logits
+from ckvp_compile.testing.decoding import hf_step_kwargs
+
+N_DECODE = 3
+
+
+def _model_and_bases(family="mixtral", kv_ratio=1.0, group_size=2, **shape):
+    torch.manual_seed(0)
+    shape = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, **shape}
+    model = build_hf_moe(family, **shape)
+    samples = [torch.randint(0, 256, (1, 20)) for _ in range(3)]
+    return model, calibrate(model, samples, group_size=group_size, kv_ratio=kv_ratio, progress=False)
+
+
+def _aot_eager():
+    return CKVPBackend(CKVPConfig(compiler="aot_eager"))
+
+
+def _run(step, model, ids, cache, n=N_DECODE):
+    outs = []
+    with torch.no_grad():
+        out = step(**hf_step_kwargs(model, ids, cache, 0)).logits
+        outs.append(out)
+        for i in range(n):
+            out = step(**hf_step_kwargs(model, out[:, -1:].argmax(-1), cache, ids.shape[1] + i)).logits
+            outs.append(out)
+    return outs
+
+
+def _assert_close_all(got, want, tol=2e-4):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"step {i}: {m}")
+
+
+def test_a_second_cache_of_the_same_layout_reuses_the_compiled_graph():
+    """A new CKVPStaticCache per generate() (same layout) with one compiled model: the graph compiled for the
+    first cache must serve the second. It crashed: the second store had no RoPE tables yet, and the wrapper gave
+    it the (1, 1) tables of a model without RoPE (CKVPShapeError: cos_table must be (P_max, W))."""
+    model, bases = _model_and_bases()
+    ids = torch.randint(0, 256, (1, 6))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
+    step = torch.compile(model, backend=_aot_eager(), fullgraph=True)
+    for _ in range(2):
+        cache = CKVPStaticCache(model.config, bases, max_cache_len=16)
+        _assert_close_all(_run(step, model, ids, cache), eager)
+
+
+def test_a_cache_of_another_dtype_than_the_model_is_a_clear_error():
+    """A bf16 model with CKVPStaticCache's default dtype (float32): Dynamo failed inside SDPA ("Expected query,
+    key, and value to have the same dtype") with no hint at the cache's ``dtype`` argument."""
+    model, bases = _model_and_bases()
+    model = model.to(torch.bfloat16)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=16)  # dtype defaults to float32
+    step = torch.compile(model, backend=_aot_eager())
+    with torch.no_grad(), pytest.raises(CKVPConfigError, match="dtype=torch.bfloat16"):
+        step(**hf_step_kwargs(model, torch.randint(0, 256, (1, 6)), cache, 0))
+
+
+def test_beam_search_reorders_the_latent_store():
+    """generate(num_beams=2): StaticCache.reorder_cache replaced each layer's phantoms by index_select copies
+    (dense NaN tensors), so the next steps recompiled without the latent store and attended to NaN keys: the beams
+    silently came out wrong (and shorter). The cache must reorder its store's sequences instead."""
+    from transformers import StaticCache
+
+    model, bases = _model_and_bases()
+    ids = torch.randint(1, 256, (1, 6))
+    kw = dict(max_new_tokens=5, do_sample=False, disable_compile=True, pad_token_id=0, num_beams=2)
+    with torch.no_grad():
+        dense = model.generate(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), **kw)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=16, max_batch_size=2)
+    fwd = model.forward
+    model.forward = torch.compile(model.forward, backend=_aot_eager())
+    try:
+        with torch.no_grad():
+            latent = model.generate(ids, past_key_values=cache, **kw)
+    finally:
+        model.forward = fwd
+    assert latent.tolist() == dense.tolist()
+    assert cache.layers[0].keys.stride() == (0, 0, 0, 0)  # still the store's phantom
+
+
+def test_dynamic_shapes_compile():
+    """torch.compile(dynamic=True): the SDPA scale arrives as a graph node (a symbolic float), and the rewrite
+    failed on ``float(scale)``, refusing the latent cache ("the latent KV rewrite failed (TypeError: float()
+    argument must be ... not 'Node')"). The layer now keeps reconstruct-then-SDPA, and the logits are exact."""
+    model, bases = _model_and_bases()
+    step = torch.compile(model, backend=_aot_eager(), fullgraph=True, dynamic=True)
+    for s in (6, 9):
+        ids = torch.randint(0, 256, (1, s))
+        eager = prefill_decode_logits(model, ids, 2, max_cache_len=16)
+        _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), n=2), eager)
