@@ -9,6 +9,8 @@ formats, named by a string that the ops take as a compile-time constant:
 ``"int8/32"``   asymmetric ``bits``-bit codes (``int8``, ``int4``, ``int2``) in blocks of ``block`` coordinates
 ``"int4/32"``   of one token and one head (``/block`` is optional, default 32); a uint8 tensor
 ``"int2/32"``   (B, S_max, row_bytes)
+``"tern/32"``    ternary codes {-1, 0, +1} times one fp16 scale per block (the block's absolute maximum, rounded up
+                to fp16), five codes per byte (``sum_i (c_i + 1) * 3**i``, 1.6 bits per coordinate); no minimums
 ``"mix/32:..."`` a bit plan per KV head (``planner`` output): ``mix/<block>:<head 0>,<head 1>,...`` with each
                 head a ``+``-joined list of ``<bits>x<count>`` segments in coordinate order (e.g.
                 ``mix/32:8x32+4x64+2x32,8x32+4x32``); a head's counts sum to its rank. Bits 8, 4 or 2.
@@ -41,10 +43,13 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["LatentFormat", "dequantize_latent_ref", "pack_codes", "parse_latent_format", "quantize_latent_ref",
-           "unpack_codes"]
+__all__ = ["LatentFormat", "TERNARY", "dequantize_latent_ref", "pack_codes", "pack_ternary", "parse_latent_format",
+           "quantize_latent_ref", "unpack_codes", "unpack_ternary"]
 
 _FORMAT_RE = re.compile(r"^int(8|4|2)(?:/(\d+))?$")
+_TERN_RE = re.compile(r"^tern(?:/(\d+))?$")
+#: ``bits`` of the ternary format (a marker: its codes take 1.6 bits, five to a byte)
+TERNARY = 1
 _MIX_RE = re.compile(r"^mix/(\d+):(.*)$")
 _SEGMENT_RE = re.compile(r"^(8|4|2)x(\d+)$")
 _FP16_MAX = 65504.0
@@ -71,6 +76,11 @@ class LatentFormat:
     def quantized(self) -> bool:
         """True for the integer formats (uniform or mix)."""
         return self.bits < 16
+
+    @property
+    def ternary(self) -> bool:
+        """True for ``"tern/<block>"``."""
+        return self.bits == TERNARY
 
     @property
     def mixed(self) -> bool:
@@ -115,15 +125,15 @@ class LatentFormat:
 
     def code_bytes(self, offsets: Sequence[int]) -> list[int]:
         """Per head (per piece for a mix), the bytes of its codes: ``ceil(count * bits / 8)``."""
-        if self.mixed:
-            return [-(-count * bits // 8) for _, count, bits, _ in self.pieces(offsets)]
+        if self.mixed or self.ternary:
+            return [_code_bytes(count, bits) for _, count, bits, _ in self.pieces(offsets)]
         return [-(-(int(b) - int(a)) * self.bits // 8) for a, b in zip(offsets, offsets[1:])]
 
     def row_width(self, offsets: Sequence[int]) -> int:
         """Last-dim size of the stored latent: R_tot for ``"float"``, the row bytes for quantized formats."""
         if not self.quantized:
             return int(offsets[-1])
-        return sum(self.code_bytes(offsets)) + 4 * self.num_blocks(offsets)
+        return sum(self.code_bytes(offsets)) + (2 if self.ternary else 4) * self.num_blocks(offsets)
 
     def bytes_per_token(self, offsets: Sequence[int], float_itemsize: int) -> int:
         """Bytes one token's row takes (``float_itemsize`` is the element size used for ``"float"``)."""
@@ -149,6 +159,12 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
         return fmt
     if fmt == "float":
         return LatentFormat("float", 16, 0)
+    tern = _TERN_RE.match(str(fmt))
+    if tern is not None:
+        block = int(tern.group(1) or 32)
+        if block < 1:
+            raise ValueError(f"latent format {fmt!r}: the block must be >= 1")
+        return LatentFormat(f"tern/{block}", TERNARY, block)
     mix = _MIX_RE.match(str(fmt))
     if mix is not None:
         block = int(mix.group(1))
@@ -168,7 +184,7 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
     m = _FORMAT_RE.match(str(fmt))
     if m is None:
         raise ValueError(f"latent format must be 'float', 'int8', 'int4' or 'int2' (optionally '/block', e.g. "
-                         f"'int4/64'), or a 'mix/<block>:...' bit plan, but got {fmt!r}")
+                         f"'int4/64'), 'tern' (ternary), or a 'mix/<block>:...' bit plan, but got {fmt!r}")
     bits, block = int(m.group(1)), int(m.group(2) or 32)
     if block < 1 or (block * bits) % 8:
         raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of {8 // bits} codes so "
@@ -238,7 +254,7 @@ def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | Lat
     zf = z.float()
     if zf.numel() and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
         raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
-    if f.mixed:
+    if f.mixed or f.ternary:
         return _quantize_pieces(zf, offsets, f)
     padded = f.padded_offsets(offsets)
     nb = padded[-1] // f.block
@@ -276,7 +292,7 @@ def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str 
         raise ValueError(f"rows must be uint8 (..., {width}) for {f.name} with offsets {list(offsets)}, but got "
                          f"{rows.dtype} {tuple(rows.shape)}")
     lead = rows.shape[:-1]
-    if f.mixed:
+    if f.mixed or f.ternary:
         return _dequantize_pieces(rows, offsets, f)
     nb = f.num_blocks(offsets)
     if nb == 0:
@@ -289,6 +305,34 @@ def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str 
     codes = unpack_codes(packed, f.bits)
     x = codes.view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]
     return x.view(*lead, nb * f.block)[..., _pad_index(offsets, f, rows.device)]
+
+
+def _code_bytes(count: int, bits: int) -> int:
+    return -(-count // 5) if bits == TERNARY else -(-count * bits // 8)
+
+
+def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
+    """Pack ternary codes (..., N) int8 in {-1, 0, 1} into (..., ceil(N/5)) uint8: ``sum_i (c_i + 1) * 3**i``
+    over each five codes (zero-padded)."""
+    n = codes.shape[-1]
+    c = torch.nn.functional.pad(codes.to(torch.int32) + 1, (0, -(-n // 5) * 5 - n), value=1)
+    c = c.view(*codes.shape[:-1], -1, 5)
+    weights = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=codes.device)
+    return (c * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_ternary(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ternary`: (..., M) uint8 -> (..., n) int8 codes in {-1, 0, 1}."""
+    v = packed.to(torch.int32)[..., None] // torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32,
+                                                          device=packed.device)
+    return ((v % 3) - 1).to(torch.int8).flatten(-2)[..., :n]
+
+
+def _ternary_scale(xb: torch.Tensor) -> torch.Tensor:
+    """fp16 per block of ``xb`` (..., NB, block): the absolute maximum, rounded up to fp16."""
+    amax = xb.abs().amax(dim=-1)
+    s = amax.to(torch.float16)
+    return torch.where(s.float() < amax, torch.nextafter(s, torch.full_like(s, math.inf)), s)
 
 
 def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -308,6 +352,13 @@ def _quantize_pieces(zf: torch.Tensor, offsets: Sequence[int], f: LatentFormat) 
         xp = zf.new_zeros(*lead, nb * f.block)
         xp[..., :count] = zf[..., col:col + count]
         xb = xp.view(*lead, nb, f.block)
+        if bits == TERNARY:
+            scale = _ternary_scale(xb)
+            safe = torch.where(scale.float() > 0, scale.float(), 1.0)
+            c = torch.round(xb / safe[..., None]).clamp_(-1, 1).to(torch.int8)
+            codes.append(pack_ternary(c.view(*lead, nb * f.block)[..., :count]))
+            scales.append(_fp16_bytes(scale))
+            continue
         mn, scale = _block_params(xb, bits)
         safe = torch.where(scale.float() > 0, scale.float(), 1.0)
         c = torch.round((xb - mn.float()[..., None]) / safe[..., None]).clamp_(0, (1 << bits) - 1).to(torch.uint8)
@@ -328,7 +379,13 @@ def _dequantize_pieces(rows: torch.Tensor, offsets: Sequence[int], f: LatentForm
     nb_all = f.num_blocks(offsets)
     byte = 0
     for col, count, bits, block0 in pieces:
-        nb, cb = -(-count // f.block), -(-count * bits // 8)
+        nb, cb = -(-count // f.block), _code_bytes(count, bits)
+        if bits == TERNARY:
+            c = unpack_ternary(rows[..., byte:byte + cb], count).float()
+            byte += cb
+            scale = _bytes_fp16(rows[..., n_code + 2 * block0:n_code + 2 * (block0 + nb)])
+            out[..., col:col + count] = c * scale.repeat_interleave(f.block, dim=-1)[..., :count]
+            continue
         packed = rows.new_zeros(*lead, nb * f.block * bits // 8)
         packed[..., :cb] = rows[..., byte:byte + cb]
         byte += cb

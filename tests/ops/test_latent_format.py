@@ -10,12 +10,14 @@ from hypothesis import strategies as st
 from ckvp_compile.kernels.latent_format import (
     dequantize_latent_ref,
     pack_codes,
+    pack_ternary,
+    unpack_ternary,
     parse_latent_format,
     quantize_latent_ref,
     unpack_codes,
 )
 
-FORMATS = ["int8", "int8/64", "int4", "int4/16", "int2/8", "int2"]
+FORMATS = ["int8", "int8/64", "int4", "int4/16", "int2/8", "int2", "tern", "tern/16"]
 
 
 @st.composite
@@ -138,3 +140,19 @@ def test_mixed_plan_must_match_the_ranks():
         parse_latent_format("mix/32:8x4+4x4").row_width([0, 9])
     with pytest.raises(ValueError, match="segment"):
         parse_latent_format("mix/32:3x4")
+
+
+@given(st.integers(1, 23), st.integers(0, 2**16))
+@settings(max_examples=20)
+def test_ternary_codes_are_trits_and_pack_five_to_a_byte_bit_exactly(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-1, 2, (2, n), generator=g, dtype=torch.int8)
+    packed = pack_ternary(codes)
+    assert packed.shape == (2, -(-n // 5)) and int(packed.max()) <= 242
+    assert torch.equal(unpack_ternary(packed, n), codes)
+    z = torch.randn(3, n, generator=g) * 5
+    rows = quantize_latent_ref(z, [0, n], "tern/8")
+    trits = unpack_ternary(rows[..., :-(-n // 5)], n)
+    assert set(trits.unique().tolist()) <= {-1, 0, 1}
+    x = dequantize_latent_ref(rows, [0, n], "tern/8")
+    assert set((x / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)).sign().unique().tolist()) <= {-1.0, 0.0, 1.0}
