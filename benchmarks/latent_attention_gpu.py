@@ -144,6 +144,116 @@ def try_config(args: tuple, want: torch.Tensor, cfg: DecodeConfig, rep: int = 30
         return {"config": dataclasses.asdict(cfg), "error": repr(e)[:400]}
 
 
+def workspace_diag(args: tuple, cfg: DecodeConfig) -> dict:
+    """Split-vs-reduce decomposition at one shape: capture the kernels' workspaces (m, l, acc per split), recompute
+    each split's partial softmax and the final merge in fp64 on the CPU, and compare stage by stage.
+
+    Returns rel errors: ``split_m`` / ``split_l`` / ``split_acc`` (workspace vs fp64 partials, per split: worst),
+    ``torch_reduce_vs_gold`` (fp64 merge of the kernel's workspaces + exact new tokens vs the fp64 reference),
+    ``kernel_vs_torch_reduce`` (the reduce kernel's output vs that merge), ``kernel_vs_gold``,
+    ``kernel_vs_gold_without_new`` (vs the fp64 output with the new token's weight dropped).
+    """
+    import triton
+
+    captured = []
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def empty(*a, **k):
+        t = real_empty(*a, **k)
+        captured.append(t)
+        return t
+
+    def empty_like(*a, **k):
+        t = real_like(*a, **k)
+        captured.append(t)
+        return t
+
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        out = latent_attention_triton(*args, config=cfg)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_like
+    m_ws, l_ws, acc_ws = captured[0], captured[1], captured[2]
+    (q, lk, lv, bk, bv, ko, vo, cos, sin, slot_pos, rope, rd, nk, nv, slots, _, scale, kv_len, kf, vf) = args
+    b, h, s, d = q.shape
+    hkv, g = bk.shape[0], h // bk.shape[0]
+    n_tiles = triton.cdiv(kv_len, cfg.block_n)
+    want = triton.cdiv(cfg.target_programs, b * hkv * s)
+    n_split = max(1, min(want, n_tiles // max(cfg.min_tiles, 1)))
+    tps = triton.cdiv(n_tiles, n_split)
+    n_split = triton.cdiv(n_tiles, tps)
+    rv_pad = triton.next_power_of_2(bv.shape[-1])
+    m_ws = m_ws.double().cpu().view(b, hkv, s, n_split, g)
+    l_ws = l_ws.double().cpu().view(b, hkv, s, n_split, g)
+    acc_ws = acc_ws.double().cpu().view(b, hkv, s, n_split, g, rv_pad)[..., :bv.shape[-1]]
+    a64 = to64(args)
+    keys = ref._rebuild(a64[1][:, :kv_len], a64[3], ko, a64[7], a64[8], a64[9][:, :kv_len], rope, rd, kf).double()
+    zv = ref.unpack_latent_ref(a64[2][:, :kv_len], vo, bv.shape[-1], vf).double()  # (B, Hkv, T, Rv)
+    qg = a64[0].double().reshape(b, hkv, g, s, d)
+    lg2 = math.log2(math.e)
+    sc = torch.einsum("bhgsd,bhtd->bhsgt", qg, keys) * scale * lg2  # (B, Hkv, S, G, T) log2 units
+    new_idx = slots.long().cpu()
+    sc[..., new_idx] = float("-inf")
+    res = {"n_split": n_split, "tiles_per_split": tps}
+    worst = {"split_m": 0.0, "split_l": 0.0, "split_acc": 0.0}
+    per_split = []
+    for c in range(n_split):
+        lo, hi = c * tps * cfg.block_n, min((c + 1) * tps * cfg.block_n, kv_len)
+        part = sc[..., lo:hi]
+        m_c = part.amax(-1)
+        p = torch.exp2(part - m_c[..., None])
+        l_c = p.sum(-1)
+        acc_c = torch.einsum("bhsgt,bhtr->bhsgr", p, zv[:, :, lo:hi])
+        e = {"split_m": float((m_ws[..., c, :] - m_c).abs().max()),
+             "split_l": float((l_ws[..., c, :] - l_c).norm() / l_c.norm()),
+             "split_acc": float((acc_ws[..., c, :, :] - acc_c).norm() / acc_c.norm())}
+        per_split.append(e)
+        for k_ in worst:
+            worst[k_] = max(worst[k_], e[k_])
+    res.update(worst)
+    res["per_split"] = per_split
+    sn = torch.einsum("bhgsd,bhjd->bhsgj", qg, a64[12].double()) * scale * lg2  # (B, Hkv, S, G, S)
+    bvd = a64[4].double()
+
+    def merge(m, l, acc, with_new: bool) -> torch.Tensor:
+        m_all = m.amax(3)
+        if with_new:
+            m_all = torch.maximum(m_all, sn.amax(-1))
+        w = torch.exp2(m - m_all[:, :, :, None])
+        l_all = (w * l).sum(3)
+        acc_all = (w[..., None] * acc).sum(3)  # (B, Hkv, S, G, Rv)
+        o = torch.einsum("bhsgr,hdr->bhsgd", acc_all, bvd)
+        if with_new:
+            pn = torch.exp2(sn - m_all[..., None])
+            l_all = l_all + pn.sum(-1)
+            o = o + torch.einsum("bhsgj,bhjd->bhsgd", pn, a64[13].double())
+        o = o / l_all[..., None]
+        return o.permute(0, 1, 3, 2, 4).reshape(b, h, s, d)
+
+    # fp64 partials from the golden scores (what the workspaces should hold)
+    gm, gl, ga = [], [], []
+    for c in range(n_split):
+        lo, hi = c * tps * cfg.block_n, min((c + 1) * tps * cfg.block_n, kv_len)
+        part = sc[..., lo:hi]
+        m_c = part.amax(-1)
+        p = torch.exp2(part - m_c[..., None])
+        gm.append(m_c)
+        gl.append(p.sum(-1))
+        ga.append(torch.einsum("bhsgt,bhtr->bhsgr", p, zv[:, :, lo:hi]))
+    gm, gl, ga = torch.stack(gm, 3), torch.stack(gl, 3), torch.stack(ga, 3)
+    gold = merge(gm, gl, ga, True)
+    gold_nonew = merge(gm, gl, ga, False)
+    tr = merge(m_ws, l_ws, acc_ws, True)
+    o = out.double().cpu()
+    r = lambda x, y: float((x - y).norm() / y.norm())
+    res.update({"torch_reduce_vs_gold": r(tr, gold), "kernel_vs_torch_reduce": r(o, tr), "kernel_vs_gold": r(o, gold),
+                "kernel_vs_gold_without_new": r(o, gold_nonew), "gold_without_new_vs_gold": r(gold_nonew, gold),
+                "gold_vs_ref_fp64": r(gold, ref.latent_attention_ref(*a64).double())})
+    return res
+
+
 #: Swept on the first format (the others reuse its winner): DecodeConfig() is block_n 32, 8 warps, 2 stages.
 SWEEP = [DecodeConfig(), DecodeConfig(block_n=64, num_warps=8), DecodeConfig(block_n=32, num_warps=4),
          DecodeConfig(num_stages=3), DecodeConfig(block_n=64, num_warps=8, hoist_basis=True),
@@ -197,6 +307,10 @@ def main() -> None:
             if "error" not in r:
                 r["vs_fp64"] = rel_err(latent_attention_triton(*args, config=cfg), gold)
             row["variants"].append(r)
+        try:
+            row["workspace_diag"] = workspace_diag(args, DecodeConfig())
+        except Exception as e:  # diagnostics must not stop the run
+            row["workspace_diag"] = {"error": repr(e)[:400]}
         payload["diagnostics"].append(row)
         print("diag", json.dumps(row, default=str), flush=True)
     dump(a.out, payload)

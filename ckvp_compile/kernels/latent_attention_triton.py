@@ -34,10 +34,11 @@ Loads: a quantized block's fp16 scale and min are loaded once per row and broadc
 int4 / int2 codes are loaded as whole bytes and unpacked with ``tl.join``; host-checked alignments of the heads'
 columns, ranks and rotary half are passed as constexprs so that row loads vectorise (``cp.async`` 16 B).
 
-Status (benchmarks/results/2026-11-29-latent-attention-h200): exact under the interpreter; on the H200 the
-previous version missed the 1e-3 bound (the current call's tokens were mis-merged by a 3-D broadcast form in
-the reduce kernel, now 2-D per token, not yet re-measured) and reached 7% (int8) / 29% (bf16) of copy bandwidth.
-``ckvp::latent_attention``'s CUDA kernel therefore keeps the reference by default (``USE_TRITON``).
+Status (benchmarks/results/2026-11-29-latent-attention-h200): exact under the interpreter; on the H200 (run 3)
+within 1e-3 of the reference at every measured row (at most 5.6e-4; runs 1-2 missed it because the reduce kernel
+mis-merged the current call's tokens with a 3-D broadcast form, now 2-D per token), but slow: 8-9% (int8) and
+25-29% (bf16) of copy bandwidth, 0.04-0.18x dense SDPA. ``ckvp::latent_attention``'s CUDA kernel runs it
+(``ops.latent_attention_cuda.USE_TRITON``).
 
 The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``, ``_new_score``) and both kernels are
 the single source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
