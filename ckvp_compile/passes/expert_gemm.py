@@ -276,7 +276,10 @@ def _chunks_in_two_last_dim(chunk: fx.Node) -> bool:
 
 
 def _activations_after(gemm: fx.Node) -> list[fx.Node]:
-    """Activation ops within a few hops after an up-stage GEMM (through views, getitem, chunk)."""
+    """Activation ops within a few hops after an up-stage GEMM (through views, getitem, chunk, and a zero
+    ``masked_fill``: transformers 5.17's ``grouped_mm`` experts zero the expert-parallel sentinel rows,
+    ``proj_out.masked_fill(expert_ids >= E, 0.0)``, between the up GEMM and the gate; without expert parallelism
+    no id reaches E, so the mask is all False, the same no-op :func:`_ops_between` already allows)."""
     out, frontier, seen = [], [gemm], set()
     for _ in range(6):
         nxt = []
@@ -288,10 +291,17 @@ def _activations_after(gemm: fx.Node) -> list[fx.Node]:
                 name = op_name(u)
                 if name in _ACTIVATIONS:
                     out.append(u)
-                elif name in _VIEWS or name in ("getitem", "chunk", "split"):
+                elif name in _VIEWS or name in ("getitem", "chunk", "split") or (
+                        name == "masked_fill" and u.args and u.args[0] is n and _fills_zero(u)):
                     nxt.append(u)
         frontier = nxt
     return out
+
+
+def _fills_zero(node: fx.Node) -> bool:
+    """A ``masked_fill(x, mask, 0)`` (the value positional or by keyword)."""
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
+    return isinstance(value, (int, float)) and value == 0
 
 
 def _feeds(weight: fx.Node, silu: fx.Node, ups) -> bool:
@@ -415,7 +425,9 @@ def _remove_dead(graph: fx.Graph, routed: fx.Node, site: MoESite) -> None:
     accumulations = {u for u in routed.users if op_name(u) in _INPLACE}  # an eager loop's index_add_ into routed
     for u in accumulations:
         candidates |= ancestors(u, max_depth=64) | {u}
-    candidates |= {u for n in list(candidates) for u in n.users if op_name(u) in _INPLACE}
+    inplace = {u for n in list(candidates) for u in n.users if _writes_in_place(u) and u.args[0] is n}
+    for u in inplace:  # with what only they read (transformers 5.17: the sentinel mask of masked_fill_ / clamp_)
+        candidates |= ancestors(u, max_depth=8) | {u}
     frontier = list(candidates)  # size guards of data-dependent shapes (where / nonzero in an eager loop)
     for _ in range(4):
         frontier = [u for n in frontier for u in n.users if op_name(u) in _GUARDS and u not in candidates]
@@ -430,11 +442,11 @@ def _remove_dead(graph: fx.Graph, routed: fx.Node, site: MoESite) -> None:
             if name in _GUARDS:
                 if not all(i in candidates for i in n.all_input_nodes):
                     continue
-            elif name in _INPLACE or n.name.endswith("_") or _impure(n):
+            elif _writes_in_place(n) or n.name.endswith("_") or _impure(n):
                 target = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
                 root = _view_root(target) if target is not None else None
                 if root is None or root.op in ("placeholder", "get_attr") or root is not target \
-                        or any(op_name(u) not in _INPLACE for u in target.users):
+                        or any(not _writes_in_place(u) for u in target.users):
                     continue  # a write into a graph input (or a view of one) is never dead
             graph.erase_node(n)
             candidates.discard(n)
@@ -442,10 +454,46 @@ def _remove_dead(graph: fx.Graph, routed: fx.Node, site: MoESite) -> None:
 
 
 def _view_root(n: fx.Node) -> fx.Node:
-    """The tensor ``n`` is a view of (through view ops and getitem), itself when it is not a view."""
-    while op_name(n) in _VIEWS | {"getitem", "narrow", "select", "slice"} and n.args and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
+    """The tensor ``n`` is a view of (through view ops and basic-indexing getitem), itself when it is not a view.
+
+    A getitem with a tensor index (a gather: ``x[perm]``) or of a fresh op's tuple (``torch.sort(x)[0]``,
+    :data:`_FRESH_TUPLES`) makes a new tensor, so the walk stops there; a getitem of ``split`` / ``chunk`` /
+    ``unbind`` pieces is a view of their input."""
+    while n.args and isinstance(n.args[0], fx.Node):
+        name = op_name(n)
+        if name == "getitem":
+            src, idx = n.args[0], n.args[1] if len(n.args) > 1 else None
+            if op_name(src) in ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"):
+                n = src.args[0] if src.args and isinstance(src.args[0], fx.Node) else src
+                continue
+            if op_name(src) in _FRESH_TUPLES or _has_node(idx):
+                return n
+            n = src
+        elif name in _VIEWS | {"narrow", "select", "slice"}:
+            n = n.args[0]
+        else:
+            return n
     return n
+
+
+#: Ops whose tuple outputs are new tensors (``getitem`` of them is not a view of anything).
+_FRESH_TUPLES = {"sort", "topk", "max", "min", "kthvalue", "median", "mode"}
+
+
+def _has_node(idx) -> bool:
+    """True when an index holds a graph value (a tensor index: advanced indexing copies)."""
+    if isinstance(idx, fx.Node):
+        return True
+    if isinstance(idx, (tuple, list)):
+        return any(_has_node(i) for i in idx)
+    return False
+
+
+def _writes_in_place(n: fx.Node) -> bool:
+    """An in-place method or op on its first argument (``add_``, ``clamp_``, ``masked_fill_``, ...)."""
+    name = op_name(n)
+    return name in _INPLACE or (name.endswith("_") and not name.startswith("_") and bool(n.args)
+                                and isinstance(n.args[0], fx.Node))
 
 
 def _impure(n: fx.Node) -> bool:
