@@ -37,8 +37,8 @@ columns, ranks and rotary half are passed as constexprs so that row loads vector
 Status (benchmarks/results/2026-11-29-latent-attention-h200): exact under the interpreter; on the H200 (run 3)
 within 1e-3 of the reference at every measured row (at most 5.6e-4; runs 1-2 missed it because the reduce kernel
 mis-merged the current call's tokens with a 3-D broadcast form, now 2-D per token), but slow: at batch >= 8,
-7.5-9.3% (int8) and 19.5-28.8% (bf16) of copy bandwidth; 0.04-0.18x dense SDPA. ``ckvp::latent_attention``'s CUDA kernel runs it
-(``ops.latent_attention_cuda.USE_TRITON``).
+7.5-9.3% (int8) and 19.5-28.8% (bf16) of copy bandwidth; 0.04-0.18x dense SDPA. ``ckvp::latent_attention``'s
+CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``).
 
 The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``, ``_new_score``) and both kernels are
 the single source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
