@@ -496,7 +496,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="'bytes' or a local HF tokenizer directory (default: bytes when the vocabulary is 256, else "
                         "the model directory's tokenizer)")
-    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "energy+weighted", "uniform+weighted", "planned", "planned+weighted"],
+    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "entropy", "energy+weighted", "uniform+weighted", "planned",
+                            "planned+weighted"],
                    help="rank allocation, '+weighted': query/output-aware bases (latent.weighting); 'planned': rank "
                         "and bits per (group, head, K/V) by latent.planner (format mix/<block>, default mix/32); "
                         "'planned+weighted': its errors weighted by the queries (K) and the output projection (V)")

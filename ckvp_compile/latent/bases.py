@@ -381,7 +381,8 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
                        v_moments: Sequence[torch.Tensor], num_tokens: int, *, num_kv_heads: int, head_dim: int,
                        group_size: int, target_ratio: float, rank_allocation: str,
                        model_fingerprint: dict[str, Any], k_weights: Sequence[torch.Tensor] | None = None,
-                       v_weights: Sequence[torch.Tensor] | None = None) -> LatentBases:
+                       v_weights: Sequence[torch.Tensor] | None = None,
+                       head_entropy: Sequence[torch.Tensor] | None = None) -> LatentBases:
     """Eigen-decompose per-group second moments, allocate ranks under the budget, and assemble the bases.
 
     Args:
@@ -395,6 +396,8 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
             still allocated from the plain spectra, then each unit's basis is the orthonormal P minimising
             ``tr(S (I - PP^T) C (I - PP^T))`` (:func:`~.weighting.weighted_projection_basis`) instead of PCA.
             The stored eigenvalues stay those of C.
+        head_entropy: per group, (Hkv,) mean normalised attention entropy of each KV head's query heads over the
+            group's layers, in [0, 1]; needed by ``rank_allocation='entropy'`` (K and V of a head share it).
     Returns:
         :class:`LatentBases`, bases float32 on the moments' device.
     Raises:
@@ -408,7 +411,15 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
                   for kind, moments in (("k", k_moments), ("v", v_moments))}
     spectra = [decomposed[kind][g][0][h] for kind in ("k", "v") for g in range(len(groups))
                for h in range(num_kv_heads)]
-    flat = iter(allocate_ranks(spectra, rank_budget(dense, target_ratio), rank_allocation))  # type: ignore[arg-type]
+    weights_u = None
+    if rank_allocation == "entropy":
+        if head_entropy is None:
+            raise CKVPConfigError("rank_allocation='entropy' needs the attention entropy of every head, which "
+                                  "calibration measures where it finds the queries; use 'energy' for this model")
+        weights_u = [max(float(head_entropy[g][h]), 1e-3) for _ in ("k", "v") for g in range(len(groups))
+                     for h in range(num_kv_heads)]
+    flat = iter(allocate_ranks(spectra, rank_budget(dense, target_ratio), rank_allocation,  # type: ignore[arg-type]
+                               weights_u))
     out: dict[str, Any] = {}
     for kind in ("k", "v"):
         ranks = [tuple(next(flat) for _ in range(num_kv_heads)) for _ in groups]

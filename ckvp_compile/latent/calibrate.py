@@ -76,6 +76,15 @@ class KVMoments:
     w_o: dict[int, torch.Tensor] = field(default_factory=dict)
     #: per layer: the RoPE form ('rotate_half', 'interleaved', 'complex'; 'none' without RoPE)
     rope_form: dict[int, str] = field(default_factory=dict)
+    #: per layer: (Hkv,) mean normalised causal attention entropy (H_t / log(t+1), t >= 1) of each KV head's
+    #: query heads, in [0, 1], when the post-RoPE queries and keys were found
+    attn_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def head_entropy(self) -> list[torch.Tensor] | None:
+        """Per group, (Hkv,) the mean of :attr:`attn_entropy` over the group's layers; None when any is missing."""
+        if any(layer not in self.attn_entropy for layers in self.groups for layer in layers):
+            return None
+        return [torch.stack([self.attn_entropy[layer] for layer in layers]).mean(0) for layers in self.groups]
 
     def weights(self, kind: str) -> list[torch.Tensor]:
         """Per group, (Hkv, G_g*D, G_g*D) block-diagonal weights of the 'weighted' basis (module
@@ -110,7 +119,7 @@ class KVMoments:
         return build_latent_bases(self.groups, self.k, self.v, self.num_tokens, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, group_size=self.group_size, target_ratio=kv_ratio,
                                   rank_allocation=rank_allocation, model_fingerprint=self.model_fingerprint,
-                                  **weights)
+                                  head_entropy=self.head_entropy(), **weights)
 
     def regroup(self, group_size: int) -> "KVMoments":
         """Return the moments for a smaller group size that divides this one, without recollecting.
@@ -135,7 +144,8 @@ class KVMoments:
                 v.append(mv[:, rows, rows].clone())
         return KVMoments(groups=tuple(groups), num_kv_heads=self.num_kv_heads, head_dim=d, group_size=group_size,
                          k=k, v=v, num_tokens=self.num_tokens, model_fingerprint=self.model_fingerprint,
-                         q_energy=self.q_energy, w_o=self.w_o, rope_form=self.rope_form)
+                         q_energy=self.q_energy, w_o=self.w_o, rope_form=self.rope_form,
+                         attn_entropy=self.attn_entropy)
 
 
 def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: CKVPConfig | None = None, *,
@@ -155,7 +165,9 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         group_size: G, layers per group (one of 1, 2, 4, 8); default ``config.group_size`` or 4.
         kv_ratio: rho >= 1, the target dense / latent elements per token; the measured ratio is >= rho. With
             ``latent_format``, the target dense / held *bytes* instead (see below).
-        rank_allocation: 'energy' (maximise the retained energy fraction, summed over group, head, K/V) or
+        rank_allocation: 'energy' (maximise the retained energy fraction, summed over group, head, K/V),
+            'entropy' (the same with each head's fractions weighted by its measured attention entropy: broad
+            heads get more rank; needs the post-RoPE queries and keys, found by the analysis) or
             'uniform' (one rank everywhere).
         basis: 'pca' (top eigenvectors of the second moment) or 'weighted' (orthonormal bases minimising the
             query-weighted key error and the W_o-weighted value error, :mod:`~.weighting`; on the fixture at 4x
@@ -282,6 +294,9 @@ class _RecordingBackend:
                 probes.setdefault(o_weight, []).append(_Probe("o", s.layer))
             if s.rope is not None and s.rope.q_out is not None:
                 probes.setdefault(s.rope.q_out, []).append(_Probe("q", s.layer))
+                probes.setdefault(s.rope.q_out, []).append(_Probe("qa", s.layer))
+                if s.rope.k_out is not None:
+                    probes.setdefault(s.rope.k_out, []).append(_Probe("ka", s.layer))
         return _RecordingInterpreter(gm, probes, self._record).run
 
     def _record(self, probe: _Probe, value: Any) -> None:
@@ -290,6 +305,9 @@ class _RecordingBackend:
                 self.values[(probe.kind, probe.layer)] = value.detach()
             elif probe.kind == "q":
                 self.values[("q", probe.layer)] = value.detach().to(torch.float64).square()
+            elif probe.kind in ("qa", "ka"):
+                if not value.is_complex():  # the complex RoPE form's product: entropy not measured there
+                    self.values[(probe.kind, probe.layer)] = value.detach().float()
             else:
                 self.values[(probe.kind, probe.layer)] = _to_bhsd(value, probe)
 
@@ -437,6 +455,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
                     state["k"][g] += xk.mT @ xk
                     state["v"][g] += xv.mT @ xv
                 _accumulate_queries(backend, state)
+                _accumulate_entropy(backend, state)
                 state["tokens"] += ids.numel()
                 if on_sample is not None:
                     on_sample(stacked)
@@ -445,9 +464,10 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
     if not state:
         raise CKVPConfigError("calibrate needs at least one sample (a (B, S) tensor of token ids), got none")
     q_energy = {layer: q / state["tokens"] for layer, q in state["q"].items()}
+    entropy = {layer: s / n for layer, (s, n) in state["entropy"].items()}
     return KVMoments(groups=state["groups"], num_kv_heads=state["hkv"], head_dim=state["d"], group_size=group_size,
                      k=state["k"], v=state["v"], num_tokens=state["tokens"], model_fingerprint=state["fingerprint"],
-                     q_energy=q_energy, w_o=state["w_o"], rope_form=state["rope_form"])
+                     q_energy=q_energy, w_o=state["w_o"], rope_form=state["rope_form"], attn_entropy=entropy)
 
 
 def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
@@ -477,7 +497,7 @@ def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
                  for layer, s in by_layer.items()}
     heads = {layer: s.num_heads for layer, s in by_layer.items()}
     return {"groups": layer_groups, "hkv": hkv, "d": d, "tokens": 0, "w_o": w_o, "rope_form": rope_form,
-            "heads": heads, "q": {},
+            "heads": heads, "q": {}, "entropy": {},
             "fingerprint": model_fingerprint(model, name),
             "k": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups],
             "v": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups]}
@@ -501,6 +521,39 @@ def _stack(backend: _RecordingBackend, state: dict[str, Any], shape: tuple[int, 
             pair.append(x.permute(1, 0, 2, 3).reshape(hkv, -1, x.shape[-1]))
         out.append((pair[0], pair[1]))
     return out
+
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """(B, heads, S, D) from a (B, heads, S, D) or (B, S, heads, D) tensor; None for any other shape."""
+    if x.dim() != 4:
+        return None
+    if x.shape[1] == heads:
+        return x
+    return x.transpose(1, 2) if x.shape[2] == heads else None
+
+
+def _accumulate_entropy(backend: _RecordingBackend, state: dict[str, Any]) -> None:
+    """Add this sample's causal attention entropy per KV head (normalised by log of the context, positions
+    t >= 1, averaged over each KV head's query heads) per layer, from the post-RoPE queries and keys. The
+    sample is one causal prefill from position 0 (how :func:`calibrate` drives the model)."""
+    d, hkv = state["d"], state["hkv"]
+    for layer, h in state["heads"].items():
+        q, k = backend.values.get(("qa", layer)), backend.values.get(("ka", layer))
+        if q is None or k is None or h % hkv:
+            continue
+        q, k = _heads_first(q, h), _heads_first(k, hkv)
+        if q is None or k is None or q.shape[-1] != d or k.shape[-1] != d or q.shape[2] != k.shape[2] or q.shape[2] < 2:
+            continue
+        b, _, s, _ = q.shape
+        k = k.repeat_interleave(h // hkv, dim=1)
+        scores = (q @ k.mT) * d ** -0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        logp = torch.log_softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        ent = -(logp.exp() * logp.masked_fill(~causal, 0.0)).sum(-1)[..., 1:]  # (B, H, S-1)
+        norm = torch.log(torch.arange(2, s + 1, device=q.device, dtype=ent.dtype))
+        per_kv = (ent / norm).mean(dim=(0, 2)).view(hkv, h // hkv).mean(1).double().cpu()
+        total, n = state["entropy"].get(layer, (0, 0))
+        state["entropy"][layer] = (total + per_kv, n + 1)
 
 
 def _accumulate_queries(backend: _RecordingBackend, state: dict[str, Any]) -> None:

@@ -12,6 +12,9 @@ discards ``sum(lambda_u[r_u:])`` of energy.
   Because every spectrum is sorted, the greedy choice (take the largest remaining normalised eigenvalue
   anywhere, repeatedly) is optimal, and it spends the budget exactly.
 * ``"uniform"``: the same rank r everywhere (capped at each unit's G_g*D), the largest r whose total fits.
+* ``"entropy"``: as ``"energy"``, with each unit's normalised eigenvalues multiplied by its weight, the mean
+  normalised attention entropy of the unit's heads (``H / log(context)``, in [0, 1]) measured at calibration:
+  heads that attend sharply to a few tokens get low rank, broad heads high (the ALR-KVD heuristic).
 
 Source: the stacked cross-layer spectrum is xKV's (Chang et al. 2025, "xKV: Cross-Layer SVD for KV-Cache
 Compression", arXiv:2503.18893); Palu (Chang et al. 2024, arXiv:2407.21118)
@@ -28,9 +31,9 @@ import torch
 
 __all__ = ["RANK_ALLOCATIONS", "RankAllocation", "allocate_ranks", "rank_budget", "retained_fraction"]
 
-RankAllocation = Literal["energy", "uniform"]
+RankAllocation = Literal["energy", "uniform", "entropy"]
 #: Valid values of ``rank_allocation``.
-RANK_ALLOCATIONS: tuple[str, ...] = ("energy", "uniform")
+RANK_ALLOCATIONS: tuple[str, ...] = ("energy", "uniform", "entropy")
 
 
 def rank_budget(dense_elements: int, target_ratio: float) -> int:
@@ -56,14 +59,17 @@ def retained_fraction(eigenvalues: torch.Tensor, rank: int) -> float:
     return float(eigenvalues[:rank].sum()) / total if total > 0 else 1.0
 
 
-def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAllocation = "energy") -> list[int]:
+def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAllocation = "energy",
+                   unit_weights: Sequence[float] | None = None) -> list[int]:
     """Choose one rank per unit so that the ranks sum to at most ``budget`` (see the module docstring).
 
     Args:
         spectra: per unit, (N_u,) eigenvalues, descending and >= 0; N_u is the unit's largest rank (G_g*D).
         budget: latent elements per token, ``len(spectra) <= budget <= sum(N_u)``.
         mode: "energy" (greedy on trace-normalised eigenvalues; spends the budget exactly) or "uniform" (one
-            rank r for all, ``min(r, N_u)`` per unit, the largest r that fits).
+            rank r for all, ``min(r, N_u)`` per unit, the largest r that fits) or "entropy" ("energy" with
+            each unit's normalised eigenvalues times ``unit_weights[u]``).
+        unit_weights: per unit, > 0 (required for "entropy").
     Returns:
         Ranks, one per unit, each in 1..N_u. Ties in "energy" go to the earlier unit, lower index first, so
         the result is deterministic.
@@ -79,13 +85,16 @@ def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAlloc
         while r < max(caps) and sum(min(r + 1, c) for c in caps) <= budget:
             r += 1
         return [min(r, c) for c in caps]
-    if mode != "energy":
+    if mode not in ("energy", "entropy"):
         raise ValueError(f"rank_allocation must be one of {RANK_ALLOCATIONS}, but got {mode!r}")
+    if mode == "entropy" and (unit_weights is None or len(unit_weights) != len(spectra)):
+        raise ValueError("rank_allocation 'entropy' needs one weight per unit (the attention entropies)")
+    scale = list(unit_weights) if mode == "entropy" else [1.0] * len(spectra)
     values, owners = [], []
     for u, s in enumerate(spectra):
         s = s.detach().to("cpu", torch.float64)
         total = float(s.sum())
-        tail = s[1:] / total if total > 0 else torch.zeros(s.numel() - 1, dtype=torch.float64)
+        tail = s[1:] / total * scale[u] if total > 0 else torch.zeros(s.numel() - 1, dtype=torch.float64)
         values.append(tail)
         owners.append(torch.full((tail.numel(),), u, dtype=torch.long))
     values_t, owners_t = torch.cat(values), torch.cat(owners)

@@ -295,3 +295,27 @@ def test_calibrate_to_a_byte_ratio_meets_it_on_the_store(fmt):
     assert nb.ratio_vs(torch.bfloat16) >= 3.0
     assert store_bytes(bases, 2, 256, fmt, fmt, torch.bfloat16) == nb.per_sequence_state + nb.bases
     assert bases.ratio() < 3.0 or fmt == "float"  # quantized latents buy rank beyond the element ratio
+
+
+def test_entropy_allocation_follows_the_measured_attention_entropy():
+    """Calibration measures each KV head's normalised causal attention entropy (in [0, 1]); 'entropy' ranks
+    weight each unit's energy by it (broad heads get more rank) and meet the same budget."""
+    from ckvp_compile.latent import collect_kv_moments
+    from ckvp_compile.latent.ranks import allocate_ranks
+    from ckvp_compile.testing import build_hf_moe
+
+    model = build_hf_moe("qwen3_moe", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+    mom = collect_kv_moments(model, [torch.randint(0, 256, (2, 32), generator=g)], group_size=2, progress=False)
+    assert sorted(mom.attn_entropy) == [0, 1]
+    for e in mom.attn_entropy.values():
+        assert e.shape == (2,) and bool(((e > 0) & (e <= 1)).all())
+    energy, entropy = mom.bases(4.0, "energy"), mom.bases(4.0, "entropy")
+    assert entropy.latent_elements_per_token() <= energy.dense_elements_per_token() / 4
+    assert entropy.rank_allocation == "entropy"
+    # the rule itself: with equal spectra, the broader unit gets the larger rank
+    spectra = [torch.linspace(1, 0.1, 16, dtype=torch.float64)] * 2
+    sharp, broad = allocate_ranks(spectra, 12, "entropy", [0.2, 0.9])
+    assert broad > sharp and sharp + broad == 12
+    with pytest.raises(ValueError, match="entropy"):
+        allocate_ranks(spectra, 12, "entropy")
