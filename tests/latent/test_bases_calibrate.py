@@ -241,7 +241,7 @@ def test_errors_name_the_fix():
     with pytest.raises(CKVPConfigError, match="kv_ratio must be a number >= 1"):
         calibrate(model, samples, kv_ratio=0.5, progress=False)
     with pytest.raises(CKVPConfigError, match="rank_allocation must be one of"):
-        calibrate(model, samples, rank_allocation="entropy", progress=False)
+        calibrate(model, samples, rank_allocation="attention", progress=False)
     with pytest.raises(CKVPConfigError, match=r"group_size must be one of \[1, 2, 4, 8\]"):
         calibrate(model, samples, group_size=3, progress=False)
     with pytest.raises(CKVPConfigError, match="at least one sample"):
