@@ -545,8 +545,36 @@ def _cpu_name() -> str:
         return platform.machine()
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad arguments with a one-line usage error (exit status 2) before any model is loaded."""
+    if args.from_json:
+        if not Path(args.from_json).is_file():
+            parser.error(f"--from-json {args.from_json!r}: no such file")
+        return
+    for name in ("window", "calib_windows", "eval_windows", "chunk", "batch"):
+        if getattr(args, name) < (2 if name == "window" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'window' else 1}, "
+                         f"got {getattr(args, name)}")
+    if not Path(args.model).is_dir():
+        parser.error(f"--model {args.model!r}: not a model directory")
+    text = Path(args.text) if args.text else Path(args.model) / "eval_text.txt"
+    if not text.is_file():
+        parser.error(f"--text {str(text)!r}: no such file")
+    from ..kernels.latent_format import parse_latent_format
+
+    for fmt in args.latent_formats:
+        if fmt.startswith("mix/") and fmt[4:].isdigit():  # the block of 'planned' allocations' bit plans
+            continue
+        try:
+            parse_latent_format(fmt)
+        except ValueError as e:
+            parser.error(f"--latent-formats: {e}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     from transformers import AutoModelForCausalLM
     import transformers
 

@@ -370,10 +370,10 @@ def _rope_tables(nodes: dict[str, fx.Node], site: AttentionSite, graph: fx.Graph
     for x in c_shape:
         numel *= x
     bc = numel // (s * width)
-    with graph.inserting_after(last):
-        cos3 = graph.call_method("reshape", (cos_n, bc, s, width))
+    with graph.inserting_after(last):  # -1, not S: S may be symbolic (dynamic shapes), bc and W are not
+        cos3 = graph.call_method("reshape", (cos_n, bc, -1, width))
     with graph.inserting_after(cos3):
-        sin3 = graph.call_method("reshape", (sin_n, bc, s, width))
+        sin3 = graph.call_method("reshape", (sin_n, bc, -1, width))
     pos = find_upstream(
         cos,
         lambda n: dtype_of(n) in (torch.int64, torch.int32)
@@ -385,5 +385,5 @@ def _rope_tables(nodes: dict[str, fx.Node], site: AttentionSite, graph: fx.Graph
     if pos is None:
         raise RuntimeError(f"layer {site.layer}: RoPE positions not identified")
     with graph.inserting_after(max((pos, sin3), key=lambda n: list(graph.nodes).index(n))):
-        pos2 = graph.call_method("reshape", (pos, -1, s))  # (Bc or 1, S)
+        pos2 = graph.call_method("reshape", (pos, 1, -1)) if len(shape_of(pos)) == 1 else pos  # (Bc or 1, S)
     return cos3, sin3, pos2, width

@@ -18,16 +18,16 @@ from ckvp_compile.testing.decoding import hf_step_kwargs
 N_DECODE = 3
 
 
-def _model_and_bases(family="mixtral", kv_ratio=1.0, group_size=2, **shape):
+def _model_and_bases(family="mixtral", kv_ratio=1.0, group_size=1, **shape):
     torch.manual_seed(0)
-    shape = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, **shape}
+    shape = {"num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, **shape}
     model = build_hf_moe(family, **shape)
     samples = [torch.randint(0, 256, (1, 20)) for _ in range(3)]
     return model, calibrate(model, samples, group_size=group_size, kv_ratio=kv_ratio, progress=False)
 
 
 def _aot_eager():
-    return CKVPBackend(CKVPConfig(compiler="aot_eager"))
+    return CKVPBackend(CKVPConfig(compiler="eager"))
 
 
 def _run(step, model, ids, cache, n=N_DECODE):
@@ -97,10 +97,32 @@ def test_beam_search_reorders_the_latent_store():
 def test_dynamic_shapes_compile():
     """torch.compile(dynamic=True): the SDPA scale arrives as a graph node (a symbolic float), and the rewrite
     failed on ``float(scale)``, refusing the latent cache ("the latent KV rewrite failed (TypeError: float()
-    argument must be ... not 'Node')"). The layer now keeps reconstruct-then-SDPA, and the logits are exact."""
+    argument must be ... not 'Node')"). Then, with compiler='eager' (no retrace to specialise S), the RoPE tables
+    were reshaped to the first call's S and a 9-token prompt crashed ("shape '[1, 6, 16]' is invalid for input of
+    size 144"). The layer now keeps reconstruct-then-SDPA, the reshapes take any S, and the logits are exact."""
     model, bases = _model_and_bases()
     step = torch.compile(model, backend=_aot_eager(), fullgraph=True, dynamic=True)
     for s in (6, 9):
         ids = torch.randint(0, 256, (1, s))
         eager = prefill_decode_logits(model, ids, 2, max_cache_len=16)
         _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), n=2), eager)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/nonexistent"], "not a model directory"),
+    (["--from-json", "/nonexistent.json"], "no such file"),
+    (["--window", "0"], "--window must be >= 2"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--latent-formats", "int9"], "--latent-formats"),
+    (["--text", "/nonexistent.txt"], "no such file"),
+])
+def test_bench_cli_bad_arguments_are_usage_errors(args, message, capsys):
+    """ckvp-bench fidelity with bad arguments: tracebacks (OSError from from_pretrained, FileNotFoundError,
+    ZeroDivisionError in split_windows, a negative view shape, the format's ValueError after the dense
+    evaluation), exit status 1. They are one-line usage errors (status 2) before any model is loaded."""
+    from ckvp_compile.bench.cli import main as bench_cli
+
+    with pytest.raises(SystemExit) as exc:
+        bench_cli(["fidelity", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
