@@ -92,6 +92,12 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"this ckvp latent KV cache was built for {self.store.dtype} K/V, but the model's keys are "
                 f"{key_states.dtype}. Fix: CKVPStaticCache(..., dtype={key_states.dtype})."
             )
+        if key_states.shape[0] != self.store.batch_size:  # else the cache write fails while tracing, on shapes
+            raise CKVPConfigError(
+                f"this ckvp latent KV cache holds max_batch_size={self.store.batch_size} sequences, but the model "
+                f"runs a batch of {key_states.shape[0]}. Fix: CKVPStaticCache(..., max_batch_size="
+                f"{key_states.shape[0]}) (a latent cache serves exactly its batch size)."
+            )
         if not torch.compiler.is_compiling():
             raise CKVPError(_EAGER_ERROR)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
