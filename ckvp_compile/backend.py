@@ -19,12 +19,15 @@ Flow for each graph Dynamo captures:
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from . import _compat
@@ -103,6 +106,19 @@ class CKVPBackend:
         analysis = analyze(gm)
         binding = bind_latent_store(gm.graph, example_inputs, analysis)
         plan = make_plan(analysis, config, binding)
+        if _needs_grad(example_inputs):  # the ckvp ops are inference-only (no autograd formulas)
+            if plan.latent_groups:
+                raise _compat.surface_through_dynamo(UnsupportedGraphError(
+                    "ckvp: the latent KV cache is inference-only, but this call needs gradients (grad mode is on "
+                    "and parameters require grad). Fix: run the model under torch.no_grad() or "
+                    "torch.inference_mode() (HF generate() does), or use a dense cache for training."
+                ))
+            if any(d.rewrite and d.kind == "moe" for d in plan.decisions):
+                warnings.warn("ckvp: the expert GEMM rewrite is skipped for a call that needs gradients (its ops "
+                              "are inference-only); run under torch.no_grad() or torch.inference_mode() to use it",
+                              UnsupportedPatternWarning, stacklevel=2)
+                config = dataclasses.replace(config, enable_expert_gemm=False)
+                plan = make_plan(analysis, config, binding)
         if plan.blocking:
             raise _compat.surface_through_dynamo(UnsupportedGraphError(
                 "ckvp: this graph reads a ckvp latent KV cache that cannot be rewritten, so it cannot run: "
@@ -199,6 +215,11 @@ class CKVPBackend:
         if self.recorder is not None:
             patches["fx_graph_cache"] = False
         return _compat.compile_with_inductor(gm, example_inputs, patches)
+
+
+def _needs_grad(example_inputs: Sequence[Any]) -> bool:
+    """True when the compiled call will record autograd: grad mode on and some input (parameter) requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
 class _StoreArgs:

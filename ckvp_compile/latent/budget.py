@@ -10,6 +10,7 @@ allocates them, and :func:`fit_byte_ratio` searches the element ratio whose base
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -108,7 +109,8 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         dense_dtype: the dense cache compared against (the checkpoint's dtype, usually bf16).
         latent_dtype: dtype of 'float' latents and of the bases on the device.
     Returns:
-        :class:`~ckvp_compile.latent.LatentBases`.
+        :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
+        ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
     Raises:
         CKVPConfigError: an unknown format, or a ratio no rank reaches.
     """
@@ -117,7 +119,8 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
     except ValueError as e:
         raise CKVPConfigError(str(e)) from None
     if kv_ratio == 1.0:
-        return moments.bases(1.0, rank_allocation, basis)
+        full = moments.bases(1.0, rank_allocation, basis)
+        return dataclasses.replace(full, k_formats=(fmt,) * len(full.groups), v_formats=(fmt,) * len(full.groups))
 
     def byte_ratio(b: Any) -> float:
         return (dense_kv_bytes(b, batch_size, max_cache_len, dense_dtype)
@@ -126,4 +129,6 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
     layers = sum(len(g) for g in moments.groups)
     top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere
     pca = fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca"), kv_ratio, top, byte_ratio)
-    return pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis)
+    out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis)
+    n = len(out.groups)  # the format the ranks were fitted for: a cache with latent_format="auto" uses it
+    return dataclasses.replace(out, k_formats=(fmt,) * n, v_formats=(fmt,) * n)

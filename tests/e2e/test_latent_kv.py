@@ -296,3 +296,23 @@ def test_head_dim_128_full_rank_equals_dense(family, heads):
     eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
     cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=1)
     assert_close_all(eager, hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"))))
+
+
+def test_grad_mode_is_a_clear_error_for_the_latent_cache_and_skips_the_expert_gemm():
+    """The ckvp ops are inference-only: a call that records autograd gets a clear error naming torch.no_grad()
+    (latent cache) or leaves the experts as the model computes them, with a warning (expert GEMM)."""
+    from ckvp_compile.errors import UnsupportedPatternWarning
+
+    model = build_hf_moe("mixtral", num_layers=2)
+    bases = calibrate(model, calib_samples(1), group_size=2, kv_ratio=2.0, progress=False)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=16)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+    ids = torch.randint(0, 256, (1, 4))
+    with pytest.raises(Exception, match=r"inference-only.*torch.no_grad\(\)"):
+        step(**hf_step_kwargs(model, ids, cache, 0))
+    torch._dynamo.reset()
+    gemm = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True)))
+    with pytest.warns(UnsupportedPatternWarning, match="inference-only"):
+        out = gemm(ids, use_cache=False).logits
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)

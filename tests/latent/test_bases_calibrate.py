@@ -282,6 +282,7 @@ def test_fixture_model_ratio_4_group_4():
 def test_calibrate_to_a_byte_ratio_meets_it_on_the_store(fmt):
     """calibrate(latent_format=...) fits ranks so that the store of that format, bases and scales counted, holds
     kv_ratio times fewer bytes than a bf16 dense cache; and it keeps as much rank as that allows."""
+    from ckvp_compile.kernels.latent_format import parse_latent_format
     from ckvp_compile.latent.budget import store_bytes
     from ckvp_compile.runtime.store import LatentKVStore
     from ckvp_compile.testing import build_hf_moe
@@ -290,7 +291,8 @@ def test_calibrate_to_a_byte_ratio_meets_it_on_the_store(fmt):
     samples = [torch.randint(0, 256, (1, 24)) for _ in range(2)]
     bases = calibrate(model, samples, group_size=2, kv_ratio=3.0, progress=False, latent_format=fmt, batch_size=2,
                       cache_len=256)
-    store = LatentKVStore(bases, 2, 256, "cpu", torch.float32, fmt, fmt, latent_dtype=torch.bfloat16)
+    assert bases.k_formats == bases.v_formats == (parse_latent_format(fmt).name,) * len(bases.groups)
+    store = LatentKVStore(bases, 2, 256, "cpu", torch.float32, latent_dtype=torch.bfloat16)  # 'auto': the format
     nb = store.nbytes()
     assert nb.ratio_vs(torch.bfloat16) >= 3.0
     assert store_bytes(bases, 2, 256, fmt, fmt, torch.bfloat16) == nb.per_sequence_state + nb.bases
