@@ -24,6 +24,7 @@ REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("torch._inductor.config", "get_config_copy"),
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("torch._dynamo.backends.debugging", "boxed_nop"),
+    ("torch._guards", "TracingContext"),
 )
 
 
@@ -113,6 +114,22 @@ def compile_with_aot_eager(
 
 
 _PASSTHROUGH_TYPES: dict[type, type] = {}
+
+
+def static_fake_inputs(tensors: Sequence[Any]) -> list[Any]:
+    """Fake tensors with static shapes, in Dynamo's fake mode, for extra graph inputs the backend appends.
+
+    Inductor fakifies real example inputs itself, with symbolic sizes when the graph is compiled with dynamic
+    shapes; the latent store's tensors have fixed shapes, and symbolic ones break Inductor's decomposition of
+    their in-place ops (``auto_functionalized``). Outside a Dynamo trace the tensors are returned unchanged.
+    """
+    import torch._guards
+
+    ctx = torch._guards.TracingContext.try_get()
+    mode = getattr(ctx, "fake_mode", None) if ctx is not None else None
+    if mode is None:
+        return list(tensors)
+    return [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in tensors]
 
 
 def surface_through_dynamo(exc: Exception) -> Exception:

@@ -141,7 +141,7 @@ class CKVPBackend:
         latent = next((p for p in torch_passes if isinstance(p, LatentKVCachePass)), None)
         if latent is not None:
             store_inputs = _StoreArgs(latent.plan)
-            example_inputs = list(example_inputs) + store_inputs.tensors(latent.plan.store)
+            example_inputs = list(example_inputs) + _compat.static_fake_inputs(store_inputs.tensors(latent.plan.store))
 
         def on_graph(when: str, graph: fx.Graph) -> None:
             code = graph.python_code("self").src

@@ -316,3 +316,24 @@ def test_grad_mode_is_a_clear_error_for_the_latent_cache_and_skips_the_expert_ge
         out = gemm(ids, use_cache=False).logits
     with torch.no_grad():
         torch.testing.assert_close(out, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fixture_latent_cache_compiles_with_inductor():
+    """Regression: with Inductor, the store tensors the backend appends as graph inputs got symbolic sizes and
+    Inductor's decomposition of the in-place latent ops failed (an AssertionError in replace_by_example); they
+    are now given to Inductor as static fake tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from ckvp_compile.bench.fidelity import DEFAULT_MODEL_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    text = (DEFAULT_MODEL_DIR / "eval_text.txt").read_bytes()
+    samples = [torch.tensor([list(text[i:i + 128])]) for i in range(0, 256, 128)]
+    bases = calibrate(model, samples, group_size=4, kv_ratio=4, progress=False, latent_format="int8", cache_len=4096)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=32, latent_dtype=torch.bfloat16)
+    ids = torch.tensor([list(text[:20])])
+    model.forward = torch.compile(model.forward, backend=CKVPBackend(CKVPConfig(compiler="inductor")))
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False, disable_compile=True,
+                             pad_token_id=0)
+    assert out.shape == (1, 23)
