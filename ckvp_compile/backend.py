@@ -19,9 +19,8 @@ Flow for each graph Dynamo captures:
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass, field
