@@ -98,11 +98,11 @@ class LatentKVStore:
     Args:
         bases: the :class:`~ckvp_compile.latent.LatentBases` (groups, ranks, bases).
         batch_size: B. max_cache_len: S_max.
-        device, dtype: where the store lives and the model's KV dtype (bases, RoPE tables, phantoms).
-        k_format, v_format: storage format of the key / value latents: ``"float"`` (default) or a quantized
-            one, ``"int8"``, ``"int4"``, ``"int2"`` with an optional ``/block``, or a ``mix/...`` bit plan (see
-            :mod:`ckvp_compile.kernels.latent_format`); one for every group, a sequence with one per group, or
-            ``"auto"``: the bases' planned formats (``LatentBases.k_formats``), else ``"float"``.
+        device, dtype: where the store lives and the model's KV dtype (RoPE tables, phantoms).
+        k_format, v_format: storage format of the key / value latents: ``"auto"`` (default: the bases'
+            recorded formats, ``LatentBases.k_formats``, else ``"float"``), ``"float"``, a quantized one
+            (``"int8"``, ``"int4"``, ``"int2"`` with an optional ``/block``, ``"tern"``) or a ``mix/...`` bit plan
+            (see :mod:`ckvp_compile.kernels.latent_format`); one for every group or a sequence with one per group.
         latent_dtype: float dtype of ``"float"`` latents and of the bases on the device (default ``dtype``;
             e.g. bf16 for an fp32 model, so that what is stored is what a bf16 deployment stores).
     Raises:
