@@ -1,0 +1,186 @@
+"""Tests of the latent quantize / dequantize Triton kernels (ckvp_compile/kernels/latent_quant_triton.py) on CPU,
+under the Triton interpreter, against ``quantize_latent_ref`` / ``dequantize_latent_ref``.
+
+``TRITON_INTERPRET=1`` must be set before Triton is imported, so the kernel checks run in a child process started
+with the variable set (this file executed as a script), as tests/kernels/test_latent_attention_triton.py does.
+
+Property test (hypothesis, derandomized, tiny shapes): 1-3 rows of 1-2 leading dims, 1-3 heads with ranks 0-13
+(zero-rank heads and ragged last blocks), uniform formats int8 / int4 / int2 with several block sizes (including a
+non-power-of-two block), values mixing wide fp32 draws up to fp16's range, subnormal-sized draws, fp16 grid
+values (constant blocks: scale 0) and quarter-integer grids (exact half-step ties: round-half-to-even). Checks:
+stored bytes equal the reference's byte for byte; the decoded fp32 equals the reference's bit for bit, both from
+the kernel's own rows and from random rows (random code bytes, random finite fp16 scales / mins).
+Inputs have ``-0.0`` canonicalised to ``+0.0``; a fixed case checks a signed-zero block minimum up to the sign of
+the stored zero (the one documented difference). Error cases: non-finite / out-of-range values, wrong formats,
+wrong row widths; on CPU without the interpreter the kernels refuse with NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+FORMATS = ("int8/32", "int8/3", "int8/8", "int4/32", "int4/6", "int4/2", "int2/8", "int2/4", "int2/16")
+
+
+def _offsets(ranks):
+    off = [0]
+    for r in ranks:
+        off.append(off[-1] + r)
+    return off
+
+
+def _check_case(z, off, fmt):
+    import torch
+
+    from ckvp_compile.kernels.latent_format import dequantize_latent_ref, quantize_latent_ref
+    from ckvp_compile.kernels.latent_quant_triton import dequantize_latent_triton, quantize_latent_triton
+
+    a = quantize_latent_ref(z, off, fmt)
+    b = quantize_latent_triton(z, off, fmt)
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.uint8
+    assert torch.equal(a, b), (fmt, off, (a != b).nonzero()[:8].tolist())
+    da = dequantize_latent_ref(a, off, fmt)
+    db = dequantize_latent_triton(a, off, fmt)
+    assert da.dtype == db.dtype == torch.float32 and da.shape == db.shape == z.shape
+    assert torch.equal(da.view(torch.int32), db.view(torch.int32)), fmt
+
+
+def _check_property(n_examples: int) -> None:
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ckvp_compile.kernels.latent_format import dequantize_latent_ref, parse_latent_format
+    from ckvp_compile.kernels.latent_quant_triton import dequantize_latent_triton
+
+    value = st.one_of(
+        st.floats(-65504, 65504, width=32, allow_nan=False),
+        st.floats(-2.0**-20, 2.0**-20, width=32, allow_nan=False),  # fp16 subnormals and below
+        st.integers(-64, 64).map(lambda k: k * 0.25),  # grids: half-step ties, constant blocks
+        st.floats(-4, 4, width=16, allow_nan=False).map(float),  # exactly fp16 values
+    )
+
+    @st.composite
+    def case(draw):
+        fmt = draw(st.sampled_from(FORMATS))
+        ranks = draw(st.lists(st.integers(0, 13), min_size=1, max_size=3))
+        lead = draw(st.sampled_from([(1,), (2,), (3,), (2, 1), (1, 2)]))
+        n = int(torch.tensor(lead).prod()) * sum(ranks)
+        vals = draw(st.lists(value, min_size=n, max_size=n))
+        seed = draw(st.integers(0, 2**16))
+        return fmt, ranks, lead, vals, seed
+
+    @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
+    @given(case())
+    def prop(c):
+        fmt, ranks, lead, vals, seed = c
+        off = _offsets(ranks)
+        z = torch.tensor(vals, dtype=torch.float32).reshape(*lead, off[-1]) + 0.0  # -0.0 -> +0.0
+        _check_case(z, off, fmt)
+        # decoding arbitrary rows: random code bytes, random finite fp16 scales and mins
+        f = parse_latent_format(fmt)
+        g = torch.Generator().manual_seed(seed)
+        width, nb = f.row_width(off), f.num_blocks(off)
+        rows = torch.randint(0, 256, (*lead, width), generator=g, dtype=torch.uint8)
+        sm = (torch.randn(*lead, 2 * nb, generator=g) * 100).to(torch.float16)
+        rows[..., width - 4 * nb:] = sm.view(torch.uint8)
+        da, db = dequantize_latent_ref(rows, off, fmt), dequantize_latent_triton(rows, off, fmt)
+        assert torch.equal(da.view(torch.int32), db.view(torch.int32)), fmt
+
+    prop()
+
+
+def _check_fixed() -> None:
+    import torch
+
+    from ckvp_compile.kernels.latent_format import quantize_latent_ref
+    from ckvp_compile.kernels.latent_quant_triton import (dequantize_latent_triton, quantize_latent_triton,
+                                                          unsupported_reason)
+
+    g = torch.Generator().manual_seed(0)
+    off = [0, 5, 5, 40, 47]
+    for fmt in FORMATS:
+        _check_case(torch.randn(2, 3, 47, generator=g) * 3, off, fmt)  # leading dims, zero-rank head
+        _check_case(torch.full((2, 47), 65504.0), off, fmt)  # range edges
+        _check_case(torch.full((2, 47), -65504.0), off, fmt)
+        _check_case(torch.zeros(0, 47), off, fmt)  # no rows
+    _check_case(torch.randn(2, 0), [0, 0, 0], "int4")  # no blocks
+    # signed-zero minimum: equal up to the stored zero's sign; codes, scales and values equal
+    z = torch.tensor([[-0.0, 0.0, 1.0, 2.0, -0.0, 3.0]])
+    for fmt in ("int8/8", "int4/4", "int2/4"):
+        a, b = quantize_latent_ref(z, [0, 6], fmt), quantize_latent_triton(z, [0, 6], fmt)
+        na = a.shape[-1]
+        n_min = 2 * (-(-6 // int(fmt.split("/")[1])))
+        assert torch.equal(a[..., :na - n_min], b[..., :na - n_min]), fmt
+        ma, mb = (t[..., na - n_min:].clone(memory_format=torch.contiguous_format).view(torch.float16) for t in (a, b))
+        assert torch.equal(ma.float(), mb.float()), fmt
+        assert torch.equal(dequantize_latent_triton(a, [0, 6], fmt), dequantize_latent_triton(b, [0, 6], fmt))
+    # errors
+    for bad in (float("nan"), float("inf"), 70000.0):
+        with _raises(ValueError, "finite"):
+            quantize_latent_triton(torch.tensor([[bad, 0.0]]), [0, 2], "int8")
+    for fmt in ("float", "tern", "mix/8:8x2"):
+        assert unsupported_reason(fmt, torch.device("cpu")) is not None
+        with _raises(ValueError, "uniform"):
+            quantize_latent_triton(torch.zeros(1, 2), [0, 2], fmt)
+    with _raises(ValueError, "rows must be uint8"):
+        dequantize_latent_triton(torch.zeros(1, 3, dtype=torch.uint8), [0, 2], "int8")
+    with _raises(ValueError, "must be"):
+        quantize_latent_triton(torch.zeros(1, 3), [0, 2], "int8")
+
+
+class _raises:
+    def __init__(self, exc, text):
+        self.exc, self.text = exc, text
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        assert et is not None and issubclass(et, self.exc) and self.text in str(ev), (et, ev)
+        return True
+
+
+def _main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _check_fixed()
+    n = int(os.environ.get("CKVP_LATENT_QUANT_EXAMPLES", "60"))
+    _check_property(n)
+    print("ok", n)
+
+
+def test_kernels_match_reference_under_interpreter():
+    pytest.importorskip("triton")
+    pytest.importorskip("hypothesis")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("ok")
+
+
+def test_cpu_without_interpreter_is_refused_and_nothing_is_enabled():
+    """On CPU (no interpreter) the kernels refuse with NotImplementedError; USE_TRITON stays False."""
+    pytest.importorskip("triton")
+    import torch
+
+    from ckvp_compile.kernels import latent_quant_triton as lq
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("needs a CPU-only process without the interpreter")
+    assert lq.USE_TRITON is False
+    assert "device" in lq.unsupported_reason("int8", torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="NYI"):
+        lq.quantize_latent_triton(torch.zeros(1, 8), [0, 8], "int8")
+    with pytest.raises(NotImplementedError, match="NYI"):
+        lq.dequantize_latent_triton(torch.zeros(1, 12, dtype=torch.uint8), [0, 8], "int8")
+
+
+if __name__ == "__main__":
+    _main()
