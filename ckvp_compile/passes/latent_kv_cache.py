@@ -224,24 +224,71 @@ def _layout_chain(start: fx.Node, end: fx.Node) -> list[fx.Node] | None:
     return chain[::-1]
 
 
-def _replay(chain: list[fx.Node], x: torch.Tensor, prev: fx.Node) -> torch.Tensor:
-    """Run the layout ops of ``chain`` on ``x`` (standing for ``prev``)."""
+_PROBE_SLOTS = 8  # the probe's slot count: the layout chain is replayed with S_max shrunk to this
+
+
+def _replay(chain: list[fx.Node], x: torch.Tensor, prev: fx.Node, s_max: int, s_probe: int) -> torch.Tensor:
+    """Run the layout ops of ``chain`` on ``x`` (standing for ``prev``), every int argument equal to ``s_max``
+    replaced by ``s_probe`` (the probe has ``s_probe`` slots instead of S_max)."""
+
+    def arg(a: Any) -> Any:
+        if a is prev:
+            return x
+        return s_probe if isinstance(a, int) and not isinstance(a, bool) and a == s_max else a
+
     for n in chain:
-        args, kwargs = map_arg((n.args, n.kwargs), lambda a: x if a is prev else a)
+        args, kwargs = map_arg((n.args, n.kwargs), arg)
+        args = tuple(arg(a) if not isinstance(a, (tuple, list)) else type(a)(arg(v) for v in a) for a in args)
         x = getattr(x, n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
         prev = n
     return x
 
 
+def _chain_ints(chain: list[fx.Node]) -> tuple[set[int], set[int]]:
+    """(int constants of the chain's arguments outside slices, slice bounds)."""
+    ints: set[int] = set()
+    bounds: set[int] = set()
+
+    def visit(a: Any) -> None:
+        if isinstance(a, bool):
+            return
+        if isinstance(a, int):
+            ints.add(a)
+        elif isinstance(a, slice):
+            bounds.update(v for v in (a.start, a.stop, a.step) if isinstance(v, int) and not isinstance(v, bool))
+        elif isinstance(a, (tuple, list)):
+            for v in a:
+                visit(v)
+        elif isinstance(a, dict):
+            for v in a.values():
+                visit(v)
+
+    for n in chain:
+        visit(n.args)
+        visit(n.kwargs)
+    return ints, bounds
+
+
 def _is_gqa_view(chain: list[fx.Node], start: fx.Node, shape: tuple[int, ...], num_heads: int,
                  enable_gqa: bool) -> int | None:
-    """Replay ``chain`` on an index probe of ``shape`` (B, Hkv, S_max, D): return kv_len when the result is the
-    probe with each KV head repeated H/Hkv times (or not at all with ``enable_gqa``) and slots [0, kv_len);
-    None otherwise."""
+    """Replay ``chain`` on an index probe of shape (B, Hkv, s, D) standing for (B, Hkv, S_max, D), with a few slots
+    s (so that the check costs little at any context length): return kv_len when the result is the probe with
+    each KV head repeated H/Hkv times (or not at all with ``enable_gqa``) and the slots [0, kv_len); None otherwise.
+
+    Conservative: a chain whose constants could mean something else after shrinking (S_max equal to another
+    dim, a slice bound beyond the probe's slots, or an int between s and S_max that is no known dim) is refused
+    rather than guessed."""
     b, hkv, s_max, d = shape
-    probe = torch.arange(b * hkv * s_max * d, dtype=torch.float64).view(b, hkv, s_max, d)
+    s_probe = min(s_max, _PROBE_SLOTS)
+    if s_probe < s_max:
+        ints, bounds = _chain_ints(chain)
+        dims = {b, hkv, num_heads, d, num_heads // max(hkv, 1), b * num_heads, b * hkv}
+        if (s_max in dims or any(s_probe < abs(v) < s_max or abs(v) > s_max for v in bounds)
+                or any(s_probe < abs(v) < s_max and abs(v) not in dims for v in ints)):
+            return None
+    probe = torch.arange(b * hkv * s_probe * d, dtype=torch.float64).view(b, hkv, s_probe, d)
     try:
-        out = _replay(chain, probe, start)
+        out = _replay(chain, probe, start, s_max, s_probe)
     except Exception:  # an op the probe cannot take: not a layout chain we understand
         return None
     heads = hkv if enable_gqa else num_heads
@@ -249,7 +296,9 @@ def _is_gqa_view(chain: list[fx.Node], start: fx.Node, shape: tuple[int, ...], n
         return None
     kv_len = out.shape[2]
     expected = probe.repeat_interleave(heads // hkv, dim=1)[:, :, :kv_len]
-    return kv_len if 1 <= kv_len <= s_max and torch.equal(out, expected) else None
+    if not (1 <= kv_len <= s_probe and torch.equal(out, expected)):
+        return None
+    return s_max if kv_len == s_probe else kv_len
 
 
 def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
