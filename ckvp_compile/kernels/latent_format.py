@@ -36,6 +36,7 @@ Values beyond fp16's range (|x| > 65504) are not representable: :func:`quantize_
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -193,16 +194,23 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
 
 
 def _pad_index(offsets: Sequence[int], fmt: LatentFormat, device: torch.device) -> torch.Tensor:
-    """(R_tot,) long: padded column of every packed coordinate."""
-    padded = fmt.padded_offsets(offsets)
-    cols = [torch.arange(int(a), int(b)) - int(a) + p for a, b, p in zip(offsets, offsets[1:], padded)]
-    return (torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long)).to(device)
+    """(R_tot,) long: padded column of every packed coordinate (built once per layout and device)."""
+    return _layout_index("pad", tuple(int(o) for o in offsets), fmt, str(device))
 
 
 def _code_byte_index(offsets: Sequence[int], fmt: LatentFormat, device: torch.device) -> torch.Tensor:
     """(sum_h cb_h,) long: the byte of the padded packed codes that each stored code byte is."""
+    return _layout_index("code", tuple(int(o) for o in offsets), fmt, str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_index(kind: str, offsets: tuple[int, ...], fmt: LatentFormat, device: str) -> torch.Tensor:
+    """The index tensors above, cached: rebuilding them per call would copy host to device every decode step."""
     padded = fmt.padded_offsets(offsets)
-    cols = [torch.arange(cb) + p * fmt.bits // 8 for cb, p in zip(fmt.code_bytes(offsets), padded)]
+    if kind == "pad":
+        cols = [torch.arange(a, b) - a + p for a, b, p in zip(offsets, offsets[1:], padded)]
+    else:
+        cols = [torch.arange(cb) + p * fmt.bits // 8 for cb, p in zip(fmt.code_bytes(offsets), padded)]
     return (torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long)).to(device)
 
 
@@ -245,14 +253,17 @@ def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | Lat
     Returns:
         (..., row_bytes) uint8 (:meth:`LatentFormat.row_width`).
     Raises:
-        ValueError: ``fmt`` is ``"float"`` or unknown, or a value is not finite or beyond fp16's range.
+        ValueError: ``fmt`` is ``"float"`` or unknown, or (CPU tensors) a value is not finite or beyond fp16's
+            range.
     """
     f = parse_latent_format(fmt)
     if not f.quantized:
         raise ValueError("quantize_latent_ref needs a quantized format, not 'float'")
     lead = z.shape[:-1]
     zf = z.float()
-    if zf.numel() and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
+    # checked on the host only: on a GPU the check would synchronise every decode step (non-finite or
+    # out-of-range latents then give non-finite scales, which propagate as NaN / inf, never plausible numbers)
+    if zf.numel() and not zf.is_cuda and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
         raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
     if f.mixed or f.ternary:
         return _quantize_pieces(zf, offsets, f)
@@ -317,14 +328,13 @@ def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
     n = codes.shape[-1]
     c = torch.nn.functional.pad(codes.to(torch.int32) + 1, (0, -(-n // 5) * 5 - n), value=1)
     c = c.view(*codes.shape[:-1], -1, 5)
-    weights = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=codes.device)
+    weights = 3 ** torch.arange(5, dtype=torch.int32, device=codes.device)
     return (c * weights).sum(-1).to(torch.uint8)
 
 
 def unpack_ternary(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_ternary`: (..., M) uint8 -> (..., n) int8 codes in {-1, 0, 1}."""
-    v = packed.to(torch.int32)[..., None] // torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32,
-                                                          device=packed.device)
+    v = packed.to(torch.int32)[..., None] // 3 ** torch.arange(5, dtype=torch.int32, device=packed.device)
     return ((v % 3) - 1).to(torch.int8).flatten(-2)[..., :n]
 
 

@@ -37,6 +37,7 @@ All math runs in fp32; results are cast to the documented dtype at the end.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -101,7 +102,13 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: 
 
 def _head_columns(offsets: Sequence[int], r_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (idx, valid), both (Hkv, r_pad): latent column of head h's j-th latent coordinate, and j < r_h."""
-    off = torch.tensor(list(offsets), dtype=torch.long, device=device)
+    return _head_columns_cached(tuple(int(o) for o in offsets), int(r_pad), str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _head_columns_cached(offsets: tuple[int, ...], r_pad: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_head_columns`, built once per layout and device (no host-to-device copy per decode step)."""
+    off = torch.tensor(offsets, dtype=torch.long, device=device)
     j = torch.arange(r_pad, device=device)
     valid = j[None, :] < (off[1:] - off[:-1])[:, None]
     idx = torch.where(valid, off[:-1, None] + j[None, :], torch.zeros_like(valid, dtype=torch.long))
@@ -180,8 +187,7 @@ def online_basis_fit_ref(basis: torch.Tensor, x: torch.Tensor, offsets: Sequence
     evecs = evecs.flip(-1)[..., : basis.shape[-1]]
     idx = evecs.abs().argmax(dim=-2, keepdim=True)
     evecs = evecs * torch.sign(torch.gather(evecs, -2, idx)).clamp_min(0).mul(2).sub(1)
-    ranks = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=basis.device)
-    keep = torch.arange(basis.shape[-1], device=basis.device)[None, :] < ranks[:, None]  # (Hkv, R_max)
+    _, keep = _head_columns(offsets, basis.shape[-1], basis.device)  # (Hkv, R_max): j < r_h
     fitted = torch.where(keep[None, :, None, :], evecs, 0.0).to(basis.dtype)
     first = slots.min() == 0
     basis.copy_(torch.where(first, fitted, basis))
@@ -363,7 +369,6 @@ def latent_attention_ref(
         formed) and the current call's slots contribute ``w_new @ new_v``.
     """
     b, h, s, d = q.shape
-    hkv = basis_k_block.shape[0]
     idx = slots.long()
     k = _rebuild(latent_k[:, :kv_len], basis_k_block, k_offsets, cos_table, sin_table, slot_pos[:, :kv_len],
                  rope_form, rotary_dim, k_fmt)

@@ -18,8 +18,6 @@ wrong row widths; on CPU without the interpreter the kernels refuse with NotImpl
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -156,11 +154,9 @@ def _main() -> None:
 def test_kernels_match_reference_under_interpreter():
     pytest.importorskip("triton")
     pytest.importorskip("hypothesis")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    from ckvp_compile.testing.interpreter import run_under_triton_interpreter
+
+    proc = run_under_triton_interpreter(__file__, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("ok")
 
