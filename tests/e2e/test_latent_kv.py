@@ -330,10 +330,14 @@ def test_fixture_latent_cache_compiles_with_inductor():
     text = (DEFAULT_MODEL_DIR / "eval_text.txt").read_bytes()
     samples = [torch.tensor([list(text[i:i + 128])]) for i in range(0, 256, 128)]
     bases = calibrate(model, samples, group_size=4, kv_ratio=4, progress=False, latent_format="int8", cache_len=4096)
-    cache = CKVPStaticCache(model.config, bases, max_cache_len=32, latent_dtype=torch.bfloat16)
     ids = torch.tensor([list(text[:20])])
-    model.forward = torch.compile(model.forward, backend=CKVPBackend(CKVPConfig(compiler="inductor")))
-    with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False, disable_compile=True,
-                             pad_token_id=0)
-    assert out.shape == (1, 23)
+    eager_forward, outs = model.forward, {}
+    for compiler in ("inductor", "aot_eager"):  # the same rewrite, code-generated or run op by op
+        torch._dynamo.reset()
+        cache = CKVPStaticCache(model.config, bases, max_cache_len=32, latent_dtype=torch.bfloat16)
+        model.forward = torch.compile(eager_forward, backend=CKVPBackend(CKVPConfig(compiler=compiler)))
+        with torch.no_grad():
+            outs[compiler] = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                                            disable_compile=True, pad_token_id=0)
+    model.forward = eager_forward
+    assert outs["inductor"].shape == (1, 23) and torch.equal(outs["inductor"], outs["aot_eager"])
