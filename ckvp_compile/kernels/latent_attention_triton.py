@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -116,7 +117,7 @@ def _fp16_at(ptr, step, mask):
 def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                  BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
-                 HALF_WORDS: tl.constexpr):
+                 HALF_WORDS: tl.constexpr, MX: tl.constexpr = False):
     """(NROWS, NCOLS) fp32 latent coordinates j = C0 + [0, NCOLS) of one head, rows starting at ``row_ptr``.
 
     Float format (BITS == 16): columns ``col0 + j``. Quantized: the code of coordinate j is bits
@@ -148,27 +149,44 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
             raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :], mask=q_ok, other=0).to(tl.int32)
             code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
             code = tl.reshape(code, (NROWS, NCOLS))
-        code = code.to(tl.float32)
-        if BLOCKWISE:
-            kb = tl.arange(0, NCOLS // QBLOCK)
-            blk = blk0 + C0 // QBLOCK + kb
-            b_ok = row_ok[:, None] & ((C0 + kb * QBLOCK) < rank)[None, :]
-            if HALF_WORDS:
-                words = row_ptr.to(tl.pointer_type(tl.uint16))
-                sc = tl.load(words[:, None] + (scale_base // 2 + blk)[None, :], mask=b_ok, other=0)
-                mn = tl.load(words[:, None] + (min_base // 2 + blk)[None, :], mask=b_ok, other=0)
-                sc = sc.to(tl.float16, bitcast=True).to(tl.float32)
-                mn = mn.to(tl.float16, bitcast=True).to(tl.float32)
+        if MX:  # two's-complement codes times 2**(byte - 127), built from its bits (exact; no exp2 rounding)
+            code = code.to(tl.int32)
+            code = code - ((code >> (BITS - 1)) << BITS)
+            code = code.to(tl.float32)
+            if BLOCKWISE:
+                kb = tl.arange(0, NCOLS // QBLOCK)
+                blk = blk0 + C0 // QBLOCK + kb
+                b_ok = row_ok[:, None] & ((C0 + kb * QBLOCK) < rank)[None, :]
+                ex = tl.load(row_ptr[:, None] + ((scale_base + blk) * stride_w)[None, :], mask=b_ok, other=127)
+                sc = (ex.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
             else:
-                sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
-                mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
-            mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
+                blk = blk0 + cols // QBLOCK
+                ex = tl.load(row_ptr[:, None] + ((scale_base + blk) * stride_w)[None, :], mask=ok, other=127)
+                sc = (ex.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            z = tl.where(ok, code * sc, 0.0)
         else:
-            blk = blk0 + cols // QBLOCK
-            sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
-            mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
-        z = tl.where(ok, code * sc + mn, 0.0)
+            code = code.to(tl.float32)
+            if BLOCKWISE:
+                kb = tl.arange(0, NCOLS // QBLOCK)
+                blk = blk0 + C0 // QBLOCK + kb
+                b_ok = row_ok[:, None] & ((C0 + kb * QBLOCK) < rank)[None, :]
+                if HALF_WORDS:
+                    words = row_ptr.to(tl.pointer_type(tl.uint16))
+                    sc = tl.load(words[:, None] + (scale_base // 2 + blk)[None, :], mask=b_ok, other=0)
+                    mn = tl.load(words[:, None] + (min_base // 2 + blk)[None, :], mask=b_ok, other=0)
+                    sc = sc.to(tl.float16, bitcast=True).to(tl.float32)
+                    mn = mn.to(tl.float16, bitcast=True).to(tl.float32)
+                else:
+                    sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
+                    mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
+                sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
+                mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
+            else:
+                blk = blk0 + cols // QBLOCK
+                sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
+                mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
+            z = tl.where(ok, code * sc + mn, 0.0)
     return z
 
 
@@ -247,7 +265,8 @@ def _latent_attention_split_kernel(
     ZK_EXACT: tl.constexpr, BK_EXACT: tl.constexpr, ZV_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
     K_BLOCKWISE: tl.constexpr, V_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr, K_ALIGN: tl.constexpr,
     V_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, V_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
-    V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr,
+    V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr, K_MX: tl.constexpr, V_MX: tl.constexpr,
+    PAIRED_TABLE: tl.constexpr,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -314,7 +333,7 @@ def _latent_attention_split_kernel(
         x3 = tl.zeros((BLOCK_N, REST), tl.float32)
         for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
             z = _latent_tile(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, stride_lkw,
-                             r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS)
+                             r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
             if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
                 r = r0 + tl.arange(0, BLOCK_R)
                 b_ok = (r < rk_max)[:, None]
@@ -335,7 +354,7 @@ def _latent_attention_split_kernel(
             tab_ok = col_ok[:, None] & rot_ok[None, :]
             cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
             sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-            if ROPE == 3:
+            if ROPE == 3 or PAIRED_TABLE:  # one angle per pair (complex form, or a table the host checked)
                 cos2 = cos1
                 sin2 = sin1
             else:
@@ -367,7 +386,7 @@ def _latent_attention_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
         zv = _latent_tile(lv_rows, col_ok, v_col0, v_blk0, v_rank, v_scale_base, v_min_base, stride_lvw, 0,
-                          BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN, V_WORDS)
+                          BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN, V_WORDS, V_MX)
         acc = _dot_split(p, zv, acc * alpha[:, None], False, ZV_EXACT, F32_DOT)
         m_i = m_new
 
@@ -492,8 +511,8 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
         return f"rope_form {rope_form!r}"
     for name, fmt, lat in (("k_fmt", k_fmt, latent_k), ("v_fmt", v_fmt, latent_v)):
         f = parse_latent_format(fmt)
-        if f.quantized and (getattr(f, "segments", None) is not None or f.bits not in (8, 4, 2)):
-            return f"{name} {fmt!r} (uniform int8/int4/int2 formats only)"
+        if f.quantized and (f.segments is not None or f.bits not in (8, 4, 2)):
+            return f"{name} {fmt!r} (uniform int8/int4/int2 and mxint8/mxint4 formats only)"
         if not f.quantized and lat.dtype not in _FLOATS:
             return f"{name} 'float' with latent dtype {lat.dtype}"
     for name, t in (("q", q), ("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block), ("new_k", new_k)):
@@ -561,13 +580,44 @@ def _ranks(offsets: Sequence[int]) -> list:
 
 def _words(f, latent: torch.Tensor, scale_base: int, min_base: int) -> bool:
     """Quantized rows whose fp16 scales / mins sit at even byte addresses (even base, row and batch strides)."""
-    return (f.quantized and latent.stride(-1) == 1 and scale_base % 2 == 0 and min_base % 2 == 0
+    return (f.quantized and not f.pow2 and latent.stride(-1) == 1 and scale_base % 2 == 0 and min_base % 2 == 0
             and latent.stride(0) % 2 == 0 and latent.stride(1) % 2 == 0 and latent.data_ptr() % 2 == 0)
 
 
 def _blockwise(f, ncols: int) -> bool:
     """A quantized format whose blocks tile every chunk of ``ncols`` coordinates (power-of-two block <= ncols)."""
     return f.quantized and f.block & (f.block - 1) == 0 and f.block <= ncols
+
+
+_PAIRED: dict[int, tuple] = {}
+
+
+def _paired_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, rope: int, half: int) -> bool:
+    """Whether both cos/sin tables hold one angle per rotated pair (HF's ``cat((freqs, freqs))`` for rotate_half,
+    ``repeat_interleave`` for interleaved), so that the kernel loads half the table bytes.
+
+    Checked once per table object and version (one device comparison, never during CUDA-graph capture, where
+    the answer is False unless known); a table changed in place is checked again."""
+    if half == 0:
+        return False
+    i1 = torch.arange(half) if rope == 1 else 2 * torch.arange(half)
+    i2 = i1 + half if rope == 1 else i1 + 1
+    answers = []
+    for t in (cos_table, sin_table):
+        hit = _PAIRED.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == (rope, half):
+            answers.append(hit[3])
+            continue
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        i1d, i2d = i1.to(t.device), i2.to(t.device)
+        same = bool(torch.equal(t.index_select(-1, i1d), t.index_select(-1, i2d)))
+        if len(_PAIRED) > 256:  # forget tables that no longer exist
+            for key in [k for k, v in _PAIRED.items() if v[0]() is None]:
+                del _PAIRED[key]
+        _PAIRED[id(t)] = (weakref.ref(t), t._version, (rope, half), same)
+        answers.append(same)
+    return all(answers)
 
 
 def _np2(x: int, lo: int = 16) -> int:
@@ -655,15 +705,16 @@ def latent_attention_triton(
         RK_PAD=rk_pad, RV_PAD=rv_pad, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
         SLOT_BLOCK=16, K_BITS=kf.bits, K_QBLOCK=max(kf.block, 1),
         V_BITS=vf.bits, V_QBLOCK=max(vf.block, 1), MASK=mask_kind, Q_EXACT=q.dtype == bf16,
-        ZK_EXACT=(not kf.quantized and latent_k.dtype == bf16) or not cfg.key_split,
+        ZK_EXACT=(not kf.quantized and latent_k.dtype == bf16) or kf.pow2 or not cfg.key_split,
         BK_EXACT=basis_k_block.dtype == bf16,
-        ZV_EXACT=(not vf.quantized and latent_v.dtype == bf16), F32_DOT=f32_dot,
+        ZV_EXACT=(not vf.quantized and latent_v.dtype == bf16) or vf.pow2, F32_DOT=f32_dot,
         K_BLOCKWISE=_blockwise(kf, block_r), V_BLOCKWISE=_blockwise(vf, rv_pad), HOIST=cfg.hoist_basis,
         K_ALIGN=_align(kmeta_cols) if cfg.align_hint else 1, V_ALIGN=_align(vmeta_cols) if cfg.align_hint else 1,
         K_RALIGN=_align(_ranks(k_offsets)) if cfg.align_hint else 1,
         V_RALIGN=_align(_ranks(v_offsets)) if cfg.align_hint else 1,
         K_WORDS=cfg.align_hint and _words(kf, latent_k, k_sb, k_mb),
         V_WORDS=cfg.align_hint and _words(vf, latent_v, v_sb, v_mb), HALF_ALIGN=_align([half]) if cfg.align_hint else 1,
+        K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and _paired_tables(cos_table, sin_table, rope, half),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _latent_attention_reduce_kernel[(b * hkv, s)](

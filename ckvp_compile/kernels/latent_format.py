@@ -11,6 +11,11 @@ formats, named by a string that the ops take as a compile-time constant:
 ``"int2/32"``   (B, S_max, row_bytes)
 ``"tern/32"``    ternary codes {-1, 0, +1} times one fp16 scale per block (the block's absolute maximum, rounded up
                 to fp16), five codes per byte (``sum_i (c_i + 1) * 3**i``, 1.6 bits per coordinate); no minimums
+``"mxint8/32"``  symmetric two's-complement codes (``mxint8``: [-127, 127], ``mxint4``: [-7, 7]) times a per-block
+``"mxint4/32"``  power-of-two scale ``2**e`` stored as one biased exponent byte (``e + 127``, OCP Microscaling's
+                E8M0); no minimums. ``code * 2**e`` is exactly a bfloat16 value, so the decode kernel multiplies
+                dequantized latents on bf16 tensor cores in one exact product (no hi/lo split, no per-block
+                rescale after the product)
 ``"mix/32:..."`` a bit plan per KV head (``planner`` output): ``mix/<block>:<head 0>,<head 1>,...`` with each
                 head a ``+``-joined list of ``<bits>x<count>`` segments in coordinate order (e.g.
                 ``mix/32:8x32+4x64+2x32,8x32+4x32``); a head's counts sum to its rank. Bits 8, 4 or 2.
@@ -31,6 +36,11 @@ every value lies in ``[min, min + (2**bits-1)*scale]`` and ``|dequantize(quantiz
 (KIVI's asymmetric per-token quantization, Liu et al., 2024; here along the latent coordinates of one token,
 which streams: a token is final when written, and no dense residual window is needed).
 
+A power-of-two (``mxint``) block with absolute maximum ``a`` takes ``e = ceil(log2(a / qmax))`` (clamped to
+[-126, 127]) and ``code = round(x / 2**e)``, so again ``|dequantize(quantize(x)) - x| <= 2**e / 2``; its row is
+``[ codes | exponents: NB uint8 ]`` (OCP Microscaling Formats (MX) v1.0, 2023, MXINT8: shared E8M0 scale per
+block of 32; Rouhani et al., arXiv:2310.10537).
+
 Values beyond fp16's range (|x| > 65504) are not representable: :func:`quantize_latent_ref` raises.
 """
 
@@ -48,6 +58,7 @@ __all__ = ["LatentFormat", "TERNARY", "dequantize_latent_ref", "pack_codes", "pa
            "quantize_latent_ref", "unpack_codes", "unpack_ternary"]
 
 _FORMAT_RE = re.compile(r"^int(8|4|2)(?:/(\d+))?$")
+_MX_RE = re.compile(r"^mxint(8|4)(?:/(\d+))?$")
 _TERN_RE = re.compile(r"^tern(?:/(\d+))?$")
 #: ``bits`` of the ternary format (a marker: its codes take 1.6 bits, five to a byte)
 TERNARY = 1
@@ -72,6 +83,8 @@ class LatentFormat:
     #: mix formats: per KV head, ((bits, count), ...) in coordinate order; None for uniform formats (bits 0 marks
     #: a mix)
     segments: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    #: ``mxint`` formats: symmetric codes with one power-of-two scale (an exponent byte) per block, no minimum
+    pow2: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -126,7 +139,7 @@ class LatentFormat:
 
     def code_bytes(self, offsets: Sequence[int]) -> list[int]:
         """Per head (per piece for a mix), the bytes of its codes: ``ceil(count * bits / 8)``."""
-        if self.mixed or self.ternary:
+        if self.mixed or self.ternary or self.pow2:
             return [_code_bytes(count, bits) for _, count, bits, _ in self.pieces(offsets)]
         return [-(-(int(b) - int(a)) * self.bits // 8) for a, b in zip(offsets, offsets[1:])]
 
@@ -134,7 +147,8 @@ class LatentFormat:
         """Last-dim size of the stored latent: R_tot for ``"float"``, the row bytes for quantized formats."""
         if not self.quantized:
             return int(offsets[-1])
-        return sum(self.code_bytes(offsets)) + (2 if self.ternary else 4) * self.num_blocks(offsets)
+        meta = 1 if self.pow2 else 2 if self.ternary else 4  # bytes of scale (+ min) per block
+        return sum(self.code_bytes(offsets)) + meta * self.num_blocks(offsets)
 
     def bytes_per_token(self, offsets: Sequence[int], float_itemsize: int) -> int:
         """Bytes one token's row takes (``float_itemsize`` is the element size used for ``"float"``)."""
@@ -182,10 +196,18 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
         if block < 8 or block % 8:
             raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of 8")
         return LatentFormat(str(fmt), 0, block, tuple(heads))
+    mx = _MX_RE.match(str(fmt))
+    if mx is not None:
+        bits, block = int(mx.group(1)), int(mx.group(2) or 32)
+        if block < 1 or (block * bits) % 8:
+            raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of {8 // bits} codes so "
+                             f"that it fills whole bytes")
+        return LatentFormat(f"mxint{bits}/{block}", bits, block, pow2=True)
     m = _FORMAT_RE.match(str(fmt))
     if m is None:
         raise ValueError(f"latent format must be 'float', 'int8', 'int4' or 'int2' (optionally '/block', e.g. "
-                         f"'int4/64'), 'tern' (ternary), or a 'mix/<block>:...' bit plan, but got {fmt!r}")
+                         f"'int4/64'), 'mxint8' or 'mxint4' (power-of-two block scales), 'tern' (ternary), or a "
+                         f"'mix/<block>:...' bit plan, but got {fmt!r}")
     bits, block = int(m.group(1)), int(m.group(2) or 32)
     if block < 1 or (block * bits) % 8:
         raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of {8 // bits} codes so "
@@ -265,7 +287,7 @@ def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | Lat
     # out-of-range latents then give non-finite scales, which propagate as NaN / inf, never plausible numbers)
     if zf.numel() and not zf.is_cuda and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
         raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
-    if f.mixed or f.ternary:
+    if f.mixed or f.ternary or f.pow2:
         return _quantize_pieces(zf, offsets, f)
     padded = f.padded_offsets(offsets)
     nb = padded[-1] // f.block
@@ -303,7 +325,7 @@ def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str 
         raise ValueError(f"rows must be uint8 (..., {width}) for {f.name} with offsets {list(offsets)}, but got "
                          f"{rows.dtype} {tuple(rows.shape)}")
     lead = rows.shape[:-1]
-    if f.mixed or f.ternary:
+    if f.mixed or f.ternary or f.pow2:
         return _dequantize_pieces(rows, offsets, f)
     nb = f.num_blocks(offsets)
     if nb == 0:
@@ -345,6 +367,19 @@ def _ternary_scale(xb: torch.Tensor) -> torch.Tensor:
     return torch.where(s.float() < amax, torch.nextafter(s, torch.full_like(s, math.inf)), s)
 
 
+def _pow2_exponent(xb: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 per block of ``xb`` (..., NB, block): the least ``e`` in [-126, 127] with ``amax <= qmax * 2**e``."""
+    qmax = (1 << (bits - 1)) - 1
+    mant, ex = torch.frexp(xb.abs().amax(dim=-1) / qmax)  # ratio = mant * 2**ex, mant in [0.5, 1) (0 for 0)
+    e = torch.where(mant == 0.5, ex - 1, ex)  # ceil(log2(ratio)); an exact power of two needs no rounding up
+    return torch.where(mant == 0, -126, e).clamp(-126, 127).to(torch.int32)
+
+
+def _pow2_scale(e: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2**e`` of integer exponents, exactly."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+
+
 def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(*t.shape[:-1], 2 * t.shape[-1])
 
@@ -368,6 +403,14 @@ def _quantize_pieces(zf: torch.Tensor, offsets: Sequence[int], f: LatentFormat) 
             c = torch.round(xb / safe[..., None]).clamp_(-1, 1).to(torch.int8)
             codes.append(pack_ternary(c.view(*lead, nb * f.block)[..., :count]))
             scales.append(_fp16_bytes(scale))
+            continue
+        if f.pow2:
+            e = _pow2_exponent(xb, bits)
+            qmax = (1 << (bits - 1)) - 1
+            c = torch.round(xb / _pow2_scale(e)[..., None]).clamp_(-qmax, qmax).to(torch.int32)
+            c = (c & ((1 << bits) - 1)).to(torch.uint8)  # two's complement in ``bits`` bits
+            codes.append(pack_codes(c.view(*lead, nb * f.block), bits)[..., :-(-count * bits // 8)])
+            scales.append((e + 127).to(torch.uint8))
             continue
         mn, scale = _block_params(xb, bits)
         safe = torch.where(scale.float() > 0, scale.float(), 1.0)
@@ -399,6 +442,13 @@ def _dequantize_pieces(rows: torch.Tensor, offsets: Sequence[int], f: LatentForm
         packed = rows.new_zeros(*lead, nb * f.block * bits // 8)
         packed[..., :cb] = rows[..., byte:byte + cb]
         byte += cb
+        if f.pow2:
+            u = unpack_codes(packed, bits).view(*lead, nb, f.block).to(torch.int32)
+            c = u - ((u >> (bits - 1)) << bits)  # two's complement
+            e = rows[..., n_code + block0:n_code + block0 + nb].to(torch.int32) - 127
+            x = c.float() * _pow2_scale(e)[..., None]
+            out[..., col:col + count] = x.view(*lead, nb * f.block)[..., :count]
+            continue
         scale = _bytes_fp16(rows[..., n_code + 2 * block0:n_code + 2 * (block0 + nb)])
         mn = _bytes_fp16(rows[..., n_code + 2 * (nb_all + block0):n_code + 2 * (nb_all + block0 + nb)])
         x = unpack_codes(packed, bits).view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]

@@ -5,7 +5,7 @@ Triton interpreter, against ``latent_attention_ref``; and of the CUDA kernel reg
 it, so the kernel checks run in a child process started with the variable set: this file executed as a script
 (the grouped-GEMM tests do the same). Property test (hypothesis, bounded tiny shapes, derandomized): batch 1-2,
 GQA ratios 1-4 with Hkv 1-3 (MQA included), D in {16, 32, 64}, unequal ranks per head for K and V, kv_len up to
-40, one to three new tokens, latent formats float / int8 / int4 / int2 with several block sizes (ragged last
+40, one to three new tokens, latent formats float / int8 / int4 / int2 / mxint8 / mxint4 with several block sizes (ragged last
 blocks), the four RoPE forms with partial rotary_dim, bool / additive masks of several broadcast shapes (fully
 masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes, rebuild chunks,
 the hoisted basis, alignment hints and context splits.
@@ -20,7 +20,8 @@ import sys
 
 import pytest
 
-FORMATS = ("float", "int8/32", "int8/8", "int4/32", "int4/6", "int2/8", "int2/4")
+FORMATS = ("float", "int8/32", "int8/8", "int4/32", "int4/6", "int2/8", "int2/4", "mxint8/32", "mxint8/8", "mxint4/32",
+           "mxint4/6")
 ROPES = ("rotate_half", "interleaved", "complex", "none")
 TOL = 1e-3
 
@@ -56,6 +57,9 @@ def _inputs(p: dict):
     rope, rd = p["rope"], p["rd"]
     w = ref.rope_table_width(rope, rd)
     ang = torch.rand(64, max(w, 1), generator=g) * 6.0
+    if p.get("paired") and rope in ("rotate_half", "interleaved") and rd:  # one angle per pair, as HF builds it
+        a = ang[:, : rd // 2]
+        ang = torch.cat((a, a), -1) if rope == "rotate_half" else a.repeat_interleave(2, -1)
     cos, sin = ang.cos()[:, :w].to(dt), ang.sin()[:, :w].to(dt)
     slot_pos = torch.randint(0, 64, (b, s_max), generator=g, dtype=p["pos_dtype"])
     slots = torch.randperm(kv_len, generator=g)[:s]
@@ -167,6 +171,11 @@ def _check_fixed() -> None:
     _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
     _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
                 mask="add"), DecodeConfig(block_n=16, block_r=16, num_warps=1))  # chunked prefill, 2 R chunks
+    # tables with one angle per pair (HF's layout): the kernel loads half of them
+    _check(dict(base, rk=[12, 5], rv=[7, 9], paired=True), cfg)
+    _check(dict(base, rk=[12, 5], rv=[7, 9], paired=True, rope="interleaved"), cfg)
+    # power-of-two formats with bf16 inputs: exact bf16 operands, one product per rebuild
+    _check(dict(base, rk=[32, 16], rv=[16, 24], kfmt="mxint8/32", vfmt="mxint4/8", dtype=torch.bfloat16), cfg)
     # key_split=False (one bf16 rounding of a non-bf16 latent for the key rebuild) is lossy, within 1e-2
     loose = dict(base, rk=[12, 5], rv=[7, 9], kfmt="int8/32")
     args = _inputs(loose)

@@ -156,3 +156,39 @@ def test_ternary_codes_are_trits_and_pack_five_to_a_byte_bit_exactly(n, seed):
     assert set(trits.unique().tolist()) <= {-1, 0, 1}
     x = dequantize_latent_ref(rows, [0, n], "tern/8")
     assert set((x / x.abs().amax(-1, keepdim=True).clamp_min(1e-30)).sign().unique().tolist()) <= {-1.0, 0.0, 1.0}
+
+
+@given(latents(), st.sampled_from(["mxint8", "mxint8/16", "mxint4", "mxint4/8", "mxint4/64"]))
+@settings(max_examples=30)
+def test_power_of_two_formats_round_trip_within_half_a_step_and_exactly_in_bf16(data, fmt):
+    """mxint: symmetric codes times 2**e; the error is at most half a step, and every dequantized value is a
+    bfloat16 value (so the decode kernel multiplies it on bf16 tensor cores exactly)."""
+    z, offsets = data
+    f = parse_latent_format(fmt)
+    rows = quantize_latent_ref(z, offsets, fmt)
+    assert rows.dtype == torch.uint8 and rows.shape == (*z.shape[:-1], f.row_width(offsets))
+    x = dequantize_latent_ref(rows, offsets, fmt)
+    assert torch.equal(x.bfloat16().float(), x)
+    n_code = sum(f.code_bytes(offsets))
+    exps = rows[..., n_code:].to(torch.int32) - 127
+    assert exps.shape[-1] == f.num_blocks(offsets) and bool(((exps >= -126) & (exps <= 127)).all())
+    padded = f.padded_offsets(offsets)
+    block_of = torch.cat([(torch.arange(b - a) + p) // f.block
+                          for a, b, p in zip(offsets, offsets[1:], padded)] or [torch.zeros(0, dtype=torch.long)])
+    e = exps[..., block_of]
+    step = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+    assert bool(((x - z).abs() <= step / 2).all())
+    # codes are within [-qmax, qmax]: |x| / step <= qmax
+    qmax = (1 << (f.bits - 1)) - 1
+    assert bool(((x.abs() / step).round() <= qmax).all())
+    # idempotent: quantizing the dequantized values stores the same bytes
+    assert torch.equal(quantize_latent_ref(x, offsets, fmt), rows)
+
+
+def test_power_of_two_row_layout():
+    f = parse_latent_format("mxint4/32")
+    # heads of rank 40 and 7 -> 20 + 4 code bytes, 3 blocks, one exponent byte each
+    assert f.row_width([0, 40, 47]) == 24 + 3
+    assert parse_latent_format("mxint8").name == "mxint8/32" and f.pow2 and f.quantized
+    with pytest.raises(ValueError, match="mxint"):
+        parse_latent_format("mxint2")
