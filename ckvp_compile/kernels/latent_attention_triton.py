@@ -82,7 +82,11 @@ class DecodeConfig:
     error per coordinate); hoist_basis: load the whole basis block once per program, before the tile loop (one
     rebuild dot over all of R per tile; needs registers or shared memory for it), instead of a BLOCK_R chunk per
     tile from L2; f32_dots: multiply the bf16 parts as fp32 (tf32 tensor cores, same products; always on under
-    the interpreter); align_hint: tell the compiler how the heads' first columns are aligned (vector loads)."""
+    the interpreter); align_hint: tell the compiler how the heads' first columns are aligned (vector loads);
+    fma_scores: score the rebuilt keys against the query heads on the CUDA cores in fp32 when a KV head serves at
+    most ``fma_max_heads`` query heads (else a tensor-core product padded to 16 heads with a hi/lo split of the
+    keys); p_bf16: round the softmax weights to bf16 once for the value product (FlashAttention-2's practice,
+    ~2^-9 relative per weight) instead of a hi/lo split (two products)."""
 
     block_n: int = 32
     block_r: int = 64
@@ -95,6 +99,9 @@ class DecodeConfig:
     hoist_basis: bool = False
     f32_dots: bool = False
     align_hint: bool = True
+    fma_scores: bool = True
+    fma_max_heads: int = 8
+    p_bf16: bool = False
 
 
 def default_config() -> DecodeConfig:
@@ -216,6 +223,21 @@ def _dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, F32_DOT:
 
 
 @triton.jit
+def _fma_scores(scores, x, q_row0, cols, cols_ok, G, stride_qh, stride_qd, G_PAD: tl.constexpr,
+                G_LOOP: tl.constexpr):
+    """``scores`` (G_PAD, N) plus, for each query head g < G of the KV head, ``x (N, C) @ q_g[cols]`` in fp32 on the
+    CUDA cores (exact fp32 products; for a few heads per KV head this beats a tensor-core product padded to 16
+    rows, which would also need a hi/lo split of ``x``). G_LOOP: a power of two >= G."""
+    gi = tl.arange(0, G_PAD)
+    for g in tl.static_range(G_LOOP):
+        qg = tl.load(q_row0 + g * stride_qh + cols * stride_qd, mask=cols_ok & (cols * 0 + g < G),
+                     other=0.0).to(tl.float32)
+        sg = tl.sum(x * qg[None, :], axis=1)
+        scores += tl.where(gi[:, None] == g, sg[None, :], 0.0)
+    return scores
+
+
+@triton.jit
 def _rope_rows(half, rot_dim, d_model, HALF: tl.constexpr, REST: tl.constexpr, ROPE: tl.constexpr):
     """Channel indices (i1, i2) of the rotated pairs, j < HALF, with their table columns (c1, c2) and validity,
     and the pass-through channels (rest, rest_ok); see the module docstring."""
@@ -266,7 +288,7 @@ def _latent_attention_split_kernel(
     K_BLOCKWISE: tl.constexpr, V_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr, K_ALIGN: tl.constexpr,
     V_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, V_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
     V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr, K_MX: tl.constexpr, V_MX: tl.constexpr,
-    PAIRED_TABLE: tl.constexpr,
+    PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, P_BF16: tl.constexpr,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -282,7 +304,8 @@ def _latent_attention_split_kernel(
     h = bh % Hkv
     heads = h * G + tl.arange(0, G_PAD)
     head_ok = tl.arange(0, G_PAD) < G
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + heads * stride_qh  # (G_PAD,)
+    q_row0 = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + (h * G) * stride_qh  # query head h*G
+    q_row = q_row0 + tl.arange(0, G_PAD) * stride_qh  # (G_PAD,)
     k_col0 = tl.load(kmeta_ptr + 3 * h)
     k_blk0 = tl.load(kmeta_ptr + 3 * h + 1)
     k_rank = tl.load(kmeta_ptr + 3 * h + 2)
@@ -364,10 +387,17 @@ def _latent_attention_split_kernel(
                                other=0.0)
             o1 = x1 * cos1.to(tl.float32) - x2 * sin1.to(tl.float32)
             o2 = x2 * cos2.to(tl.float32) + x1 * sin2.to(tl.float32)
-            scores = _dot_split(q1, tl.trans(o1), scores, Q_EXACT, False, F32_DOT)
-            scores = _dot_split(q2, tl.trans(o2), scores, Q_EXACT, False, F32_DOT)
+            if FMA_SCORES:
+                scores = _fma_scores(scores, o1, q_row0, i1, rot_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
+                scores = _fma_scores(scores, o2, q_row0, i2, rot_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
+            else:
+                scores = _dot_split(q1, tl.trans(o1), scores, Q_EXACT, False, F32_DOT)
+                scores = _dot_split(q2, tl.trans(o2), scores, Q_EXACT, False, F32_DOT)
         if HAS_REST:
-            scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, F32_DOT)
+            if FMA_SCORES:
+                scores = _fma_scores(scores, x3, q_row0, rest, rest_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
+            else:
+                scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, F32_DOT)
         scores = scores * qk_scale  # log2 units: qk_scale = scale * log2(e)
         if MASK == 1:
             mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
@@ -387,7 +417,7 @@ def _latent_attention_split_kernel(
         lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
         zv = _latent_tile(lv_rows, col_ok, v_col0, v_blk0, v_rank, v_scale_base, v_min_base, stride_lvw, 0,
                           BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN, V_WORDS, V_MX)
-        acc = _dot_split(p, zv, acc * alpha[:, None], False, ZV_EXACT, F32_DOT)
+        acc = _dot_split(p, zv, acc * alpha[:, None], P_BF16, ZV_EXACT, F32_DOT)
         m_i = m_new
 
     row = (bh * S + s) * n_split + c
@@ -714,7 +744,8 @@ def latent_attention_triton(
         V_RALIGN=_align(_ranks(v_offsets)) if cfg.align_hint else 1,
         K_WORDS=cfg.align_hint and _words(kf, latent_k, k_sb, k_mb),
         V_WORDS=cfg.align_hint and _words(vf, latent_v, v_sb, v_mb), HALF_ALIGN=_align([half]) if cfg.align_hint else 1,
-        K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and _paired_tables(cos_table, sin_table, rope, half),
+        K_MX=kf.pow2, V_MX=vf.pow2, FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1),
+        P_BF16=cfg.p_bf16, PAIRED_TABLE=rope in (1, 2) and _paired_tables(cos_table, sin_table, rope, half),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _latent_attention_reduce_kernel[(b * hkv, s)](

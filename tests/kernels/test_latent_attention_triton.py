@@ -24,6 +24,7 @@ FORMATS = ("float", "int8/32", "int8/8", "int4/32", "int4/6", "int2/8", "int2/4"
            "mxint4/6")
 ROPES = ("rotate_half", "interleaved", "complex", "none")
 TOL = 1e-3
+P_BF16_TOL = 4e-3
 
 
 def _inputs(p: dict):
@@ -111,7 +112,10 @@ def _check(p: dict, config=None) -> float:
     assert out.shape == want.shape and out.dtype == want.dtype and out.is_contiguous()
     assert torch.isfinite(out).all(), p
     err = float((out.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6))
-    assert err <= TOL, (p, err)
+    # softmax weights rounded to bf16 for the value product (FlashAttention-2's practice) add up to ~2^-9 per
+    # weight; at these few-token contexts that does not average out, so that option gets a looser bound
+    tol = P_BF16_TOL if config is not None and config.p_bf16 else TOL
+    assert err <= tol, (p, err, config)
     return err
 
 
@@ -143,7 +147,8 @@ def _check_property(n_examples: int) -> None:
                  pos_dtype=draw(st.sampled_from((torch.int32, torch.int64))))
         cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=draw(st.sampled_from((16, 32))),
                            num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
-                           hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()))
+                           hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
+                           fma_scores=draw(st.booleans()), p_bf16=draw(st.booleans()))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -165,7 +170,7 @@ def _check_fixed() -> None:
     base = dict(seed=1, b=2, hkv=2, ratio=2, d=32, kv_len=37, s=1, extra=3, rk=[12, 0], rv=[0, 9], kfmt="int4/32",
                 vfmt="int8/32", rope="rotate_half", rd=16, mask=None, mask_shape="bhsk", mask_p=0.3,
                 dtype=torch.float32, pos_dtype=torch.int32)
-    cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3)
+    cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
     _check(base, cfg)  # a rank-0 head on each side
     _check(dict(base, rk=[12, 5], rv=[7, 9], online=True, mask="bool", mask_shape="b1sk"), cfg)  # online bases
     _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
