@@ -50,6 +50,14 @@ def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator
     ncode, nb = sum(f.code_bytes(off)), f.num_blocks(off)
     rows = torch.empty(b, t, f.row_width(off), dtype=torch.uint8, device=dev)
     rows[..., :ncode] = torch.randint(0, 256, (b, t, ncode), device=dev, dtype=torch.uint8, generator=gen)
+    if f.pow2:  # random two's-complement codes; exponents so that values span about [-2, 2]
+        qmax = (1 << (f.bits - 1)) - 1
+        rows[..., ncode:] = (127 + 1 - (qmax + 1).bit_length() + torch.randint(0, 2, (b, t, nb), device=dev,
+                                                                                 generator=gen)).to(torch.uint8)
+        if f.bits == 8:  # -128 is not a valid code
+            codes = rows[..., :ncode]
+            codes[codes == 128] = 0
+        return rows, off
     levels = (1 << f.bits) - 1
     scale = (4.0 / levels) * (0.5 + torch.rand(b, t, nb, device=dev, generator=gen))  # range ~[2, 6] per block
     mins = -scale * levels / 2 + 0.2 * torch.randn(b, t, nb, device=dev, generator=gen)
@@ -133,13 +141,26 @@ def to64(args: tuple) -> tuple:
                  (t.detach().cpu() if torch.is_tensor(t) else t) for t in args)
 
 
+def kernel_stats() -> dict:
+    """Registers per thread, spilled registers and shared memory of the last launched split kernel."""
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    k = lat._LAST_LAUNCH.get("split")
+    out = {}
+    for name in ("n_regs", "n_spills", "shared"):
+        v = getattr(k, name, None)
+        if isinstance(v, (int, float)):
+            out[name] = v
+    return out
+
+
 def try_config(args: tuple, want: torch.Tensor, cfg: DecodeConfig, rep: int = 30) -> dict:
     """Run one config: relative error against ``want`` and median ms (or the error it raised)."""
     try:
         out = latent_attention_triton(*args, config=cfg)
         err = rel_err(out, want)
         ms = bench(lambda: latent_attention_triton(*args, config=cfg), warmup=10, rep=rep)
-        return {"config": dataclasses.asdict(cfg), "rel_err": err, "ms": ms}
+        return {"config": dataclasses.asdict(cfg), "rel_err": err, "ms": ms, **kernel_stats()}
     except Exception as e:  # a config that does not compile or fit: reported, skipped
         return {"config": dataclasses.asdict(cfg), "error": repr(e)[:400]}
 
@@ -255,9 +276,15 @@ def workspace_diag(args: tuple, cfg: DecodeConfig) -> dict:
 
 
 #: Swept on the first format (the others reuse its winner): DecodeConfig() is block_n 32, 8 warps, 2 stages.
-SWEEP = [DecodeConfig(), DecodeConfig(block_n=64, num_warps=8), DecodeConfig(block_n=32, num_warps=4),
-         DecodeConfig(num_stages=3), DecodeConfig(block_n=64, num_warps=8, hoist_basis=True),
-         DecodeConfig(hoist_basis=True), DecodeConfig(key_split=False)]
+SWEEP = [DecodeConfig(), DecodeConfig(fma_scores=False),
+         DecodeConfig(block_n=64, num_warps=4), DecodeConfig(block_n=64, num_warps=8),
+         DecodeConfig(block_n=64, num_warps=4, num_stages=3), DecodeConfig(block_n=64, num_warps=4, num_stages=1),
+         DecodeConfig(block_n=128, num_warps=8), DecodeConfig(block_n=64, num_warps=4, block_r=128),
+         DecodeConfig(block_n=64, num_warps=4, hoist_basis=True), DecodeConfig(block_n=64, num_warps=8, hoist_basis=True),
+         DecodeConfig(block_n=64, num_warps=4, p_bf16=True), DecodeConfig(block_n=64, num_warps=8, p_bf16=True),
+         DecodeConfig(block_n=32, num_warps=4, p_bf16=True), DecodeConfig(block_n=128, num_warps=8, p_bf16=True),
+         DecodeConfig(block_n=64, num_warps=4, p_bf16=True, fma_scores=False),
+         DecodeConfig(block_n=64, num_warps=4, min_tiles=8), DecodeConfig(block_n=64, num_warps=4, target_programs=528)]
 #: Variants at a small shape, each against the fp64 golden: they tell a precision problem from a compiler one.
 DIAG = [DecodeConfig(), DecodeConfig(f32_dots=True), DecodeConfig(num_stages=1), DecodeConfig(align_hint=False)]
 
@@ -270,6 +297,7 @@ def main() -> None:
     ap.add_argument("--formats", default="int8/32:256,float:256,int4/32:128")
     ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs at batch 8, the largest context")
     ap.add_argument("--short-formats", default="int4/32", help="formats timed only at the largest context, B >= 8")
+    ap.add_argument("--short-context", type=int, default=0, help="the one context of the short formats (0: largest)")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention decoding at batch 8, 32k")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining grid rows after this long")
     ap.add_argument("--diag-shape", default="2,4096", help="batch,context of the diagnostics")
@@ -337,7 +365,7 @@ def main() -> None:
         # (2) the grid: numerics and time against dense decode attention over the same context
         for b in batches:
             for t in contexts:
-                if fmt in short and (b < 8 or t < max(contexts)):
+                if fmt in short and (b < 8 or t != (a.short_context or max(contexts))):
                     continue
                 if time.time() - t_start > a.budget_s:
                     payload["skipped"].append({"format": fmt, "batch": b, "context": t, "why": "time budget"})
@@ -381,7 +409,7 @@ def main() -> None:
                 dense_ms = min(v_ for k_, v_ in dense.items() if k_.endswith("_ms"))
                 bw = nbytes["total"] / (ms * 1e-3)
                 row = {"format": fmt, "rank": rank, "batch": b, "context": t, "config": dataclasses.asdict(cfg),
-                       "rel_err": err, "op_rel_err": op_err, "ms": ms, "n_split": n_split,
+                       **kernel_stats(), "rel_err": err, "op_rel_err": op_err, "ms": ms, "n_split": n_split,
                        "bytes_latent": nbytes["latent"], "bytes_total": nbytes["total"], "GBps": bw / 1e9,
                        "copy_share": bw / copy_bw, "dense_bytes": dense_bytes, **dense, "dense_best_ms": dense_ms,
                        "speedup": dense_ms / ms, "byte_ratio": dense_bytes / nbytes["latent"],
