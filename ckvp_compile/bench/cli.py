@@ -6,6 +6,8 @@
 Subcommands:
     fidelity: perplexity, top-1 agreement and KL of the CKVP latent cache against the dense model
         (:mod:`ckvp_compile.bench.fidelity`; ``ckvp-bench fidelity --help``).
+    offload: expert offload, prefetch vs on-demand vs all-resident, and next-layer prediction recall
+        (:mod:`ckvp_compile.bench.offload`; ``ckvp-bench offload --help``).
 
 The GPU speed benchmarks live in ``benchmarks/`` (``moe_gpu.py``, ``latent_attention_gpu.py``) and run on a CUDA
 machine from the repository.
@@ -18,7 +20,8 @@ from typing import Sequence
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = {"fidelity": "ckvp_compile.bench.fidelity"}
+_SUBCOMMANDS = {"fidelity": "ckvp_compile.bench.fidelity", "decode": "ckvp_compile.bench.decode",
+                "offload": "ckvp_compile.bench.offload"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

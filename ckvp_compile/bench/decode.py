@@ -1,0 +1,515 @@
+"""End-to-end decode benchmark: ms per decode step, throughput, KV bytes and peak memory of eager, Inductor and the
+ckvp backend on real MoE shapes with random weights, and greedy agreement with dense on the trained fixture.
+
+    ckvp-bench decode --shape qwen-moe-a2.7b --systems inductor ckvp-16 --batch 1 8 max --context 4096 32768 \\
+        --json out/qwen.json --out out/qwen.md --budget-s 240
+    ckvp-bench decode --shape fixture --ratios 4 8 16 --json out/fixture.json      # greedy agreement (CPU or GPU)
+    ckvp-bench decode --report out/*.json --markdown BENCHMARKS.md --plots benchmarks/plots
+
+What a speed row measures (``--shape mixtral-8x7b | qwen-moe-a2.7b | tiny``):
+
+1. The model is built from its config (:mod:`ckvp_compile.bench.decode_models`) with random bf16 weights created
+   on the device. ``--layers N`` keeps the first N decoder layers (labelled in every row); the other layers'
+   weights and KV are then stood in for by a *ballast* allocation of the same bytes (``--no-ballast`` turns it
+   off), so memory and the largest batch that fits are those of the full model while the time per step is that
+   of N layers.
+2. Per row (system, batch B, context C): a static cache of ``S_max = C + warmup + steps`` slots is allocated and
+   its first C slots are filled with random K/V (dense) or random quantized latents (ckvp), with the length
+   counter set to C: **no prefill runs**; decode steps attend over C cached tokens exactly as after a prefill
+   (the values are random, so only time and memory mean anything). The ckvp store's RoPE tables get the model's
+   own cos / sin.
+3. Systems: ``eager`` (the HF forward), ``inductor`` (``torch.compile`` default), ``inductor-max-autotune``
+   (``mode="max-autotune"``, with CUDA graphs), ``inductor-reduce-overhead``, and ``ckvp-R`` (``backend="ckvp"``
+   with a latent cache fitted to R times fewer KV bytes than bf16, counting latents, scales, slot positions and
+   bases at this row's B and S_max; ``--latent-format``, default int4; inner compiler ``--compiler``). A
+   ``:MODE`` suffix (``ckvp-16:reduce-overhead``) picks the Inductor mode. ckvp bases are calibrated on the
+   random-weight model's own activations for random token ids (their ranks set the cost; fidelity is measured
+   on the fixture instead).
+4. The first call (compilation included: ``compile_s``) and ``--warmup - 1`` more run untimed, then ``--steps``
+   decode steps are timed one by one with CUDA events (wall clock on CPU); the row reports the median (and
+   p10 / p90) ms per step and ``B * 1000 / median`` tokens per second.
+5. Memory: ``kv_bytes_allocated`` (device bytes the cache took), ``kv_bytes_held`` (its tensors' bytes),
+   ``kv_bytes_per_token`` (held / (B * S_max)), the dense bf16 equivalent, and ``peak_bytes``
+   (``torch.cuda.max_memory_allocated`` over the row, weights and ballast included).
+6. ``--batch max``: the largest batch that fits, per (system, context): estimated from the largest measured
+   row's bytes per sequence and the free device memory (minus ``--margin-gb``), then verified by running the row
+   at that batch; on out-of-memory the batch shrinks by 15% and the row is tried again.
+
+Rows past ``--budget-s`` seconds are not started; they are recorded as ``skipped-budget``. A row that fails
+(out of memory, compile error) is recorded with its error and the run goes on. The JSON is rewritten after every
+row, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["DecodeRow", "System", "main", "parse_system"]
+
+REPO = Path(__file__).resolve().parents[2]
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class System:
+    """A system under test: ``kind`` 'eager' | 'inductor' | 'ckvp', Inductor ``mode``, ckvp KV ``ratio``."""
+
+    name: str
+    kind: str
+    mode: str = "default"
+    ratio: float | None = None
+
+
+def parse_system(spec: str) -> System:
+    """Parse ``eager``, ``inductor[-MODE]``, ``inductor:MODE``, ``ckvp-R`` or ``ckvp-R:MODE``.
+
+    Raises:
+        ValueError: anything else (the message lists the forms).
+    """
+    base, _, mode = spec.partition(":")
+    m = re.fullmatch(r"inductor(?:-(reduce-overhead|max-autotune(?:-no-cudagraphs)?))?", base)
+    if m and not (m.group(1) and mode):
+        return System(spec, "inductor", mode or m.group(1) or "default")
+    m = re.fullmatch(r"ckvp-(\d+(?:\.\d+)?)", base)
+    if m and float(m.group(1)) >= 1:
+        return System(spec, "ckvp", mode or "default", float(m.group(1)))
+    if base == "eager" and not mode:
+        return System(spec, "eager")
+    raise ValueError(f"unknown system {spec!r}: use eager, inductor, inductor-max-autotune, inductor-reduce-overhead, "
+                     f"ckvp-R (R >= 1, e.g. ckvp-16), optionally with :MODE, MODE one of {list(_MODES)}")
+
+
+@dataclass
+class DecodeRow:
+    """One measured (or skipped / failed) configuration; times in ms, memory in bytes, ``None`` = not measured."""
+
+    shape: str
+    layers: int
+    layers_full: int
+    system: str
+    kind: str
+    mode: str
+    kv_ratio_requested: float | None
+    latent_format: str | None
+    batch: int
+    context: int
+    max_cache_len: int
+    max_batch: bool = False
+    status: str = "ok"  # ok | oom | error | skipped-budget
+    error: str | None = None
+    steps: int = 0
+    ms_median: float | None = None
+    ms_p10: float | None = None
+    ms_p90: float | None = None
+    tokens_per_s: float | None = None
+    compile_s: float | None = None
+    kv_bytes_held: int | None = None
+    kv_bytes_allocated: int | None = None
+    kv_bytes_per_token: float | None = None
+    dense_kv_bytes_per_token: int | None = None
+    kv_ratio_measured: float | None = None
+    peak_bytes: int | None = None
+    weights_bytes: int | None = None
+    ballast_bytes: int = 0
+    ranks: dict[str, Any] | None = None
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    timing: str = "cuda-events"
+    wall_s: float | None = None
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
+    """GPU, driver, torch, triton, transformers and Python versions, the git commit and the command line."""
+    import transformers
+
+    env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                           "python": platform.python_version(), "device": device, "cpu": platform.processor() or
+                           platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                           "command": "ckvp-bench decode " + shlex.join(argv)}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        env["cuda"] = torch.version.cuda
+        env["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    env["git_commit"] = _run(["git", "-C", str(REPO), "rev-parse", "HEAD"])
+    return env
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout.strip().split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ speed rows
+class _Runner:
+    """Holds the model and what rows share (moments, budget, output files)."""
+
+    def __init__(self, args: argparse.Namespace):
+        from .decode_models import build_random_model, make_config, weight_bytes
+
+        self.args = args
+        self.device = args.device
+        self.dtype = getattr(torch, args.dtype)
+        self.t0 = time.perf_counter()
+        need = max(args.contexts) + args.warmup + args.steps + 8
+        self.config = make_config(args.shape, args.layers, need)
+        full_config = make_config(args.shape, None, need)
+        self.layers, self.layers_full = self.config.num_hidden_layers, full_config.num_hidden_layers
+        t = time.perf_counter()
+        self.model = build_random_model(self.config, self.device, self.dtype, seed=args.seed)
+        self.build_s = time.perf_counter() - t
+        self.weights = weight_bytes(self.model)
+        with torch.device("meta"):
+            from transformers import AutoModelForCausalLM
+
+            full = AutoModelForCausalLM.from_config(full_config, dtype=self.dtype)
+        self.missing_weights = weight_bytes(full) - self.weights if args.ballast else 0
+        del full
+        self.moments = None
+        self.rows: list[DecodeRow] = []
+        self.env = environment(self.device, args.argv)
+        self.env.update(build_s=round(self.build_s, 2), weights_bytes=self.weights, layers=self.layers,
+                        layers_full=self.layers_full, missing_weight_bytes=self.missing_weights)
+
+    # -- helpers
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def sync(self) -> None:
+        if self.cuda():
+            torch.cuda.synchronize()
+
+    def clean(self) -> None:
+        torch._dynamo.reset()
+        gc.collect()
+        if self.cuda():
+            torch.cuda.empty_cache()
+
+    def bases(self, ratio: float, batch: int, max_len: int) -> Any:
+        from ..latent.budget import bases_for_byte_ratio
+        from .decode_models import random_bases
+
+        if self.moments is None:
+            t = time.perf_counter()
+            self.moments = random_bases(self.model, self.args.group_size, seed=self.args.seed)
+            self.env["calibration_s"] = round(time.perf_counter() - t, 2)
+            self.clean()
+        return bases_for_byte_ratio(self.moments, ratio, self.args.latent_format, batch_size=batch,
+                                    max_cache_len=max_len, dense_dtype=self.dtype, latent_dtype=self.dtype)
+
+    def step_fn(self, system: System) -> Callable:
+        fwd = self.model.forward
+        if system.kind == "eager":
+            return fwd
+        if system.kind == "inductor":
+            return torch.compile(fwd, mode=None if system.mode == "default" else system.mode)
+        options = {"compiler": self.args.compiler, "enable_expert_gemm": self.args.expert_gemm}
+        if system.mode != "default":
+            options["mode"] = system.mode
+        return torch.compile(fwd, backend="ckvp", options=options)
+
+    def ballast_for(self, kv_per_seq: float, batch: int) -> int:
+        if not self.args.ballast or self.layers == self.layers_full:
+            return 0
+        return int(self.missing_weights + batch * kv_per_seq * (self.layers_full / self.layers - 1))
+
+    # -- one row
+    def run_row(self, system: System, batch: int, context: int, max_batch: bool = False) -> DecodeRow:
+        from ..latent.capture import hf_step_kwargs
+        from .decode_models import (dense_cache, dense_kv_bytes_per_token, fill_cache_, fill_rope_tables_,
+                                    kv_bytes_held, latent_cache)
+
+        a = self.args
+        max_len = context + a.warmup + a.steps
+        row = DecodeRow(a.shape, self.layers, self.layers_full, system.name, system.kind, system.mode, system.ratio,
+                        a.latent_format if system.kind == "ckvp" else None, batch, context, max_len, max_batch,
+                        dense_kv_bytes_per_token=dense_kv_bytes_per_token(self.config, self.dtype),
+                        weights_bytes=self.weights, timing="cuda-events" if self.cuda() else "wall-clock (CPU)")
+        if a.budget_s is not None and self.elapsed() > a.budget_s:
+            row.status = "skipped-budget"
+            return row
+        t_row = time.perf_counter()
+        cache = fn = ballast = None
+        self.clean()
+        try:
+            bases = self.bases(system.ratio, batch, max_len) if system.kind == "ckvp" else None
+            if self.cuda():
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            dense_per_seq = row.dense_kv_bytes_per_token * max_len
+            if bases is None:
+                cache = dense_cache(self.config, batch, max_len, self.device, self.dtype)
+            else:
+                cache = latent_cache(self.config, bases, batch, max_len, self.device, self.dtype, a.latent_format)
+                row.ranks = {"k": [list(r) for r in bases.k_ranks], "v": [list(r) for r in bases.v_ranks],
+                             "group_size": a.group_size}
+            fill_cache_(cache, context, seed=a.seed)
+            self.sync()
+            row.kv_bytes_held = kv_bytes_held(cache)
+            if self.cuda():
+                row.kv_bytes_allocated = torch.cuda.memory_allocated() - base - row.ballast_bytes
+            row.kv_bytes_per_token = row.kv_bytes_held / (batch * max_len)
+            row.kv_ratio_measured = dense_per_seq * batch / (row.kv_bytes_allocated or row.kv_bytes_held)
+            row.ballast_bytes = self.ballast_for((row.kv_bytes_allocated or row.kv_bytes_held) / batch, batch)
+            if row.ballast_bytes and self.cuda():  # the omitted layers' weights and KV
+                ballast = torch.empty(row.ballast_bytes, dtype=torch.uint8, device=self.device)
+            fn = self.step_fn(system)
+            gen = torch.Generator().manual_seed(a.seed)
+            total = a.warmup + a.steps
+            ids = torch.randint(0, self.config.vocab_size, (total, batch, 1), generator=gen).to(self.device)
+            kwargs = [hf_step_kwargs(self.model, ids[i], cache, context + i) for i in range(total)]
+            with torch.no_grad():
+                t = time.perf_counter()
+                fn(**kwargs[0])
+                self.sync()
+                row.compile_s = round(time.perf_counter() - t, 3) if system.kind != "eager" else None
+                if system.kind == "ckvp":
+                    fill_rope_tables_(self.model, cache)
+                for i in range(1, a.warmup):
+                    fn(**kwargs[i])
+                row.steps = a.steps
+                times = self.time_steps(fn, kwargs[a.warmup:])
+            row.ms_median = statistics.median(times)
+            q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
+            row.ms_p10, row.ms_p90 = q[0], q[-1]
+            row.tokens_per_s = batch * 1000.0 / row.ms_median
+            if self.cuda():
+                row.peak_bytes = torch.cuda.max_memory_allocated()
+        except torch.OutOfMemoryError as e:
+            row.status, row.error = "oom", str(e).split("\n")[0][:300]
+        except Exception as e:  # noqa: BLE001  recorded in the row; the run goes on
+            row.status, row.error = "error", f"{type(e).__name__}: {str(e)[:600]}"
+        finally:
+            del cache, fn, ballast
+            self.clean()
+        row.wall_s = round(time.perf_counter() - t_row, 2)
+        return row
+
+    def time_steps(self, fn: Callable, kwargs: Sequence[dict]) -> list[float]:
+        if not self.cuda():
+            out = []
+            for kw in kwargs:
+                t = time.perf_counter()
+                fn(**kw)
+                out.append((time.perf_counter() - t) * 1000.0)
+            return out
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in kwargs]
+        for (start, end), kw in zip(events, kwargs):
+            start.record()
+            fn(**kw)
+            end.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in events]
+
+    # -- largest batch
+    def max_batch_row(self, system: System, context: int) -> DecodeRow:
+        done = [r for r in self.rows if r.system == system.name and r.context == context and r.status == "ok"
+                and not r.max_batch and r.peak_bytes]
+        if not self.cuda():
+            row = self.run_row(system, 1, context, max_batch=True)
+            row.status, row.error = "error", "the largest batch that fits is measured on CUDA devices only"
+            return row
+        if not done:
+            probe = self.run_row(system, 1, context)
+            self.add(probe)
+            done = [probe] if probe.status == "ok" else []
+        if not done:
+            row = self.run_row(system, 1, context, max_batch=True)
+            row.status, row.error = "error", "no row of this system and context ran, so nothing to scale from"
+            return row
+        ref = max(done, key=lambda r: r.batch)
+        # bytes each sequence adds: everything the row added above the weights, ballast excluded, per sequence
+        per_seq = (ref.peak_bytes - self.weights - ref.ballast_bytes) / ref.batch
+        kv_per_seq = (ref.kv_bytes_allocated or ref.kv_bytes_held) / ref.batch
+        if self.layers < self.layers_full and self.args.ballast:
+            per_seq += kv_per_seq * (self.layers_full / self.layers - 1)
+        free = torch.cuda.mem_get_info()[0] - self.args.margin_gb * 2**30 - self.missing_weights
+        batch = max(1, min(self.args.max_batch_cap, int(free // per_seq)))
+        attempts = []
+        for _ in range(self.args.max_batch_tries):
+            row = self.run_row(system, batch, context, max_batch=True)
+            attempts.append({"batch": batch, "status": row.status, "error": row.error})
+            if row.status != "oom" or batch == 1:
+                break
+            batch = max(1, int(batch * 0.85))
+        row.attempts = attempts
+        return row
+
+    def add(self, row: DecodeRow) -> None:
+        self.rows.append(row)
+        label = f"{row.system:<24} B={row.batch:<5} C={row.context:<7}" + (" [max batch]" if row.max_batch else "")
+        if row.status == "ok":
+            peak = f"{row.peak_bytes / 2**30:.1f} GiB" if row.peak_bytes else "-"
+            print(f"{label} {row.ms_median:9.3f} ms/step  {row.tokens_per_s:10.1f} tok/s  KV "
+                  f"{row.kv_bytes_per_token:9.1f} B/token (dense {row.dense_kv_bytes_per_token})  peak {peak}  "
+                  + (f"compile {row.compile_s:.1f} s" if row.compile_s is not None else ""), flush=True)
+        else:
+            print(f"{label} {row.status}: {row.error or ''}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        a = self.args
+        data = {"kind": "decode", "meta": {**self.env, "settings": _settings(a), "file": str(a.json or "")},
+                "rows": [asdict(r) for r in self.rows]}
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(str(a.json) + ".tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            tmp.replace(a.json)
+        if a.out:
+            from .decode_report import render_markdown
+
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(render_markdown([data], plots=None))
+
+
+def _settings(a: argparse.Namespace) -> dict[str, Any]:
+    keep = ("shape", "systems", "batches", "contexts", "layers", "steps", "warmup", "latent_format", "group_size",
+            "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
+    return {k: getattr(a, k) for k in keep if hasattr(a, k)}
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    systems = [parse_system(s) for s in args.systems]
+    runner = _Runner(args)
+    print(f"{args.shape}: {runner.layers}/{runner.layers_full} layers, weights {runner.weights / 1e9:.2f} GB "
+          f"(built on {args.device} in {runner.build_s:.1f} s)" +
+          (f"; ballast {runner.missing_weights / 1e9:.1f} GB for the other layers' weights" if runner.missing_weights
+           else ""), flush=True)
+    fixed = [b for b in args.batches if b != "max"]
+    for context in args.contexts:
+        for batch in fixed:
+            for system in systems:
+                runner.add(runner.run_row(system, int(batch), context))
+    if "max" in args.batches:
+        for context in args.contexts:
+            for system in systems:
+                runner.add(runner.max_batch_row(system, context))
+    runner.save()
+    print(f"done in {runner.elapsed():.0f} s" + (f"; JSON {args.json}" if args.json else ""))
+    return 0 if any(r.status == "ok" for r in runner.rows) else 1
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckvp-bench decode", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["mixtral-8x7b", "qwen-moe-a2.7b", "tiny", "fixture"],
+                   help="model shape (random bf16 weights) or 'fixture' (greedy agreement on the trained fixture)")
+    p.add_argument("--systems", nargs="+", default=["eager", "inductor", "inductor-max-autotune", "ckvp-4", "ckvp-8",
+                                                      "ckvp-16"], help="systems, in order (see the module docstring)")
+    p.add_argument("--batch", dest="batches", nargs="+", default=["1", "8", "32", "max"],
+                   help="batch sizes; 'max' = the largest that fits, per system and context (CUDA)")
+    p.add_argument("--context", dest="contexts", nargs="+", type=int, default=[4096, 32768],
+                   help="cached tokens per sequence at the first timed step")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all; labelled)")
+    p.add_argument("--no-ballast", dest="ballast", action="store_false",
+                   help="with --layers: do not allocate the omitted layers' weights and KV as ballast")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per row (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
+    p.add_argument("--latent-format", default="int4", help="ckvp latent format: int4 (default), int8, int2, float")
+    p.add_argument("--group-size", type=int, default=4, help="ckvp layers per latent group")
+    p.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                   help="inner compiler of the ckvp backend (aot_eager / eager: CPU smoke runs)")
+    p.add_argument("--no-expert-gemm", dest="expert_gemm", action="store_false",
+                   help="ckvp without its grouped expert GEMM rewrite (enable_expert_gemm=False)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no row after this many seconds")
+    p.add_argument("--margin-gb", type=float, default=3.0, help="device memory kept free by --batch max (GiB)")
+    p.add_argument("--max-batch-cap", type=int, default=1024, help="upper bound of --batch max")
+    p.add_argument("--max-batch-tries", type=int, default=4, help="attempts of --batch max before giving up")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights and KV dtype of the random models (fixture: float32 default via --fixture-dtype)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON (rewritten after every row)")
+    p.add_argument("--out", type=Path, default=None, help="write a markdown summary of this run")
+    g = p.add_argument_group("fixture (--shape fixture)")
+    g.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bundled fixture)")
+    g.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0], help="KV byte ratios")
+    g.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per prompt")
+    g.add_argument("--prompts", type=int, default=4, help="prompts (held-out text after the calibration part)")
+    g.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    g.add_argument("--calib-windows", type=int, default=16, help="calibration windows of 256 tokens")
+    g.add_argument("--budget-len", type=int, default=4096,
+                   help="cache length (one sequence) the byte ratio is met at, bases counted (as examples/generate.py)")
+    g.add_argument("--fixture-dtype", default="float32", choices=["float32", "bfloat16"])
+    r = p.add_argument_group("report (--report)")
+    r.add_argument("--report", nargs="+", type=Path, default=None, help="JSON files to render (no run)")
+    r.add_argument("--markdown", type=Path, default=None, help="with --report: the markdown file to write")
+    r.add_argument("--plots", type=Path, default=None, help="with --report: directory of the PNG plots")
+    return p
+
+
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.report is not None:
+        if a.markdown is None:
+            p.error("--report needs --markdown FILE")
+        return
+    if a.shape is None:
+        p.error("--shape is required (or --report FILE...)")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda, but this torch has no CUDA device; use --device cpu")
+    if a.shape == "fixture":
+        if any(r < 1 for r in a.ratios):
+            p.error("--ratios must be >= 1")
+        return
+    try:
+        [parse_system(s) for s in a.systems]
+    except ValueError as e:
+        p.error(str(e))
+    for b in a.batches:
+        if b != "max" and not (b.isdigit() and int(b) >= 1):
+            p.error(f"--batch takes positive integers or 'max', got {b!r}")
+    if a.steps < 1 or a.warmup < 1 or any(c < 1 for c in a.contexts):
+        p.error("--steps, --warmup and --context must be >= 1")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ckvp-bench decode``: returns 0 on success, 1 when no row ran, 2 on a usage error."""
+    p = _parser()
+    try:
+        a = p.parse_args(argv)
+        _check(p, a)
+        a.argv = list(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if a.report is not None:
+        from .decode_report import write_report
+
+        write_report(a.report, a.markdown, a.plots)
+        print(f"wrote {a.markdown}" + (f" and plots in {a.plots}" if a.plots else ""))
+        return 0
+    if a.shape == "fixture":
+        from .decode_fixture import run_fixture
+
+        return run_fixture(a)
+    return run_speed(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

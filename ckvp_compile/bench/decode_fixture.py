@@ -1,0 +1,157 @@
+"""``ckvp-bench decode --shape fixture``: greedy generation with the ckvp latent cache against dense, on a trained
+model (default: the bundled fixture, ``models/tiny-mixtral-pystdlib``; byte-level, vocabulary 256).
+
+Text: the model directory's ``eval_text.txt`` (held out from training). Its first ``--calib-windows`` windows of 256
+bytes calibrate the bases (second moments collected once, :func:`~ckvp_compile.latent.collect_kv_moments`); the
+``--prompts`` prompts of ``--prompt-len`` bytes are taken from the rest of the text, evenly spaced, so no prompt
+was seen by calibration. Per prompt, ``--new-tokens`` tokens are generated greedily (``model.generate``,
+``do_sample=False``) once with a dense ``StaticCache`` (eager) and once per KV ratio with a
+:class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` and the model's forward compiled with ``backend="ckvp"``
+(inner compiler ``--compiler``). The ratio is in bytes against a bf16 dense cache at ``--budget-len`` slots of one
+sequence, every byte of the store counted (latents in ``--latent-format``, scales, slot positions, the bases in
+bf16), as ``examples/generate.py --kv-ratio`` does. Reported per ratio: the share of generated positions whose
+token equals dense (``agreement``), the mean length of the agreeing prefix, and the measured byte ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CKVPConfigError
+
+__all__ = ["FixtureRow", "default_model_dir", "run_fixture"]
+
+
+@dataclass
+class FixtureRow:
+    """Greedy agreement with dense at one KV byte ratio (``ratio_requested`` None = the dense reference)."""
+
+    ratio_requested: float | None
+    latent_format: str | None
+    agreement: float
+    prefix_mean: float
+    tokens: int
+    prompts: int
+    ratio_measured_at_budget: float | None = None
+    ratio_state_only: float | None = None
+    budget_len: int | None = None
+    k_ranks: list | None = None
+    v_ranks: list | None = None
+    wall_s: float | None = None
+    status: str = "ok"
+    error: str | None = None
+
+
+def default_model_dir() -> Path:
+    """The bundled fixture: ``models/tiny-mixtral-pystdlib`` in the repository, else ``/work/shared/models/...``."""
+    from .decode import REPO
+
+    for d in (REPO / "models" / "tiny-mixtral-pystdlib", Path("/work/shared/models/tiny-mixtral-pystdlib")):
+        if (d / "config.json").is_file():
+            return d
+    raise CKVPConfigError("the fixture model was not found in models/tiny-mixtral-pystdlib; pass --model DIR")
+
+
+def _greedy(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, cache: Any = None) -> list[int]:
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    kwargs = {name: cache} if cache is not None else {"cache_implementation": "static"}
+    if cache is not None:
+        cache.reset()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             disable_compile=True, pad_token_id=0, **kwargs)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_fixture(args: argparse.Namespace) -> int:
+    """Run the fixture agreement benchmark; returns 0 when every ratio ran."""
+    from transformers import AutoModelForCausalLM
+
+    from ..latent import collect_kv_moments
+    from ..latent.budget import bases_for_byte_ratio, dense_kv_bytes, store_bytes
+    from ..runtime.hf_cache import CKVPStaticCache
+    from .decode import environment
+    from .decode_report import render_markdown
+
+    t0 = time.perf_counter()
+    model_dir = args.model or default_model_dir()
+    dtype, kv_dtype = getattr(torch, args.fixture_dtype), torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=True).to(args.device).eval()
+    if model.config.vocab_size != 256:
+        raise CKVPConfigError(f"{model_dir}: --shape fixture needs a byte-level model (vocab 256), got "
+                              f"{model.config.vocab_size}")
+    text = (model_dir / "eval_text.txt").read_bytes()
+    calib_end = args.calib_windows * 256
+    rest = len(text) - calib_end - args.prompt_len
+    if rest < args.prompts:
+        raise CKVPConfigError(f"eval_text.txt is too short for {args.calib_windows} calibration windows and "
+                              f"{args.prompts} prompts of {args.prompt_len} bytes")
+    samples = [torch.tensor([list(text[i:i + 256])]) for i in range(0, calib_end, 256)]
+    starts = [calib_end + (rest * i) // args.prompts for i in range(args.prompts)]
+    prompts = [torch.tensor([list(text[s:s + args.prompt_len])], device=args.device) for s in starts]
+    max_len = args.prompt_len + args.new_tokens
+    dense = [_greedy(model, p, args.new_tokens) for p in prompts]
+    n_tok = sum(map(len, dense))
+    rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts))]
+    moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
+    fmt = args.latent_format
+    for ratio in args.ratios:
+        t = time.perf_counter()
+        eager_forward = model.forward
+        try:
+            bases = bases_for_byte_ratio(moments, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
+                                         dense_dtype=kv_dtype, latent_dtype=kv_dtype)
+            cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
+                                    dtype=dtype, latent_format=fmt, latent_dtype=kv_dtype)
+            torch._dynamo.reset()
+            model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
+            got = [_greedy(model, p, args.new_tokens, cache) for p in prompts]
+            same = sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g))
+            nb = cache.store.nbytes()
+            budget = (dense_kv_bytes(bases, 1, args.budget_len, kv_dtype)
+                      / store_bytes(bases, 1, args.budget_len, fmt, fmt, kv_dtype))
+            rows.append(FixtureRow(ratio, fmt, same / n_tok, sum(map(_prefix, dense, got)) / len(prompts), n_tok,
+                                   len(prompts), round(budget, 3), round(nb.ratio_vs(kv_dtype, with_bases=False), 3),
+                                   args.budget_len, [list(r) for r in bases.k_ranks], [list(r) for r in bases.v_ranks],
+                                   round(time.perf_counter() - t, 2)))
+        except Exception as e:  # noqa: BLE001  recorded; the other ratios still run
+            rows.append(FixtureRow(ratio, fmt, float("nan"), float("nan"), n_tok, len(prompts), status="error",
+                                   error=f"{type(e).__name__}: {str(e)[:600]}"))
+        finally:
+            model.forward = eager_forward
+            torch._dynamo.reset()
+        r = rows[-1]
+        print(f"ratio {ratio:g} ({fmt}): {r.status} agreement {r.agreement:.1%}, mean agreeing prefix "
+              f"{r.prefix_mean:.1f}/{args.new_tokens}, measured {r.ratio_measured_at_budget}x at {args.budget_len} "
+              f"slots (state only {r.ratio_state_only}x)" + (f" {r.error}" if r.error else ""), flush=True)
+    env = environment(args.device, args.argv)
+    env.update(model=str(model_dir.name), fixture_dtype=args.fixture_dtype, compiler=args.compiler,
+               group_size=args.group_size, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+               calib_windows=args.calib_windows, prompt_starts=starts, wall_s=round(time.perf_counter() - t0, 1))
+    data = {"kind": "fixture", "meta": env, "rows": [asdict(r) for r in rows]}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(render_markdown([data], plots=None))
+    return 0 if all(r.status == "ok" for r in rows) else 1

@@ -1,0 +1,249 @@
+"""Models and KV caches for the end-to-end decode benchmark (:mod:`ckvp_compile.bench.decode`).
+
+Shapes (``SHAPES``), each a Hugging Face config built in code, never downloaded:
+
+==================  =========================================================================================
+``mixtral-8x7b``    MixtralForCausalLM: 32 layers, hidden 4096, 32 heads / 8 KV heads of 128, 8 experts top-2,
+                    FFN 14336, vocab 32000 (46.7 B parameters, 93 GB in bf16); dense KV 128 KiB per token
+``qwen-moe-a2.7b``  Qwen2MoeForCausalLM: 24 layers, hidden 2048, 16 heads / 16 KV heads of 128, 60 experts top-4,
+                    expert FFN 1408, shared expert 5632, vocab 151936 (14.3 B parameters, 28.6 GB in bf16);
+                    dense KV 192 KiB (196,608 bytes) per token
+``tiny``            a 4-layer Mixtral of hidden 64 (CPU smoke runs of the harness)
+==================  =========================================================================================
+
+:func:`build_random_model` creates the model on the ``meta`` device, allocates its storage directly on the target
+device (``to_empty``) and fills it there with random values (normal(0, ``initializer_range``) matrices, unit norm
+weights, zero biases), so a 93 GB model never passes through host memory. Non-persistent buffers (RoPE
+``inv_freq``) are recomputed by building the owning module again from the config.
+
+:func:`dense_cache` / :func:`latent_cache` allocate a transformers ``StaticCache`` or a
+:class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` and :func:`fill_cache_` fills the first ``context`` slots
+of every sequence with random K/V (dense) or random latents quantized in the store's own format (latent), and
+sets the cache's length counter: decode steps then attend over ``context`` cached tokens without a prefill over
+them. The values are random, so only time and memory mean anything in such runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import CKVPConfigError
+
+__all__ = ["SHAPES", "build_random_model", "dense_cache", "dense_kv_bytes_per_token", "fill_cache_", "fill_rope_tables_",
+           "kv_bytes_held", "latent_cache",
+           "make_config", "random_bases", "weight_bytes"]
+
+_ROPE_1E6 = {"rope_type": "default", "rope_theta": 1e6}
+
+#: shape name -> (transformers model_type, config fields). Field names valid in transformers 5.17 and 5.24.
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, rms_norm_eps=1e-5, rope_parameters=_ROPE_1E6)),
+    "qwen-moe-a2.7b": ("qwen2_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                                         num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+                                         moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                                         num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                                         decoder_sparse_step=1, rms_norm_eps=1e-6, rope_parameters=_ROPE_1E6)),
+    "tiny": ("mixtral", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                             num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+}
+
+
+def make_config(shape: str, layers: int | None = None, max_positions: int = 0) -> Any:
+    """Return the transformers config of ``shape`` (see :data:`SHAPES`).
+
+    Args:
+        shape: a key of :data:`SHAPES`.
+        layers: keep only the first ``layers`` decoder layers (None: all).
+        max_positions: raise ``max_position_embeddings`` to at least this many positions.
+    Raises:
+        CKVPConfigError: unknown shape, or ``layers`` outside 1..the shape's layer count.
+    """
+    if shape not in SHAPES:
+        raise CKVPConfigError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    from transformers import AutoConfig
+
+    model_type, fields = SHAPES[shape]
+    full = fields["num_hidden_layers"]
+    if layers is not None and not 1 <= layers <= full:
+        raise CKVPConfigError(f"--layers must be in 1..{full} for {shape}, got {layers}")
+    cfg = AutoConfig.for_model(model_type, **{**fields, "num_hidden_layers": layers or full})
+    cfg.max_position_embeddings = max(int(getattr(cfg, "max_position_embeddings", 0) or 0), int(max_positions))
+    return cfg
+
+
+def build_random_model(config: Any, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                       seed: int = 0) -> torch.nn.Module:
+    """Build ``AutoModelForCausalLM.from_config(config)`` with random weights created on ``device``.
+
+    Args:
+        config: a transformers config (:func:`make_config`).
+        device: where the weights live; nothing of their size is allocated elsewhere.
+        dtype: parameter dtype (buffers keep the dtype the model gives them).
+        seed: seed of the on-device generator.
+    Returns:
+        The model in eval mode, ``attn_implementation="sdpa"``.
+    Raises:
+        CKVPConfigError: a module holds a buffer that cannot be recomputed from the config.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    std = float(getattr(config, "initializer_range", 0.02))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std, generator=gen)
+            elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm scales
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        _restore_buffers(model, config, device)
+    return model.eval()
+
+
+def _restore_buffers(model: torch.nn.Module, config: Any, device: torch.device | str) -> None:
+    """Recompute every module's own buffers (uninitialised after ``to_empty``) by building it again on the CPU."""
+    for name, module in model.named_modules():
+        own = dict(module.named_buffers(recurse=False))
+        if not own:
+            continue
+        try:
+            with torch.device("cpu"):
+                fresh = type(module)(config=config)
+        except Exception as e:  # noqa: BLE001  any failure means we cannot trust the buffers
+            raise CKVPConfigError(f"cannot recompute the buffers {sorted(own)} of {name} ({type(module).__name__}) "
+                                  f"after to_empty: {type(e).__name__}: {e}") from None
+        fresh_bufs = dict(fresh.named_buffers(recurse=False))
+        for bname, buf in own.items():
+            if bname not in fresh_bufs:
+                raise CKVPConfigError(f"{name}.{bname}: not recreated by {type(module).__name__}(config=...)")
+            buf.copy_(fresh_bufs[bname].to(buf.dtype))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def _kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, Hkv, D) of a config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads or config.num_attention_heads, head_dim
+
+
+def dense_kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Dense K and V bytes of one token of one sequence: 2 x layers x Hkv x D x itemsize."""
+    layers, hkv, d = _kv_shape(config)
+    return 2 * layers * hkv * d * torch.empty((), dtype=dtype).element_size()
+
+
+def dense_cache(config: Any, batch: int, max_cache_len: int, device: torch.device | str, dtype: torch.dtype) -> Any:
+    """A transformers ``StaticCache`` of ``batch`` x ``max_cache_len`` slots, allocated now (zeros) on ``device``."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    _, hkv, d = _kv_shape(config)
+    probe = torch.empty(batch, hkv, 0, d, device=device, dtype=dtype)
+    for layer in cache.layers:  # allocate now (transformers allocates lazily at the first update)
+        layer.lazy_initialization(probe, probe)
+    return cache
+
+
+def latent_cache(config: Any, bases: Any, batch: int, max_cache_len: int, device: torch.device | str,
+                 dtype: torch.dtype, latent_format: str) -> Any:
+    """A :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` (latents and bases in ``dtype``)."""
+    from ..runtime.hf_cache import CKVPStaticCache
+
+    return CKVPStaticCache(config, bases, max_cache_len=max_cache_len, max_batch_size=batch, device=device,
+                           dtype=dtype, latent_format=latent_format, latent_dtype=dtype)
+
+
+def fill_cache_(cache: Any, context: int, seed: int = 0) -> None:
+    """Make ``cache`` hold ``context`` random tokens per sequence, as if a prefill of that length had run.
+
+    Dense: K and V slots ``[0, context)`` ~ N(0, 1). Latent: the store's latent rows of those slots are random
+    N(0, 1) latents, quantized in the store's format (one random block of up to 1024 rows, repeated), and
+    ``slot_pos`` holds each slot's position. Then every layer's length counter (transformers >= 5.2x
+    ``cumulative_length``) is set to ``context``; older versions take the position from ``cache_position``.
+
+    Raises:
+        CKVPConfigError: ``context`` exceeds the cache length.
+    """
+    from ..kernels.latent_format import parse_latent_format, quantize_latent_ref
+
+    store = getattr(cache, "store", None)
+    slots = store.max_cache_len if store is not None else cache.layers[0].keys.shape[2]
+    if not 0 <= context <= slots:
+        raise CKVPConfigError(f"context {context} does not fit a cache of {slots} slots")
+    with torch.no_grad():
+        if store is None:
+            gen = torch.Generator(device=cache.layers[0].keys.device).manual_seed(seed)
+            for layer in cache.layers:
+                layer.keys[:, :, :context].normal_(generator=gen)
+                layer.values[:, :, :context].normal_(generator=gen)
+        else:
+            gen = torch.Generator(device=store.device).manual_seed(seed)
+            for g in range(len(store.groups)):
+                for t, fmt, offsets in ((store.latent_k[g], store.k_formats[g], store.k_offsets[g]),
+                                        (store.latent_v[g], store.v_formats[g], store.v_offsets[g])):
+                    f = parse_latent_format(fmt)
+                    n = min(1024, max(context, 1))
+                    z = torch.randn(n, offsets[-1], generator=gen, device=store.device)
+                    rows = quantize_latent_ref(z, offsets, f) if f.quantized else z.to(t.dtype)
+                    reps = math.ceil(context / n)
+                    t[:, :context] = rows.repeat(reps, 1)[:context]
+            store.slot_pos[:, :context] = torch.arange(context, device=store.device, dtype=store.slot_pos.dtype)
+        for layer in cache.layers:
+            counter = getattr(layer, "cumulative_length", None)
+            if isinstance(counter, torch.Tensor):
+                counter.fill_(context)
+
+
+def fill_rope_tables_(model: torch.nn.Module, cache: Any) -> bool:
+    """Write the model's own RoPE cos / sin for every position into a latent store's tables (allocated by the
+    backend at compile time), so the random latents' keys get real rotations. Returns False when there is nothing
+    to fill (dense cache, no tables yet, or a table width other than the model's rotary width)."""
+    store = getattr(cache, "store", None)
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if store is None or store.rope_cos is None or rotary is None:
+        return False
+    p, w = store.rope_cos.shape
+    with torch.no_grad():
+        pos = torch.arange(p, device=store.device)[None]
+        cos, sin = rotary(store.rope_cos[None, :1], pos)
+        if cos.shape[-1] != w:
+            return False
+        store.rope_cos.copy_(cos[0].to(store.rope_cos.dtype))
+        store.rope_sin.copy_(sin[0].to(store.rope_sin.dtype))
+    return True
+
+
+def kv_bytes_held(cache: Any) -> int:
+    """Bytes of the tensors that hold the cache's KV state: dense K and V, or every byte of the latent store
+    (latents, slot positions, bases; not the RoPE tables, a cache of the model's cos / sin)."""
+    store = getattr(cache, "store", None)
+    if store is None:
+        return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    nb = store.nbytes()
+    return nb.per_sequence_state + (0 if nb.online_bases else nb.bases)
+
+
+def random_bases(model: torch.nn.Module, group_size: int, seed: int = 0, samples: int = 2, tokens: int = 256) -> Any:
+    """Collect KV moments (:func:`~ckvp_compile.latent.collect_kv_moments`) on ``samples`` sequences of ``tokens``
+    uniformly random token ids: the calibration of a random-weight model, whose bases matter only for their
+    ranks (time and memory), not for fidelity."""
+    from ..latent import collect_kv_moments
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = [torch.randint(0, vocab, (1, tokens), generator=gen) for _ in range(samples)]
+    return collect_kv_moments(model, ids, group_size=group_size, progress=False)
