@@ -680,6 +680,8 @@ def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[
     k = _topk_k(topk)
     if indices is None or not indices.users or not in_shape or k is None:
         return none
+    if any(op_name(u) == "ckvp::offload_experts" for u in _through_views(indices)):
+        return none  # experts served by an expert offloader (runtime/offload.py): nothing to rewrite or report
     num_experts = in_shape[-1]
     if not (0 < k < num_experts <= MAX_ROUTER_EXPERTS) or num_experts in context.vocab:
         return none

@@ -8,6 +8,8 @@ Subcommands:
         (:mod:`ckvp_compile.bench.fidelity`; ``ckvp-bench fidelity --help``).
     offload: expert offload, prefetch vs on-demand vs all-resident, and next-layer prediction recall
         (:mod:`ckvp_compile.bench.offload`; ``ckvp-bench offload --help``).
+    offload: expert offload, prefetch vs on-demand vs all-resident, and next-layer prediction recall
+        (:mod:`ckvp_compile.bench.offload`; ``ckvp-bench offload --help``).
 
 The GPU speed benchmarks live in ``benchmarks/`` (``moe_gpu.py``, ``latent_attention_gpu.py``) and run on a CUDA
 machine from the repository.

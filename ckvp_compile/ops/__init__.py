@@ -9,6 +9,8 @@ Families:
         ``online_basis_fit`` (cross-layer latent KV cache, DESIGN.md "CKVP in numbers").
     moe: ``moe_experts`` (the routed experts of one MoE layer as grouped GEMMs, DESIGN.md "Expert GEMM in
         numbers").
+    offload: ``offload_experts`` (one MoE layer's experts from an expert offloader's device cache, with
+        next-layer prefetch; state in :mod:`ckvp_compile.runtime.offload`).
     latent_attention_cuda: no new op; the Triton CUDA kernel of ``latent_attention``, imported only where CUDA
         and Triton are available (:data:`CUDA_MODULES`).
 """
@@ -20,7 +22,7 @@ import importlib
 __all__ = ["OP_MODULES", "register_all"]
 
 #: Modules under ``ckvp_compile.ops`` that define ops; :func:`register_all` imports each once.
-OP_MODULES: tuple[str, ...] = ("latent_kv", "moe")
+OP_MODULES: tuple[str, ...] = ("latent_kv", "moe", "offload")
 #: Modules that add CUDA kernels to ops defined above; imported after them, only with CUDA and Triton present.
 CUDA_MODULES: tuple[str, ...] = ("latent_attention_cuda",)
 

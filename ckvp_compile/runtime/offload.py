@@ -1,0 +1,426 @@
+"""Expert offload: expert weights in (pinned) host memory, a per-layer device cache of C experts, and next-layer
+prediction with prefetch on a side CUDA stream.
+
+    handle = ckvp_compile.offload_experts(model, resident=4, margin=1)   # HF Mixtral-style model, in place
+    model(...)                        # eager, or torch.compile(model.forward, backend="ckvp")
+    handle.stats()                    # OffloadStats: hit rate, recall, bytes copied, stall time
+
+Per layer (E experts, C resident slots, A top-k), one :meth:`ExpertOffloader.forward` call:
+
+1. On the compute stream, the predictors of layers L+1 .. L+lookahead score layer L's input (a (T, Dm) x (Dm, E)
+   product each) and take each token's top-(A + margin); with layer L's routing this is copied to the host in
+   **one** synchronisation (which experts to copy is a host decision).
+2. :class:`~ckvp_compile.runtime.offload_policy.OffloadPlanner` splits layer L's experts into hits and misses and
+   into rounds of at most C experts. Misses are copied on demand on the copy stream, each copy ordered after the
+   last compute that read its slot (an event per slot), and each slot's ``ready`` event recorded after it; the
+   compute stream waits on the round's ``ready`` events (the wait is timed with CUDA events: ``stall_ms``), then
+   runs ``ckvp::moe_experts`` on the slot buffers with the routing remapped to slots.
+3. The planner picks layer L+1's (.. L+lookahead's) predicted experts (the C most-predicted) and the copy stream
+   copies those not resident, queued after layer L's demand copies, so they run while layer L (and the following
+   layers' attention) computes. A wrong prediction only costs bytes: layer L+1 fetches its misses on demand in
+   step 2, so the output is the all-resident output whatever the prediction.
+
+Prediction: layer L+1's router applied to layer L's residual stream after attention, normalised by layer L+1's
+RMSNorm. The MoE block of layer L only sees ``norm_L(r) = w_L * r / rms(r)``; since ``norm_{L+1}(r) = norm_L(r) *
+(w_{L+1} / w_L)``, the predictor is layer L+1's router weight with its columns scaled by ``w_{L+1} / w_L``
+(``predictor="norm"``; coordinates where ``|w_L|`` is below 1e-6 of its largest value get 0). ``"router"`` applies
+layer L+1's router to layer L's MoE input unchanged. Recall of both on the fixture:
+``benchmarks/results/2026-11-29-offload-recall/``.
+
+Exactness: a round whose experts all fit computes ``ckvp::moe_experts`` with ids remapped to slots: every
+expert sees the same rows in the same order as with all experts resident, so the result is bitwise equal (on
+the PyTorch reference path; on CUDA the Triton kernels tile those rows the same way). A call needing more than
+C experts runs in rounds over gathered (token, slot) pairs and sums each token's A pair outputs in fp32 in slot
+order, as the grouped kernel does: bitwise equal in fp32; in bf16 / fp16 each pair output is rounded to the
+dtype before that sum (within the dtype's rounding of the all-resident output).
+
+Physics (H200, DESIGN.md): a Mixtral-8x7B expert is 352 MB, 6.35 ms over PCIe at 55.5 GB/s, against about 0.2
+to 0.7 ms of compute per MoE layer. Prefetch overlaps copies with compute, it does not make them cheaper: per
+token, time >= max(copy bytes / link bandwidth, compute), against their sum on demand; the bytes copied are set
+by the hit rate (capacity, policy, routing locality) and by wrong predictions. ``ckvp-bench offload`` measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import CKVPConfigError, CKVPShapeError
+from ..ops import moe as _moe_ops  # noqa: F401  (defines ckvp::moe_experts)
+from ..ops import offload as _offload_ops  # noqa: F401  (defines ckvp::offload_experts)
+from .offload_policy import POLICIES, OffloadPlanner, OffloadStats, Round, check_rows
+
+__all__ = ["PREDICTORS", "ExpertOffloader", "OffloadedExperts", "fold_norm_predictor", "offload_experts"]
+
+#: How the next layers' routers are applied to layer L's MoE input (see the module docstring).
+PREDICTORS = ("norm", "router")
+
+
+def fold_norm_predictor(router_next: torch.Tensor, norm_next: torch.Tensor | None,
+                        norm_this: torch.Tensor | None) -> torch.Tensor:
+    """Return the (E, Dm) predictor ``router_next * (norm_next / norm_this)`` (columns scaled), or ``router_next``.
+
+    Args:
+        router_next: (E, Dm) float, router weight of the predicted layer.
+        norm_next, norm_this: (Dm,) RMSNorm weights before the predicted layer's / this layer's MoE block, or None
+            (then the router is returned unchanged).
+    Returns:
+        (E, Dm) router_next.dtype: applied to this layer's MoE input ``norm_this(r)`` it gives
+        ``router_next(norm_next(r))``, exactly where ``|norm_this| >= 1e-6 * max|norm_this|`` (0 elsewhere).
+    """
+    if norm_next is None or norm_this is None:
+        return router_next.detach().clone()
+    this = norm_this.detach().float()
+    keep = this.abs() >= 1e-6 * this.abs().max().clamp_min(1e-30)
+    ratio = torch.where(keep, norm_next.detach().float() / torch.where(keep, this, torch.ones_like(this)), 0.0)
+    return (router_next.detach().float() * ratio).to(router_next.dtype)
+
+
+class ExpertOffloader:
+    """Host store, per-layer device expert caches, prediction and prefetch for L MoE layers.
+
+    Args:
+        gate_up: per layer, (E, 2I, Dm) float expert weights, gate rows first (HF transformers 5.x layout), any
+            device; copied into the host store (pinned when ``device`` is CUDA).
+        down: per layer, (E, Dm, I), same dtype.
+        resident: C, experts kept on the device per layer, in [1, E].
+        top_k: A. device: where the slots live and the experts compute.
+        predictors: per layer L, the (E, Dm) predictors of layers L+1 .. L+lookahead (see
+            :func:`fold_norm_predictor`); ``None``: no prediction (on-demand only, no recall statistics).
+        prefetch: issue the predicted copies (False: predictions are still scored for recall).
+        margin: predicted experts per token beyond A. lookahead: layers predicted ahead (>= 1).
+        policy: one of :data:`~ckvp_compile.runtime.offload_policy.POLICIES`.
+        measure_stalls: time the compute stream's waits with CUDA events (``stall_ms``).
+        share_host: on a CPU device, use CPU weights as the host store without copying them (with a CUDA
+            device, pinned contiguous CPU weights are always shared: several offloaders can serve one store).
+    Memory: device C * 3 * I * Dm * itemsize bytes per layer; host E times that per layer.
+    Raises:
+        CKVPConfigError: a value out of range. CKVPShapeError: inconsistent weight shapes or dtypes.
+    """
+
+    def __init__(self, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor], *, resident: int, top_k: int,
+                 device: torch.device | str, predictors: Sequence[Sequence[torch.Tensor]] | None = None,
+                 prefetch: bool = True, margin: int = 0, lookahead: int = 1, policy: str = "lfu",
+                 measure_stalls: bool = True, share_host: bool = False) -> None:
+        if len(gate_up) != len(down) or not gate_up:
+            raise CKVPShapeError(f"gate_up and down must list the same layers (>= 1), got {len(gate_up)} and {len(down)}")
+        e, two_i, dm = gate_up[0].shape
+        i = two_i // 2
+        for n, (gu, dn) in enumerate(zip(gate_up, down)):
+            if tuple(gu.shape) != (e, 2 * i, dm) or tuple(dn.shape) != (e, dm, i) or gu.dtype != dn.dtype:
+                raise CKVPShapeError(f"layer {n}: gate_up must be (E, 2I, Dm) = ({e}, {2 * i}, {dm}) and down (E, Dm, I) "
+                                     f"= ({e}, {dm}, {i}) of one dtype, got {tuple(gu.shape)} {gu.dtype} and "
+                                     f"{tuple(dn.shape)} {dn.dtype}")
+        if policy not in POLICIES:
+            raise CKVPConfigError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+        self.device = torch.device(device)
+        self.num_layers, self.num_experts, self.top_k, self.ffn, self.dm = len(gate_up), e, top_k, i, dm
+        self.dtype = gate_up[0].dtype
+        self.lookahead = lookahead
+        cuda = self.device.type == "cuda"
+        pin = cuda and torch.cuda.is_available()
+
+        share = pin or share_host  # CUDA: pinned contiguous CPU weights are used as they are
+
+        def host(w: torch.Tensor) -> torch.Tensor:
+            if share and w.device.type == "cpu" and w.is_contiguous() and (w.is_pinned() or not pin):
+                return w.detach()
+            out = torch.empty(w.shape, dtype=w.dtype, pin_memory=pin)
+            return out.copy_(w.detach())
+
+        self.host_gate_up = [host(w) for w in gate_up]
+        self.host_down = [host(w) for w in down]
+        expert_bytes = 3 * i * dm * self.dtype.itemsize
+        self.planner = OffloadPlanner(num_layers=self.num_layers, num_experts=e, top_k=top_k, capacity=resident,
+                                      policy=policy, prefetch=prefetch and predictors is not None, margin=margin,
+                                      lookahead=lookahead, expert_bytes=expert_bytes)
+        self.slot_gate_up = [torch.empty((resident, 2 * i, dm), dtype=self.dtype, device=self.device)
+                             for _ in range(self.num_layers)]
+        self.slot_down = [torch.empty((resident, dm, i), dtype=self.dtype, device=self.device)
+                          for _ in range(self.num_layers)]
+        for n in range(self.num_layers):  # LayerCache's initial state: slot s holds expert s
+            self.slot_gate_up[n].copy_(self.host_gate_up[n][:resident])
+            self.slot_down[n].copy_(self.host_down[n][:resident])
+        self.predictors = None
+        if predictors is not None:
+            if len(predictors) != self.num_layers:
+                raise CKVPShapeError(f"predictors must have one entry per layer ({self.num_layers}), got {len(predictors)}")
+            self.predictors = [[p.detach().to(self.device, self.dtype) for p in ps[: lookahead]] for ps in predictors]
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.measure_stalls = measure_stalls and cuda
+        self._ready: list[list[Any]] = [[None] * resident for _ in range(self.num_layers)]
+        self._read_done: list[list[Any]] = [[None] * resident for _ in range(self.num_layers)]
+        self._stall_events: list[tuple[Any, Any]] = []
+        self._stall_ms = 0.0
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.handle = _offload_ops.register_offloader(self)
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> OffloadStats:
+        """Return a snapshot of the statistics (waits for the timed stall events; no other synchronisation)."""
+        for start, end in self._stall_events:
+            end.synchronize()
+            self._stall_ms += start.elapsed_time(end)
+        self._stall_events.clear()
+        return replace(self.planner.stats, stall_ms=self._stall_ms)
+
+    def reset_stats(self) -> None:
+        """Zero the statistics; the cache contents stay."""
+        self.stats()
+        self.planner.reset_stats()
+        self._stall_ms = 0.0
+
+    def close(self) -> None:
+        """Unregister the handle (the offloaded model stops working) and free the buffers."""
+        _offload_ops.unregister_offloader(self.handle)
+        self.host_gate_up = self.host_down = self.slot_gate_up = self.slot_down = []
+
+    def device_bytes(self) -> int:
+        """Bytes of the device expert slots (all layers)."""
+        return sum(t.numel() * t.element_size() for t in self.slot_gate_up + self.slot_down)
+
+    # ------------------------------------------------------------------ the layer call
+    def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Compute layer ``layer``'s routed experts from the device cache; prefetch the next layers' experts.
+
+        Args:
+            layer: in [0, L). hidden: (T, Dm) the model dtype, on ``device``. topk_ids: (T, A) int32|int64.
+            topk_weights: (T, A) float.
+        Returns:
+            (T, Dm) hidden.dtype, the all-resident ``ckvp::moe_experts`` output (see the module docstring).
+        Raises:
+            CKVPConfigError: layer or an expert id out of range. CKVPShapeError: shapes, dtype or device.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise CKVPConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        if hidden.dtype != self.dtype or hidden.device != self.device or hidden.shape[-1] != self.dm:
+            raise CKVPShapeError(f"hidden must be (T, {self.dm}) {self.dtype} on {self.device} (the offloaded experts' "
+                                 f"dtype and device), got {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
+        t, a = topk_ids.shape
+        targets = []
+        if self.predictors is not None:
+            targets = [j for j in range(layer + 1, min(self.num_layers, layer + self.lookahead + 1))]
+        width = self.planner.predict_width
+        parts = [topk_ids.reshape(-1).to(torch.int64)]
+        for j in targets:
+            logits = hidden @ self.predictors[layer][j - layer - 1].T  # (T, E)
+            parts.append(logits.topk(width, dim=-1).indices.reshape(-1))
+        flat = torch.cat(parts).tolist() if t else []  # the one host synchronisation
+        rows = [flat[r * a:(r + 1) * a] for r in range(t)]
+        check_rows(rows, self.num_experts)
+        ranked = {}
+        for n, j in enumerate(targets):
+            base = t * a + n * t * width
+            ranked[j] = [flat[base + r * width: base + (r + 1) * width] for r in range(t)]
+        if t == 0:
+            return hidden.new_zeros(hidden.shape)
+        rounds = self.planner.demand(layer, rows)
+        if len(rounds) == 1:
+            out = self._round_direct(layer, rounds[0], hidden, rows, topk_weights)
+        else:
+            out = self._rounds_gathered(layer, rounds, hidden, rows, topk_weights)
+        for j, expert, slot in self.planner.predict(layer, ranked):
+            self._copy(j, expert, slot)
+        return out
+
+    def _upload(self, data: list) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.tensor(data, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        return torch.tensor(data, dtype=torch.int64, device=self.device)
+
+    def _copy(self, layer: int, expert: int, slot: int) -> None:
+        gu, dn = self.slot_gate_up[layer][slot], self.slot_down[layer][slot]
+        if self.copy_stream is None:
+            gu.copy_(self.host_gate_up[layer][expert])
+            dn.copy_(self.host_down[layer][expert])
+            return
+        done = self._read_done[layer][slot]
+        with torch.cuda.stream(self.copy_stream):
+            if done is not None:
+                self.copy_stream.wait_event(done)
+            gu.copy_(self.host_gate_up[layer][expert], non_blocking=True)
+            dn.copy_(self.host_down[layer][expert], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        self._ready[layer][slot] = ready
+
+    def _prepare(self, layer: int, rnd: Round) -> None:
+        """Issue the round's demand copies and make the compute stream wait for every slot it reads."""
+        for expert, slot in rnd.loads:
+            self._copy(layer, expert, slot)
+        if self.copy_stream is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        waits = [self._ready[layer][rnd.slot_of[e]] for e in rnd.experts]
+        waits = [w for w in waits if w is not None]
+        start = end = None
+        if self.measure_stalls and waits:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        for w in waits:
+            stream.wait_event(w)
+        if start is not None:
+            end.record(stream)
+            self._stall_events.append((start, end))
+
+    def _finish(self, layer: int, rnd: Round) -> None:
+        if self.copy_stream is None:
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        for e in rnd.experts:
+            self._read_done[layer][rnd.slot_of[e]] = done
+
+    def _weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gu, i = self.slot_gate_up[layer], self.ffn
+        return gu[:, :i], gu[:, i:], self.slot_down[layer]
+
+    def _round_direct(self, layer: int, rnd: Round, hidden: torch.Tensor, rows: list[list[int]],
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+        slot_ids = self._upload([[rnd.slot_of[e] for e in row] for row in rows])
+        self._prepare(layer, rnd)
+        out = torch.ops.ckvp.moe_experts(hidden, slot_ids, topk_weights, *self._weights(layer))
+        self._finish(layer, rnd)
+        return out
+
+    def _rounds_gathered(self, layer: int, rounds: list[Round], hidden: torch.Tensor, rows: list[list[int]],
+                         topk_weights: torch.Tensor) -> torch.Tensor:
+        t, a = len(rows), len(rows[0])
+        flat = [e for row in rows for e in row]
+        pairs_out = torch.zeros((t * a, self.dm), dtype=torch.float32, device=self.device)
+        weights = topk_weights.reshape(-1, 1)
+        for rnd in rounds:
+            members = set(rnd.experts)
+            pairs = [p for p, e in enumerate(flat) if e in members]
+            idx = self._upload(pairs)
+            slot_ids = self._upload([[rnd.slot_of[flat[p]]] for p in pairs])
+            x = hidden.index_select(0, torch.div(idx, a, rounding_mode="floor"))
+            w = weights.index_select(0, idx)
+            self._prepare(layer, rnd)
+            y = torch.ops.ckvp.moe_experts(x, slot_ids, w, *self._weights(layer))
+            self._finish(layer, rnd)
+            pairs_out.index_copy_(0, idx, y.float())
+        return pairs_out.view(t, a, self.dm).sum(1).to(hidden.dtype)
+
+
+class OffloadedExperts(torch.nn.Module):
+    """Drop-in replacement of an HF experts module: ``forward(hidden, top_k_index, top_k_weights)`` calls
+    ``ckvp::offload_experts`` with this layer's offloader handle (integers, constants to Dynamo).
+
+    Holds no parameters: the weights live in the offloader's host store and device slots.
+    """
+
+    def __init__(self, handle: int, layer: int, num_experts: int) -> None:
+        super().__init__()
+        self.handle, self.layer, self.num_experts = handle, layer, num_experts
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """(T, Dm), (T, A) int, (T, A) float -> (T, Dm) hidden_states.dtype (see :class:`ExpertOffloader`)."""
+        return torch.ops.ckvp.offload_experts(hidden_states, top_k_index, top_k_weights, self.handle, self.layer)
+
+    def extra_repr(self) -> str:
+        return f"handle={self.handle}, layer={self.layer}, num_experts={self.num_experts}"
+
+
+def _submodule(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _find_moe_layers(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Experts modules with fused ``gate_up_proj`` (E, 2I, Dm) and ``down_proj`` (E, Dm, I) parameters (or already
+    :class:`OffloadedExperts`), in module order, with their router weight and the RMSNorm weight before their MoE
+    block when found."""
+    found = []
+    for name, mod in model.named_modules():
+        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        fused = isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3
+        if not (fused or isinstance(mod, OffloadedExperts)):
+            continue
+        parent_path, _, attr = name.rpartition(".")
+        block = _submodule(model, parent_path) if parent_path else model
+        router = getattr(getattr(block, "gate", None), "weight", None)
+        layer_path = parent_path.rpartition(".")[0]
+        layer_mod = _submodule(model, layer_path) if layer_path else None
+        norm = getattr(getattr(layer_mod, "post_attention_layernorm", None), "weight", None)
+        found.append(dict(name=name, module=mod, block=block, attr=attr, router=router, norm=norm))
+    return found
+
+
+def _check_experts_module(name: str, mod: torch.nn.Module) -> None:
+    bad = [f"{flag}={getattr(mod, flag)}" for flag, ok in (("is_transposed", False), ("is_concatenated", True),
+                                                           ("has_bias", False), ("has_gate", True))
+           if getattr(mod, flag, ok) != ok]
+    act = getattr(mod, "act_fn", None)
+    probe = torch.linspace(-4, 4, 17)
+    if act is None or not torch.allclose(act(probe), F.silu(probe)):
+        bad.append("activation is not SiLU")
+    if bad:
+        raise CKVPConfigError(f"offload_experts: experts module {name!r} is not a SwiGLU experts module with fused "
+                              f"(E, 2I, Dm) gate_up_proj and (E, Dm, I) down_proj ({', '.join(bad)}); only that "
+                              "layout (HF Mixtral / Qwen-MoE / OLMoE in transformers 5.x) can be offloaded")
+
+
+def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, lookahead: int = 1,
+                    policy: str = "lfu", prefetch: bool = True, predictor: str = "norm",
+                    measure_stalls: bool = True) -> ExpertOffloader:
+    """Move an HF MoE model's expert weights to host memory and serve them from a device cache, in place.
+
+    Every experts module with fused ``gate_up_proj`` / ``down_proj`` parameters (transformers 5.x Mixtral,
+    Qwen2/3-MoE, OLMoE, SwiGLU) is replaced by an :class:`OffloadedExperts`; its weights go to the host store
+    (pinned on CUDA) and C = ``resident`` of them per layer to device slots. Works eagerly and under
+    ``torch.compile(..., backend="ckvp")`` (the experts are one opaque ``ckvp::offload_experts`` call per layer).
+
+    Args:
+        model: the model, on the device the experts should compute on (its expert parameters' device).
+        resident: C, experts kept on the device per layer, 1 <= C <= E.
+        margin: predicted experts per token beyond top-A. lookahead: layers predicted ahead of each layer.
+        policy: "lfu" (default: the best hit rate on the fixture's routing, on demand and with prefetch) or "lru".
+        prefetch: False fetches on demand only (the baseline; recall is still measured).
+        predictor: "norm" (next router on the next layer's RMSNorm of the residual stream; default) or "router"
+            (next router on this layer's MoE input).
+    Returns:
+        The :class:`ExpertOffloader`: ``.stats()``, ``.reset_stats()``, ``.close()``.
+    Raises:
+        CKVPConfigError: no offloadable experts module, an unsupported experts layout, or a value out of range.
+    """
+    if predictor not in PREDICTORS:
+        raise CKVPConfigError(f"predictor must be one of {list(PREDICTORS)}, got {predictor!r}")
+    layers = _find_moe_layers(model)
+    if not layers:
+        raise CKVPConfigError("offload_experts: the model has no experts module with fused 3-D gate_up_proj and "
+                              "down_proj parameters (transformers 5.x MoE models); nothing to offload")
+    for info in layers:
+        if isinstance(info["module"], OffloadedExperts):
+            raise CKVPConfigError(f"offload_experts: {info['name']} is already offloaded (handle "
+                                  f"{info['module'].handle}); offload a freshly loaded model")
+        _check_experts_module(info["name"], info["module"])
+    first = layers[0]["module"]
+    e = first.gate_up_proj.shape[0]
+    top_k = getattr(layers[0]["block"], "top_k", None) or getattr(getattr(model, "config", None),
+                                                                   "num_experts_per_tok", None)
+    if top_k is None:
+        raise CKVPConfigError("offload_experts: cannot find the top-k (block.top_k or config.num_experts_per_tok)")
+    predictors = None
+    if all(info["router"] is not None and tuple(info["router"].shape) == (e, first.gate_up_proj.shape[2])
+           for info in layers):
+        predictors = []
+        for n, info in enumerate(layers):
+            ps = []
+            for nxt in layers[n + 1: n + 1 + lookahead]:
+                norms = (nxt["norm"], info["norm"]) if predictor == "norm" else (None, None)
+                ps.append(fold_norm_predictor(nxt["router"], *norms))
+            predictors.append(ps)
+    offloader = ExpertOffloader([info["module"].gate_up_proj for info in layers],
+                                [info["module"].down_proj for info in layers], resident=resident, top_k=int(top_k),
+                                device=first.gate_up_proj.device, predictors=predictors, prefetch=prefetch,
+                                margin=margin, lookahead=lookahead, policy=policy, measure_stalls=measure_stalls)
+    for n, info in enumerate(layers):
+        setattr(info["block"], info["attr"], OffloadedExperts(offloader.handle, n, e))
+    return offloader
