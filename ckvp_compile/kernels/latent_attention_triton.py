@@ -86,7 +86,9 @@ class DecodeConfig:
     fma_scores: score the rebuilt keys against the query heads on the CUDA cores in fp32 when a KV head serves at
     most ``fma_max_heads`` query heads (else a tensor-core product padded to 16 heads with a hi/lo split of the
     keys); p_bf16: round the softmax weights to bf16 once for the value product (FlashAttention-2's practice,
-    ~2^-9 relative per weight) instead of a hi/lo split (two products)."""
+    ~2^-9 relative per weight) instead of a hi/lo split (two products); two_pass: score every tile first (keys
+    only), then softmax and value product in a second launch (tiles of ``block_n_v`` slots, ``num_warps_v`` warps;
+    None: as the first), which keeps far fewer registers live than the one-pass kernel (``False``)."""
 
     block_n: int = 32
     block_r: int = 64
@@ -102,6 +104,9 @@ class DecodeConfig:
     fma_scores: bool = True
     fma_max_heads: int = 8
     p_bf16: bool = False
+    two_pass: bool = True
+    block_n_v: int | None = None
+    num_warps_v: int | None = None
 
 
 def default_config() -> DecodeConfig:
@@ -267,7 +272,7 @@ def _rope_rows(half, rot_dim, d_model, HALF: tl.constexpr, REST: tl.constexpr, R
 def _latent_attention_split_kernel(
     # pointers
     q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr,
-    m_ptr, l_ptr, acc_ptr,
+    m_ptr, l_ptr, acc_ptr, sc_ptr, stride_scr,
     # sizes and scalars
     Hkv, S, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rk_max,
     k_scale_base, k_min_base, v_scale_base, v_min_base,
@@ -289,6 +294,7 @@ def _latent_attention_split_kernel(
     V_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, V_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
     V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr, K_MX: tl.constexpr, V_MX: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, P_BF16: tl.constexpr,
+    PHASE: tl.constexpr,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -296,7 +302,12 @@ def _latent_attention_split_kernel(
     (Hkv, D, Rk_max); cos/sin (P_max, W); slot_pos (B, S_max); slots (S,); mask (B, H, S, kv_len) by strides;
     kmeta / vmeta (Hkv, 3) int32 = (first column or code byte, first block, rank); m / l (rows, n_split, G) and
     acc (rows, n_split, G, RV_PAD) fp32 with rows = B*Hkv*S.
-    """
+
+    PHASE 0 does it all in one pass. The two-pass form (PHASE 1, then PHASE 2) keeps far fewer values live per
+    program: PHASE 1 only rebuilds keys and stores the tile's scores (log2 units, masked and the current call's
+    slots at -inf) into the workspace ``sc`` (rows*G, stride_scr) fp32; PHASE 2 reads them back and only runs the
+    online softmax and the value-latent product. The scores cost 4*G bytes per slot and KV head of extra traffic
+    (about 3% of an int8 rank-256 latent row)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     s = tl.program_id(2)
@@ -324,7 +335,10 @@ def _latent_attention_split_kernel(
     bk_head = bk_ptr + b.to(tl.int64) * stride_bkb + h * stride_bkh
     mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh  # (G_PAD,)
 
-    if HOIST:  # the whole (RK_PAD, .) basis block stays on chip across the tile loop (BLOCK_R == RK_PAD)
+    p1 = 0.0  # the basis block (HOIST); otherwise loaded per chunk inside _tile_scores
+    p2 = 0.0
+    p3 = 0.0
+    if HOIST and PHASE != 2:  # the whole (RK_PAD, .) basis block stays on chip across the tile loop (BLOCK_R == RK_PAD)
         r = tl.arange(0, RK_PAD)
         b_ok = (r < rk_max)[:, None]
         b_rows = bk_head + (r * stride_bkr)[:, None]
@@ -349,83 +363,121 @@ def _latent_attention_split_kernel(
             sl = tl.load(slots_ptr + sj, mask=sj < S, other=-1)
             is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
         col_ok = row_ok & ~is_new
-        lk_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
-        # rebuild the tile's pre-RoPE keys, split into the rotated pairs' halves and the pass-through channels
-        x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
-        x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
-        x3 = tl.zeros((BLOCK_N, REST), tl.float32)
-        for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
-            z = _latent_tile(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, stride_lkw,
-                             r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
-            if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
-                r = r0 + tl.arange(0, BLOCK_R)
-                b_ok = (r < rk_max)[:, None]
-                b_rows = bk_head + (r * stride_bkr)[:, None]
-                if HAS_ROT:
-                    p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-                    p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-                if HAS_REST:
-                    p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
-            if HAS_ROT:
-                x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
-                x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
-            if HAS_REST:
-                x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
-        scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
-        if HAS_ROT:
-            pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
-            tab_ok = col_ok[:, None] & rot_ok[None, :]
-            cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
-            sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-            if ROPE == 3 or PAIRED_TABLE:  # one angle per pair (complex form, or a table the host checked)
-                cos2 = cos1
-                sin2 = sin1
-            else:
-                cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok,
-                               other=0.0)
-                sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok,
-                               other=0.0)
-            o1 = x1 * cos1.to(tl.float32) - x2 * sin1.to(tl.float32)
-            o2 = x2 * cos2.to(tl.float32) + x1 * sin2.to(tl.float32)
-            if FMA_SCORES:
-                scores = _fma_scores(scores, o1, q_row0, i1, rot_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
-                scores = _fma_scores(scores, o2, q_row0, i2, rot_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
-            else:
-                scores = _dot_split(q1, tl.trans(o1), scores, Q_EXACT, False, F32_DOT)
-                scores = _dot_split(q2, tl.trans(o2), scores, Q_EXACT, False, F32_DOT)
-        if HAS_REST:
-            if FMA_SCORES:
-                scores = _fma_scores(scores, x3, q_row0, rest, rest_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
-            else:
-                scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, F32_DOT)
-        scores = scores * qk_scale  # log2 units: qk_scale = scale * log2(e)
-        if MASK == 1:
-            mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                         other=0)
-            scores = tl.where(mv != 0, scores, float("-inf"))
-        if MASK == 2:
-            mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                         other=0.0)
-            scores = scores + mv.to(tl.float32) * 1.4426950408889634
-        scores = tl.where(col_ok[None, :], scores, float("-inf"))
-        # online softmax (FlashAttention-2) over the absorbed value latent
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(scores - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
-        zv = _latent_tile(lv_rows, col_ok, v_col0, v_blk0, v_rank, v_scale_base, v_min_base, stride_lvw, 0,
-                          BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN, V_WORDS, V_MX)
-        acc = _dot_split(p, zv, acc * alpha[:, None], P_BF16, ZV_EXACT, F32_DOT)
-        m_i = m_new
+        sc_rows = sc_ptr + ((bh * S + s) * G + tl.arange(0, G_PAD)).to(tl.int64) * stride_scr  # (G_PAD,)
+        if PHASE == 2:
+            scores = tl.load(sc_rows[:, None] + offs[None, :], mask=head_ok[:, None] & row_ok[None, :],
+                             other=float("-inf"))
+        else:
+            scores = _tile_scores(
+                lk_ptr, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
+                col_ok, head_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, rk_max, qk_scale, G,
+                i1, i2, c1, c2, rot_ok, rest, rest_ok,
+                stride_lkb, stride_lks, stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
+                stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
+                G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK,
+                Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
+                PAIRED_TABLE, FMA_SCORES, G_LOOP)
+        if PHASE == 1:
+            tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & (offs < stride_scr)[None, :])
+        else:
+            # online softmax (FlashAttention-2) over the absorbed value latent
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(scores - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
+            zv = _latent_tile(lv_rows, col_ok, v_col0, v_blk0, v_rank, v_scale_base, v_min_base, stride_lvw, 0,
+                              BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN, V_WORDS, V_MX)
+            acc = _dot_split(p, zv, acc * alpha[:, None], P_BF16, ZV_EXACT, F32_DOT)
+            m_i = m_new
 
-    row = (bh * S + s) * n_split + c
-    g = tl.arange(0, G_PAD)
-    tl.store(m_ptr + row * G + g, m_i, mask=head_ok)
-    tl.store(l_ptr + row * G + g, l_i, mask=head_ok)
-    rv = tl.arange(0, RV_PAD)
-    tl.store(acc_ptr + (row * G + g)[:, None] * RV_PAD + rv[None, :], acc, mask=head_ok[:, None])
+    if PHASE != 1:
+        row = (bh * S + s) * n_split + c
+        g = tl.arange(0, G_PAD)
+        tl.store(m_ptr + row * G + g, m_i, mask=head_ok)
+        tl.store(l_ptr + row * G + g, l_i, mask=head_ok)
+        rv = tl.arange(0, RV_PAD)
+        tl.store(acc_ptr + (row * G + g)[:, None] * RV_PAD + rv[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
+def _tile_scores(
+    lk_ptr, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
+    col_ok, head_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, rk_max, qk_scale, G,
+    i1, i2, c1, c2, rot_ok, rest, rest_ok,
+    stride_lkb, stride_lks, stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
+    stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
+    G_PAD: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr,
+    ROPE: tl.constexpr, RK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BITS: tl.constexpr,
+    K_QBLOCK: tl.constexpr, MASK: tl.constexpr, Q_EXACT: tl.constexpr, ZK_EXACT: tl.constexpr,
+    BK_EXACT: tl.constexpr, F32_DOT: tl.constexpr, K_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr,
+    K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr, K_MX: tl.constexpr,
+    PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr,
+):
+    """(G_PAD, BLOCK_N) fp32 scores in log2 units of one tile of slots ``offs``: rebuild the pre-RoPE keys from the key
+    latent and the basis block, rotate them at each slot's position, score the KV head's query heads, mask
+    (``-inf`` where ``~col_ok``: past the context, or the current call's slots)."""
+    lk_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
+    # rebuild the tile's pre-RoPE keys, split into the rotated pairs' halves and the pass-through channels
+    x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
+    x3 = tl.zeros((BLOCK_N, REST), tl.float32)
+    for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
+        z = _latent_tile(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, stride_lkw,
+                         r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
+        if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
+            r = r0 + tl.arange(0, BLOCK_R)
+            b_ok = (r < rk_max)[:, None]
+            b_rows = bk_head + (r * stride_bkr)[:, None]
+            if HAS_ROT:
+                p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+            if HAS_REST:
+                p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
+        if HAS_ROT:
+            x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
+            x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
+        if HAS_REST:
+            x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
+    scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
+    if HAS_ROT:
+        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
+        tab_ok = col_ok[:, None] & rot_ok[None, :]
+        cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
+        sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
+        if ROPE == 3 or PAIRED_TABLE:  # one angle per pair (complex form, or a table the host checked)
+            cos2 = cos1
+            sin2 = sin1
+        else:
+            cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok,
+                           other=0.0)
+            sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok,
+                           other=0.0)
+        o1 = x1 * cos1.to(tl.float32) - x2 * sin1.to(tl.float32)
+        o2 = x2 * cos2.to(tl.float32) + x1 * sin2.to(tl.float32)
+        if FMA_SCORES:
+            scores = _fma_scores(scores, o1, q_row0, i1, rot_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
+            scores = _fma_scores(scores, o2, q_row0, i2, rot_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
+        else:
+            scores = _dot_split(q1, tl.trans(o1), scores, Q_EXACT, False, F32_DOT)
+            scores = _dot_split(q2, tl.trans(o2), scores, Q_EXACT, False, F32_DOT)
+    if HAS_REST:
+        if FMA_SCORES:
+            scores = _fma_scores(scores, x3, q_row0, rest, rest_ok, G, stride_qh, stride_qd, G_PAD, G_LOOP)
+        else:
+            scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, F32_DOT)
+    scores = scores * qk_scale  # log2 units: qk_scale = scale * log2(e)
+    if MASK == 1:
+        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                     other=0)
+        scores = tl.where(mv != 0, scores, float("-inf"))
+    if MASK == 2:
+        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        scores = scores + mv.to(tl.float32) * 1.4426950408889634
+    scores = tl.where(col_ok[None, :], scores, float("-inf"))
+    return scores
 
 
 @triton.jit
@@ -698,14 +750,18 @@ def latent_attention_triton(
     rk_pad, rv_pad = _np2(rk_max), _np2(rv_max)
     block_r = rk_pad if cfg.hoist_basis else min(cfg.block_r, rk_pad)
     f32_dot = _interpreting() or cfg.f32_dots
-    n_tiles = triton.cdiv(kv_len, cfg.block_n)
-    if cfg.split is not None:
-        n_split = max(1, min(cfg.split, n_tiles))
-    else:
-        want = triton.cdiv(cfg.target_programs, b * hkv * s)
-        n_split = max(1, min(want, n_tiles // max(cfg.min_tiles, 1)))
-    tiles_per_split = triton.cdiv(n_tiles, n_split)
-    n_split = triton.cdiv(n_tiles, tiles_per_split)
+    def splits(block_n: int) -> tuple[int, int]:  # (programs along the context, tiles per program)
+        n_tiles = triton.cdiv(kv_len, block_n)
+        if cfg.split is not None:
+            n = max(1, min(cfg.split, n_tiles))
+        else:
+            want = triton.cdiv(cfg.target_programs, b * hkv * s)
+            n = max(1, min(want, n_tiles // max(cfg.min_tiles, 1)))
+        per = triton.cdiv(n_tiles, n)
+        return triton.cdiv(n_tiles, per), per
+
+    block_n_v = cfg.block_n_v or cfg.block_n
+    n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else cfg.block_n)
     if attn_mask is None:
         mask_kind, mask, mstrides = 0, q, (0, 0, 0, 0)
     else:
@@ -727,14 +783,14 @@ def latent_attention_triton(
     out = torch.empty(b, h, s, d, dtype=torch.float32 if _interpreting() else q.dtype, device=q.device)
     qk_scale = float(scale) * math.log2(math.e)
     bf16 = torch.bfloat16
-    _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
-        q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
-        m_ws, l_ws, acc_ws,
-        hkv, s, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
-        *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
-        *mstrides,
+    if cfg.two_pass:  # scores workspace: (B*Hkv*S*G, kv_len rounded up to the key tile) fp32
+        t_pad = triton.cdiv(kv_len, cfg.block_n) * cfg.block_n
+        sc_ws = torch.empty(rows * g, t_pad, dtype=torch.float32, device=q.device)
+    else:
+        t_pad, sc_ws = 0, m_ws  # never read
+    common = dict(
         G_PAD=g_pad, HALF=_np2(half), REST=_np2(d - rd), HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope,
-        RK_PAD=rk_pad, RV_PAD=rv_pad, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
+        RK_PAD=rk_pad, RV_PAD=rv_pad, BLOCK_R=block_r,
         SLOT_BLOCK=16, K_BITS=kf.bits, K_QBLOCK=max(kf.block, 1),
         V_BITS=vf.bits, V_QBLOCK=max(vf.block, 1), MASK=mask_kind, Q_EXACT=q.dtype == bf16,
         ZK_EXACT=(not kf.quantized and latent_k.dtype == bf16) or kf.pow2 or not cfg.key_split,
@@ -746,10 +802,25 @@ def latent_attention_triton(
         V_RALIGN=_align(_ranks(v_offsets)) if cfg.align_hint else 1,
         K_WORDS=cfg.align_hint and _words(kf, latent_k, k_sb, k_mb),
         V_WORDS=cfg.align_hint and _words(vf, latent_v, v_sb, v_mb), HALF_ALIGN=_align([half]) if cfg.align_hint else 1,
-        K_MX=kf.pow2, V_MX=vf.pow2, FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1),
-        P_BF16=cfg.p_bf16, PAIRED_TABLE=rope in (1, 2) and _paired_tables(cos_table, sin_table, rope, half),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and _paired_tables(cos_table, sin_table, rope, half),
+        FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1), P_BF16=cfg.p_bf16,
+        num_stages=cfg.num_stages,
     )
+    if cfg.two_pass:
+        k_split, k_per = splits(cfg.block_n)
+        _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
+            q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
+            m_ws, l_ws, acc_ws, sc_ws, t_pad,
+            hkv, s, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+            *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
+            *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps, **common)
+    _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
+        q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
+        m_ws, l_ws, acc_ws, sc_ws, t_pad,
+        hkv, s, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+        *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
+        *mstrides, BLOCK_N=block_n_v if cfg.two_pass else cfg.block_n, PHASE=2 if cfg.two_pass else 0,
+        num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps, **common)
     _latent_attention_reduce_kernel[(b * hkv, s)](
         q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
         hkv, s, n_split, qk_scale, g, d, rv_max,

@@ -8,7 +8,7 @@ GQA ratios 1-4 with Hkv 1-3 (MQA included), D in {16, 32, 64}, unequal ranks per
 40, one to three new tokens, latent formats float / int8 / int4 / int2 / mxint8 / mxint4 with several block sizes (ragged last
 blocks), the four RoPE forms with partial rotary_dim, bool / additive masks of several broadcast shapes (fully
 masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes, rebuild chunks,
-the hoisted basis, alignment hints and context splits.
+the hoisted basis, alignment hints, context splits, one- and two-pass forms.
 Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, every row masked, the op's CUDA kernel function
 (dispatch to Triton, and to the reference for an unsupported dtype). Bound: relative error (Frobenius) <= 1e-3.
 """
@@ -148,7 +148,8 @@ def _check_property(n_examples: int) -> None:
         cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=draw(st.sampled_from((16, 32))),
                            num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
                            hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
-                           fma_scores=draw(st.booleans()), p_bf16=draw(st.booleans()))
+                           fma_scores=draw(st.booleans()), p_bf16=draw(st.booleans()),
+                           two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32))))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
