@@ -25,7 +25,55 @@ REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.backends.common", "aot_autograd"),
     ("torch._dynamo.backends.debugging", "boxed_nop"),
     ("torch._guards", "TracingContext"),
+    # Inductor templates and lowerings (ckvp_compile/lowering/), through inductor_template_api()
+    ("torch._inductor.lowering", "register_lowering"),
+    ("torch._inductor.lowering", "lowerings"),
+    ("torch._inductor.lowering", "fallback_handler"),
+    ("torch._inductor.select_algorithm", "TritonTemplate"),
+    ("torch._inductor.select_algorithm", "ExternKernelChoice"),
+    ("torch._inductor.select_algorithm", "autotune_select_algorithm"),
+    ("torch._inductor.select_algorithm", "realize_inputs"),
+    ("torch._inductor.select_algorithm", "SymbolicGridFn"),
+    ("torch._inductor.utils", "use_triton_template"),
+    ("torch._inductor.ir", "FixedLayout"),
+    ("torch._inductor.virtualized", "V"),
+    ("torch._inductor.config", "max_autotune"),
 )
+
+
+def inductor_template_api() -> Any:
+    """Return the Inductor symbols a template lowering needs, as one namespace (imports Inductor).
+
+    Attributes: ``register_lowering``, ``lowerings`` (the op -> lowering dict), ``fallback_handler``,
+    ``TritonTemplate``, ``ExternKernelChoice``, ``realize_inputs``, ``SymbolicGridFn``, ``use_triton_template``,
+    ``FixedLayout``, ``V``, ``config`` (``torch._inductor.config``) and ``autotune_select_algorithm``, which
+    returns the chosen node on every torch (2.11 returns the node, 2.13 a ``(node, choice)`` pair).
+    """
+    import types
+
+    import torch._inductor.config as config
+    from torch._inductor.ir import FixedLayout
+    from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+    from torch._inductor.select_algorithm import (
+        ExternKernelChoice,
+        SymbolicGridFn,
+        TritonTemplate,
+        autotune_select_algorithm,
+        realize_inputs,
+    )
+    from torch._inductor.utils import use_triton_template
+    from torch._inductor.virtualized import V
+
+    def select(*args: Any, **kwargs: Any) -> Any:
+        out = autotune_select_algorithm(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    return types.SimpleNamespace(
+        register_lowering=register_lowering, lowerings=lowerings, fallback_handler=fallback_handler,
+        TritonTemplate=TritonTemplate, ExternKernelChoice=ExternKernelChoice, realize_inputs=realize_inputs,
+        SymbolicGridFn=SymbolicGridFn, use_triton_template=use_triton_template, FixedLayout=FixedLayout, V=V,
+        config=config, autotune_select_algorithm=select,
+    )
 
 
 def custom_graph_pass_base() -> type:

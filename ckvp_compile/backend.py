@@ -200,6 +200,10 @@ class CKVPBackend:
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], manager: PostGradPassManager) -> Callable:
         config = self.config
+        if config.compiler == "inductor":
+            from .lowering import register_all as register_lowerings
+
+            register_lowerings()  # idempotent: the ckvp ops' Inductor lowerings (templates + extern fallback)
         if config.compiler == "eager":
             if manager.passes:
                 logger.warning("ckvp: compiler='eager' runs no post-grad passes; %d skipped", len(manager.passes))
@@ -246,6 +250,8 @@ class _StoreArgs:
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
         for g in self.groups:
             out += [store.latent_k[g], store.latent_v[g], store.basis_k[g], store.basis_v[g]]
+            if store.residual_format:  # ALR-KVD residual rows (passes/latent_kv_cache.py adds them after the bases)
+                out += [store.resid_k[g], store.resid_v[g]]
         assert len(out) == len(self.names), (self.names, len(out))  # internal: pass and wrapper agree
         return out
 

@@ -30,3 +30,12 @@ def test_surface_through_dynamo_keeps_type_and_message():
     err = _compat.surface_through_dynamo(CKVPConfigError("bad option x"))
     assert isinstance(err, CKVPConfigError) and isinstance(err, ValueError)
     assert str(err) == "bad option x"
+
+
+def test_inductor_template_api_has_every_symbol_the_lowerings_use():
+    api = _compat.inductor_template_api()
+    for name in ("register_lowering", "lowerings", "fallback_handler", "TritonTemplate", "ExternKernelChoice",
+                 "realize_inputs", "SymbolicGridFn", "use_triton_template", "FixedLayout", "V", "config",
+                 "autotune_select_algorithm"):
+        assert getattr(api, name) is not None, name
+    assert isinstance(api.config.max_autotune, bool)

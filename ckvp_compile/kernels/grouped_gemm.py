@@ -51,21 +51,31 @@ __all__ = ["GemmConfig", "block_m_for", "combine", "down_configs", "gate_up_conf
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch configuration of a grouped GEMM kernel (BLOCK_M comes from the routing, not from here)."""
+    """One launch configuration of a grouped GEMM kernel.
+
+    ``block_m``: rows per program, a power of two >= 16 that divides the routing's M tile (``ROUTE_M``, the tile
+    each expert's rows are padded to); None means the routing tile itself. A smaller ``block_m`` spreads one
+    expert's rows over several programs (sub-tiles of pad rows load nothing)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    block_m: int | None = None
+
+    def rows(self, route_m: int) -> int:
+        """The rows per program for a routing tile of ``route_m`` rows (``block_m`` clipped to it)."""
+        return route_m if self.block_m is None else min(self.block_m, route_m)
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
-    """Pick the M tile from the mean rows per non-empty expert, P / min(E, P), so that most experts fit in one
-    tile (each extra M tile of an expert re-reads its weights, from L2 at best).
+    """Pick the routing's M tile from the mean rows per non-empty expert, P / min(E, P), so that most experts fit
+    in one tile (each extra M tile of an expert re-reads its weights, from L2 at best).
 
     Rules: (1) up to 8 rows (decode, small batches): 16, the smallest ``tl.dot`` M; (2) up to 20: 32; (3) up to
-    48: 64; (4) else 128 (compute-bound sizes: the largest tile that keeps two fp32 accumulators in registers).
+    48: 64; (4) else 128. This is the M bucket the configs are keyed by; the kernels may work on sub-tiles of
+    it (:attr:`GemmConfig.block_m`, chosen by the Inductor template's autotuning).
     Retune: measured on an H200 (benchmarks/results/2026-11-29-moe-h200); raise the thresholds where routing is
     skewed (the busiest expert sets the tile count).
     """
@@ -86,50 +96,164 @@ SMEM_BUDGET = 224 * 1024
 
 def prune_configs(configs: list[GemmConfig], block_m: int, itemsize: int, b_tiles: int) -> list[GemmConfig]:
     """Drop configs that cannot run: (1) pipelined tiles over :data:`SMEM_BUDGET` (``num_stages`` copies of the
-    A tile and ``b_tiles`` B tiles); (2) duplicates. Keeps the order (the first survivor is the untuned default)."""
+    A tile and ``b_tiles`` B tiles); (2) sub-tiles that do not divide the routing tile ``block_m``; (3) duplicates.
+    Keeps the order (the first survivor is the untuned default)."""
     out = []
     for c in configs:
-        smem = c.num_stages * (block_m * c.block_k + b_tiles * c.block_k * c.block_n) * itemsize
-        if smem <= SMEM_BUDGET and c not in out:
+        rows = c.rows(block_m)
+        smem = c.num_stages * (rows * c.block_k + b_tiles * c.block_k * c.block_n) * itemsize
+        if smem <= SMEM_BUDGET and block_m % rows == 0 and rows >= 16 and c not in out:
             out.append(c)
     return out or [GemmConfig(32, 32, 4, 2)]
 
 
 def gate_up_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
-    """Candidate configs of the gate/up kernel (two B tiles per stage), pruned by :func:`prune_configs`.
+    """Candidate configs of the gate/up kernel (two B tiles per stage) for routing tile ``block_m`` (the M
+    bucket), pruned by :func:`prune_configs`; the Inductor template autotunes over all of them.
 
-    Small M (<= 32, bandwidth bound): deep K tiles and 3-5 stages to keep many weight bytes in flight. Large M:
-    square tiles, 8 warps (compute bound). The first entry of each list is the untuned default (used under
-    torch.compile): the H200 tuning winner at Mixtral shape (batch 8 and 64 for small M, 512 for M = 128;
+    Small M (<= 32, bandwidth bound): deep K tiles and 3-5 stages to keep many weight bytes in flight. Large M
+    (compute relevant: at Mixtral shape and batch 512 an expert holds ~128 rows): 8 warps, and sub-tiles of 64
+    rows besides the full tile. The first entry of each list is the untuned default (the eager op's first
+    guess): the H200 tuning winner at Mixtral shape (batch 8 and 64 for small M, 512 for M = 128;
     benchmarks/results/2026-11-29-moe-h200/run2_moe.json)."""
     if block_m <= 32:
         cands = [GemmConfig(128, 128, 4, 3), GemmConfig(64, 128, 4, 4), GemmConfig(32, 256, 4, 4),
-                 GemmConfig(64, 128, 4, 5), GemmConfig(32, 128, 4, 5)]
+                 GemmConfig(64, 128, 4, 5), GemmConfig(32, 128, 4, 5), GemmConfig(64, 64, 4, 4)]
     elif block_m == 64:
         cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 3),
-                 GemmConfig(128, 64, 4, 4)]
+                 GemmConfig(128, 64, 4, 4), GemmConfig(128, 128, 4, 3, block_m=32), GemmConfig(64, 128, 4, 4, block_m=32)]
     else:
         cands = [GemmConfig(128, 64, 8, 3), GemmConfig(64, 64, 8, 4), GemmConfig(64, 128, 8, 3),
-                 GemmConfig(64, 64, 4, 3)]
+                 GemmConfig(64, 64, 4, 3), GemmConfig(128, 64, 8, 4), GemmConfig(128, 32, 8, 5),
+                 GemmConfig(128, 64, 4, 4, block_m=64), GemmConfig(64, 128, 4, 3, block_m=64)]
     return prune_configs(cands, block_m, itemsize, b_tiles=2)
 
 
 def down_configs(block_m: int, itemsize: int = 2) -> list[GemmConfig]:
-    """Candidate configs of the down kernel (one B tile per stage), pruned by :func:`prune_configs`; small M adds
-    split-K (Dm / BLOCK_N programs per expert are too few to fill the GPU at batch 1)."""
+    """Candidate configs of the down kernel (one B tile per stage), pruned by :func:`prune_configs`. Small M adds
+    split-K (eager launcher only: Dm / BLOCK_N programs per expert are too few to fill the GPU at batch 1); large
+    M adds narrow N tiles and 64-row sub-tiles: at Mixtral shape, batch 512, 256-wide N tiles gave ~16 tiles x
+    16 = 256 programs, under two waves on 132 SMs (52% of the weight floor, run 2)."""
     if block_m <= 32:
         cands = [GemmConfig(32, 256, 4, 4), GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4, split_k=4),
-                 GemmConfig(128, 128, 4, 4, split_k=4), GemmConfig(32, 256, 4, 4, split_k=2)]
+                 GemmConfig(128, 128, 4, 4, split_k=4), GemmConfig(32, 256, 4, 4, split_k=2),
+                 GemmConfig(32, 128, 4, 5), GemmConfig(64, 256, 4, 3), GemmConfig(16, 256, 4, 4)]
     elif block_m == 64:
         cands = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 8, 3), GemmConfig(64, 128, 4, 4),
-                 GemmConfig(128, 128, 8, 3)]
+                 GemmConfig(128, 128, 8, 3), GemmConfig(64, 128, 4, 4, block_m=32), GemmConfig(32, 256, 4, 4, block_m=32)]
     else:
         cands = [GemmConfig(256, 64, 8, 3), GemmConfig(128, 64, 8, 4), GemmConfig(128, 128, 8, 3),
-                 GemmConfig(64, 64, 4, 4)]
+                 GemmConfig(64, 64, 4, 4), GemmConfig(64, 128, 8, 3), GemmConfig(64, 64, 8, 4),
+                 GemmConfig(128, 64, 4, 4, block_m=64), GemmConfig(64, 128, 4, 4, block_m=64)]
     return prune_configs(cands, block_m, itemsize, b_tiles=1)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _ckvp_gate_up_tile(
+    # pointers
+    x_ptr, wg_ptr, wu_ptr, sorted_ids_ptr, block_expert_ptr,
+    # program ids: pid_m indexes BLOCK_M-row sub-tiles of the routing's ROUTE_M-row tiles
+    pid_m, pid_n,
+    # sizes: N = I (output columns), K = Dm, num_pairs = P
+    N, K, num_pairs,
+    # strides
+    stride_xm, stride_xk,
+    stride_ge, stride_gn, stride_gk,
+    stride_ue, stride_un, stride_uk,
+    # meta-parameters
+    TOP_K: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) tile of silu(x @ W_gate[e]^T) * (x @ W_up[e]^T), fp32.
+
+    Returns (act, rows, cols, live): rows (BLOCK_M,) are the sorted-row indices, cols (BLOCK_N,) the output
+    columns, live (BLOCK_M,) bool: False on every row of a sub-tile with no pair (a tile past the last expert,
+    or a sub-tile of pad rows), which loads nothing and must not be stored. Shared by the plain kernel and the Inductor
+    template (ckvp_compile/lowering/moe.py), which includes this function's source."""
+    first_row = pid_m * BLOCK_M
+    expert = tl.load(block_expert_ptr + first_row // ROUTE_M).to(tl.int64)
+    first_pair = tl.load(sorted_ids_ptr + first_row)
+    active = (expert >= 0) & (first_pair < num_pairs)  # pad rows end each expert's segment
+    rows = first_row + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    valid = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.maximum(expert, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = wg_ptr + expert * stride_ge + cols[None, :] * stride_gn + offs_k[:, None] * stride_gk
+    u_ptrs = wu_ptr + expert * stride_ue + cols[None, :] * stride_un + offs_k[:, None] * stride_uk
+    n_ok = cols[None, :] < N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.where(active, tl.cdiv(K, BLOCK_K), 0)
+    for k in range(0, k_tiles):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_gk
+        u_ptrs += BLOCK_K * stride_uk
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    live = tl.where(active, rows >= 0, rows < 0)  # (BLOCK_M,): every row of an active sub-tile is stored
+    return act, rows, cols, live
+
+
+@triton.jit
+def _ckvp_down_tile(
+    # pointers
+    a_ptr, wd_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr,
+    # program ids (pid_k: the split-K slice)
+    pid_m, pid_n, pid_k,
+    # sizes: N = Dm (output columns), K = I, num_pairs = P
+    N, K, num_pairs,
+    # strides (weights: the (T, A) routing weights)
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_tt, stride_ta,
+    # meta-parameters
+    TOP_K: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) tile of w[p] * (act[r] @ W_down[e]^T), fp32, over split-K slice pid_k.
+
+    Returns (acc, pair, cols): pair (BLOCK_M,) is the output row of each tile row (P for pad rows, which must not
+    be stored), cols (BLOCK_N,) the output columns. Shared by the plain kernel and the Inductor template."""
+    first_row = pid_m * BLOCK_M
+    expert = tl.load(block_expert_ptr + first_row // ROUTE_M).to(tl.int64)
+    first_pair = tl.load(sorted_ids_ptr + first_row)
+    active = (expert >= 0) & (first_pair < num_pairs)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    valid = pair < num_pairs
+    expert = tl.maximum(expert, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_first = pid_k * tiles_per_split * BLOCK_K
+    offs_k = k_first + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = wd_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    n_ok = cols[None, :] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.where(active, tiles_per_split, 0)
+    for k in range(0, k_tiles):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    pair64 = pair.to(tl.int64)
+    w_ptrs_t = weights_ptr + (pair64 // TOP_K) * stride_tt + (pair64 % TOP_K) * stride_ta
+    weight = tl.load(w_ptrs_t, mask=valid, other=0.0).to(tl.float32)
+    return acc * weight[:, None], pair, cols
 
 
 @triton.jit
@@ -144,38 +268,15 @@ def _grouped_gate_up_kernel(
     stride_ue, stride_un, stride_uk,
     stride_om, stride_on,
     # meta-parameters
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert >= 0:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids_ptr + offs_m)
-        valid = pair < num_pairs
-        token = (pair // TOP_K).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        g_ptrs = wg_ptr + expert * stride_ge + offs_n[None, :] * stride_gn + offs_k[:, None] * stride_gk
-        u_ptrs = wu_ptr + expert * stride_ue + offs_n[None, :] * stride_un + offs_k[:, None] * stride_uk
-        n_ok = offs_n[None, :] < N
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xk
-            g_ptrs += BLOCK_K * stride_gk
-            u_ptrs += BLOCK_K * stride_uk
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_ok)
+    act, rows, cols, live = _ckvp_gate_up_tile(
+        x_ptr, wg_ptr, wu_ptr, sorted_ids_ptr, block_expert_ptr, tl.program_id(0), tl.program_id(1),
+        N, K, num_pairs, stride_xm, stride_xk, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk,
+        TOP_K, ROUTE_M, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < N))
 
 
 @triton.jit
@@ -184,44 +285,25 @@ def _grouped_down_kernel(
     a_ptr, wd_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr,
     # sizes: N = Dm (output columns), K = I, num_pairs = P
     N, K, num_pairs,
-    # strides (out is the fp32 (P, Dm) pair buffer)
+    # strides (out is the fp32 (P, Dm) pair buffer, weights the (T, A) routing weights)
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
+    stride_tt, stride_ta,
     stride_om, stride_on,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if expert >= 0:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids_ptr + offs_m)
-        valid = pair < num_pairs
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-        k_first = pid_k * tiles_per_split * BLOCK_K
-        offs_k = k_first + tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-        w_ptrs = wd_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        n_ok = offs_n[None, :] < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tiles_per_split):
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
-        weight = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * weight[:, None]
-        out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-        if SPLIT_K == 1:
-            tl.store(out_ptrs, acc, mask=valid[:, None] & n_ok)
-        else:
-            tl.atomic_add(out_ptrs, acc, mask=valid[:, None] & n_ok)
+    acc, pair, cols = _ckvp_down_tile(
+        a_ptr, wd_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, tl.program_id(0), tl.program_id(1),
+        tl.program_id(2), N, K, num_pairs, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_tt,
+        stride_ta, TOP_K, ROUTE_M, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION)
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    mask = (pair[:, None] < num_pairs) & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
 @triton.jit
@@ -354,13 +436,15 @@ def grouped_gate_up(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert
         top_k: A. block_m: the routing's M tile (>= 16, a power of two). config: tile sizes.
         out: optional (P_pad, I) hidden.dtype buffer.
     Returns:
-        (P_pad, I) hidden.dtype; rows of tiles with expert -1 are left unwritten, pad rows of used tiles are 0.
+        (P_pad, I) hidden.dtype; rows of (sub-)tiles without a pair (expert -1, or all pad rows) are left
+        unwritten, other pad rows are 0.
     Reference: kernels/moe_reference.py::grouped_gate_up_ref
     """
     p_pad, (e, n, k) = sorted_ids.shape[0], w_gate.shape
     if out is None:
         out = hidden.new_empty(p_pad, n)
-    grid = (p_pad // block_m, triton.cdiv(n, config.block_n))
+    rows = config.rows(block_m)
+    grid = (p_pad // rows, triton.cdiv(n, config.block_n))
     _wrap(_grouped_gate_up_kernel, hidden)[grid](
         hidden, w_gate, w_up, out, sorted_ids, block_expert,
         n, k, hidden.shape[0] * top_k,
@@ -368,7 +452,7 @@ def grouped_gate_up(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
         w_up.stride(0), w_up.stride(1), w_up.stride(2),
         out.stride(0), out.stride(1),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        TOP_K=top_k, ROUTE_M=block_m, BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         PRECISION=_precision(hidden.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -381,7 +465,7 @@ def grouped_down(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torc
 
     Args:
         act: (P_pad, I) from :func:`grouped_gate_up`. sorted_ids, block_expert: the routing. w_down: (E, Dm, I)
-            act.dtype, any strides. topk_weights: (T, A) float, contiguous. block_m, config: as for gate/up.
+            act.dtype, any strides. topk_weights: (T, A) float, any strides. block_m, config: as for gate/up.
         out: optional zero-filled (P, Dm) fp32 buffer (must be zero when ``config.split_k > 1``).
     Returns:
         (P, Dm) fp32 (P = topk_weights.numel()).
@@ -391,15 +475,17 @@ def grouped_down(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torc
     e, n, k = w_down.shape
     if out is None:
         out = torch.zeros(num_pairs, n, dtype=torch.float32, device=act.device)
-    weights = topk_weights.reshape(-1).contiguous()
-    grid = (sorted_ids.shape[0] // block_m, triton.cdiv(n, config.block_n), config.split_k)
+    rows = config.rows(block_m)
+    grid = (sorted_ids.shape[0] // rows, triton.cdiv(n, config.block_n), config.split_k)
     _wrap(_grouped_down_kernel, act)[grid](
-        act, w_down, out, sorted_ids, block_expert, weights,
+        act, w_down, out, sorted_ids, block_expert, topk_weights,
         n, k, num_pairs,
         act.stride(0), act.stride(1),
         w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        topk_weights.stride(0), topk_weights.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        TOP_K=topk_weights.shape[1], ROUTE_M=block_m, BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k,
         PRECISION=_precision(act.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -6,6 +6,16 @@ Schema (both ops)::
         Tensor w_down) -> Tensor
     ckvp::moe_experts_triton(...the same...) -> Tensor
 
+and its three parts, the form the Inductor lowering (``ckvp_compile/lowering/moe.py``) decomposes
+``moe_experts`` into (each part is also the lowering's extern fallback)::
+
+    ckvp::moe_align(Tensor topk_ids, int num_experts, int block_m) -> (Tensor sorted_ids, Tensor block_expert)
+    ckvp::moe_gate_up(Tensor hidden, Tensor sorted_ids, Tensor block_expert, Tensor w_gate, Tensor w_up,
+        int top_k, int block_m) -> Tensor act                          # (P_pad, I) hidden.dtype
+    ckvp::moe_down(Tensor act, Tensor sorted_ids, Tensor block_expert, Tensor w_down, Tensor topk_weights,
+        int block_m) -> Tensor pairs                                   # (P, Dm) fp32
+    out = pairs.view(T, A, Dm).sum(1).to(hidden.dtype)
+
 ``moe_experts_triton`` is the same computation as a ``torch.library.triton_op``: under ``torch.compile`` on CUDA
 Inductor traces its body and emits the ckvp Triton kernels in its output code (the expert GEMM pass uses it for
 CUDA graphs); on other devices it calls ``moe_experts``.
@@ -35,7 +45,7 @@ import torch
 from ..errors import CKVPShapeError
 from ..kernels import moe_reference as moe_ref
 
-__all__ = ["OPS", "check_moe_experts", "moe_experts", "moe_experts_triton"]
+__all__ = ["OPS", "check_moe_experts", "moe_align", "moe_down", "moe_experts", "moe_experts_triton", "moe_gate_up"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -144,6 +154,106 @@ def _moe_experts_triton(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
     return torch.ops.ckvp.moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
 
 
+# ------------------------------------------------------------------------------------------------ the parts
+
+
+@torch.library.custom_op("ckvp::moe_align", mutates_args=())
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs by expert and pad each expert's rows to ``block_m`` (no host sync).
+
+    Args:
+        topk_ids: (T, A) int32|int64, values in [0, E). num_experts: E. block_m: the routing's M tile (16, 32, 64
+            or 128 for the CUDA kernels).
+    Returns:
+        sorted_ids (P_pad,) int32 (pad rows hold P = T*A) and block_expert (P_pad / block_m,) int32 (-1 past the
+        last expert), P_pad = :func:`~ckvp_compile.kernels.moe_reference.padded_rows`.
+    Raises:
+        CKVPShapeError: topk_ids is not a 2-D int tensor, or block_m < 1.
+    Notes:
+        CUDA: :func:`ckvp_compile.kernels.grouped_gemm.moe_align` (one launch); elsewhere the reference.
+    Reference: kernels/moe_reference.py::moe_align_ref
+    """
+    _check_align(topk_ids, num_experts, block_m)
+    if topk_ids.is_cuda:
+        from ..kernels.grouped_gemm import moe_align as align
+
+        return align(topk_ids, num_experts, block_m)
+    return moe_ref.moe_align_ref(topk_ids, num_experts, block_m)
+
+
+def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in _INDEX_DTYPES:
+        _fail(f"moe_align: topk_ids must be a (T, A) int32|int64 tensor, but got {tuple(topk_ids.shape)} "
+              f"{topk_ids.dtype}")
+    if block_m < 1 or num_experts < 1:
+        _fail(f"moe_align: block_m and num_experts must be >= 1, but got {block_m} and {num_experts}")
+
+
+@moe_align.register_fake
+def _(topk_ids, num_experts, block_m):
+    _check_align(topk_ids, num_experts, block_m)
+    p_pad = moe_ref.padded_rows(topk_ids.numel(), num_experts, block_m)
+    return (topk_ids.new_empty(p_pad, dtype=torch.int32), topk_ids.new_empty(p_pad // block_m, dtype=torch.int32))
+
+
+@torch.library.custom_op("ckvp::moe_gate_up", mutates_args=())
+def moe_gate_up(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, w_gate: torch.Tensor,
+                w_up: torch.Tensor, top_k: int, block_m: int) -> torch.Tensor:
+    """The grouped gate/up GEMM with the SiLU epilogue over the sorted, padded rows of :func:`moe_align`.
+
+    Args:
+        hidden: (T, Dm) float. sorted_ids, block_expert: from ``moe_align(topk_ids, E, block_m)``.
+        w_gate, w_up: (E, I, Dm) hidden.dtype, any strides. top_k: A. block_m: the routing's M tile.
+    Returns:
+        (P_pad, I) hidden.dtype: row r = ``silu(x @ W_gate[e]^T) * (x @ W_up[e]^T)`` for its pair's token x and
+        its tile's expert e (fp32 inside). Rows of tiles without a pair are unspecified (the consumers skip them).
+    Notes:
+        CUDA: the Triton kernel with the untuned default config (``gate_up_configs(block_m)[0]``); the Inductor
+        lowering autotunes the same kernel body as a template. Elsewhere the reference.
+    Reference: kernels/moe_reference.py::grouped_gate_up_ref
+    """
+    if hidden.is_cuda:
+        from ..kernels import grouped_gemm as gg
+
+        cfg = gg.gate_up_configs(block_m, hidden.element_size())[0]
+        return gg.grouped_gate_up(hidden, sorted_ids, block_expert, w_gate, w_up, top_k, block_m, cfg)
+    return moe_ref.grouped_gate_up_ref(hidden, sorted_ids, block_expert, w_gate, w_up, top_k, block_m)
+
+
+@moe_gate_up.register_fake
+def _(hidden, sorted_ids, block_expert, w_gate, w_up, top_k, block_m):
+    return hidden.new_empty(sorted_ids.shape[0], w_gate.shape[1])
+
+
+@torch.library.custom_op("ckvp::moe_down", mutates_args=())
+def moe_down(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, w_down: torch.Tensor,
+             topk_weights: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The grouped down GEMM times each pair's routing weight, scattered back to pair order.
+
+    Args:
+        act: (P_pad, I) from :func:`moe_gate_up`. sorted_ids, block_expert: the routing. w_down: (E, Dm, I)
+            act.dtype, any strides. topk_weights: (T, A) float, any strides. block_m: the routing's M tile.
+    Returns:
+        (P, Dm) fp32, row p = ``topk_weights.flatten()[p] * (act[r] @ W_down[e]^T)`` (every row written).
+    Notes:
+        CUDA: the Triton kernel with ``down_configs(block_m)[0]`` (no split-K: deterministic); elsewhere the
+        reference.
+    Reference: kernels/moe_reference.py::grouped_down_ref
+    """
+    if act.is_cuda:
+        from ..kernels import grouped_gemm as gg
+
+        cfg = next(c for c in gg.down_configs(block_m, act.element_size()) + [gg.GemmConfig(32, 64)] if c.split_k == 1)
+        out = torch.empty(topk_weights.numel(), w_down.shape[1], dtype=torch.float32, device=act.device)
+        return gg.grouped_down(act, sorted_ids, block_expert, w_down, topk_weights, block_m, cfg, out=out)
+    return moe_ref.grouped_down_ref(act, sorted_ids, block_expert, w_down, topk_weights, block_m)
+
+
+@moe_down.register_fake
+def _(act, sorted_ids, block_expert, w_down, topk_weights, block_m):
+    return act.new_empty(topk_weights.numel(), w_down.shape[1], dtype=torch.float32)
+
+
 try:
     import triton  # noqa: F401  (the triton_op needs Triton importable, even to trace the CPU branch)
 except ImportError:  # pragma: no cover - CPU installs without Triton: only the opaque op exists
@@ -152,4 +262,5 @@ else:
     moe_experts_triton = torch.library.triton_op("ckvp::moe_experts_triton", _moe_experts_triton, mutates_args=())
 
 #: op name -> its Python handle (read by :func:`ckvp_compile.ops.register_all`).
-OPS = {"moe_experts": moe_experts, **({"moe_experts_triton": moe_experts_triton} if moe_experts_triton else {})}
+OPS = {"moe_experts": moe_experts, "moe_align": moe_align, "moe_gate_up": moe_gate_up, "moe_down": moe_down,
+       **({"moe_experts_triton": moe_experts_triton} if moe_experts_triton else {})}

@@ -11,7 +11,7 @@ the ends of the experts computation are read, never its middle::
         routed      = sum_a w * down(silu(gate(x)) * up(x))  (T, Dm)   sort / gather / bmm / einsum / loop ...
         out         = routed [+ shared_expert(x)] ...
     after
-        routed      = ckvp.moe_experts(x, ids, w, W_gate, W_up, W_down)   (ckvp.moe_experts_triton on CUDA)
+        routed      = ckvp.moe_experts(x, ids, w, W_gate, W_up, W_down)   (lowered by lowering/moe.py)
         out         = routed [+ shared_expert(x)] ...        (the router, scoring and shared expert untouched)
 
 ``w`` is the tensor the model multiplies its expert outputs by, traced back from the combine to its (T, A)
@@ -385,11 +385,10 @@ def _rewrite(graph: fx.Graph, rw: _Rewrite, site: MoESite) -> None:
 
 
 def _op_for(x: fx.Node):
-    """The op to call: on CUDA the traceable ``ckvp::moe_experts_triton`` (Inductor emits its Triton kernels),
-    elsewhere the opaque ``ckvp::moe_experts`` (the reference; Inductor calls it as an extern kernel)."""
-    val = x.meta.get("example_value")
-    if isinstance(val, torch.Tensor) and val.device.type == "cuda" and hasattr(torch.ops.ckvp, "moe_experts_triton"):
-        return torch.ops.ckvp.moe_experts_triton.default
+    """The op to call: ``ckvp::moe_experts`` on every device. Under Inductor its lowering
+    (``ckvp_compile/lowering/moe.py``) turns it into the routing kernel and two autotuned grouped-GEMM templates on
+    CUDA (the reference parts elsewhere); under ``aot_eager`` / eager it runs its own kernels or the reference.
+    ``ckvp::moe_experts_triton`` (the traceable triton_op with fixed configs) stays available for direct use."""
     return torch.ops.ckvp.moe_experts.default
 
 

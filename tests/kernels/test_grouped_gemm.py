@@ -5,7 +5,7 @@ interpreter, against the PyTorch references (kernels/moe_reference.py) and the f
 it (Inductor does), so the checks run in a child process started with the variable set: this file executed as
 a script. Shapes are tiny (the interpreter runs each program in Python): the whole child takes a few seconds.
 Covered: partial N and K tiles, empty experts, every token on one expert, top-k 1..4, strided (HF fused
-gate_up) weights, split-K down, the M tiles 16 and 32, fp32 exactness (IEEE dots), the full launcher, the
+gate_up) weights, split-K down, the M tiles 16 and 32 and 16-row sub-tiles of a 32-row routing tile, fp32 exactness (IEEE dots), the full launcher, the
 one-program routing kernel (vs the torch routing, and its fallback size), the combine kernel, and config
 pruning (the untuned default fits shared memory in fp32 and bf16).
 """
@@ -36,13 +36,16 @@ def _check_cases() -> None:
     for t, e, a, dm, i, mode, seed in CASES:
         x = make_moe_inputs(dict(tokens=t, num_experts=e, top_k=a, hidden=dm, ffn=i, mode=mode, seed=seed))
         args = (x["hidden"], x["topk_ids"], x["topk_weights"], x["w_gate"], x["w_up"], x["w_down"])
-        for block_m, split_k in ((16, 1), (32, 2)):
+        for block_m, split_k, sub in ((16, 1, None), (32, 2, None), (32, 1, 16)):
             sorted_ids, block_expert = ref.moe_align_ref(x["topk_ids"], e, block_m)
-            cfg = gg.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=2, split_k=split_k)
+            cfg = gg.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=2, split_k=split_k, block_m=sub)
             act = gg.grouped_gate_up(x["hidden"], sorted_ids, block_expert, x["w_gate"], x["w_up"], a, block_m, cfg)
             act_ref = ref.grouped_gate_up_ref(x["hidden"], sorted_ids, block_expert, x["w_gate"], x["w_up"], a,
                                               block_m)
-            used = block_expert.long().repeat_interleave(block_m) >= 0  # rows of unused tiles are not written
+            rows = cfg.rows(block_m)  # rows of (sub-)tiles without a pair are not written
+            first_pair = sorted_ids[::rows].long()
+            used = ((block_expert.long().repeat_interleave(block_m // rows) >= 0) & (first_pair < t * a))
+            used = used.repeat_interleave(rows)
             torch.testing.assert_close(act[used], act_ref[used], rtol=1e-5, atol=1e-6)
             pairs = gg.grouped_down(act_ref, sorted_ids, block_expert, x["w_down"], x["topk_weights"], block_m, cfg)
             pairs_ref = ref.grouped_down_ref(act_ref, sorted_ids, block_expert, x["w_down"], x["topk_weights"],

@@ -280,8 +280,9 @@ def test_composes_with_the_latent_kv_rewrite():
 
 @pytest.mark.slow
 def test_full_inductor_output_code_calls_the_ckvp_op():
-    """Full Inductor (CPU): the rewritten graph compiles, the ckvp op is in the generated code (as an extern call:
-    on CPU its reference runs), the HF experts' grouped_mm fallback is not, and logits equal eager."""
+    """Full Inductor (CPU): the rewritten graph compiles, the ckvp op's lowering is in the generated code (routing
+    and the two GEMMs as extern calls: on CPU the reference parts run), the HF experts' grouped_mm fallback is not,
+    and logits equal eager."""
     from torch._inductor.utils import run_and_get_code
 
     model = build_hf_moe("qwen2_moe", num_layers=1)
@@ -292,5 +293,7 @@ def test_full_inductor_output_code_calls_the_ckvp_op():
         out, codes = run_and_get_code(lambda: compiled(ids, use_cache=False).logits)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     code = "\n".join(codes)
-    assert "torch.ops.ckvp.moe_experts.default(" in code
+    for part in ("torch.ops.ckvp.moe_align.default(", "extern_kernels.ckvp_moe_gate_up_extern(",
+                 "extern_kernels.ckvp_moe_down_extern("):
+        assert part in code, part
     assert "grouped_mm_fallback" not in code

@@ -1,0 +1,185 @@
+"""Tests of the Inductor lowering of ``ckvp::moe_experts`` (ckvp_compile/lowering/moe.py) on CPU.
+
+* In process: the lowering registers (idempotently) and full Inductor on CPU decomposes the op into the routing
+  extern, the two extern GEMM choices (the reference parts: the only choice on CPU) and a fused sum, and stays
+  exact against the eager op (Hypothesis: any routing, empty experts, one expert, top-k 1..8, up to 64 experts,
+  strided weights).
+* Under the Triton interpreter (child process, as tests/kernels/test_grouped_gemm.py): both ``TritonTemplate``\\ s
+  are rendered by the installed Inductor (``TritonTemplate.generate`` in a bare ``GraphLowering``, CPU layouts,
+  ``cpu_backend='triton'``; Triton's driver hash stubbed, no GPU), and the generated kernels run on CPU tensors
+  against the PyTorch references: every template config shape class (sub-tiles of the routing tile, partial
+  tiles, HF fused gate_up halves as strided inputs with an offset, fp32 IEEE dots).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from ckvp_compile.testing.moe_cases import make_moe_inputs, moe_routing_cases
+
+CASES = [  # (tokens, experts, top_k, hidden, ffn, mode, seed, route_m, block_m)
+    (7, 4, 2, 16, 24, "random", 0, 32, 16),
+    (9, 6, 1, 24, 16, "one_expert", 1, 16, 16),
+    (5, 8, 4, 40, 24, "skewed", 2, 32, 32),
+    (3, 3, 3, 16, 40, "duplicate", 3, 64, 16),
+]
+
+
+def _args(x: dict) -> tuple:
+    return x["hidden"], x["topk_ids"], x["topk_weights"], x["w_gate"], x["w_up"], x["w_down"]
+
+
+def test_register_all_is_idempotent_and_names_the_ops():
+    pytest.importorskip("triton")
+    from ckvp_compile.lowering import register_all
+
+    first = register_all()
+    assert first == register_all()
+    assert set(first) == {"ckvp::moe_experts", "ckvp::moe_gate_up", "ckvp::moe_down"}
+    from ckvp_compile.lowering import moe
+
+    for kind in ("gate_up", "down"):
+        for route_m in (16, 32, 64, 128):
+            cfgs = moe.template_configs(kind, route_m, 2)
+            assert cfgs and all(c.split_k == 1 and route_m % c.rows(route_m) == 0 for c in cfgs)
+
+
+def _compiled_inductor(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+
+
+@given(case=moe_routing_cases(max_tokens=24, dims=(8, 16, 24)))
+@settings(max_examples=4, deadline=None)
+def test_cpu_inductor_picks_the_extern_parts_and_stays_exact(case):
+    """On CPU the only choice is the extern (reference) part: exactly the eager op's numbers."""
+    pytest.importorskip("triton")
+    from torch._inductor.utils import run_and_get_code
+
+    from ckvp_compile.lowering import register_all
+
+    register_all()
+    x = make_moe_inputs(case)
+
+    def f(h, ids, w, g, u, d):
+        return torch.ops.ckvp.moe_experts(h, ids, w, g, u, d)
+
+    out, codes = run_and_get_code(_compiled_inductor(f), *_args(x))
+    code = "\n".join(codes)
+    assert "ckvp_moe_gate_up_extern" in code and "ckvp_moe_down_extern" in code, code[-2000:]
+    assert "torch.ops.ckvp.moe_align.default" in code
+    want = torch.ops.ckvp.moe_experts(*_args(x))
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    if case["top_k"] <= 2:  # a sum of at most two rows has one rounding order
+        assert torch.equal(out, want)
+
+
+def test_cpu_inductor_symbolic_sizes_keep_the_whole_op():
+    pytest.importorskip("triton")
+    from torch._inductor.utils import run_and_get_code
+
+    from ckvp_compile.lowering import register_all
+
+    register_all()
+    x = make_moe_inputs(dict(tokens=5, num_experts=4, top_k=2, hidden=16, ffn=16, mode="random", seed=1))
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: torch.ops.ckvp.moe_experts(*a), backend="inductor", dynamic=True)
+    out, codes = run_and_get_code(f, *_args(x))
+    assert "torch.ops.ckvp.moe_experts.default" in "\n".join(codes)
+    torch.testing.assert_close(out, torch.ops.ckvp.moe_experts(*_args(x)))
+
+
+# ------------------------------------------------------------------------------------------------ templates
+
+
+def _render(template, inputs: dict[str, torch.Tensor], layout_shape, layout_dtype, call_sizes=None, **meta):
+    """Render ``template`` with CPU input layouts (the tensors' own strides and storage offsets) and return the
+    generated kernel's Triton function (an InterpretedFunction under TRITON_INTERPRET=1)."""
+    import torch.utils._triton as triton_utils
+    from torch._inductor import config as inductor_config
+    from torch._inductor import ir
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.select_algorithm import realize_inputs
+    from torch._inductor.virtualized import V
+
+    triton_utils.triton_hash_with_backend = lambda: "cpu-interpreter-test"  # no Triton driver on this machine
+    gm = torch.fx.symbolic_trace(lambda z: z)
+    with inductor_config.patch(cpu_backend="triton"):
+        graph = GraphLowering(gm)
+        with V.set_graph_handler(graph):
+            nodes = []
+            for name, t in inputs.items():
+                base = ir.TensorBox.create(ir.InputBuffer(name=name, layout=ir.FixedLayout(
+                    t.device, t.dtype, list(t.shape), list(t.stride()), offset=t.storage_offset())))
+                graph.graph_inputs[name] = base
+                nodes.append(base)
+            nodes = list(realize_inputs(*nodes))
+            n = layout_shape[1]
+            layout = ir.FixedLayout(torch.device("cpu"), layout_dtype, list(layout_shape), [n, 1])
+            choice = template.generate(input_nodes=nodes, layout=layout, call_sizes=call_sizes, **meta)
+            mod = PyCodeCache.load_by_key_path(choice.bmreq.module_cache_key, choice.bmreq.module_path)
+            return getattr(mod, choice.bmreq.kernel_name).fn, open(choice.bmreq.module_path).read()
+
+
+def _check_templates() -> None:
+    """Render both templates for every case and compare their kernels with the references."""
+    import triton
+
+    from ckvp_compile.kernels import moe_reference as ref
+    from ckvp_compile.lowering import register_all
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    register_all()
+    from ckvp_compile.lowering import moe as lm
+
+    for t, e, a, dm, i, mode, seed, route_m, bm in CASES:
+        x = make_moe_inputs(dict(tokens=t, num_experts=e, top_k=a, hidden=dm, ffn=i, mode=mode, seed=seed))
+        sorted_ids, tile_expert = ref.moe_align_ref(x["topk_ids"], e, route_m)
+        p_pad = sorted_ids.shape[0]
+        gate, up = x["w_gate"], x["w_up"]  # halves of one (E, 2I, Dm) tensor: strided, up with an offset
+        assert up.storage_offset() > 0
+        meta = dict(num_stages=2, num_warps=1, TOP_K=a, ROUTE_M=route_m, BLOCK_M=bm, BLOCK_N=16, BLOCK_K=16,
+                    NUM_PAIRS=t * a, PRECISION="'ieee'")
+        # gate and up are views of one buffer: give the template two inputs with their own offsets, as Inductor
+        # would (the generated code adds each view's offset to the shared argument)
+        fn, src = _render(lm.gate_up_template, dict(hidden=x["hidden"], sorted=sorted_ids, tiles=tile_expert,
+                                                     wg=gate, wu=up), (p_pad, i), torch.float32, **meta)
+        assert "def _ckvp_gate_up_tile(" in src
+        act = torch.full((p_pad, i), float("nan"))
+        grid = (p_pad // bm, triton.cdiv(i, 16))
+        storage = torch.empty(0, dtype=gate.dtype).set_(gate.untyped_storage())  # what Inductor passes for a view
+        fn[grid](x["hidden"], sorted_ids, tile_expert, storage, storage, act)
+        want = ref.grouped_gate_up_ref(x["hidden"], sorted_ids, tile_expert, gate, up, a, route_m)
+        written = ~act.isnan().any(1)
+        valid_rows = sorted_ids.long() < t * a
+        assert bool(written[valid_rows].all()), (t, e, a, route_m, bm)  # every real pair's row is computed
+        torch.testing.assert_close(act[written], want[written], rtol=1e-5, atol=1e-6)
+
+        pairs_want = ref.grouped_down_ref(want, sorted_ids, tile_expert, x["w_down"], x["topk_weights"], route_m)
+        weights = x["topk_weights"].t().contiguous().t()  # column-major (T, A): strides honoured
+        fn, src = _render(lm.down_template, dict(act=want, sorted=sorted_ids, tiles=tile_expert, wd=x["w_down"],
+                                                  topk_w=weights), (t * a, dm), torch.float32,
+                          call_sizes=[p_pad, dm], **meta)
+        assert "def _ckvp_down_tile(" in src
+        pairs = torch.full((t * a, dm), float("nan"))
+        fn[(p_pad // bm, triton.cdiv(dm, 16))](want, sorted_ids, tile_expert, x["w_down"], weights, pairs)
+        torch.testing.assert_close(pairs, pairs_want, rtol=1e-5, atol=1e-6)
+    print("ok", len(CASES))
+
+
+def test_templates_render_and_match_references_under_interpreter():
+    pytest.importorskip("triton")
+    from ckvp_compile.testing.interpreter import run_under_triton_interpreter
+
+    proc = run_under_triton_interpreter(__file__, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.strip().endswith(f"ok {len(CASES)}")
+
+
+if __name__ == "__main__":
+    _check_templates()
