@@ -120,13 +120,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
-def kernel_bytes(args: tuple, n_split: int, rv_pad: int) -> dict:
+def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False) -> dict:
     q, lk, lv, bk, bv, _, _, cos, sin, slot_pos, _, _, nk, nv, *_ = args
     b, t = lk.shape[0], lk.shape[1]
     latent = lk.numel() * lk.element_size() + lv.numel() * lv.element_size()
     other = (slot_pos.numel() * slot_pos.element_size() + 2 * t * cos.shape[1] * cos.element_size()
              + (bk.numel() + bv.numel()) * 2 + (q.numel() + nk.numel() + nv.numel() + q.numel()) * 2
-             + 2 * b * HKV * n_split * (H // HKV) * (rv_pad + 2) * 4)
+             + 2 * b * HKV * n_split * (H // HKV) * (rv_pad + 2) * 4
+             + (2 * b * H * t * 4 if two_pass else 0))  # the two-pass scores, written then read
     return {"latent": latent, "total": latent + other}
 
 
@@ -145,12 +146,14 @@ def kernel_stats() -> dict:
     """Registers per thread, spilled registers and shared memory of the last launched split kernel."""
     from ckvp_compile.kernels import latent_attention_triton as lat
 
-    k = lat._LAST_LAUNCH.get("split")
     out = {}
-    for name in ("n_regs", "n_spills", "shared"):
-        v = getattr(k, name, None)
-        if isinstance(v, (int, float)):
-            out[name] = v
+    for kind, prefix in (("split", ""), ("scores", "scores_")):
+        k = lat._LAST_LAUNCH.get(kind)
+        for name in ("n_regs", "n_spills", "shared"):
+            v = getattr(k, name, None)
+            if isinstance(v, (int, float)):
+                out[prefix + name] = v
+    lat._LAST_LAUNCH.clear()
     return out
 
 
@@ -276,17 +279,16 @@ def workspace_diag(args: tuple, cfg: DecodeConfig) -> dict:
 
 
 #: Swept on the first format (the others reuse its winner): DecodeConfig() is block_n 32, 8 warps, 2 stages.
-SWEEP = [DecodeConfig(), DecodeConfig(fma_scores=False),
-         DecodeConfig(block_n=64, num_warps=4), DecodeConfig(block_n=64, num_warps=8),
-         DecodeConfig(block_n=64, num_warps=4, num_stages=3), DecodeConfig(block_n=64, num_warps=4, num_stages=1),
-         DecodeConfig(block_n=128, num_warps=8), DecodeConfig(block_n=64, num_warps=4, block_r=128),
-         DecodeConfig(block_n=64, num_warps=4, hoist_basis=True), DecodeConfig(block_n=64, num_warps=8, hoist_basis=True),
-         DecodeConfig(block_n=64, num_warps=4, p_bf16=True), DecodeConfig(block_n=64, num_warps=8, p_bf16=True),
-         DecodeConfig(block_n=32, num_warps=4, p_bf16=True), DecodeConfig(block_n=128, num_warps=8, p_bf16=True),
-         DecodeConfig(block_n=64, num_warps=4, p_bf16=True, fma_scores=False),
-         DecodeConfig(block_n=64, num_warps=4, min_tiles=8), DecodeConfig(block_n=64, num_warps=4, target_programs=528)]
-#: Variants at a small shape, each against the fp64 golden: they tell a precision problem from a compiler one.
-DIAG = [DecodeConfig(), DecodeConfig(f32_dots=True), DecodeConfig(num_stages=1), DecodeConfig(align_hint=False)]
+def _two(**kw) -> DecodeConfig:
+    base = dict(block_n=64, num_warps=4, block_n_v=32, num_warps_v=4)
+    base.update(kw)
+    return DecodeConfig(**base)
+
+
+SWEEP = [DecodeConfig(), _two(), _two(num_warps=8), _two(block_n_v=64), _two(block_n_v=16), _two(block_n=128, num_warps=8),
+         _two(hoist_basis=True), _two(fma_scores=False), _two(p_bf16=True), _two(num_stages=3), _two(block_n=32),
+         DecodeConfig(block_n=64, num_warps=8, hoist_basis=True, two_pass=False), _two(block_r=32),
+         _two(target_programs=528), _two(num_warps_v=8, block_n_v=64), _two(num_stages=1)]
 
 
 def main() -> None:
@@ -297,6 +299,7 @@ def main() -> None:
     ap.add_argument("--formats", default="int8/32:256,float:256,int4/32:128")
     ap.add_argument("--sweep", action="store_true", help="time the SWEEP configs at batch 8, the largest context")
     ap.add_argument("--short-formats", default="int4/32", help="formats timed only at the largest context, B >= 8")
+    ap.add_argument("--sweep-context", type=int, default=0, help="context of the config sweep (0: largest)")
     ap.add_argument("--short-context", type=int, default=0, help="the one context of the short formats (0: largest)")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention decoding at batch 8, 32k")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining grid rows after this long")
@@ -350,11 +353,12 @@ def main() -> None:
     for fmt, rank in formats:
         cfg = dataclasses.replace(best, key_split=True)
         if a.sweep and fmt == formats[0][0]:  # (1) configs at batch 8, the largest context; fastest within 1e-3
-            args = make_inputs(8, max(contexts), fmt, rank, seed=5)
+            sweep_t = a.sweep_context or max(contexts)
+            args = make_inputs(8, sweep_t, fmt, rank, seed=5)
             want = ref_chunked(args, 4)
             timed = []
             for c in SWEEP:
-                r = dict(try_config(args, want, c), format=fmt, rank=rank, batch=8, context=max(contexts))
+                r = dict(try_config(args, want, c), format=fmt, rank=rank, batch=8, context=sweep_t)
                 payload["sweep"].append(r)
                 print("sweep", json.dumps(r), flush=True)
                 if "error" not in r and r["rel_err"] <= 1e-3:
@@ -378,10 +382,10 @@ def main() -> None:
                 op_err = rel_err(torch.ops.ckvp.latent_attention(*args), want)
                 del want, out
                 ms = bench(lambda: latent_attention_triton(*args, config=cfg))
-                n_tiles = triton.cdiv(t, cfg.block_n)
+                n_tiles = triton.cdiv(t, (cfg.block_n_v or cfg.block_n) if cfg.two_pass else cfg.block_n)
                 n_split = max(1, min(triton.cdiv(cfg.target_programs, b * HKV), n_tiles // cfg.min_tiles))
                 n_split = triton.cdiv(n_tiles, triton.cdiv(n_tiles, n_split))
-                nbytes = kernel_bytes(args, n_split, triton.next_power_of_2(rank))
+                nbytes = kernel_bytes(args, n_split, triton.next_power_of_2(rank), cfg.two_pass)
                 dense_bytes = 2 * b * HKV * t * D * 2
                 if (b, t) not in dense_cache:
                     q = args[0]
