@@ -50,6 +50,7 @@ __all__ = [
     "ckvp_backend",
     "inspect",
     "make_plan",
+    "offload_experts",
     "__version__",
 ]
 
@@ -62,3 +63,12 @@ def inspect(*args, **kwargs):
     from .inspection import inspect_model
 
     return inspect_model(*args, **kwargs)
+
+
+def offload_experts(*args, **kwargs):
+    """Keep an HF MoE model's experts in host memory with a device cache and next-layer prefetch; returns the
+    offloader (``.stats()``). See :func:`ckvp_compile.runtime.offload.offload_experts` for the arguments.
+    """
+    from .runtime.offload import offload_experts as _offload_experts
+
+    return _offload_experts(*args, **kwargs)

@@ -155,7 +155,7 @@ def test_fold_norm_predictor_is_next_router_on_next_norm():
 @pytest.fixture(scope="module")
 def fixture_windows():
     text = (FIXTURE_MODEL_DIR / "eval_text.txt").read_bytes()
-    return [torch.tensor([list(text[i * 5000: i * 5000 + 48])]) for i in range(3)]
+    return [torch.tensor([list(text[i * 5000: i * 5000 + 32])]) for i in range(2)]
 
 
 @torch.no_grad()
@@ -187,7 +187,7 @@ def test_replay_of_the_real_routing_matches_the_offloader(fixture_windows):
     trace = capture_routing_trace(model, fixture_windows, lookahead=1, predictors=("norm",))
     stats = handle.stats()  # the capture ran the offloaded model: its stats come from the same calls
     replay = replay_trace(trace, capacity=3, policy="lru", prefetch=True, margin=1, lookahead=1, predictor="norm",
-                          tokens_per_call=48)
+                          tokens_per_call=32)
     for f in ("lookups", "hits", "misses", "prefetch_copies", "prefetch_useful", "prefetch_wasted",
               "recall_actual", "recall_topk_hits", "recall_margin_hits"):
         assert getattr(replay, f) == getattr(stats, f), f
