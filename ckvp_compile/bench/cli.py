@@ -23,7 +23,7 @@ from typing import Sequence
 __all__ = ["main"]
 
 _SUBCOMMANDS = {"fidelity": "ckvp_compile.bench.fidelity", "decode": "ckvp_compile.bench.decode",
-                "offload": "ckvp_compile.bench.offload"}
+                "offload": "ckvp_compile.bench.offload", "moe": "ckvp_compile.bench.moe"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
