@@ -289,6 +289,8 @@ SWEEP = [DecodeConfig(), _two(), _two(num_warps=8), _two(block_n_v=64), _two(blo
          _two(hoist_basis=True), _two(fma_scores=False), _two(p_bf16=True), _two(num_stages=3), _two(block_n=32),
          DecodeConfig(block_n=64, num_warps=8, hoist_basis=True, two_pass=False), _two(block_r=32),
          _two(target_programs=528), _two(num_warps_v=8, block_n_v=64), _two(num_stages=1)]
+#: Diagnostics at a small shape: numerics variants of the default config.
+DIAG = [DecodeConfig(), DecodeConfig(f32_dots=True), DecodeConfig(two_pass=False)]
 
 
 def main() -> None:
