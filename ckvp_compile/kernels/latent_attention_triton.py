@@ -34,11 +34,13 @@ Loads: a quantized block's fp16 scale and min are loaded once per row and broadc
 int4 / int2 codes are loaded as whole bytes and unpacked with ``tl.join``; host-checked alignments of the heads'
 columns, ranks and rotary half are passed as constexprs so that row loads vectorise (``cp.async`` 16 B).
 
-Status (benchmarks/results/2026-11-29-latent-attention-h200): exact under the interpreter; on the H200 (run 3)
-within 1e-3 of the reference at every measured row (at most 5.6e-4; runs 1-2 missed it because the reduce kernel
-mis-merged the current call's tokens with a 3-D broadcast form, now 2-D per token), but slow: at batch >= 8,
-7.5-9.3% (int8) and 19.5-28.8% (bf16) of copy bandwidth; 0.04-0.18x dense SDPA. ``ckvp::latent_attention``'s
-CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``).
+Status (benchmarks/results/2026-11-29-latent-attention-h200, runs 3-5): exact under the interpreter; on the H200
+within 1e-3 of the reference at every measured row, but slow. Run 5 (two-pass, mxint8/32 rank 256): 10-12% of
+copy bandwidth at batch >= 8 (0.09-0.10x dense SDPA, whose bytes are 0.97x the latent's); the key pass still
+uses 255 registers with spills. ``ckvp::latent_attention``'s CUDA kernel runs it
+(``ops.latent_attention_cuda.USE_TRITON``). Roofline note: rebuilding keys costs D multiply-adds per latent
+coordinate and token, so at 8-bit latents the work is about 64 MAC per byte read (the H200's bf16 ridge is about
+57), and at 4-bit about 128: low-bit latents make this kernel compute-bound unless the rebuild gets cheaper.
 
 The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``, ``_new_score``) and both kernels are
 the single source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
@@ -90,9 +92,9 @@ class DecodeConfig:
     only), then softmax and value product in a second launch (tiles of ``block_n_v`` slots, ``num_warps_v`` warps;
     None: as the first), which keeps far fewer registers live than the one-pass kernel (``False``)."""
 
-    block_n: int = 32
+    block_n: int = 64
     block_r: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
     split: int | None = None
     min_tiles: int = 4
@@ -101,16 +103,17 @@ class DecodeConfig:
     hoist_basis: bool = False
     f32_dots: bool = False
     align_hint: bool = True
-    fma_scores: bool = True
+    fma_scores: bool = False
     fma_max_heads: int = 8
     p_bf16: bool = False
     two_pass: bool = True
-    block_n_v: int | None = None
-    num_warps_v: int | None = None
+    block_n_v: int | None = 32
+    num_warps_v: int | None = 4
 
 
 def default_config() -> DecodeConfig:
-    """The untuned default (see the H200 results under benchmarks/results/ for the measured alternatives)."""
+    """The default: the fastest config within 1e-3 of the reference in the H200 sweep of run 5 (mxint8/32, rank
+    256, batch 8, 32k slots; benchmarks/results/2026-11-29-latent-attention-h200/run5)."""
     return DecodeConfig()
 
 
