@@ -29,8 +29,11 @@ What a speed row measures (``--shape mixtral-8x7b | qwen-moe-a2.7b | tiny``):
    decode steps are timed one by one with CUDA events (wall clock on CPU); the row reports the median (and
    p10 / p90) ms per step and ``B * 1000 / median`` tokens per second.
 5. Memory: ``kv_bytes_allocated`` (device bytes the cache took), ``kv_bytes_held`` (its tensors' bytes),
-   ``kv_bytes_per_token`` (held / (B * S_max)), the dense bf16 equivalent, and ``peak_bytes``
-   (``torch.cuda.max_memory_allocated`` over the row, weights and ballast included).
+   ``kv_bytes_per_token`` (held / (B * S_max)), the dense bf16 equivalent, ``peak_bytes``
+   (``torch.cuda.max_memory_allocated`` over the timed steps: everything held, weights and ballast included, plus
+   the steps' transient memory) and ``peak_bytes_with_compile`` (the same from before the cache was built, through
+   compilation and warm-up). ``output_finite``: the logits of an extra untimed step are finite (random weights whose
+   activations overflowed would route every token to the same experts).
 6. ``--batch max``: the largest batch that fits, per (system, context): estimated from the largest measured
    row's bytes per sequence and the free device memory (minus ``--margin-gb``), then verified by running the row
    at that batch; on out-of-memory the batch shrinks by 15% and the row is tried again.
@@ -81,6 +84,8 @@ def parse_system(spec: str) -> System:
         ValueError: anything else (the message lists the forms).
     """
     base, _, mode = spec.partition(":")
+    if mode and mode not in _MODES:
+        base = ""  # an unknown mode: refused below
     m = re.fullmatch(r"inductor(?:-(reduce-overhead|max-autotune(?:-no-cudagraphs)?))?", base)
     if m and not (m.group(1) and mode):
         return System(spec, "inductor", mode or m.group(1) or "default")
@@ -123,12 +128,14 @@ class DecodeRow:
     dense_kv_bytes_per_token: int | None = None
     kv_ratio_measured: float | None = None
     peak_bytes: int | None = None
+    peak_bytes_with_compile: int | None = None
     weights_bytes: int | None = None
     ballast_bytes: int = 0
     ranks: dict[str, Any] | None = None
     attempts: list[dict[str, Any]] = field(default_factory=list)
     timing: str = "cuda-events"
     wall_s: float | None = None
+    output_finite: bool | None = None
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -216,7 +223,8 @@ class _Runner:
 
         if self.moments is None:
             t = time.perf_counter()
-            self.moments = random_bases(self.model, self.args.group_size, seed=self.args.seed)
+            self.moments = random_bases(self.model, self.args.group_size, seed=self.args.seed,
+                                        tokens=self.args.calib_tokens)
             self.env["calibration_s"] = round(time.perf_counter() - t, 2)
             self.clean()
         return bases_for_byte_ratio(self.moments, ratio, self.args.latent_format, batch_size=batch,
@@ -245,7 +253,7 @@ class _Runner:
                                     kv_bytes_held, latent_cache)
 
         a = self.args
-        max_len = context + a.warmup + a.steps
+        max_len = context + a.warmup + a.steps + 1
         row = DecodeRow(a.shape, self.layers, self.layers_full, system.name, system.kind, system.mode, system.ratio,
                         a.latent_format if system.kind == "ckvp" else None, batch, context, max_len, max_batch,
                         dense_kv_bytes_per_token=dense_kv_bytes_per_token(self.config, self.dtype),
@@ -272,7 +280,7 @@ class _Runner:
             self.sync()
             row.kv_bytes_held = kv_bytes_held(cache)
             if self.cuda():
-                row.kv_bytes_allocated = torch.cuda.memory_allocated() - base - row.ballast_bytes
+                row.kv_bytes_allocated = torch.cuda.memory_allocated() - base
             row.kv_bytes_per_token = row.kv_bytes_held / (batch * max_len)
             row.kv_ratio_measured = dense_per_seq * batch / (row.kv_bytes_allocated or row.kv_bytes_held)
             row.ballast_bytes = self.ballast_for((row.kv_bytes_allocated or row.kv_bytes_held) / batch, batch)
@@ -280,7 +288,7 @@ class _Runner:
                 ballast = torch.empty(row.ballast_bytes, dtype=torch.uint8, device=self.device)
             fn = self.step_fn(system)
             gen = torch.Generator().manual_seed(a.seed)
-            total = a.warmup + a.steps
+            total = a.warmup + a.steps + 1  # the last call checks the logits, untimed
             ids = torch.randint(0, self.config.vocab_size, (total, batch, 1), generator=gen).to(self.device)
             kwargs = [hf_step_kwargs(self.model, ids[i], cache, context + i) for i in range(total)]
             with torch.no_grad():
@@ -292,8 +300,14 @@ class _Runner:
                     fill_rope_tables_(self.model, cache)
                 for i in range(1, a.warmup):
                     fn(**kwargs[i])
+                if self.cuda():
+                    self.sync()
+                    row.peak_bytes_with_compile = torch.cuda.max_memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()  # from here: the steady decode peak (all held + transient)
                 row.steps = a.steps
-                times = self.time_steps(fn, kwargs[a.warmup:])
+                times = self.time_steps(fn, kwargs[a.warmup:-1])
+                # random weights: NaN / inf logits would mean NaN routing, i.e. unrepresentative expert loads
+                row.output_finite = bool(torch.isfinite(fn(**kwargs[-1]).logits).all())
             row.ms_median = statistics.median(times)
             q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
             row.ms_p10, row.ms_p90 = q[0], q[-1]
@@ -343,22 +357,42 @@ class _Runner:
             row.status, row.error = "error", "no row of this system and context ran, so nothing to scale from"
             return row
         ref = max(done, key=lambda r: r.batch)
-        # bytes each sequence adds: everything the row added above the weights, ballast excluded, per sequence
-        per_seq = (ref.peak_bytes - self.weights - ref.ballast_bytes) / ref.batch
-        kv_per_seq = (ref.kv_bytes_allocated or ref.kv_bytes_held) / ref.batch
-        if self.layers < self.layers_full and self.args.ballast:
-            per_seq += kv_per_seq * (self.layers_full / self.layers - 1)
-        free = torch.cuda.mem_get_info()[0] - self.args.margin_gb * 2**30 - self.missing_weights
-        batch = max(1, min(self.args.max_batch_cap, int(free // per_seq)))
-        attempts = []
+        best: DecodeRow | None = None
+        attempts: list[dict[str, Any]] = []
+        batch = self._estimate_batch(ref)
         for _ in range(self.args.max_batch_tries):
+            if any(t["batch"] == batch for t in attempts):
+                break
             row = self.run_row(system, batch, context, max_batch=True)
             attempts.append({"batch": batch, "status": row.status, "error": row.error})
-            if row.status != "oom" or batch == 1:
+            if row.status == "ok":
+                if best is None or row.batch > best.batch:
+                    best = row
+                again = self._estimate_batch(row)  # re-estimated at this larger batch: fixed costs weigh less
+                if again <= batch * 1.1:
+                    break
+                batch = again
+            elif row.status == "oom" and batch > 1:
+                batch = max(1, int(batch * 0.85))
+                if best is not None and batch <= best.batch:
+                    break
+            else:
                 break
-            batch = max(1, int(batch * 0.85))
+        row = best or row
         row.attempts = attempts
         return row
+
+    def _estimate_batch(self, ref: DecodeRow) -> int:
+        """The largest batch whose bytes fit the free memory, from a measured row: per sequence, its cache bytes
+        plus its share of everything else the row added above the weights (an overestimate at small batches, so
+        the estimate is refined from the larger row it leads to)."""
+        kv_per_seq = (ref.kv_bytes_allocated or ref.kv_bytes_held) / ref.batch
+        per_seq = (ref.peak_bytes - self.weights - ref.ballast_bytes) / ref.batch
+        if self.layers < self.layers_full and self.args.ballast:
+            per_seq += kv_per_seq * (self.layers_full / self.layers - 1)
+        self.clean()
+        free = torch.cuda.mem_get_info()[0] - self.args.margin_gb * 2**30 - self.missing_weights
+        return max(1, min(self.args.max_batch_cap, int(free // per_seq)))
 
     def add(self, row: DecodeRow) -> None:
         self.rows.append(row)
@@ -390,6 +424,7 @@ class _Runner:
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("shape", "systems", "batches", "contexts", "layers", "steps", "warmup", "latent_format", "group_size",
+            "calib_tokens",
             "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
@@ -432,8 +467,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --layers: do not allocate the omitted layers' weights and KV as ballast")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per row (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
-    p.add_argument("--latent-format", default="int4", help="ckvp latent format: int4 (default), int8, int2, float")
+    p.add_argument("--latent-format", default="int4",
+                   help="ckvp latent format: int4 (default), int8, int2, float; --shape fixture also takes 'planned' "
+                        "(rank and bits per head from the planner)")
     p.add_argument("--group-size", type=int, default=4, help="ckvp layers per latent group")
+    p.add_argument("--calib-tokens", type=int, default=256,
+                   help="random-weight models: tokens per calibration sample (2 samples of random ids)")
     p.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"],
                    help="inner compiler of the ckvp backend (aot_eager / eager: CPU smoke runs)")
     p.add_argument("--no-expert-gemm", dest="expert_gemm", action="store_false",
@@ -474,6 +513,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--shape is required (or --report FILE...)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but this torch has no CUDA device; use --device cpu")
+    if a.latent_format == "planned" and a.shape != "fixture":
+        p.error("--latent-format planned is for --shape fixture (the fused decode kernel reads uniform formats)")
     if a.shape == "fixture":
         if any(r < 1 for r in a.ratios):
             p.error("--ratios must be >= 1")

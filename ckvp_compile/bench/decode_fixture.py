@@ -3,13 +3,18 @@ model (default: the bundled fixture, ``models/tiny-mixtral-pystdlib``; byte-leve
 
 Text: the model directory's ``eval_text.txt`` (held out from training). Its first ``--calib-windows`` windows of 256
 bytes calibrate the bases (second moments collected once, :func:`~ckvp_compile.latent.collect_kv_moments`); the
-``--prompts`` prompts of ``--prompt-len`` bytes are taken from the rest of the text, evenly spaced, so no prompt
-was seen by calibration. Per prompt, ``--new-tokens`` tokens are generated greedily (``model.generate``,
+``--prompts`` prompts of ``--prompt-len`` bytes are taken from the rest of the text, evenly spaced and each moved
+forward to end just after a line break, so no prompt was seen by calibration. Per prompt, ``--new-tokens`` tokens are generated greedily (``model.generate``,
 ``do_sample=False``) once with a dense ``StaticCache`` (eager) and once per KV ratio with a
 :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` and the model's forward compiled with ``backend="ckvp"``
 (inner compiler ``--compiler``). The ratio is in bytes against a bf16 dense cache at ``--budget-len`` slots of one
 sequence, every byte of the store counted (latents in ``--latent-format``, scales, slot positions, the bases in
-bf16), as ``examples/generate.py --kv-ratio`` does. Reported per ratio: the share of generated positions whose
+bf16), as ``examples/generate.py --kv-ratio`` does. Two agreements are reported: ``agreement``, the share of
+the generated positions whose token equals dense's (free-running: after a first divergence the two continuations
+differ, so one early flip costs most of the 64 tokens), and ``forced_agreement``, the share of positions where the
+ckvp model's next-token argmax, given the prompt and dense's own previous tokens, equals dense's token (no
+compounding); ``--latent-format planned`` takes rank and bits per (group, KV
+head, K/V) from :func:`~ckvp_compile.latent.planner.plan_for_byte_ratio` instead of one uniform format. Reported per ratio: the share of generated positions whose
 token equals dense (``agreement``), the mean length of the agreeing prefix, and the measured byte ratios.
 """
 
@@ -39,6 +44,7 @@ class FixtureRow:
     prefix_mean: float
     tokens: int
     prompts: int
+    forced_agreement: float | None = None
     ratio_measured_at_budget: float | None = None
     ratio_state_only: float | None = None
     budget_len: int | None = None
@@ -70,6 +76,29 @@ def _greedy(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, cache
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              disable_compile=True, pad_token_id=0, **kwargs)
     return out[0, prompt.shape[1]:].tolist()
+
+
+def _line_end(text: bytes, start: int, length: int) -> int:
+    """Move a prompt start forward so that the prompt ``text[start:start + length]`` ends just after a line break
+    (the continuation starts a new line); unchanged when no line break follows within 4 kB."""
+    nl = text.find(b"\n", start + length - 1, start + length + 4096)
+    return start if nl < 0 or nl + 1 > len(text) else nl + 1 - length
+
+
+def _forced(model: torch.nn.Module, prompt: torch.Tensor, dense: list[int], cache: Any) -> list[int]:
+    """Next-token argmax of ``model`` (its forward compiled) along the dense continuation: prefill ``prompt``, then
+    feed the dense tokens one per call; prediction i is made from the prompt and ``dense[:i]``."""
+    from ..latent.capture import hf_step_kwargs
+
+    cache.reset()
+    start = prompt.shape[1]
+    with torch.no_grad():
+        logits = model(**hf_step_kwargs(model, prompt, cache, 0)).logits
+        preds = [int(logits[0, -1].argmax())]
+        for i, tok in enumerate(dense[:-1]):
+            ids = torch.tensor([[tok]], device=prompt.device)
+            preds.append(int(model(**hf_step_kwargs(model, ids, cache, start + i)).logits[0, -1].argmax()))
+    return preds
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -106,33 +135,42 @@ def run_fixture(args: argparse.Namespace) -> int:
         raise CKVPConfigError(f"eval_text.txt is too short for {args.calib_windows} calibration windows and "
                               f"{args.prompts} prompts of {args.prompt_len} bytes")
     samples = [torch.tensor([list(text[i:i + 256])]) for i in range(0, calib_end, 256)]
-    starts = [calib_end + (rest * i) // args.prompts for i in range(args.prompts)]
+    starts = [_line_end(text, calib_end + (rest * i) // args.prompts, args.prompt_len) for i in range(args.prompts)]
     prompts = [torch.tensor([list(text[s:s + args.prompt_len])], device=args.device) for s in starts]
     max_len = args.prompt_len + args.new_tokens
     dense = [_greedy(model, p, args.new_tokens) for p in prompts]
     n_tok = sum(map(len, dense))
-    rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts))]
+    rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts), forced_agreement=1.0)]
     moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
     fmt = args.latent_format
     for ratio in args.ratios:
         t = time.perf_counter()
         eager_forward = model.forward
         try:
-            bases = bases_for_byte_ratio(moments, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
-                                         dense_dtype=kv_dtype, latent_dtype=kv_dtype)
+            if fmt == "planned":  # rank and bits per (group, head, K/V) from the planner, stored as 'auto'
+                from ..latent.planner import plan_for_byte_ratio
+
+                bases = plan_for_byte_ratio(moments.bases(1.0, "energy"), ratio, batch_size=1,
+                                            max_cache_len=args.budget_len, dense_dtype=kv_dtype, latent_dtype=kv_dtype)
+            else:
+                bases = bases_for_byte_ratio(moments, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
+                                             dense_dtype=kv_dtype, latent_dtype=kv_dtype)
+            store_fmt = "auto" if fmt == "planned" else fmt
             cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
-                                    dtype=dtype, latent_format=fmt, latent_dtype=kv_dtype)
+                                    dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype)
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
             got = [_greedy(model, p, args.new_tokens, cache) for p in prompts]
             same = sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g))
+            forced = [_forced(model, p, d, cache) for p, d in zip(prompts, dense)]
+            same_forced = sum(x == y for d, g in zip(dense, forced) for x, y in zip(d, g))
             nb = cache.store.nbytes()
             budget = (dense_kv_bytes(bases, 1, args.budget_len, kv_dtype)
-                      / store_bytes(bases, 1, args.budget_len, fmt, fmt, kv_dtype))
+                      / store_bytes(bases, 1, args.budget_len, store_fmt, store_fmt, kv_dtype))
             rows.append(FixtureRow(ratio, fmt, same / n_tok, sum(map(_prefix, dense, got)) / len(prompts), n_tok,
                                    len(prompts), round(budget, 3), round(nb.ratio_vs(kv_dtype, with_bases=False), 3),
                                    args.budget_len, [list(r) for r in bases.k_ranks], [list(r) for r in bases.v_ranks],
-                                   round(time.perf_counter() - t, 2)))
+                                   round(time.perf_counter() - t, 2), forced_agreement=same_forced / n_tok))
         except Exception as e:  # noqa: BLE001  recorded; the other ratios still run
             rows.append(FixtureRow(ratio, fmt, float("nan"), float("nan"), n_tok, len(prompts), status="error",
                                    error=f"{type(e).__name__}: {str(e)[:600]}"))
@@ -140,7 +178,8 @@ def run_fixture(args: argparse.Namespace) -> int:
             model.forward = eager_forward
             torch._dynamo.reset()
         r = rows[-1]
-        print(f"ratio {ratio:g} ({fmt}): {r.status} agreement {r.agreement:.1%}, mean agreeing prefix "
+        print(f"ratio {ratio:g} ({fmt}): {r.status} agreement {r.agreement:.1%} (along the dense tokens "
+              f"{(r.forced_agreement or float('nan')):.1%}), mean agreeing prefix "
               f"{r.prefix_mean:.1f}/{args.new_tokens}, measured {r.ratio_measured_at_budget}x at {args.budget_len} "
               f"slots (state only {r.ratio_state_only}x)" + (f" {r.error}" if r.error else ""), flush=True)
     env = environment(args.device, args.argv)

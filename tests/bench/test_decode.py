@@ -1,0 +1,136 @@
+"""``ckvp-bench decode`` on the CPU: system names, random models built on a device, caches filled as if prefilled,
+the CLI end to end on a tiny random model and on the fixture (tiny settings), and the report it renders.
+
+Nothing here measures speed (timing lives in the GPU runs); rows are checked for what they hold: status, bytes,
+ratios, agreement, and the tokens a decode step writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckvp_compile.bench.cli import main as bench_cli
+from ckvp_compile.bench.decode import parse_system
+from ckvp_compile.bench.decode_models import (build_random_model, dense_cache, dense_kv_bytes_per_token, fill_cache_,
+                                              kv_bytes_held, latent_cache, make_config, random_bases)
+from ckvp_compile.errors import CKVPConfigError
+from ckvp_compile.latent.capture import hf_step_kwargs
+
+
+def test_parse_system():
+    assert parse_system("eager").kind == "eager"
+    assert parse_system("inductor").mode == "default"
+    assert parse_system("inductor-max-autotune").mode == "max-autotune"
+    assert parse_system("inductor:reduce-overhead").mode == "reduce-overhead"
+    s = parse_system("ckvp-16:max-autotune")
+    assert (s.kind, s.ratio, s.mode) == ("ckvp", 16.0, "max-autotune")
+    for bad in ("ckvp", "ckvp-0.5", "inductor-max-autotune:default", "eager:max-autotune", "dense", "ckvp-4:fast"):
+        with pytest.raises(ValueError, match="unknown system"):
+            parse_system(bad)
+
+
+def test_shapes_match_the_issue():
+    """Config fields the physics of issue 9 rests on (built on meta: nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    q = make_config("qwen-moe-a2.7b", max_positions=40000)
+    assert dense_kv_bytes_per_token(q, torch.bfloat16) == 196608 and q.max_position_embeddings >= 40000
+    m = make_config("mixtral-8x7b", layers=8)
+    assert m.num_hidden_layers == 8 and dense_kv_bytes_per_token(make_config("mixtral-8x7b"), torch.bfloat16) == 131072
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(q, dtype=torch.bfloat16).parameters())
+    assert 14.0e9 < n < 14.6e9  # Qwen1.5-MoE-A2.7B: 14.3 B parameters
+    with pytest.raises(CKVPConfigError, match="--layers must be in 1..32"):
+        make_config("mixtral-8x7b", layers=33)
+    with pytest.raises(CKVPConfigError, match="unknown shape"):
+        make_config("llama")
+
+
+def test_random_model_buffers_and_filled_dense_cache():
+    """Weights are made in place on the device; RoPE buffers equal a normally built model's; a cache filled with C
+    random tokens is written at slot C by the next decode step, and attended: other filled values, other logits."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config("tiny", max_positions=64)
+    model = build_random_model(cfg, "cpu", torch.float32, seed=1)
+    ref = AutoModelForCausalLM.from_config(cfg)
+    for (name, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(b, b_ref), name
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+    ids = torch.tensor([[3], [7]])
+    logits = []
+    for seed in (0, 1):
+        cache = dense_cache(cfg, 2, 40, "cpu", torch.float32)
+        fill_cache_(cache, 20, seed=seed)
+        assert kv_bytes_held(cache) == 2 * 40 * dense_kv_bytes_per_token(cfg, torch.float32)
+        with torch.no_grad():
+            logits.append(model(**hf_step_kwargs(model, ids, cache, 20)).logits)
+        keys = cache.layers[0].keys
+        assert bool(keys[:, :, 20].abs().sum() > 0) and bool((keys[:, :, 21:] == 0).all())
+    assert not torch.allclose(logits[0], logits[1])
+    with pytest.raises(CKVPConfigError, match="does not fit"):
+        fill_cache_(dense_cache(cfg, 1, 8, "cpu", torch.float32), 9)
+
+
+def test_filled_latent_cache_decode_step():
+    """Random quantized latents in the store's own format; one compiled ckvp step writes slot C at position C."""
+    from ckvp_compile.latent.budget import bases_for_byte_ratio
+
+    cfg = make_config("tiny", max_positions=64)
+    model = build_random_model(cfg, "cpu", torch.float32)
+    moments = random_bases(model, 4, tokens=32)
+    bases = bases_for_byte_ratio(moments, 4.0, "int4", batch_size=2, max_cache_len=40, dense_dtype=torch.float32,
+                                 latent_dtype=torch.float32)
+    cache = latent_cache(cfg, bases, 2, 40, "cpu", torch.float32, "int4")
+    fill_cache_(cache, 20)
+    store = cache.store
+    assert torch.equal(store.slot_pos[0, :20], torch.arange(20, dtype=torch.int32))
+    assert bool(store.latent_k[0][:, :20].ne(0).any()) and bool((store.latent_k[0][:, 20:] == 0).all())
+    assert 4.0 <= 2 * 40 * dense_kv_bytes_per_token(cfg, torch.float32) / kv_bytes_held(cache) < 4.4
+    step = torch.compile(model.forward, backend="ckvp", options={"compiler": "eager"})
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = step(**hf_step_kwargs(model, torch.tensor([[3], [7]]), cache, 20)).logits
+    torch._dynamo.reset()
+    assert bool(torch.isfinite(out).all())
+    assert int(store.slot_pos[0, 20]) == 20 and bool(store.latent_k[0][:, 20].ne(0).any())
+
+
+def test_cli_tiny_fixture_and_report(tmp_path):
+    """The CLI on a tiny random model (eager and ckvp-4 rows, a budget-skipped row), on the fixture (tiny settings),
+    then --report renders both into markdown and PNGs."""
+    speed, fixture = tmp_path / "tiny.json", tmp_path / "fixture.json"
+    rc = bench_cli(["decode", "--shape", "tiny", "--systems", "eager", "ckvp-4", "--batch", "2", "--context", "16",
+                    "--steps", "2", "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--calib-tokens", "32",
+                    "--json", str(speed), "--out", str(tmp_path / "tiny.md")])
+    assert rc == 0
+    rows = json.loads(speed.read_text())["rows"]
+    assert [(r["system"], r["status"]) for r in rows] == [("eager", "ok"), ("ckvp-4", "ok")], rows
+    assert rows[0]["kv_ratio_measured"] == 1.0 and 4.0 <= rows[1]["kv_ratio_measured"] < 4.4
+    assert rows[1]["ranks"]["group_size"] == 4 and rows[1]["ms_median"] > 0 and rows[1]["steps"] == 2
+    rc = bench_cli(["decode", "--shape", "fixture", "--ratios", "4", "--prompts", "1", "--new-tokens", "4",
+                    "--prompt-len", "32", "--calib-windows", "2", "--compiler", "eager", "--device", "cpu",
+                    "--json", str(fixture)])
+    assert rc == 0
+    dense, four = json.loads(fixture.read_text())["rows"]
+    assert dense["agreement"] == 1.0 and four["status"] == "ok" and 0.0 <= four["agreement"] <= 1.0
+    assert four["ratio_measured_at_budget"] >= 4.0 and four["tokens"] == 4
+    md = tmp_path / "B.md"
+    assert bench_cli(["decode", "--report", str(speed), str(fixture), "--markdown", str(md), "--plots",
+                      str(tmp_path / "plots")]) == 0
+    text = md.read_text()
+    assert "| ckvp-4 | 2 | 16 |" in text and "## Fidelity: greedy generation on the trained fixture" in text
+    assert "5. Fixture, greedy 4 tokens x 1 prompts at 4x" in text
+    assert (tmp_path / "plots" / "decode_ms_tiny.png").stat().st_size > 1000
+    assert (tmp_path / "plots" / "decode_fidelity.png").stat().st_size > 1000
+
+
+def test_usage_errors(capsys):
+    assert bench_cli(["decode", "--shape", "tiny", "--systems", "dense"]) == 2
+    assert "unknown system 'dense'" in capsys.readouterr().err
+    assert bench_cli(["decode", "--report", "x.json"]) == 2
+    assert bench_cli(["decode", "--shape", "tiny", "--batch", "0"]) == 2
+    assert bench_cli(["decode"]) == 2
