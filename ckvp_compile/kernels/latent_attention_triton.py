@@ -51,6 +51,7 @@ xKV (arXiv:2503.18893) / Palu (arXiv:2407.21118): RoPE re-applied to low-rank ke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import weakref
@@ -64,7 +65,8 @@ import triton.language as tl
 from .latent_format import parse_latent_format
 from .reference import ROPE_FORMS
 
-__all__ = ["DecodeConfig", "default_config", "latent_attention_triton", "unsupported_reason"]
+__all__ = ["DecodeConfig", "default_config", "latent_attention_from_scores_triton", "latent_attention_triton",
+           "latent_scores_triton", "unsupported_reason"]
 
 _ROPE_CODE = {"none": 0, "rotate_half": 1, "interleaved": 2, "complex": 3}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -381,7 +383,7 @@ def _latent_attention_split_kernel(
                 Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
                 PAIRED_TABLE, FMA_SCORES, G_LOOP)
         if PHASE == 1:
-            tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & (offs < stride_scr)[None, :])
+            tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & row_ok[None, :])
         else:
             # online softmax (FlashAttention-2) over the absorbed value latent
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -711,6 +713,44 @@ def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(int(x), 1)))
 
 
+def latent_scores_triton(
+    q: torch.Tensor, latent_k: torch.Tensor, basis_k_block: torch.Tensor, k_offsets: Sequence[int],
+    cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int,
+    slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, kv_len: int, k_fmt: str = "float",
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """The key pass alone: ``ckvp::latent_scores`` (the math of ``kernels.reference.latent_scores_ref``).
+
+    Returns:
+        (B, Hkv, S, G, kv_len) fp32, contiguous: scores in log2 units (``scale * log2(e) * q.k``, plus an
+        additive mask times log2(e)); ``-inf`` where a bool mask is False and at the current call's ``slots``.
+    Raises:
+        NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses.
+    """
+    return _launch("scores", q, latent_k, latent_k, basis_k_block, basis_k_block, k_offsets, k_offsets, cos_table,
+                   sin_table, slot_pos, rope_form, rotary_dim, q, q, slots, attn_mask, scale, kv_len, k_fmt, k_fmt,
+                   config)
+
+
+def latent_attention_from_scores_triton(
+    scores: torch.Tensor, q: torch.Tensor, latent_v: torch.Tensor, basis_v_block: torch.Tensor,
+    v_offsets: Sequence[int], new_k: torch.Tensor, new_v: torch.Tensor, slots: torch.Tensor,
+    attn_mask: torch.Tensor | None, scale: float, kv_len: int, v_fmt: str = "float",
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """The value pass and the merge: ``ckvp::latent_attention_from_scores`` (math of
+    ``kernels.reference.latent_attention_from_scores_ref``) on the scores of :func:`latent_scores_triton`.
+
+    Returns:
+        (B, H, S, D) q.dtype, contiguous.
+    Raises:
+        NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses.
+    """
+    return _launch("from_scores", q, latent_v, latent_v, basis_v_block, basis_v_block, v_offsets, v_offsets, q, q,
+                   q, "none", 0, new_k, new_v, slots, attn_mask, scale, kv_len, v_fmt, v_fmt, config,
+                   scores=scores)
+
+
 def latent_attention_triton(
     q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
     basis_v_block: torch.Tensor, k_offsets: Sequence[int], v_offsets: Sequence[int], cos_table: torch.Tensor,
@@ -718,6 +758,38 @@ def latent_attention_triton(
     new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, kv_len: int,
     k_fmt: str = "float", v_fmt: str = "float", config: DecodeConfig | None = None,
 ) -> torch.Tensor:
+    """Attend over latent cache slots [0, kv_len) with the fused kernels: the math of ``latent_attention_ref``.
+
+    Args: exactly those of ``torch.ops.ckvp.latent_attention`` (shapes, dtypes and layout there), already
+        validated; ``config`` picks tile sizes, warps, stages and the context split.
+    Returns:
+        (B, H, S, D) q.dtype, contiguous; fp32 softmax and accumulation; rows the mask removes entirely are 0.
+    Raises:
+        NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses (the op falls back to the
+            reference before calling this).
+    Notes:
+        Workspace: (B*Hkv*S*n_split*G) * (2 + next_pow2(Rv_max)) fp32, and with ``two_pass`` the scores
+        (B*Hkv*S*G*kv_len fp32). Bytes read per call: the latent rows of [0, kv_len) once per query token,
+        slot_pos, the cos/sin rows of their positions, q, new_k/new_v and the basis blocks (from L2 after the
+        first program).
+    Reference: kernels/reference.py::latent_attention_ref
+    """
+    return _launch("all", q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
+                   sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt,
+                   v_fmt, config)
+
+
+def _launch(
+    mode: str, q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
+    basis_v_block: torch.Tensor, k_offsets: Sequence[int], v_offsets: Sequence[int], cos_table: torch.Tensor,
+    sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int, new_k: torch.Tensor,
+    new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, kv_len: int,
+    k_fmt: str = "float", v_fmt: str = "float", config: DecodeConfig | None = None,
+    scores: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernels of one call. mode 'all': key pass (two-pass config) or one pass, then the merge; 'scores': the
+    key pass only, returning the scores; 'from_scores': the value pass over ``scores`` and the merge (the K
+    arguments are then stand-ins, never read)."""
     """Attend over latent cache slots [0, kv_len) with the fused kernels: the math of ``latent_attention_ref``.
 
     Args: exactly those of ``torch.ops.ckvp.latent_attention`` (shapes, dtypes and layout there), already
@@ -739,6 +811,8 @@ def latent_attention_triton(
         raise NotImplementedError(f"NYI: latent_attention_triton does not support {reason}; call "
                                   f"kernels.reference.latent_attention_ref instead")
     cfg = config or default_config()
+    if mode != "all" and not cfg.two_pass:
+        cfg = dataclasses.replace(cfg, two_pass=True)
     b, h, s, d = q.shape
     hkv = basis_k_block.shape[-3]
     g = h // hkv
@@ -786,9 +860,12 @@ def latent_attention_triton(
     out = torch.empty(b, h, s, d, dtype=torch.float32 if _interpreting() else q.dtype, device=q.device)
     qk_scale = float(scale) * math.log2(math.e)
     bf16 = torch.bfloat16
-    if cfg.two_pass:  # scores workspace: (B*Hkv*S*G, kv_len rounded up to the key tile) fp32
-        t_pad = triton.cdiv(kv_len, cfg.block_n) * cfg.block_n
-        sc_ws = torch.empty(rows * g, t_pad, dtype=torch.float32, device=q.device)
+    if mode == "from_scores":
+        sc_ws = scores.contiguous()
+        t_pad = kv_len
+    elif cfg.two_pass:  # the scores: (B, Hkv, S, G, kv_len) fp32, rows of kv_len
+        t_pad = kv_len
+        sc_ws = torch.empty(b, hkv, s, g, kv_len, dtype=torch.float32, device=q.device)
     else:
         t_pad, sc_ws = 0, m_ws  # never read
     common = dict(
@@ -809,7 +886,7 @@ def latent_attention_triton(
         FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1), P_BF16=cfg.p_bf16,
         num_stages=cfg.num_stages,
     )
-    if cfg.two_pass:
+    if cfg.two_pass and mode != "from_scores":
         k_split, k_per = splits(cfg.block_n)
         _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
@@ -817,6 +894,8 @@ def latent_attention_triton(
             hkv, s, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
             *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps, **common)
+        if mode == "scores":
+            return sc_ws
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
         q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
         m_ws, l_ws, acc_ws, sc_ws, t_pad,

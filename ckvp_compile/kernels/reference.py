@@ -48,8 +48,10 @@ __all__ = [
     "ROPE_FORMS",
     "apply_rope_ref",
     "latent_append_ref",
+    "latent_attention_from_scores_ref",
     "latent_attention_ref",
     "latent_reconstruct_ref",
+    "latent_scores_ref",
     "online_basis_fit_ref",
     "rope_table_update_ref",
     "rope_table_width",
@@ -381,3 +383,102 @@ def latent_attention_ref(
     out = torch.einsum(eq, absorbed, basis_v_block.float())
     out = out + torch.einsum("bgrsn,bgnd->bgrsd", w[..., idx], new_v.float())
     return out.reshape(b, h, s, d).to(q.dtype)
+
+
+#: log2(e): the two-pass form keeps scores in log2 units (softmax by exp2, as the kernels compute it)
+LOG2E = 1.4426950408889634
+
+
+def _mask_scores(sc: torch.Tensor, attn_mask: torch.Tensor | None, cols: torch.Tensor | None, b: int, hkv: int,
+                 g: int, s: int, kv_len: int) -> torch.Tensor:
+    """Apply ``attn_mask`` (broadcastable to (B, H, S, kv_len)) to log2-unit scores (B, Hkv, S, G, N) whose N
+    columns are mask columns ``cols`` (None: all kv_len)."""
+    if attn_mask is None:
+        return sc
+    m = attn_mask.expand(b, hkv * g, s, kv_len)
+    if cols is not None:
+        m = m[..., cols]
+    m = m.reshape(b, hkv, g, s, -1).transpose(2, 3)
+    if m.dtype == torch.bool:
+        return sc.masked_fill(~m, float("-inf"))
+    return sc + m.float() * LOG2E
+
+
+def latent_scores_ref(
+    q: torch.Tensor,
+    latent_k: torch.Tensor,
+    basis_k_block: torch.Tensor,
+    k_offsets: Sequence[int],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    slot_pos: torch.Tensor,
+    rope_form: str,
+    rotary_dim: int,
+    slots: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    kv_len: int,
+    k_fmt: str = "float",
+) -> torch.Tensor:
+    """The key half of :func:`latent_attention_ref`: scores of every query head over cache slots [0, kv_len).
+
+    Args: as :func:`latent_attention_ref` (``q`` (B, H, S, D), ``latent_k`` (B, S_max, Rk_tot) ...).
+    Returns:
+        (B, Hkv, S, H/Hkv, kv_len) fp32, contiguous: ``scale * log2(e) * q . k`` with k the rebuilt, rotated key of
+        the slot, plus an additive mask times log2(e); ``-inf`` where a bool mask is False and at the current
+        call's ``slots`` (their exact keys enter in :func:`latent_attention_from_scores_ref`).
+    """
+    b, h, s, d = q.shape
+    k = _rebuild(latent_k[:, :kv_len], basis_k_block, k_offsets, cos_table, sin_table, slot_pos[:, :kv_len],
+                 rope_form, rotary_dim, k_fmt)  # (B, Hkv, T, D)
+    hkv = k.shape[1]
+    g = h // hkv
+    sc = torch.einsum("bgrsd,bgtd->bgsrt", q.float().reshape(b, hkv, g, s, d), k) * (scale * LOG2E)
+    sc = _mask_scores(sc, attn_mask, None, b, hkv, g, s, kv_len)
+    sc[..., slots.long()] = float("-inf")
+    return sc.contiguous()
+
+
+def latent_attention_from_scores_ref(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    latent_v: torch.Tensor,
+    basis_v_block: torch.Tensor,
+    v_offsets: Sequence[int],
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    slots: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    kv_len: int,
+    v_fmt: str = "float",
+) -> torch.Tensor:
+    """The value half of :func:`latent_attention_ref`, from the scores of :func:`latent_scores_ref`.
+
+    Args:
+        scores: (B, Hkv, S, G, kv_len) fp32 log2-unit scores of the cache slots (current call's slots at -inf).
+        q, latent_v, basis_v_block, v_offsets, new_k, new_v, slots, attn_mask, scale, kv_len, v_fmt: as
+            :func:`latent_attention_ref`.
+    Returns:
+        (B, H, S, D) q.dtype: softmax over the cache slots and the current call's exact keys (``new_k``, masked at
+        their slots' columns), past values absorbed in latent space and projected once, new values exact; rows the
+        mask removes entirely are 0.
+    """
+    b, h, s, d = q.shape
+    hkv = new_k.shape[1]
+    g = h // hkv
+    idx = slots.long()
+    s_new = torch.einsum("bgrsd,bgnd->bgsrn", q.float().reshape(b, hkv, g, s, d), new_k.float()) * (scale * LOG2E)
+    s_new = _mask_scores(s_new, attn_mask, idx, b, hkv, g, s, kv_len)
+    allsc = torch.cat((scores.float(), s_new), dim=-1)
+    mx = allsc.amax(dim=-1, keepdim=True)
+    w = torch.exp2(allsc - torch.where(torch.isneginf(mx), 0.0, mx))
+    l = w.sum(dim=-1, keepdim=True)
+    w = torch.where(l > 0, w / torch.where(l > 0, l, 1.0), 0.0)
+    zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1], v_fmt)  # (B, Hkv, T, Rv)
+    zv[:, :, idx] = 0.0  # never attended (-inf); zeroed so that stale rows cannot turn 0 * x into NaN
+    absorbed = torch.einsum("bgsrt,bgtk->bgsrk", w[..., :kv_len], zv)
+    eq = "bgsrk,bgdk->bgsrd" if basis_v_block.dim() == 4 else "bgsrk,gdk->bgsrd"
+    out = torch.einsum(eq, absorbed, basis_v_block.float())
+    out = out + torch.einsum("bgsrn,bgnd->bgsrd", w[..., kv_len:], new_v.float())
+    return out.permute(0, 1, 3, 2, 4).reshape(b, h, s, d).to(q.dtype)

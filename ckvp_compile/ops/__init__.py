@@ -7,6 +7,8 @@ Importing this package defines nothing: call :func:`register_all` (the backend d
 Families:
     latent_kv: ``latent_append``, ``rope_table_update``, ``latent_reconstruct``, ``latent_attention``,
         ``online_basis_fit`` (cross-layer latent KV cache, DESIGN.md "CKVP in numbers").
+    latent_attention_parts: ``latent_scores``, ``latent_attention_from_scores`` (the key and value halves of
+        ``latent_attention``; Inductor lowers the first to an autotuned Triton template).
     moe: ``moe_experts`` (the routed experts of one MoE layer as grouped GEMMs, DESIGN.md "Expert GEMM in
         numbers").
     offload: ``offload_experts`` (one MoE layer's experts from an expert offloader's device cache, with
@@ -22,7 +24,7 @@ import importlib
 __all__ = ["OP_MODULES", "register_all"]
 
 #: Modules under ``ckvp_compile.ops`` that define ops; :func:`register_all` imports each once.
-OP_MODULES: tuple[str, ...] = ("latent_kv", "moe", "offload")
+OP_MODULES: tuple[str, ...] = ("latent_kv", "latent_attention_parts", "moe", "offload")
 #: Modules that add CUDA kernels to ops defined above; imported after them, only with CUDA and Triton present.
 CUDA_MODULES: tuple[str, ...] = ("latent_attention_cuda",)
 

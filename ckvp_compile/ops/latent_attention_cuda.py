@@ -25,15 +25,22 @@ from typing import Sequence
 import torch
 
 from ..kernels import reference as ref
-from ..kernels.latent_attention_triton import latent_attention_triton, unsupported_reason
+from ..kernels.latent_attention_triton import (
+    latent_attention_from_scores_triton,
+    latent_attention_triton,
+    latent_scores_triton,
+    unsupported_reason,
+)
+from . import latent_attention_parts as parts
 from . import latent_kv
 from .latent_kv import _check_latent_attention
 
-__all__ = ["OPS", "latent_attention_cuda"]
+__all__ = ["OPS", "latent_attention_cuda", "latent_attention_from_scores_cuda", "latent_scores_cuda"]
 
 logger = logging.getLogger(__name__)
 
-#: No new ops here (this module adds a device kernel to ``ckvp::latent_attention``).
+#: No new ops here (this module adds device kernels to ``ckvp::latent_attention``, ``ckvp::latent_scores`` and
+#: ``ckvp::latent_attention_from_scores``).
 OPS: dict = {}
 
 #: Run the Triton kernels for supported inputs (else always the reference). See the module docstring.
@@ -66,3 +73,48 @@ def latent_attention_cuda(q: torch.Tensor, latent_k: torch.Tensor, latent_v: tor
 
 
 latent_kv.latent_attention.register_kernel("cuda")(latent_attention_cuda)
+
+
+def latent_scores_cuda(q, latent_k, basis_k_block, k_offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                       slots, attn_mask, scale, kv_len, k_fmt="float") -> torch.Tensor:
+    """``ckvp::latent_scores`` on CUDA tensors (arguments, result and errors as
+    :func:`ckvp_compile.ops.latent_attention_parts.latent_scores`): the Triton key pass where enabled and
+    supported, else the reference.
+
+    Raises:
+        CKVPShapeError: as the op.
+    Reference: kernels/reference.py::latent_scores_ref
+    """
+    args = (q, latent_k, basis_k_block, k_offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, slots,
+            attn_mask, scale, kv_len, k_fmt)
+    parts._check_scores_args(*args)
+    reason = "USE_TRITON is False" if not USE_TRITON else unsupported_reason(
+        q, latent_k, latent_k, basis_k_block, basis_k_block, rope_form, attn_mask, cos_table, q, k_fmt, k_fmt)
+    if reason is None:
+        return latent_scores_triton(*args)
+    logger.debug("ckvp::latent_scores on %s: reference path (%s)", q.device, reason)
+    return ref.latent_scores_ref(*args)
+
+
+def latent_attention_from_scores_cuda(scores, q, latent_v, basis_v_block, v_offsets, new_k, new_v, slots, attn_mask,
+                                      scale, kv_len, v_fmt="float") -> torch.Tensor:
+    """``ckvp::latent_attention_from_scores`` on CUDA tensors (as
+    :func:`ckvp_compile.ops.latent_attention_parts.latent_attention_from_scores`): the Triton value pass and merge
+    where enabled and supported, else the reference.
+
+    Raises:
+        CKVPShapeError: as the op.
+    Reference: kernels/reference.py::latent_attention_from_scores_ref
+    """
+    args = (scores, q, latent_v, basis_v_block, v_offsets, new_k, new_v, slots, attn_mask, scale, kv_len, v_fmt)
+    parts._check_from_scores_args(*args)
+    reason = "USE_TRITON is False" if not USE_TRITON else unsupported_reason(
+        q, latent_v, latent_v, basis_v_block, basis_v_block, "none", attn_mask, q, new_k, v_fmt, v_fmt)
+    if reason is None:
+        return latent_attention_from_scores_triton(*args)
+    logger.debug("ckvp::latent_attention_from_scores on %s: reference path (%s)", q.device, reason)
+    return ref.latent_attention_from_scores_ref(*args).contiguous()
+
+
+parts.latent_scores.register_kernel("cuda")(latent_scores_cuda)
+parts.latent_attention_from_scores.register_kernel("cuda")(latent_attention_from_scores_cuda)

@@ -177,6 +177,23 @@ def _check_fixed() -> None:
     _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
     _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
                 mask="add"), DecodeConfig(block_n=16, block_r=16, num_warps=1))  # chunked prefill, 2 R chunks
+    # the two halves as separate launches (the ops ckvp::latent_scores / ckvp::latent_attention_from_scores)
+    from ckvp_compile.kernels.latent_attention_triton import (
+        latent_attention_from_scores_triton,
+        latent_scores_triton,
+    )
+
+    for case in (dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_shape="b1sk", s=2),
+                 dict(base, rk=[12, 5], rv=[7, 9], mask="add", rope="interleaved", kfmt="mxint8/8")):
+        (q, lk, lv, bk, bv, ko, vo, cos, sin, sp, rf, rd, nk, nv, sl, mk, sc_, kv, kf, vf) = _inputs(case)
+        sc = latent_scores_triton(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf, config=cfg)
+        sc_want = ref.latent_scores_ref(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf)
+        assert sc.shape == sc_want.shape and torch.equal(torch.isneginf(sc), torch.isneginf(sc_want))
+        fin = torch.isfinite(sc_want)
+        assert float((sc[fin] - sc_want[fin]).abs().max()) <= 1e-3 * float(sc_want[fin].abs().max()) + 1e-5
+        out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf, config=cfg)
+        want = ref.latent_attention_from_scores_ref(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf)
+        assert float((out - want).norm() / want.norm()) <= TOL
     # tables with one angle per pair (HF's layout): the kernel loads half of them
     _check(dict(base, rk=[12, 5], rv=[7, 9], paired=True), cfg)
     _check(dict(base, rk=[12, 5], rv=[7, 9], paired=True, rope="interleaved"), cfg)
