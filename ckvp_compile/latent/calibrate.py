@@ -184,7 +184,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
         CKVPConfigError: bad group_size / kv_ratio / rank_allocation / samples (kv_ratio's message names the
-            achievable range), or no attention layer with a usable KV-cache write (the reason is given).
+            achievable range), no attention layer with a usable KV-cache write (the reason is given), or an
+            encoder-decoder model (``config.is_encoder_decoder``).
     Notes:
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
         their next call. Memory: one sample's K and V of every layer in float64, plus 2 * Hkv * (G*D)^2 float64
@@ -432,6 +433,12 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
 
     if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise CKVPConfigError(f"group_size must be one of {list(GROUP_SIZES)}, got {group_size!r}")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # else an IndexError in the cache write
+        raise CKVPConfigError(
+            f"calibrate: {type(model).__name__} is an encoder-decoder model (cross-attention over the encoder's "
+            "output); the ckvp latent KV cache is for decoder-only causal LMs. Fix: use a dense cache for this "
+            "model (its compiled graphs are left untouched)."
+        )
     device = _device_of(model)
     backend = _RecordingBackend()
     state: dict[str, Any] = {}
