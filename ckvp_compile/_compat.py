@@ -36,6 +36,7 @@ REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("torch._inductor.select_algorithm", "SymbolicGridFn"),
     ("torch._inductor.utils", "use_triton_template"),
     ("torch._inductor.ir", "FixedLayout"),
+    ("torch._inductor.ir", "ExternKernel"),
     ("torch._inductor.virtualized", "V"),
     ("torch._inductor.config", "max_autotune"),
 )
@@ -46,13 +47,14 @@ def inductor_template_api() -> Any:
 
     Attributes: ``register_lowering``, ``lowerings`` (the op -> lowering dict), ``fallback_handler``,
     ``TritonTemplate``, ``ExternKernelChoice``, ``realize_inputs``, ``SymbolicGridFn``, ``use_triton_template``,
-    ``FixedLayout``, ``V``, ``config`` (``torch._inductor.config``) and ``autotune_select_algorithm``, which
+    ``FixedLayout``, ``V``, ``config`` (``torch._inductor.config``), ``require_contiguous`` (an IR input copied to
+    contiguous strides if it is not) and ``autotune_select_algorithm``, which
     returns the chosen node on every torch (2.11 returns the node, 2.13 a ``(node, choice)`` pair).
     """
     import types
 
     import torch._inductor.config as config
-    from torch._inductor.ir import FixedLayout
+    from torch._inductor.ir import ExternKernel, FixedLayout
     from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
     from torch._inductor.select_algorithm import (
         ExternKernelChoice,
@@ -72,7 +74,7 @@ def inductor_template_api() -> Any:
         register_lowering=register_lowering, lowerings=lowerings, fallback_handler=fallback_handler,
         TritonTemplate=TritonTemplate, ExternKernelChoice=ExternKernelChoice, realize_inputs=realize_inputs,
         SymbolicGridFn=SymbolicGridFn, use_triton_template=use_triton_template, FixedLayout=FixedLayout, V=V,
-        config=config, autotune_select_algorithm=select,
+        config=config, autotune_select_algorithm=select, require_contiguous=ExternKernel.require_contiguous,
     )
 
 

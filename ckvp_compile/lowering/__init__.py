@@ -5,6 +5,9 @@ backend before Inductor runs, never as an import side effect):
 
 * :mod:`ckvp_compile.lowering.moe`: ``ckvp::moe_experts`` (and its parts ``ckvp::moe_gate_up`` /
   ``ckvp::moe_down``) as two autotuned grouped-GEMM ``TritonTemplate``\\ s plus the extern ops.
+* :mod:`ckvp_compile.lowering.latent_attention`: ``ckvp::latent_attention`` (CUDA: the key pass
+  ``ckvp::latent_scores`` as an autotuned ``TritonTemplate``, the value pass as an extern op) and
+  ``ckvp::latent_scores``.
 
 This directory's sources are part of the pass manager's cache ``uuid()``.
 """
@@ -31,6 +34,6 @@ def register_all() -> list[str]:
     if importlib.util.find_spec("triton") is None:
         logger.info("ckvp: triton is not installed; the MoE lowering is not registered (extern ops only)")
         return []
-    from . import moe
+    from . import latent_attention, moe
 
-    return moe.register()
+    return moe.register() + latent_attention.register()

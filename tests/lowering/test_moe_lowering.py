@@ -97,33 +97,10 @@ def test_cpu_inductor_symbolic_sizes_keep_the_whole_op():
 
 
 def _render(template, inputs: dict[str, torch.Tensor], layout_shape, layout_dtype, call_sizes=None, **meta):
-    """Render ``template`` with CPU input layouts (the tensors' own strides and storage offsets) and return the
-    generated kernel's Triton function (an InterpretedFunction under TRITON_INTERPRET=1)."""
-    import torch.utils._triton as triton_utils
-    from torch._inductor import config as inductor_config
-    from torch._inductor import ir
-    from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.select_algorithm import realize_inputs
-    from torch._inductor.virtualized import V
+    """The generated kernel of ``template`` for these CPU inputs (ckvp_compile.testing.templates)."""
+    from ckvp_compile.testing.templates import render_template
 
-    triton_utils.triton_hash_with_backend = lambda: "cpu-interpreter-test"  # no Triton driver on this machine
-    gm = torch.fx.symbolic_trace(lambda z: z)
-    with inductor_config.patch(cpu_backend="triton"):
-        graph = GraphLowering(gm)
-        with V.set_graph_handler(graph):
-            nodes = []
-            for name, t in inputs.items():
-                base = ir.TensorBox.create(ir.InputBuffer(name=name, layout=ir.FixedLayout(
-                    t.device, t.dtype, list(t.shape), list(t.stride()), offset=t.storage_offset())))
-                graph.graph_inputs[name] = base
-                nodes.append(base)
-            nodes = list(realize_inputs(*nodes))
-            n = layout_shape[1]
-            layout = ir.FixedLayout(torch.device("cpu"), layout_dtype, list(layout_shape), [n, 1])
-            choice = template.generate(input_nodes=nodes, layout=layout, call_sizes=call_sizes, **meta)
-            mod = PyCodeCache.load_by_key_path(choice.bmreq.module_cache_key, choice.bmreq.module_path)
-            return getattr(mod, choice.bmreq.kernel_name).fn, open(choice.bmreq.module_path).read()
+    return render_template(template, inputs, layout_shape, layout_dtype, call_sizes=call_sizes, **meta)
 
 
 def _check_templates() -> None:
