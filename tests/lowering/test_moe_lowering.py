@@ -39,7 +39,7 @@ def test_register_all_is_idempotent_and_names_the_ops():
 
     first = register_all()
     assert first == register_all()
-    assert set(first) == {"ckvp::moe_experts", "ckvp::moe_gate_up", "ckvp::moe_down"}
+    assert {"ckvp::moe_experts", "ckvp::moe_gate_up", "ckvp::moe_down"} <= set(first)
     from ckvp_compile.lowering import moe
 
     for kind in ("gate_up", "down"):
