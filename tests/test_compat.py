@@ -36,6 +36,6 @@ def test_inductor_template_api_has_every_symbol_the_lowerings_use():
     api = _compat.inductor_template_api()
     for name in ("register_lowering", "lowerings", "fallback_handler", "TritonTemplate", "ExternKernelChoice",
                  "realize_inputs", "SymbolicGridFn", "use_triton_template", "FixedLayout", "V", "config",
-                 "autotune_select_algorithm"):
+                 "autotune_select_algorithm", "require_contiguous"):
         assert getattr(api, name) is not None, name
     assert isinstance(api.config.max_autotune, bool)

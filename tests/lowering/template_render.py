@@ -3,8 +3,9 @@
 :func:`render_template` builds a bare ``GraphLowering`` with CPU input layouts (each tensor's own strides and
 storage offset), asks the template for one choice with the given meta-parameters, loads the generated module and
 returns its kernel. With ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors, so a template's generated code is
-checked against the PyTorch reference on a machine without a GPU. Uses Inductor internals (this is test support,
-not product code); read from torch 2.13's ``select_algorithm.py``.
+checked against the PyTorch reference on a machine without a GPU. Uses Inductor internals directly: test support
+only, outside the package (whose Inductor use goes through ``ckvp_compile._compat``); read from torch 2.13's
+``select_algorithm.py``.
 """
 
 from __future__ import annotations

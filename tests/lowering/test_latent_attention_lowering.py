@@ -11,6 +11,11 @@ The GPU side (autotuning picks a template in a compiled model) is benchmarks/lat
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))  # template_render
+
 import os
 import sys
 
@@ -73,7 +78,7 @@ def _check_template(p: dict, block_n: int, block_r: int, fma: bool) -> None:
     from ckvp_compile.kernels import reference as ref
     from ckvp_compile.kernels.latent_format import parse_latent_format
     from ckvp_compile.lowering import latent_attention as la
-    from ckvp_compile.testing.templates import render_template
+    from template_render import render_template
 
     (q, lk, lv, bk, bv, ko, vo, cos, sin, sp, rf, rd, nk, nv, sl, mk, sc, kv, kf, vf) = _inputs(p)
     b, h, s, d = q.shape

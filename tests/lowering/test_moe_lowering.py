@@ -13,6 +13,11 @@
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))  # template_render
+
 import os
 
 import pytest
@@ -98,7 +103,7 @@ def test_cpu_inductor_symbolic_sizes_keep_the_whole_op():
 
 def _render(template, inputs: dict[str, torch.Tensor], layout_shape, layout_dtype, call_sizes=None, **meta):
     """The generated kernel of ``template`` for these CPU inputs (ckvp_compile.testing.templates)."""
-    from ckvp_compile.testing.templates import render_template
+    from template_render import render_template
 
     return render_template(template, inputs, layout_shape, layout_dtype, call_sizes=call_sizes, **meta)
 
