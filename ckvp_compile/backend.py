@@ -250,7 +250,7 @@ class _StoreArgs:
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
         for g in self.groups:
             out += [store.latent_k[g], store.latent_v[g], store.basis_k[g], store.basis_v[g]]
-            if store.residual_format:  # ALR-KVD residual rows (passes/latent_kv_cache.py adds them after the bases)
+            if getattr(store, "residual_format", ""):  # ALR-KVD residual rows (the pass adds them after the bases)
                 out += [store.resid_k[g], store.resid_v[g]]
         assert len(out) == len(self.names), (self.names, len(out))  # internal: pass and wrapper agree
         return out
