@@ -140,6 +140,8 @@ class FidelityResult:
     latent_dtype: str = "float32"  # of 'float' latents and of the bases (results before this field: model dtype)
     dense_dtype: str = "float32"  # the dense cache the ratio is counted against
     per_sequence_ratio: float = 0.0  # dense bytes / (latents + slot positions): the bases left out
+    basis_dtype: str = ""  # of the bases on the device ('' = latent_dtype: results before this field)
+    rotation: str = ""  # LatentBases.rotation ('' = principal components; 'hadamard/<block>')
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -336,25 +338,32 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     results = []
     for cfg in configs:
         t0 = time.perf_counter()
-        alloc, _, basis = cfg.rank_allocation.partition("+")
+        alloc, *opts = cfg.rank_allocation.split("+")
+        basis = "weighted" if "weighted" in opts else "pca"
+        rotate = "rot" in opts  # Hadamard block rotation of the bases (latent.rotation)
+        basis_dtype = torch.float8_e4m3fn if "fp8" in opts else latent_dtype
+        residual = ALR_RESIDUAL_FORMAT if "alr" in opts else ""  # ALR-KVD: a 2-bit residual of K and V
         if alloc == "planned":  # rank and bits per (group, head, K/V): latent.planner; format 'mix/<block>'
             block = int(cfg.latent_format.split("/")[1]) if cfg.latent_format.startswith("mix/") else 32
             mom = moments[cfg.group_size]
             weights = {"k": mom.weights("k"), "v": mom.weights("v")} if basis == "weighted" else None
             bases = _or_skip(log, cfg, plan_for_byte_ratio, mom.bases(1.0, "uniform"),
                              cfg.kv_ratio, batch_size=batch_size, max_cache_len=window, block=block,
-                             dense_dtype=dense_dtype, latent_dtype=latent_dtype, weights=weights)
+                             dense_dtype=dense_dtype, latent_dtype=latent_dtype, weights=weights, rotate=rotate,
+                             basis_dtype=basis_dtype, residual_format=residual)
             fmt, label = "auto", f"mix/{block}"
         else:
             fmt = label = parse_latent_format(cfg.latent_format).name
             bases = _or_skip(log, cfg, bases_for_byte_ratio, moments[cfg.group_size], cfg.kv_ratio, fmt,
                              batch_size=batch_size, max_cache_len=window, rank_allocation=alloc,
-                             basis=basis or "pca", dense_dtype=dense_dtype, latent_dtype=latent_dtype)
+                             basis=basis, dense_dtype=dense_dtype, latent_dtype=latent_dtype,
+                             basis_dtype=basis_dtype, rotate=rotate, residual_format=residual)
         if bases is None:
             continue
         torch._dynamo.reset()
         cache = CKVPStaticCache(model.config, bases, max_cache_len=window, max_batch_size=batch_size,
-                                device=param.device, dtype=param.dtype, latent_format=fmt, latent_dtype=latent_dtype)
+                                device=param.device, dtype=param.dtype, latent_format=fmt, latent_dtype=latent_dtype,
+                                basis_dtype=basis_dtype, residual_format=residual)
         rec = CompileRecorder()
         backend = CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=cfg.group_size), recorder=rec)
         step = torch.compile(model, backend=backend, fullgraph=True)
@@ -373,7 +382,7 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
         ppl = stats.perplexity
         results.append(FidelityResult(
             group_size=cfg.group_size, rank_allocation=cfg.rank_allocation, kv_ratio=cfg.kv_ratio,
-            measured_ratio=nb.ratio_vs(dense_dtype), elements_ratio=bases.ratio(), latent_bytes=nb.latent,
+            measured_ratio=nb.ratio_vs(dense_dtype), elements_ratio=bases.ratio(), latent_bytes=nb.latent + nb.residual,
             slot_position_bytes=nb.slot_positions, dense_bytes=nb.dense_elements * dense_dtype.itemsize,
             bases_bytes=nb.bases,
             rope_table_bytes=nb.rope_tables, batch_size=batch_size, dense_ppl=dense_eval.perplexity, ckvp_ppl=ppl,
@@ -384,8 +393,10 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             k_ranks=[list(r) for r in bases.k_ranks], v_ranks=[list(r) for r in bases.v_ranks],
             seconds=time.perf_counter() - t0, latent_format=label, latent_dtype=str(latent_dtype).removeprefix("torch."),
             dense_dtype=str(dense_dtype).removeprefix("torch."), per_sequence_ratio=nb.ratio_vs(dense_dtype, False),
+            basis_dtype=str(basis_dtype).removeprefix("torch."), rotation=bases.rotation,
         ))
-        if abs(results[-1].measured_ratio * store_bytes(bases, batch_size, window, fmt, fmt, latent_dtype)
+        if abs(results[-1].measured_ratio * store_bytes(bases, batch_size, window, fmt, fmt, latent_dtype,
+                                                        basis_dtype=basis_dtype, residual_format=residual)
                - results[-1].dense_bytes) > 1e-6 * results[-1].dense_bytes:
             raise RuntimeError(f"{name}: the store holds other bytes than latent.budget.store_bytes counts")
         r = results[-1]
@@ -496,11 +507,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="'bytes' or a local HF tokenizer directory (default: bytes when the vocabulary is 256, else "
                         "the model directory's tokenizer)")
-    p.add_argument("--allocations", nargs="+", default=["energy"], choices=["energy", "uniform", "entropy", "energy+weighted", "uniform+weighted", "planned",
-                            "planned+weighted"],
-                   help="rank allocation, '+weighted': query/output-aware bases (latent.weighting); 'planned': rank "
-                        "and bits per (group, head, K/V) by latent.planner (format mix/<block>, default mix/32); "
-                        "'planned+weighted': its errors weighted by the queries (K) and the output projection (V)")
+    p.add_argument("--allocations", nargs="+", default=["energy"], type=_allocation,
+                   help="rank allocation: energy, uniform, entropy or planned, each with optional '+' options: "
+                        "'+weighted': query/output-aware bases (latent.weighting; with 'planned': its errors weighted "
+                        "by the queries (K) and the output projection (V)); '+rot': each quantization block of the "
+                        "bases rotated by a Hadamard matrix (latent.rotation); '+fp8': bases stored in float8_e4m3fn; "
+                        "'+alr': ALR-KVD, plus a 2-bit residual of K and V (int2/64, kernels/residual.py). "
+                        "'planned': rank and bits per (group, head, K/V) by latent.planner (format mix/<block>, "
+                        "default mix/32). E.g. planned+rot+fp8")
     p.add_argument("--latent-formats", nargs="+", default=["float"],
                    help="latent storage formats: float, int8, int4, int2, optionally /block (default: float)")
     p.add_argument("--latent-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -520,6 +534,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", default=None,
                    help="measure nothing: print the table of (and --plot) the results in this --json file")
     return p
+
+
+#: Rank allocations of ``--allocations`` and the options that may follow them after '+'.
+ALLOCATIONS = ("energy", "uniform", "entropy", "planned")
+ALLOCATION_OPTIONS = ("weighted", "rot", "fp8", "alr")
+#: The ALR-KVD residual format of the '+alr' option (kernels/residual.py).
+ALR_RESIDUAL_FORMAT = "int2/64"
+
+
+def _allocation(text: str) -> str:
+    """argparse type of ``--allocations``: ``<allocation>[+<option>...]``."""
+    alloc, *opts = text.split("+")
+    if alloc not in ALLOCATIONS or any(o not in ALLOCATION_OPTIONS for o in opts) or len(set(opts)) != len(opts):
+        raise argparse.ArgumentTypeError(f"expected one of {list(ALLOCATIONS)} with optional distinct '+' options "
+                                         f"from {list(ALLOCATION_OPTIONS)} (e.g. planned+rot+fp8), got {text!r}")
+    return text
 
 
 def _plot_title(st: dict[str, Any]) -> str:

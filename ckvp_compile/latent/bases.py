@@ -102,6 +102,10 @@ class LatentBases:
     online: bool = False
     k_formats: tuple[str, ...] = ()
     v_formats: tuple[str, ...] = ()
+    #: '' (the columns are the principal components) or ``"hadamard/<block>"``: each head's kept columns were
+    #: rotated in blocks of ``block`` (:mod:`~ckvp_compile.latent.rotation`; same subspace, equal-variance
+    #: coordinates per quantization block). A record for inspection: every consumer just uses the columns.
+    rotation: str = ""
 
     def __post_init__(self) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
@@ -188,7 +192,7 @@ class LatentBases:
             "rank_allocation": self.rank_allocation, "k_ranks": [list(r) for r in self.k_ranks],
             "v_ranks": [list(r) for r in self.v_ranks], "model_fingerprint": self.model_fingerprint,
             "num_tokens": self.num_tokens, "online": self.online, "k_formats": list(self.k_formats),
-            "v_formats": list(self.v_formats),
+            "v_formats": list(self.v_formats), "rotation": self.rotation,
         }
 
     def save(self, path: str | Path) -> None:
@@ -256,7 +260,7 @@ class LatentBases:
                 v_eigenvalues=tuple(tensors[f"v_eigenvalues.{g}"] for g in range(n)),
                 model_fingerprint=dict(meta["model_fingerprint"]), num_tokens=int(meta["num_tokens"]),
                 online=bool(meta.get("online", False)), k_formats=tuple(meta.get("k_formats", ())),
-                v_formats=tuple(meta.get("v_formats", ())),
+                v_formats=tuple(meta.get("v_formats", ())), rotation=str(meta.get("rotation", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
             raise CKVPConfigError(f"{str(path)!r} holds corrupt ckvp latent bases ({type(exc).__name__}: {exc}); "

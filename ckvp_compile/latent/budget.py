@@ -32,9 +32,12 @@ def dense_kv_bytes(bases: Any, batch_size: int, max_cache_len: int, dtype: torch
 
 
 def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str = "float", v_format: str = "float",
-                latent_dtype: torch.dtype = torch.bfloat16, with_bases: bool = True) -> int:
+                latent_dtype: torch.dtype = torch.bfloat16, with_bases: bool = True,
+                basis_dtype: torch.dtype | None = None, residual_format: str = "") -> int:
     """Bytes a :class:`~ckvp_compile.runtime.store.LatentKVStore` of these bases holds for B sequences of S_max
-    slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``latent_dtype``. A format of
+    slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``basis_dtype`` (default
+    ``latent_dtype``, as the store), plus the ALR-KVD residual rows of keys and values when ``residual_format``
+    is given (:mod:`ckvp_compile.kernels.residual`). A format of
     ``"auto"`` takes the bases' planned per-group formats (``k_formats`` / ``v_formats``), else ``"float"``.
 
     RoPE tables are not counted (a cache of the model's own cos / sin; ``StoreBytes.rope_tables``).
@@ -54,9 +57,15 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
             for r in ranks:
                 offsets.append(offsets[-1] + int(r))
             per_token += f.bytes_per_token(offsets, item)
+    if residual_format:
+        from ..kernels.residual import residual_offsets
+
+        rf = parse_latent_format(residual_format)
+        per_token += sum(2 * rf.row_width(residual_offsets(len(g), bases.num_kv_heads, bases.head_dim))
+                         for g in bases.groups)
     total = per_token * batch_size * max_cache_len
     if with_bases:
-        total += sum(p.numel() for p in (*bases.k_basis, *bases.v_basis)) * item
+        total += sum(p.numel() for p in (*bases.k_basis, *bases.v_basis)) * _itemsize(basis_dtype or latent_dtype)
     return total
 
 
@@ -94,7 +103,8 @@ def fit_byte_ratio(build: Callable[[float], Any], target: float, max_elements_ra
 def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "float", *, batch_size: int = 1,
                          max_cache_len: int = 4096, rank_allocation: str = "energy", basis: str = "pca",
                          dense_dtype: torch.dtype = torch.bfloat16,
-                         latent_dtype: torch.dtype = torch.bfloat16) -> Any:
+                         latent_dtype: torch.dtype = torch.bfloat16, basis_dtype: torch.dtype | None = None,
+                         rotate: bool = False, residual_format: str = "") -> Any:
     """Bases from collected moments whose store meets ``kv_ratio`` in bytes (see :func:`store_bytes`).
 
     Args:
@@ -108,6 +118,11 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
             the 'pca' fit chose).
         dense_dtype: the dense cache compared against (the checkpoint's dtype, usually bf16).
         latent_dtype: dtype of 'float' latents and of the bases on the device.
+        basis_dtype: dtype of the bases on the device when not ``latent_dtype`` (e.g. ``torch.float8_e4m3fn``).
+        rotate: rotate each head's columns in blocks of the format's quantization block
+            (:func:`~ckvp_compile.latent.rotation.rotate_basis_blocks`: equal-variance coordinates per block,
+            same subspace); recorded as ``rotation="hadamard/<block>"``. Needs a quantized format.
+        residual_format: '' or the ALR-KVD residual's format (e.g. ``"int2/64"``), whose bytes count.
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
         ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
@@ -118,17 +133,32 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         fmt = parse_latent_format(latent_format).name
     except ValueError as e:
         raise CKVPConfigError(str(e)) from None
+    if rotate and not parse_latent_format(fmt).quantized:
+        raise CKVPConfigError("rotate=True needs a quantized latent format (its blocks are what is rotated)")
     if kv_ratio == 1.0:
         full = moments.bases(1.0, rank_allocation, basis)
-        return dataclasses.replace(full, k_formats=(fmt,) * len(full.groups), v_formats=(fmt,) * len(full.groups))
+        out = dataclasses.replace(full, k_formats=(fmt,) * len(full.groups), v_formats=(fmt,) * len(full.groups))
+        return _rotated(out, fmt) if rotate else out
 
     def byte_ratio(b: Any) -> float:
         return (dense_kv_bytes(b, batch_size, max_cache_len, dense_dtype)
-                / store_bytes(b, batch_size, max_cache_len, fmt, fmt, latent_dtype))
+                / store_bytes(b, batch_size, max_cache_len, fmt, fmt, latent_dtype, basis_dtype=basis_dtype,
+                              residual_format=residual_format))
 
     layers = sum(len(g) for g in moments.groups)
     top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere
     pca = fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca"), kv_ratio, top, byte_ratio)
     out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis)
     n = len(out.groups)  # the format the ranks were fitted for: a cache with latent_format="auto" uses it
-    return dataclasses.replace(out, k_formats=(fmt,) * n, v_formats=(fmt,) * n)
+    out = dataclasses.replace(out, k_formats=(fmt,) * n, v_formats=(fmt,) * n)
+    return _rotated(out, fmt) if rotate else out
+
+
+def _rotated(bases: Any, fmt: str) -> Any:
+    """``bases`` with each head's columns rotated in blocks of the (uniform, quantized) format's block."""
+    from .rotation import rotate_basis_blocks
+
+    block = parse_latent_format(fmt).block
+    rot = {f"{kind}_basis": tuple(rotate_basis_blocks(p, r, block) for p, r in zip(bases.basis(kind), bases.ranks(kind)))
+           for kind in ("k", "v")}
+    return dataclasses.replace(bases, rotation=f"hadamard/{block}", **rot)

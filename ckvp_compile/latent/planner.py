@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import CKVPConfigError
+from .rotation import rotate_basis_blocks
 
 __all__ = ["BIT_CHOICES", "plan_bits", "plan_for_byte_ratio"]
 
@@ -44,14 +45,20 @@ BIT_CHOICES = (0, 2, 4, 8)
 
 
 def _block_errors(eig: torch.Tensor, block: int, samples: int, generator: torch.Generator,
-                  weight: torch.Tensor | None = None) -> list[dict[int, float]]:
+                  weight: torch.Tensor | None = None, rotate: bool = False) -> list[dict[int, float]]:
     """Per block of ``eig`` (descending variances): expected squared error at each of BIT_CHOICES, each
-    coordinate's error times its ``weight`` (1 without weights)."""
+    coordinate's error times its ``weight`` (1 without weights). ``rotate``: the block's coordinates are rotated
+    by :func:`~ckvp_compile.latent.rotation.block_rotation` before quantization (the range is then that of the
+    rotated coordinates; the error stays isotropic within the block, so the weighting is unchanged)."""
+    from .rotation import block_rotation
+
     out = []
     for start in range(0, eig.numel(), block):
         lam = eig[start:start + block].double().clamp_min(0)
         w = torch.ones_like(lam) if weight is None else weight[start:start + block].double().clamp_min(0)
         z = torch.randn(samples, lam.numel(), generator=generator, dtype=torch.float64) * lam.sqrt()
+        if rotate:
+            z = z @ block_rotation(lam.numel())
         span = (z.amax(dim=1) - z.amin(dim=1)) ** 2
         errs = {0: float((lam * w).sum())}
         for b in BIT_CHOICES[1:]:
@@ -62,7 +69,7 @@ def _block_errors(eig: torch.Tensor, block: int, samples: int, generator: torch.
 
 def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sharing_bases: int = 2048,
               basis_itemsize: int = 2, samples: int = 512, seed: int = 0,
-              weights: dict[str, Sequence[torch.Tensor]] | None = None) -> Any:
+              weights: dict[str, Sequence[torch.Tensor]] | None = None, rotate: bool = False) -> Any:
     """Choose rank and bits per (group, KV head, K/V) for a byte budget (see the module docstring).
 
     Args:
@@ -79,6 +86,9 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
             measure ``e^T W e`` (e.g. :meth:`KVMoments.weights`: the query energy for keys, ``W_o^T W_o`` for
             values); each principal component i is weighted by ``p_i^T W p_i``, and a unit's errors are
             normalised by its weighted trace.
+        rotate: rotate every kept block of ``block`` basis columns by an orthonormal flat matrix
+            (:mod:`~ckvp_compile.latent.rotation`), so each quantization block holds equal-variance coordinates;
+            the error model then measures the rotated block. Recorded as ``rotation="hadamard/<block>"``.
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with the planned ranks (the bases truncated, zero beyond each
         head's rank), ``rank_allocation="planned"`` and the ``mix/{block}:...`` formats per group.
@@ -102,7 +112,7 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
                     p = bases.basis(kind)[g][h].detach().cpu().double()
                     w = torch.einsum("ni,nm,mi->i", p, weights[kind][g][h].cpu().double(), p)
                 trace = float((eig.double() * (1 if w is None else w)).sum()) or 1.0
-                units.append((kind, g, h, trace, rows, _block_errors(eig, block, samples, gen, w)))
+                units.append((kind, g, h, trace, rows, _block_errors(eig, block, samples, gen, w, rotate)))
 
     def sizes(u: int) -> list[int]:
         rows = units[u][4]
@@ -155,10 +165,11 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
         push(u, i)
         if was == 0:
             push(u, i + 1)
-    return _planned_bases(bases, units, state, sizes, block)
+    return _planned_bases(bases, units, state, sizes, block, rotate)
 
 
-def _planned_bases(bases: Any, units: Sequence, state: Sequence[list[int]], sizes: Any, block: int) -> Any:
+def _planned_bases(bases: Any, units: Sequence, state: Sequence[list[int]], sizes: Any, block: int,
+                   rotate: bool = False) -> Any:
     """LatentBases truncated to the kept coordinates (blocks reordered by nothing: kept blocks keep their order,
     dropped blocks inside a unit's kept range are not allowed, so a dropped block ends the unit's rank)."""
     plans: dict[tuple[str, int], list[list[tuple[int, int]]]] = {}
@@ -182,21 +193,27 @@ def _planned_bases(bases: Any, units: Sequence, state: Sequence[list[int]], size
             full = bases.basis(kind)[g]
             rmax = max(r)
             keep = torch.arange(rmax, device=full.device)[None, :] < torch.tensor(r, device=full.device)[:, None]
-            basis.append(full[:, :, :rmax] * keep[:, None, :].to(full.dtype))
+            kept = full[:, :, :rmax] * keep[:, None, :].to(full.dtype)
+            basis.append(rotate_basis_blocks(kept, r, block) if rotate else kept)
             ranks.append(tuple(r))
             formats.append(f"mix/{block}:" + ",".join("+".join(f"{b}x{c}" for b, c in segs) for segs in heads))
         new[f"{kind}_basis"], new[f"{kind}_ranks"], new[f"{kind}_formats"] = tuple(basis), tuple(ranks), tuple(formats)
-    return dataclasses.replace(bases, rank_allocation="planned", **new)
+    return dataclasses.replace(bases, rank_allocation="planned", rotation=f"hadamard/{block}" if rotate else "",
+                               **new)
 
 
 def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1, max_cache_len: int = 4096,
                         block: int = 32, dense_dtype: torch.dtype = torch.bfloat16,
                         latent_dtype: torch.dtype = torch.bfloat16, iterations: int = 8,
-                        weights: dict[str, Sequence[torch.Tensor]] | None = None) -> Any:
+                        weights: dict[str, Sequence[torch.Tensor]] | None = None, rotate: bool = False,
+                        basis_dtype: torch.dtype | None = None, residual_format: str = "") -> Any:
     """:func:`plan_bits` at the budget that makes a store of these sequences hold ``kv_ratio`` times fewer bytes
     than a dense ``dense_dtype`` cache, counted as :func:`~ckvp_compile.latent.budget.store_bytes` counts them
     (latent rows with scales, slot positions, and the bases in ``latent_dtype`` padded to each group's largest
-    rank). The budget is tightened until the measured ratio meets ``kv_ratio``.
+    rank). The budget is tightened until the measured ratio meets ``kv_ratio``. ``rotate``: as :func:`plan_bits`.
+    ``basis_dtype``: the dtype the store keeps the bases in (default ``latent_dtype``; e.g.
+    ``torch.float8_e4m3fn`` halves their bytes), counted at its size. ``residual_format``: the ALR-KVD residual's
+    format (e.g. ``"int2/64"``), whose bytes come off the budget first (the plan's error model ignores it).
 
     Raises:
         CKVPConfigError: as :func:`plan_bits`, or the ratio is not met after ``iterations`` re-plans.
@@ -205,13 +222,17 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
 
     tokens = batch_size * max_cache_len
     dense = dense_kv_bytes(full_bases, batch_size, max_cache_len, dense_dtype)
-    item = torch.empty((), dtype=latent_dtype).element_size()
-    budget = dense / kv_ratio / tokens - 4  # per token, minus the int32 slot position
+    item = torch.empty((), dtype=basis_dtype or latent_dtype).element_size()
+    resid = (store_bytes(full_bases, 1, 1, "float", "float", latent_dtype, with_bases=False,
+                         residual_format=residual_format)
+             - store_bytes(full_bases, 1, 1, "float", "float", latent_dtype, with_bases=False))
+    budget = dense / kv_ratio / tokens - 4 - resid  # per token, minus the int32 slot position and the residual
     for _ in range(iterations):
         planned = plan_bits(full_bases, budget, block=block, tokens_sharing_bases=tokens, basis_itemsize=item,
-                            weights=weights)
+                            weights=weights, rotate=rotate)
         planned = dataclasses.replace(planned, target_ratio=float(kv_ratio))
-        held = store_bytes(planned, batch_size, max_cache_len, "auto", "auto", latent_dtype)
+        held = store_bytes(planned, batch_size, max_cache_len, "auto", "auto", latent_dtype, basis_dtype=basis_dtype,
+                           residual_format=residual_format)
         if dense / held >= kv_ratio:
             return planned
         budget *= dense / held / kv_ratio * 0.999

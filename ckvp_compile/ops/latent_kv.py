@@ -464,8 +464,129 @@ def _(basis, x, offsets, slots) -> None:
     _check_online_basis_fit(basis, x, offsets, slots)
 
 
+# ----------------------------------------------------------------------------------------- ALR-KVD residual
+
+
+def _check_residual(op: str, resid: torch.Tensor, b: Any, s_max: Any, hkv: Any, d: Any, group_layers: int,
+                    resid_fmt: str) -> None:
+    """resid: (B, S_max, W) uint8 with W the row width of ``resid_fmt`` over G_g*Hkv segments of D."""
+    from ..kernels.residual import residual_offsets
+
+    try:
+        rf = parse_latent_format(resid_fmt)
+    except ValueError as e:
+        _fail(op, str(e))
+    if not rf.quantized:
+        _fail(op, f"resid_fmt must be a quantized format (e.g. 'int2/64'), but got {resid_fmt!r}")
+    if group_layers < 1:
+        _fail(op, f"group_layers must be >= 1, but got {group_layers}")
+    width = rf.row_width(residual_offsets(group_layers, hkv, d))
+    _expect_shape(op, "resid", resid, (b, s_max, width), f"(B, S_max, W) with W = {width} ({rf.name} rows of "
+                  f"G_g*Hkv = {group_layers}*{hkv} segments of D = {d})")
+    if resid.dtype != torch.uint8:
+        _fail(op, f"resid must be uint8, but got {resid.dtype}")
+
+
+def _check_residual_append(resid, latent, x, basis, offsets, slots, fmt, resid_fmt, group_layers) -> None:
+    _check_latent_append(latent, x, basis, offsets, slots, fmt)
+    op = "residual_append"
+    gd = x.shape[-1]
+    if group_layers < 1 or gd % group_layers:
+        _fail(op, f"group_layers {group_layers} must divide G*D = {gd} (x.shape[-1])")
+    _check_residual(op, resid, latent.shape[0], latent.shape[1], x.shape[1], gd // group_layers, group_layers,
+                    resid_fmt)
+    _expect_same_device(op, resid=resid, latent=latent)
+
+
+@torch.library.custom_op(
+    "ckvp::residual_append",
+    mutates_args=("resid",),
+    schema="(Tensor(a!) resid, Tensor latent, Tensor x, Tensor basis, int[] offsets, Tensor slots, str fmt, "
+    "str resid_fmt, int group_layers) -> ()",
+)
+def residual_append(resid: torch.Tensor, latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor,
+                    offsets: Sequence[int], slots: torch.Tensor, fmt: str, resid_fmt: str, group_layers: int) -> None:
+    """Write the ALR-KVD residual of the new tokens: ``x - P dequant(latent)`` quantized in ``resid_fmt``.
+
+    Args:
+        resid: (B, S_max, W) uint8 (:mod:`ckvp_compile.kernels.residual` layout); mutated at ``resid[:, slots]``.
+        latent, x, basis, offsets, slots, fmt: as :func:`latent_append`, called after it (``latent`` already
+            holds the new tokens' rows).
+        resid_fmt: the residual's quantized format (e.g. ``"int2/64"``).
+        group_layers: G_g, layers in the group.
+    Returns:
+        None.
+    Raises:
+        CKVPShapeError: a shape, dtype, device or format does not match the layouts.
+    Reference: kernels/residual.py::residual_append_ref
+    """
+    from ..kernels.residual import residual_append_ref
+
+    _check_residual_append(resid, latent, x, basis, offsets, slots, fmt, resid_fmt, group_layers)
+    residual_append_ref(resid, latent, x, basis, offsets, slots, fmt, resid_fmt, group_layers)
+
+
+@residual_append.register_fake
+def _(resid, latent, x, basis, offsets, slots, fmt, resid_fmt, group_layers) -> None:
+    _check_residual_append(resid, latent, x, basis, offsets, slots, fmt, resid_fmt, group_layers)
+
+
+def _check_reconstruct_residual(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                                new, slots, fmt, resid, layer, group_layers, resid_fmt) -> None:
+    _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                              new, slots, fmt)
+    op = "latent_reconstruct_residual"
+    if not 0 <= layer < group_layers:
+        _fail(op, f"layer must be in [0, group_layers = {group_layers}), but got {layer}")
+    _check_residual(op, resid, latent.shape[0], latent.shape[1], basis_block.shape[-3], basis_block.shape[-2],
+                    group_layers, resid_fmt)
+    _expect_same_device(op, resid=resid, latent=latent)
+
+
+@torch.library.custom_op(
+    "ckvp::latent_reconstruct_residual",
+    mutates_args=(),
+    schema="(Tensor latent, Tensor basis_block, int[] offsets, Tensor cos_table, Tensor sin_table, "
+    "Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots, str fmt, Tensor resid, int layer, "
+    "int group_layers, str resid_fmt) -> Tensor",
+)
+def latent_reconstruct_residual(latent: torch.Tensor, basis_block: torch.Tensor, offsets: Sequence[int],
+                                cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor,
+                                rope_form: str, rotary_dim: int, new: torch.Tensor, slots: torch.Tensor, fmt: str,
+                                resid: torch.Tensor, layer: int, group_layers: int, resid_fmt: str) -> torch.Tensor:
+    """:func:`latent_reconstruct` plus layer ``layer``'s ALR-KVD residual, added before RoPE.
+
+    Args:
+        latent .. fmt: as :func:`latent_reconstruct`.
+        resid: (B, S_max, W) uint8, the group's residual rows. layer: j in [0, group_layers).
+        group_layers: G_g. resid_fmt: the residual's format.
+    Returns:
+        (B, Hkv, S_max, D) new.dtype, computed in fp32.
+    Raises:
+        CKVPShapeError: a shape, dtype, device, RoPE or format argument does not match the layouts.
+    Reference: kernels/residual.py::latent_reconstruct_residual_ref
+    """
+    from ..kernels.residual import latent_reconstruct_residual_ref
+
+    _check_reconstruct_residual(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                                new, slots, fmt, resid, layer, group_layers, resid_fmt)
+    return latent_reconstruct_residual_ref(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form,
+                                           rotary_dim, new, slots, fmt, resid, layer, group_layers,
+                                           resid_fmt).contiguous()
+
+
+@latent_reconstruct_residual.register_fake
+def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, new, slots, fmt, resid,
+      layer, group_layers, resid_fmt):
+    _check_reconstruct_residual(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
+                                new, slots, fmt, resid, layer, group_layers, resid_fmt)
+    return new.new_empty((latent.shape[0], basis_block.shape[-3], latent.shape[1], basis_block.shape[-2]))
+
+
 #: The ops this module defines, by name.
 OPS = {
+    "residual_append": residual_append,
+    "latent_reconstruct_residual": latent_reconstruct_residual,
     "online_basis_fit": online_basis_fit,
     "latent_append": latent_append,
     "rope_table_update": rope_table_update,

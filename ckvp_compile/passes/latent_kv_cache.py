@@ -118,6 +118,9 @@ class LatentKVCachePass(CKVPPass):
             g = gr.group
             lat_k, lat_v = inputs.add(f"ckvp_latent_k_{g}"), inputs.add(f"ckvp_latent_v_{g}")
             bas_k, bas_v = inputs.add(f"ckvp_basis_k_{g}"), inputs.add(f"ckvp_basis_v_{g}")
+            res_k = res_v = None
+            if store.residual_format:  # ALR-KVD: the residual rows follow the bases (backend._StoreArgs agrees)
+                res_k, res_v = inputs.add(f"ckvp_resid_k_{g}"), inputs.add(f"ckvp_resid_v_{g}")
             k_pre_nodes, v_nodes, last_write = [], [], None
             readers: list[fx.Node | None] = []  # the latent_attention nodes: the append goes after them
             for j, site in enumerate(gr.sites):
@@ -125,21 +128,24 @@ class LatentKVCachePass(CKVPPass):
                 form = site.rope.form if site.rope is not None else "none"
                 rd = site.rope.rotary_dim if site.rope is not None else 0
                 recons: dict[str, tuple[fx.Node, fx.Node, fx.Node, fx.Node]] = {}
-                for kind, write, latent, basis, offsets, rope, fmt in (
-                    ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form, store.k_formats[g]),
-                    ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none", store.v_formats[g]),
+                for kind, write, latent, basis, offsets, rope, fmt, resid in (
+                    ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form, store.k_formats[g], res_k),
+                    ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none", store.v_formats[g], res_v),
                 ):
                     w, cache, value = nodes[write.write_node], nodes[write.cache_node], nodes[write.value_node]
                     slots = nodes[write.position_node]
                     rows = (slice(None),) * (2 if store.online else 1) + (slice(j * d, (j + 1) * d), slice(None))
                     with graph.inserting_after(w):
                         block = graph.call_function(operator.getitem, (basis, rows))
+                    args = (latent, block, offsets, rope_cos, rope_sin, slot_pos, rope, rd if rope != "none" else 0,
+                            value, slots, fmt)
                     with graph.inserting_after(block):
-                        recon = graph.call_function(
-                            torch.ops.ckvp.latent_reconstruct.default,
-                            (latent, block, offsets, rope_cos, rope_sin, slot_pos, rope, rd if rope != "none" else 0,
-                             value, slots, fmt),
-                        )
+                        if resid is None:
+                            recon = graph.call_function(torch.ops.ckvp.latent_reconstruct.default, args)
+                        else:
+                            recon = graph.call_function(torch.ops.ckvp.latent_reconstruct_residual.default,
+                                                        (*args, resid, store.group_of(site.layer)[1], len(store.groups[g]),
+                                                         store.residual_format))
                     for user in list(cache.users):
                         if user is not w and order.get(user, len(order)) > order[w]:
                             user.replace_input_with(cache, recon)
@@ -156,7 +162,10 @@ class LatentKVCachePass(CKVPPass):
                         k_pre_nodes.append(_as_bhsd(graph, nodes[site.rope.k_in] if site.rope else value, site, recon))
                     else:
                         v_nodes.append(value)
-                if self.absorb_attention:
+                if store.residual_format:
+                    self.notes[site.layer] = ("the store holds an ALR-KVD residual, which ckvp.latent_attention does "
+                                              "not read: reconstruct (with the residual) + the model's attention")
+                elif self.absorb_attention:
                     note, fused = _absorb_attention(graph, nodes[site.attention_node], site, recons,
                                                     (lat_k, lat_v, rope_cos, rope_sin, slot_pos), store, g)
                     self.notes[site.layer] = note
@@ -189,6 +198,13 @@ class LatentKVCachePass(CKVPPass):
                 av = graph.call_function(
                     torch.ops.ckvp.latent_append.default, (lat_v, xv, bas_v, store.v_offsets[g], slots, store.v_formats[g])
                 )
+            if store.residual_format:  # after the latent rows of the new tokens are written
+                for res, lat, x, bas, offsets, fmt in ((res_k, lat_k, xk, bas_k, store.k_offsets[g], store.k_formats[g]),
+                                                       (res_v, lat_v, xv, bas_v, store.v_offsets[g], store.v_formats[g])):
+                    with graph.inserting_after(av):
+                        av = graph.call_function(torch.ops.ckvp.residual_append.default,
+                                                 (res, lat, x, bas, offsets, slots, fmt, store.residual_format,
+                                                  len(store.groups[g])))
             if cos_n is not None:
                 with graph.inserting_after(av):
                     graph.call_function(

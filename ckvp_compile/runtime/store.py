@@ -58,6 +58,7 @@ class StoreBytes:
         dense_equivalent: what the model's dense K and V caches of the same B and S_max would take.
         dense_elements: their element count (for :meth:`ratio_vs` another dense dtype).
         online_bases: the bases are per sequence (fitted at each prefill), so they are per-sequence state.
+        residual: ALR-KVD residual rows (per sequence; 0 without a residual).
     """
 
     latent: int
@@ -67,12 +68,13 @@ class StoreBytes:
     dense_equivalent: int
     dense_elements: int = 0
     online_bases: bool = False
+    residual: int = 0
 
     @property
     def per_sequence_state(self) -> int:
-        """Bytes that scale with the batch (and context): latents plus slot positions, plus the bases when they
-        are online (per sequence)."""
-        return self.latent + self.slot_positions + (self.bases if self.online_bases else 0)
+        """Bytes that scale with the batch (and context): latents, ALR-KVD residuals and slot positions, plus the
+        bases when they are online (per sequence)."""
+        return self.latent + self.residual + self.slot_positions + (self.bases if self.online_bases else 0)
 
     @property
     def ratio(self) -> float:
@@ -105,13 +107,22 @@ class LatentKVStore:
             (see :mod:`ckvp_compile.kernels.latent_format`); one for every group or a sequence with one per group.
         latent_dtype: float dtype of ``"float"`` latents and of the bases on the device (default ``dtype``;
             e.g. bf16 for an fp32 model, so that what is stored is what a bf16 deployment stores).
+        basis_dtype: float dtype of the bases on the device when it differs from ``latent_dtype`` (default
+            None: ``latent_dtype``). ``torch.float8_e4m3fn`` halves the bases' bytes (a 3-bit mantissa: on the
+            fixture about 0.2% of each unit's energy); the ops compute with ``basis.float()``, and the fused CUDA
+            attention kernel, which takes 16/32-bit bases only, refuses it (the reference runs).
+        residual_format: '' (none) or a quantized format (e.g. ``"int2/64"``) for the ALR-KVD residual of keys
+            and values (:mod:`ckvp_compile.kernels.residual`): ``resid_k[g]`` / ``resid_v[g]`` (B, S_max, W) uint8.
+            The rewrite then attends through reconstruct + SDPA (the fused attention kernel has no residual).
     Raises:
-        CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, or a non-float latent_dtype.
+        CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, or a non-float latent_dtype or
+            basis_dtype.
     """
 
     def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
                  dtype: torch.dtype, k_format: str = "auto", v_format: str = "auto",
-                 latent_dtype: torch.dtype | None = None):
+                 latent_dtype: torch.dtype | None = None, basis_dtype: torch.dtype | None = None,
+                 residual_format: str = ""):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
         ngroups = len(bases.groups)
@@ -124,11 +135,15 @@ class LatentKVStore:
         if not latent_dtype.is_floating_point:
             raise CKVPConfigError(f"latent_dtype must be a float dtype (the dtype of 'float' latents), got "
                                   f"{latent_dtype}; for integer latents pass k_format/v_format='int8' etc.")
+        basis_dtype = basis_dtype or latent_dtype
+        if not basis_dtype.is_floating_point:
+            raise CKVPConfigError(f"basis_dtype must be a float dtype (e.g. torch.bfloat16 or torch.float8_e4m3fn), "
+                                  f"got {basis_dtype}")
         self.bases = bases
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
         self.device, self.dtype = torch.device(device), dtype
         self.k_formats, self.v_formats = [f.name for f in kfs], [f.name for f in vfs]
-        self.latent_dtype = latent_dtype
+        self.latent_dtype, self.basis_dtype = latent_dtype, basis_dtype
         self.num_kv_heads, self.head_dim = bases.num_kv_heads, bases.head_dim
         self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in bases.groups)
         self.k_offsets = [_offsets(r) for r in bases.k_ranks]
@@ -141,13 +156,28 @@ class LatentKVStore:
                              for f, o in zip(vfs, self.v_offsets)]
         except ValueError as e:  # a bit plan for other ranks
             raise CKVPConfigError(f"{e}; plan the formats for these bases (ckvp_compile.latent.planner)") from None
+        self.residual_format, self.resid_k, self.resid_v = "", [], []
+        if residual_format:
+            from ..kernels.residual import residual_offsets
+
+            try:
+                rf = parse_latent_format(residual_format)
+            except ValueError as e:
+                raise CKVPConfigError(f"residual_format: {e}") from None
+            if not rf.quantized:
+                raise CKVPConfigError(f"residual_format must be a quantized format such as 'int2/64', got "
+                                      f"{residual_format!r}")
+            self.residual_format = rf.name
+            widths = [rf.row_width(residual_offsets(len(g), self.num_kv_heads, self.head_dim)) for g in self.groups]
+            self.resid_k = [torch.zeros(b, s, w, device=self.device, dtype=torch.uint8) for w in widths]
+            self.resid_v = [torch.zeros(b, s, w, device=self.device, dtype=torch.uint8) for w in widths]
         self.online = bool(getattr(bases, "online", False))
         if self.online:  # per-sequence bases, fitted at each sequence's prefill (ckvp::online_basis_fit)
-            self.basis_k = [torch.zeros(b, *p.shape, device=self.device, dtype=latent_dtype) for p in bases.k_basis]
-            self.basis_v = [torch.zeros(b, *p.shape, device=self.device, dtype=latent_dtype) for p in bases.v_basis]
+            self.basis_k = [torch.zeros(b, *p.shape, device=self.device, dtype=basis_dtype) for p in bases.k_basis]
+            self.basis_v = [torch.zeros(b, *p.shape, device=self.device, dtype=basis_dtype) for p in bases.v_basis]
         else:
-            self.basis_k = [p.to(self.device, latent_dtype).contiguous() for p in bases.k_basis]
-            self.basis_v = [p.to(self.device, latent_dtype).contiguous() for p in bases.v_basis]
+            self.basis_k = [p.to(self.device, basis_dtype).contiguous() for p in bases.k_basis]
+            self.basis_v = [p.to(self.device, basis_dtype).contiguous() for p in bases.v_basis]
         #: host-side: whether the online bases were fitted by a prefill since the last reset (no device sync)
         self.online_fitted = False
         self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
@@ -171,7 +201,7 @@ class LatentKVStore:
         return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
                 tuple(map(tuple, self.v_offsets)), tuple(self.k_formats), tuple(self.v_formats), self.latent_dtype,
                 self.dtype,
-                str(self.device), self.online)
+                str(self.device), self.online, self.basis_dtype, self.residual_format)
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""
@@ -205,7 +235,7 @@ class LatentKVStore:
     def reset(self) -> None:
         """Forget every sequence (a new ``generate()`` call): zero latents and slot positions (and online bases)
         in place."""
-        for t in (*self.latent_k, *self.latent_v, self.slot_pos):
+        for t in (*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos):
             t.zero_()
         if self.online:
             for t in (*self.basis_k, *self.basis_v):
@@ -216,7 +246,7 @@ class LatentKVStore:
         """Reorder the B sequences in place (beam search): sequence i takes sequence ``index[i]``'s latents, slot
         positions (and online bases)."""
         idx = index.to(self.device, torch.long)
-        per_sequence = [*self.latent_k, *self.latent_v, self.slot_pos]
+        per_sequence = [*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos]
         if self.online:
             per_sequence += [*self.basis_k, *self.basis_v]
         for t in per_sequence:
@@ -237,7 +267,7 @@ class LatentKVStore:
             bases=size(self.basis_k) + size(self.basis_v),
             rope_tables=size([self.rope_cos, self.rope_sin]),
             dense_equivalent=dense * torch.empty((), dtype=self.dtype).element_size(),
-            dense_elements=dense, online_bases=self.online,
+            dense_elements=dense, online_bases=self.online, residual=size(self.resid_k) + size(self.resid_v),
         )
 
 
