@@ -117,6 +117,8 @@ class ExpertOffloader:
         if policy not in POLICIES:
             raise CKVPConfigError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device: pin it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_layers, self.num_experts, self.top_k, self.ffn, self.dm = len(gate_up), e, top_k, i, dm
         self.dtype = gate_up[0].dtype
         self.lookahead = lookahead
