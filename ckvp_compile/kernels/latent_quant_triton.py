@@ -38,10 +38,11 @@ implementations, so the stored min may be ``0x0000`` vs ``0x8000`` (same value; 
 decoded value are equal). The tests compare inputs with ``-0.0`` canonicalised and separately check that case up
 to the zero's sign.
 
-Status: exact under ``TRITON_INTERPRET=1`` (tests/kernels/test_latent_quant_triton.py). NOT yet checked on a GPU
-(no device budget in the session that wrote it): nothing registers these kernels for ``ckvp::latent_append``;
-:data:`USE_TRITON` stays False until a GPU run confirms bit equality (``div_rn`` and the casts' rounding on
-hardware).
+Status: exact under ``TRITON_INTERPRET=1`` (tests/kernels/test_latent_quant_triton.py) and on the H200 at real
+shapes (B=8 x 4096 slots, rank 256 in three head splits, int8/int4/int2 at blocks 32 and 64, Gaussian and outlier
+latents: every stored byte and every decoded bit equal; benchmarks/results/2026-11-29-latent-quant-h200), so
+:data:`USE_TRITON` is True: the CUDA kernel of ``ckvp::latent_append`` (``ops.latent_attention_cuda``) quantizes
+with :func:`quantize_latent_triton` for the formats it supports.
 
 Errors: :class:`ValueError` for a format that is not a uniform ``int8`` / ``int4`` / ``int2`` format, a wrong
 dtype / width of ``rows``, or (as the reference) a value that is not finite or beyond fp16's range;
@@ -67,9 +68,9 @@ from .latent_format import LatentFormat, parse_latent_format
 
 __all__ = ["USE_TRITON", "dequantize_latent_triton", "quantize_latent_triton", "unsupported_reason"]
 
-#: Awaits a GPU check: no caller routes ``ckvp::latent_append`` / decoding through these kernels while False (and
-#: none does yet). Set True only after a GPU run shows bit equality with the references.
-USE_TRITON = False
+#: Checked bit-equal on the H200 (module docstring): the CUDA ``ckvp::latent_append`` quantizes with these kernels.
+#: Set False to force the reference quantizer.
+USE_TRITON = True
 
 _FP16_MAX = 65504.0
 
@@ -81,7 +82,7 @@ def unsupported_reason(fmt: "str | LatentFormat", device: torch.device) -> str |
     device under ``TRITON_INTERPRET=1``. Not: ``"float"``, ``tern``, ``mix`` formats.
     """
     f = parse_latent_format(fmt)
-    if not f.quantized or f.mixed or f.ternary:
+    if not f.quantized or f.mixed or f.ternary or f.pow2:
         return f"format {f.name!r} is not a uniform int8/int4/int2 format"
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"device {torch.device(device).type!r} needs CUDA (or TRITON_INTERPRET=1)"

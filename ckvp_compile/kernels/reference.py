@@ -158,6 +158,13 @@ def latent_append_ref(
         None. ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` in fp32, cast to
         latent.dtype (or quantized per :func:`~ckvp_compile.kernels.latent_format.quantize_latent_ref`).
     """
+    latent_append_with(latent, x, basis, offsets, slots, fmt, quantize_latent_ref)
+
+
+def latent_append_with(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
+                       slots: torch.Tensor, fmt: str, quantize) -> None:
+    """:func:`latent_append_ref` with ``quantize(packed, offsets, fmt) -> rows`` as the quantizer (the CUDA kernel
+    of ``ckvp::latent_append`` passes the bit-equal Triton one)."""
     b, hkv, s, _ = x.shape
     r_pad = basis.shape[-1]
     eq = "bhsk,bhkr->bshr" if basis.dim() == 4 else "bhsk,hkr->bshr"
@@ -165,7 +172,7 @@ def latent_append_ref(
     _, valid = _head_columns(offsets, r_pad, latent.device)
     packed = z.reshape(b, s, hkv * r_pad)[..., valid.flatten()]  # (B, S, R_tot): head-major, as the layout
     if parse_latent_format(fmt).quantized:
-        packed = quantize_latent_ref(packed, offsets, fmt)
+        packed = quantize(packed, offsets, fmt)
     latent[:, slots.long()] = packed.to(latent.dtype)
 
 

@@ -31,11 +31,14 @@ from ..kernels.latent_attention_triton import (
     latent_scores_triton,
     unsupported_reason,
 )
+from ..kernels import latent_quant_triton as lq
+from ..kernels.latent_format import quantize_latent_ref
 from . import latent_attention_parts as parts
 from . import latent_kv
 from .latent_kv import _check_latent_attention
 
-__all__ = ["OPS", "latent_attention_cuda", "latent_attention_from_scores_cuda", "latent_scores_cuda"]
+__all__ = ["OPS", "latent_append_cuda", "latent_attention_cuda", "latent_attention_from_scores_cuda",
+           "latent_scores_cuda"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +121,23 @@ def latent_attention_from_scores_cuda(scores, q, latent_v, basis_v_block, v_offs
 
 parts.latent_scores.register_kernel("cuda")(latent_scores_cuda)
 parts.latent_attention_from_scores.register_kernel("cuda")(latent_attention_from_scores_cuda)
+
+
+def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
+                       slots: torch.Tensor, fmt: str = "float") -> None:
+    """``ckvp::latent_append`` on CUDA tensors (arguments and errors as
+    :func:`ckvp_compile.ops.latent_kv.latent_append`): the reference projection, then the Triton quantizer (one
+    launch, bit-equal to the reference, :mod:`ckvp_compile.kernels.latent_quant_triton`) for the uniform int
+    formats when :data:`~ckvp_compile.kernels.latent_quant_triton.USE_TRITON` is set; the reference otherwise.
+
+    Raises:
+        CKVPShapeError: as the op.
+    Reference: kernels/reference.py::latent_append_ref
+    """
+    latent_kv._check_latent_append(latent, x, basis, offsets, slots, fmt)
+    use = lq.USE_TRITON and lq.unsupported_reason(fmt, latent.device) is None
+    ref.latent_append_with(latent, x, basis, offsets, slots, fmt,
+                           lq.quantize_latent_triton if use else quantize_latent_ref)
+
+
+latent_kv.latent_append.register_kernel("cuda")(latent_append_cuda)
