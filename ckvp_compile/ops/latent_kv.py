@@ -146,6 +146,18 @@ def _check_slots(op: str, slots: torch.Tensor) -> Any:
     return slots.shape[0]
 
 
+def _check_slot_values(op: str, slots: torch.Tensor, s_max: int) -> None:
+    """Slots beyond the cache mean a context longer than the cache: a clear error on host tensors (on a GPU the
+    check would synchronise every step; there the indexing ops fail with a device-side assert instead)."""
+    if slots.device.type != "cpu" or slots.numel() == 0:
+        return
+    lo, hi = int(slots.min()), int(slots.max())
+    if lo < 0 or hi >= s_max:
+        raise CKVPShapeError(f"ckvp::{op}: slot {hi if hi >= s_max else lo} is outside the cache's {s_max} slots: the "
+                             f"context is longer than the cache. Build it with CKVPStaticCache(max_cache_len=...) at "
+                             f"least as long as prompt + new tokens, or call cache.reset() before a new sequence")
+
+
 def _basis_dims(op: str, name: str, basis: torch.Tensor, b: Any, layout: str) -> tuple[Any, Any, Any]:
     """(Hkv, N, R_max) of a shared (Hkv, N, R_max) basis or a per-sequence (B, Hkv, N, R_max) one."""
     if basis.dim() == 4:
@@ -288,6 +300,7 @@ def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, of
     Reference: kernels/reference.py::latent_append_ref
     """
     _check_latent_append(latent, x, basis, offsets, slots, fmt)
+    _check_slot_values("latent_append", slots, latent.shape[1])
     ref.latent_append_ref(latent, x, basis, offsets, slots, fmt)
 
 
@@ -322,6 +335,7 @@ def rope_table_update(cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos
     Reference: kernels/reference.py::rope_table_update_ref
     """
     _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
+    _check_slot_values("rope_table_update", slots, slot_pos.shape[1])
     ref.rope_table_update_ref(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
 
 
@@ -360,6 +374,7 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
     """
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
                               new, slots, fmt)
+    _check_slot_values("latent_reconstruct", slots, latent.shape[1])
     out = ref.latent_reconstruct_ref(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form,
                                      rotary_dim, new, slots, fmt)
     return out.contiguous()  # the fake promises contiguous strides
@@ -412,6 +427,7 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
                             k_fmt, v_fmt)
+    _check_slot_values("latent_attention", slots, latent_k.shape[1])
     out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
                                    cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
                                    attn_mask, scale, kv_len, k_fmt, v_fmt)
