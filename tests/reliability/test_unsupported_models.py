@@ -167,12 +167,6 @@ def test_an_encoder_with_a_latent_cache_equals_its_dense_static_cache():
             torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, Exception), reason=(
-    "CKVPStaticCache on a sliding-window model (bases calibrated on the same weights with sliding_window=None): "
-    "transformers' StaticCache makes StaticSlidingWindowLayer layers, whose update copy_()s a window into the "
-    "phantom; Dynamo fails with 'TorchRuntimeError: RuntimeError when making fake tensor call ... copy_ ... more than "
-    "one element of the written-to tensor refers to a single memory location', naming neither the sliding window "
-    "nor a fix. Fix: CKVPStaticCache.__init__ should raise CKVPConfigError when any layer has is_sliding=True."))
 def test_a_latent_cache_for_a_sliding_window_model_is_refused_clearly():
     import transformers as T
 
