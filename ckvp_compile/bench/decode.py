@@ -23,8 +23,8 @@ What a speed row measures (``--shape mixtral-8x7b | qwen-moe-a2.7b | tiny``):
    with a latent cache fitted to R times fewer KV bytes than bf16, counting latents, scales, slot positions and
    bases at this row's B and S_max; ``--latent-format``, default int4; inner compiler ``--compiler``). A
    ``:MODE`` suffix (``ckvp-16:reduce-overhead``) picks the Inductor mode. ckvp bases are calibrated on the
-   random-weight model's own activations for random token ids (their ranks set the cost; fidelity is measured
-   on the fixture instead).
+   random-weight model's own activations for random token ids (``--bases synthetic``: fitted to moments with a
+   1/i spectrum, no model pass); their ranks set the cost, fidelity is measured on the fixture instead.
 4. The first call (compilation included: ``compile_s``) and ``--warmup - 1`` more run untimed, then ``--steps``
    decode steps are timed one by one with CUDA events (wall clock on CPU); the row reports the median (and
    p10 / p90) ms per step and ``B * 1000 / median`` tokens per second.
@@ -219,12 +219,15 @@ class _Runner:
 
     def bases(self, ratio: float, batch: int, max_len: int) -> Any:
         from ..latent.budget import bases_for_byte_ratio
-        from .decode_models import random_bases
+        from .decode_models import DecomposedMoments, random_bases, synthetic_moments
 
         if self.moments is None:
             t = time.perf_counter()
-            self.moments = random_bases(self.model, self.args.group_size, seed=self.args.seed,
-                                        tokens=self.args.calib_tokens)
+            if self.args.bases == "synthetic":
+                self.moments = synthetic_moments(self.model, self.args.group_size, seed=self.args.seed)
+            else:
+                self.moments = DecomposedMoments.from_moments(
+                    random_bases(self.model, self.args.group_size, seed=self.args.seed, tokens=self.args.calib_tokens))
             self.env["calibration_s"] = round(time.perf_counter() - t, 2)
             self.clean()
         return bases_for_byte_ratio(self.moments, ratio, self.args.latent_format, batch_size=batch,
@@ -424,7 +427,7 @@ class _Runner:
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("shape", "systems", "batches", "contexts", "layers", "steps", "warmup", "latent_format", "group_size",
-            "calib_tokens",
+            "calib_tokens", "bases",
             "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
@@ -471,6 +474,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="ckvp latent format: int4 (default), int8, int2, float; --shape fixture also takes 'planned' "
                         "(rank and bits per head from the planner)")
     p.add_argument("--group-size", type=int, default=4, help="ckvp layers per latent group")
+    p.add_argument("--bases", default="calibrated", choices=["calibrated", "synthetic"],
+                   help="random-weight models: ckvp bases calibrated on the model's activations for random ids "
+                        "(default), or fitted to synthetic moments with a 1/i spectrum (no model pass; speed and "
+                        "memory only)")
     p.add_argument("--calib-tokens", type=int, default=256,
                    help="random-weight models: tokens per calibration sample (2 samples of random ids)")
     p.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"],

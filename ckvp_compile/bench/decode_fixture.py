@@ -4,8 +4,9 @@ model (default: the bundled fixture, ``models/tiny-mixtral-pystdlib``; byte-leve
 Text: the model directory's ``eval_text.txt`` (held out from training). Its first ``--calib-windows`` windows of 256
 bytes calibrate the bases (second moments collected once, :func:`~ckvp_compile.latent.collect_kv_moments`); the
 ``--prompts`` prompts of ``--prompt-len`` bytes are taken from the rest of the text, evenly spaced and each moved
-forward to end just after a line break, so no prompt was seen by calibration. Per prompt, ``--new-tokens`` tokens are generated greedily (``model.generate``,
-``do_sample=False``) once with a dense ``StaticCache`` (eager) and once per KV ratio with a
+forward to end just after a line break, so no prompt was seen by calibration. Per prompt, ``--new-tokens`` tokens are generated greedily (a prefill call, then
+one decode call per token feeding back the argmax, as ``generate(do_sample=False)`` does) once with a dense
+``StaticCache`` (eager) and once per KV ratio with a
 :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` and the model's forward compiled with ``backend="ckvp"``
 (inner compiler ``--compiler``). The ratio is in bytes against a bf16 dense cache at ``--budget-len`` slots of one
 sequence, every byte of the store counted (latents in ``--latent-format``, scales, slot positions, the bases in
@@ -44,7 +45,6 @@ class FixtureRow:
     prefix_mean: float
     tokens: int
     prompts: int
-    forced_agreement: float | None = None
     ratio_measured_at_budget: float | None = None
     ratio_state_only: float | None = None
     budget_len: int | None = None
@@ -53,6 +53,7 @@ class FixtureRow:
     wall_s: float | None = None
     status: str = "ok"
     error: str | None = None
+    forced_agreement: float | None = None
 
 
 def default_model_dir() -> Path:
@@ -65,17 +66,25 @@ def default_model_dir() -> Path:
     raise CKVPConfigError("the fixture model was not found in models/tiny-mixtral-pystdlib; pass --model DIR")
 
 
-def _greedy(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, cache: Any = None) -> list[int]:
-    import inspect
+def _decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, cache: Any,
+            feed: list[int] | None = None) -> list[int]:
+    """Prefill ``prompt`` (1, P) into ``cache`` (reset first), then decode: each step feeds the previous argmax
+    (greedy, ``feed=None``) or ``feed[i]`` (teacher-forced along another continuation). Returns the ``new_tokens``
+    argmax tokens. The same two calls (prefill of P tokens, decode of one) serve dense and ckvp, so a compiled
+    forward compiles exactly two graphs."""
+    from ..latent.capture import hf_step_kwargs
 
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
-    kwargs = {name: cache} if cache is not None else {"cache_implementation": "static"}
-    if cache is not None:
+    if hasattr(cache, "store"):
         cache.reset()
+    start = prompt.shape[1]
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             disable_compile=True, pad_token_id=0, **kwargs)
-    return out[0, prompt.shape[1]:].tolist()
+        logits = model(**hf_step_kwargs(model, prompt, cache, 0)).logits
+        out = [int(logits[0, -1].argmax())]
+        for i in range(new_tokens - 1):
+            tok = out[-1] if feed is None else feed[i]
+            ids = torch.tensor([[tok]], device=prompt.device)
+            out.append(int(model(**hf_step_kwargs(model, ids, cache, start + i)).logits[0, -1].argmax()))
+    return out
 
 
 def _line_end(text: bytes, start: int, length: int) -> int:
@@ -83,22 +92,6 @@ def _line_end(text: bytes, start: int, length: int) -> int:
     (the continuation starts a new line); unchanged when no line break follows within 4 kB."""
     nl = text.find(b"\n", start + length - 1, start + length + 4096)
     return start if nl < 0 or nl + 1 > len(text) else nl + 1 - length
-
-
-def _forced(model: torch.nn.Module, prompt: torch.Tensor, dense: list[int], cache: Any) -> list[int]:
-    """Next-token argmax of ``model`` (its forward compiled) along the dense continuation: prefill ``prompt``, then
-    feed the dense tokens one per call; prediction i is made from the prompt and ``dense[:i]``."""
-    from ..latent.capture import hf_step_kwargs
-
-    cache.reset()
-    start = prompt.shape[1]
-    with torch.no_grad():
-        logits = model(**hf_step_kwargs(model, prompt, cache, 0)).logits
-        preds = [int(logits[0, -1].argmax())]
-        for i, tok in enumerate(dense[:-1]):
-            ids = torch.tensor([[tok]], device=prompt.device)
-            preds.append(int(model(**hf_step_kwargs(model, ids, cache, start + i)).logits[0, -1].argmax()))
-    return preds
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -115,9 +108,11 @@ def run_fixture(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from ..latent import collect_kv_moments
+    from ..latent.capture import make_static_cache
     from ..latent.budget import bases_for_byte_ratio, dense_kv_bytes, store_bytes
     from ..runtime.hf_cache import CKVPStaticCache
     from .decode import environment
+    from .decode_models import DecomposedMoments
     from .decode_report import render_markdown
 
     t0 = time.perf_counter()
@@ -138,10 +133,11 @@ def run_fixture(args: argparse.Namespace) -> int:
     starts = [_line_end(text, calib_end + (rest * i) // args.prompts, args.prompt_len) for i in range(args.prompts)]
     prompts = [torch.tensor([list(text[s:s + args.prompt_len])], device=args.device) for s in starts]
     max_len = args.prompt_len + args.new_tokens
-    dense = [_greedy(model, p, args.new_tokens) for p in prompts]
+    dense = [_decode(model, p, args.new_tokens, make_static_cache(model, max_len)) for p in prompts]
     n_tok = sum(map(len, dense))
     rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts), forced_agreement=1.0)]
     moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
+    decomposed = DecomposedMoments.from_moments(moments)  # one eigh; the byte-ratio fit builds bases ~40 times
     fmt = args.latent_format
     for ratio in args.ratios:
         t = time.perf_counter()
@@ -153,16 +149,16 @@ def run_fixture(args: argparse.Namespace) -> int:
                 bases = plan_for_byte_ratio(moments.bases(1.0, "energy"), ratio, batch_size=1,
                                             max_cache_len=args.budget_len, dense_dtype=kv_dtype, latent_dtype=kv_dtype)
             else:
-                bases = bases_for_byte_ratio(moments, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
+                bases = bases_for_byte_ratio(decomposed, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
                                              dense_dtype=kv_dtype, latent_dtype=kv_dtype)
             store_fmt = "auto" if fmt == "planned" else fmt
             cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
                                     dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype)
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
-            got = [_greedy(model, p, args.new_tokens, cache) for p in prompts]
+            got = [_decode(model, p, args.new_tokens, cache) for p in prompts]
             same = sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g))
-            forced = [_forced(model, p, d, cache) for p, d in zip(prompts, dense)]
+            forced = [_decode(model, p, args.new_tokens, cache, feed=d) for p, d in zip(prompts, dense)]
             same_forced = sum(x == y for d, g in zip(dense, forced) for x, y in zip(d, g))
             nb = cache.store.nbytes()
             budget = (dense_kv_bytes(bases, 1, args.budget_len, kv_dtype)

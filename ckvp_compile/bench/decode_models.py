@@ -33,7 +33,7 @@ import torch
 from ..errors import CKVPConfigError
 
 __all__ = ["SHAPES", "build_random_model", "dense_cache", "dense_kv_bytes_per_token", "fill_cache_", "fill_rope_tables_",
-           "kv_bytes_held", "latent_cache",
+           "kv_bytes_held", "latent_cache", "synthetic_moments", "DecomposedMoments",
            "make_config", "random_bases", "weight_bytes"]
 
 _ROPE_1E6 = {"rope_type": "default", "rope_theta": 1e6}
@@ -247,3 +247,88 @@ def random_bases(model: torch.nn.Module, group_size: int, seed: int = 0, samples
     vocab = model.config.vocab_size
     ids = [torch.randint(0, vocab, (1, tokens), generator=gen) for _ in range(samples)]
     return collect_kv_moments(model, ids, group_size=group_size, progress=False)
+
+
+class DecomposedMoments:
+    """KV moments eigen-decomposed once, with :meth:`KVMoments.bases` 's interface (PCA bases, 'energy' or 'uniform'
+    ranks), so that :func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`, which builds bases about 40 times
+    while it bisects the ranks, does not eigen-decompose the moments each time (minutes for 24 layers of 16 KV
+    heads of 512 x 512). The bases are assembled as :func:`~ckvp_compile.latent.build_latent_bases` assembles them
+    (leading eigenvectors, columns beyond each head's rank zeroed).
+
+    Args:
+        groups, num_kv_heads, head_dim, group_size, model_fingerprint, num_tokens: as in ``KVMoments``.
+        k, v: per group, ``(eigenvalues (Hkv, N) descending >= 0, eigenvectors (Hkv, N, N))``.
+    """
+
+    def __init__(self, groups: tuple[tuple[int, ...], ...], num_kv_heads: int, head_dim: int, group_size: int,
+                 k: list[tuple[torch.Tensor, torch.Tensor]], v: list[tuple[torch.Tensor, torch.Tensor]],
+                 model_fingerprint: dict[str, Any], num_tokens: int = 1):
+        self.groups, self.num_kv_heads, self.head_dim, self.group_size = groups, num_kv_heads, head_dim, group_size
+        self.k, self.v, self.model_fingerprint, self.num_tokens = k, v, model_fingerprint, num_tokens
+
+    @classmethod
+    def from_moments(cls, m: Any) -> "DecomposedMoments":
+        """Eigen-decompose a :class:`~ckvp_compile.latent.KVMoments` (one ``eigh`` per group and K/V)."""
+        def dec(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            evals, evecs = torch.linalg.eigh(x / m.num_tokens)
+            return evals.flip(-1).clamp_min(0), evecs.flip(-1)
+
+        return cls(m.groups, m.num_kv_heads, m.head_dim, m.group_size, [dec(x) for x in m.k], [dec(x) for x in m.v],
+                   m.model_fingerprint, m.num_tokens)
+
+    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca") -> Any:
+        """:class:`~ckvp_compile.latent.LatentBases` at ``kv_ratio`` (elements), as ``KVMoments.bases``.
+
+        Raises:
+            CKVPConfigError: a basis other than 'pca', an allocation other than 'energy' / 'uniform', or a ratio
+                out of range.
+        """
+        from ..latent import LatentBases, allocate_ranks, rank_budget
+        from ..latent.bases import check_target_ratio
+
+        if basis != "pca" or rank_allocation not in ("energy", "uniform"):
+            raise CKVPConfigError(f"DecomposedMoments builds 'pca' bases with 'energy' or 'uniform' ranks, got "
+                                  f"{basis!r} / {rank_allocation!r}")
+        hkv, ng = self.num_kv_heads, len(self.groups)
+        dense = sum(len(g) for g in self.groups) * hkv * self.head_dim * 2
+        check_target_ratio(kv_ratio, dense, 2 * ng * hkv)
+        spectra = [d[0][h] for d in (*self.k, *self.v) for h in range(hkv)]
+        flat = iter(allocate_ranks(spectra, rank_budget(dense, kv_ratio), rank_allocation))
+        out: dict[str, Any] = {}
+        for kind, dec in (("k", self.k), ("v", self.v)):
+            ranks = [tuple(next(flat) for _ in range(hkv)) for _ in self.groups]
+            bases = []
+            for (_, evecs), rs in zip(dec, ranks):
+                b = evecs[:, :, :max(rs)].clone()
+                for h, r in enumerate(rs):
+                    b[h, :, r:] = 0
+                bases.append(b.float())
+            out.update({f"{kind}_basis": tuple(bases), f"{kind}_ranks": tuple(ranks),
+                        f"{kind}_eigenvalues": tuple(e for e, _ in dec)})
+        return LatentBases(groups=self.groups, num_kv_heads=hkv, head_dim=self.head_dim, group_size=self.group_size,
+                           target_ratio=float(kv_ratio), rank_allocation=rank_allocation,
+                           model_fingerprint=dict(self.model_fingerprint), num_tokens=int(self.num_tokens), **out)
+
+
+def synthetic_moments(model: torch.nn.Module, group_size: int, seed: int = 0, decay: float = 1.0) -> DecomposedMoments:
+    """Moments with a known spectrum instead of calibration: per group of ``group_size`` consecutive layers and KV
+    head, eigenvectors a random orthogonal (G*D x G*D) matrix and eigenvalues ``(i + 1) ** -decay``. Ranks fitted
+    to a byte ratio from these depend on the spectrum only, which is what a speed or memory run of a random-weight
+    model needs (and costs no model pass); never use them for fidelity.
+
+    Returns:
+        :class:`DecomposedMoments` (float64, on the CPU).
+    """
+    from ..latent import model_fingerprint
+
+    layers, hkv, d = _kv_shape(model.config)
+    groups = tuple(tuple(range(i, min(i + group_size, layers))) for i in range(0, layers, group_size))
+    gen = torch.Generator().manual_seed(seed)
+
+    def dec(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, _ = torch.linalg.qr(torch.randn(hkv, n, n, generator=gen, dtype=torch.float64))
+        return (torch.arange(1, n + 1, dtype=torch.float64) ** -decay).expand(hkv, n).clone(), q
+
+    return DecomposedMoments(groups, hkv, d, group_size, [dec(len(g) * d) for g in groups],
+                             [dec(len(g) * d) for g in groups], model_fingerprint(model))

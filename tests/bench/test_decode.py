@@ -10,11 +10,14 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckvp_compile.bench.cli import main as bench_cli
 from ckvp_compile.bench.decode import parse_system
 from ckvp_compile.bench.decode_models import (build_random_model, dense_cache, dense_kv_bytes_per_token, fill_cache_,
-                                              kv_bytes_held, latent_cache, make_config, random_bases)
+                                              kv_bytes_held, latent_cache, make_config, random_bases,
+                                              synthetic_moments)
 from ckvp_compile.errors import CKVPConfigError
 from ckvp_compile.latent.capture import hf_step_kwargs
 
@@ -76,12 +79,16 @@ def test_random_model_buffers_and_filled_dense_cache():
 
 
 def test_filled_latent_cache_decode_step():
-    """Random quantized latents in the store's own format; one compiled ckvp step writes slot C at position C."""
+    """Random quantized latents in the store's own format; one compiled ckvp step writes slot C at position C.
+    Bases calibrated on the random model's activations have the groups of the synthetic ones."""
     from ckvp_compile.latent.budget import bases_for_byte_ratio
 
     cfg = make_config("tiny", max_positions=64)
     model = build_random_model(cfg, "cpu", torch.float32)
-    moments = random_bases(model, 4, tokens=32)
+    moments = random_bases(model, 4, samples=1, tokens=16)
+    synthetic = synthetic_moments(model, 4)
+    assert synthetic.groups == moments.groups == ((0, 1, 2, 3),)
+    assert [vecs.shape for _, vecs in synthetic.k] == [m.shape for m in moments.k] == [(2, 64, 64)]
     bases = bases_for_byte_ratio(moments, 4.0, "int4", batch_size=2, max_cache_len=40, dense_dtype=torch.float32,
                                  latent_dtype=torch.float32)
     cache = latent_cache(cfg, bases, 2, 40, "cpu", torch.float32, "int4")
@@ -104,7 +111,7 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     then --report renders both into markdown and PNGs."""
     speed, fixture = tmp_path / "tiny.json", tmp_path / "fixture.json"
     rc = bench_cli(["decode", "--shape", "tiny", "--systems", "eager", "ckvp-4", "--batch", "2", "--context", "16",
-                    "--steps", "2", "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--calib-tokens", "32",
+                    "--steps", "2", "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--bases", "synthetic",
                     "--json", str(speed), "--out", str(tmp_path / "tiny.md")])
     assert rc == 0
     rows = json.loads(speed.read_text())["rows"]
@@ -112,11 +119,12 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     assert rows[0]["kv_ratio_measured"] == 1.0 and 4.0 <= rows[1]["kv_ratio_measured"] < 4.4
     assert rows[1]["ranks"]["group_size"] == 4 and rows[1]["ms_median"] > 0 and rows[1]["steps"] == 2
     rc = bench_cli(["decode", "--shape", "fixture", "--ratios", "4", "--prompts", "1", "--new-tokens", "4",
-                    "--prompt-len", "32", "--calib-windows", "2", "--compiler", "eager", "--device", "cpu",
+                    "--prompt-len", "16", "--calib-windows", "1", "--compiler", "eager", "--device", "cpu",
                     "--json", str(fixture)])
     assert rc == 0
     dense, four = json.loads(fixture.read_text())["rows"]
-    assert dense["agreement"] == 1.0 and four["status"] == "ok" and 0.0 <= four["agreement"] <= 1.0
+    assert dense["agreement"] == 1.0 and four["status"] == "ok", four
+    assert 0.0 <= four["agreement"] <= 1.0 and 0.0 <= four["forced_agreement"] <= 1.0
     assert four["ratio_measured_at_budget"] >= 4.0 and four["tokens"] == 4
     md = tmp_path / "B.md"
     assert bench_cli(["decode", "--report", str(speed), str(fixture), "--markdown", str(md), "--plots",
@@ -134,3 +142,29 @@ def test_usage_errors(capsys):
     assert bench_cli(["decode", "--report", "x.json"]) == 2
     assert bench_cli(["decode", "--shape", "tiny", "--batch", "0"]) == 2
     assert bench_cli(["decode"]) == 2
+
+
+@settings(max_examples=15, deadline=None)
+@given(hkv=st.integers(1, 3), d=st.sampled_from([4, 8]), layers=st.integers(1, 5), g=st.sampled_from([1, 2, 4]),
+       ratio=st.floats(1.0, 12.0), allocation=st.sampled_from(["energy", "uniform"]), seed=st.integers(0, 99))
+def test_decomposed_moments_build_the_library_bases(hkv, d, layers, g, ratio, allocation, seed):
+    """DecomposedMoments.bases (one eigh, reused while bases_for_byte_ratio bisects) gives KVMoments.bases' ranks and
+    the same basis columns up to sign, on random moments."""
+    from ckvp_compile.bench.decode_models import DecomposedMoments
+    from ckvp_compile.latent import KVMoments
+
+    gen = torch.Generator().manual_seed(seed)
+    groups = tuple(tuple(range(i, min(i + g, layers))) for i in range(0, layers, g))
+
+    def psd(n):
+        x = torch.randn(hkv, n, 3 * n, generator=gen, dtype=torch.float64)
+        return x @ x.mT
+
+    ref = KVMoments(groups=groups, num_kv_heads=hkv, head_dim=d, group_size=g, k=[psd(len(l) * d) for l in groups],
+                    v=[psd(len(l) * d) for l in groups], num_tokens=7, model_fingerprint={})
+    top = layers * d / len(groups)
+    ratio = min(ratio, top)
+    want, got = ref.bases(ratio, allocation), DecomposedMoments.from_moments(ref).bases(ratio, allocation)
+    assert (got.k_ranks, got.v_ranks) == (want.k_ranks, want.v_ranks)
+    for a, b in zip((*want.k_basis, *want.v_basis), (*got.k_basis, *got.v_basis)):
+        assert torch.allclose(a.abs(), b.abs(), atol=1e-5)
