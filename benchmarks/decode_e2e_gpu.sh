@@ -5,9 +5,10 @@
 #
 # STEP (expected wall time on an H200, compile included; each step stops starting rows after its --budget-s):
 #   qwen-4k       Qwen1.5-MoE-A2.7B shape, all 24 layers: inductor + ckvp-16, B=1, context 4k          (~2.5 min)
-#   qwen-32k      the same at B=8, context 32k, then the largest batch that fits at 32k per system     (~5 min)
+#   qwen-32k      the same at B=8, context 32k, then the largest batch that fits at 32k per system     (~6 min)
 #   mixtral       Mixtral-8x7B shape, 8 of 32 layers computed (ballast stands in for the other 24 layers'
-#                 weights and KV): inductor + ckvp-16, B=1 at 4k, then the largest batch at 32k        (~4 min)
+#                 weights and KV): inductor + ckvp-16, B=1 at 32k and 4k, then the largest batch that
+#                 fits at 32k and at 4k                                                                 (~5 min)
 #   qwen-more     Qwen: max-autotune and ckvp-4 / ckvp-8 rows at B=1 / 8, 4k / 32k, and eager         (~8 min)
 #   fixture       greedy agreement on the trained fixture, ratios 4 / 8 / 16, Inductor inner compiler  (~2 min)
 #
@@ -24,9 +25,9 @@ case "$step" in
     run --shape qwen-moe-a2.7b --systems inductor ckvp-16 --batch 1 --context 4096 --steps 30 --budget-s 200 ;;
   qwen-32k)
     run --shape qwen-moe-a2.7b --systems inductor ckvp-16 --batch 8 max --context 32768 --steps 20 \
-        --max-batch-tries 2 --budget-s 330 ;;
+        --max-batch-tries 2 --budget-s 400 ;;
   mixtral)
-    run --shape mixtral-8x7b --layers 8 --systems inductor ckvp-16 --batch 1 max --context 4096 32768 --steps 20 \
+    run --shape mixtral-8x7b --layers 8 --systems inductor ckvp-16 --batch 1 max --context 32768 4096 --steps 20 \
         --max-batch-tries 2 --budget-s 300 ;;
   qwen-more)
     run --shape qwen-moe-a2.7b --systems inductor-max-autotune ckvp-8 ckvp-4 eager --batch 1 8 --context 4096 32768 \
