@@ -8,11 +8,13 @@ Subcommands:
         (:mod:`ckvp_compile.bench.fidelity`; ``ckvp-bench fidelity --help``).
     offload: expert offload, prefetch vs on-demand vs all-resident, and next-layer prediction recall
         (:mod:`ckvp_compile.bench.offload`; ``ckvp-bench offload --help``).
-    offload: expert offload, prefetch vs on-demand vs all-resident, and next-layer prediction recall
-        (:mod:`ckvp_compile.bench.offload`; ``ckvp-bench offload --help``).
+    moe: one MoE layer (Mixtral / Qwen2-MoE / OLMoE shapes): ckvp vs Inductor max-autotune grouped_mm vs HF
+        batched_mm vs HF eager (:mod:`ckvp_compile.bench.moe`; CUDA).
+    decode: end-to-end decode steps of random-weight Mixtral-8x7B / Qwen-MoE models and the fixture's greedy
+        agreement (:mod:`ckvp_compile.bench.decode`; ``--report`` writes BENCHMARKS.md).
 
-The GPU speed benchmarks live in ``benchmarks/`` (``moe_gpu.py``, ``latent_attention_gpu.py``) and run on a CUDA
-machine from the repository.
+The kernel-level GPU scripts live in ``benchmarks/`` (``latent_attention_gpu.py``, ``latent_quant_gpu.py``,
+``latent_attention_lowering_gpu.py``, ``reliability_gpu.py``) and run on a CUDA machine from the repository.
 """
 
 from __future__ import annotations
