@@ -621,6 +621,17 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
     return None
 
 
+#: Largest two-pass scores workspace (bytes) ``latent_attention_triton`` allocates; above it (long prefills: S query
+#: tokens x kv_len slots) it runs the one-pass kernel, which keeps no per-slot state.
+MAX_SCORES_BYTES = 1 << 28
+
+
+def _scores_bytes(q: torch.Tensor, basis_k_block: torch.Tensor, kv_len: int) -> int:
+    """Bytes of the two-pass scores, (B, Hkv, S, H/Hkv, kv_len) fp32 = B * H * S * kv_len * 4."""
+    b, h, s, _ = q.shape
+    return b * h * s * int(kv_len) * 4
+
+
 _META: dict[tuple, torch.Tensor] = {}
 #: the compiled split kernel of the last launch (benchmarks read its register count and spills)
 _LAST_LAUNCH: dict[str, object] = {}
@@ -813,6 +824,8 @@ def _launch(
     cfg = config or default_config()
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
+    elif mode == "all" and cfg.two_pass and _scores_bytes(q, basis_k_block, kv_len) > MAX_SCORES_BYTES:
+        cfg = dataclasses.replace(cfg, two_pass=False)  # a long prefill: the scores would not fit; one pass
     b, h, s, d = q.shape
     hkv = basis_k_block.shape[-3]
     g = h // hkv
@@ -886,6 +899,7 @@ def _launch(
         FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1), P_BF16=cfg.p_bf16,
         num_stages=cfg.num_stages,
     )
+    _LAST_LAUNCH.clear()
     if cfg.two_pass and mode != "from_scores":
         k_split, k_per = splits(cfg.block_n)
         _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](

@@ -15,7 +15,8 @@ query token); its body calls ``_tile_scores``, the ``@triton.jit`` helper of
 :mod:`ckvp_compile.kernels.latent_attention_triton` that the plain kernels call too (one copy of the math).
 
 When the template is not used (the reason is logged at DEBUG): a non-CUDA device (then ``latent_attention`` stays
-one extern call: on CPU the reference, exactly as without this lowering), symbolic sizes, per-sequence (online)
+one extern call: on CPU the reference, exactly as without this lowering), symbolic sizes, a long prefill whose
+scores would exceed ``MAX_SCORES_BYTES`` (the extern op then runs the one-pass kernel), per-sequence (online)
 bases, latent formats other than uniform ``int*`` / ``mxint*`` / ``float``, heads of unequal rank, or a mask that
 is not bool / float; these keep the op as an extern call, which still runs the Triton kernels on CUDA.
 
@@ -143,8 +144,12 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
     """Why the key-pass template cannot serve these IR inputs (then the op stays an extern call), or None."""
     if q.get_device() is None or q.get_device().type != "cuda":
         return f"device {q.get_device()}"
-    if _static_ints(*q.get_size(), *latent_k.get_size(), *basis_k_block.get_size(), kv_len) is None:
+    sizes = _static_ints(*q.get_size(), *latent_k.get_size(), *basis_k_block.get_size(), kv_len)
+    if sizes is None:
         return "symbolic sizes"
+    b, h, s = sizes[:3]
+    if b * h * s * sizes[-1] * 4 > lat.MAX_SCORES_BYTES:
+        return f"{s} query tokens over {sizes[-1]} slots (the scores would take more than {lat.MAX_SCORES_BYTES} bytes)"
     if len(basis_k_block.get_size()) != 3:
         return "per-sequence (online) bases"
     f = parse_latent_format(k_fmt)

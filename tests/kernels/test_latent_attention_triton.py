@@ -194,6 +194,16 @@ def _check_fixed() -> None:
         out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf, config=cfg)
         want = ref.latent_attention_from_scores_ref(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf)
         assert float((out - want).norm() / want.norm()) <= TOL
+    # a long prefill whose two-pass scores would exceed MAX_SCORES_BYTES runs the one-pass kernel
+    from ckvp_compile.kernels import latent_attention_triton as lat_mod
+
+    saved = lat_mod.MAX_SCORES_BYTES
+    lat_mod.MAX_SCORES_BYTES = 0
+    try:
+        _check(dict(base, rk=[12, 5], rv=[7, 9], s=3), cfg)
+        assert "scores" not in lat_mod._LAST_LAUNCH
+    finally:
+        lat_mod.MAX_SCORES_BYTES = saved
     # tables with one angle per pair (HF's layout): the kernel loads half of them
     _check(dict(base, rk=[12, 5], rv=[7, 9], paired=True), cfg)
     _check(dict(base, rk=[12, 5], rv=[7, 9], paired=True, rope="interleaved"), cfg)
