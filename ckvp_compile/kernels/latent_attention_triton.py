@@ -626,7 +626,7 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
 MAX_SCORES_BYTES = 1 << 28
 
 
-def _scores_bytes(q: torch.Tensor, basis_k_block: torch.Tensor, kv_len: int) -> int:
+def _scores_bytes(q: torch.Tensor, kv_len: int) -> int:
     """Bytes of the two-pass scores, (B, Hkv, S, H/Hkv, kv_len) fp32 = B * H * S * kv_len * 4."""
     b, h, s, _ = q.shape
     return b * h * s * int(kv_len) * 4
@@ -801,21 +801,6 @@ def _launch(
     """The kernels of one call. mode 'all': key pass (two-pass config) or one pass, then the merge; 'scores': the
     key pass only, returning the scores; 'from_scores': the value pass over ``scores`` and the merge (the K
     arguments are then stand-ins, never read)."""
-    """Attend over latent cache slots [0, kv_len) with the fused kernels: the math of ``latent_attention_ref``.
-
-    Args: exactly those of ``torch.ops.ckvp.latent_attention`` (shapes, dtypes and layout there), already
-        validated; ``config`` picks tile sizes, warps, stages and the context split.
-    Returns:
-        (B, H, S, D) q.dtype, contiguous; fp32 softmax and accumulation; rows the mask removes entirely are 0.
-    Raises:
-        NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses (the op falls back to the
-            reference before calling this).
-    Notes:
-        Workspace: (B*Hkv*S*n_split*G) * (2 + next_pow2(Rv_max)) fp32. Bytes read per call: the latent rows of
-        [0, kv_len) once per query token, slot_pos, the cos/sin rows of their positions, q, new_k/new_v and the
-        basis blocks (from L2 after the first program).
-    Reference: kernels/reference.py::latent_attention_ref
-    """
     reason = unsupported_reason(q, latent_k, latent_v, basis_k_block, basis_v_block, rope_form, attn_mask,
                                 cos_table, new_k, k_fmt, v_fmt)
     if reason is not None:
@@ -824,7 +809,7 @@ def _launch(
     cfg = config or default_config()
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
-    elif mode == "all" and cfg.two_pass and _scores_bytes(q, basis_k_block, kv_len) > MAX_SCORES_BYTES:
+    elif mode == "all" and cfg.two_pass and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES:
         cfg = dataclasses.replace(cfg, two_pass=False)  # a long prefill: the scores would not fit; one pass
     b, h, s, d = q.shape
     hkv = basis_k_block.shape[-3]
@@ -840,6 +825,7 @@ def _launch(
     rk_pad, rv_pad = _np2(rk_max), _np2(rv_max)
     block_r = rk_pad if cfg.hoist_basis else min(cfg.block_r, rk_pad)
     f32_dot = _interpreting() or cfg.f32_dots
+
     def splits(block_n: int) -> tuple[int, int]:  # (programs along the context, tiles per program)
         n_tiles = triton.cdiv(kv_len, block_n)
         if cfg.split is not None:
