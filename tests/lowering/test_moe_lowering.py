@@ -102,7 +102,7 @@ def test_cpu_inductor_symbolic_sizes_keep_the_whole_op():
 
 
 def _render(template, inputs: dict[str, torch.Tensor], layout_shape, layout_dtype, call_sizes=None, **meta):
-    """The generated kernel of ``template`` for these CPU inputs (ckvp_compile.testing.templates)."""
+    """The generated kernel of ``template`` for these CPU inputs (tests/lowering/template_render.py)."""
     from template_render import render_template
 
     return render_template(template, inputs, layout_shape, layout_dtype, call_sizes=call_sizes, **meta)
