@@ -33,9 +33,9 @@ __all__ = ["OPS", "latent_attention_from_scores", "latent_scores"]
 
 
 def _stand_in(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """A (B, Hkv, S, D) tensor like the new keys, for the shared checks (never read)."""
+    """A (B, Hkv, S, D) tensor like the new keys, for the shared checks (never read; one element, expanded)."""
     b, _, s, d = q.shape
-    return q.new_empty((b, hkv, s, d))
+    return q.new_empty(()).expand(b, hkv, s, d)
 
 
 def _check_scores_args(q, latent_k, basis_k_block, k_offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
