@@ -1,6 +1,7 @@
 """ckvp_compile: a torch.compile backend for Mixture-of-Experts inference.
 
     torch.compile(model, backend="ckvp", options={...})
+    ckvp_compile.compile(model, expert_offload=4, options={...})   # the same, with experts offloaded first
 
 The backend finds each layer's attention / KV-cache and expert-dispatch subgraphs in the captured FX
 graph and rewrites them (cross-layer latent KV caching; grouped expert GEMMs), then hands the graph to
@@ -15,6 +16,7 @@ GEMMs use ``M, N, K``.
 from __future__ import annotations
 
 from .analysis import GraphAnalysis, analyze
+from .api import compile  # noqa: A001 (ckvp_compile.compile, like torch.compile; not in __all__)
 from .backend import CKVPBackend, CompileRecorder, ckvp_backend
 from .config import CKVPConfig
 from .errors import (
@@ -51,6 +53,7 @@ __all__ = [
     "inspect",
     "make_plan",
     "offload_experts",
+    "offloader_of",
     "__version__",
 ]
 
@@ -72,3 +75,12 @@ def offload_experts(*args, **kwargs):
     from .runtime.offload import offload_experts as _offload_experts
 
     return _offload_experts(*args, **kwargs)
+
+
+def offloader_of(model):
+    """Return the expert offloader serving ``model`` (``.stats()``, ``.reset_stats()``, ``.close()``), or None.
+    See :func:`ckvp_compile.runtime.offload.offloader_of`.
+    """
+    from .runtime.offload import offloader_of as _offloader_of
+
+    return _offloader_of(model)

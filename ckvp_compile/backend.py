@@ -6,7 +6,9 @@ call ``torch._dynamo.register_backend`` here: the first lookup would then fail w
 
 Flow for each graph Dynamo captures:
 
-1. :func:`ckvp_compile.analysis.analyze` finds the attention / KV-cache and MoE sites (read-only);
+1. :func:`ckvp_compile.analysis.analyze` finds the attention / KV-cache and MoE sites (read-only); with the
+   ``expert_offload`` option, every MoE layer must already be offloaded with that many experts resident
+   (offloading moves weights, which only a call on the model can do: :func:`ckvp_compile.compile`);
 2. :func:`ckvp_compile.plan.make_plan` decides what to rewrite and reports what cannot be used
    (an :class:`UnsupportedPatternWarning` with reason and fix, or :class:`UnsupportedGraphError` with
    ``strict=True``);
@@ -31,6 +33,7 @@ import torch.fx as fx
 
 from . import _compat
 from .analysis import GraphAnalysis, analyze
+from .analysis.graph import op_name
 from .config import CKVPConfig
 from .errors import CKVPConfigError, CKVPError, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
@@ -103,6 +106,8 @@ class CKVPBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         config = self.config
         analysis = analyze(gm)
+        if config.expert_offload:
+            _check_expert_offload(gm, analysis, config.expert_offload)
         binding = bind_latent_store(gm.graph, example_inputs, analysis)
         plan = make_plan(analysis, config, binding)
         if _needs_grad(example_inputs):  # the ckvp ops are inference-only (no autograd formulas)
@@ -180,6 +185,7 @@ class CKVPBackend:
         try:
             record.pass_results.extend(run_passes(passes, candidate.graph))
             candidate.recompile()
+            _compat.copy_dynamo_graph_metadata(gm, candidate)  # static inputs (CUDA graphs) survive the copy
         except Exception as exc:  # a rewrite bug must never break the user's model
             record.fell_back = f"{type(exc).__name__}: {exc}"
             if must_succeed:  # the untouched graph would read latent-cache phantoms: refuse, loudly
@@ -218,6 +224,58 @@ class CKVPBackend:
         if self.recorder is not None:
             patches["fx_graph_cache"] = False
         return _compat.compile_with_inductor(gm, example_inputs, patches)
+
+
+#: Unsupported-site kinds of the MoE analysis (analysis/moe.py) that mean experts computed in the graph itself.
+_MOE_UNSUPPORTED_KINDS = frozenset({"eager_loop_graph_break", "unknown_experts_form", "unknown_combine",
+                                    "unsupported_router"})
+
+
+def _check_expert_offload(gm: fx.GraphModule, analysis: GraphAnalysis, resident: int) -> None:
+    """Check that every MoE layer of ``gm`` is served by an expert offloader keeping ``resident`` experts per layer.
+
+    The backend cannot offload by itself: it receives the graph after Dynamo traced it, with the expert weights
+    as graph inputs on the device they were traced on (Dynamo passes them in at every call, so nothing here
+    could free them), and without the model (only its parameter tensors), so it cannot swap its experts
+    modules. Offloading must happen to the model before tracing (:func:`ckvp_compile.compile` or
+    :func:`ckvp_compile.offload_experts`); the option states the resident count the user expects, checked here.
+
+    Args:
+        gm: the Dynamo graph. analysis: its analysis. resident: the ``expert_offload`` option (>= 1).
+    Raises:
+        CKVPConfigError (re-raised unwrapped by Dynamo): a MoE layer whose experts the graph computes (not
+            offloaded), or an offloader keeping another number of experts resident; the message names the fix.
+    """
+    inline = [f"layer {s.layer} (E={s.num_experts})" for s in analysis.moe]
+    inline += [f"{'a layer' if u.layer in (None, -1) else f'layer {u.layer}'} ({u.kind})"
+               for u in analysis.unsupported if u.kind in _MOE_UNSUPPORTED_KINDS]
+    if inline:
+        sizes = sorted({s.num_experts for s in analysis.moe})
+        span = f"1..{sizes[0]}" if len(sizes) == 1 else "1..E"
+        raise _compat.surface_through_dynamo(CKVPConfigError(
+            f"ckvp: options={{'expert_offload': {resident}}} asks for offloaded experts, but this graph computes the "
+            f"experts of {', '.join(inline)} from weights that are graph inputs on the device. A backend receives "
+            "the graph after Dynamo traced the model and cannot move its weights, so offload the model before "
+            f"compiling: ckvp_compile.compile(model, expert_offload={resident}, options=...) (offloads, then "
+            f"torch.compile(backend='ckvp')), or ckvp_compile.offload_experts(model, resident={resident}) before "
+            f"torch.compile. expert_offload must be in {span} (experts kept resident per layer), or 0 for no offload."
+        ))
+    from .ops.offload import lookup_offloader  # the op's module: imported when used (no registration at import)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or op_name(node) != "ckvp::offload_experts":
+            continue
+        handle = node.kwargs.get("handle", node.args[3] if len(node.args) > 3 else None)
+        try:
+            capacity = lookup_offloader(handle).planner.capacity
+        except CKVPConfigError as exc:
+            raise _compat.surface_through_dynamo(exc) from None
+        if capacity != resident:
+            raise _compat.surface_through_dynamo(CKVPConfigError(
+                f"ckvp: options={{'expert_offload': {resident}}}, but the model's experts were offloaded with "
+                f"{capacity} resident per layer (offloader handle {handle}). Give the same number (or leave the "
+                "option out), or offload a freshly loaded model with the number you want."
+            ))
 
 
 def _needs_grad(example_inputs: Sequence[Any]) -> bool:

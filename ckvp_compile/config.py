@@ -96,6 +96,17 @@ class CKVPConfig:
             "reference elsewhere. Sites it cannot fully read are left untouched with a warning."
         ),
     )
+    expert_offload: int = field(
+        default=0,
+        metadata=_doc(
+            "Experts kept resident on the device per MoE layer (C, 1..E), the rest in pinned host memory, with "
+            "next-layer prefetch; 0: no offload. A backend only sees the graph Dynamo traced with the weights where "
+            "they are, so offload before compiling: ckvp_compile.compile(model, expert_offload=C), or "
+            "ckvp_compile.offload_experts(model, resident=C) then torch.compile. With C set, the backend checks that "
+            "every MoE layer of each graph is offloaded with C resident and raises CKVPConfigError otherwise.",
+            hint="0 for no offload, or the number of experts kept resident per MoE layer, 1..E",
+        ),
+    )
     strict: bool = field(
         default=False,
         metadata=_doc(
@@ -112,12 +123,22 @@ class CKVPConfig:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), hints[f.name])
+            try:
+                _check_type(f.name, getattr(self, f.name), hints[f.name])
+            except CKVPConfigError as exc:
+                if "hint" not in f.metadata:
+                    raise
+                raise CKVPConfigError(f"{exc} ({f.metadata['hint']})") from None
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
                 raise CKVPConfigError(
                     f"option {f.name!r} must be one of {list(choices)}, got {getattr(self, f.name)!r}"
                 )
+        if self.expert_offload < 0:
+            raise CKVPConfigError(
+                f"option 'expert_offload' must be 0 (no offload) or the number of experts kept resident per MoE "
+                f"layer, 1..E (E: the model's experts per layer), got {self.expert_offload}"
+            )
         # A mapping is mutable: freeze a private copy so compute_hash() stays valid.
         object.__setattr__(self, "inductor", dict(self.inductor))
         for key in self.inductor:

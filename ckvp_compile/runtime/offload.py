@@ -53,7 +53,8 @@ from ..ops import moe as _moe_ops  # noqa: F401  (defines ckvp::moe_experts)
 from ..ops import offload as _offload_ops  # noqa: F401  (defines ckvp::offload_experts)
 from .offload_policy import POLICIES, OffloadPlanner, OffloadStats, Round, check_rows
 
-__all__ = ["PREDICTORS", "ExpertOffloader", "OffloadedExperts", "fold_norm_predictor", "offload_experts"]
+__all__ = ["PREDICTORS", "ExpertOffloader", "OffloadedExperts", "fold_norm_predictor", "offload_experts",
+           "offloader_of", "owning_module"]
 
 #: How the next layers' routers are applied to layer L's MoE input (see the module docstring).
 PREDICTORS = ("norm", "router")
@@ -426,3 +427,44 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
     for n, info in enumerate(layers):
         setattr(info["block"], info["attr"], OffloadedExperts(offloader.handle, n, e))
     return offloader
+
+
+def owning_module(model: Any) -> torch.nn.Module:
+    """Return the ``nn.Module`` that ``model`` is, wraps or is a bound method of.
+
+    Args:
+        model: an ``nn.Module``, a bound method of one (``model.forward``), or a function wrapping such a method
+            (``torch.compile(model.forward)`` keeps it as ``__wrapped__``).
+    Raises:
+        CKVPConfigError: no module found.
+    """
+    module = model
+    for _ in range(8):
+        if isinstance(module, torch.nn.Module):
+            return module
+        owner = getattr(module, "__self__", None)
+        module = owner if isinstance(owner, torch.nn.Module) else getattr(module, "__wrapped__", None)
+    raise CKVPConfigError(f"expected an nn.Module or a bound method of one (model.forward), got {type(model).__name__}")
+
+
+def offloader_of(model: Any) -> ExpertOffloader | None:
+    """Return the :class:`ExpertOffloader` serving ``model``'s offloaded experts, or None when none are offloaded.
+
+    Args:
+        model: an ``nn.Module`` (also a ``torch.compile`` wrapper of one, whose ``_orig_mod`` is a submodule) or a
+            bound method of one (``model.forward``, compiled or not).
+    Returns:
+        The offloader (``.stats()``, ``.reset_stats()``, ``.close()``), found through the model's
+        :class:`OffloadedExperts` modules; None when the model has none.
+    Raises:
+        CKVPConfigError: ``model`` is not a module or a method of one; its experts are served by more than one
+            offloader (only possible by offloading parts of a model by hand); or its offloader was closed.
+    """
+    module = owning_module(model)
+    handles = {m.handle for m in module.modules() if isinstance(m, OffloadedExperts)}
+    if not handles:
+        return None
+    if len(handles) > 1:
+        raise CKVPConfigError(f"the model's experts are served by {len(handles)} offloaders (handles "
+                              f"{sorted(handles)}); offload the whole model with one offload_experts call")
+    return _offload_ops.lookup_offloader(handles.pop())
