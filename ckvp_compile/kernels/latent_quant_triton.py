@@ -1,14 +1,17 @@
-"""Triton quantize / dequantize kernels for the uniform latent storage formats (``int8``, ``int4``, ``int2``).
+"""Triton quantize / dequantize kernels for the latent storage formats ``int8`` / ``int4`` / ``int2``, ``tern`` and
+``mix`` (not ``mxint``).
 
 Layout, rounding rules and PyTorch references: :mod:`ckvp_compile.kernels.latent_format`
 (:func:`~ckvp_compile.kernels.latent_format.quantize_latent_ref`,
-:func:`~ckvp_compile.kernels.latent_format.dequantize_latent_ref`). One stored row per token::
+:func:`~ckvp_compile.kernels.latent_format.dequantize_latent_ref`). One stored row per token, one *piece* per head
+(uniform formats) or per (head, segment) (``mix``)::
 
-    [ codes: head 0 (cb_0 bytes), head 1 (cb_1 bytes), ... | scales: NB fp16 | mins: NB fp16 ]
+    int / mix:  [ codes: piece 0 (cb_0 bytes), piece 1, ... | scales: NB fp16 | mins: NB fp16 ]
+    tern:       [ codes: head 0 (ceil(r_0 / 5) bytes), head 1, ... | scales: NB fp16 ]
 
-Kernels (grid ``(N, NB)``, one program per (row, block); a block never straddles heads):
+Integer kernels (grid ``(N, blocks)``, one program per (row, block); a block never straddles pieces):
 
-* ``_quant_kernel``: loads the block's ``block`` coordinates of one head (a head's last block may be ragged: its
+* ``_quant_kernel``: loads the block's ``block`` coordinates of one piece (a piece's last block may be ragged: its
   missing coordinates are read as 0.0, exactly the reference's zero padding, so they take part in the block's
   min / max and their codes fill the last code byte just as in the reference), computes
   ``lo = min``, ``hi = max``; ``min = fp16(lo)`` round-to-nearest-even, stepped one fp16 ulp down when it lies
@@ -16,37 +19,64 @@ Kernels (grid ``(N, NB)``, one program per (row, block); a block never straddles
   (the fp16 neighbours are taken on the raw 16-bit pattern, as ``torch.nextafter`` does, signed zeros included);
   ``code = round_half_even((x - min) / scale)`` clamped to ``[0, levels]`` (scale 0 divides by 1), packs
   ``8 / bits`` codes per byte little-endian (first code in the lowest bits) and stores the block's code bytes
-  (only those inside the head's ``cb_h``), its fp16 scale and fp16 min (little-endian bytes).
+  (only those inside the piece's ``cb``), its fp16 scale and fp16 min (little-endian bytes).
 * ``_dequant_kernel``: unpacks each coordinate's code from its byte, ``x = code * scale + min`` in fp32, and
-  writes only the head's real coordinates (padding dropped).
+  writes only the piece's real coordinates (padding dropped).
+
+``mix`` formats: one launch of the same two kernels per bit width present (at most three: 8, 4, 2), each over the
+blocks of that width. The kernels are table-driven already (each block's column, real coordinates, first code
+byte, code bytes and index in the row come from a small int32 table), so a mix plan only changes the tables; the
+bit width is the one per-piece parameter that must be a compile-time constant (it sets the codes per byte and the
+``tl.reshape`` that packs them). This is simpler than a kernel with per-head format parameters (runtime bit
+widths would need masked variants of the packing) and than one launch per head slice (``Hkv x segments``
+launches, each with its own byte / scale offsets); it is bit-exact for the same reason the uniform kernels are,
+since every block is quantized exactly as a uniform block of its width.
+
+Ternary kernels (``tern/<block>``: codes {-1, 0, +1}, one fp16 scale per block, five base-3 digits per byte
+``sum_i (c_i + 1) * 3**i``, the digits of one head packed densely across its blocks). A byte may hold codes of
+two blocks (5 does not divide ``block``), so quantization takes two launches:
+
+* ``_tern_scale_kernel`` (grid ``(N, NB)``): ``scale = fp16(amax |x|)`` round-to-nearest-even, stepped one ulp up
+  (bit pattern + 1, the value is >= +0) when below ``amax``; stores the fp16 scale.
+* ``_tern_pack_kernel`` (grid ``(N, tiles)``, a tile is <= ``TERN_TILE_BYTES`` code bytes of one head): for each
+  (byte k, digit i < 5) reads coordinate ``5k + i`` and its block's scale (stored by the previous launch, same
+  stream), ``y = x / scale`` (scale 0 divides by 1), ``code = +1 if y > 0.5, -1 if y < -0.5, else 0`` (equal to
+  the reference's ``round_half_even(y).clamp(-1, 1)`` for every non-NaN y), codes past the head's rank are 0 (the
+  reference's padding digit 1), and stores ``sum_i (code_i + 1) * 3**i``.
+* ``_tern_dequant_kernel`` (grid ``(N, NB)``): digit ``(byte // 3**(j % 5)) % 3 - 1`` of byte ``j // 5`` (as the
+  reference also for bytes > 242), ``x = code * scale`` in fp32.
 
 Exactness (what is bit-exact against the reference and why):
 
 * fp32 -> fp16 casts use Triton's default round-to-nearest-even (``fp_downcast_rounding`` ``"rtne"``), as
   ``Tensor.to(torch.float16)``.
-* The two divisions use :func:`triton.language.math.div_rn` (IEEE round-to-nearest; plain ``/`` on fp32 may lower
+* The divisions use :func:`triton.language.math.div_rn` (IEEE round-to-nearest; plain ``/`` on fp32 may lower
   to an approximate ``div.full.f32`` on NVIDIA), as PyTorch's fp32 division.
 * ``levels * scale`` (levels <= 255, fp16 scale: <= 19 significant bits) and ``code * scale`` are exact in fp32,
   so a fused multiply-add (Triton contracts by default) rounds exactly as PyTorch's separate multiply and add.
 * Round-half-to-even is computed from exact operations (``floor``, the exact difference ``y - floor(y)`` for
   ``0 <= y < 2**23``, comparisons with 0.5, the parity of the floor), equal to ``torch.round``.
+* Ternary: ``amax`` of absolute values is exact and sign-free (no signed-zero case); the code is a comparison of
+  the correctly rounded quotient with +-0.5.
 
 So the bytes are equal to ``quantize_latent_ref`` and the decoded values to ``dequantize_latent_ref`` bit for bit,
-with one documented exception: when a block's minimum is a signed zero and the block holds both ``-0.0`` and
-``+0.0`` (a ragged block's padding is ``+0.0``), which zero ``amin`` / ``tl.min`` return is unspecified in both
-implementations, so the stored min may be ``0x0000`` vs ``0x8000`` (same value; the codes, the scale and every
-decoded value are equal). The tests compare inputs with ``-0.0`` canonicalised and separately check that case up
-to the zero's sign.
+with one documented exception (int and mix only): when a block's minimum is a signed zero and the block holds both
+``-0.0`` and ``+0.0`` (a ragged block's padding is ``+0.0``), which zero ``amin`` / ``tl.min`` return is
+unspecified in both implementations, so the stored min may be ``0x0000`` vs ``0x8000`` (same value; the codes, the
+scale and every decoded value are equal). The tests compare inputs with ``-0.0`` canonicalised and separately
+check that case up to the zero's sign.
 
-Status: exact under ``TRITON_INTERPRET=1`` (tests/kernels/test_latent_quant_triton.py) and on the H200 at real
-shapes (B=8 x 4096 slots, rank 256 in three head splits, int8/int4/int2 at blocks 32 and 64, Gaussian and outlier
-latents: every stored byte and every decoded bit equal; benchmarks/results/2026-11-29-latent-quant-h200), so
-:data:`USE_TRITON` is True: the CUDA kernel of ``ckvp::latent_append`` (``ops.latent_attention_cuda``) quantizes
-with :func:`quantize_latent_triton` for the formats it supports.
+Status: int8/int4/int2 are exact under ``TRITON_INTERPRET=1`` (tests/kernels/test_latent_quant_triton.py) and on
+the H200 at real shapes (B=8 x 4096 slots, rank 256 in three head splits, blocks 32 and 64, Gaussian and outlier
+latents: every stored byte and every decoded bit equal; benchmarks/results/2026-11-29-latent-quant-h200), so the
+CUDA kernel of ``ckvp::latent_append`` (``ops.latent_attention_cuda``) quantizes them with
+:func:`quantize_latent_triton` (:func:`use_triton`). ``tern`` and ``mix`` are exact under the interpreter
+(tests/kernels/test_latent_quant_triton_tern_mix.py); they join :data:`GPU_CHECKED` once
+``benchmarks/latent_quant_gpu.py`` passes for them on the GPU.
 
-Errors: :class:`ValueError` for a format that is not a uniform ``int8`` / ``int4`` / ``int2`` format, a wrong
-dtype / width of ``rows``, or (as the reference) a value that is not finite or beyond fp16's range;
-:class:`NotImplementedError` for a CPU tensor without the interpreter.
+Errors: :class:`ValueError` for ``"float"`` or an ``mxint`` format, a wrong dtype / width of ``rows``, or (as the
+reference) a value that is not finite or beyond fp16's range; :class:`NotImplementedError` for a CPU tensor
+without the interpreter.
 
 Sources (read, not copied): KIVI (Liu et al., 2024, arXiv:2402.02750: asymmetric per-token / per-channel
 quantization with a scale and zero point per group); Triton documentation (``triton.language``: ``reshape``,
@@ -66,45 +96,90 @@ import triton.language as tl
 
 from .latent_format import LatentFormat, parse_latent_format
 
-__all__ = ["USE_TRITON", "dequantize_latent_triton", "quantize_latent_triton", "unsupported_reason"]
+__all__ = ["GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_triton", "format_family",
+           "quantize_latent_triton", "unsupported_reason", "use_triton"]
 
-#: Checked bit-equal on the H200 (module docstring): the CUDA ``ckvp::latent_append`` quantizes with these kernels.
-#: Set False to force the reference quantizer.
+#: The CUDA ``ckvp::latent_append`` quantizes with these kernels (for the families in :data:`GPU_CHECKED`). Set
+#: False to force the reference quantizer.
 USE_TRITON = True
+#: Format families (:func:`format_family`) checked bit-equal against the reference on the H200 at real shapes by
+#: ``benchmarks/latent_quant_gpu.py``; :func:`use_triton` is False for the others. Add ``"tern"`` and ``"mix"``
+#: when that script's rows for them pass on the GPU.
+GPU_CHECKED = frozenset({"int"})
+#: Code bytes per ``_tern_pack_kernel`` program (power of two; 64 bytes = 320 coordinates covers a head of rank
+#: <= 320 in one program; raise it for larger heads to launch fewer programs, at more registers per program).
+TERN_TILE_BYTES = 64
 
 _FP16_MAX = 65504.0
+
+
+def format_family(fmt: "str | LatentFormat") -> str:
+    """``"float"``, ``"int"`` (uniform int8/int4/int2), ``"mxint"``, ``"tern"`` or ``"mix"``.
+
+    Raises:
+        ValueError: an unknown format (from :func:`~ckvp_compile.kernels.latent_format.parse_latent_format`).
+    """
+    f = parse_latent_format(fmt)
+    if not f.quantized:
+        return "float"
+    return "mix" if f.mixed else "tern" if f.ternary else "mxint" if f.pow2 else "int"
 
 
 def unsupported_reason(fmt: "str | LatentFormat", device: torch.device) -> str | None:
     """None when these kernels handle ``fmt`` on ``device``, else why not (a string).
 
-    Supported: uniform quantized formats (``int8`` / ``int4`` / ``int2`` with any valid block) on CUDA, or any
-    device under ``TRITON_INTERPRET=1``. Not: ``"float"``, ``tern``, ``mix`` formats.
+    Supported: uniform ``int8`` / ``int4`` / ``int2``, ``tern`` and ``mix`` formats (any valid block) on CUDA, or
+    any device under ``TRITON_INTERPRET=1``. Not: ``"float"``, ``mxint`` formats.
     """
     f = parse_latent_format(fmt)
-    if not f.quantized or f.mixed or f.ternary or f.pow2:
-        return f"format {f.name!r} is not a uniform int8/int4/int2 format"
+    if format_family(f) in ("float", "mxint"):
+        return f"format {f.name!r} is not one of these kernels' formats (uniform int8/int4/int2, tern, mix)"
     if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"device {torch.device(device).type!r} needs CUDA (or TRITON_INTERPRET=1)"
     return None
 
 
+def use_triton(fmt: "str | LatentFormat", device: torch.device) -> bool:
+    """True when the CUDA ``ckvp::latent_append`` should quantize ``fmt`` with these kernels: :data:`USE_TRITON`,
+    the format's family in :data:`GPU_CHECKED`, and :func:`unsupported_reason` None."""
+    return USE_TRITON and format_family(fmt) in GPU_CHECKED and unsupported_reason(fmt, device) is None
+
+
 @functools.lru_cache(maxsize=256)
-def _block_table(offsets: tuple[int, ...], name: str) -> tuple[torch.Tensor, int, int]:
-    """(NB, 4) int32 per block: (first packed column, real coordinates, first code byte, code bytes stored);
-    and the row's total code bytes and row width."""
+def _tables(offsets: tuple[int, ...], name: str, device: str):
+    """The kernels' int32 tables for one layout, on ``device`` (cached: built once, not copied every decode step).
+
+    Returns ``(groups, tern_pack, n_code, nb, width)``:
+      * ``groups``: int / mix: ``((bits, (blocks, 5) table), ...)`` per bit width; tern: ``((1, table),)``. A row
+        per block: (first packed column, real coordinates, first code byte, int: code bytes stored / tern: the
+        block's first coordinate within its head, block index in the row).
+      * ``tern_pack``: tern: (tiles, 6) per code-byte tile (head column, head rank, first code byte of the tile,
+        first byte within the head, bytes in the tile, the head's first block); None otherwise.
+      * ``n_code``: code bytes per row; ``nb``: blocks per row; ``width``: row bytes.
+    """
     f = parse_latent_format(name)
-    rows, byte = [], 0
-    bpb = f.block * f.bits // 8
-    for a, b in zip(offsets, offsets[1:]):
-        r = int(b) - int(a)
-        cb = -(-r * f.bits // 8)
-        for k in range(-(-r // f.block)):
-            rows.append((int(a) + k * f.block, min(f.block, r - k * f.block), byte + k * bpb,
-                         min(bpb, cb - k * bpb)))
+    by_bits: dict[int, list] = {}
+    tiles, byte = [], 0
+    for col, count, bits, block0 in f.pieces(offsets):
+        nblk = -(-count // f.block)
+        if f.ternary:
+            cb = -(-count // 5)
+            for k in range(nblk):
+                by_bits.setdefault(bits, []).append((col + k * f.block, min(f.block, count - k * f.block), byte,
+                                                     k * f.block, block0 + k))
+            for t in range(-(-cb // TERN_TILE_BYTES)):
+                tiles.append((col, count, byte + t * TERN_TILE_BYTES, t * TERN_TILE_BYTES,
+                              min(TERN_TILE_BYTES, cb - t * TERN_TILE_BYTES), block0))
+        else:
+            cb, bpb = -(-count * bits // 8), f.block * bits // 8
+            for k in range(nblk):
+                by_bits.setdefault(bits, []).append((col + k * f.block, min(f.block, count - k * f.block),
+                                                     byte + k * bpb, min(bpb, cb - k * bpb), block0 + k))
         byte += cb
-    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
-    return t, byte, f.row_width(offsets)
+    groups = tuple((bits, torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).to(device))
+                   for bits, rows in sorted(by_bits.items()))
+    pack = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6).to(device) if f.ternary else None
+    return groups, pack, byte, f.num_blocks(offsets), f.row_width(offsets)
 
 
 def _check(fmt, device) -> LatentFormat:
@@ -121,11 +196,12 @@ def _check(fmt, device) -> LatentFormat:
 def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
                   BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    zcol = tl.load(tab_ptr + blk * 4)
-    nval = tl.load(tab_ptr + blk * 4 + 1)
-    byte0 = tl.load(tab_ptr + blk * 4 + 2)
-    nbytes = tl.load(tab_ptr + blk * 4 + 3)
+    t = tl.program_id(1)
+    zcol = tl.load(tab_ptr + t * 5)
+    nval = tl.load(tab_ptr + t * 5 + 1)
+    byte0 = tl.load(tab_ptr + t * 5 + 2)
+    nbytes = tl.load(tab_ptr + t * 5 + 3)
+    blk = tl.load(tab_ptr + t * 5 + 4)
     LEVELS: tl.constexpr = (1 << BITS) - 1
     PER: tl.constexpr = 8 // BITS
 
@@ -173,10 +249,11 @@ def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
 def _dequant_kernel(rows_ptr, out_ptr, tab_ptr, rows_stride, out_stride, n_code, NB,
                     BITS: tl.constexpr, BP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    zcol = tl.load(tab_ptr + blk * 4)
-    nval = tl.load(tab_ptr + blk * 4 + 1)
-    byte0 = tl.load(tab_ptr + blk * 4 + 2)
+    t = tl.program_id(1)
+    zcol = tl.load(tab_ptr + t * 5)
+    nval = tl.load(tab_ptr + t * 5 + 1)
+    byte0 = tl.load(tab_ptr + t * 5 + 2)
+    blk = tl.load(tab_ptr + t * 5 + 4)
     PER: tl.constexpr = 8 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
 
@@ -197,18 +274,95 @@ def _dequant_kernel(rows_ptr, out_ptr, tab_ptr, rows_stride, out_stride, n_code,
     tl.store(out_ptr + row * out_stride + zcol + j, x, mask=ok)
 
 
+@triton.jit
+def _pow3(m):
+    """3**m for int32 m in [0, 4] (0 elsewhere above 4: the unused digits of a padded byte)."""
+    return tl.where(m == 0, 1, tl.where(m == 1, 3, tl.where(m == 2, 9, tl.where(m == 3, 27,
+                    tl.where(m == 4, 81, 0)))))
+
+
+@triton.jit
+def _tern_scale_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, BP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    zcol = tl.load(tab_ptr + t * 5)
+    nval = tl.load(tab_ptr + t * 5 + 1)
+    blk = tl.load(tab_ptr + t * 5 + 4)
+
+    j = tl.arange(0, BP)
+    x = tl.load(z_ptr + row * z_stride + zcol + j, mask=j < nval, other=0.0)
+    amax = tl.max(tl.abs(x), axis=0)
+    # fp16(amax) rtne, one ulp up (the bit pattern + 1: amax >= +0) if below amax
+    s16 = amax.to(tl.float16)
+    su = s16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    su = tl.where(s16.to(tl.float32) < amax, su + 1, su)
+    two = tl.arange(0, 2)
+    tl.store(out_ptr + row * out_stride + n_code + 2 * blk + two, ((su >> (8 * two)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _tern_pack_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code,
+                      BLOCK: tl.constexpr, KB: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    zcol = tl.load(tab_ptr + t * 6)
+    count = tl.load(tab_ptr + t * 6 + 1)
+    byte0 = tl.load(tab_ptr + t * 6 + 2)
+    k0 = tl.load(tab_ptr + t * 6 + 3)
+    nbytes = tl.load(tab_ptr + t * 6 + 4)
+    blk0 = tl.load(tab_ptr + t * 6 + 5)
+
+    k = tl.arange(0, KB)
+    i = tl.arange(0, 8)
+    jj = (k0 + k[:, None]) * 5 + i[None, :]  # (KB, 8): coordinate within the head of digit i of byte k
+    ok = (i[None, :] < 5) & (k[:, None] < nbytes) & (jj < count)
+    x = tl.load(z_ptr + row * z_stride + zcol + jj, mask=ok, other=0.0)
+    obase = out_ptr + row * out_stride
+    sp = obase + n_code + 2 * (blk0 + jj // BLOCK)  # the block's fp16 scale, stored by _tern_scale_kernel
+    su = tl.load(sp, mask=ok, other=0).to(tl.int32) | (tl.load(sp + 1, mask=ok, other=0).to(tl.int32) << 8)
+    sf = su.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    y = tl.math.div_rn(x, tl.where(sf > 0, sf, 1.0))
+    code = tl.where(y > 0.5, 1, tl.where(y < -0.5, -1, 0))  # round_half_even(y).clamp(-1, 1)
+    digit = tl.where(ok, code + 1, 1)  # past the rank: code 0, the reference's padding
+    packed = tl.sum(digit * _pow3(i)[None, :], axis=1)
+    tl.store(obase + byte0 + k, packed.to(tl.uint8), mask=k < nbytes)
+
+
+@triton.jit
+def _tern_dequant_kernel(rows_ptr, out_ptr, tab_ptr, rows_stride, out_stride, n_code, BP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    zcol = tl.load(tab_ptr + t * 5)
+    nval = tl.load(tab_ptr + t * 5 + 1)
+    hbyte = tl.load(tab_ptr + t * 5 + 2)
+    first = tl.load(tab_ptr + t * 5 + 3)
+    blk = tl.load(tab_ptr + t * 5 + 4)
+
+    base = rows_ptr + row * rows_stride
+    j = tl.arange(0, BP)
+    ok = j < nval
+    jj = first + j
+    byte = tl.load(base + hbyte + jj // 5, mask=ok, other=0).to(tl.int32)
+    code = (byte // _pow3(jj % 5)) % 3 - 1
+    two = tl.arange(0, 2)
+    su = tl.sum(tl.load(base + n_code + 2 * blk + two).to(tl.int32) << (8 * two), axis=0)
+    sf = su.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + zcol + j, code.to(tl.float32) * sf, mask=ok)
+
+
 def quantize_latent_triton(z: torch.Tensor, offsets: Sequence[int], fmt: "str | LatentFormat") -> torch.Tensor:
-    """Triton :func:`~ckvp_compile.kernels.latent_format.quantize_latent_ref` for uniform formats.
+    """Triton :func:`~ckvp_compile.kernels.latent_format.quantize_latent_ref` for int, tern and mix formats.
 
     Args:
         z: (..., R_tot) float (any float dtype; computed in fp32), packed latent coordinates, ``R_tot = offsets[-1]``.
         offsets: Hkv+1 ints (non-decreasing; head h owns columns ``offsets[h]:offsets[h+1]``).
-        fmt: ``"int8"``, ``"int4/64"``, ``"int2/8"``, ... (uniform quantized formats only).
+        fmt: ``"int8"``, ``"int4/64"``, ``"int2/8"``, ``"tern/32"``, ``"mix/32:8x32+4x64,..."``, ...
     Returns:
         (..., row_bytes) uint8, bit-equal to the reference (see the module docstring for the signed-zero min).
+        Launches: int 1, mix one per bit width present, tern 2.
     Raises:
-        ValueError: ``fmt`` is not a uniform int format, ``z``'s last dim is not ``offsets[-1]``, or a value is not
-            finite or beyond fp16's range (|x| > 65504).
+        ValueError: ``fmt`` is ``"float"`` or ``mxint``, a mix plan does not match ``offsets``, ``z``'s last dim is
+            not ``offsets[-1]``, or a value is not finite or beyond fp16's range (|x| > 65504).
         NotImplementedError: a non-CUDA tensor without ``TRITON_INTERPRET=1``.
     Reference: kernels/latent_format.py::quantize_latent_ref
     """
@@ -221,40 +375,52 @@ def quantize_latent_triton(z: torch.Tensor, offsets: Sequence[int], fmt: "str | 
     # checked for host tensors only, as the reference does: on a GPU the check would synchronise every decode step
     if zf.numel() and not zf.is_cuda and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
         raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
-    tab, n_code, width = _block_table(offsets, f.name)
-    n, nb = zf.shape[0], tab.shape[0]
+    groups, pack, n_code, nb, width = _tables(offsets, f.name, str(z.device))
+    n = zf.shape[0]
     out = torch.empty(n, width, dtype=torch.uint8, device=z.device)
-    if n and nb:
-        _quant_kernel[(n, nb)](zf, out, tab.to(z.device), zf.stride(0), out.stride(0), n_code, nb,
-                               BITS=f.bits, BLOCK=f.block, BP=triton.next_power_of_2(f.block))
+    bp = triton.next_power_of_2(f.block)
+    for bits, tab in (groups if n else ()):
+        if f.ternary:
+            _tern_scale_kernel[(n, tab.shape[0])](zf, out, tab, zf.stride(0), out.stride(0), n_code, BP=bp)
+            _tern_pack_kernel[(n, pack.shape[0])](zf, out, pack, zf.stride(0), out.stride(0), n_code,
+                                                  BLOCK=f.block, KB=TERN_TILE_BYTES)
+        else:
+            _quant_kernel[(n, tab.shape[0])](zf, out, tab, zf.stride(0), out.stride(0), n_code, nb,
+                                             BITS=bits, BLOCK=f.block, BP=bp)
     return out.view(*lead, width)
 
 
 def dequantize_latent_triton(rows: torch.Tensor, offsets: Sequence[int], fmt: "str | LatentFormat") -> torch.Tensor:
-    """Triton :func:`~ckvp_compile.kernels.latent_format.dequantize_latent_ref` for uniform formats.
+    """Triton :func:`~ckvp_compile.kernels.latent_format.dequantize_latent_ref` for int, tern and mix formats.
 
     Args:
         rows: (..., row_bytes) uint8 as written by the quantizer.
         offsets: Hkv+1 ints.
-        fmt: the uniform format they were written with.
+        fmt: the format they were written with.
     Returns:
-        (..., R_tot) fp32, ``code * scale + min`` per coordinate, bit-equal to the reference.
+        (..., R_tot) fp32, ``code * scale + min`` (tern: ``code * scale``) per coordinate, bit-equal to the
+        reference.
     Raises:
-        ValueError: ``fmt`` is not a uniform int format, or ``rows`` is not uint8 of the format's row width.
+        ValueError: ``fmt`` is ``"float"`` or ``mxint``, a mix plan does not match ``offsets``, or ``rows`` is not
+            uint8 of the format's row width.
         NotImplementedError: a non-CUDA tensor without ``TRITON_INTERPRET=1``.
     Reference: kernels/latent_format.py::dequantize_latent_ref
     """
     f = _check(fmt, rows.device)
     offsets = tuple(int(o) for o in offsets)
-    tab, n_code, width = _block_table(offsets, f.name)
+    groups, _, n_code, nb, width = _tables(offsets, f.name, str(rows.device))
     if rows.dtype != torch.uint8 or rows.shape[-1] != width:
         raise ValueError(f"rows must be uint8 (..., {width}) for {f.name} with offsets {list(offsets)}, but got "
                          f"{rows.dtype} {tuple(rows.shape)}")
     lead = rows.shape[:-1]
     r2 = rows.reshape(lead.numel(), width).contiguous()
-    n, nb = r2.shape[0], tab.shape[0]
+    n = r2.shape[0]
     out = torch.empty(n, offsets[-1], dtype=torch.float32, device=rows.device)
-    if n and nb:
-        _dequant_kernel[(n, nb)](r2, out, tab.to(rows.device), r2.stride(0), out.stride(0), n_code, nb,
-                                 BITS=f.bits, BP=triton.next_power_of_2(f.block))
+    bp = triton.next_power_of_2(f.block)
+    for bits, tab in (groups if n else ()):
+        if f.ternary:
+            _tern_dequant_kernel[(n, tab.shape[0])](r2, out, tab, r2.stride(0), out.stride(0), n_code, BP=bp)
+        else:
+            _dequant_kernel[(n, tab.shape[0])](r2, out, tab, r2.stride(0), out.stride(0), n_code, nb,
+                                               BITS=bits, BP=bp)
     return out.view(*lead, offsets[-1])

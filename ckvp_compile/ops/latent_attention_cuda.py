@@ -126,16 +126,17 @@ parts.latent_attention_from_scores.register_kernel("cuda")(latent_attention_from
 def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
                        slots: torch.Tensor, fmt: str = "float") -> None:
     """``ckvp::latent_append`` on CUDA tensors (arguments and errors as
-    :func:`ckvp_compile.ops.latent_kv.latent_append`): the reference projection, then the Triton quantizer (one
-    launch, bit-equal to the reference, :mod:`ckvp_compile.kernels.latent_quant_triton`) for the uniform int
-    formats when :data:`~ckvp_compile.kernels.latent_quant_triton.USE_TRITON` is set; the reference otherwise.
+    :func:`ckvp_compile.ops.latent_kv.latent_append`): the reference projection, then the Triton quantizer
+    (bit-equal to the reference, :mod:`ckvp_compile.kernels.latent_quant_triton`) for the formats
+    :func:`~ckvp_compile.kernels.latent_quant_triton.use_triton` accepts (``USE_TRITON`` set and the format's family
+    checked on the GPU: ``GPU_CHECKED``); the reference otherwise.
 
     Raises:
         CKVPShapeError: as the op.
     Reference: kernels/reference.py::latent_append_ref
     """
     latent_kv._check_latent_append(latent, x, basis, offsets, slots, fmt)
-    use = lq.USE_TRITON and lq.unsupported_reason(fmt, latent.device) is None
+    use = lq.use_triton(fmt, latent.device)
     ref.latent_append_with(latent, x, basis, offsets, slots, fmt,
                            lq.quantize_latent_triton if use else quantize_latent_ref)
 

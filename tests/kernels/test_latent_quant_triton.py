@@ -121,7 +121,7 @@ def _check_fixed() -> None:
     for bad in (float("nan"), float("inf"), 70000.0):
         with _raises(ValueError, "finite"):
             quantize_latent_triton(torch.tensor([[bad, 0.0]]), [0, 2], "int8")
-    for fmt in ("float", "tern", "mix/8:8x2"):
+    for fmt in ("float", "mxint8"):  # tern and mix: tests/kernels/test_latent_quant_triton_tern_mix.py
         assert unsupported_reason(fmt, torch.device("cpu")) is not None
         with _raises(ValueError, "uniform"):
             quantize_latent_triton(torch.zeros(1, 2), [0, 2], fmt)
