@@ -1,4 +1,5 @@
-"""Rewrite each MoE layer's routed experts into one ``ckvp::moe_experts`` call (grouped expert GEMMs).
+"""Rewrite each MoE layer's routed experts, and its shared expert, into ``ckvp::moe_experts`` calls (grouped
+expert GEMMs).
 
 Runs on the Dynamo graph (stage 'torch'), where the analysis found the :class:`~ckvp_compile.analysis.sites.
 MoESite` and named its nodes; every experts form the analysis reports is handled the same way, because only
@@ -9,10 +10,13 @@ the ends of the experts computation are read, never its middle::
         vals, ids   = topk(scores(router(x)), A)             (T, A)
         w           = <routing weights as the model uses them>    (T, A)   e.g. vals / vals.sum(-1)
         routed      = sum_a w * down(silu(gate(x)) * up(x))  (T, Dm)   sort / gather / bmm / einsum / loop ...
-        out         = routed [+ shared_expert(x)] ...
+        shared      = [sigmoid(x @ Ws^T) *] (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T     (T, Dm)   when present
+        out         = routed [+ shared]
     after
         routed      = ckvp.moe_experts(x, ids, w, W_gate, W_up, W_down)   (lowered by lowering/moe.py)
-        out         = routed [+ shared_expert(x)] ...        (the router, scoring and shared expert untouched)
+        shared      = ckvp.moe_experts(x, zeros_like(g, int32), g, Wg[None], Wu[None], Wd[None])   one expert (E=1)
+                      with g = sigmoid(x @ Ws^T) (T, 1), or ones (T, 1) when ungated
+        out         = routed [+ shared]                      (the router and scoring untouched)
 
 ``w`` is the tensor the model multiplies its expert outputs by, traced back from the combine to its (T, A)
 form, so softmax placement, renormalisation and dtype casts are exactly the model's. W_gate / W_up / W_down
@@ -20,13 +24,27 @@ are the stacked weight placeholders the site names, given to the op as views (HF
 (E, 2I, Dm) as ``narrow`` halves, gate first or second as the graph's ``chunk`` says). The old experts
 computation is then dead and removed (including in-place accumulations into a buffer nothing else reads).
 
+The shared expert (Qwen2-MoE's sigmoid-gated ``shared_expert``, a block Qwen3-Next repeats; ungated: HunYuan-MoE's
+``shared_mlp``, the DeepSeek-V3 form) is the same op with one expert: every token's id is 0 and its weight the gate
+``sigmoid(linear(x))`` (T, 1) the model computes (kept in the graph), or ones; its (I, Dm) / (Dm, I) weights are
+``unsqueeze(0)`` views, so the grouped-GEMM kernels, templates and lowering serve it unchanged. An input with
+leading dims (B, S, Dm) is flattened to (T, Dm) and the result viewed back. Its linears, silu and products are
+removed. It is rewritten only together with its site's routed experts, and only when exactly this form is found:
+bias-free ``F.linear`` projections on 2-D parameters ((I, Dm) gate and up reading one tensor, (Dm, I) down), the
+down projection reading ``silu(gate) * up`` directly, the gate a (1, Dm) linear of the same input whose sigmoid
+multiplies the down output directly, no dtype change or broadcast, and no other reader of its intermediates.
+Otherwise it is left as the model computes it, with an :class:`~ckvp_compile.errors.UnsupportedPatternWarning`
+and the reason in the pass's ``notes`` (:class:`~ckvp_compile.passes.base.PassResult`, shown by ckvp-inspect).
+
 A site is left untouched, with an :class:`~ckvp_compile.errors.UnsupportedPatternWarning` giving the reason,
 when any of these is not found exactly: the weights' roles and layouts ((E, I, Dm) gate / up or (E, 2I, Dm)
 fused, (E, Dm, I) down), a ``silu(gate) * up`` activation (no other activation, no biases), the routing-weight
 tensor, the routed output, or experts fed by the router's input.
 
-Prior art: vLLM ``FusedMoE`` (one op for the experts of a layer); the pattern-docstring form of vLLM's
-compilation passes.
+Prior art: vLLM ``FusedMoE`` (one op for the experts of a layer); the pattern-docstring form of vLLM's compilation
+passes. Shared-expert fusion in SGLang (sgl-project/sglang PR 4918, after vllm-project/vllm PR 15502) appends the
+shared expert to the routed ones as expert E (top-(A+1), weight 1); here it is a second call with E = 1 instead,
+because appending to the model's stacked expert parameters would copy them.
 """
 
 from __future__ import annotations
@@ -90,6 +108,8 @@ class ExpertGemmPass(CKVPPass):
         sites: the MoE sites the plan decided to rewrite (from the analysis of the graph this pass runs on).
     Attributes:
         skipped: the sites left untouched by the last :meth:`apply`, with reasons (also warned).
+        notes: layer -> why its shared expert was left as the model computes it, for the sites rewritten by the
+            last :meth:`apply` (also warned; :class:`~ckvp_compile.passes.base.PassResult` ``notes``).
     """
 
     name = "expert_gemm"
@@ -98,6 +118,7 @@ class ExpertGemmPass(CKVPPass):
     def __init__(self, sites: tuple[MoESite, ...] | list[MoESite]) -> None:
         self.sites = tuple(sites)
         self.skipped: list[SkippedSite] = []
+        self.notes: dict[int, str] = {}
 
     def is_applicable(self, graph: fx.Graph) -> str:
         """'' when there are sites to rewrite, else the reason."""
@@ -109,6 +130,7 @@ class ExpertGemmPass(CKVPPass):
 
         register_all()
         self.skipped = []
+        self.notes = {}
         count = 0
         for site in self.sites:
             try:
@@ -119,7 +141,18 @@ class ExpertGemmPass(CKVPPass):
                               "untouched (the model's own experts run). Fix: report the model with the output of "
                               "ckvp-inspect.", UnsupportedPatternWarning, stacklevel=2)
                 continue
+            shared = None
+            if site.shared_expert is not None:
+                try:
+                    shared = _understand_shared(graph, site)
+                except _Skip as why:
+                    self.notes[site.layer] = f"shared expert left as the model computes it: {why}"
+                    warnings.warn(f"ckvp: layer {site.layer}: the shared expert is left as the model computes it: "
+                                  f"{why}. The routed experts are rewritten. Fix: report the model with the output "
+                                  "of ckvp-inspect.", UnsupportedPatternWarning, stacklevel=2)
             _rewrite(graph, rw, site)
+            if shared is not None:
+                _rewrite_shared(graph, shared, site)
             count += 1
         return count
 
@@ -411,7 +444,7 @@ def _set_example_value(node: fx.Node) -> None:
             if node.op == "call_method":
                 val = getattr(args[0], node.target)(*args[1:])
             else:
-                val = node.target(*args)
+                val = node.target(*args, **node.kwargs)
     except Exception:  # shapes are informational here; AOT tracing recomputes them
         return
     node.meta["example_value"] = val
@@ -500,3 +533,164 @@ def _impure(n: fx.Node) -> bool:
         return n.is_impure()
     except Exception:
         return True
+
+
+# ------------------------------------------------------------------------------------------------ the shared expert
+
+
+@dataclass
+class _SharedRewrite:
+    x: fx.Node  # the shared expert's input, (*lead, Dm) with T = prod(lead) tokens
+    gate_w: fx.Node  # (I, Dm) parameter
+    up_w: fx.Node  # (I, Dm) parameter
+    down_w: fx.Node  # (Dm, I) parameter
+    weights: fx.Node | None  # sigmoid(gate logits), (*lead, 1); None when ungated
+    out: fx.Node  # the value the op replaces: sigmoid(gate) * down(...), or down(...) when ungated
+    dead: tuple[fx.Node, ...]  # the old expert nodes, users before inputs
+
+
+def _understand_shared(graph: fx.Graph, site: MoESite) -> _SharedRewrite:
+    """Verify the site's shared expert is exactly ``[sigmoid(x @ Ws^T) *] ((silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T)``
+    (bias-free linears on 2-D parameters, Ws (1, Dm), Wg / Wu (I, Dm), Wd (Dm, I), no dtype change, nothing else
+    reading its intermediates) and return what the one-expert op needs, or raise _Skip with the reason."""
+    sh = site.shared_expert
+    nodes = node_map(graph)
+    names = [n for n in (*sh.gate_up_nodes, sh.down_node, sh.gate_node, sh.combine_node) if n is not None]
+    missing = [n for n in names if n not in nodes]
+    if missing or sh.down_node is None or sh.combine_node is None:
+        raise _Skip(f"nodes {missing or names} of the shared expert are not in the graph")
+    if len(sh.gate_up_nodes) != 2:
+        raise _Skip(f"{len(sh.gate_up_nodes)} input projection(s) {list(sh.gate_up_nodes)}; only separate gate and "
+                    "up linears are read (a fused gate_up linear is NYI)")
+    down = nodes[sh.down_node]
+    down_w = _linear_weight(down)
+    h = down.args[0]
+    if not (isinstance(h, fx.Node) and op_name(h) == "mul" and len(h.args) == 2 and not h.kwargs
+            and all(isinstance(a, fx.Node) for a in h.args)):
+        raise _Skip(f"the down projection {down.name} does not read act(gate) * up directly (it reads "
+                    f"{op_name(h) if isinstance(h, fx.Node) else h})")
+    acts = [a for a in h.args if op_name(a) in _ACTIVATIONS]
+    if len(acts) != 1 or op_name(acts[0]) != "silu":
+        raise _Skip(f"activation {sorted(op_name(a) for a in acts) or 'none'} in the shared expert; only "
+                    "silu(gate) * up (SwiGLU) is fused")
+    silu = acts[0]
+    up = h.args[1] if h.args[0] is silu else h.args[0]
+    gate = silu.args[0] if silu.args else None
+    if {gate, up} != {nodes[n] for n in sh.gate_up_nodes}:
+        raise _Skip(f"silu(gate) * up is not made of the input projections {list(sh.gate_up_nodes)} directly")
+    gate_w, up_w = _linear_weight(gate), _linear_weight(up)
+    x = gate.args[0]
+    if up.args[0] is not x or not isinstance(x, fx.Node):
+        raise _Skip(f"the gate and up projections read different tensors ({gate.args[0]}, {up.args[0]})")
+    dm, x_shape = site.hidden_dim, _shape(x)
+    i = (_shape(gate_w) or (0,))[0]
+    if not x_shape or x_shape[-1] != dm or _symbolic_dim(x, -1):
+        raise _Skip(f"the shared expert's input {x.name} is {x_shape}, expected (..., Dm = {dm})")
+    for w, want in ((gate_w, (i, dm)), (up_w, (i, dm)), (down_w, (dm, i))):
+        if _shape(w) != want:
+            raise _Skip(f"shared expert weight {w.name} is {_shape(w)}, expected {want} (I = {i}, Dm = {dm})")
+    internal = {gate: {silu}, up: {h}, silu: {h}, h: {down}}
+    weights, out = None, down
+    if sh.gate_node is not None:
+        lin = nodes[sh.gate_node]
+        gw = _linear_weight(lin)
+        if _shape(gw) != (1, dm) or lin.args[0] is not x:
+            raise _Skip(f"the shared expert gate {lin.name} is not a linear (1, Dm) of the expert's input {x.name} "
+                        f"(weight {_shape(gw)}, input {lin.args[0]})")
+        muls = [(u, _other_factor(u, down)) for u in down.users]
+        muls = [(u, f) for u, f in muls if f is not None and op_name(f) == "sigmoid"]
+        out, sig = muls[0] if len(muls) == 1 else (None, None)
+        if sig is None or sig.args != (lin,) or sig.kwargs:
+            raise _Skip(f"the shared expert's output {down.name} is not multiplied by sigmoid({lin.name}) directly")
+        weights = sig
+        internal[down] = {out}
+        if not _same_shape(sig, lin) or _dims(sig) != _dims(x)[:-1] + ["1"]:
+            raise _Skip(f"the gate sigmoid({lin.name}) is {_shape(sig)}, expected the input's leading dims and 1 "
+                        f"(input {x_shape})")
+    combine = nodes[sh.combine_node]
+    if not any(strip_views(a, moe_analysis._EXTRA_VIEWS) is out for a in combine.args):
+        raise _Skip(f"the add {combine.name} does not read the shared expert's output {out.name}")
+    if not _same_shape(out, x) or _dtype(out) != _dtype(x):
+        raise _Skip(f"the shared expert's output {out.name} is {_shape(out)} {_dtype(out)}, not its input's "
+                    f"{x_shape} {_dtype(x)} (a dtype cast or broadcast inside it)")
+    for w in (gate_w, up_w, down_w):
+        if _dtype(w) != _dtype(x):
+            raise _Skip(f"shared expert weight {w.name} is {_dtype(w)}, its input {_dtype(x)}")
+    for n, allowed in internal.items():
+        others = [u.name for u in n.users if u not in allowed]
+        if others:
+            raise _Skip(f"{n.name} inside the shared expert is also read by {others}")
+    return _SharedRewrite(x, gate_w, up_w, down_w, weights, out, tuple(dict.fromkeys((out, down, h, silu, up, gate))))
+
+
+def _other_factor(mul: fx.Node, factor: fx.Node) -> fx.Node | None:
+    """For ``mul(a, b)`` (two graph values, no other arguments) with ``factor`` one of them: the other one."""
+    if op_name(mul) != "mul" or len(mul.args) != 2 or mul.kwargs or factor not in mul.args:
+        return None
+    other = mul.args[1] if mul.args[0] is factor else mul.args[0]
+    return other if isinstance(other, fx.Node) else None
+
+
+def _linear_weight(node: fx.Node) -> fx.Node:
+    """The 2-D parameter of a bias-free ``F.linear`` / ``nn.Linear`` call, or raise _Skip."""
+    if not isinstance(node, fx.Node) or op_name(node) != "linear":
+        raise _Skip(f"{getattr(node, 'name', node)} is {op_name(node) if isinstance(node, fx.Node) else 'no node'}, "
+                    "not a linear (the shared expert is read as F.linear / nn.Linear projections)")
+    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if bias is not None:
+        raise _Skip(f"{node.name} has a bias (NYI in the fused op)")
+    if not isinstance(w, fx.Node) or w.op not in ("placeholder", "get_attr") or len(_shape(w) or ()) != 2:
+        raise _Skip(f"the weight of {node.name} is not a 2-D parameter")
+    return w
+
+
+def _dims(node: fx.Node) -> list[str] | None:
+    """The recorded shape with every size as its expression string (symbolic sizes compare without a guard)."""
+    val = node.meta.get("example_value")
+    return [str(d) for d in val.shape] if isinstance(val, torch.Tensor) else None
+
+
+def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+    """Equal recorded shapes, symbolic sizes compared as expressions (no guard is added)."""
+    return _dims(a) is not None and _dims(a) == _dims(b)
+
+
+def _symbolic_dim(node: fx.Node, dim: int) -> bool:
+    val = node.meta.get("example_value")
+    return not isinstance(val, torch.Tensor) or not isinstance(val.shape[dim], int)
+
+
+def _rewrite_shared(graph: fx.Graph, rw: _SharedRewrite, site: MoESite) -> None:
+    """Replace the shared expert with ``ckvp.moe_experts`` over one expert: ids all 0, weights the sigmoid gate
+    (ones when ungated), the weights unsqueezed to (1, I, Dm) / (1, Dm, I) views; leading dims flattened to T."""
+    dm = site.hidden_dim
+    flat = len(_shape(rw.x)) != 2
+    stack = rw.out.meta.get("nn_module_stack")
+    new: list[fx.Node] = []
+
+    def call(fn, *args, **kwargs) -> fx.Node:
+        n = graph.call_method(fn, args) if isinstance(fn, str) else graph.call_function(fn, args, kwargs)
+        new.append(n)
+        return n
+
+    with graph.inserting_before(rw.out):
+        x = call(torch.reshape, rw.x, (-1, dm)) if flat else rw.x  # (T, Dm)
+        if rw.weights is None:
+            w = call(torch.ones_like, call(torch.narrow, x, 1, 0, 1))  # (T, 1) x.dtype
+        else:
+            w = call(torch.reshape, rw.weights, (-1, 1)) if flat else rw.weights  # (T, 1)
+        ids = call(torch.zeros_like, w, dtype=torch.int32)  # (T, 1): every token's one expert is expert 0
+        weights = [call(torch.unsqueeze, p, 0) for p in (rw.gate_w, rw.up_w, rw.down_w)]  # (1, I, Dm) x2, (1, Dm, I)
+        out = call(_op_for(x), x, ids, w, *weights)
+        if flat:
+            out = call("view_as", out, rw.x)
+    for n in new:
+        if stack is not None:
+            n.meta["nn_module_stack"] = dict(stack)
+        _set_example_value(n)
+    rw.out.replace_all_uses_with(out)
+    for n in rw.dead:
+        if not n.users:
+            graph.erase_node(n)
+    logger.debug("ckvp expert_gemm: layer %d shared expert -> %s", site.layer, out.name)

@@ -3,8 +3,12 @@
 * Whole models with ``enable_expert_gemm=True`` (HF Mixtral / Qwen2-MoE with its gated shared expert /
   Qwen3-MoE / OLMoE, grouped_mm (fp32: the opaque fallback op) and batched_mm, a captured eager loop over
   range(E), gpt-fast einsum; Hypothesis shapes; fp32): logits equal eager for prefill and decode steps.
-* The rewrite happened: one ``ckvp::moe_experts`` per layer in every graph, and the old expert GEMMs, sorts
-  and gathers are gone from the graph (PassResult.replaced, the graph code).
+* The rewrite happened: one ``ckvp::moe_experts`` per layer in every graph (two with a shared expert), and the
+  old expert GEMMs, sorts and gathers are gone from the graph (PassResult.replaced, the graph code).
+* Shared experts (Hypothesis: shapes, weights, shared width, gated (Qwen2-MoE) or ungated on the 2-D or the
+  (B, S, Dm) input (DeepSeek-V3 / HunYuan-MoE form), both experts forms; dynamic token counts; HunYuan-MoE):
+  rewritten into a second ``ckvp::moe_experts`` call with one expert, logits equal eager, the shared expert's
+  nodes gone. A shared expert of another form (GELU, a biased gate) is left with a warning and a pass note.
 * A site the pass does not understand (a GELU expert) is left untouched with an UnsupportedPatternWarning.
 * The plan marks MoE sites as rewritten only when the option is on; the pass manager's uuid follows the option.
 """
@@ -29,6 +33,8 @@ N_DECODE = 3
 PROMPT_LEN = 6
 OP_CALL = re.compile(r"torch\.ops\.ckvp\.moe_experts\.default\(")
 FAMILY_KW = {"qwen3_moe": {"norm_topk_prob": True}}
+#: ckvp::moe_experts calls per layer after the rewrite: the routed experts, and the shared expert where there is one.
+CALLS_PER_LAYER = {"qwen2_moe": 2}
 
 
 def run_both(model, batch: int = 2, dynamic_shapes: bool = False, **options):
@@ -50,12 +56,13 @@ def assert_equal_logits(eager, compiled):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
 
 
-def assert_rewritten(rec: CompileRecorder, num_layers: int, gone: tuple[str, ...]):
-    """Every graph: one ckvp op per layer, the pass matched every layer, and the old expert ops are gone."""
+def assert_rewritten(rec: CompileRecorder, num_layers: int, gone: tuple[str, ...], calls_per_layer: int = 1):
+    """Every graph: ``calls_per_layer`` ckvp ops per layer, the pass matched every layer, and the old expert ops are
+    gone."""
     assert rec.graphs
     for g in rec.graphs:
         assert g.fell_back == ""
-        assert len(OP_CALL.findall(g.dynamo_after)) == num_layers, g.dynamo_after
+        assert len(OP_CALL.findall(g.dynamo_after)) == num_layers * calls_per_layer, g.dynamo_after
         assert not OP_CALL.findall(g.dynamo_before)
         res = [r for r in g.pass_results if r.name == "expert_gemm"]
         assert len(res) == 1 and res[0].matched == num_layers and res[0].skipped == ""
@@ -63,6 +70,25 @@ def assert_rewritten(rec: CompileRecorder, num_layers: int, gone: tuple[str, ...
         for op in gone:
             assert removed.get(op, 0) >= num_layers, (op, removed)
         assert [d.rewrite for d in g.plan.decisions if d.kind == "moe"] == [True] * num_layers
+
+
+def assert_shared_expert_gone(rec: CompileRecorder, gated: bool):
+    """Every graph: every site has a shared expert, and its gate / up / down linears are no longer defined in the
+    rewritten graph (nor any silu); the gate's linear stays when gated (its sigmoid is the op's routing weight); the
+    pass left no note."""
+    for g in rec.graphs:
+        after = g.dynamo_after
+        assert g.analysis.moe and all(m.shared_expert is not None for m in g.analysis.moe)
+        for m in g.analysis.moe:
+            sh = m.shared_expert
+            assert (sh.gate_node is not None) == gated, sh
+            for name in (*sh.gate_up_nodes, sh.down_node):
+                assert not re.search(rf"^\s+{name} = ", after, re.M), (name, after)
+            if gated:
+                assert re.search(rf"^\s+{sh.gate_node} = ", after, re.M), (sh.gate_node, after)
+        assert "silu" not in after
+        (res,) = [r for r in g.pass_results if r.name == "expert_gemm"]
+        assert res.notes == () and dict(res.replaced).get("linear", 0) >= 3 * len(g.analysis.moe)
 
 
 # form -> (experts_implementation, ops that must disappear)
@@ -81,10 +107,9 @@ def test_hf_families_rewritten_and_equal_eager(family, form):
     model = build_hf_moe(family, num_layers=2, experts_implementation=impl, **FAMILY_KW.get(family, {}))
     eager, compiled, rec = run_both(model)
     assert_equal_logits(eager, compiled)
-    assert_rewritten(rec, 2, gone)
-    if family == "qwen2_moe":  # the gated shared expert is kept, as the model computes it
-        assert all(m.shared_expert is not None for m in rec.graphs[0].analysis.moe)
-        assert "sigmoid" in rec.graphs[0].dynamo_after
+    assert_rewritten(rec, 2, gone, CALLS_PER_LAYER.get(family, 1))
+    if family == "qwen2_moe":  # the gated shared expert is the second call; its gate's sigmoid is kept as weights
+        assert_shared_expert_gone(rec, gated=True)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
@@ -94,7 +119,7 @@ def test_top1_unnormalised_weights_stay_in_token_order(family):
     model = build_hf_moe(family, num_layers=1, num_experts=4, top_k=1)
     eager, compiled, rec = run_both(model, batch=2)
     assert_equal_logits(eager, compiled)
-    assert_rewritten(rec, 1, HF_FORMS["grouped_mm_fallback"][1])
+    assert_rewritten(rec, 1, HF_FORMS["grouped_mm_fallback"][1], CALLS_PER_LAYER.get(family, 1))
 
 
 @given(shape=moe_model_shapes(max_layers=3, hidden_matches_heads=True), family=st.sampled_from(HF_FAMILIES),
@@ -105,7 +130,7 @@ def test_hf_random_shapes_rewritten_and_equal_eager(shape, family, form):
     model = build_hf_moe(family, experts_implementation=impl, **FAMILY_KW.get(family, {}), **shape)
     eager, compiled, rec = run_both(model, batch=1)
     assert_equal_logits(eager, compiled)
-    assert_rewritten(rec, shape["num_layers"], gone)
+    assert_rewritten(rec, shape["num_layers"], gone, CALLS_PER_LAYER.get(family, 1))
 
 
 def test_gpt_fast_einsum_rewritten_and_equal_eager():
@@ -278,11 +303,129 @@ def test_composes_with_the_latent_kv_rewrite():
         assert [(r.name, r.matched) for r in g.pass_results] == [("latent_kv_cache", 2), ("expert_gemm", 2)]
 
 
+# ------------------------------------------------------------------------------------------------ shared experts
+
+
+def _ungated_shared_forward(self, hidden_states):
+    """Qwen2-MoE's block with an ungated shared expert on the (B, S, Dm) input, added to the routed output after it
+    is reshaped back (the DeepSeek-V3 / HunYuan-MoE form)."""
+    b, s, d = hidden_states.shape
+    flat = hidden_states.view(-1, d)
+    _, weights, ids = self.gate(flat)
+    return self.experts(flat, ids, weights).reshape(b, s, d) + self.shared_expert(hidden_states)
+
+
+def _ungated_flat_shared_forward(self, hidden_states):
+    """Qwen2-MoE's block with an ungated shared expert on the flattened (T, Dm) input."""
+    b, s, d = hidden_states.shape
+    flat = hidden_states.view(-1, d)
+    _, weights, ids = self.gate(flat)
+    return (self.experts(flat, ids, weights) + self.shared_expert(flat)).reshape(b, s, d)
+
+
+#: shared-expert form -> the Qwen2-MoE block forward that computes it (None: the model's own, sigmoid-gated)
+SHARED_FORMS = {"gated": None, "ungated_3d": _ungated_shared_forward, "ungated_2d": _ungated_flat_shared_forward}
+
+
+def build_shared(form: str, **kwargs):
+    """A tiny Qwen2-MoE whose MoE blocks compute their shared expert in ``form`` (:data:`SHARED_FORMS`)."""
+    model = build_hf_moe("qwen2_moe", **kwargs)
+    if SHARED_FORMS[form] is not None:
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(SHARED_FORMS[form], layer.mlp)
+    return model
+
+
+@given(shape=moe_model_shapes(max_layers=2), form=st.sampled_from(list(SHARED_FORMS)),
+       shared_ffn=st.sampled_from([8, 24, 48, 72]), seed=st.integers(0, 2**16), experts=st.sampled_from(list(HF_FORMS)),
+       batch=st.integers(1, 2))
+@settings(max_examples=6)
+def test_shared_expert_rewritten_and_equal_eager(shape, form, shared_ffn, seed, experts, batch):
+    """Random shapes, weights and shared width, gated or not: the shared expert becomes a second ckvp::moe_experts
+    call (one expert) and the logits of prefill and decode steps stay within fp32 rounding of eager."""
+    impl, gone = HF_FORMS[experts]
+    model = build_shared(form, experts_implementation=impl, seed=seed, shared_expert_intermediate_size=shared_ffn,
+                         **shape)
+    eager, compiled, rec = run_both(model, batch=batch)
+    assert_equal_logits(eager, compiled)
+    for a, b in zip(eager, compiled):
+        assert float((b - a).norm() / a.norm()) <= 1e-5
+    assert_rewritten(rec, shape["num_layers"], gone, calls_per_layer=2)
+    assert_shared_expert_gone(rec, gated=form == "gated")
+
+
+@pytest.mark.parametrize("form", ["gated", "ungated_3d"])
+def test_shared_expert_with_a_dynamic_token_count(form):
+    """dynamic=True: the one-expert call's ids / weights / reshapes follow the symbolic token count."""
+    model = build_shared(form, num_layers=1)
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for n in (5, 9, 13):
+            ids = torch.randint(0, 256, (2, n))
+            torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                       rtol=1e-5, atol=1e-5)
+    assert any("SymInt" in g.dynamo_before for g in rec.graphs)
+    assert all(len(OP_CALL.findall(g.dynamo_after)) == 2 for g in rec.graphs)
+    assert_shared_expert_gone(rec, gated=form == "gated")
+
+
+def _gelu_shared_expert(model) -> None:
+    for layer in model.model.layers:
+        layer.mlp.shared_expert.act_fn = torch.nn.GELU()
+
+
+def _biased_shared_gate(model) -> None:
+    for layer in model.model.layers:
+        layer.mlp.shared_expert_gate = torch.nn.Linear(model.config.hidden_size, 1, bias=True)
+
+
+@pytest.mark.parametrize("change, reason", [(_gelu_shared_expert, "only silu(gate) * up"),
+                                            (_biased_shared_gate, "has a bias")])
+def test_shared_expert_of_another_form_left_with_a_note(change, reason):
+    """The analysis reports these shared experts, but the op computes SwiGLU with a bias-free gate only: the routed
+    experts are rewritten, the shared expert runs as the model writes it, with a warning and a pass note."""
+    model = build_hf_moe("qwen2_moe", num_layers=2)
+    change(model)
+    with pytest.warns(UnsupportedPatternWarning, match="shared expert is left as the model computes it"):
+        eager, compiled, rec = run_both(model, batch=1)
+    assert_equal_logits(eager, compiled)
+    assert_rewritten(rec, 2, HF_FORMS["grouped_mm_fallback"][1], calls_per_layer=1)
+    for g in rec.graphs:
+        (res,) = [r for r in g.pass_results if r.name == "expert_gemm"]
+        assert [layer for layer, _ in res.notes] == [0, 1], res.notes
+        assert all(reason in note for _, note in res.notes), res.notes
+        assert all(re.search(rf"^\s+{m.shared_expert.down_node} = ", g.dynamo_after, re.M) for m in g.analysis.moe)
+
+
+def test_hunyuan_moe_ungated_shared_expert():
+    """A transformers model with an ungated shared expert (HunYuan-MoE: ``shared_mlp`` on the (B, S, Dm) hidden
+    states, added to the reshaped routed output): rewritten, equal to eager."""
+    pytest.importorskip("transformers.models.hunyuan_v1_moe")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "hunyuan_v1_moe", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
+        max_position_embeddings=128, initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm").eval()
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    ids = torch.randint(0, 256, (2, PROMPT_LEN))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        got = torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_rewritten(rec, 2, HF_FORMS["grouped_mm_fallback"][1], calls_per_layer=2)
+    assert_shared_expert_gone(rec, gated=False)
+
+
 @pytest.mark.slow
 def test_full_inductor_output_code_calls_the_ckvp_op():
     """Full Inductor (CPU): the rewritten graph compiles, the ckvp op's lowering is in the generated code (routing
-    and the two GEMMs as extern calls: on CPU the reference parts run), the HF experts' grouped_mm fallback is not,
-    and logits equal eager."""
+    and the two GEMMs as extern calls: on CPU the reference parts run), for the routed experts and for the shared
+    expert (E = 1), the HF experts' grouped_mm fallback is not, and logits equal eager."""
     from torch._inductor.utils import run_and_get_code
 
     model = build_hf_moe("qwen2_moe", num_layers=1)
@@ -295,5 +438,5 @@ def test_full_inductor_output_code_calls_the_ckvp_op():
     code = "\n".join(codes)
     for part in ("torch.ops.ckvp.moe_align.default(", "extern_kernels.ckvp_moe_gate_up_extern(",
                  "extern_kernels.ckvp_moe_down_extern("):
-        assert part in code, part
+        assert code.count(part) == 2, part  # the routed experts and the shared expert (one expert)
     assert "grouped_mm_fallback" not in code
