@@ -224,6 +224,7 @@ def main(argv=None) -> int:
                             raise
                         checks["no_host_sync_in_decode_steps"] = False
                         res["host_sync"] = f"{exc}"[:500]
+                        res["host_sync_traceback"] = traceback.format_exc()[-3000:]  # which call synchronised
                         res["host_sync_at_step"] = pos
                         mark_step()  # finish the run without the sync check, for the memory numbers
                         tok, pos = decode(fwd, cache, args.steps - (pos - prompt.shape[1] - args.warmup),

@@ -182,6 +182,38 @@ def static_fake_inputs(tensors: Sequence[Any]) -> list[Any]:
     return [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in tensors]
 
 
+def copy_dynamo_graph_metadata(src: fx.GraphModule, dst: fx.GraphModule) -> None:
+    """Give ``dst`` (a rewritten copy of the Dynamo graph ``src``) the metadata AOTAutograd reads from Dynamo graphs.
+
+    AOTAutograd (``_try_get_metadata_from_dynamo``) trusts a graph as Dynamo's only when ``gm.meta`` has
+    ``dynamo_compile_id`` and every placeholder has ``_dynamo_source``; only then does it compute the static
+    input indices that CUDA graphs need (parameters and ``mark_static_address`` tensors such as the KV caches).
+    A plain ``fx.GraphModule(gm, deepcopy(gm.graph))`` keeps ``node.meta`` but drops both, which made every
+    input non-static: ``mode="reduce-overhead"`` then skipped CUDA graphs ("mutated inputs") on the H200.
+    Placeholders match by name; one with no counterpart in ``src`` (an input a pass added) gets source None
+    (AOTAutograd accepts that, as for DDP-split graphs). Missing attributes on ``src`` are left missing.
+    """
+    for key, value in getattr(src, "meta", {}).items():
+        dst.meta.setdefault(key, value)
+    if hasattr(src, "_param_name_to_source"):
+        dst._param_name_to_source = src._param_name_to_source
+    sources = {n.name: n._dynamo_source for n in src.graph.find_nodes(op="placeholder") if hasattr(n, "_dynamo_source")}
+    if not sources:
+        return
+    for node in dst.graph.find_nodes(op="placeholder"):
+        node._dynamo_source = sources.get(node.name)
+
+
+def mark_static_placeholder(node: fx.Node) -> None:
+    """Mark a placeholder a pass appended as a static input (fixed address across calls: AOTAutograd then lists it
+    among the static input indices and Inductor's CUDA graphs neither copy it nor skip the graph when it is
+    mutated), the way ``torch._dynamo.mark_static_address`` marks a tensor Dynamo sees (``tensor_dict``).
+    A tensor that does change address makes CUDA-graph trees re-record, as for Dynamo's own static inputs."""
+    node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
+    if not hasattr(node, "_dynamo_source"):
+        node._dynamo_source = None
+
+
 def surface_through_dynamo(exc: Exception) -> Exception:
     """Return ``exc`` as an instance of a subclass of its own type that Dynamo re-raises unwrapped.
 

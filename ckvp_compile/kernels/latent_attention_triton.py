@@ -696,8 +696,12 @@ def _paired_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, rope: int, 
     """Whether both cos/sin tables hold one angle per rotated pair (HF's ``cat((freqs, freqs))`` for rotate_half,
     ``repeat_interleave`` for interleaved), so that the kernel loads half the table bytes.
 
-    Checked once per table object and version (one device comparison, never during CUDA-graph capture, where
-    the answer is False unless known); a table changed in place is checked again."""
+    Checked once per table object (one device comparison, so one host synchronisation), at the first launch after
+    the table was first written (``_version > 0``; an unwritten table gets False, always correct, without a check)
+    and never during CUDA-graph capture (False unless known). Later in-place writes (``ckvp::rope_table_update``
+    fills the rows of new positions every step) are not re-checked: whether a table pairs its columns is a
+    property of the model's rotary embedding, not of the positions written, and a re-check per step was a host
+    synchronisation per decode step (benchmarks/results/2026-11-29-reliability-h200)."""
     if half == 0:
         return False
     i1 = torch.arange(half) if rope == 1 else 2 * torch.arange(half)
@@ -705,19 +709,28 @@ def _paired_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, rope: int, 
     answers = []
     for t in (cos_table, sin_table):
         hit = _PAIRED.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == (rope, half):
-            answers.append(hit[3])
+        if hit is not None and hit[0]() is t and hit[1] == (rope, half):
+            answers.append(hit[2])
             continue
-        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not _written(t) or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
             return False
         i1d, i2d = i1.to(t.device), i2.to(t.device)
         same = bool(torch.equal(t.index_select(-1, i1d), t.index_select(-1, i2d)))
         if len(_PAIRED) > 256:  # forget tables that no longer exist
             for key in [k for k, v in _PAIRED.items() if v[0]() is None]:
                 del _PAIRED[key]
-        _PAIRED[id(t)] = (weakref.ref(t), t._version, (rope, half), same)
+        _PAIRED[id(t)] = (weakref.ref(t), (rope, half), same)
         answers.append(same)
     return all(answers)
+
+
+def _written(t: torch.Tensor) -> bool:
+    """Whether ``t`` was changed in place since it was made (version counter > 0); False for inference tensors,
+    which have no version counter (they then take the always-correct unpaired path)."""
+    try:
+        return t._version > 0
+    except RuntimeError:
+        return False
 
 
 def _np2(x: int, lo: int = 16) -> int:

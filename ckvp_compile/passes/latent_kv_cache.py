@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
+from .. import _compat
 from ..analysis.graph import dtype_of, find_upstream, node_map, shape_of
 from ..analysis.sites import AttentionSite
 from .base import CKVPPass
@@ -385,6 +386,7 @@ class _StoreInputs:
     def add(self, name: str) -> fx.Node:
         with self.graph.inserting_after(self.last):
             node = self.graph.placeholder(name)
+        _compat.mark_static_placeholder(node)  # the store's tensors keep their addresses: CUDA graphs may bake them
         self.last = node
         self.names.append(node.name)
         return node

@@ -61,7 +61,8 @@ def _inputs(p: dict):
     if p.get("paired") and rope in ("rotate_half", "interleaved") and rd:  # one angle per pair, as HF builds it
         a = ang[:, : rd // 2]
         ang = torch.cat((a, a), -1) if rope == "rotate_half" else a.repeat_interleave(2, -1)
-    cos, sin = ang.cos()[:, :w].to(dt), ang.sin()[:, :w].to(dt)
+    # written in place, as the store's ckvp::rope_table_update does (the kernel trusts only written tables' pairing)
+    cos, sin = (torch.zeros(64, w, dtype=dt).copy_(t[:, :w]) for t in (ang.cos(), ang.sin()))
     slot_pos = torch.randint(0, 64, (b, s_max), generator=g, dtype=p["pos_dtype"])
     slots = torch.randperm(kv_len, generator=g)[:s]
     q = torch.randn(b, s, h, d, generator=g).to(dt).transpose(1, 2)  # non-contiguous (B, H, S, D)
@@ -277,3 +278,27 @@ def test_cpu_without_interpreter_is_refused_and_registration_is_gated():
 
 if __name__ == "__main__":
     _main()
+
+
+def test_paired_tables_checked_once_per_written_table(monkeypatch):
+    """RoPE-table pairing: False (no check) for a table never written, one device comparison at the first launch
+    after a write, none after later writes (a comparison per decode step was a host sync per step on the H200)."""
+    import torch
+
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    half = 4
+    ang = torch.rand(16, half)
+    paired = torch.cat((ang, ang), -1)
+    cos, sin = torch.zeros(16, 2 * half), torch.zeros(16, 2 * half)
+    calls = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(1) or real_equal(a, b))
+    assert not lat._paired_tables(cos, sin, 1, half) and not calls  # unwritten: no check
+    cos.copy_(paired.cos())
+    sin.copy_(paired.sin())
+    assert lat._paired_tables(cos, sin, 1, half) and len(calls) == 2
+    cos[3].copy_(paired.cos()[5])  # a later step writes new rows
+    assert lat._paired_tables(cos, sin, 1, half) and len(calls) == 2  # not re-checked
+    other = torch.zeros(16, 2 * half).copy_(torch.rand(16, 2 * half))  # unpaired, written
+    assert not lat._paired_tables(other, sin, 1, half)
