@@ -16,6 +16,12 @@ and its three parts, the form the Inductor lowering (``ckvp_compile/lowering/moe
         int block_m) -> Tensor pairs                                   # (P, Dm) fp32
     out = pairs.view(T, A, Dm).sum(1).to(hidden.dtype)
 
+and the two parts' padding-free twins on ``torch._grouped_mm``, same schemas and contracts (extra autotuning
+choices of the lowering on CUDA bf16; :mod:`ckvp_compile.kernels.moe_grouped_mm`)::
+
+    ckvp::moe_gate_up_grouped_mm(...the arguments of moe_gate_up...) -> Tensor act      # (P_pad, I) hidden.dtype
+    ckvp::moe_down_grouped_mm(...the arguments of moe_down...) -> Tensor pairs           # (P, Dm) fp32
+
 ``moe_experts_triton`` is the same computation as a ``torch.library.triton_op``: under ``torch.compile`` on CUDA
 Inductor traces its body and emits the ckvp Triton kernels in its output code (the expert GEMM pass uses it for
 CUDA graphs); on other devices it calls ``moe_experts``.
@@ -45,7 +51,8 @@ import torch
 from ..errors import CKVPShapeError
 from ..kernels import moe_reference as moe_ref
 
-__all__ = ["OPS", "check_moe_experts", "moe_align", "moe_down", "moe_experts", "moe_experts_triton", "moe_gate_up"]
+__all__ = ["OPS", "check_moe_experts", "moe_align", "moe_down", "moe_down_grouped_mm", "moe_experts",
+           "moe_experts_triton", "moe_gate_up", "moe_gate_up_grouped_mm"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -206,7 +213,10 @@ def moe_gate_up(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert: to
         w_gate, w_up: (E, I, Dm) hidden.dtype, any strides. top_k: A. block_m: the routing's M tile.
     Returns:
         (P_pad, I) hidden.dtype: row r = ``silu(x @ W_gate[e]^T) * (x @ W_up[e]^T)`` for its pair's token x and
-        its tile's expert e (fp32 inside). Rows of tiles without a pair are unspecified (the consumers skip them).
+        its tile's expert e (fp32 inside). Rows without a pair are unspecified: this kernel leaves tiles without a
+        pair unwritten, and the lowering may pick :func:`moe_gate_up_grouped_mm`, which writes no pad row; every
+        consumer (the down template and kernel, :func:`moe_down`, :func:`moe_down_grouped_mm`) reads pad rows
+        into no stored result.
     Notes:
         CUDA: the Triton kernel with the untuned default config (``gate_up_configs(block_m)[0]``); the Inductor
         lowering autotunes the same kernel body as a template. Elsewhere the reference.
@@ -254,6 +264,72 @@ def _(act, sorted_ids, block_expert, w_down, topk_weights, block_m):
     return act.new_empty(topk_weights.numel(), w_down.shape[1], dtype=torch.float32)
 
 
+def _check_grouped_mm(name: str, x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                      block_m: int) -> None:
+    if sorted_ids.dim() != 1 or block_expert.dim() != 1 or block_m < 1 \
+            or sorted_ids.shape[0] != block_expert.shape[0] * block_m:
+        _fail(f"{name}: sorted_ids (P_pad,) and block_expert (P_pad / block_m,) must come from "
+              f"moe_align(topk_ids, E, block_m={block_m}), but got {tuple(sorted_ids.shape)} and "
+              f"{tuple(block_expert.shape)}")
+    if x.dim() != 2:
+        _fail(f"{name}: the activations must be 2-D, but got {tuple(x.shape)}")
+
+
+@torch.library.custom_op("ckvp::moe_gate_up_grouped_mm", mutates_args=())
+def moe_gate_up_grouped_mm(hidden: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                           w_gate: torch.Tensor, w_up: torch.Tensor, top_k: int, block_m: int) -> torch.Tensor:
+    """:func:`moe_gate_up` on the compact pair rows with ``torch._grouped_mm`` (no padding compute).
+
+    Args, Returns: as :func:`moe_gate_up` (contiguous (P_pad, I) hidden.dtype; on CUDA pad rows are not
+        written, elsewhere they are 0).
+    Raises:
+        CKVPShapeError: the routing tensors do not have moe_align's shapes for ``block_m``.
+    Notes:
+        CUDA bf16 on sm90/sm100 with 16-byte aligned weights: two fused grouped GEMMs plus a Triton SiLU scatter,
+        no host sync. Elsewhere the same compaction with a loop over the experts (one host read of the group
+        ends). Numerics: g and u round to hidden.dtype before the fp32 SiLU (the template keeps them in fp32).
+    Reference: kernels/moe_reference.py::grouped_gate_up_ref (equal on the pair rows);
+        implementation: kernels/moe_grouped_mm.py::moe_gate_up_grouped_mm
+    """
+    from ..kernels import moe_grouped_mm as gm
+
+    _check_grouped_mm("moe_gate_up_grouped_mm", hidden, sorted_ids, block_expert, block_m)
+    return gm.moe_gate_up_grouped_mm(hidden, sorted_ids, block_expert, w_gate, w_up, top_k, block_m)
+
+
+@moe_gate_up_grouped_mm.register_fake
+def _(hidden, sorted_ids, block_expert, w_gate, w_up, top_k, block_m):
+    _check_grouped_mm("moe_gate_up_grouped_mm", hidden, sorted_ids, block_expert, block_m)
+    return hidden.new_empty(sorted_ids.shape[0], w_gate.shape[1])
+
+
+@torch.library.custom_op("ckvp::moe_down_grouped_mm", mutates_args=())
+def moe_down_grouped_mm(act: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                        w_down: torch.Tensor, topk_weights: torch.Tensor, block_m: int) -> torch.Tensor:
+    """:func:`moe_down` on the compact pair rows with ``torch._grouped_mm`` (pad rows of ``act`` never read).
+
+    Args, Returns: as :func:`moe_down` ((P, Dm) fp32, every row written).
+    Raises:
+        CKVPShapeError: the routing tensors do not have moe_align's shapes for ``block_m``.
+    Notes:
+        CUDA bf16 on sm90/sm100: a row gather, one fused grouped GEMM and a Triton weight-and-scatter kernel, no
+        host sync; elsewhere a loop over the experts. The GEMM output rounds to act.dtype before the fp32
+        weight multiply.
+    Reference: kernels/moe_reference.py::grouped_down_ref;
+        implementation: kernels/moe_grouped_mm.py::moe_down_grouped_mm
+    """
+    from ..kernels import moe_grouped_mm as gm
+
+    _check_grouped_mm("moe_down_grouped_mm", act, sorted_ids, block_expert, block_m)
+    return gm.moe_down_grouped_mm(act, sorted_ids, block_expert, w_down, topk_weights, block_m)
+
+
+@moe_down_grouped_mm.register_fake
+def _(act, sorted_ids, block_expert, w_down, topk_weights, block_m):
+    _check_grouped_mm("moe_down_grouped_mm", act, sorted_ids, block_expert, block_m)
+    return act.new_empty(topk_weights.numel(), w_down.shape[1], dtype=torch.float32)
+
+
 try:
     import triton  # noqa: F401  (the triton_op needs Triton importable, even to trace the CPU branch)
 except ImportError:  # pragma: no cover - CPU installs without Triton: only the opaque op exists
@@ -263,4 +339,5 @@ else:
 
 #: op name -> its Python handle (read by :func:`ckvp_compile.ops.register_all`).
 OPS = {"moe_experts": moe_experts, "moe_align": moe_align, "moe_gate_up": moe_gate_up, "moe_down": moe_down,
+       "moe_gate_up_grouped_mm": moe_gate_up_grouped_mm, "moe_down_grouped_mm": moe_down_grouped_mm,
        **({"moe_experts_triton": moe_experts_triton} if moe_experts_triton else {})}
