@@ -3,12 +3,15 @@
     python benchmarks/moe_lowering_gpu_check.py --out DIR [--budget-s 150]
 
 1. A compiled HF Mixtral model (tiny, 1 layer, fp32 and bf16) with ``backend="ckvp"``,
-   ``options={"enable_expert_gemm": True, "mode": "max-autotune-no-cudagraphs"}``: Inductor's output code must contain
-   the ckvp grouped-GEMM templates (their tile helpers ``_ckvp_gate_up_tile`` / ``_ckvp_down_tile``) or, where the
-   extern choice won the autotuning, its call; logits against eager (fp32 <= 1e-3, bf16 <= 5e-2 rel).
+   ``options={"enable_expert_gemm": True, "mode": "max-autotune-no-cudagraphs"}``: for each of the two GEMMs
+   Inductor's output code must contain the ckvp grouped-GEMM template (its tile helper ``_ckvp_gate_up_tile`` /
+   ``_ckvp_down_tile``) or, where an extern choice won the autotuning, its call (``*_extern`` or, bf16 only, the
+   ``torch._grouped_mm`` choice ``*_grouped_mm``); logits against eager (fp32 <= 1e-3, bf16 <= 5e-2 rel).
 2. One Mixtral-8x7B-shaped layer's experts (``ckvp::moe_experts``, bf16, batch 1 and 512) compiled with
-   max-autotune: the autotuning must have timed the template configs and the extern (Inductor's feedback saver
-   records every choice with its time) and the output must match the fp64 loop (rel <= 1e-2).
+   max-autotune: the autotuning must have timed the template configs, the extern and the ``torch._grouped_mm``
+   choice (Inductor's feedback saver records every choice with its time) and the output must match the fp64
+   loop (rel <= 1e-2). Each row records the winner of each GEMM (``winners``: the template config or the extern
+   name; ``winner_kinds``: template / extern / grouped_mm) and the best time of each kind in us (``best_us``).
 
 Writes DIR/check.json and DIR/check.md (GPU, versions, command, per check: pass/fail, kernels seen, the choices
 timed with their times). Exit status 1 when a check fails. Expected runtime on an H200: about 1-2 minutes.
@@ -29,6 +32,12 @@ import torch
 
 MARKERS = ("_ckvp_gate_up_tile", "_ckvp_down_tile")
 EXTERNS = ("ckvp_moe_gate_up_extern", "ckvp_moe_down_extern")
+GROUPED_MM = ("ckvp_moe_gate_up_grouped_mm", "ckvp_moe_down_grouped_mm")
+
+
+def _kind(choice: str) -> str:
+    """template / extern / grouped_mm, from a feedback timing key (a template's key is its config description)."""
+    return "grouped_mm" if choice in GROUPED_MM else "extern" if choice in EXTERNS else "template"
 
 
 def _feedback(store: list) -> None:
@@ -61,11 +70,12 @@ def check_model(dtype: torch.dtype) -> dict:
         out, codes = run_and_get_code(lambda: compiled(ids, use_cache=False).logits.float())
     code = "\n".join(codes)
     templates = [m for m in MARKERS if m in code]
-    externs = [m for m in EXTERNS if m in code]
+    externs = [m for m in EXTERNS + GROUPED_MM if m in code]
     err = float((out - eager).norm() / eager.norm())
     bound = 1e-3 if dtype == torch.float32 else 5e-2
-    # each GEMM is either a template kernel or the extern call
-    ok = len(templates) + len(externs) == 2 and err <= bound and "moe_align" in code
+    # each GEMM is exactly one of: its template kernel, its extern call, its grouped_mm call
+    per_gemm = [sum(m in code for m in (MARKERS[k], EXTERNS[k], GROUPED_MM[k])) for k in (0, 1)]
+    ok = per_gemm == [1, 1] and err <= bound and "moe_align" in code
     return dict(check=f"hf_mixtral_{str(dtype).split('.')[-1]}", ok=ok, templates_in_code=templates,
                 externs_in_code=externs, rel_err=err, bound=bound,
                 launched=sorted(set(re.findall(r"(\w+)\.run\(", code))))
@@ -93,10 +103,18 @@ def check_mixtral_layer(batch: int, feedback: list) -> dict:
     err = float((out.double() - ref).norm() / ref.norm())
     tuned = [f for f in feedback[before:] if f["name"].startswith("ckvp_moe")]
     names = {f["name"] for f in tuned}
-    ok = err <= 1e-2 and (not feedback or {"ckvp_moe_gate_up", "ckvp_moe_down"} <= names)
+    timed = {c for f in tuned for c in f["timings"]}
+    ok = err <= 1e-2 and (not feedback or ({"ckvp_moe_gate_up", "ckvp_moe_down"} <= names
+                                           and set(EXTERNS + GROUPED_MM) <= timed))
     winners = {f["name"]: min(f["timings"], key=f["timings"].get) for f in tuned}
+    best_us: dict = {}
+    for f in tuned:
+        for choice, ms in f["timings"].items():
+            slot = best_us.setdefault(f["name"], {})
+            slot[_kind(choice)] = round(min(slot.get(_kind(choice), float("inf")), ms * 1e3), 1)
     return dict(check=f"mixtral_layer_b{batch}", ok=ok, rel_err=err, compile_s=round(compile_s, 1),
-                autotuned=tuned, winners=winners, feedback_saver=bool(feedback) or "none recorded")
+                autotuned=tuned, winners=winners, winner_kinds={k: _kind(v) for k, v in winners.items()},
+                best_us=best_us, feedback_saver=bool(feedback) or "none recorded")
 
 
 def main() -> int:

@@ -3,21 +3,37 @@
 The lowering decomposes one op into Inductor IR (notation of :mod:`ckvp_compile.kernels.moe_reference`)::
 
     sorted_ids, tile_expert = ckvp::moe_align(topk_ids, E, ROUTE_M)        extern (one Triton launch on CUDA)
-    act   = ckvp_moe_gate_up(hidden, sorted_ids, tile_expert, W_gate, W_up)  (P_pad, I)  template | extern
-    pairs = ckvp_moe_down(act, sorted_ids, tile_expert, W_down, topk_w)      (P, Dm) fp32 template | extern
+    act   = ckvp_moe_gate_up(hidden, sorted_ids, tile_expert, W_gate, W_up)  (P_pad, I)  template | extern | grouped_mm
+    pairs = ckvp_moe_down(act, sorted_ids, tile_expert, W_down, topk_w)      (P, Dm) fp32 template | extern | grouped_mm
     out   = pairs.view(T, A, Dm).sum(1).to(hidden.dtype)                      Inductor reduction
 
 ``ROUTE_M`` is the M bucket (:func:`~ckvp_compile.kernels.grouped_gemm.block_m_for`: 16/32/64/128 from the mean
-rows per expert); each GEMM's choices are the configs of :func:`~ckvp_compile.kernels.grouped_gemm.gate_up_configs`
-/ :func:`~ckvp_compile.kernels.grouped_gemm.down_configs` for that bucket (BLOCK_M <= ROUTE_M, BLOCK_N, BLOCK_K,
-warps, stages; split-K configs excluded: they need an atomic, zero-filled output) plus the extern op
-(``ckvp::moe_gate_up`` / ``ckvp::moe_down``: the same kernels with the untuned default config on CUDA, the PyTorch
-reference elsewhere). Inductor's ``autotune_select_algorithm`` times them per (E, N, K, M bucket, dtype) with
-a representative routing (balanced random top-k, from the static sizes) and caches the winner.
+rows per expert). Each GEMM's choices:
+
+* ``ckvp_moe_gate_up`` / ``ckvp_moe_down`` (TritonTemplate): the configs of
+  :func:`~ckvp_compile.kernels.grouped_gemm.gate_up_configs` / :func:`~ckvp_compile.kernels.grouped_gemm.down_configs`
+  for that bucket (BLOCK_M <= ROUTE_M, BLOCK_N, BLOCK_K, warps, stages; split-K configs excluded: they need an
+  atomic, zero-filled output). They compute every row of each used ROUTE_M tile, pad rows included;
+* ``ckvp_moe_gate_up_extern`` / ``ckvp_moe_down_extern``: the ops ``ckvp::moe_gate_up`` / ``ckvp::moe_down`` (the
+  same kernels with the untuned default config on CUDA, the PyTorch reference elsewhere);
+* ``ckvp_moe_gate_up_grouped_mm`` / ``ckvp_moe_down_grouped_mm``: the ops ``ckvp::moe_gate_up_grouped_mm`` /
+  ``ckvp::moe_down_grouped_mm`` (:mod:`ckvp_compile.kernels.moe_grouped_mm`): the P pair rows gathered
+  compactly in expert order, ``torch._grouped_mm`` (CUTLASS, TMA, ragged M through int32 group ends: no padding
+  compute), a Triton epilogue scattering them back (SiLU-and-multiply into the padded (P_pad, I) layout;
+  routing weight into the (P, Dm) pair buffer). Offered where that GEMM runs fused without a host sync
+  (:func:`grouped_mm_choice_ok`: CUDA bf16, compute capability 9.x/10.x, Dm and I multiples of 8, weights with
+  16-byte aligned strides and offsets). Its extra work (about ten small routing launches per GEMM, the row
+  gathers and scatters) pays at large M, where the padding waste of the templates is largest.
+
+Inductor's ``autotune_select_algorithm`` times them per (E, N, K, M bucket, dtype) with a representative routing
+(balanced random top-k, from the static sizes) and caches the winner; the two GEMMs pick independently (every
+choice reads and writes the same padded layout: pad rows of ``act`` are unspecified and never read into a
+stored result).
 
 When which choice: on CPU (and any non-CUDA device) the extern ops are the only choice, so Inductor calls the
 reference parts (exact against the eager op). On CUDA with ``max_autotune`` (or ``max_autotune_gemm``): every
-template config and the extern. On CUDA otherwise: the first template config only (no timing at compile time).
+template config, the extern and, where :func:`grouped_mm_choice_ok`, the grouped_mm extern. On CUDA otherwise:
+the first template config only (no timing at compile time).
 Symbolic sizes (``dynamic=True``) or T == 0: the whole op stays one extern call (``ckvp::moe_experts``).
 
 One copy of the math: the template bodies call ``_ckvp_gate_up_tile`` / ``_ckvp_down_tile``, the ``@triton.jit``
@@ -25,7 +41,8 @@ helpers of :mod:`ckvp_compile.kernels.grouped_gemm` that the plain kernels call 
 their source text (``JITFunction.src``), so the generated module defines them next to the kernel.
 
 Registered by :func:`ckvp_compile.lowering.register_all` (the backend calls it); importing this module imports
-Inductor, defines the templates and extern choices, and registers nothing until :func:`register` is called.
+Inductor, defines the templates and extern choices, and registers nothing until :func:`register` is called (the
+ops must be defined first: :func:`ckvp_compile.ops.register_all`).
 Source: the lowering/template split of ``torch/_inductor/kernel/mm_grouped.py`` and ``flex_attention`` (helper
 ``@triton.jit`` functions after the kernel body), read in torch 2.13; no code copied.
 """
@@ -39,12 +56,13 @@ import torch
 
 from .. import _compat
 from ..kernels import grouped_gemm as gg
+from ..kernels import moe_grouped_mm as gm
 from ..kernels import moe_reference as moe_ref
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTERN_NAMES", "TEMPLATE_NAMES", "register", "template_configs", "tuned_moe_down", "tuned_moe_experts",
-           "tuned_moe_gate_up"]
+__all__ = ["EXTERN_NAMES", "GROUPED_MM_NAMES", "TEMPLATE_NAMES", "grouped_mm_choice_ok", "register",
+           "template_configs", "tuned_moe_down", "tuned_moe_experts", "tuned_moe_gate_up"]
 
 _api = _compat.inductor_template_api()
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -53,6 +71,8 @@ aten, prims = torch.ops.aten, torch.ops.prims
 TEMPLATE_NAMES = ("ckvp_moe_gate_up", "ckvp_moe_down")
 #: Names of the extern choices in ``torch._inductor.select_algorithm.extern_kernels``.
 EXTERN_NAMES = ("ckvp_moe_gate_up_extern", "ckvp_moe_down_extern")
+#: Names of the ``torch._grouped_mm`` extern choices (offered in autotune mode only, :func:`grouped_mm_choice_ok`).
+GROUPED_MM_NAMES = ("ckvp_moe_gate_up_grouped_mm", "ckvp_moe_down_grouped_mm")
 
 
 def _helper_source(fn: Any) -> str:
@@ -110,6 +130,12 @@ gate_up_extern = _api.ExternKernelChoice(torch.ops.ckvp.moe_gate_up.default, nam
                                          op_overload=torch.ops.ckvp.moe_gate_up.default, has_out_variant=False)
 down_extern = _api.ExternKernelChoice(torch.ops.ckvp.moe_down.default, name=EXTERN_NAMES[1],
                                       op_overload=torch.ops.ckvp.moe_down.default, has_out_variant=False)
+gate_up_grouped_mm = _api.ExternKernelChoice(torch.ops.ckvp.moe_gate_up_grouped_mm.default, name=GROUPED_MM_NAMES[0],
+                                             op_overload=torch.ops.ckvp.moe_gate_up_grouped_mm.default,
+                                             has_out_variant=False)
+down_grouped_mm = _api.ExternKernelChoice(torch.ops.ckvp.moe_down_grouped_mm.default, name=GROUPED_MM_NAMES[1],
+                                          op_overload=torch.ops.ckvp.moe_down_grouped_mm.default,
+                                          has_out_variant=False)
 
 
 def template_configs(kind: str, route_m: int, itemsize: int) -> list[gg.GemmConfig]:
@@ -139,6 +165,63 @@ def _mode(layout: Any) -> str:
     if "TRITON" not in backends:
         return "extern"
     return "autotune" if (cfg.max_autotune or cfg.max_autotune_gemm) else "template"
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device`` (None elsewhere or without a visible GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def grouped_mm_choice_ok(device: torch.device, dtype: torch.dtype, k: int, weights: list[tuple | None]) -> bool:
+    """Whether to offer the ``torch._grouped_mm`` extern choice for one GEMM.
+
+    Args:
+        device, dtype: of the activations and weights. k: the contraction size (Dm for gate/up, I for down: the
+            row length of the compact activations). weights: per weight, (size, stride, offset from a 16-byte
+            aligned start) in elements as Python ints, or None when unknown (symbolic, or a buffer that may be
+            misaligned).
+    Returns:
+        True when ``torch._grouped_mm`` runs fused without a host sync
+        (:func:`~ckvp_compile.kernels.moe_grouped_mm.supports_grouped_mm`), the compact activation rows are
+        16-byte aligned (``k`` a multiple of 8 in bf16) and every weight passes
+        :func:`~ckvp_compile.kernels.moe_grouped_mm.weight_operand_ok`.
+    """
+    if not gm.supports_grouped_mm(device, dtype, _cuda_capability(device)):
+        return False
+    itemsize = dtype.itemsize
+    if (k * itemsize) % gm.ALIGN_BYTES:
+        return False
+    return all(w is not None and gm.weight_operand_ok(*w, itemsize) for w in weights)
+
+
+def _weight_meta(node: Any) -> tuple | None:
+    """(size, stride, offset) of a realized IR input as Python ints (the offset in elements from its buffer's
+    start: a slice of a graph input, e.g. ``gate_up_proj[:, I:]``, is a view with an offset), or None when any is
+    symbolic."""
+    try:
+        layout = node.get_layout()
+        return (tuple(int(s) for s in node.get_size()), tuple(int(s) for s in node.get_stride()),
+                int(getattr(layout, "offset", 0)))
+    except (TypeError, AttributeError, NotImplementedError):
+        return None
+
+
+def _buffer_aligned(node: Any) -> bool:
+    """Whether the buffer under an IR input starts 16-byte aligned: Inductor lists the graph inputs it cannot
+    assume aligned (every CPU input; a GPU input whose example was misaligned) in ``V.graph.unaligned_buffers``
+    and copies a GPU input that was aligned at compile time but is not at run time."""
+    try:
+        return node.get_name() not in getattr(_api.V.graph, "unaligned_buffers", ())
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+def _weights_for_choice(*nodes: Any) -> list[tuple | None]:
+    """The ``weights`` argument of :func:`grouped_mm_choice_ok`: each node's meta, None where unknown or where
+    its buffer may be misaligned."""
+    return [_weight_meta(n) if _buffer_aligned(n) else None for n in nodes]
 
 
 def _routing_gen(num_tokens: int, top_k: int, num_experts: int, route_m: int) -> dict[int, Any]:
@@ -181,6 +264,9 @@ def tuned_moe_gate_up(hidden, sorted_ids, tile_expert, w_gate, w_up, top_k: int,
             NUM_PAIRS=t * top_k, PRECISION=_precision(hidden.get_dtype()))
     if mode == "autotune" or not choices:
         choices.append(extern)
+    if mode == "autotune" and grouped_mm_choice_ok(layout.device, hidden.get_dtype(), sizes[1],
+                                                   _weights_for_choice(w_gate, w_up)):
+        choices.append(gate_up_grouped_mm.bind(inputs, layout, top_k=top_k, block_m=block_m))
     return _api.autotune_select_algorithm(TEMPLATE_NAMES[0], choices, inputs, layout,
                                           input_gen_fns=_routing_gen(t, top_k, num_experts, block_m))
 
@@ -209,6 +295,9 @@ def tuned_moe_down(act, sorted_ids, tile_expert, w_down, topk_weights, block_m: 
             BLOCK_K=c.block_k, NUM_PAIRS=t * top_k, PRECISION=_precision(act.get_dtype()))
     if mode == "autotune" or not choices:
         choices.append(extern)
+    if mode == "autotune" and grouped_mm_choice_ok(layout.device, act.get_dtype(), sizes[4],
+                                                   _weights_for_choice(w_down)):
+        choices.append(down_grouped_mm.bind(inputs, layout, block_m=block_m))
     return _api.autotune_select_algorithm(TEMPLATE_NAMES[1], choices, inputs, layout,
                                           input_gen_fns=_routing_gen(t, top_k, num_experts, block_m))
 

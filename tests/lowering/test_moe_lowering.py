@@ -8,7 +8,10 @@
   are rendered by the installed Inductor (``TritonTemplate.generate`` in a bare ``GraphLowering``, CPU layouts,
   ``cpu_backend='triton'``; Triton's driver hash stubbed, no GPU), and the generated kernels run on CPU tensors
   against the PyTorch references: every template config shape class (sub-tiles of the routing tile, partial
-  tiles, HF fused gate_up halves as strided inputs with an offset, fp32 IEEE dots).
+  tiles, HF fused gate_up halves as strided inputs with an offset, fp32 IEEE dots; the down template reads NaN pad
+  rows of ``act`` into no stored row).
+* Autotune mode (forced on CPU): the ``torch._grouped_mm`` extern choices are offered exactly where
+  ``grouped_mm_choice_ok`` allows (CUDA bf16, aligned operands), and the compiled graph that picks them is exact.
 """
 
 from __future__ import annotations
@@ -98,6 +101,78 @@ def test_cpu_inductor_symbolic_sizes_keep_the_whole_op():
     torch.testing.assert_close(out, torch.ops.ckvp.moe_experts(*_args(x)))
 
 
+def test_grouped_mm_choice_only_on_cuda_bf16_with_aligned_operands(monkeypatch):
+    pytest.importorskip("triton")
+    from ckvp_compile.lowering import register_all
+
+    register_all()
+    from ckvp_compile.lowering import moe as lm
+
+    e, i, dm = 8, 14336, 4096  # Mixtral: gate and up are the halves of HF's (E, 2I, Dm) gate_up_proj
+    gate = ((e, i, dm), (2 * i * dm, dm, 1), 0)
+    up = ((e, i, dm), (2 * i * dm, dm, 1), i * dm)
+    cuda = torch.device("cuda", 0)
+    assert not lm.grouped_mm_choice_ok(torch.device("cpu"), torch.bfloat16, dm, [gate, up])
+    monkeypatch.setattr(lm, "_cuda_capability", lambda device: (9, 0))
+    assert lm.grouped_mm_choice_ok(cuda, torch.bfloat16, dm, [gate, up])
+    assert not lm.grouped_mm_choice_ok(torch.device("cpu"), torch.bfloat16, dm, [gate, up])
+    for dtype in (torch.float16, torch.float32):  # torch._grouped_mm loops over the groups with a host sync
+        assert not lm.grouped_mm_choice_ok(cuda, dtype, dm, [gate, up])
+    assert not lm.grouped_mm_choice_ok(cuda, torch.bfloat16, dm + 4, [gate, up])  # compact rows not 16-byte aligned
+    assert not lm.grouped_mm_choice_ok(cuda, torch.bfloat16, dm, [gate, None])  # a symbolic size or stride
+    assert not lm.grouped_mm_choice_ok(cuda, torch.bfloat16, dm, [gate, (up[0], up[1], i * dm + 4)])
+    monkeypatch.setattr(lm, "_cuda_capability", lambda device: (8, 0))
+    assert not lm.grouped_mm_choice_ok(cuda, torch.bfloat16, dm, [gate, up])
+
+
+def test_autotune_mode_offers_the_grouped_mm_choices_where_supported(monkeypatch):
+    """The choice lists of both GEMMs in autotune mode (forced on CPU, templates left out): the extern alone where
+    ``grouped_mm_choice_ok`` says no; extern + grouped_mm where it says yes. With the grouped_mm choices picked,
+    Inductor's output calls them and equals the eager op."""
+    pytest.importorskip("triton")
+    from torch._inductor.utils import run_and_get_code
+
+    from ckvp_compile.lowering import register_all
+
+    register_all()
+    from ckvp_compile.lowering import moe as lm
+
+    seen: list[list[str]] = []
+    select = lm._api.autotune_select_algorithm
+
+    def only_grouped_mm(name, choices, *args, **kwargs):
+        seen.append([c.name for c in choices])
+        keep = [c for c in choices if c.name in lm.GROUPED_MM_NAMES] or choices
+        return select(name, keep, *args, **kwargs)
+
+    monkeypatch.setattr(lm, "_mode", lambda layout: "autotune")
+    monkeypatch.setattr(lm, "template_configs", lambda *args: [])
+    monkeypatch.setattr(lm._api, "autotune_select_algorithm", only_grouped_mm)
+    x = make_moe_inputs(dict(tokens=11, num_experts=6, top_k=2, hidden=16, ffn=24, mode="skewed", seed=5))
+
+    def f(h, ids, w, g, u, d):
+        return torch.ops.ckvp.moe_experts(h, ids, w, g, u, d)
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _compiled_inductor(f)(*_args(x))
+        assert seen == [[lm.EXTERN_NAMES[0]], [lm.EXTERN_NAMES[1]]]  # CPU: no grouped_mm choice
+        seen.clear()
+        asked: list[tuple] = []
+        aligned: list[bool] = []
+        buffer_aligned = lm._buffer_aligned
+        monkeypatch.setattr(lm, "grouped_mm_choice_ok", lambda *args: asked.append(args) or True)
+        monkeypatch.setattr(lm, "_buffer_aligned", lambda node: aligned.append(buffer_aligned(node)) or True)
+        out, codes = run_and_get_code(_compiled_inductor(f), *_args(x))
+    assert seen == [[lm.EXTERN_NAMES[0], lm.GROUPED_MM_NAMES[0]], [lm.EXTERN_NAMES[1], lm.GROUPED_MM_NAMES[1]]]
+    assert aligned == [False] * 3  # Inductor assumes no CPU input 16-byte aligned (GPU: from the example inputs)
+    # each weight is its own graph input: its sizes and strides, offset 0 from its own (aligned) pointer
+    metas = [(tuple(w.shape), w.stride(), 0) for w in (x["w_gate"], x["w_up"], x["w_down"])]
+    assert [(a[1], a[2], a[3]) for a in asked] == [(torch.float32, 16, metas[:2]), (torch.float32, 24, metas[2:])]
+    code = "\n".join(codes)
+    assert lm.GROUPED_MM_NAMES[0] in code and lm.GROUPED_MM_NAMES[1] in code, code[-2000:]
+    torch.testing.assert_close(out, torch.ops.ckvp.moe_experts(*_args(x)), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------ templates
 
 
@@ -149,8 +224,10 @@ def _check_templates() -> None:
                           call_sizes=[p_pad, dm], **meta)
         assert "def _ckvp_down_tile(" in src
         pairs = torch.full((t * a, dm), float("nan"))
-        fn[(p_pad // bm, triton.cdiv(dm, 16))](want, sorted_ids, tile_expert, x["w_down"], weights, pairs)
-        torch.testing.assert_close(pairs, pairs_want, rtol=1e-5, atol=1e-6)
+        poisoned = want.clone()  # pad rows of act are unspecified (the grouped_mm choice leaves them unwritten)
+        poisoned[~valid_rows] = float("nan")
+        fn[(p_pad // bm, triton.cdiv(dm, 16))](poisoned, sorted_ids, tile_expert, x["w_down"], weights, pairs)
+        torch.testing.assert_close(pairs, pairs_want, rtol=1e-5, atol=1e-6)  # no NaN reaches a stored row
     print("ok", len(CASES))
 
 
