@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_cache import persistent_to_device
 from .latent_format import parse_latent_format
 from .reference import ROPE_FORMS
 
@@ -656,8 +657,8 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
         col0, blk0, scale_base, min_base = offsets[:-1], [0] * len(ranks), 0, 0
     key = (tuple(offsets), f.name, str(device))
     if key not in _META:
-        _META[key] = torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)], dtype=torch.int32,
-                                  device=device).reshape(-1, 3)
+        _META[key] = persistent_to_device(torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)],
+                                                       dtype=torch.int32).reshape(-1, 3), device)
     return _META[key], scale_base, min_base, list(col0)
 
 

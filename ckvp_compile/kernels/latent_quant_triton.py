@@ -71,8 +71,9 @@ the H200 at real shapes (B=8 x 4096 slots, rank 256 in three head splits, blocks
 latents: every stored byte and every decoded bit equal; benchmarks/results/2026-11-29-latent-quant-h200), so the
 CUDA kernel of ``ckvp::latent_append`` (``ops.latent_attention_cuda``) quantizes them with
 :func:`quantize_latent_triton` (:func:`use_triton`). ``tern`` and ``mix`` are exact under the interpreter
-(tests/kernels/test_latent_quant_triton_tern_mix.py); they join :data:`GPU_CHECKED` once
-``benchmarks/latent_quant_gpu.py`` passes for them on the GPU.
+(tests/kernels/test_latent_quant_triton_tern_mix.py) and on the H200 at the same real shapes (tern/32, tern/64 and
+a mix/32 plan per head split: benchmarks/results/2026-11-29-latent-quant-h200/run2), so they are in
+:data:`GPU_CHECKED` too.
 
 Errors: :class:`ValueError` for ``"float"`` or an ``mxint`` format, a wrong dtype / width of ``rows``, or (as the
 reference) a value that is not finite or beyond fp16's range; :class:`NotImplementedError` for a CPU tensor
@@ -94,6 +95,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_cache import persistent_to_device
 from .latent_format import LatentFormat, parse_latent_format
 
 __all__ = ["GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_triton", "format_family",
@@ -103,9 +105,9 @@ __all__ = ["GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_tr
 #: False to force the reference quantizer.
 USE_TRITON = True
 #: Format families (:func:`format_family`) checked bit-equal against the reference on the H200 at real shapes by
-#: ``benchmarks/latent_quant_gpu.py``; :func:`use_triton` is False for the others. Add ``"tern"`` and ``"mix"``
-#: when that script's rows for them pass on the GPU.
-GPU_CHECKED = frozenset({"int"})
+#: ``benchmarks/latent_quant_gpu.py`` (int, tern, mix: benchmarks/results/2026-11-29-latent-quant-h200/run2);
+#: :func:`use_triton` is False for the others.
+GPU_CHECKED = frozenset({"int", "tern", "mix"})
 #: Code bytes per ``_tern_pack_kernel`` program (power of two; 64 bytes = 320 coordinates covers a head of rank
 #: <= 320 in one program; raise it for larger heads to launch fewer programs, at more registers per program).
 TERN_TILE_BYTES = 64
@@ -176,9 +178,9 @@ def _tables(offsets: tuple[int, ...], name: str, device: str):
                 by_bits.setdefault(bits, []).append((col + k * f.block, min(f.block, count - k * f.block),
                                                      byte + k * bpb, min(bpb, cb - k * bpb), block0 + k))
         byte += cb
-    groups = tuple((bits, torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).to(device))
+    groups = tuple((bits, persistent_to_device(torch.tensor(rows, dtype=torch.int32).reshape(-1, 5), device))
                    for bits, rows in sorted(by_bits.items()))
-    pack = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6).to(device) if f.ternary else None
+    pack = persistent_to_device(torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6), device) if f.ternary else None
     return groups, pack, byte, f.num_blocks(offsets), f.row_width(offsets)
 
 
