@@ -1,42 +1,58 @@
-"""Small constant tensors cached per layout on a device, allocated outside CUDA-graph memory pools.
+"""Per-layout index tables on the device, built when a latent store is built (outside CUDA-graph memory pools).
 
-The kernels' launchers cache small index tables per (layout, device) so that no host-to-device copy happens per
-decode step. Under ``torch.compile(mode="reduce-overhead")`` the first call of a graph is a CUDA-graph-trees warm-up
-whose allocations on the current stream come from the graph's private memory pool; a cached tensor made there
-outlives the call, and recording then fails ("Detected N tensor(s) in the cudagraph pool not tracked as outputs",
-seen on the H200: benchmarks/results/2026-11-29-reliability-h200). :func:`persistent_to_device` makes the copy on
-a side stream, whose allocations the pool does not take (the pool serves the stream it was entered on), and
-orders the current stream after it. Source: ``torch/_inductor/cudagraph_trees.py`` (``_use_cuda_memory_pool_manager``
-routes the current stream's allocations to the pool), read in torch 2.13.
+The kernels' launchers cache small index tables per (layout, format, device) so that no host-to-device copy
+happens per decode step. Under ``torch.compile(mode="reduce-overhead")`` the first call of a graph is a
+CUDA-graph-trees warm-up whose allocations come from the graph's private memory pool; a cached table made there
+outlives the call, and recording then fails ("Detected N tensor(s) in the cudagraph pool not tracked as outputs":
+on the H200, 2 per layer, traced to ``_head_meta``; benchmarks/results/2026-11-29-reliability-h200). Making the
+copy on a side stream did not help on torch 2.11 (the pool took it too). So :func:`prepare_device_tables` fills
+every cache a store's layouts will use when the store is built, before anything is compiled; a launcher called
+later finds its table cached. Layouts first seen inside a compiled call (ops used without a store) still build
+their table lazily, which is correct but not CUDA-graph-safe.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-__all__ = ["persistent_to_device"]
-
-_SIDE: dict[int, torch.cuda.Stream] = {}
+__all__ = ["prepare_device_tables"]
 
 
-def persistent_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Copy the host tensor ``t`` (any shape and dtype, small) to ``device`` for a cache that lives for the process.
+def prepare_device_tables(offsets: Sequence[int], fmt: str, basis_width: int, device: torch.device | str) -> None:
+    """Build and cache every per-layout table the CUDA kernels and references use for one latent layout.
 
-    On CUDA the copy is allocated and made on a side stream (outside any CUDA-graph pool the current stream may be
-    allocating from), then the current stream waits for it; during a CUDA-graph capture, where no new stream work
-    may be issued, it falls back to a plain ``t.to(device)`` (a cache should be filled by the warm-up call before).
-    Elsewhere it is ``t.to(device)``. Returns the device tensor; raises what ``Tensor.to`` raises.
+    Args:
+        offsets: (Hkv + 1,) ints, the heads' latent column offsets (one group's K or V latent).
+        fmt: the latent format name (:mod:`ckvp_compile.kernels.latent_format`).
+        basis_width: R_max, the basis block's last dimension (the reference's per-head padding).
+        device: the store's device; only CUDA devices are prepared (elsewhere there is no pool to avoid).
+    Raises:
+        ValueError: an unknown format (as :func:`~ckvp_compile.kernels.latent_format.parse_latent_format`).
     """
     device = torch.device(device)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return t.to(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _SIDE.get(index)
-    if side is None:
-        side = _SIDE[index] = torch.cuda.Stream(device=index)
-    current = torch.cuda.current_stream(index)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        out = t.to(device)
-    current.wait_stream(side)
-    return out
+    if device.type != "cuda":
+        return
+    if device.index is None:  # the launchers key their caches by the tensors' device, which has an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    _prepare(offsets, fmt, basis_width, device)
+
+
+def _prepare(offsets: Sequence[int], fmt: str, basis_width: int, device: torch.device) -> None:
+    """:func:`prepare_device_tables` on any device (the CPU tests call it directly): the same calls, with the same
+    cache keys, as the launchers and references make."""
+    from . import latent_attention_triton as lat
+    from . import latent_quant_triton as lq
+    from . import reference as ref
+    from .latent_format import _code_byte_index, _pad_index, parse_latent_format
+
+    offsets = [int(o) for o in offsets]
+    f = parse_latent_format(fmt)
+    ref._head_columns(offsets, int(basis_width), device)
+    lat._head_meta(offsets, f.name, device)
+    if f.quantized:
+        _pad_index(offsets, f, device)
+        _code_byte_index(offsets, f, device)
+    if lq.unsupported_reason(f, torch.device("cuda")) is None:  # formats the Triton quant kernels take
+        lq._tables(tuple(offsets), f.name, str(device))

@@ -62,7 +62,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_cache import persistent_to_device
 from .latent_format import parse_latent_format
 from .reference import ROPE_FORMS
 
@@ -642,7 +641,8 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
     """((Hkv, 3) int32 per head: first column (float) or code byte, first block, rank; scale base; min base;
     the first columns as ints).
 
-    Cached per (offsets, format, device): the tensor is built once (outside any CUDA-graph capture that replays it).
+    Cached per (offsets, format, device): the tensor is built once, when the store is built for a store's layouts
+    (:func:`~ckvp_compile.kernels.device_cache.prepare_device_tables`: outside any CUDA-graph memory pool).
     """
     f = parse_latent_format(fmt)
     offsets = [int(o) for o in offsets]
@@ -657,8 +657,8 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
         col0, blk0, scale_base, min_base = offsets[:-1], [0] * len(ranks), 0, 0
     key = (tuple(offsets), f.name, str(device))
     if key not in _META:
-        _META[key] = persistent_to_device(torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)],
-                                                       dtype=torch.int32).reshape(-1, 3), device)
+        _META[key] = torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)], dtype=torch.int32,
+                                  device=device).reshape(-1, 3)
     return _META[key], scale_base, min_base, list(col0)
 
 

@@ -54,8 +54,6 @@ from typing import Sequence
 
 import torch
 
-from .device_cache import persistent_to_device
-
 __all__ = ["LatentFormat", "TERNARY", "dequantize_latent_ref", "pack_codes", "pack_ternary", "parse_latent_format",
            "quantize_latent_ref", "unpack_codes", "unpack_ternary"]
 
@@ -235,7 +233,7 @@ def _layout_index(kind: str, offsets: tuple[int, ...], fmt: LatentFormat, device
         cols = [torch.arange(a, b) - a + p for a, b, p in zip(offsets, offsets[1:], padded)]
     else:
         cols = [torch.arange(cb) + p * fmt.bits // 8 for cb, p in zip(fmt.code_bytes(offsets), padded)]
-    return persistent_to_device(torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long), device)
+    return (torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long)).to(device)
 
 
 def _block_params(xb: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

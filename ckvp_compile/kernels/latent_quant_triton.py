@@ -95,7 +95,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_cache import persistent_to_device
 from .latent_format import LatentFormat, parse_latent_format
 
 __all__ = ["GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_triton", "format_family",
@@ -178,9 +177,9 @@ def _tables(offsets: tuple[int, ...], name: str, device: str):
                 by_bits.setdefault(bits, []).append((col + k * f.block, min(f.block, count - k * f.block),
                                                      byte + k * bpb, min(bpb, cb - k * bpb), block0 + k))
         byte += cb
-    groups = tuple((bits, persistent_to_device(torch.tensor(rows, dtype=torch.int32).reshape(-1, 5), device))
+    groups = tuple((bits, torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).to(device))
                    for bits, rows in sorted(by_bits.items()))
-    pack = persistent_to_device(torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6), device) if f.ternary else None
+    pack = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 6).to(device) if f.ternary else None
     return groups, pack, byte, f.num_blocks(offsets), f.row_width(offsets)
 
 

@@ -42,7 +42,6 @@ from typing import Sequence
 
 import torch
 
-from .device_cache import persistent_to_device
 from .latent_format import dequantize_latent_ref, parse_latent_format, quantize_latent_ref
 
 __all__ = [
@@ -111,11 +110,11 @@ def _head_columns(offsets: Sequence[int], r_pad: int, device: torch.device) -> t
 @functools.lru_cache(maxsize=256)
 def _head_columns_cached(offsets: tuple[int, ...], r_pad: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_head_columns`, built once per layout and device (no host-to-device copy per decode step)."""
-    off = torch.tensor(offsets, dtype=torch.long)
-    j = torch.arange(r_pad)
+    off = torch.tensor(offsets, dtype=torch.long, device=device)
+    j = torch.arange(r_pad, device=device)
     valid = j[None, :] < (off[1:] - off[:-1])[:, None]
     idx = torch.where(valid, off[:-1, None] + j[None, :], torch.zeros_like(valid, dtype=torch.long))
-    return persistent_to_device(idx, device), persistent_to_device(valid, device)  # outside CUDA-graph pools
+    return idx, valid
 
 
 def unpack_latent_ref(latent: torch.Tensor, offsets: Sequence[int], r_pad: int, fmt: str = "float") -> torch.Tensor:

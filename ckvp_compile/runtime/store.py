@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ..errors import CKVPConfigError
+from ..kernels.device_cache import prepare_device_tables
 from ..kernels.latent_format import parse_latent_format
 
 _PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
@@ -181,6 +182,10 @@ class LatentKVStore:
         #: host-side: whether the online bases were fitted by a prefill since the last reset (no device sync)
         self.online_fitted = False
         self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
+        for offs, fmts, bases_ in ((self.k_offsets, self.k_formats, self.basis_k),
+                                   (self.v_offsets, self.v_formats, self.basis_v)):
+            for o, f, p in zip(offs, fmts, bases_):  # the kernels' index tables, outside any CUDA-graph pool
+                prepare_device_tables(o, f, p.shape[-1], self.device)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
