@@ -349,7 +349,7 @@ def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
     over each five codes (zero-padded)."""
     n = codes.shape[-1]
     c = torch.nn.functional.pad(codes.to(torch.int32) + 1, (0, -(-n // 5) * 5 - n), value=1)
-    c = c.view(*codes.shape[:-1], -1, 5)
+    c = c.view(*codes.shape[:-1], -(-n // 5), 5)  # explicit, so that zero rows reshape too
     weights = 3 ** torch.arange(5, dtype=torch.int32, device=codes.device)
     return (c * weights).sum(-1).to(torch.uint8)
 
@@ -432,6 +432,8 @@ def _dequantize_pieces(rows: torch.Tensor, offsets: Sequence[int], f: LatentForm
     nb_all = f.num_blocks(offsets)
     byte = 0
     for col, count, bits, block0 in pieces:
+        if count == 0:  # a head of rank 0: no codes, no blocks (its empty byte slices cannot be viewed as fp16)
+            continue
         nb, cb = -(-count // f.block), _code_bytes(count, bits)
         if bits == TERNARY:
             c = unpack_ternary(rows[..., byte:byte + cb], count).float()

@@ -192,3 +192,25 @@ def test_power_of_two_row_layout():
     assert parse_latent_format("mxint8").name == "mxint8/32" and f.pow2 and f.quantized
     with pytest.raises(ValueError, match="mxint"):
         parse_latent_format("mxint2")
+
+
+@pytest.mark.parametrize("fmt", ["tern", "tern/64", "int8", "int4/32", "int2", "mxint8", "mxint4/32"])
+@pytest.mark.parametrize("offsets", [[0, 0, 7], [0, 7, 7], [0, 7, 20]])
+def test_rank_zero_heads_and_zero_rows_round_trip(fmt, offsets):
+    """A head of rank 0 (the planner may drop one) and an empty batch quantize and dequantize like any other
+    layout (the ternary reference used to fail on both), within half a step per element."""
+    import torch
+
+    from ckvp_compile.kernels.latent_format import dequantize_latent_ref, parse_latent_format, quantize_latent_ref
+
+    z = torch.randn(3, offsets[-1], generator=torch.Generator().manual_seed(0))
+    rows = quantize_latent_ref(z, offsets, fmt)
+    assert rows.shape == (3, parse_latent_format(fmt).row_width(offsets))
+    back = dequantize_latent_ref(rows, offsets, fmt)
+    # half a step, in units of the largest |z| (a block's own range is at most that): asymmetric int: range / levels
+    # / 2 <= max|z| / levels; ternary: scale / 2; mxint: a power-of-two scale >= max|z| / max code, so <= twice that
+    half_step = {"tern": 0.5, "int8": 1 / 255, "int4": 1 / 15, "int2": 1 / 3, "mxint8": 1 / 127, "mxint4": 1 / 7}
+    bound = half_step[fmt.split("/")[0]] * z.abs().max() * 1.01 + 1e-6
+    assert back.shape == z.shape and float((back - z).abs().max()) <= float(bound)
+    empty = quantize_latent_ref(torch.zeros(0, offsets[-1]), offsets, fmt)
+    assert empty.shape[0] == 0 and dequantize_latent_ref(empty, offsets, fmt).shape == (0, offsets[-1])
