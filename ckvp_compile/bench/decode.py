@@ -472,7 +472,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
     p.add_argument("--latent-format", default="int4",
                    help="ckvp latent format: int4 (default), int8, int2, float; --shape fixture also takes 'planned' "
-                        "(rank and bits per head from the planner)")
+                        "(rank and bits per head from the planner), optionally with '+rot' (Hadamard-rotated basis "
+                        "blocks) and '+fp8' (bases stored in float8_e4m3fn), e.g. planned+rot+fp8")
     p.add_argument("--group-size", type=int, default=4, help="ckvp layers per latent group")
     p.add_argument("--bases", default="calibrated", choices=["calibrated", "synthetic"],
                    help="random-weight models: ckvp bases calibrated on the model's activations for random ids "
@@ -520,8 +521,12 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--shape is required (or --report FILE...)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but this torch has no CUDA device; use --device cpu")
-    if a.latent_format == "planned" and a.shape != "fixture":
-        p.error("--latent-format planned is for --shape fixture (the fused decode kernel reads uniform formats)")
+    if a.latent_format.split("+")[0] == "planned":
+        if a.shape != "fixture":
+            p.error("--latent-format planned is for --shape fixture (the fused decode kernel reads uniform formats)")
+        bad = [o for o in a.latent_format.split("+")[1:] if o not in ("rot", "fp8")]
+        if bad:
+            p.error(f"--latent-format planned takes the options +rot and +fp8, got {bad}")
     if a.shape == "fixture":
         if any(r < 1 for r in a.ratios):
             p.error("--ratios must be >= 1")

@@ -138,7 +138,8 @@ def run_fixture(args: argparse.Namespace) -> int:
     rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts), forced_agreement=1.0)]
     moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
     decomposed = DecomposedMoments.from_moments(moments)  # one eigh; the byte-ratio fit builds bases ~40 times
-    fmt = args.latent_format
+    fmt, *opts = args.latent_format.split("+")  # planned[+rot][+fp8]: as ckvp-bench fidelity's allocations
+    basis_dtype = torch.float8_e4m3fn if "fp8" in opts else kv_dtype
     for ratio in args.ratios:
         t = time.perf_counter()
         eager_forward = model.forward
@@ -147,13 +148,15 @@ def run_fixture(args: argparse.Namespace) -> int:
                 from ..latent.planner import plan_for_byte_ratio
 
                 bases = plan_for_byte_ratio(moments.bases(1.0, "energy"), ratio, batch_size=1,
-                                            max_cache_len=args.budget_len, dense_dtype=kv_dtype, latent_dtype=kv_dtype)
+                                            max_cache_len=args.budget_len, dense_dtype=kv_dtype, latent_dtype=kv_dtype,
+                                            rotate="rot" in opts, basis_dtype=basis_dtype)
             else:
                 bases = bases_for_byte_ratio(decomposed, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
                                              dense_dtype=kv_dtype, latent_dtype=kv_dtype)
             store_fmt = "auto" if fmt == "planned" else fmt
             cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
-                                    dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype)
+                                    dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,
+                                    basis_dtype=basis_dtype)
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
             got = [_decode(model, p, args.new_tokens, cache) for p in prompts]
@@ -162,13 +165,14 @@ def run_fixture(args: argparse.Namespace) -> int:
             same_forced = sum(x == y for d, g in zip(dense, forced) for x, y in zip(d, g))
             nb = cache.store.nbytes()
             budget = (dense_kv_bytes(bases, 1, args.budget_len, kv_dtype)
-                      / store_bytes(bases, 1, args.budget_len, store_fmt, store_fmt, kv_dtype))
-            rows.append(FixtureRow(ratio, fmt, same / n_tok, sum(map(_prefix, dense, got)) / len(prompts), n_tok,
+                      / store_bytes(bases, 1, args.budget_len, store_fmt, store_fmt, kv_dtype,
+                                    basis_dtype=basis_dtype))
+            rows.append(FixtureRow(ratio, args.latent_format, same / n_tok, sum(map(_prefix, dense, got)) / len(prompts), n_tok,
                                    len(prompts), round(budget, 3), round(nb.ratio_vs(kv_dtype, with_bases=False), 3),
                                    args.budget_len, [list(r) for r in bases.k_ranks], [list(r) for r in bases.v_ranks],
                                    round(time.perf_counter() - t, 2), forced_agreement=same_forced / n_tok))
         except Exception as e:  # noqa: BLE001  recorded; the other ratios still run
-            rows.append(FixtureRow(ratio, fmt, float("nan"), float("nan"), n_tok, len(prompts), status="error",
+            rows.append(FixtureRow(ratio, args.latent_format, float("nan"), float("nan"), n_tok, len(prompts), status="error",
                                    error=f"{type(e).__name__}: {str(e)[:600]}"))
         finally:
             model.forward = eager_forward

@@ -136,7 +136,22 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     assert (tmp_path / "plots" / "decode_fidelity.png").stat().st_size > 1000
 
 
+def test_fixture_planned_rotated_fp8_bases(tmp_path):
+    """--latent-format planned+rot+fp8 (tiny settings): the bases are stored in fp8 and counted at 1 byte, so the
+    same 4x budget is met, and the row records the full format name."""
+    out = tmp_path / "fixture.json"
+    rc = bench_cli(["decode", "--shape", "fixture", "--ratios", "4", "--prompts", "1", "--new-tokens", "3",
+                    "--prompt-len", "16", "--calib-windows", "1", "--compiler", "eager", "--device", "cpu",
+                    "--latent-format", "planned+rot+fp8", "--json", str(out)])
+    assert rc == 0
+    four = json.loads(out.read_text())["rows"][1]
+    assert four["status"] == "ok" and four["latent_format"] == "planned+rot+fp8", four
+    assert four["ratio_measured_at_budget"] >= 4.0
+
+
 def test_usage_errors(capsys):
+    assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "planned+alr"]) == 2
+    assert "+rot and +fp8" in capsys.readouterr().err
     assert bench_cli(["decode", "--shape", "tiny", "--systems", "dense"]) == 2
     assert "unknown system 'dense'" in capsys.readouterr().err
     assert bench_cli(["decode", "--report", "x.json"]) == 2
