@@ -37,8 +37,11 @@ REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("torch._inductor.utils", "use_triton_template"),
     ("torch._inductor.ir", "FixedLayout"),
     ("torch._inductor.ir", "ExternKernel"),
+    ("torch._inductor.ir", "ReinterpretView"),
+    ("torch._inductor.ir", "TensorBox"),
     ("torch._inductor.virtualized", "V"),
     ("torch._inductor.config", "max_autotune"),
+    ("torch._inductor.kernel.mm_grouped", "tuned_grouped_mm"),
 )
 
 
@@ -48,13 +51,14 @@ def inductor_template_api() -> Any:
     Attributes: ``register_lowering``, ``lowerings`` (the op -> lowering dict), ``fallback_handler``,
     ``TritonTemplate``, ``ExternKernelChoice``, ``realize_inputs``, ``SymbolicGridFn``, ``use_triton_template``,
     ``FixedLayout``, ``V``, ``config`` (``torch._inductor.config``), ``require_contiguous`` (an IR input copied to
-    contiguous strides if it is not) and ``autotune_select_algorithm``, which
+    contiguous strides if it is not), ``ReinterpretView`` and ``TensorBox`` (to wrap a view of a realized input's
+    storage, e.g. HF's fused gate_up_proj seen through its two halves) and ``autotune_select_algorithm``, which
     returns the chosen node on every torch (2.11 returns the node, 2.13 a ``(node, choice)`` pair).
     """
     import types
 
     import torch._inductor.config as config
-    from torch._inductor.ir import ExternKernel, FixedLayout
+    from torch._inductor.ir import ExternKernel, FixedLayout, ReinterpretView, TensorBox
     from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
     from torch._inductor.select_algorithm import (
         ExternKernelChoice,
@@ -75,7 +79,42 @@ def inductor_template_api() -> Any:
         TritonTemplate=TritonTemplate, ExternKernelChoice=ExternKernelChoice, realize_inputs=realize_inputs,
         SymbolicGridFn=SymbolicGridFn, use_triton_template=use_triton_template, FixedLayout=FixedLayout, V=V,
         config=config, autotune_select_algorithm=select, require_contiguous=ExternKernel.require_contiguous,
+        ReinterpretView=ReinterpretView, TensorBox=TensorBox,
     )
+
+
+def grouped_mm_lowering() -> tuple[Callable | None, str | None]:
+    """Return Inductor's registered lowering of ``aten._grouped_mm.default`` (``tuned_grouped_mm`` of
+    ``torch/_inductor/kernel/mm_grouped.py``: its autotuned persistent TMA Triton template plus the aten extern),
+    as ``(lowering, None)``, or ``(None, reason)`` where this torch cannot be used that way.
+
+    The lowering is called as the FX node would call it, positionally in the op's schema order
+    ``(mat_a (M, K), mat_b (G, K, N), offs (G,) int32)`` (the ATen schema ``_grouped_mm(Tensor self, Tensor mat2,
+    Tensor? offs=None, Tensor? bias=None, ScalarType? out_dtype=None)``), and returns a ``TensorBox`` of (M, N)
+    ``mat_a.dtype``. Read in torch 2.13 (``tuned_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None,
+    layout=None)``) and in a later upstream ``mm_grouped.py`` (same parameters, more template choices); torch 2.11
+    (the GPU image) was not read here: the signature check below, and the path recorded by the GPU check script,
+    cover it. Reasons: no ``torch._grouped_mm``, no registered lowering, or a lowering whose signature cannot take
+    three positional tensors.
+    """
+    import inspect
+
+    if not hasattr(torch, "_grouped_mm") or not hasattr(torch.ops.aten, "_grouped_mm"):
+        return None, f"torch {torch.__version__} has no torch._grouped_mm"
+    from torch._inductor.lowering import lowerings  # importing it registers every torch/_inductor/kernel lowering
+
+    fn = lowerings.get(torch.ops.aten._grouped_mm.default)
+    if fn is None:
+        return None, "Inductor registers no lowering for aten._grouped_mm.default"
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return fn, None  # a C-level or opaque callable: the schema order is the contract
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None, (f"Inductor's aten._grouped_mm lowering has signature {inspect.signature(fn)} "
+                      "(want mat_a, mat_b, offs positionally)")
+    return fn, None
 
 
 def custom_graph_pass_base() -> type:

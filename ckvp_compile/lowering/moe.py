@@ -1,14 +1,50 @@
-"""Inductor lowering of ``ckvp::moe_experts``: the routed experts as two autotuned grouped-GEMM ``TritonTemplate``\\ s.
+"""Inductor lowering of ``ckvp::moe_experts``: two autotuned grouped-GEMM ``TritonTemplate``\\ s over a tile-padded
+routing (small M), or Inductor's own grouped-GEMM lowering over compact expert-sorted rows (large M).
 
-The lowering decomposes one op into Inductor IR (notation of :mod:`ckvp_compile.kernels.moe_reference`)::
+The lowering decomposes one op into Inductor IR (notation of :mod:`ckvp_compile.kernels.moe_reference`; P = T*A
+pairs). Which path: :func:`large_m_path_reason` (large M: CUDA, bf16, max-autotune, static sizes, routing bucket
+``ROUTE_M >= LARGE_M_ROUTE_M`` (128: more than 48 rows per expert), operands ``torch._grouped_mm`` takes fused;
+:data:`FORCE_LARGE_M_PATH` forces it for tests); every call's path and reason go to :data:`DECISIONS` and the log.
+
+Padded path (the default; small M, decode)::
 
     sorted_ids, tile_expert = ckvp::moe_align(topk_ids, E, ROUTE_M)        extern (one Triton launch on CUDA)
     act   = ckvp_moe_gate_up(hidden, sorted_ids, tile_expert, W_gate, W_up)  (P_pad, I)  template | extern | grouped_mm
     pairs = ckvp_moe_down(act, sorted_ids, tile_expert, W_down, topk_w)      (P, Dm) fp32 template | extern | grouped_mm
     out   = pairs.view(T, A, Dm).sum(1).to(hidden.dtype)                      Inductor reduction
 
+Large-M path (:func:`_large_m_experts`; every line Inductor IR built through the registered ATen lowerings, so
+Inductor fuses the pointwise and gather steps and autotunes its grouped-GEMM template)::
+
+    ids    = topk_ids.view(P).long()                                          (P,)
+    onehot = ids[:, None] == arange(E)[None, :]                               (P, E)      fused into the scan
+    csum   = cumsum(onehot, 0)                                                (P, E)      scan (aten.cumsum on CPU)
+    counts = csum[P - 1];  ends = cumsum(counts);  offs = ends.int()           (E,)        group ends, int32
+    inv    = sum_e onehot * (ends - counts - 1 + csum)                         (P,)        compact row of each pair
+    perm   = sort(ids * P + arange(P)).indices                                (P,)        pair of each compact row
+    x      = hidden[perm // A]                                                (P, Dm)     gather
+    h      = grouped_mm(x, W_gate_up^T, offs)                                 (P, 2I)     one GEMM on HF's fused
+             (or gate, up = grouped_mm(x, W_gate^T, offs), grouped_mm(x, W_up^T, offs))   (E, 2I, Dm) view, else two
+    act    = (silu(gate.float()) * up.float()).to(hidden.dtype)               (P, I)      pointwise
+    y      = grouped_mm(act, W_down^T, offs)                                  (P, Dm)
+    out    = (y[inv].view(T, A, Dm).float() * topk_w[..., None]).sum(1)       (T, Dm)     gather + reduction
+             .to(hidden.dtype)
+
+``grouped_mm`` is Inductor's lowering of ``aten._grouped_mm`` (``tuned_grouped_mm`` in
+``torch/_inductor/kernel/mm_grouped.py``, reached through :func:`ckvp_compile._compat.grouped_mm_lowering`):
+in max-autotune on sm90+ it times its persistent TMA Triton template configs against the aten extern
+(``torch._grouped_mm``, CUTLASS) with balanced group ends, as it does for HF's ``grouped_mm`` experts. Static
+shapes, no host sync, no padding compute: every kernel sees P rows. The keys ``ids * P + p`` are unique, so the
+sort's order (expert-major, pair order inside an expert) is the one ``inv`` inverts, stable or not. Numerics
+against the padded path (bf16): gate, up and y round to bf16 before the fp32 SiLU and the fp32 weighted sum (the
+templates keep them in fp32); fp32 runs are exact up to the GEMMs' summation order. On CPU (forced path)
+Inductor's lowering has only the aten extern, which calls ``torch._grouped_mm`` eagerly (torch 2.13 runs it on
+CPU in fp32 too; only its meta kernel insists on bf16, and Inductor's lowering does not run the meta kernel).
+Inductor's FX graph cache does not see :data:`FORCE_LARGE_M_PATH` or :data:`LARGE_M_ROUTE_M`: tests that flip them
+compile with ``force_disable_caches``.
+
 ``ROUTE_M`` is the M bucket (:func:`~ckvp_compile.kernels.grouped_gemm.block_m_for`: 16/32/64/128 from the mean
-rows per expert). Each GEMM's choices:
+rows per expert). Each GEMM's choices in the padded path:
 
 * ``ckvp_moe_gate_up`` / ``ckvp_moe_down`` (TritonTemplate): the configs of
   :func:`~ckvp_compile.kernels.grouped_gemm.gate_up_configs` / :func:`~ckvp_compile.kernels.grouped_gemm.down_configs`
@@ -30,10 +66,11 @@ Inductor's ``autotune_select_algorithm`` times them per (E, N, K, M bucket, dtyp
 choice reads and writes the same padded layout: pad rows of ``act`` are unspecified and never read into a
 stored result).
 
-When which choice: on CPU (and any non-CUDA device) the extern ops are the only choice, so Inductor calls the
-reference parts (exact against the eager op). On CUDA with ``max_autotune`` (or ``max_autotune_gemm``): every
+When which choice: on CPU (and any non-CUDA device) the padded path with the extern ops as the only choice, so
+Inductor calls the reference parts (exact against the eager op). On CUDA with ``max_autotune`` (or
+``max_autotune_gemm``): the large-M path where :func:`large_m_path_reason` allows (``ROUTE_M`` 128), else every
 template config, the extern and, where :func:`grouped_mm_choice_ok`, the grouped_mm extern. On CUDA otherwise:
-the first template config only (no timing at compile time).
+the padded path with the first template config only (no timing at compile time).
 Symbolic sizes (``dynamic=True``) or T == 0: the whole op stays one extern call (``ckvp::moe_experts``).
 
 One copy of the math: the template bodies call ``_ckvp_gate_up_tile`` / ``_ckvp_down_tile``, the ``@triton.jit``
@@ -44,13 +81,15 @@ Registered by :func:`ckvp_compile.lowering.register_all` (the backend calls it);
 Inductor, defines the templates and extern choices, and registers nothing until :func:`register` is called (the
 ops must be defined first: :func:`ckvp_compile.ops.register_all`).
 Source: the lowering/template split of ``torch/_inductor/kernel/mm_grouped.py`` and ``flex_attention`` (helper
-``@triton.jit`` functions after the kernel body), read in torch 2.13; no code copied.
+``@triton.jit`` functions after the kernel body), read in torch 2.13; no code copied. Large-M path: the compact
+grouped-GEMM form of transformers ``integrations/moe.py::grouped_mm_experts_forward`` (sort by expert,
+``_grouped_mm`` with cumulative counts), rebuilt from static-shape IR (one-hot scan instead of a histogram).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -61,8 +100,9 @@ from ..kernels import moe_reference as moe_ref
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTERN_NAMES", "GROUPED_MM_NAMES", "TEMPLATE_NAMES", "grouped_mm_choice_ok", "register",
-           "template_configs", "tuned_moe_down", "tuned_moe_experts", "tuned_moe_gate_up"]
+__all__ = ["DECISIONS", "EXTERN_NAMES", "FORCE_LARGE_M_PATH", "GROUPED_MM_NAMES", "LARGE_M_ROUTE_M", "TEMPLATE_NAMES",
+           "grouped_mm_choice_ok", "large_m_path_reason", "register", "template_configs", "tuned_moe_down",
+           "tuned_moe_experts", "tuned_moe_gate_up"]
 
 _api = _compat.inductor_template_api()
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -302,18 +342,171 @@ def tuned_moe_down(act, sorted_ids, tile_expert, w_down, topk_weights, block_m: 
                                           input_gen_fns=_routing_gen(t, top_k, num_experts, block_m))
 
 
+#: Routing M bucket (:func:`~ckvp_compile.kernels.grouped_gemm.block_m_for`) from which :func:`tuned_moe_experts`
+#: takes the large-M path (compact rows, Inductor's own grouped-GEMM lowering): the 128 bucket, i.e. more than 48
+#: rows per expert on average (Mixtral-8x7B shape from batch 256 on). Chosen from the H200 run of 2026-11-29
+#: (batch 512, ~128 rows per expert: the tile-padded templates took 606 + 331 us against 479 + 243 us for
+#: Inductor's grouped_mm template); retune it when the check script's batch rows show the crossover.
+LARGE_M_ROUTE_M = 128
+#: Take the large-M path wherever it can be built, whatever the device, dtype, mode and M (tests: the path on CPU,
+#: where Inductor's grouped_mm lowering calls ``torch._grouped_mm`` eagerly). Set with ``monkeypatch.setattr`` and
+#: compile with ``torch._inductor.config.patch(force_disable_caches=True)``: Inductor's FX graph cache key does not
+#: include this flag, so a cached graph of the other path would be reused.
+FORCE_LARGE_M_PATH = False
+#: The path each :func:`tuned_moe_experts` call took, newest last (at most :data:`_MAX_DECISIONS`): dict(path
+#: 'large_m' | 'padded' | 'extern', reason (why not large_m; None when taken), tokens, top_k, experts, hidden,
+#: ffn, route_m, fused_gate_up (large_m only: one GEMM over HF's fused gate_up_proj)).
+DECISIONS: list[dict] = []
+_MAX_DECISIONS = 64
+
+
+def _record(path: str, reason: str | None, **info: Any) -> None:
+    DECISIONS.append(dict(path=path, reason=reason, **info))
+    del DECISIONS[:-_MAX_DECISIONS]
+    logger.info("ckvp::moe_experts lowered as %s (%s) %s", path, reason or "large-M conditions met", info)
+
+
+def large_m_path_reason(device: torch.device, dtype: torch.dtype, mode: str, route_m: int, dm: int, ffn: int,
+                        weights: Callable[[], list[tuple | None]]) -> str | None:
+    """Why :func:`tuned_moe_experts` does not take the large-M path, or None when it does.
+
+    Args:
+        device, dtype: of hidden and the weights. mode: :func:`_mode` of the output layout. route_m: the routing's
+            M bucket. dm, ffn: Dm and I (the K of the gate/up and of the down GEMM). weights: returns, per weight
+            (gate, up, down), (size, stride, offset) as in :func:`grouped_mm_choice_ok` (None: unknown or maybe
+            misaligned); called only when every other condition holds (it realizes the weight inputs).
+    Returns:
+        None when: Inductor's ``aten._grouped_mm`` lowering is usable (:func:`ckvp_compile._compat.grouped_mm_lowering`)
+        and either :data:`FORCE_LARGE_M_PATH`, or all of: CUDA, max-autotune (``mode == 'autotune'``, so that
+        Inductor autotunes its grouped-GEMM template), ``route_m >= LARGE_M_ROUTE_M``, and both GEMMs pass
+        :func:`grouped_mm_choice_ok` (bf16 on compute capability 9.x/10.x: ``torch._grouped_mm``'s meta kernel
+        accepts bf16 only and its fp16 path loops over the groups with a host sync, so the extern choice of
+        Inductor's autotuning must not be that; 16-byte aligned rows and weights, which the TMA template needs).
+        Otherwise a short reason (logged, and recorded in :data:`DECISIONS`).
+    """
+    _, why = _compat.grouped_mm_lowering()
+    if why is not None:
+        return why
+    if FORCE_LARGE_M_PATH:
+        return None
+    if device.type != "cuda":
+        return f"device {device.type} (CUDA only)"
+    if mode != "autotune":
+        return "not max-autotune (Inductor would not autotune its grouped_mm template)"
+    if route_m < LARGE_M_ROUTE_M:
+        return f"route_m {route_m} < LARGE_M_ROUTE_M {LARGE_M_ROUTE_M}"
+    metas = weights()
+    if not (grouped_mm_choice_ok(device, dtype, dm, metas[:2]) and grouped_mm_choice_ok(device, dtype, ffn, metas[2:])):
+        return (f"torch._grouped_mm not fused for these operands (dtype {dtype}, capability "
+                f"{_cuda_capability(device)}, Dm {dm}, I {ffn}, weights {metas}): bf16, sm90/sm100, 16-byte alignment")
+    return None
+
+
+def _fused_gate_up(w_gate: Any, w_up: Any, num_experts: int, ffn: int, dm: int) -> Any | None:
+    """HF's fused (E, 2I, Dm) ``gate_up_proj`` when ``w_gate`` / ``w_up`` are its two halves, else None.
+
+    Detected on the realized views: both are ``ReinterpretView``\\ s of one buffer with strides (2I*Dm, Dm, 1) and
+    up's offset = gate's offset + I*Dm. Returns a ``TensorBox`` of the (E, 2I, Dm) view at gate's offset (the rows
+    gate then up of each expert, in the buffer's own offset frame, as the halves are).
+    """
+    g, u = _api.realize_inputs(w_gate, w_up)
+    if not (isinstance(g, _api.ReinterpretView) and isinstance(u, _api.ReinterpretView)):
+        return None
+    mg, mu = _weight_meta(g), _weight_meta(u)
+    try:
+        same = g.get_name() == u.get_name()
+    except (AttributeError, NotImplementedError):
+        return None
+    want = ((num_experts, ffn, dm), (2 * ffn * dm, dm, 1))
+    if not (same and mg is not None and mu is not None and mg[:2] == want and mu[:2] == want
+            and mu[2] - mg[2] == ffn * dm):
+        return None
+    layout = _api.FixedLayout(g.get_device(), g.get_dtype(), [num_experts, 2 * ffn, dm], [2 * ffn * dm, dm, 1],
+                              g.get_layout().offset)
+    return _api.TensorBox(_api.ReinterpretView(data=g.data, layout=layout))
+
+
+def _large_m_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down, t: int, top_k: int, num_experts: int,
+                     dm: int, ffn: int) -> tuple[Any, bool]:
+    """The routed experts over compact expert-sorted rows, in Inductor IR, with Inductor's grouped-GEMM lowering.
+
+    Args: the op's IR inputs and static sizes T, A, E, Dm, I. Returns: ((T, Dm) hidden.dtype, whether gate and up
+    ran as one GEMM over HF's fused gate_up_proj). Steps (module doc, "large-M path"); static shapes, no host sync:
+    ids (P,) int64; one-hot (P, E) and its cumsum over P; group ends ``offs`` = cumsum of the counts (int32);
+    ``inv[p]`` = the compact row of pair p (group start + rank among its expert's pairs, pair order);
+    ``perm`` = the pair of each compact row (argsort of ``ids * P + p``: unique keys, so any sort gives the same
+    order, the one ``inv`` inverts); x = hidden[perm // A]; gate/up = grouped_mm(x, W^T, offs) (one call on the
+    fused (E, 2I, Dm) view when :func:`_fused_gate_up` finds it); act = silu(gate) * up in fp32, rounded to
+    hidden.dtype; y = grouped_mm(act, W_down^T, offs); out[t] = sum_a w[t, a] * y[inv[t*A + a]] in fp32.
+    """
+    low = _api.lowerings
+    grouped_mm, _ = _compat.grouped_mm_lowering()
+    cvt, view = low[prims.convert_element_type.default], low[aten.view.default]
+    add, sub, mul = low[aten.add.Tensor], low[aten.sub.Tensor], low[aten.mul.Tensor]
+    permute, index = low[aten.permute.default], low[aten._unsafe_index.Tensor]
+    cumsum, isum = low[aten.cumsum.default], low[aten.sum.dim_IntList]
+    dtype, device, f32 = hidden.get_dtype(), hidden.get_device(), torch.float32
+    p = t * top_k
+
+    def iota(n: int) -> Any:
+        return low[prims.iota.default](n, start=0, step=1, dtype=torch.int64, device=device, requires_grad=False)
+
+    ids = cvt(view(topk_ids, [p]), torch.int64)                                   # (P,) expert of each pair
+    onehot = cvt(low[aten.eq.Tensor](view(ids, [p, 1]), view(iota(num_experts), [1, num_experts])), torch.int64)
+    csum = cumsum(onehot, 0)                                                      # (P, E) pairs of e up to p
+    counts = low[aten.select.int](csum, 0, p - 1)                                 # (E,)
+    ends = cumsum(counts, 0)                                                      # (E,) group ends
+    offs = cvt(ends, torch.int32)
+    first = sub(sub(ends, counts), 1)                                             # (E,) group start - 1
+    inv = isum(mul(onehot, add(csum, view(first, [1, num_experts]))), [1])        # (P,) compact row of pair p
+    inv.realize()  # its own (P,) buffer: else Inductor inlines the E-term sum into every output element's index
+    key = add(mul(ids, p), iota(p))                                               # unique: expert-major, pair order
+    _, perm = low[aten.sort.stable](key, stable=True, dim=0)                      # (P,) pair of compact row c
+    tok = low[aten.div.Tensor_mode](perm, top_k, rounding_mode="floor")
+    x = index(hidden, [tok])                                                      # (P, Dm)
+
+    fused = _fused_gate_up(w_gate, w_up, num_experts, ffn, dm)
+    if fused is not None:
+        h = grouped_mm(x, permute(fused, [0, 2, 1]), offs)                        # (P, 2I)
+        gate = low[aten.slice.Tensor](h, 1, 0, ffn)
+        up = low[aten.slice.Tensor](h, 1, ffn, 2 * ffn)
+    else:
+        gate = grouped_mm(x, permute(w_gate, [0, 2, 1]), offs)                    # (P, I)
+        up = grouped_mm(x, permute(w_up, [0, 2, 1]), offs)
+    g, u = cvt(gate, f32), cvt(up, f32)
+    act = cvt(mul(mul(g, low[aten.sigmoid.default](g)), u), dtype)                # (P, I) silu(gate) * up
+    y = grouped_mm(act, permute(w_down, [0, 2, 1]), offs)                        # (P, Dm)
+    rows = index(y, [view(inv, [t, top_k])])                                      # (T, A, Dm) back in pair order
+    weights = low[aten.unsqueeze.default](cvt(topk_weights, f32), 2)
+    out = isum(mul(cvt(rows, f32), weights), [1])                                 # (T, Dm) fp32
+    return (cvt(out, dtype) if dtype != f32 else out), fused is not None
+
+
 def tuned_moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down):
-    """Lowering of ``ckvp::moe_experts``: routing extern, the two tuned GEMMs, an Inductor sum over the top-k.
+    """Lowering of ``ckvp::moe_experts``: the large-M path (compact rows, Inductor's grouped_mm lowering) where
+    :func:`large_m_path_reason` allows, else the routing extern, the two tuned GEMMs and an Inductor sum over the
+    top-k (module doc).
 
     Args: the op's IR inputs (shapes in :func:`ckvp_compile.ops.moe.moe_experts`). Returns: (T, Dm) hidden.dtype.
-    Symbolic sizes or T == 0 keep the whole op as one extern call.
+    Symbolic sizes or T == 0 keep the whole op as one extern call. Each call appends its path to :data:`DECISIONS`.
     """
     sizes = _static_ints(*hidden.get_size(), *topk_ids.get_size(), *w_gate.get_size())
     if sizes is None or sizes[0] == 0:
+        _record("extern", "symbolic sizes" if sizes is None else "no tokens")
         return _api.fallback_handler(torch.ops.ckvp.moe_experts.default, add_to_fallback_set=False)(
             hidden, topk_ids, topk_weights, w_gate, w_up, w_down)
-    t, dm, _, top_k, num_experts = sizes[:5]
+    t, dm, _, top_k, num_experts, ffn = sizes[:6]
     route_m = gg.block_m_for(t * top_k, num_experts)
+    info = dict(tokens=t, top_k=top_k, experts=num_experts, hidden=dm, ffn=ffn, route_m=route_m)
+    layout = _api.FixedLayout(hidden.get_device(), hidden.get_dtype(), [t, dm], [dm, 1])
+    reason = large_m_path_reason(layout.device, hidden.get_dtype(), _mode(layout), route_m, dm, ffn,
+                                 lambda: _weights_for_choice(*_api.realize_inputs(w_gate, w_up, w_down)))
+    if reason is None:
+        out, fused = _large_m_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down, t, top_k, num_experts,
+                                      dm, ffn)
+        _record("large_m", None, fused_gate_up=fused, **info)
+        return out
+    _record("padded", reason, **info)
     align = _api.fallback_handler(torch.ops.ckvp.moe_align.default, add_to_fallback_set=False)
     sorted_ids, tile_expert = align(topk_ids, num_experts, route_m)
     act = tuned_moe_gate_up(hidden, sorted_ids, tile_expert, w_gate, w_up, top_k, route_m)
