@@ -497,10 +497,12 @@ _TUNED: dict[tuple, GemmConfig] = {}
 def _tune(key: tuple, candidates: list[GemmConfig], launch, tracing: bool = False) -> GemmConfig:
     """Return the fastest of ``candidates`` for ``key`` (timed once per process with triton.testing.do_bench on
     scratch outputs; cached). While tracing, under the interpreter, or with CKVP_MOE_NO_TUNE=1: the first
-    candidate (the configs lists are ordered so that it is a good default)."""
+    candidate (the configs lists are ordered so that it is a good default). While a CUDA graph is being captured:
+    the first candidate, not cached, never timed (do_bench synchronises the device, which invalidates a capture;
+    a CUDA-graph-trees warm-up, which runs before each recording, times and caches the key first)."""
     if key in _TUNED:
         return _TUNED[key]
-    if tracing:
+    if tracing or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return candidates[0]  # not cached: a later eager call still tunes
     if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("CKVP_MOE_NO_TUNE") == "1" or len(candidates) == 1:
         best = candidates[0]

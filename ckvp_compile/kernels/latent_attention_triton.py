@@ -54,7 +54,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -62,11 +61,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_cache import check_not_capturing
 from .latent_format import parse_latent_format
 from .reference import ROPE_FORMS
 
 __all__ = ["DecodeConfig", "default_config", "latent_attention_from_scores_triton", "latent_attention_triton",
-           "latent_scores_triton", "unsupported_reason"]
+           "latent_scores_triton", "rope_tables_paired", "unsupported_reason"]
 
 _ROPE_CODE = {"none": 0, "rotate_half": 1, "interleaved": 2, "complex": 3}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -92,7 +92,11 @@ class DecodeConfig:
     keys); p_bf16: round the softmax weights to bf16 once for the value product (FlashAttention-2's practice,
     ~2^-9 relative per weight) instead of a hi/lo split (two products); two_pass: score every tile first (keys
     only), then softmax and value product in a second launch (tiles of ``block_n_v`` slots, ``num_warps_v`` warps;
-    None: as the first), which keeps far fewer registers live than the one-pass kernel (``False``)."""
+    None: as the first), which keeps far fewer registers live than the one-pass kernel (``False``);
+    paired_tables: the caller guarantees that the cos/sin tables hold one angle per rotated pair (HF's
+    ``cat((freqs, freqs))`` for rotate_half, ``repeat_interleave`` for interleaved; check once with
+    :func:`rope_tables_paired`), so the kernel loads half of the table bytes; wrong results if they do not. Off by
+    default: the launcher never decides it from the tables' values (see :func:`rope_tables_paired`)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -111,6 +115,7 @@ class DecodeConfig:
     two_pass: bool = True
     block_n_v: int | None = 32
     num_warps_v: int | None = 4
+    paired_tables: bool = False
 
 
 def default_config() -> DecodeConfig:
@@ -451,7 +456,7 @@ def _tile_scores(
         tab_ok = col_ok[:, None] & rot_ok[None, :]
         cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
         sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-        if ROPE == 3 or PAIRED_TABLE:  # one angle per pair (complex form, or a table the host checked)
+        if ROPE == 3 or PAIRED_TABLE:  # one angle per pair (complex form, or tables the caller declared paired)
             cos2 = cos1
             sin2 = sin1
         else:
@@ -657,6 +662,7 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
         col0, blk0, scale_base, min_base = offsets[:-1], [0] * len(ranks), 0, 0
     key = (tuple(offsets), f.name, str(device))
     if key not in _META:
+        check_not_capturing("the latent attention head table", device)
         _META[key] = torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)], dtype=torch.int32,
                                   device=device).reshape(-1, 3)
     return _META[key], scale_base, min_base, list(col0)
@@ -690,48 +696,31 @@ def _blockwise(f, ncols: int) -> bool:
     return f.quantized and f.block & (f.block - 1) == 0 and f.block <= ncols
 
 
-_PAIRED: dict[int, tuple] = {}
-
-
-def _paired_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, rope: int, half: int) -> bool:
+def rope_tables_paired(cos_table: torch.Tensor, sin_table: torch.Tensor, rope_form: str, rotary_dim: int) -> bool:
     """Whether both cos/sin tables hold one angle per rotated pair (HF's ``cat((freqs, freqs))`` for rotate_half,
-    ``repeat_interleave`` for interleaved), so that the kernel loads half the table bytes.
+    ``repeat_interleave`` for interleaved): then ``DecodeConfig(paired_tables=True)`` is exact for them.
 
-    Checked once per table object (one device comparison, so one host synchronisation), at the first launch after
-    the table was first written (``_version > 0``; an unwritten table gets False, always correct, without a check)
-    and never during CUDA-graph capture (False unless known). Later in-place writes (``ckvp::rope_table_update``
-    fills the rows of new positions every step) are not re-checked: whether a table pairs its columns is a
-    property of the model's rotary embedding, not of the positions written, and a re-check per step was a host
-    synchronisation per decode step (benchmarks/results/2026-11-29-reliability-h200)."""
-    if half == 0:
+    Args:
+        cos_table, sin_table: (P_max, W) float, as the kernels take them. rope_form: one of ``ROPE_FORMS``.
+        rotary_dim: channels rotated.
+    Returns:
+        True when every row pairs its columns (False for 'none' / 'complex', which have nothing to pair).
+    Notes:
+        One device comparison per table: a host synchronisation. Call it once, outside any compiled step or CUDA
+        graph, on tables whose rows are written. The launcher itself never checks (it used to, lazily, per table
+        object: under ``torch.compile`` the tables of later layer groups are fresh per-call copies made by
+        Inductor, so the check ran, and synchronised, at every decode step, and it answered differently during
+        CUDA-graph capture than in the warm-up, a new Triton specialization compiled while capturing, which the
+        driver refuses: benchmarks/results/2026-11-29-reliability-h200).
+    """
+    rope = _ROPE_CODE[rope_form]
+    half = (0 if rope == 0 else int(rotary_dim)) // 2
+    if rope not in (1, 2) or half == 0:
         return False
     i1 = torch.arange(half) if rope == 1 else 2 * torch.arange(half)
     i2 = i1 + half if rope == 1 else i1 + 1
-    answers = []
-    for t in (cos_table, sin_table):
-        hit = _PAIRED.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == (rope, half):
-            answers.append(hit[2])
-            continue
-        if not _written(t) or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return False
-        i1d, i2d = i1.to(t.device), i2.to(t.device)
-        same = bool(torch.equal(t.index_select(-1, i1d), t.index_select(-1, i2d)))
-        if len(_PAIRED) > 256:  # forget tables that no longer exist
-            for key in [k for k, v in _PAIRED.items() if v[0]() is None]:
-                del _PAIRED[key]
-        _PAIRED[id(t)] = (weakref.ref(t), (rope, half), same)
-        answers.append(same)
-    return all(answers)
-
-
-def _written(t: torch.Tensor) -> bool:
-    """Whether ``t`` was changed in place since it was made (version counter > 0); False for inference tensors,
-    which have no version counter (they then take the always-correct unpaired path)."""
-    try:
-        return t._version > 0
-    except RuntimeError:
-        return False
+    return all(bool(torch.equal(t.index_select(-1, i1.to(t.device)), t.index_select(-1, i2.to(t.device))))
+               for t in (cos_table, sin_table))
 
 
 def _np2(x: int, lo: int = 16) -> int:
@@ -895,7 +884,8 @@ def _launch(
         V_RALIGN=_align(_ranks(v_offsets)) if cfg.align_hint else 1,
         K_WORDS=cfg.align_hint and _words(kf, latent_k, k_sb, k_mb),
         V_WORDS=cfg.align_hint and _words(vf, latent_v, v_sb, v_mb), HALF_ALIGN=_align([half]) if cfg.align_hint else 1,
-        K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and _paired_tables(cos_table, sin_table, rope, half),
+        # a launch-time constant only (never decided from the tables' values here: see rope_tables_paired)
+        K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and half > 0 and cfg.paired_tables,
         FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1), P_BF16=cfg.p_bf16,
         num_stages=cfg.num_stages,
     )

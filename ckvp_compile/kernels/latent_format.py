@@ -54,6 +54,8 @@ from typing import Sequence
 
 import torch
 
+from .device_cache import check_not_capturing
+
 __all__ = ["LatentFormat", "TERNARY", "dequantize_latent_ref", "pack_codes", "pack_ternary", "parse_latent_format",
            "quantize_latent_ref", "unpack_codes", "unpack_ternary"]
 
@@ -228,6 +230,7 @@ def _code_byte_index(offsets: Sequence[int], fmt: LatentFormat, device: torch.de
 @functools.lru_cache(maxsize=256)
 def _layout_index(kind: str, offsets: tuple[int, ...], fmt: LatentFormat, device: str) -> torch.Tensor:
     """The index tensors above, cached: rebuilding them per call would copy host to device every decode step."""
+    check_not_capturing(f"the {kind} index of {fmt.name}", device)
     padded = fmt.padded_offsets(offsets)
     if kind == "pad":
         cols = [torch.arange(a, b) - a + p for a, b, p in zip(offsets, offsets[1:], padded)]

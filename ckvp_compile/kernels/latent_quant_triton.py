@@ -95,6 +95,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_cache import check_not_capturing
 from .latent_format import LatentFormat, parse_latent_format
 
 __all__ = ["GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_triton", "format_family",
@@ -157,7 +158,9 @@ def _tables(offsets: tuple[int, ...], name: str, device: str):
       * ``tern_pack``: tern: (tiles, 6) per code-byte tile (head column, head rank, first code byte of the tile,
         first byte within the head, bytes in the tile, the head's first block); None otherwise.
       * ``n_code``: code bytes per row; ``nb``: blocks per row; ``width``: row bytes.
+    Prepared when the store is built (:func:`~ckvp_compile.kernels.device_cache.prepare_device_tables`).
     """
+    check_not_capturing(f"the {name} quantization tables", device)
     f = parse_latent_format(name)
     by_bits: dict[int, list] = {}
     tiles, byte = [], 0

@@ -42,6 +42,7 @@ from typing import Sequence
 
 import torch
 
+from .device_cache import check_not_capturing
 from .latent_format import dequantize_latent_ref, parse_latent_format, quantize_latent_ref
 
 __all__ = [
@@ -110,11 +111,33 @@ def _head_columns(offsets: Sequence[int], r_pad: int, device: torch.device) -> t
 @functools.lru_cache(maxsize=256)
 def _head_columns_cached(offsets: tuple[int, ...], r_pad: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_head_columns`, built once per layout and device (no host-to-device copy per decode step)."""
+    check_not_capturing("the per-head latent column table", device)
     off = torch.tensor(offsets, dtype=torch.long, device=device)
     j = torch.arange(r_pad, device=device)
     valid = j[None, :] < (off[1:] - off[:-1])[:, None]
     idx = torch.where(valid, off[:-1, None] + j[None, :], torch.zeros_like(valid, dtype=torch.long))
     return idx, valid
+
+
+def _packed_columns(offsets: Sequence[int], r_pad: int, device: torch.device) -> torch.Tensor:
+    """(R_tot,) long: for packed latent column c (head h, coordinate j = c - offsets[h]), its index ``h * r_pad + j``
+    in the per-head zero-padded (Hkv * r_pad) layout; i.e. ``valid.flatten().nonzero()`` of :func:`_head_columns`,
+    computed on the host from the offsets and cached per layout and device.
+
+    Gathering with it replaces boolean-mask indexing (``z[..., valid.flatten()]``), which is a data-dependent
+    ``nonzero``: a host synchronisation, not permitted while a CUDA graph is captured (the reduce-overhead
+    recording of ckvp::latent_append failed there on the H200, benchmarks/results/2026-11-29-reliability-h200/run4).
+    """
+    return _packed_columns_cached(tuple(int(o) for o in offsets), int(r_pad), str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_columns_cached(offsets: tuple[int, ...], r_pad: int, device: str) -> torch.Tensor:
+    """:func:`_packed_columns`, built once per layout and device (prepared with the store's tables:
+    :func:`~ckvp_compile.kernels.device_cache.prepare_device_tables`)."""
+    check_not_capturing("the packed latent column index", device)
+    cols = [h * r_pad + j for h, (a, b) in enumerate(zip(offsets, offsets[1:])) for j in range(b - a)]
+    return torch.tensor(cols, dtype=torch.long).to(device)
 
 
 def unpack_latent_ref(latent: torch.Tensor, offsets: Sequence[int], r_pad: int, fmt: str = "float") -> torch.Tensor:
@@ -169,8 +192,9 @@ def latent_append_with(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     r_pad = basis.shape[-1]
     eq = "bhsk,bhkr->bshr" if basis.dim() == 4 else "bhsk,hkr->bshr"
     z = torch.einsum(eq, x.float(), basis.float())  # (B, S, Hkv, R_max)
-    _, valid = _head_columns(offsets, r_pad, latent.device)
-    packed = z.reshape(b, s, hkv * r_pad)[..., valid.flatten()]  # (B, S, R_tot): head-major, as the layout
+    # (B, S, R_tot): head-major, as the layout. A cached integer gather, not a boolean mask (a host sync, which
+    # broke CUDA-graph capture of this op on the H200)
+    packed = z.reshape(b, s, hkv * r_pad).index_select(-1, _packed_columns(offsets, r_pad, latent.device))
     if parse_latent_format(fmt).quantized:
         packed = quantize(packed, offsets, fmt)
     latent[:, slots.long()] = packed.to(latent.dtype)

@@ -186,6 +186,10 @@ class LatentKVStore:
                                    (self.v_offsets, self.v_formats, self.basis_v)):
             for o, f, p in zip(offs, fmts, bases_):  # the kernels' index tables, outside any CUDA-graph pool
                 prepare_device_tables(o, f, p.shape[-1], self.device)
+        if self.residual_format:  # the residual rows' quantizer tables too (ckvp::residual_append, reconstruct)
+            for g in self.groups:
+                prepare_device_tables(residual_offsets(len(g), self.num_kv_heads, self.head_dim),
+                                      self.residual_format, self.head_dim, self.device)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
