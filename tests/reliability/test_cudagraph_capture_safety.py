@@ -223,3 +223,27 @@ def test_compiled_decode_step_ops_are_capture_safe(monkeypatch):
             tok = logits[:, -1:].argmax(-1)
     assert "latent_append_ref" in ran and "rope_table_update_ref" in ran, ran
     assert not hazards, "\n".join(map(str, hazards))
+
+
+def test_gpu_capture_script_cpu_smoke(tmp_path):
+    """benchmarks/cudagraph_capture_gpu.py's plumbing on CPU (no capture): the fixture's steps run through the op
+    wrappers, every ckvp call of the prefill and the first decode step is recorded and re-run alone from its host
+    copy, and the report is written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "cudagraph_capture_gpu.py"), "--out",
+                           str(tmp_path), "--device", "cpu", "--max-decode", "2"], capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((tmp_path / "cudagraph_capture_gpu.json").read_text())
+    assert [s["status"] for s in rep["steps"].values()] == ["ok", "ok", "ok"]
+    launches = rep["steps"]["decode_1"]["op_launches"]
+    assert launches.get("latent_append") and launches.get("rope_table_update") and launches.get("latent_attention")
+    assert len(rep["per_op"]) == sum(launches.values()) + sum(rep["steps"]["prefill"]["op_launches"].values())
+    assert all(r["eager"] == "ok" for r in rep["per_op"])
+    assert not rep["steps"]["decode_1"]["op_hazards"], rep["steps"]["decode_1"]["op_hazards"]
+    assert (tmp_path / "cudagraph_capture_gpu.md").read_text().startswith("# CUDA-graph capture")
