@@ -42,6 +42,10 @@ REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("torch._inductor.virtualized", "V"),
     ("torch._inductor.config", "max_autotune"),
     ("torch._inductor.kernel.mm_grouped", "tuned_grouped_mm"),
+    # the store-write ordering pass (passes/store_write_order.py), through functionalized_mutation / node_storage
+    ("torch._inductor.fx_utils", "get_node_storage"),
+    ("torch._higher_order_ops.auto_functionalize", "auto_functionalized"),
+    ("torch._higher_order_ops.auto_functionalize", "auto_functionalized_v2"),
 )
 
 
@@ -115,6 +119,51 @@ def grouped_mm_lowering() -> tuple[Callable | None, str | None]:
         return None, (f"Inductor's aten._grouped_mm lowering has signature {inspect.signature(fn)} "
                       "(want mat_a, mat_b, offs positionally)")
     return fn, None
+
+
+def functionalized_mutation(node: fx.Node) -> tuple[Any, list[fx.Node]] | None:
+    """Return ``(op, mutated)`` for a node of AOTAutograd's functional graph that stands for an in-place custom op,
+    else None.
+
+    Functionalization turns ``op(x, ...)`` with ``Tensor(a!) x`` into ``auto_functionalized_v2(op, ...,
+    _all_bases=[x, ...])`` (torch 2.11 and 2.13 by default) or, with
+    ``torch._inductor.config.enable_auto_functionalized_v2 = False``, into ``auto_functionalized(op, x=x, ...)``;
+    Inductor's reinplace pass (``torch/_inductor/fx_passes/reinplace.py``) later decides whether each mutated
+    tensor is written in place or cloned first.
+
+    Args:
+        node: any FX node of the post-grad graph.
+    Returns:
+        ``op``: the ``torch._ops.OpOverload`` wrapped; ``mutated``: the graph nodes it writes (``_all_bases`` for
+        v2, the schema's ``Tensor(a!)`` arguments that are not None for v1), in schema order. None for any other
+        node.
+    """
+    if node.op != "call_function" or not node.args:
+        return None
+    v1 = getattr(torch.ops.higher_order, "auto_functionalized", None)
+    v2 = getattr(torch.ops.higher_order, "auto_functionalized_v2", None)
+    op = node.args[0]
+    if v2 is not None and node.target is v2:
+        bases = node.kwargs.get("_all_bases", ())
+        return op, [b for b in bases if isinstance(b, fx.Node)]
+    if v1 is not None and node.target is v1:
+        out: list[fx.Node] = []
+        for arg in op._schema.arguments:
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.kwargs.get(arg.name)
+            out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node))
+        return op, out
+    return None
+
+
+def node_storage(node: fx.Node) -> Any | None:
+    """Return a hashable key of the storage behind ``node``'s fake value (``node.meta['val']``), equal for nodes
+    that alias one tensor's memory (views, the graph input they view), as Inductor's reinplace pass computes it
+    (``torch._inductor.fx_utils.get_node_storage``); None for a node without a tensor value."""
+    from torch._inductor.fx_utils import get_node_storage
+
+    return get_node_storage(node)
 
 
 def custom_graph_pass_base() -> type:

@@ -6,7 +6,9 @@
 :class:`~ckvp_compile.passes.latent_kv_cache.LatentKVCachePass` (CKVP), then
 :class:`~ckvp_compile.passes.expert_gemm.ExpertGemmPass` (``enable_expert_gemm``: each planned MoE site's routed
 experts become one ``ckvp::moe_experts`` call; it runs on the Dynamo graph, where the analysis named the site's
-nodes). 'post_grad': none yet.
+nodes). 'post_grad': :class:`~ckvp_compile.passes.store_write_order.StoreWriteOrderPass` when the latent store is
+rewritten (each functionalized store write after the reads of the value it overwrites, so that Inductor writes
+the store in place instead of cloning it every step).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def build_passes(plan, analysis=None, binding=None) -> tuple[list[CKVPPass], lis
         store = binding.store
         groups = [GroupRewrite(g, tuple(sites[layer] for layer in store.groups[g])) for g in plan.latent_groups]
         torch_passes.append(LatentKVCachePass(LatentRewritePlan(store, groups, binding.input_index)))
+        from .store_write_order import StoreWriteOrderPass
+
+        post_grad_passes.append(StoreWriteOrderPass())
     expert_layers = {d.layer for d in plan.decisions if d.kind == "moe" and d.rewrite}
     if expert_layers and analysis is not None:
         from .expert_gemm import ExpertGemmPass

@@ -12,11 +12,20 @@ Runs on the Dynamo graph ('torch' stage), for every layer group whose cache tens
                                                      v_all = ckvp.latent_reconstruct(latent_v[g], ..., v, slots)
                                                      ... = sdpa(q, view(k_all), view(v_all))
 
-and once per group, after its last layer's writes::
+once per group, after its last layer's reads and writes::
 
     ckvp.latent_append(latent_k[g], cat([k_pre(l0), ..., k_pre(lG-1)], -1), basis_k[g], slots)
     ckvp.latent_append(latent_v[g], cat([v(l0), ..., v(lG-1)], -1), basis_v[g], slots)
+
+and once per graph, after the last group's appends (every group reads the same tables, and would write the same
+rows: the call's own slots are attended from its exact keys, never rebuilt from the tables)::
+
     ckvp.rope_table_update(rope_cos, rope_sin, slot_pos, cos, sin, positions, slots)
+
+Each store tensor is written by one op per graph, after every read of its old value, so that Inductor writes it
+in place: a store tensor read after its functionalized write is cloned whole every step.
+:class:`~ckvp_compile.passes.store_write_order.StoreWriteOrderPass` keeps that order through Inductor's own
+reordering of the functional graph.
 
 ``k_pre`` is the layer's pre-RoPE key (the analysis' ``rope.k_in``): the latent is projected from pre-RoPE
 keys (DESIGN.md, "CKVP in numbers"), and RoPE is re-applied at each cached slot's own position when keys
@@ -115,6 +124,7 @@ class LatentKVCachePass(CKVPPass):
         rope_sin = inputs.add("ckvp_rope_sin")
         slot_pos = inputs.add("ckvp_slot_pos")
         rewritten = 0
+        group_ends: list[tuple[fx.Node, fx.Node]] = []  # per group: its last store write, its slots
         for gr in self.plan.groups:
             g = gr.group
             lat_k, lat_v = inputs.add(f"ckvp_latent_k_{g}"), inputs.add(f"ckvp_latent_v_{g}")
@@ -206,12 +216,15 @@ class LatentKVCachePass(CKVPPass):
                         av = graph.call_function(torch.ops.ckvp.residual_append.default,
                                                  (res, lat, x, bas, offsets, slots, fmt, store.residual_format,
                                                   len(store.groups[g])))
-            if cos_n is not None:
-                with graph.inserting_after(av):
-                    graph.call_function(
-                        torch.ops.ckvp.rope_table_update.default,
-                        (rope_cos, rope_sin, slot_pos, cos_n, sin_n, pos_n, slots),
-                    )
+            group_ends.append((av, slots))
+        if cos_n is not None:  # one write of the tables per graph: after every group's reads, with the same values
+            position = {n: i for i, n in enumerate(graph.nodes)}
+            end, slots = max(group_ends, key=lambda e: position[e[0]])
+            with graph.inserting_after(end):
+                graph.call_function(
+                    torch.ops.ckvp.rope_table_update.default,
+                    (rope_cos, rope_sin, slot_pos, cos_n, sin_n, pos_n, slots),
+                )
         self.plan.extra_inputs = inputs.names
         return rewritten
 
