@@ -708,8 +708,9 @@ def rope_tables_paired(cos_table: torch.Tensor, sin_table: torch.Tensor, rope_fo
     Notes:
         One device comparison per table: a host synchronisation. Call it once, outside any compiled step or CUDA
         graph, on tables whose rows are written. The launcher itself never checks (it used to, lazily, per table
-        object: under ``torch.compile`` the tables of later layer groups are fresh per-call copies made by
-        Inductor, so the check ran, and synchronised, at every decode step, and it answered differently during
+        object: under ``torch.compile`` the tables of later layer groups were fresh per-call copies made by
+        Inductor until ``passes/store_write_order.py``, so the check ran, and synchronised, at every decode step,
+        and it answered differently during
         CUDA-graph capture than in the warm-up, a new Triton specialization compiled while capturing, which the
         driver refuses: benchmarks/results/2026-11-29-reliability-h200).
     """
