@@ -136,6 +136,7 @@ class DecodeRow:
     timing: str = "cuda-events"
     wall_s: float | None = None
     output_finite: bool | None = None
+    profile_top: list[dict[str, Any]] | None = None  # --profile-steps: kernels by device time per step (us)
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -170,6 +171,38 @@ def _run(cmd: list[str]) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ speed rows
+def profile_kernels(fn: Callable, kwargs: Sequence[dict], top: int = 25) -> list[dict[str, Any]]:
+    """Device time per decode step of each kernel, from ``torch.profiler`` (CUPTI) over ``len(kwargs)`` calls.
+
+    ``kwargs`` are the decode steps after the timed ones (fresh positions: caches may count their writes). Kernels inside
+    CUDA-graph replays are reported by CUPTI like any other launch. Returns at most ``top`` entries
+    ``{"name", "us_per_step", "calls_per_step", "share"}`` sorted by device time (``share``: of all kernels' time);
+    the last entry is ``"(all kernels)"``. Raises nothing the profiler does not.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for kw in kwargs:
+            fn(**kw)
+        torch.cuda.synchronize()
+    n = max(len(kwargs), 1)
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0.0)
+        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            rows.append({"name": ev.key[:160], "us_per_step": t / n, "calls_per_step": ev.count / n})
+    total = sum(r["us_per_step"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["us_per_step"])
+    out = [dict(r, us_per_step=round(r["us_per_step"], 2), share=round(r["us_per_step"] / total, 4))
+           for r in rows[:top]]
+    out.append({"name": "(all kernels)", "us_per_step": round(total, 2),
+                "calls_per_step": round(sum(r["calls_per_step"] for r in rows), 1), "share": 1.0})
+    return out
+
+
 class _Runner:
     """Holds the model and what rows share (moments, budget, output files)."""
 
@@ -180,7 +213,7 @@ class _Runner:
         self.device = args.device
         self.dtype = getattr(torch, args.dtype)
         self.t0 = time.perf_counter()
-        need = max(args.contexts) + args.warmup + args.steps + 8
+        need = max(args.contexts) + args.warmup + args.steps + args.profile_steps + 8
         self.config = make_config(args.shape, args.layers, need)
         full_config = make_config(args.shape, None, need)
         self.layers, self.layers_full = self.config.num_hidden_layers, full_config.num_hidden_layers
@@ -256,7 +289,7 @@ class _Runner:
                                     kv_bytes_held, latent_cache)
 
         a = self.args
-        max_len = context + a.warmup + a.steps + 1
+        max_len = context + a.warmup + a.steps + 1 + a.profile_steps
         row = DecodeRow(a.shape, self.layers, self.layers_full, system.name, system.kind, system.mode, system.ratio,
                         a.latent_format if system.kind == "ckvp" else None, batch, context, max_len, max_batch,
                         dense_kv_bytes_per_token=dense_kv_bytes_per_token(self.config, self.dtype),
@@ -291,7 +324,7 @@ class _Runner:
                 ballast = torch.empty(row.ballast_bytes, dtype=torch.uint8, device=self.device)
             fn = self.step_fn(system)
             gen = torch.Generator().manual_seed(a.seed)
-            total = a.warmup + a.steps + 1  # the last call checks the logits, untimed
+            total = a.warmup + a.steps + 1 + a.profile_steps  # then one untimed call checks the logits, then profiled ones
             ids = torch.randint(0, self.config.vocab_size, (total, batch, 1), generator=gen).to(self.device)
             kwargs = [hf_step_kwargs(self.model, ids[i], cache, context + i) for i in range(total)]
             with torch.no_grad():
@@ -308,9 +341,12 @@ class _Runner:
                     row.peak_bytes_with_compile = torch.cuda.max_memory_allocated()
                     torch.cuda.reset_peak_memory_stats()  # from here: the steady decode peak (all held + transient)
                 row.steps = a.steps
-                times = self.time_steps(fn, kwargs[a.warmup:-1])
+                check = a.warmup + a.steps
+                times = self.time_steps(fn, kwargs[a.warmup:check])
                 # random weights: NaN / inf logits would mean NaN routing, i.e. unrepresentative expert loads
-                row.output_finite = bool(torch.isfinite(fn(**kwargs[-1]).logits).all())
+                row.output_finite = bool(torch.isfinite(fn(**kwargs[check]).logits).all())
+                if a.profile_steps and self.cuda():
+                    row.profile_top = profile_kernels(fn, kwargs[check + 1:])
             row.ms_median = statistics.median(times)
             q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
             row.ms_p10, row.ms_p90 = q[0], q[-1]
@@ -405,6 +441,9 @@ class _Runner:
             print(f"{label} {row.ms_median:9.3f} ms/step  {row.tokens_per_s:10.1f} tok/s  KV "
                   f"{row.kv_bytes_per_token:9.1f} B/token (dense {row.dense_kv_bytes_per_token})  peak {peak}  "
                   + (f"compile {row.compile_s:.1f} s" if row.compile_s is not None else ""), flush=True)
+            for k in row.profile_top or []:
+                print(f"    {k['us_per_step']:10.1f} us/step {k['calls_per_step']:7.1f} calls {k['share']:6.1%}  "
+                      f"{k['name'][:110]}", flush=True)
         else:
             print(f"{label} {row.status}: {row.error or ''}", flush=True)
         self.save()
@@ -486,6 +525,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-expert-gemm", dest="expert_gemm", action="store_false",
                    help="ckvp without its grouped expert GEMM rewrite (enable_expert_gemm=False)")
     p.add_argument("--budget-s", type=float, default=None, help="start no row after this many seconds")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: profile this many extra decode steps per row and record the kernels by device time "
+                        "(JSON 'profile_top')")
     p.add_argument("--margin-gb", type=float, default=3.0, help="device memory kept free by --batch max (GiB)")
     p.add_argument("--max-batch-cap", type=int, default=1024, help="upper bound of --batch max")
     p.add_argument("--max-batch-tries", type=int, default=4, help="attempts of --batch max before giving up")
