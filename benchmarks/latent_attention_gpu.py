@@ -289,6 +289,13 @@ SWEEP = [DecodeConfig(), _two(), _two(num_warps=8), _two(block_n_v=64), _two(blo
          _two(hoist_basis=True), _two(fma_scores=False), _two(p_bf16=True), _two(num_stages=3), _two(block_n=32),
          DecodeConfig(block_n=64, num_warps=8, hoist_basis=True, two_pass=False), _two(block_r=32),
          _two(target_programs=528), _two(num_warps_v=8, block_n_v=64), _two(num_stages=1)]
+#: --sweep-set fast: the cheaper-arithmetic variants (CUDA-core scores for few query heads per KV head, one bf16
+#: rebuild dot instead of the hi/lo split, bf16 softmax weights), at the default and a wider tile.
+FAST = [DecodeConfig(), _two(fma_scores=True), _two(key_split=False), _two(fma_scores=True, key_split=False),
+        _two(fma_scores=True, key_split=False, p_bf16=True), _two(fma_scores=True, key_split=False, block_n=128,
+                                                                  num_warps=8),
+        _two(fma_scores=True, key_split=False, block_r=32), _two(fma_scores=True, key_split=False, hoist_basis=True),
+        _two(key_split=False, p_bf16=True)]
 #: Diagnostics at a small shape: numerics variants of the default config.
 DIAG = [DecodeConfig(), DecodeConfig(f32_dots=True), DecodeConfig(two_pass=False)]
 
@@ -303,10 +310,14 @@ def main() -> None:
     ap.add_argument("--short-formats", default="int4/32", help="formats timed only at the largest context, B >= 8")
     ap.add_argument("--sweep-context", type=int, default=0, help="context of the config sweep (0: largest)")
     ap.add_argument("--short-context", type=int, default=0, help="the one context of the short formats (0: largest)")
+    ap.add_argument("--heads", default="32:8", help="query heads:KV heads (Mixtral 32:8, Qwen1.5-MoE 16:16)")
+    ap.add_argument("--sweep-set", default="full", choices=["full", "fast"], help="configs of --sweep")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention decoding at batch 8, 32k")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining grid rows after this long")
     ap.add_argument("--diag-shape", default="2,4096", help="batch,context of the diagnostics")
     a = ap.parse_args()
+    global H, HKV
+    H, HKV = (int(x) for x in a.heads.split(":"))
     os.makedirs(a.out, exist_ok=True)
     t_start = time.time()
     import triton
@@ -321,6 +332,7 @@ def main() -> None:
            "python": platform.python_version(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count}
     copy_bw = copy_bandwidth()
     env["copy_bandwidth_GBps"] = copy_bw / 1e9
+    env["heads"] = a.heads
     print(env, flush=True)
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
@@ -359,7 +371,7 @@ def main() -> None:
             args = make_inputs(8, sweep_t, fmt, rank, seed=5)
             want = ref_chunked(args, 4)
             timed = []
-            for c in SWEEP:
+            for c in (SWEEP if a.sweep_set == "full" else FAST):
                 r = dict(try_config(args, want, c), format=fmt, rank=rank, batch=8, context=sweep_t)
                 payload["sweep"].append(r)
                 print("sweep", json.dumps(r), flush=True)
