@@ -60,7 +60,9 @@ __all__ = [
     "FidelityConfig",
     "FidelityResult",
     "ckvp_stats",
+    "config_bases",
     "DenseReference",
+    "measured_errors_cache",
     "dense_stats",
     "load_token_ids",
     "main",
@@ -142,6 +144,11 @@ class FidelityResult:
     per_sequence_ratio: float = 0.0  # dense bytes / (latents + slot positions): the bases left out
     basis_dtype: str = ""  # of the bases on the device ('' = latent_dtype: results before this field)
     rotation: str = ""  # LatentBases.rotation ('' = principal components; 'hadamard/<block>')
+    #: per evaluation window, its own perplexity change vs dense (%): the spread of ppl_change_pct
+    window_ppl_change_pct: list[float] = field(default_factory=list)
+    #: the bases' per-group storage formats of K and V (a planned row's bit plan)
+    k_formats: list[str] = field(default_factory=list)
+    v_formats: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -305,21 +312,20 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
                  progress: bool = True, log: Callable[[str], None] | None = None,
                  dense: DenseReference | None = None,
                  reset_check: str = "first", latent_dtype: torch.dtype = torch.bfloat16,
-                 dense_dtype: torch.dtype = torch.bfloat16) -> list[FidelityResult]:
+                 dense_dtype: torch.dtype = torch.bfloat16, measure_windows: int = 8) -> list[FidelityResult]:
     """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config.
 
     ``reset_check``: 'first' (the first config only: reset is the same code for every config), 'all' or 'none'.
     ``latent_dtype``: of 'float' latents and of the bases. ``dense_dtype``: the dense cache the byte ratio is
-    counted against.
+    counted against. ``measure_windows``: the first calibration windows the '+measured' planner measures its
+    errors on (:func:`~ckvp_compile.bench.fidelity_layout.unit_kl_meter`; never evaluation windows).
 
     Raises:
         RuntimeError: a compiled graph was not rewritten into the latent store for every layer, or
             ``cache.reset()`` did not reset (the first batch, evaluated again, gave another NLL).
     """
     from .. import CKVPBackend, CKVPConfig, CompileRecorder
-    from ..kernels.latent_format import parse_latent_format
-    from ..latent.budget import bases_for_byte_ratio, store_bytes
-    from ..latent.planner import plan_for_byte_ratio
+    from ..latent.budget import store_bytes
     from ..runtime.hf_cache import CKVPStaticCache
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -335,31 +341,17 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     log(f"calibration moments: {calib_windows.shape[0]} windows x {calib_windows.shape[1]} tokens "
         f"({time.perf_counter() - t0:.1f} s)")
     num_layers = model.config.get_text_config().num_hidden_layers
+    measure_errors = measured_errors_cache(model, calib_windows[:measure_windows], chunk=chunk,
+                                           batch_size=batch_size, log=log)
     results = []
     for cfg in configs:
         t0 = time.perf_counter()
-        alloc, *opts = cfg.rank_allocation.split("+")
-        basis = "weighted" if "weighted" in opts else "pca"
-        rotate = "rot" in opts  # Hadamard block rotation of the bases (latent.rotation)
-        basis_dtype = torch.float8_e4m3fn if "fp8" in opts else latent_dtype
-        residual = ALR_RESIDUAL_FORMAT if "alr" in opts else ""  # ALR-KVD: a 2-bit residual of K and V
-        if alloc == "planned":  # rank and bits per (group, head, K/V): latent.planner; format 'mix/<block>'
-            block = int(cfg.latent_format.split("/")[1]) if cfg.latent_format.startswith("mix/") else 32
-            mom = moments[cfg.group_size]
-            weights = {"k": mom.weights("k"), "v": mom.weights("v")} if basis == "weighted" else None
-            bases = _or_skip(log, cfg, plan_for_byte_ratio, mom.bases(1.0, "uniform"),
-                             cfg.kv_ratio, batch_size=batch_size, max_cache_len=window, block=block,
-                             dense_dtype=dense_dtype, latent_dtype=latent_dtype, weights=weights, rotate=rotate,
-                             basis_dtype=basis_dtype, residual_format=residual)
-            fmt, label = "auto", f"mix/{block}"
-        else:
-            fmt = label = parse_latent_format(cfg.latent_format).name
-            bases = _or_skip(log, cfg, bases_for_byte_ratio, moments[cfg.group_size], cfg.kv_ratio, fmt,
-                             batch_size=batch_size, max_cache_len=window, rank_allocation=alloc,
-                             basis=basis, dense_dtype=dense_dtype, latent_dtype=latent_dtype,
-                             basis_dtype=basis_dtype, rotate=rotate, residual_format=residual)
-        if bases is None:
+        built = config_bases(cfg, moments[cfg.group_size], batch_size=batch_size, window=window,
+                             latent_dtype=latent_dtype, dense_dtype=dense_dtype, log=log,
+                             measure_errors=measure_errors)
+        if built is None:
             continue
+        bases, fmt, label, basis_dtype, residual = built
         torch._dynamo.reset()
         cache = CKVPStaticCache(model.config, bases, max_cache_len=window, max_batch_size=batch_size,
                                 device=param.device, dtype=param.dtype, latent_format=fmt, latent_dtype=latent_dtype,
@@ -394,6 +386,9 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             seconds=time.perf_counter() - t0, latent_format=label, latent_dtype=str(latent_dtype).removeprefix("torch."),
             dense_dtype=str(dense_dtype).removeprefix("torch."), per_sequence_ratio=nb.ratio_vs(dense_dtype, False),
             basis_dtype=str(basis_dtype).removeprefix("torch."), rotation=bases.rotation,
+            window_ppl_change_pct=[100 * math.expm1(float(c - d) / (window - 1))
+                                   for c, d in zip(stats.nll, dense_eval.nll)],
+            k_formats=list(bases.k_formats), v_formats=list(bases.v_formats),
         ))
         if abs(results[-1].measured_ratio * store_bytes(bases, batch_size, window, fmt, fmt, latent_dtype,
                                                         basis_dtype=basis_dtype, residual_format=residual)
@@ -404,6 +399,93 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             f"top-1 {r.top1_agreement_pct:.2f}%, KL {r.kl_to_dense:.5f} ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
     torch._dynamo.reset()
     return results
+
+
+def measured_errors_cache(model: torch.nn.Module, windows: torch.Tensor, *, chunk: int = 16, batch_size: int = 4,
+                          log: Callable[[str], None] | None = None) -> Callable[..., Any]:
+    """The ``measure_errors`` of :func:`config_bases` for '+measured': the planner's block errors
+    (:func:`~ckvp_compile.latent.planner.measured_block_errors`) measured as the KL to dense on ``windows``
+    (calibration windows, never evaluated ones) through :func:`~ckvp_compile.bench.fidelity_layout.unit_kl_meter`,
+    once per (group size, blocks, rotation, basis dtype) and shared by every ratio."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    measured: dict[tuple, Any] = {}
+
+    def measure_errors(group_size: int, full: Any, block: int, v_block: int, rotate: bool,
+                       basis_dtype: torch.dtype) -> Any:
+        from ..latent.planner import measured_block_errors
+        from .fidelity_layout import unit_kl_meter
+
+        key = (group_size, block, v_block, rotate, basis_dtype)
+        if key not in measured:
+            t0 = time.perf_counter()
+            meter = unit_kl_meter(model, windows, full, basis_dtype=basis_dtype, rotate=rotate, chunk=chunk,
+                                  batch_size=batch_size)
+            measured[key] = measured_block_errors(full, meter, block=block, v_block=v_block)
+            log(f"G={group_size} measured planner errors (blocks {block}/{v_block}, rotate {rotate}, "
+                f"{str(basis_dtype).removeprefix('torch.')} bases) on {windows.shape[0]} calibration windows "
+                f"({time.perf_counter() - t0:.1f} s)")
+        return measured[key]
+
+    return measure_errors
+
+
+def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: int,
+                 latent_dtype: torch.dtype = torch.bfloat16, dense_dtype: torch.dtype = torch.bfloat16,
+                 log: Callable[[str], None] | None = None,
+                 measure_errors: Callable[..., Any] | None = None) -> tuple[Any, str, str, torch.dtype, str] | None:
+    """The bases of one config, fitted to its byte ratio as :func:`run_fidelity` counts it.
+
+    Args:
+        cfg: the config (its ``rank_allocation`` with its '+' options, see ``--allocations``).
+        moments: :class:`~ckvp_compile.latent.KVMoments` at ``cfg.group_size``.
+        batch_size, window: the cache the byte ratio is counted for. latent_dtype, dense_dtype: as
+            :func:`run_fidelity`.
+        log: where a skipped config is reported (default stderr).
+        measure_errors: for '+measured': ``measure_errors(group_size, full_bases, block, v_block, rotate,
+            basis_dtype)`` -> the planner's measured ``block_errors``
+            (:func:`~ckvp_compile.latent.planner.measured_block_errors`).
+    Returns:
+        ``(bases, cache latent_format, label of the format, basis dtype, ALR residual format or '')``, or None
+        when the ratio cannot be met (logged).
+    """
+    from ..kernels.latent_format import parse_latent_format
+    from ..latent.attention_noise import value_error_scales
+    from ..latent.budget import bases_for_byte_ratio
+    from ..latent.planner import plan_for_byte_ratio
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    alloc, *opts = cfg.rank_allocation.split("+")
+    basis = "weighted" if "weighted" in opts else "pca"
+    rotate = "rot" in opts  # Hadamard block rotation of the bases (latent.rotation)
+    basis_dtype = torch.float8_e4m3fn if "fp8" in opts else latent_dtype
+    residual = ALR_RESIDUAL_FORMAT if "alr" in opts else ""  # ALR-KVD: a 2-bit residual of K and V
+    if alloc == "planned":  # rank and bits per (group, head, K/V): latent.planner; format 'mix/<block>[v<vb>]'
+        block, v_block = _mix_blocks(cfg.latent_format) if cfg.latent_format.startswith("mix/") else (32, 32)
+        weights = {"k": moments.weights("k"), "v": moments.weights("v")} if basis == "weighted" else None
+        full = moments.bases(1.0, "uniform")
+        scales = measured = None
+        if "avg" in opts or "avgout" in opts:  # value noise averaged by attention (latent.attention_noise)
+            scales = _or_skip(log, cfg, value_error_scales, moments, full, "output" if "avgout" in opts else "noise")
+            if scales is None:
+                return None
+        if "measured" in opts:  # the planner's errors measured on calibration windows, one unit at a time
+            if measure_errors is None:
+                raise ValueError("'+measured' needs measure_errors (run_fidelity passes one)")
+            measured = measure_errors(cfg.group_size, full, block, v_block, rotate, basis_dtype)
+        bases = _or_skip(log, cfg, plan_for_byte_ratio, full,
+                         cfg.kv_ratio, batch_size=batch_size, max_cache_len=window, block=block,
+                         dense_dtype=dense_dtype, latent_dtype=latent_dtype, weights=weights, rotate=rotate,
+                         basis_dtype=basis_dtype, residual_format=residual, error_scales=scales, v_block=v_block,
+                         block_errors=measured)
+        fmt = "auto"
+        label = f"mix/{block}" + (f"v{v_block}" if v_block != block else "")
+    else:
+        fmt = label = parse_latent_format(cfg.latent_format).name
+        bases = _or_skip(log, cfg, bases_for_byte_ratio, moments, cfg.kv_ratio, fmt,
+                         batch_size=batch_size, max_cache_len=window, rank_allocation=alloc,
+                         basis=basis, dense_dtype=dense_dtype, latent_dtype=latent_dtype,
+                         basis_dtype=basis_dtype, rotate=rotate, residual_format=residual)
+    return None if bases is None else (bases, fmt, label, basis_dtype, residual)
 
 
 def _or_skip(log: Callable[[str], None], cfg: FidelityConfig, fit: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -512,9 +594,18 @@ def _parser() -> argparse.ArgumentParser:
                         "'+weighted': query/output-aware bases (latent.weighting; with 'planned': its errors weighted "
                         "by the queries (K) and the output projection (V)); '+rot': each quantization block of the "
                         "bases rotated by a Hadamard matrix (latent.rotation); '+fp8': bases stored in float8_e4m3fn; "
-                        "'+alr': ALR-KVD, plus a 2-bit residual of K and V (int2/64, kernels/residual.py). "
+                        "'+alr': ALR-KVD, plus a 2-bit residual of K and V (int2/64, kernels/residual.py); "
+                        "'+avg' / '+avgout' (planned only): the planner's value errors from the calibration's "
+                        "attention weights (latent.attention_noise: quantization noise averaged over 1/sum(p^2) "
+                        "tokens; '+avgout' also measures truncation at the attention output); '+measured' (planned "
+                        "only): the planner's errors measured as the KL to dense on --measure-windows calibration "
+                        "windows, one (group, head, K/V) unit and block at a time (latent.planner."
+                        "measured_block_errors). "
                         "'planned': rank and bits per (group, head, K/V) by latent.planner (format mix/<block>, "
-                        "default mix/32). E.g. planned+rot+fp8")
+                        "default mix/32, or mix/<block>v<value block>, e.g. mix/32v64). E.g. planned+rot+fp8")
+    p.add_argument("--measure-windows", type=int, default=None,
+                   help="calibration windows the '+measured' planner measures on (the first ones; default 8, or "
+                        "--calib-windows when fewer)")
     p.add_argument("--latent-formats", nargs="+", default=["float"],
                    help="latent storage formats: float, int8, int4, int2, optionally /block (default: float)")
     p.add_argument("--latent-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -538,7 +629,7 @@ def _parser() -> argparse.ArgumentParser:
 
 #: Rank allocations of ``--allocations`` and the options that may follow them after '+'.
 ALLOCATIONS = ("energy", "uniform", "entropy", "planned")
-ALLOCATION_OPTIONS = ("weighted", "rot", "fp8", "alr")
+ALLOCATION_OPTIONS = ("weighted", "rot", "fp8", "alr", "avg", "avgout", "measured")
 #: The ALR-KVD residual format of the '+alr' option (kernels/residual.py).
 ALR_RESIDUAL_FORMAT = "int2/64"
 
@@ -549,7 +640,26 @@ def _allocation(text: str) -> str:
     if alloc not in ALLOCATIONS or any(o not in ALLOCATION_OPTIONS for o in opts) or len(set(opts)) != len(opts):
         raise argparse.ArgumentTypeError(f"expected one of {list(ALLOCATIONS)} with optional distinct '+' options "
                                          f"from {list(ALLOCATION_OPTIONS)} (e.g. planned+rot+fp8), got {text!r}")
+    models = {"avg", "avgout", "measured"} & set(opts)
+    if models and (alloc != "planned" or len(models) > 1 or {"measured", "weighted"} <= set(opts)):
+        raise argparse.ArgumentTypeError(f"'+avg', '+avgout' and '+measured' are planner error models: at most one "
+                                         f"of them, with 'planned', and '+measured' not with '+weighted' (e.g. "
+                                         f"planned+rot+fp8+measured), got {text!r}")
     return text
+
+
+def _mix_blocks(fmt: str) -> tuple[int, int]:
+    """(key block, value block) of a planned format label ``mix/<block>`` or ``mix/<block>v<value block>``.
+
+    Raises:
+        ValueError: another form.
+    """
+    body = fmt.removeprefix("mix/")
+    kb, _, vb = body.partition("v")
+    if not fmt.startswith("mix/") or not kb.isdigit() or (vb and not vb.isdigit()) or (_ and not vb):
+        raise ValueError(f"a planned format is 'mix/<block>' or 'mix/<block>v<value block>' (e.g. mix/32v64), "
+                         f"got {fmt!r}")
+    return int(kb), int(vb or kb)
 
 
 def _plot_title(st: dict[str, Any]) -> str:
@@ -581,6 +691,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if not Path(args.from_json).is_file():
             parser.error(f"--from-json {args.from_json!r}: no such file")
         return
+    if args.measure_windows is None:
+        args.measure_windows = min(8, args.calib_windows)
+    if not 1 <= args.measure_windows <= args.calib_windows:
+        parser.error(f"--measure-windows must be in 1..--calib-windows ({args.calib_windows}), got "
+                     f"{args.measure_windows}")
     for name in ("window", "calib_windows", "eval_windows", "chunk", "batch"):
         if getattr(args, name) < (2 if name == "window" else 1):
             parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'window' else 1}, "
@@ -593,7 +708,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     from ..kernels.latent_format import parse_latent_format
 
     for fmt in args.latent_formats:
-        if fmt.startswith("mix/") and fmt[4:].isdigit():  # the block of 'planned' allocations' bit plans
+        if fmt.startswith("mix/"):  # the blocks of 'planned' allocations' bit plans
+            try:
+                _mix_blocks(fmt)
+            except ValueError as e:
+                parser.error(f"--latent-formats: {e}")
             continue
         try:
             parse_latent_format(fmt)
@@ -639,7 +758,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs += [c for c in extra if c not in configs]
     results = run_fidelity(model, calib, evals, configs, chunk=args.chunk, batch_size=args.batch,
                            progress=not args.no_progress, reset_check=args.reset_check,
-                           latent_dtype=getattr(torch, args.latent_dtype), dense_dtype=getattr(torch, args.dense_dtype))
+                           latent_dtype=getattr(torch, args.latent_dtype), dense_dtype=getattr(torch, args.dense_dtype),
+                           measure_windows=args.measure_windows)
     elapsed = time.perf_counter() - t_start
     table = markdown_table(results)
     print(table)
@@ -651,7 +771,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": _display_path(model_dir), "text": _display_path(text), "window": args.window, "calib_windows": args.calib_windows,
         "eval_windows": args.eval_windows, "eval_window_indices": [args.calib_windows, need - 1],
         "chunk": args.chunk, "batch": args.batch, "reset_check": args.reset_check, "dtype": args.dtype, "device": args.device,
-        "latent_dtype": args.latent_dtype, "dense_dtype": args.dense_dtype,
+        "latent_dtype": args.latent_dtype, "dense_dtype": args.dense_dtype, "measure_windows": args.measure_windows,
         "compiler": "aot_eager", "fullgraph": True, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "machine": _cpu_name() if args.device == "cpu" else args.device,

@@ -79,6 +79,16 @@ class KVMoments:
     #: per layer: (Hkv,) mean normalised causal attention entropy (H_t / log(t+1), t >= 1) of each KV head's
     #: query heads, in [0, 1], when the post-RoPE queries and keys were found
     attn_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: per layer: (Hkv,) mean over queries t >= 1 (and each KV head's query heads) of ``sum_{s<t} p_ts^2``, the
+    #: attention weights' squared mass on the *cached* (earlier) tokens: 1 / (effective number of attended
+    #: tokens) of the cached part. Independent per-token noise in the cached values reaches the attention
+    #: output scaled by it (:mod:`~.attention_noise`). Measured where the post-RoPE queries and keys were found.
+    attn_sumsq: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: per group, (G_g, Hkv, G_g*D, G_g*D) float64: for each layer l of the group, the mean of ``y y^T`` of the
+    #: stacked attended values ``y_t = sum_{s<t} p^l_ts x_s`` (layer l's attention weights applied to the group's
+    #: stacked values of the cached tokens) over every query t >= 1 and query head of the KV head; empty when the
+    #: attention was not measured in every layer of every group.
+    v_attended: list[torch.Tensor] = field(default_factory=list)
 
     def head_entropy(self) -> list[torch.Tensor] | None:
         """Per group, (Hkv,) the mean of :attr:`attn_entropy` over the group's layers; None when any is missing."""
@@ -142,10 +152,17 @@ class KVMoments:
                 groups.append(part)
                 k.append(mk[:, rows, rows].clone())
                 v.append(mv[:, rows, rows].clone())
+        attended = []
+        if self.v_attended:
+            for mo in self.v_attended:
+                n = mo.shape[0]
+                for start in range(0, n, group_size):
+                    rows = slice(start * d, min(start + group_size, n) * d)
+                    attended.append(mo[start:start + group_size, :, rows, rows].clone())
         return KVMoments(groups=tuple(groups), num_kv_heads=self.num_kv_heads, head_dim=d, group_size=group_size,
                          k=k, v=v, num_tokens=self.num_tokens, model_fingerprint=self.model_fingerprint,
                          q_energy=self.q_energy, w_o=self.w_o, rope_form=self.rope_form,
-                         attn_entropy=self.attn_entropy)
+                         attn_entropy=self.attn_entropy, attn_sumsq=self.attn_sumsq, v_attended=attended)
 
 
 def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: CKVPConfig | None = None, *,
@@ -462,7 +479,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
                     state["k"][g] += xk.mT @ xk
                     state["v"][g] += xv.mT @ xv
                 _accumulate_queries(backend, state)
-                _accumulate_entropy(backend, state)
+                _accumulate_entropy(backend, state, stacked)
                 state["tokens"] += ids.numel()
                 if on_sample is not None:
                     on_sample(stacked)
@@ -472,9 +489,15 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
         raise CKVPConfigError("calibrate needs at least one sample (a (B, S) tensor of token ids), got none")
     q_energy = {layer: q / state["tokens"] for layer, q in state["q"].items()}
     entropy = {layer: s / n for layer, (s, n) in state["entropy"].items()}
+    sumsq = {layer: s / n for layer, (s, n) in state["sumsq"].items()}
+    attended = []
+    if all(len(a) == len(layers) for a, layers in zip(state["attended"], state["groups"])):
+        attended = [torch.stack([a[layer][0] / a[layer][1] for layer in layers])
+                    for a, layers in zip(state["attended"], state["groups"])]
     return KVMoments(groups=state["groups"], num_kv_heads=state["hkv"], head_dim=state["d"], group_size=group_size,
                      k=state["k"], v=state["v"], num_tokens=state["tokens"], model_fingerprint=state["fingerprint"],
-                     q_energy=q_energy, w_o=state["w_o"], rope_form=state["rope_form"], attn_entropy=entropy)
+                     q_energy=q_energy, w_o=state["w_o"], rope_form=state["rope_form"], attn_entropy=entropy,
+                     attn_sumsq=sumsq, v_attended=attended)
 
 
 def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
@@ -504,7 +527,7 @@ def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
                  for layer, s in by_layer.items()}
     heads = {layer: s.num_heads for layer, s in by_layer.items()}
     return {"groups": layer_groups, "hkv": hkv, "d": d, "tokens": 0, "w_o": w_o, "rope_form": rope_form,
-            "heads": heads, "q": {}, "entropy": {},
+            "heads": heads, "q": {}, "entropy": {}, "sumsq": {}, "attended": [{} for _ in layer_groups],
             "fingerprint": model_fingerprint(model, name),
             "k": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups],
             "v": [torch.zeros(hkv, len(g) * d, len(g) * d, dtype=torch.float64, device=dev) for g in layer_groups]}
@@ -539,11 +562,19 @@ def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor | None:
     return x.transpose(1, 2) if x.shape[2] == heads else None
 
 
-def _accumulate_entropy(backend: _RecordingBackend, state: dict[str, Any]) -> None:
-    """Add this sample's causal attention entropy per KV head (normalised by log of the context, positions
-    t >= 1, averaged over each KV head's query heads) per layer, from the post-RoPE queries and keys. The
-    sample is one causal prefill from position 0 (how :func:`calibrate` drives the model)."""
+def _accumulate_entropy(backend: _RecordingBackend, state: dict[str, Any], stacked: StackedKV | None = None) -> None:
+    """Add this sample's causal attention statistics per KV head and layer, from the post-RoPE queries and keys
+    (the sample is one causal prefill from position 0, how :func:`calibrate` drives the model):
+
+    * the entropy, normalised by log of the context (positions t >= 1), averaged over each KV head's query heads;
+    * ``sum_{s<t} p_ts^2`` (the squared attention mass on earlier tokens, the ones a decode step reads from the
+      cache: a query's own key and value are exact), averaged the same way (``state["sumsq"]``);
+    * with ``stacked`` (this sample's per-group stacked keys and values, :func:`_stack`): ``sum y y^T`` of the
+      attended stacked values ``y_t = sum_{s<t} p_ts x_s`` per layer (``state["attended"]``), over queries
+      t >= 1 and the KV head's query heads; a layer whose attention is not measured leaves its group without.
+    """
     d, hkv = state["d"], state["hkv"]
+    group_of = {layer: g for g, layers in enumerate(state["groups"]) for layer in layers}
     for layer, h in state["heads"].items():
         q, k = backend.values.get(("qa", layer)), backend.values.get(("ka", layer))
         if q is None or k is None or h % hkv:
@@ -556,11 +587,28 @@ def _accumulate_entropy(backend: _RecordingBackend, state: dict[str, Any]) -> No
         scores = (q @ k.mT) * d ** -0.5
         causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         logp = torch.log_softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        ent = -(logp.exp() * logp.masked_fill(~causal, 0.0)).sum(-1)[..., 1:]  # (B, H, S-1)
+        p = logp.exp()
+        ent = -(p * logp.masked_fill(~causal, 0.0)).sum(-1)[..., 1:]  # (B, H, S-1)
         norm = torch.log(torch.arange(2, s + 1, device=q.device, dtype=ent.dtype))
         per_kv = (ent / norm).mean(dim=(0, 2)).view(hkv, h // hkv).mean(1).double().cpu()
         total, n = state["entropy"].get(layer, (0, 0))
         state["entropy"][layer] = (total + per_kv, n + 1)
+        cached = p.masked_fill(~causal.tril(-1), 0.0)  # (B, H, S, S): weights on earlier tokens only
+        sq = cached.square().sum(-1)[..., 1:].double().mean(dim=(0, 2)).view(hkv, h // hkv).mean(1).cpu()
+        total, n = state["sumsq"].get(layer, (0, 0))
+        state["sumsq"][layer] = (total + sq, n + 1)
+        g = group_of.get(layer)
+        if stacked is None or g is None:
+            continue
+        xv = stacked[g][1]  # (Hkv, B*S, G_g*D) float64
+        if xv.shape[1] != b * s:
+            continue
+        xv = xv.view(hkv, b, s, -1).transpose(0, 1).repeat_interleave(h // hkv, dim=1)  # (B, H, S, G_g*D)
+        # (B, H, S-1, G_g*D): queries t >= 1, in the scores' dtype (no float64 copy of the (B, H, S, S) weights)
+        y = (cached[..., 1:, :] @ xv.to(cached.dtype)).double()
+        y = y.view(b, hkv, h // hkv, s - 1, -1).transpose(0, 1).reshape(hkv, b * (h // hkv) * (s - 1), -1)
+        total, n = state["attended"][g].get(layer, (0, 0))
+        state["attended"][g][layer] = (total + (y.mT @ y).cpu(), n + y.shape[1])
 
 
 def _accumulate_queries(backend: _RecordingBackend, state: dict[str, Any]) -> None:

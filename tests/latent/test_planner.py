@@ -110,3 +110,102 @@ def test_planned_cache_compiles_runs_and_saves(full, tmp_path):
             tok = out2[:, -1:].argmax(-1)
     assert torch.isfinite(out2).all()
     assert (out2 - eager[-1]).abs().max() < 0.5 * eager[-1].abs().max()  # lossy, but tracks the model
+
+
+def _gaussian_errors(bases, block, samples=512, seed=0):
+    """The planner's own Gaussian error model of every unit, divided by the unit's trace (its normalisation)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for kind in ("k", "v"):
+        for g in range(len(bases.groups)):
+            for h in range(bases.num_kv_heads):
+                eig = bases.eigenvalues(kind)[g][h].detach().cpu()
+                errs = _block_errors(eig, block, samples, gen)
+                trace = float(eig.double().sum())
+                out[(kind, g, h)] = [{b: e / trace for b, e in err.items()} for err in errs]
+    return out
+
+
+@given(budget=st.sampled_from([60.0, 120.0, 240.0]))
+@settings(max_examples=3, deadline=None)
+def test_measured_errors_equal_to_the_model_give_the_models_plan(full, budget):
+    """block_errors replaces the Gaussian model: fed the model's own (trace-normalised) errors, the plan is the same."""
+    _, bases = full
+    ref = plan_bits(bases, budget, block=8, tokens_sharing_bases=10**9)
+    got = plan_bits(bases, budget, block=8, tokens_sharing_bases=10**9, block_errors=_gaussian_errors(bases, 8))
+    assert got.k_formats == ref.k_formats and got.v_formats == ref.v_formats
+
+
+def test_measured_errors_steer_the_plan(full):
+    """A unit whose measured errors are all zero keeps only its minimum (one 2-bit block); the budget goes where
+    the measured errors are; a malformed error model is refused with the expected shape."""
+    _, bases = full
+    errs = _gaussian_errors(bases, 8)
+    free = ("v", 0, 1)
+    errs[free] = [{b: 0.0 for b in (0, 2, 4, 8)} for _ in errs[free]]
+    planned = plan_bits(bases, 240.0, block=8, tokens_sharing_bases=10**9, block_errors=errs)
+    assert parse_latent_format(planned.v_formats[0]).segments[1] == ((2, 8),)
+    assert planned.v_ranks[0][0] > 8
+    with pytest.raises(CKVPConfigError, match=r"block_errors\[\('k', 0, 0\)\]"):
+        plan_bits(bases, 240.0, block=8, block_errors={**errs, ("k", 0, 0): errs[("k", 0, 0)][:-1]})
+    with pytest.raises(CKVPConfigError, match="cannot be combined"):
+        plan_bits(bases, 240.0, block=8, block_errors=errs, weights={"k": [], "v": []})
+
+
+def test_measured_block_errors_are_the_marginal_measurements(full):
+    """measured_block_errors asks for the truncation curve and one quantized block at a time, and turns them into
+    marginal per-block errors: here a synthetic measure (dropped energy plus bits-dependent noise per block)."""
+    from ckvp_compile.latent.planner import measured_block_errors
+
+    _, bases = full
+    noise = {2: 0.3, 4: 0.05, 8: 0.001}
+    calls = []
+
+    def measure(kind, g, h, rank, quant, block):
+        calls.append((kind, g, h, rank, dict(quant), block))
+        eig = bases.eigenvalues(kind)[g][h].double()
+        err = float(eig[rank:].sum()) + 1.0  # a constant floor, as the fp8 bases leave
+        for i, bits in quant.items():
+            err += noise[bits] * float(eig[i * block:(i + 1) * block].sum())
+        return err
+
+    out = measured_block_errors(bases, measure, block=8, v_block=16)
+    rows = len(bases.groups[0]) * bases.head_dim
+    for (kind, g, h), errs in out.items():
+        b = 8 if kind == "k" else 16
+        assert len(errs) == rows // b
+        eig = bases.eigenvalues(kind)[g][h].double()
+        for i, e in enumerate(errs):
+            energy = float(eig[i * b:(i + 1) * b].sum())
+            assert e[0] == pytest.approx(energy, rel=1e-9, abs=1e-12)
+            for bits in (2, 4, 8):
+                assert e[bits] == pytest.approx(noise[bits] * energy, rel=1e-9, abs=1e-12)
+    per_unit = {u: sum(1 for c in calls if c[:3] == u) for u in out}
+    assert all(n == 4 * len(out[u]) + 1 for u, n in per_unit.items())
+
+
+def test_value_block_and_value_noise_model(full):
+    """v_block gives the values their own quantization block (the store counts it); a value noise factor of 0
+    (fully averaged value noise) buys value rank at 2 bits only, and factors of 1 with the eigenvalues as drop
+    errors reproduce the plain plan."""
+    model, bases = full
+    planned = plan_for_byte_ratio(bases, 4.0, batch_size=2, max_cache_len=128, block=8, v_block=16, rotate=True)
+    assert all(f.startswith("mix/8:") for f in planned.k_formats)
+    assert all(f.startswith("mix/16:") for f in planned.v_formats)
+    assert planned.rotation == "hadamard/8,v16"
+    held = store_bytes(planned, 2, 128, "auto", "auto", torch.bfloat16)
+    assert dense_kv_bytes(planned, 2, 128, torch.bfloat16) / held >= 4.0
+    store = CKVPStaticCache(model.config, planned, max_cache_len=128, max_batch_size=2,
+                            latent_dtype=torch.bfloat16).store
+    assert store.nbytes().per_sequence_state + store.nbytes().bases == held
+
+    def scales(noise):
+        return {"v": [{"noise": torch.full_like(e, noise), "drop": e.double()} for e in bases.eigenvalues("v")]}
+
+    plain = plan_bits(bases, 200.0, block=8, tokens_sharing_bases=10**9)
+    same = plan_bits(bases, 200.0, block=8, tokens_sharing_bases=10**9, error_scales=scales(1.0))
+    assert same.k_formats == plain.k_formats and same.v_formats == plain.v_formats
+    averaged = plan_bits(bases, 200.0, block=8, tokens_sharing_bases=10**9, error_scales=scales(0.0))
+    for fmt in averaged.v_formats:
+        assert {bits for head in parse_latent_format(fmt).segments for bits, _ in head} == {2}
+    assert sum(map(sum, averaged.v_ranks)) > sum(map(sum, plain.v_ranks))
