@@ -295,7 +295,16 @@ FAST = [DecodeConfig(), _two(fma_scores=True), _two(key_split=False), _two(fma_s
         _two(fma_scores=True, key_split=False, p_bf16=True), _two(fma_scores=True, key_split=False, block_n=128,
                                                                   num_warps=8),
         _two(fma_scores=True, key_split=False, block_r=32), _two(fma_scores=True, key_split=False, hoist_basis=True),
-        _two(key_split=False, p_bf16=True)]
+        _two(key_split=False, p_bf16=True),
+        # run 6's winner (hoisted basis: no spills) with the accurate hi/lo key split, wider tiles, more warps, and
+        # RoPE tables read once per pair (HF's rotate_half tables are paired: half the table bytes per tile)
+        _two(fma_scores=True, hoist_basis=True), _two(fma_scores=True, hoist_basis=True, num_warps=8),
+        _two(fma_scores=True, hoist_basis=True, block_n=128, num_warps=8),
+        _two(fma_scores=True, hoist_basis=True, block_n=32),
+        _two(fma_scores=True, hoist_basis=True, paired_tables=True),
+        _two(fma_scores=True, key_split=False, hoist_basis=True, paired_tables=True),
+        _two(fma_scores=True, key_split=False, hoist_basis=True, block_n=128, num_warps=8, paired_tables=True),
+        _two(fma_scores=True, hoist_basis=True, num_stages=3, paired_tables=True)]
 #: Diagnostics at a small shape: numerics variants of the default config.
 DIAG = [DecodeConfig(), DecodeConfig(f32_dots=True), DecodeConfig(two_pass=False)]
 
