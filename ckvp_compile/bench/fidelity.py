@@ -528,11 +528,16 @@ def _rank_summary(ranks: Sequence[Sequence[int]]) -> str:
 
 #: The naive baseline of models/README.md (static cross-layer PCA, G=4, on OTHER windows): (ratio, % rise).
 NAIVE_PCA_G4 = ((2.0, 0.05), (4.0, 1.4), (8.0, 8.4))
+#: The fidelity goals (measured ratio, largest perplexity rise in %): issue 4's 4x / 8x / 16x targets.
+GOALS = ((4.0, 0.3), (8.0, 1.0), (16.0, 3.0))
 
 
-def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str = "", target_pct: float | None = 1.0,
+def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str = "",
+                 goals: Sequence[tuple[float, float]] | None = GOALS,
                  baseline: Sequence[tuple[float, float]] | None = NAIVE_PCA_G4) -> bool:
-    """Plot perplexity rise (%) against the measured ratio, one line per (G, allocation). False without matplotlib."""
+    """Plot perplexity rise (%) against the measured ratio, one line per (G, allocation, format), with ``goals``
+    ((ratio, largest rise %) pairs, drawn as red bars: a point at that ratio must lie below) and the naive static
+    PCA ``baseline``. Writes a PNG to ``path``; returns False (nothing written) without matplotlib."""
     try:
         import matplotlib
 
@@ -552,8 +557,9 @@ def plot_results(results: Sequence[FidelityResult], path: str | Path, title: str
     if baseline:
         ax.plot(*zip(*baseline), color="grey", linestyle=":", marker="x",
                 label="naive static PCA G=4 (models/README, other windows)")
-    if target_pct is not None:
-        ax.axhline(target_pct, color="red", linewidth=0.8, linestyle="--", label=f"target: +{target_pct:g}% at 4x")
+    for i, (ratio, pct) in enumerate(goals or ()):
+        ax.plot([ratio / 1.15, ratio * 1.15], [pct, pct], color="red", linewidth=1.2, linestyle="--",
+                label="goals: +0.3% at 4x, +1% at 8x, +3% at 16x" if i == 0 else None)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
     ax.set_yscale("symlog", linthresh=0.1, linscale=0.5)

@@ -25,9 +25,9 @@ Two other error models replace the Gaussian one (same greedy, same costs):
   reaches the attention output scaled by ``sum_s p_s^2``; truncation measured at the output);
 * ``block_errors`` (:func:`measured_block_errors`): every block's errors *measured* as the model's KL divergence
   to dense on calibration windows, one unit at a time (e.g. ``ckvp-bench fidelity --allocations
-  planned+rot+fp8+measured``). On the fixture the Gaussian model priced 2-bit blocks far too cheaply against
-  truncation: at 16x it kept rank 64 at 2 bits in every unit, where the measured model keeps the leading 32
-  coordinates at 4 bits (benchmarks/results/2026-11-29-ckvp-fidelity-16x).
+  planned+rot+fp8+measured``). On the fixture at 16x the Gaussian model put the first group's keys at 2 bits and
+  spent the bytes on 2-bit value tails (+5.8% perplexity); the measured model keeps every key block at 4 bits
+  (+2.6%; benchmarks/results/2026-11-29-ckvp-fidelity-16x).
 
 The result is a :class:`~ckvp_compile.latent.LatentBases` whose ranks are the kept coordinates, with the bit
 plan of every group as ``mix/...`` formats in ``k_formats`` / ``v_formats`` (a cache built with

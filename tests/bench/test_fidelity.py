@@ -56,3 +56,35 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
 
 def test_bench_cli_usage_errors():
     assert bench_cli([]) == 2 and bench_cli(["nope"]) == 2 and bench_cli(["--help"]) == 0
+
+
+def test_plot_draws_the_results_and_the_goals(tmp_path):
+    """plot_results writes a PNG with one line per (G, allocation, format) and the 4x / 8x / 16x goal bars."""
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from ckvp_compile.bench import fidelity
+
+    rows = [fidelity.FidelityResult(group_size=4, rank_allocation="uniform", kv_ratio=r, measured_ratio=r * 1.01,
+                                    elements_ratio=r, latent_bytes=1, slot_position_bytes=1, dense_bytes=1,
+                                    bases_bytes=1, rope_table_bytes=1, batch_size=1, dense_ppl=3.0,
+                                    ckvp_ppl=3.0 * (1 + r / 400), ppl_change_pct=r / 4, top1_agreement_pct=95.0,
+                                    kl_to_dense=0.01, reset_check_max_abs_diff=None, graphs_compiled=1,
+                                    layers_rewritten=4, latent_format="int4/32")
+            for r in (4.0, 8.0)]
+    drawn = []
+    real_plot = plt.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append(kwargs.get("label"))
+        return real_plot(self, *args, **kwargs)
+
+    plt.Axes.plot = spy
+    try:
+        assert fidelity.plot_results(rows, tmp_path / "p.png", "title")
+    finally:
+        plt.Axes.plot = real_plot
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert "CKVP G=4, uniform, int4/32" in drawn and drawn.count(None) == len(fidelity.GOALS) - 1
