@@ -70,6 +70,10 @@ __all__ = ["DecodeConfig", "default_config", "latent_attention_from_scores_trito
 
 _ROPE_CODE = {"none": 0, "rotate_half": 1, "interleaved": 2, "complex": 3}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+#: Basis dtypes whose values are exact in bf16 (one tensor-core product, no hi/lo split): bf16 and the fp8 formats
+#: (``LatentKVStore(basis_dtype=torch.float8_e4m3fn)``; 3 or 2 mantissa bits, exponents inside bf16's range).
+BASIS_BF16_EXACT = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_BASIS_DTYPES = _FLOATS + BASIS_BF16_EXACT[1:]
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
@@ -607,8 +611,11 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
             return f"{name} {fmt!r} (uniform int8/int4/int2 and mxint8/mxint4 formats only)"
         if not f.quantized and lat.dtype not in _FLOATS:
             return f"{name} 'float' with latent dtype {lat.dtype}"
-    for name, t in (("q", q), ("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block), ("new_k", new_k)):
+    for name, t in (("q", q), ("new_k", new_k)):
         if t.dtype not in _FLOATS:
+            return f"{name} dtype {t.dtype}"
+    for name, t in (("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block)):
+        if t.dtype not in _BASIS_DTYPES:
             return f"{name} dtype {t.dtype}"
     if rope_form != "none" and cos_table.dtype not in _FLOATS:
         return f"cos/sin table dtype {cos_table.dtype}"
@@ -877,7 +884,7 @@ def _launch(
         SLOT_BLOCK=16, K_BITS=kf.bits, K_QBLOCK=max(kf.block, 1),
         V_BITS=vf.bits, V_QBLOCK=max(vf.block, 1), MASK=mask_kind, Q_EXACT=q.dtype == bf16,
         ZK_EXACT=(not kf.quantized and latent_k.dtype == bf16) or kf.pow2 or not cfg.key_split,
-        BK_EXACT=basis_k_block.dtype == bf16,
+        BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT,
         ZV_EXACT=(not vf.quantized and latent_v.dtype == bf16) or vf.pow2, F32_DOT=f32_dot,
         K_BLOCKWISE=_blockwise(kf, block_r), V_BLOCKWISE=_blockwise(vf, rv_pad), HOIST=cfg.hoist_basis,
         K_ALIGN=_align(kmeta_cols) if cfg.align_hint else 1, V_ALIGN=_align(vmeta_cols) if cfg.align_hint else 1,
@@ -913,6 +920,6 @@ def _launch(
         hkv, s, n_split, qk_scale, g, d, rv_max,
         *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
         G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)),
-        MASK=mask_kind, BV_EXACT=basis_v_block.dtype == bf16, F32_DOT=f32_dot, num_warps=4,
+        MASK=mask_kind, BV_EXACT=basis_v_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4,
     )
     return out.to(q.dtype)

@@ -247,7 +247,7 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
         K_HEAD_COLS=cb, K_HEAD_BLOCKS=nb, K_SCALE_BASE=scale_base, K_MIN_BASE=min_base, K_BITS=kf.bits,
         K_QBLOCK=max(kf.block, 1), K_MX=kf.pow2, Q_EXACT=q_.get_dtype() == torch.bfloat16,
         ZK_EXACT=(not kf.quantized and lk.get_dtype() == torch.bfloat16) or kf.pow2,
-        BK_EXACT=bk.get_dtype() == torch.bfloat16, F32_DOT=False, K_ALIGN=lat._align([cb]),
+        BK_EXACT=bk.get_dtype() in lat.BASIS_BF16_EXACT, F32_DOT=False, K_ALIGN=lat._align([cb]),
         PAIRED_TABLE=False, **_mask_meta(attn_mask, b, h, s, kv_len))
     choices: list[Any] = []
     for c in TEMPLATE_CONFIGS if autotune else TEMPLATE_CONFIGS[:1]:

@@ -9,7 +9,7 @@ GQA ratios 1-4 with Hkv 1-3 (MQA included), D in {16, 32, 64}, unequal ranks per
 blocks), the four RoPE forms with partial rotary_dim, bool / additive masks of several broadcast shapes (fully
 masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes, rebuild chunks,
 the hoisted basis, alignment hints, context splits, one- and two-pass forms.
-Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, every row masked, the op's CUDA kernel function
+Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, fp8 bases, every row masked, the op's CUDA kernel function
 (dispatch to Triton, and to the reference for an unsupported dtype). Bound: relative error (Frobenius) <= 1e-3.
 """
 
@@ -50,7 +50,7 @@ def _inputs(p: dict):
         m = torch.randn(*lead, hkv, d, max(ranks), generator=g) / max(ranks) ** 0.5
         for i, r in enumerate(ranks):
             m[..., i, :, r:] = 0.0
-        return m.to(dt)
+        return m.to(p.get("basis_dtype", dt))
 
     lk, ko = latent(p["rk"], p["kfmt"])
     lv, vo = latent(p["rv"], p["vfmt"])
@@ -234,6 +234,11 @@ def _check_fixed() -> None:
     assert torch.equal(outs[0], outs[1]) and float((outs[0] - want).norm() / want.norm()) <= TOL
     # power-of-two formats with bf16 inputs: exact bf16 operands, one product per rebuild
     _check(dict(base, rk=[32, 16], rv=[16, 24], kfmt="mxint8/32", vfmt="mxint4/8", dtype=torch.bfloat16), cfg)
+    # fp8 bases (the store's basis_dtype=float8_e4m3fn / e5m2): exact in bf16, read by the kernel without a split
+    for bdt, fmts in ((torch.float8_e4m3fn, ("int4/32", "int8/32")), (torch.float8_e5m2, ("mxint8/8", "float"))):
+        for dt in (torch.float32, torch.bfloat16):
+            _check(dict(base, rk=[12, 5], rv=[7, 9], kfmt=fmts[0], vfmt=fmts[1], basis_dtype=bdt, dtype=dt,
+                        mask="bool", mask_shape="b1sk", s=2), cfg)
     # key_split=False (one bf16 rounding of a non-bf16 latent for the key rebuild) is lossy, within 1e-2
     loose = dict(base, rk=[12, 5], rv=[7, 9], kfmt="int8/32")
     args = _inputs(loose)
