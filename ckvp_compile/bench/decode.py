@@ -511,8 +511,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
     p.add_argument("--latent-format", default="int4",
                    help="ckvp latent format: int4 (default), int8, int2, float; --shape fixture also takes 'planned' "
-                        "(rank and bits per head from the planner), optionally with '+rot' (Hadamard-rotated basis "
-                        "blocks) and '+fp8' (bases stored in float8_e4m3fn), e.g. planned+rot+fp8")
+                        "(rank and bits per head from the planner, as ckvp-bench fidelity's 'planned' allocation), "
+                        "optionally with '+rot' (Hadamard-rotated basis blocks), '+fp8' (bases stored in "
+                        "float8_e4m3fn) and '+measured' (the planner's errors measured as the KL to dense on "
+                        "--measure-windows calibration windows), e.g. planned+rot+fp8+measured")
     p.add_argument("--group-size", type=int, default=4, help="ckvp layers per latent group")
     p.add_argument("--bases", default="calibrated", choices=["calibrated", "synthetic"],
                    help="random-weight models: ckvp bases calibrated on the model's activations for random ids "
@@ -547,6 +549,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-len", type=int, default=4096,
                    help="cache length (one sequence) the byte ratio is met at, bases counted (as examples/generate.py)")
     g.add_argument("--fixture-dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--planned-format", default=None,
+                   help="--latent-format planned: the bit plan's blocks, mix/<block> or mix/<block>v<value block> "
+                        "(as ckvp-bench fidelity's --latent-formats; default mix/32), e.g. mix/32v64")
+    g.add_argument("--measure-windows", type=int, default=None,
+                   help="--latent-format planned+measured: the first calibration windows the planner's errors are "
+                        "measured on (default 8, or --calib-windows when fewer)")
     r = p.add_argument_group("report (--report)")
     r.add_argument("--report", nargs="+", type=Path, default=None, help="JSON files to render (no run)")
     r.add_argument("--markdown", type=Path, default=None, help="with --report: the markdown file to write")
@@ -563,12 +571,28 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--shape is required (or --report FILE...)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but this torch has no CUDA device; use --device cpu")
-    if a.latent_format.split("+")[0] == "planned":
+    fmt, *opts = a.latent_format.split("+")
+    if fmt == "planned":
         if a.shape != "fixture":
             p.error("--latent-format planned is for --shape fixture (the fused decode kernel reads uniform formats)")
-        bad = [o for o in a.latent_format.split("+")[1:] if o not in ("rot", "fp8")]
-        if bad:
-            p.error(f"--latent-format planned takes the options +rot and +fp8, got {bad}")
+        bad = [o for o in opts if o not in ("rot", "fp8", "measured")]
+        if bad or len(set(opts)) != len(opts):
+            p.error(f"--latent-format planned takes the distinct options +rot, +fp8 and +measured (e.g. "
+                    f"planned+rot+fp8+measured), got {a.latent_format!r}")
+        from .fidelity import _mix_blocks
+
+        a.planned_format = a.planned_format or "mix/32"
+        try:
+            _mix_blocks(a.planned_format)
+        except ValueError as e:
+            p.error(f"--planned-format: {e}")
+    elif a.planned_format is not None:
+        p.error("--planned-format is for --latent-format planned[+...]")
+    if a.measure_windows is not None:
+        if "measured" not in opts or fmt != "planned":
+            p.error("--measure-windows is for --latent-format planned+measured")
+        if not 1 <= a.measure_windows <= a.calib_windows:
+            p.error(f"--measure-windows must be in 1..--calib-windows ({a.calib_windows}), got {a.measure_windows}")
     if a.shape == "fixture":
         if any(r < 1 for r in a.ratios):
             p.error("--ratios must be >= 1")

@@ -15,8 +15,13 @@ the generated positions whose token equals dense's (free-running: after a first 
 differ, so one early flip costs most of the 64 tokens), and ``forced_agreement``, the share of positions where the
 ckvp model's next-token argmax, given the prompt and dense's own previous tokens, equals dense's token (no
 compounding); ``--latent-format planned`` takes rank and bits per (group, KV
-head, K/V) from :func:`~ckvp_compile.latent.planner.plan_for_byte_ratio` instead of one uniform format. Reported per ratio: the share of generated positions whose
-token equals dense (``agreement``), the mean length of the agreeing prefix, and the measured byte ratios.
+head, K/V) from :func:`~ckvp_compile.latent.planner.plan_for_byte_ratio` instead of one uniform format, built exactly
+as ``ckvp-bench fidelity``'s 'planned' allocations are (:func:`~ckvp_compile.bench.fidelity.config_bases`): options
+'+rot', '+fp8' and '+measured' (the planner's errors measured as the KL to dense on the first ``--measure-windows``
+calibration windows, :func:`~ckvp_compile.bench.fidelity.measured_errors_cache`; never on a prompt), blocks of the
+bit plan from ``--planned-format mix/<block>[v<value block>]``. Reported per ratio: the share of generated positions
+whose token equals dense (``agreement``), the mean length of the agreeing prefix (and per prompt, ``prefixes``), the
+greedy tokens (``generated``), and the measured byte ratios.
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ class FixtureRow:
     status: str = "ok"
     error: str | None = None
     forced_agreement: float | None = None
+    prefixes: list | None = None  # per prompt: the agreeing prefix (tokens equal to dense's before the first flip)
+    forced_per_prompt: list | None = None  # per prompt: the share of positions agreeing along dense's tokens
+    generated: list | None = None  # per prompt: the greedy tokens (dense row: dense's)
+    planned_format: str | None = None  # 'planned' formats: the bit plan's blocks, mix/<block>[v<value block>]
+    k_formats: list | None = None  # per group: the stored latent format of K (a planned row's bit plan)
+    v_formats: list | None = None
 
 
 def default_model_dir() -> Path:
@@ -114,6 +125,7 @@ def run_fixture(args: argparse.Namespace) -> int:
     from .decode import environment
     from .decode_models import DecomposedMoments
     from .decode_report import render_markdown
+    from .fidelity import FidelityConfig, config_bases, measured_errors_cache
 
     t0 = time.perf_counter()
     model_dir = args.model or default_model_dir()
@@ -135,21 +147,32 @@ def run_fixture(args: argparse.Namespace) -> int:
     max_len = args.prompt_len + args.new_tokens
     dense = [_decode(model, p, args.new_tokens, make_static_cache(model, max_len)) for p in prompts]
     n_tok = sum(map(len, dense))
-    rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts), forced_agreement=1.0)]
+    rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts), forced_agreement=1.0,
+                       prefixes=[args.new_tokens] * len(prompts), forced_per_prompt=[1.0] * len(prompts),
+                       generated=dense)]
     moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
     decomposed = DecomposedMoments.from_moments(moments)  # one eigh; the byte-ratio fit builds bases ~40 times
-    fmt, *opts = args.latent_format.split("+")  # planned[+rot][+fp8]: as ckvp-bench fidelity's allocations
+    fmt, *opts = args.latent_format.split("+")  # planned[+rot][+fp8][+measured]: ckvp-bench fidelity's allocations
     basis_dtype = torch.float8_e4m3fn if "fp8" in opts else kv_dtype
+    # '+measured': the planner's block errors measured as KL to dense on the first --measure-windows calibration
+    # windows (never a prompt), once, shared by every ratio (bench.fidelity.measured_errors_cache)
+    measure_windows = min(args.measure_windows or 8, args.calib_windows) if "measured" in opts else None
+    measure_errors = None
+    if measure_windows:
+        measure_errors = measured_errors_cache(model, torch.cat(samples[:measure_windows]).to(args.device))
+    planned_label = None
     for ratio in args.ratios:
         t = time.perf_counter()
         eager_forward = model.forward
         try:
             if fmt == "planned":  # rank and bits per (group, head, K/V) from the planner, stored as 'auto'
-                from ..latent.planner import plan_for_byte_ratio
-
-                bases = plan_for_byte_ratio(moments.bases(1.0, "energy"), ratio, batch_size=1,
-                                            max_cache_len=args.budget_len, dense_dtype=kv_dtype, latent_dtype=kv_dtype,
-                                            rotate="rot" in opts, basis_dtype=basis_dtype)
+                cfg = FidelityConfig(args.group_size, ratio, args.latent_format, args.planned_format)
+                built = config_bases(cfg, moments, batch_size=1, window=args.budget_len, latent_dtype=kv_dtype,
+                                     dense_dtype=kv_dtype, measure_errors=measure_errors)
+                if built is None:
+                    raise CKVPConfigError(f"the planner cannot meet {ratio:g}x at --budget-len {args.budget_len} "
+                                          f"(see the log above)")
+                bases, _, planned_label, basis_dtype, _ = built
             else:
                 bases = bases_for_byte_ratio(decomposed, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
                                              dense_dtype=kv_dtype, latent_dtype=kv_dtype)
@@ -162,7 +185,8 @@ def run_fixture(args: argparse.Namespace) -> int:
             got = [_decode(model, p, args.new_tokens, cache) for p in prompts]
             same = sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g))
             forced = [_decode(model, p, args.new_tokens, cache, feed=d) for p, d in zip(prompts, dense)]
-            same_forced = sum(x == y for d, g in zip(dense, forced) for x, y in zip(d, g))
+            forced_each = [sum(x == y for x, y in zip(d, g)) for d, g in zip(dense, forced)]
+            same_forced = sum(forced_each)
             nb = cache.store.nbytes()
             budget = (dense_kv_bytes(bases, 1, args.budget_len, kv_dtype)
                       / store_bytes(bases, 1, args.budget_len, store_fmt, store_fmt, kv_dtype,
@@ -170,7 +194,11 @@ def run_fixture(args: argparse.Namespace) -> int:
             rows.append(FixtureRow(ratio, args.latent_format, same / n_tok, sum(map(_prefix, dense, got)) / len(prompts), n_tok,
                                    len(prompts), round(budget, 3), round(nb.ratio_vs(kv_dtype, with_bases=False), 3),
                                    args.budget_len, [list(r) for r in bases.k_ranks], [list(r) for r in bases.v_ranks],
-                                   round(time.perf_counter() - t, 2), forced_agreement=same_forced / n_tok))
+                                   round(time.perf_counter() - t, 2), forced_agreement=same_forced / n_tok,
+                                   prefixes=list(map(_prefix, dense, got)),
+                                   forced_per_prompt=[n / len(d) for n, d in zip(forced_each, dense)], generated=got,
+                                   planned_format=planned_label, k_formats=list(bases.k_formats),
+                                   v_formats=list(bases.v_formats)))
         except Exception as e:  # noqa: BLE001  recorded; the other ratios still run
             rows.append(FixtureRow(ratio, args.latent_format, float("nan"), float("nan"), n_tok, len(prompts), status="error",
                                    error=f"{type(e).__name__}: {str(e)[:600]}"))
@@ -185,7 +213,9 @@ def run_fixture(args: argparse.Namespace) -> int:
     env = environment(args.device, args.argv)
     env.update(model=str(model_dir.name), fixture_dtype=args.fixture_dtype, compiler=args.compiler,
                group_size=args.group_size, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-               calib_windows=args.calib_windows, prompt_starts=starts, wall_s=round(time.perf_counter() - t0, 1))
+               calib_windows=args.calib_windows, prompt_starts=starts,
+               measure_windows=measure_windows, planned_format=args.planned_format if fmt == "planned" else None,
+               wall_s=round(time.perf_counter() - t0, 1))
     data = {"kind": "fixture", "meta": env, "rows": [asdict(r) for r in rows]}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -149,9 +149,58 @@ def test_fixture_planned_rotated_fp8_bases(tmp_path):
     assert four["ratio_measured_at_budget"] >= 4.0
 
 
+def test_fixture_planned_measured_bases(tmp_path, monkeypatch):
+    """--latent-format planned+rot+fp8+measured --planned-format mix/32v64 on a tiny byte-level model: the planner's
+    errors are measured (bench.fidelity.measured_errors_cache) once, on the first --measure-windows calibration
+    windows only (never a prompt), with the key and value blocks asked for, and the row records the bit plan."""
+    from pathlib import Path
+
+    import ckvp_compile.bench.fidelity as fidelity
+    from ckvp_compile.testing import build_hf_moe
+
+    model_dir = tmp_path / "tiny"
+    build_hf_moe("mixtral", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16).save_pretrained(model_dir)
+    text = (Path(__file__).resolve().parents[2] / "models" / "tiny-mixtral-pystdlib" / "eval_text.txt").read_bytes()
+    (model_dir / "eval_text.txt").write_bytes(text[:2048])
+    real, seen = fidelity.measured_errors_cache, []
+
+    def spy(model, windows, **kwargs):
+        measure = real(model, windows, **kwargs)
+
+        def measure_errors(*args):
+            seen.append((windows.clone(), args[2:4]))
+            return measure(*args)
+
+        return measure_errors
+
+    monkeypatch.setattr(fidelity, "measured_errors_cache", spy)
+    out = tmp_path / "fixture.json"
+    rc = bench_cli(["decode", "--shape", "fixture", "--model", str(model_dir), "--ratios", "2", "--prompts", "1",
+                    "--new-tokens", "3", "--prompt-len", "16", "--calib-windows", "2", "--measure-windows", "1",
+                    "--compiler", "eager", "--device", "cpu", "--latent-format", "planned+rot+fp8+measured",
+                    "--planned-format", "mix/32v64", "--json", str(out)])
+    assert rc == 0
+    assert len(seen) == 1, "'+measured' did not measure the planner's errors"
+    windows, blocks = seen[0]
+    assert windows.tolist() == [list(text[:256])] and blocks == (32, 64)
+    data = json.loads(out.read_text())
+    dense, two = data["rows"]
+    assert two["status"] == "ok" and two["latent_format"] == "planned+rot+fp8+measured", two
+    assert two["planned_format"] == "mix/32v64" and data["meta"]["measure_windows"] == 1
+    assert two["ratio_measured_at_budget"] >= 2.0 and len(two["prefixes"]) == 1 == len(two["generated"])
+    assert dense["generated"][0][:two["prefixes"][0]] == two["generated"][0][:two["prefixes"][0]]
+
+
 def test_usage_errors(capsys):
     assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "planned+alr"]) == 2
-    assert "+rot and +fp8" in capsys.readouterr().err
+    assert "+rot, +fp8 and +measured" in capsys.readouterr().err
+    assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "planned", "--planned-format", "32v64"]) == 2
+    assert "mix/<block>v<value block>" in capsys.readouterr().err
+    assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "int4", "--planned-format", "mix/32"]) == 2
+    assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "planned+rot", "--measure-windows", "2"]) == 2
+    assert "planned+measured" in capsys.readouterr().err
+    assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "planned+measured", "--calib-windows", "4",
+                      "--measure-windows", "5"]) == 2
     assert bench_cli(["decode", "--shape", "tiny", "--systems", "dense"]) == 2
     assert "unknown system 'dense'" in capsys.readouterr().err
     assert bench_cli(["decode", "--report", "x.json"]) == 2
