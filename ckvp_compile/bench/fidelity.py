@@ -289,16 +289,18 @@ def ckvp_stats(model: torch.nn.Module, step: Callable, cache: Any, windows: torc
 
 
 def _collect_moments(model: torch.nn.Module, calib: torch.Tensor, group_sizes: Sequence[int], batch_size: int,
-                     progress: bool) -> dict[int, Any]:
+                     progress: bool, attended_values: bool = False) -> dict[int, Any]:
     """Second moments per group size: collected once at the largest and regrouped when it is a multiple of
-    every other (a smaller group's moment is a diagonal block), else collected per group size."""
+    every other (a smaller group's moment is a diagonal block), else collected per group size.
+    ``attended_values``: also the attended values' moments ('+avgout' configs need them)."""
     from ..latent import collect_kv_moments
 
     top = max(group_sizes)
+    kw = dict(progress=progress, attended_values=attended_values)
     if any(top % g for g in group_sizes):
-        return {g: collect_kv_moments(model, _batches_exact(calib, batch_size), group_size=g, progress=progress)
+        return {g: collect_kv_moments(model, _batches_exact(calib, batch_size), group_size=g, **kw)
                 for g in group_sizes}
-    moments = collect_kv_moments(model, _batches_exact(calib, batch_size), group_size=top, progress=progress)
+    moments = collect_kv_moments(model, _batches_exact(calib, batch_size), group_size=top, **kw)
     return {g: moments if g == top else moments.regroup(g) for g in group_sizes}
 
 
@@ -337,7 +339,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
         log(f"dense: perplexity {dense.stats.perplexity:.5f} ({time.perf_counter() - t0:.1f} s)")
     dense_eval = dense.stats
     t0 = time.perf_counter()
-    moments = _collect_moments(model, calib_windows, sorted({c.group_size for c in configs}), batch_size, progress)
+    moments = _collect_moments(model, calib_windows, sorted({c.group_size for c in configs}), batch_size, progress,
+                               attended_values=any("avgout" in c.rank_allocation.split("+") for c in configs))
     log(f"calibration moments: {calib_windows.shape[0]} windows x {calib_windows.shape[1]} tokens "
         f"({time.perf_counter() - t0:.1f} s)")
     num_layers = model.config.get_text_config().num_hidden_layers

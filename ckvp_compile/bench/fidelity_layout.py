@@ -403,7 +403,8 @@ def run_layouts(model: torch.nn.Module, calib: torch.Tensor, evals: torch.Tensor
     window = evals.shape[1]
     dense = dense_stats(model, evals, batch_size)
     kv = capture_kv(model, evals, batch_size)
-    moments = _collect_moments(model, calib, sorted({c.group_size for c in configs}), batch_size, False)
+    moments = _collect_moments(model, calib, sorted({c.group_size for c in configs}), batch_size, False,
+                               attended_values=any("avgout" in c.rank_allocation.split("+") for c in configs))
     _check_against_calibration(model, evals, kv, moments[max(moments)])
     exact = {layer: (k, v) for layer, (k, v) in kv.items()}
     base_stats, _, dense_out = _evaluate(model, evals, dense, exact, chunk, batch_size, None)

@@ -236,20 +236,25 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
 
 def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int = 4,
                        max_cache_len: int | None = None, progress: bool = True,
-                       on_sample: Callable[[StackedKV], None] | None = None) -> KVMoments:
+                       on_sample: Callable[[StackedKV], None] | None = None,
+                       attended_values: bool = False) -> KVMoments:
     """Collect the stacked second moments :func:`calibrate` uses, without choosing ranks.
 
     Args:
         model, samples, group_size, max_cache_len, progress: as for :func:`calibrate`.
         on_sample: called after each sample with its stacked keys and values, per group ``(xk, xv)``, each
             (Hkv, B*S, G_g*D) float64 (e.g. to measure reconstruction error on exactly these vectors).
+        attended_values: also collect :attr:`KVMoments.v_attended` (the attended values' second moments, for
+            :func:`~ckvp_compile.latent.attention_noise.value_error_scales` ``mode="output"``): an extra
+            (B, H, S, S) @ (B, H, S, G_g*D) product and a float64 (G_g*D)^2 moment per layer and sample, so off
+            by default.
     Returns:
         :class:`KVMoments`; ``.bases(kv_ratio, rank_allocation)`` builds :class:`LatentBases` from it.
     Raises:
         CKVPConfigError: as for :func:`calibrate`.
     """
     return _collect(model, samples, group_size=group_size, max_cache_len=max_cache_len, progress=progress,
-                    on_sample=on_sample, on_groups=None)
+                    on_sample=on_sample, on_groups=None, attended_values=attended_values)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -445,7 +450,8 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
 
 def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int, max_cache_len: int | None,
              progress: bool, on_sample: Callable[[StackedKV], None] | None,
-             on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None) -> KVMoments:
+             on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None,
+             attended_values: bool = False) -> KVMoments:
     from tqdm.auto import tqdm
 
     if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
@@ -479,7 +485,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
                     state["k"][g] += xk.mT @ xk
                     state["v"][g] += xv.mT @ xv
                 _accumulate_queries(backend, state)
-                _accumulate_entropy(backend, state, stacked)
+                _accumulate_entropy(backend, state, stacked if attended_values else None)
                 state["tokens"] += ids.numel()
                 if on_sample is not None:
                     on_sample(stacked)

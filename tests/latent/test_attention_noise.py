@@ -26,8 +26,10 @@ def measured():
     model = build_hf_moe("mixtral", num_layers=4, num_heads=H, num_kv_heads=HKV, head_dim=D,
                          attn_implementation="eager")
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
-    mom4 = collect_kv_moments(model, [ids], group_size=4, progress=False)
-    mom2 = collect_kv_moments(model, [ids], group_size=2, progress=False)
+    mom4 = collect_kv_moments(model, [ids], group_size=4, progress=False, attended_values=True)
+    mom2 = collect_kv_moments(model, [ids], group_size=2, progress=False, attended_values=True)
+    plain = collect_kv_moments(model, [ids], group_size=4, progress=False)  # attended values are opt-in
+    assert plain.v_attended == [] and sorted(plain.attn_sumsq) == [0, 1, 2, 3]
     values = {}
     hooks = [layer.self_attn.v_proj.register_forward_hook(
         lambda _m, _i, out, i=i: values.__setitem__(i, out.detach().double().view(2, 20, HKV, D).transpose(1, 2)))
