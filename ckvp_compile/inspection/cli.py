@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "inspect with a latent cache")
     src.add_argument("--bases", metavar="FILE", help="inspect with a latent cache of these bases (LatentBases.save)")
     lat.add_argument("--latent-format", metavar="FMT",
-                     help="latent storage: float (default), int8, int4 or int2, optionally /block (e.g. int4/64), "
-                          "or K,V (e.g. int8,int4)")
+                     help="latent storage: auto (default: the bases' own formats, e.g. a planned bit plan, else "
+                          "float), float, int8, int4 or int2, optionally /block (e.g. int4/64), or K,V (e.g. int8,int4)")
     lat.add_argument("--rank-allocation", choices=("energy", "uniform"),
                      help="with --kv-ratio: per-head ranks by retained energy (default) or one rank everywhere")
     lat.add_argument("--group-size", type=int, choices=(1, 2, 4, 8),

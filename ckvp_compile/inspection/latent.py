@@ -40,8 +40,9 @@ class LatentInspectOptions:
             :func:`ckvp_compile.latent.calibrate`.
         bases: a :class:`~ckvp_compile.latent.LatentBases`, or the path of a file written by its ``save()``
             (checked against the model).
-        latent_format: storage of the key and value latents: ``"float"``, ``"int8"``, ``"int4"``, ``"int2"``,
-            optionally ``/block`` (e.g. ``"int4/64"``), or a (K, V) pair of them.
+        latent_format: storage of the key and value latents: ``"auto"`` (default: the bases' own per-group
+            formats, e.g. a planner's ``mix/...`` bit plan, else ``"float"``), ``"float"``, ``"int8"``,
+            ``"int4"``, ``"int2"``, optionally ``/block`` (e.g. ``"int4/64"``), or a (K, V) pair of them.
         latent_dtype: dtype of ``"float"`` latents and of the bases on the device (default: the model's dtype).
         rank_allocation: 'energy' or 'uniform' (calibration only).
         group_size: G, layers per group (calibration only; default the options' ``group_size``).
@@ -55,7 +56,7 @@ class LatentInspectOptions:
 
     kv_ratio: float | None = None
     bases: Any = None
-    latent_format: str | tuple[str, str] = "float"
+    latent_format: str | tuple[str, str] = "auto"
     latent_dtype: torch.dtype | None = None
     rank_allocation: str = "energy"
     group_size: int | None = None
@@ -77,6 +78,8 @@ class LatentInspectOptions:
             raise CKVPConfigError(f"kv_ratio must be a number >= 1 (dense / latent elements per token), got "
                                   f"{self.kv_ratio!r}")
         for fmt in format_pair(self.latent_format):
+            if fmt == "auto":
+                continue
             try:
                 parse_latent_format(fmt)
             except ValueError as exc:

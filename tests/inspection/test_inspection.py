@@ -525,6 +525,28 @@ def test_latent_format_changes_the_bytes(tiny_latent):
         model(torch.arange(1, 5)[None])
 
 
+def test_planned_bases_show_their_bit_plan(tiny_latent):
+    """Bases from the planner carry per-group ``mix/...`` formats: the default ``latent_format="auto"`` stores them
+    so, and the report prints the plan (formats and bytes per group)."""
+    from ckvp_compile.inspection.latent import calibration_samples, LatentInspectOptions
+    from ckvp_compile.latent import collect_kv_moments
+    from ckvp_compile.latent.planner import plan_for_byte_ratio
+
+    _, _, model, _ = tiny_latent
+    samples, _ = calibration_samples(model, LatentInspectOptions(kv_ratio=4, num_samples=2))
+    full = collect_kv_moments(model, samples, group_size=2, progress=False).bases(1.0, "uniform")
+    planned = plan_for_byte_ratio(full, 4.0, max_cache_len=4096, dense_dtype=torch.float32, latent_dtype=torch.float32)
+    assert all(f.startswith("mix/") for f in planned.k_formats + planned.v_formats)
+    report = inspect_model(model, latent={"bases": planned}, decode=False, prompt_len=4, max_cache_len=16)
+    assert [r.k_format for r in report.latent.groups] == list(planned.k_formats)
+    assert [r.v_format for r in report.latent.groups] == list(planned.v_formats)
+    text = report.to_text()
+    assert all(f in text for f in planned.k_formats)
+    float_report = inspect_model(model, latent={"bases": planned, "latent_format": "float"}, decode=False,
+                                 prompt_len=4, max_cache_len=16)
+    assert all(r.k_format == "float" for r in float_report.latent.groups)
+
+
 def test_latent_inspection_of_a_gpt_fast_model_restores_its_caches():
     from ckvp_compile.runtime.store import lookup_phantom
     from ckvp_compile.testing import GptFastConfig, GptFastMoE
