@@ -58,7 +58,7 @@ def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator
             codes = rows[..., :ncode]
             codes[codes == 128] = 0
         return rows, off
-    levels = (1 << f.bits) - 1
+    levels = (1 << f.bits) - 1 if f.bits else 15  # a mix plan: any levels (kernel and reference read the same bytes)
     scale = (4.0 / levels) * (0.5 + torch.rand(b, t, nb, device=dev, generator=gen))  # range ~[2, 6] per block
     mins = -scale * levels / 2 + 0.2 * torch.randn(b, t, nb, device=dev, generator=gen)
     rows[..., ncode:ncode + 2 * nb] = scale.half().view(torch.uint8)
@@ -309,6 +309,27 @@ FAST = [DecodeConfig(), _two(fma_scores=True), _two(key_split=False), _two(fma_s
 DIAG = [DecodeConfig(), DecodeConfig(f32_dots=True), DecodeConfig(two_pass=False)]
 
 
+def check_extras(payload: dict, b: int = 8, t: int = 32768, rank: int = 256) -> None:
+    """fp8 bases and planned mix formats (FP8_BASES_GPU_CHECKED / MIX_GPU_CHECKED, off until checked here): the
+    kernel's relative error against the chunked reference and its time, next to the bf16-basis int4/32 kernel."""
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    lat.FP8_BASES_GPU_CHECKED = lat.MIX_GPU_CHECKED = True
+    mix = "mix/32:" + ",".join(["8x64+4x128+2x64"] * HKV)
+    for name, fmt, fp8 in (("int4/32, bf16 bases", "int4/32", False), ("int4/32, fp8 bases", "int4/32", True),
+                           ("mix 8/4/2, bf16 bases", mix, False), ("mix 8/4/2, fp8 bases", mix, True)):
+        args = list(make_inputs(b, t, fmt, rank, seed=3))
+        if fp8:
+            args[3], args[4] = args[3].to(torch.float8_e4m3fn), args[4].to(torch.float8_e4m3fn)
+        args = tuple(args)
+        want = ref_chunked(args, 2)
+        r = dict(try_config(args, want, DecodeConfig()), check=name, batch=b, context=t, rank=rank)
+        r["ok"] = "error" not in r and r["rel_err"] <= 1e-3
+        payload["extras"].append(r)
+        print("extras", json.dumps(r, default=str), flush=True)
+        del args, want
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -321,6 +342,8 @@ def main() -> None:
     ap.add_argument("--short-context", type=int, default=0, help="the one context of the short formats (0: largest)")
     ap.add_argument("--heads", default="32:8", help="query heads:KV heads (Mixtral 32:8, Qwen1.5-MoE 16:16)")
     ap.add_argument("--sweep-set", default="full", choices=["full", "fast"], help="configs of --sweep")
+    ap.add_argument("--check-extras", action="store_true",
+                    help="check (and time) fp8 bases and mix bit plans, which the op reads on CUDA only once checked")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention decoding at batch 8, 32k")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining grid rows after this long")
     ap.add_argument("--diag-shape", default="2,4096", help="batch,context of the diagnostics")
@@ -346,7 +369,10 @@ def main() -> None:
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
     formats = [(f.rsplit(":", 1)[0], int(f.rsplit(":", 1)[1])) for f in a.formats.split(",")]
-    payload = {"env": env, "diagnostics": [], "sweep": [], "results": [], "skipped": []}
+    payload = {"env": env, "diagnostics": [], "sweep": [], "results": [], "skipped": [], "extras": []}
+    if a.check_extras:
+        check_extras(payload)
+        dump(a.out, payload)
 
     # (0) diagnostics at a small shape: kernel variants, and the GPU fp32 reference, against an fp64 CPU golden
     db, dt = (int(x) for x in a.diag_shape.split(","))

@@ -74,6 +74,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 #: (``LatentKVStore(basis_dtype=torch.float8_e4m3fn)``; 3 or 2 mantissa bits, exponents inside bf16's range).
 BASIS_BF16_EXACT = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _BASIS_DTYPES = _FLOATS + BASIS_BF16_EXACT[1:]
+#: Inputs the kernels read correctly under the interpreter (tests/kernels) but that no H200 run has checked yet: on
+#: CUDA they go to the reference until a GPU run of the same checks sets these (benchmarks/latent_attention_gpu.py).
+FP8_BASES_GPU_CHECKED = False
+MIX_GPU_CHECKED = False
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
@@ -143,7 +147,7 @@ def _fp16_at(ptr, step, mask):
 def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                  BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
-                 HALF_WORDS: tl.constexpr, MX: tl.constexpr = False):
+                 HALF_WORDS: tl.constexpr, MX: tl.constexpr = False, lo=0):
     """(NROWS, NCOLS) fp32 latent coordinates j = C0 + [0, NCOLS) of one head, rows starting at ``row_ptr``.
 
     Float format (BITS == 16): columns ``col0 + j``. Quantized: the code of coordinate j is bits
@@ -152,13 +156,15 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
     divides NCOLS and C0): each block's scale and min are loaded once per row and broadcast over its QBLOCK
     coordinates; otherwise gathered per coordinate. COL_ALIGN / RANK_ALIGN: powers of two dividing ``col0`` /
     ``rank`` (the compiler can then vectorise the row loads); HALF_WORDS: the scales and mins start at even bytes
-    of even-strided rows (loaded as 16-bit words). Zero where ``~row_ok`` or ``j >= rank``."""
+    of even-strided rows (loaded as 16-bit words). Zero where ``~row_ok``, ``j >= rank`` or ``j < lo`` (``lo``: a
+    mix piece's first coordinate, a multiple of QBLOCK; ``col0`` / ``blk0`` are then the byte and block the
+    head's coordinate 0 would have in that piece)."""
     if COL_ALIGN > 1:
         col0 = (col0 // COL_ALIGN) * COL_ALIGN  # exact (the host checked it); tells the compiler the alignment
     if RANK_ALIGN > 1:
         rank = (rank // RANK_ALIGN) * RANK_ALIGN
     cols = C0 + tl.arange(0, NCOLS)
-    ok = row_ok[:, None] & (cols < rank)[None, :]
+    ok = row_ok[:, None] & ((cols < rank) & (cols >= lo))[None, :]
     if BITS == 16:
         z = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
@@ -166,12 +172,12 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
             code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0)
         elif BITS == 4:  # byte i holds codes 2i (low nibble) and 2i+1: load the bytes once, interleave the nibbles
             hb = C0 // 2 + tl.arange(0, NCOLS // 2)
-            h_ok = row_ok[:, None] & (2 * hb < rank)[None, :]
+            h_ok = row_ok[:, None] & ((2 * hb < rank) & (2 * hb >= lo))[None, :]
             raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :], mask=h_ok, other=0).to(tl.int32)
             code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
         else:  # BITS == 2: codes 4i .. 4i+3 in bits 0-1, 2-3, 4-5, 6-7 of byte i
             qb = C0 // 4 + tl.arange(0, NCOLS // 4)
-            q_ok = row_ok[:, None] & (4 * qb < rank)[None, :]
+            q_ok = row_ok[:, None] & ((4 * qb < rank) & (4 * qb >= lo))[None, :]
             raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :], mask=q_ok, other=0).to(tl.int32)
             code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
             code = tl.reshape(code, (NROWS, NCOLS))
@@ -182,7 +188,7 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
             if BLOCKWISE:
                 kb = tl.arange(0, NCOLS // QBLOCK)
                 blk = blk0 + C0 // QBLOCK + kb
-                b_ok = row_ok[:, None] & ((C0 + kb * QBLOCK) < rank)[None, :]
+                b_ok = row_ok[:, None] & (((C0 + kb * QBLOCK) < rank) & ((C0 + kb * QBLOCK) >= lo))[None, :]
                 ex = tl.load(row_ptr[:, None] + ((scale_base + blk) * stride_w)[None, :], mask=b_ok, other=127)
                 sc = (ex.to(tl.int32) << 23).to(tl.float32, bitcast=True)
                 sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
@@ -196,7 +202,7 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
             if BLOCKWISE:
                 kb = tl.arange(0, NCOLS // QBLOCK)
                 blk = blk0 + C0 // QBLOCK + kb
-                b_ok = row_ok[:, None] & ((C0 + kb * QBLOCK) < rank)[None, :]
+                b_ok = row_ok[:, None] & (((C0 + kb * QBLOCK) < rank) & ((C0 + kb * QBLOCK) >= lo))[None, :]
                 if HALF_WORDS:
                     words = row_ptr.to(tl.pointer_type(tl.uint16))
                     sc = tl.load(words[:, None] + (scale_base // 2 + blk)[None, :], mask=b_ok, other=0)
@@ -213,6 +219,30 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
                 sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
                 mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
             z = tl.where(ok, code * sc + mn, 0.0)
+    return z
+
+
+@triton.jit
+def _latent_load(row_ptr, row_ok, col0, blk0, rank, mix_row, scale_base, min_base, stride_w, C0: tl.constexpr,
+                 NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
+                 BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
+                 HALF_WORDS: tl.constexpr, MX: tl.constexpr):
+    """:func:`_latent_tile` of a uniform format (BITS 16, 8, 4, 2), or of a ``mix`` bit plan (BITS 0): the sum of
+    the head's 8-, 4- and 2-bit pieces, each read with its own constexpr width; ``mix_row`` points at the head's 12
+    int32 (col0, blk0, lo, hi) for bits 8, 4, 2 (an empty range where the head has no such piece)."""
+    if BITS == 0:
+        z = _latent_tile(row_ptr, row_ok, tl.load(mix_row), tl.load(mix_row + 1), tl.load(mix_row + 3), scale_base,
+                         min_base, stride_w, C0, NROWS, NCOLS, 8, QBLOCK, BLOCKWISE, COL_ALIGN, 1, HALF_WORDS,
+                         False, tl.load(mix_row + 2))
+        z += _latent_tile(row_ptr, row_ok, tl.load(mix_row + 4), tl.load(mix_row + 5), tl.load(mix_row + 7),
+                          scale_base, min_base, stride_w, C0, NROWS, NCOLS, 4, QBLOCK, BLOCKWISE, COL_ALIGN, 1,
+                          HALF_WORDS, False, tl.load(mix_row + 6))
+        z += _latent_tile(row_ptr, row_ok, tl.load(mix_row + 8), tl.load(mix_row + 9), tl.load(mix_row + 11),
+                          scale_base, min_base, stride_w, C0, NROWS, NCOLS, 2, QBLOCK, BLOCKWISE, COL_ALIGN, 1,
+                          HALF_WORDS, False, tl.load(mix_row + 10))
+    else:
+        z = _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0, NROWS, NCOLS, BITS,
+                         QBLOCK, BLOCKWISE, COL_ALIGN, RANK_ALIGN, HALF_WORDS, MX)
     return z
 
 
@@ -384,7 +414,8 @@ def _latent_attention_split_kernel(
         else:
             scores = _tile_scores(
                 lk_ptr, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
-                col_ok, head_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, rk_max, qk_scale, G,
+                col_ok, head_ok, k_col0, k_blk0, k_rank, kmeta_ptr + 12 * h, k_scale_base, k_min_base, rk_max,
+                qk_scale, G,
                 i1, i2, c1, c2, rot_ok, rest, rest_ok,
                 stride_lkb, stride_lks, stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
                 stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
@@ -401,8 +432,9 @@ def _latent_attention_split_kernel(
             p = tl.exp2(scores - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
-            zv = _latent_tile(lv_rows, col_ok, v_col0, v_blk0, v_rank, v_scale_base, v_min_base, stride_lvw, 0,
-                              BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN, V_WORDS, V_MX)
+            zv = _latent_load(lv_rows, col_ok, v_col0, v_blk0, v_rank, vmeta_ptr + 12 * h, v_scale_base, v_min_base,
+                              stride_lvw, 0, BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN,
+                              V_WORDS, V_MX)
             acc = _dot_split(p, zv, acc * alpha[:, None], P_BF16, ZV_EXACT, F32_DOT)
             m_i = m_new
 
@@ -418,7 +450,7 @@ def _latent_attention_split_kernel(
 @triton.jit
 def _tile_scores(
     lk_ptr, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
-    col_ok, head_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, rk_max, qk_scale, G,
+    col_ok, head_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, rk_max, qk_scale, G,
     i1, i2, c1, c2, rot_ok, rest, rest_ok,
     stride_lkb, stride_lks, stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
     stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
@@ -438,7 +470,7 @@ def _tile_scores(
     x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x3 = tl.zeros((BLOCK_N, REST), tl.float32)
     for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
-        z = _latent_tile(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base, stride_lkw,
+        z = _latent_load(lk_rows, col_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
                          r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
         if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
             r = r0 + tl.arange(0, BLOCK_R)
@@ -607,8 +639,13 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
         return f"rope_form {rope_form!r}"
     for name, fmt, lat in (("k_fmt", k_fmt, latent_k), ("v_fmt", v_fmt, latent_v)):
         f = parse_latent_format(fmt)
-        if f.quantized and (f.segments is not None or f.bits not in (8, 4, 2)):
-            return f"{name} {fmt!r} (uniform int8/int4/int2 and mxint8/mxint4 formats only)"
+        if f.mixed:
+            if q.is_cuda and not MIX_GPU_CHECKED:
+                return f"{name} {fmt!r} (mix plans are not yet checked on a GPU: MIX_GPU_CHECKED)"
+            if not _mix_supported(f):
+                return f"{name} {fmt!r} (a mix plan with two pieces of one width in a head, or off a block boundary)"
+        elif f.quantized and f.bits not in (8, 4, 2):
+            return f"{name} {fmt!r} (uniform int8/int4/int2, mxint8/mxint4 and mix formats only)"
         if not f.quantized and lat.dtype not in _FLOATS:
             return f"{name} 'float' with latent dtype {lat.dtype}"
     for name, t in (("q", q), ("new_k", new_k)):
@@ -617,6 +654,8 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
     for name, t in (("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block)):
         if t.dtype not in _BASIS_DTYPES:
             return f"{name} dtype {t.dtype}"
+        if t.dtype not in _FLOATS and q.is_cuda and not FP8_BASES_GPU_CHECKED:
+            return f"{name} dtype {t.dtype} (fp8 bases are not yet checked on a GPU: FP8_BASES_GPU_CHECKED)"
     if rope_form != "none" and cos_table.dtype not in _FLOATS:
         return f"cos/sin table dtype {cos_table.dtype}"
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
@@ -659,6 +698,8 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
     f = parse_latent_format(fmt)
     offsets = [int(o) for o in offsets]
     ranks = [b - a for a, b in zip(offsets, offsets[1:])]
+    if f.mixed:
+        return _mix_meta(offsets, f, device)
     if f.quantized:
         cb = f.code_bytes(offsets)
         nb = [-(-r // f.block) for r in ranks]
@@ -673,6 +714,47 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
         _META[key] = torch.tensor([[c, k, r] for c, k, r in zip(col0, blk0, ranks)], dtype=torch.int32,
                                   device=device).reshape(-1, 3)
     return _META[key], scale_base, min_base, list(col0)
+
+
+def _mix_meta(offsets: list[int], f, device: torch.device) -> tuple[torch.Tensor, int, int, list]:
+    """The head table of a ``mix`` bit plan: (Hkv, 12) int32, per head and for bits 8, 4, 2 its piece's
+    (col0, blk0, lo, hi): coordinates [lo, hi) of the head, whose code bytes start at ``col0 + lo*bits/8`` and
+    blocks at ``blk0 + lo/block`` (so ``_latent_tile`` indexes them from the head's coordinate 0); an empty range
+    where the head has no piece of that width. Needs at most one piece per width and head, starting on a block
+    boundary (:func:`unsupported_reason` checks). Returns as :func:`_head_meta`; the columns list holds every
+    piece's col0 (for the alignment hint)."""
+    hkv = len(offsets) - 1
+    rows = [[0, 0, 0, 0] * 3 for _ in range(hkv)]
+    byte, head = 0, 0
+    for col, count, bits, blk in f.pieces(offsets):
+        while col >= offsets[head + 1]:
+            head += 1
+        lo = col - offsets[head]
+        slot = (8, 4, 2).index(bits)
+        rows[head][4 * slot:4 * slot + 4] = [byte - lo * bits // 8, blk - lo // f.block, lo, lo + count]
+        byte += -(-count * bits // 8)
+    scale_base = byte
+    min_base = byte + 2 * f.num_blocks(offsets)
+    key = (tuple(offsets), f.name, str(device))
+    if key not in _META:
+        check_not_capturing("the latent attention head table", device)
+        _META[key] = torch.tensor(rows, dtype=torch.int32, device=device).reshape(hkv, 12)
+    return _META[key], scale_base, min_base, [r[4 * i] for r in rows for i in range(3)]
+
+
+def _mix_supported(f) -> bool:
+    """A ``mix`` plan the kernel reads: per head at most one piece of each width, each starting on a block
+    boundary (the planner's plans: descending widths over whole blocks)."""
+    for segs in f.segments:
+        widths = [b for b, _ in segs]
+        if len(set(widths)) != len(widths):
+            return False
+        start = 0
+        for _, count in segs:
+            if start % f.block:
+                return False
+            start += count
+    return True
 
 
 def _basis_strides(basis: torch.Tensor) -> tuple:
@@ -888,8 +970,8 @@ def _launch(
         ZV_EXACT=(not vf.quantized and latent_v.dtype == bf16) or vf.pow2, F32_DOT=f32_dot,
         K_BLOCKWISE=_blockwise(kf, block_r), V_BLOCKWISE=_blockwise(vf, rv_pad), HOIST=cfg.hoist_basis,
         K_ALIGN=_align(kmeta_cols) if cfg.align_hint else 1, V_ALIGN=_align(vmeta_cols) if cfg.align_hint else 1,
-        K_RALIGN=_align(_ranks(k_offsets)) if cfg.align_hint else 1,
-        V_RALIGN=_align(_ranks(v_offsets)) if cfg.align_hint else 1,
+        K_RALIGN=_align(_ranks(k_offsets)) if cfg.align_hint and not kf.mixed else 1,
+        V_RALIGN=_align(_ranks(v_offsets)) if cfg.align_hint and not vf.mixed else 1,
         K_WORDS=cfg.align_hint and _words(kf, latent_k, k_sb, k_mb),
         V_WORDS=cfg.align_hint and _words(vf, latent_v, v_sb, v_mb), HALF_ALIGN=_align([half]) if cfg.align_hint else 1,
         # a launch-time constant only (never decided from the tables' values here: see rope_tables_paired)

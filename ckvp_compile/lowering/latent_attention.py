@@ -70,7 +70,8 @@ TEMPLATE_CONFIGS = (
     ScoresConfig(128, 32, 8, 1),
 )
 
-_HELPERS = (lat._tile_scores, lat._latent_tile, lat._dot_split, lat._mm, lat._fma_scores, lat._fp16_at, lat._rope_rows)
+_HELPERS = (lat._tile_scores, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._fma_scores,
+            lat._fp16_at, lat._rope_rows)
 
 _SOURCE = r'''
 {{def_kernel("Q", "LK", "BK", "COS", "SIN", "POS", "SLOTS", "MASK")}}
@@ -102,7 +103,8 @@ _SOURCE = r'''
     col_ok = row_ok & ~is_new
     scores = _tile_scores(
         LK, bk_head, COS, SIN, POS, mask_row, q_row0, q1, q2, q3, 0.0, 0.0, 0.0, b, offs,
-        col_ok, head_ok, h * K_HEAD_COLS, h * K_HEAD_BLOCKS, K_RANK, K_SCALE_BASE, K_MIN_BASE, RK_MAX, QK_SCALE, G,
+        col_ok, head_ok, h * K_HEAD_COLS, h * K_HEAD_BLOCKS, K_RANK, 0, K_SCALE_BASE, K_MIN_BASE, RK_MAX, QK_SCALE,
+        G,
         i1, i2, c1, c2, rot_ok, rest, rest_ok,
         {{stride("LK", 0)}}, {{stride("LK", 1)}}, {{stride("LK", 2)}}, {{stride("BK", 1)}}, {{stride("BK", 2)}},
         {{stride("COS", 0)}}, {{stride("COS", 1)}}, {{stride("SIN", 0)}}, {{stride("SIN", 1)}},
@@ -152,6 +154,9 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
         return f"{s} query tokens over {sizes[-1]} slots (the scores would take more than {lat.MAX_SCORES_BYTES} bytes)"
     if len(basis_k_block.get_size()) != 3:
         return "per-sequence (online) bases"
+    if (basis_k_block.get_dtype() not in (torch.float16, torch.bfloat16, torch.float32)
+            and not lat.FP8_BASES_GPU_CHECKED):
+        return f"{basis_k_block.get_dtype()} bases (not yet checked on a GPU: FP8_BASES_GPU_CHECKED)"
     f = parse_latent_format(k_fmt)
     if f.mixed or f.ternary or (f.quantized and f.bits not in (8, 4, 2)):
         return f"latent format {k_fmt!r}"

@@ -9,7 +9,7 @@ GQA ratios 1-4 with Hkv 1-3 (MQA included), D in {16, 32, 64}, unequal ranks per
 blocks), the four RoPE forms with partial rotary_dim, bool / additive masks of several broadcast shapes (fully
 masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes, rebuild chunks,
 the hoisted basis, alignment hints, context splits, one- and two-pass forms.
-Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, fp8 bases, every row masked, the op's CUDA kernel function
+Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, fp8 bases, planned mix formats, every row masked, the op's CUDA kernel function
 (dispatch to Triton, and to the reference for an unsupported dtype). Bound: relative error (Frobenius) <= 1e-3.
 """
 
@@ -239,6 +239,17 @@ def _check_fixed() -> None:
         for dt in (torch.float32, torch.bfloat16):
             _check(dict(base, rk=[12, 5], rv=[7, 9], kfmt=fmts[0], vfmt=fmts[1], basis_dtype=bdt, dtype=dt,
                         mask="bool", mask_shape="b1sk", s=2), cfg)
+    # planned mix bit plans (8 / 4 / 2-bit pieces per head, ragged last blocks), one- and two-pass, hoisted basis
+    mix = dict(base, rk=[64, 40], rv=[7, 9], kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1",
+               mask="bool", mask_shape="b1sk", s=2)
+    _check(mix, cfg)
+    _check(dict(mix, rope="interleaved", dtype=torch.bfloat16, basis_dtype=torch.float8_e4m3fn),
+           dataclasses.replace(cfg, two_pass=False))
+    _check(dict(mix, kfmt="mix/16:2x16+8x48,4x16+2x24", vfmt="int4/8"),
+           DecodeConfig(block_n=16, block_r=64, num_warps=1, hoist_basis=True))
+    # a plan with two pieces of one width in a head is not read by the kernel: the op's reference path runs
+    odd = _inputs(dict(mix, kfmt="mix/8:4x16+2x16+4x32,4x24+2x16"))
+    assert "mix plan" in unsupported_reason(*(odd[i] for i in (0, 1, 2, 3, 4, 10, 15, 7, 12)), odd[18], odd[19])
     # key_split=False (one bf16 rounding of a non-bf16 latent for the key rebuild) is lossy, within 1e-2
     loose = dict(base, rk=[12, 5], rv=[7, 9], kfmt="int8/32")
     args = _inputs(loose)
