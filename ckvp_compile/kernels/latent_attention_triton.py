@@ -34,13 +34,16 @@ Loads: a quantized block's fp16 scale and min are loaded once per row and broadc
 int4 / int2 codes are loaded as whole bytes and unpacked with ``tl.join``; host-checked alignments of the heads'
 columns, ranks and rotary half are passed as constexprs so that row loads vectorise (``cp.async`` 16 B).
 
-Status (benchmarks/results/2026-11-29-latent-attention-h200, runs 3-5): exact under the interpreter; on the H200
+Status (benchmarks/results/2026-11-29-latent-attention-h200, runs 3-6): exact under the interpreter; on the H200
 within 1e-3 of the reference at every measured row, but slow. Run 5 (two-pass, mxint8/32 rank 256): 10-12% of
-copy bandwidth at batch >= 8 (0.09-0.10x dense SDPA, whose bytes are 0.97x the latent's); the key pass still
-uses 255 registers with spills. ``ckvp::latent_attention``'s CUDA kernel runs it
-(``ops.latent_attention_cuda.USE_TRITON``). Roofline note: rebuilding keys costs D multiply-adds per latent
-coordinate and token, so at 8-bit latents the work is about 64 MAC per byte read (the H200's bf16 ridge is about
-57), and at 4-bit about 128: low-bit latents make this kernel compute-bound unless the rebuild gets cheaper.
+copy bandwidth at batch >= 8 (0.09-0.10x dense SDPA, whose bytes are 0.97x the latent's); run 6 (16 query and 16
+KV heads, int4/32 rank 256, batch 8, 32k): 5.1-8.8 ms against 0.49 ms for dense SDPA; the key pass still uses 255
+registers with spills. ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``);
+fp8 bases and ``mix`` plans only once checked on a GPU (:data:`FP8_BASES_GPU_CHECKED`, :data:`MIX_GPU_CHECKED`).
+Roofline: rebuilding keys costs 2*D FLOP per latent coordinate and token, so at D = 128 the work is 256 FLOP per
+byte read for 8-bit latents and 512 for 4-bit (twice that with the hi/lo split), against the H200's bf16 ridge of
+about 231 FLOP per byte (989 TFLOP/s over a measured 4.28 TB/s copy): low-bit latents make this kernel
+compute-bound unless the rebuild gets cheaper.
 
 The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``, ``_new_score``) and both kernels are
 the single source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
