@@ -409,7 +409,11 @@ def measured_errors_cache(model: torch.nn.Module, windows: torch.Tensor, *, chun
     """The ``measure_errors`` of :func:`config_bases` for '+measured': the planner's block errors
     (:func:`~ckvp_compile.latent.planner.measured_block_errors`) measured as the KL to dense on ``windows``
     (calibration windows, never evaluated ones) through :func:`~ckvp_compile.bench.fidelity_layout.unit_kl_meter`,
-    once per (group size, blocks, rotation, basis dtype) and shared by every ratio."""
+    once per (group size, blocks, rotation, basis dtype) and shared by every ratio.
+
+    Raises (when the returned function first measures):
+        SystemExit: the model's attention is not Llama-style (:func:`~ckvp_compile.bench.fidelity_layout.capture_kv`).
+    """
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     measured: dict[tuple, Any] = {}
 

@@ -71,7 +71,8 @@ def value_error_scales(moments: Any, bases: Any, mode: str = "noise") -> dict[st
         eigenvalues (squared value units per token).
     Raises:
         CKVPConfigError: an unknown mode, the attention statistics are missing (the calibration did not find
-            the queries and keys of every layer), or the moments and bases have other groups.
+            the queries and keys of every layer; for ``"output"``, moments collected without
+            ``attended_values=True``), or the moments and bases have other groups.
     """
     if mode not in VALUE_NOISE_MODES:
         raise CKVPConfigError(f"mode must be one of {list(VALUE_NOISE_MODES)}, got {mode!r}")
@@ -84,9 +85,9 @@ def value_error_scales(moments: Any, bases: Any, mode: str = "noise") -> dict[st
         raise CKVPConfigError(f"no attention statistics for layers {missing}: calibration did not find their "
                               "post-RoPE queries and keys; plan without the value-noise model")
     if mode == "output" and len(moments.v_attended) != len(groups):
-        raise CKVPConfigError("mode='output' needs the attended value moments of every group (KVMoments.v_attended), "
-                              "which calibration measures where it finds every layer's queries and keys; use "
-                              "mode='noise'")
+        raise CKVPConfigError("mode='output' needs the attended value moments of every group (KVMoments.v_attended): "
+                              "collect the moments with collect_kv_moments(..., attended_values=True) (measured where "
+                              "calibration finds every layer's queries and keys), or use mode='noise'")
     d, out = bases.head_dim, []
     for g, layers in enumerate(groups):
         p = bases.basis("v")[g].detach().cpu().double()  # (Hkv, G_g*D, N)
