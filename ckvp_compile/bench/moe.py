@@ -107,8 +107,11 @@ def _time_us(fn: Callable[[], Any], device: str, graph: bool) -> float | None:
 
 def run(shapes: Sequence[str], batches: Sequence[int], systems: Sequence[str], dtype: torch.dtype, device: str,
         budget_s: float, max_gather_gb: float = 8.0, tiny: bool = False, seed: int = 0,
-        log: Callable[[str], None] = print) -> dict:
+        log: Callable[[str], None] = print, profile_calls: int = 0) -> dict:
     """Run the benchmark; return dict(versions, copy_bandwidth_tbs, rows) (rows: one per shape x batch x system).
+
+    ``profile_calls`` > 0 (CUDA): after timing, profile that many more calls of each row with ``torch.profiler``
+    and record the kernels by device time per call (row key ``profile_top``, as ``ckvp-bench decode``).
 
     Raises:
         ValueError: an unknown shape or system name.
@@ -191,6 +194,11 @@ def run(shapes: Sequence[str], batches: Sequence[int], systems: Sequence[str], d
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                     log(f"{shape} b={t} {system}: FAILED {row['error']}")
                     continue
+                if profile_calls and device == "cuda":
+                    from .decode import profile_kernels
+
+                    with torch.no_grad():
+                        row["profile_top"] = profile_kernels(lambda: fn(), [{}] * profile_calls, top=12)
                 if us is not None:
                     row["us"] = round(us, 1)
                     row["timing"] = "cuda-graph replay" if system != "eager" else "launches"
@@ -239,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-gather-gb", type=float, default=8.0, help="skip batched_mm above this gather size")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test; no timing on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-calls", type=int, default=0,
+                   help="CUDA: profile this many extra calls per row; JSON 'profile_top' = kernels by device time")
     p.add_argument("--json", type=Path, help="write the full result as JSON here")
     p.add_argument("--out", type=Path, help="write the markdown report here")
     args = p.parse_args(list(argv) if argv is not None else None)
@@ -249,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"directory {path.parent} does not exist")
     command = "ckvp-bench moe " + " ".join(sys.argv[2:] if argv is None else argv)
     result = run(args.shapes, args.batches, args.systems, getattr(torch, args.dtype), args.device, args.budget_s,
-                 args.max_gather_gb, args.tiny, args.seed)
+                 args.max_gather_gb, args.tiny, args.seed, profile_calls=args.profile_calls)
     result["command"] = command
     md = to_markdown(result, command)
     if args.json:

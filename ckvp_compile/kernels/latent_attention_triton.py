@@ -34,12 +34,13 @@ Loads: a quantized block's fp16 scale and min are loaded once per row and broadc
 int4 / int2 codes are loaded as whole bytes and unpacked with ``tl.join``; host-checked alignments of the heads'
 columns, ranks and rotary half are passed as constexprs so that row loads vectorise (``cp.async`` 16 B).
 
-Status (benchmarks/results/2026-11-29-latent-attention-h200, runs 3-6): exact under the interpreter; on the H200
+Status (benchmarks/results/2026-11-29-latent-attention-h200, runs 3-7): exact under the interpreter; on the H200
 within 1e-3 of the reference at every measured row, but slow. Run 5 (two-pass, mxint8/32 rank 256): 10-12% of
 copy bandwidth at batch >= 8 (0.09-0.10x dense SDPA, whose bytes are 0.97x the latent's); run 6 (16 query and 16
 KV heads, int4/32 rank 256, batch 8, 32k): 5.1-8.8 ms against 0.49 ms for dense SDPA; the key pass still uses 255
 registers with spills. ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``);
-fp8 bases and ``mix`` plans only once checked on a GPU (:data:`FP8_BASES_GPU_CHECKED`, :data:`MIX_GPU_CHECKED`).
+fp8 bases and ``mix`` plans too, since run 7 checked them on the H200 (:data:`FP8_BASES_GPU_CHECKED`,
+:data:`MIX_GPU_CHECKED`: within 1e-3 at batch 8, 32k; mix plans about 2x slower than uniform int4).
 Roofline: rebuilding keys costs 2*D FLOP per latent coordinate and token, so at D = 128 the work is 256 FLOP per
 byte read for 8-bit latents and 512 for 4-bit (twice that with the hi/lo split), against the H200's bf16 ridge of
 about 231 FLOP per byte (989 TFLOP/s over a measured 4.28 TB/s copy): low-bit latents make this kernel
@@ -77,10 +78,11 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 #: (``LatentKVStore(basis_dtype=torch.float8_e4m3fn)``; 3 or 2 mantissa bits, exponents inside bf16's range).
 BASIS_BF16_EXACT = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _BASIS_DTYPES = _FLOATS + BASIS_BF16_EXACT[1:]
-#: Inputs the kernels read correctly under the interpreter (tests/kernels) but that no H200 run has checked yet: on
-#: CUDA they go to the reference until a GPU run of the same checks sets these (benchmarks/latent_attention_gpu.py).
-FP8_BASES_GPU_CHECKED = False
-MIX_GPU_CHECKED = False
+#: Inputs first checked under the interpreter (tests/kernels), then on the H200 (benchmarks/latent_attention_gpu.py
+#: --check-extras, run 7: fp8 bases and mix 8/4/2 plans within 1e-3 at batch 8, 32k). While False, CUDA calls with
+#: them go to the reference; a new input kind gets its own flag, False until a GPU run checks it.
+FP8_BASES_GPU_CHECKED = True
+MIX_GPU_CHECKED = True
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
@@ -129,9 +131,16 @@ class DecodeConfig:
     paired_tables: bool = False
 
 
-def default_config() -> DecodeConfig:
-    """The default: the fastest config within 1e-3 of the reference in the H200 sweep of run 5 (mxint8/32, rank
-    256, batch 8, 32k slots; benchmarks/results/2026-11-29-latent-attention-h200/run5)."""
+def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
+    """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
+    within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
+
+    G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop and the
+    scores on the CUDA cores (run 7: 6.0 ms against 8.3 ms for the generic config, int4/32 rank 256, batch 8, 32k,
+    rel err 4.2e-4). Otherwise (e.g. Mixtral's G = 4) the generic config, the fastest of run 5 (mxint8/32).
+    """
+    if group == 1 and rank_pad is not None and rank_pad <= 256:
+        return DecodeConfig(hoist_basis=True, fma_scores=True)
     return DecodeConfig()
 
 
@@ -902,7 +911,9 @@ def _launch(
     if reason is not None:
         raise NotImplementedError(f"NYI: latent_attention_triton does not support {reason}; call "
                                   f"kernels.reference.latent_attention_ref instead")
-    cfg = config or default_config()
+    if config is None:
+        config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]))
+    cfg = config
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
     elif mode == "all" and cfg.two_pass and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES:

@@ -101,7 +101,7 @@ from ..kernels import moe_reference as moe_ref
 logger = logging.getLogger(__name__)
 
 __all__ = ["DECISIONS", "EXTERN_NAMES", "FORCE_LARGE_M_PATH", "GROUPED_MM_NAMES", "LARGE_M_ROUTE_M", "TEMPLATE_NAMES",
-           "grouped_mm_choice_ok", "large_m_path_reason", "register", "template_configs", "tuned_moe_down",
+           "grouped_mm_choice_ok", "large_m_path_reason", "register", "representative_group_sizes", "template_configs", "tuned_moe_down",
            "tuned_moe_experts", "tuned_moe_gate_up"]
 
 _api = _compat.inductor_template_api()
@@ -426,6 +426,32 @@ def _fused_gate_up(w_gate: Any, w_up: Any, num_experts: int, ffn: int, dm: int) 
     return _api.TensorBox(_api.ReinterpretView(data=g.data, layout=layout))
 
 
+def representative_group_sizes(pairs: int, groups: int, alignment: int = 8) -> list[int]:
+    """Rows per expert of a typical uniform top-k routing: what the large-M path autotunes its GEMMs on.
+
+    A router that spreads ``pairs`` (token, slot) pairs uniformly over ``groups`` experts gives multinomial counts:
+    mean P/E, standard deviation sqrt(P (1/E)(1 - 1/E)). This returns one deterministic draw's worth of spread: the
+    E normal quantiles ``Phi^-1((e + 1/2) / E)`` scaled to that mean and deviation, rounded to ``alignment`` rows
+    (Inductor's synthetic ends are aligned too), clamped at 0; the last group takes the rest, so that the sum is
+    ``pairs`` (where the mean is below the alignment, that can be all of them).
+
+    Args: pairs >= 0, groups >= 1, alignment >= 1 (rows). Returns: ``groups`` ints summing to ``pairs``.
+    Raises: ValueError for groups < 1, pairs < 0 or alignment < 1.
+    """
+    from statistics import NormalDist
+
+    if groups < 1 or pairs < 0 or alignment < 1:
+        raise ValueError(f"need groups >= 1, pairs >= 0, alignment >= 1; got {groups}, {pairs}, {alignment}")
+    mean = pairs / groups
+    std = (pairs * (1.0 / groups) * (1.0 - 1.0 / groups)) ** 0.5
+    z = [NormalDist().inv_cdf((e + 0.5) / groups) for e in range(groups)]
+    sizes = [max(0, int(round((mean + std * zi) / alignment)) * alignment) for zi in z[:-1]]
+    while sum(sizes) > pairs:  # too many rows before the last group: trim the largest (its first index keeps them
+        e = sizes.index(max(sizes))  # ascending), one alignment at a time
+        sizes[e] -= alignment
+    return sizes + [pairs - sum(sizes)]
+
+
 def _large_m_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down, t: int, top_k: int, num_experts: int,
                      dm: int, ffn: int) -> tuple[Any, bool]:
     """The routed experts over compact expert-sorted rows, in Inductor IR, with Inductor's grouped-GEMM lowering.
@@ -457,6 +483,9 @@ def _large_m_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down, t: in
     counts = low[aten.select.int](csum, 0, p - 1)                                 # (E,)
     ends = cumsum(counts, 0)                                                      # (E,) group ends
     offs = cvt(ends, torch.int32)
+    why = _compat.autotune_grouped_mm_with_group_sizes(offs, representative_group_sizes(p, num_experts))
+    if why is not None:
+        logger.info("ckvp moe large-M: autotuning on balanced groups (%s)", why)
     first = sub(sub(ends, counts), 1)                                             # (E,) group start - 1
     inv = isum(mul(onehot, add(csum, view(first, [1, num_experts]))), [1])        # (P,) compact row of pair p
     inv.realize()  # its own (P,) buffer: else Inductor inlines the E-term sum into every output element's index

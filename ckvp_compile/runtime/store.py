@@ -111,7 +111,7 @@ class LatentKVStore:
         basis_dtype: float dtype of the bases on the device when it differs from ``latent_dtype`` (default
             None: ``latent_dtype``). ``torch.float8_e4m3fn`` halves the bases' bytes (a 3-bit mantissa: on the
             fixture about 0.2% of each unit's energy); the ops compute with ``basis.float()``, and the fused CUDA
-            attention kernel reads fp8 bases directly (exact in bf16; on CUDA once checked there,
+            attention kernel reads fp8 bases directly (exact in bf16; checked on the H200,
             ``kernels.latent_attention_triton.FP8_BASES_GPU_CHECKED``).
         residual_format: '' (none) or a quantized format (e.g. ``"int2/64"``) for the ALR-KVD residual of keys
             and values (:mod:`ckvp_compile.kernels.residual`): ``resid_k[g]`` / ``resid_v[g]`` (B, S_max, W) uint8.

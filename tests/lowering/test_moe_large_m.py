@@ -151,3 +151,78 @@ def test_forced_large_m_path_in_a_compiled_hf_mixtral(monkeypatch):
     assert d["path"] == "large_m" and d["fused_gate_up"] and (d["tokens"], d["top_k"], d["experts"]) == (14, 2, 4), d
     assert code.count("_grouped_mm(") == 2 and "moe_align" not in code
     assert _rel(out, eager) <= 1e-5, _rel(out, eager)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pairs=st.integers(0, 20000), groups=st.integers(1, 128), alignment=st.sampled_from([1, 8, 16]))
+def test_representative_group_sizes_properties(pairs, groups, alignment):
+    """The large-M path's autotuning routing: E sizes, non-negative, summing to P; all but the last aligned, ascending;
+    spread like a multinomial's (within 3 standard deviations plus the rounding) when the mean is a few alignments."""
+    sizes = _lm().representative_group_sizes(pairs, groups, alignment)
+    assert len(sizes) == groups and sum(sizes) == pairs and min(sizes) >= 0 and sizes[:-1] == sorted(sizes[:-1])
+    assert all(s % alignment == 0 for s in sizes[:-1])
+    mean = pairs / groups
+    if mean >= 4 * alignment and groups > 1:
+        std = (pairs * (1 / groups) * (1 - 1 / groups)) ** 0.5
+        assert all(abs(s - mean) <= 3 * std + 2 * alignment for s in sizes)
+        assert sizes[-1] > sizes[0] or std < alignment  # imbalanced, unlike Inductor's balanced ends
+
+
+def test_representative_group_sizes_mixtral_batch_512():
+    """1024 pairs over 8 experts: some experts above the 128-row tile (the case balanced ends hide)."""
+    sizes = _lm().representative_group_sizes(1024, 8)
+    assert sizes == [112, 120, 120, 128, 128, 136, 136, 144]
+    with pytest.raises(ValueError, match="groups >= 1"):
+        _lm().representative_group_sizes(8, 0)
+
+
+class _Box:
+    """A stand-in for a realized IR node (name, dtype, device)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def realize(self):
+        return self.name
+
+    def get_name(self):
+        return self.name
+
+    def get_dtype(self):
+        return torch.int32
+
+    def get_device(self):
+        return torch.device("cpu")
+
+
+def test_autotune_group_sizes_hook_only_touches_registered_offsets(monkeypatch):
+    """The wrapped ``create_offsets`` returns cumsum(sizes) for the registered buffer of the graph being lowered, and
+    defers to Inductor's own function for any other buffer or graph (the baselines keep balanced ends)."""
+    import torch._inductor.kernel.mm_grouped as mm_grouped
+
+    from ckvp_compile import _compat
+
+    calls = []
+
+    def inductor_create_offsets(offs_box, *args):  # stands in for Inductor's (needs a real graph's sizevars)
+        calls.append(offs_box.get_name())
+        return "balanced"
+
+    graph, other_graph = type("G", (), {})(), type("G", (), {})()
+    current = [graph]
+    monkeypatch.setattr(mm_grouped, "create_offsets", inductor_create_offsets)
+    monkeypatch.setattr(_compat, "_current_graph", lambda: current[0])
+    assert _compat.autotune_grouped_mm_with_group_sizes(_Box("buf7"), [3, 0, 5]) is None
+    wrapped = mm_grouped.create_offsets
+    assert wrapped is not inductor_create_offsets
+    assert wrapped(_Box("buf7"), True, False, 8, 16, 32, 8).tolist() == [3, 3, 8]
+    assert wrapped(_Box("buf8"), True, False, 8, 16, 32, 8) == "balanced"
+    current[0] = other_graph
+    assert wrapped(_Box("buf7"), True, False, 8, 16, 32, 8) == "balanced"
+    assert calls == ["buf8", "buf7"]
+    # registering again does not wrap twice
+    current[0] = graph
+    assert _compat.autotune_grouped_mm_with_group_sizes(_Box("buf9"), [1, 1]) is None
+    assert mm_grouped.create_offsets is wrapped
+    monkeypatch.setattr(_compat, "_current_graph", lambda: None)
+    assert "no Inductor graph" in _compat.autotune_grouped_mm_with_group_sizes(_Box("buf1"), [1])
