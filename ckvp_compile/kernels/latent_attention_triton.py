@@ -37,8 +37,9 @@ columns, ranks and rotary half are passed as constexprs so that row loads vector
 Status (benchmarks/results/2026-11-29-latent-attention-h200, runs 3-7): exact under the interpreter; on the H200
 within 1e-3 of the reference at every measured row, but slow. Run 5 (two-pass, mxint8/32 rank 256): 10-12% of
 copy bandwidth at batch >= 8 (0.09-0.10x dense SDPA, whose bytes are 0.97x the latent's); run 6 (16 query and 16
-KV heads, int4/32 rank 256, batch 8, 32k): 5.1-8.8 ms against 0.49 ms for dense SDPA; the key pass still uses 255
-registers with spills. ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``);
+KV heads, int4/32 rank 256, batch 8, 32k): 5.1-8.8 ms against 0.49 ms for dense SDPA; run 8 (whole waves, G = 1
+defaults): 5.0 ms (16:16) and 3.9 ms (32:8, dense 0.26 ms). Nsight Compute (run 8): 255 registers, 2 programs per
+SM, 0.34 eligible warps per scheduler, spills: latency- and issue-bound, DRAM at 5% of peak. ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``);
 fp8 bases and ``mix`` plans too, since run 7 checked them on the H200 (:data:`FP8_BASES_GPU_CHECKED`,
 :data:`MIX_GPU_CHECKED`: within 1e-3 at batch 8, 32k; mix plans about 2x slower than uniform int4).
 Roofline: rebuilding keys costs 2*D FLOP per latent coordinate and token, so at D = 128 the work is 256 FLOP per
@@ -109,7 +110,14 @@ class DecodeConfig:
     paired_tables: the caller guarantees that the cos/sin tables hold one angle per rotated pair (HF's
     ``cat((freqs, freqs))`` for rotate_half, ``repeat_interleave`` for interleaved; check once with
     :func:`rope_tables_paired`), so the kernel loads half of the table bytes; wrong results if they do not. Off by
-    default: the launcher never decides it from the tables' values (see :func:`rope_tables_paired`)."""
+    default: the launcher never decides it from the tables' values (see :func:`rope_tables_paired`);
+    fma_values: when a KV head serves at most ``fma_max_heads`` query heads, accumulate the value latent on the CUDA
+    cores in fp32 (one weighted row sum per head; exact products) instead of the padded tensor-core product (off:
+    run 8 measured it no faster at G = 1, 5.04 against 5.00 ms, and 1.6x slower at G = 4). The split count is the largest that
+    keeps the grid within ``target_programs`` (whole waves; H200 run 8's ncu: 384 programs of 2 per SM ran 1.45
+    waves); key_fp16: rebuild keys from a non-bf16 latent with one fp16 dot (latent and basis rounded to fp16:
+    2^-11 relative per coordinate, about 8x less error than key_split=False, at its cost; latent values beyond
+    fp16's 65504 would overflow)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -129,6 +137,8 @@ class DecodeConfig:
     block_n_v: int | None = 32
     num_warps_v: int | None = 4
     paired_tables: bool = False
+    fma_values: bool = False
+    key_fp16: bool = False
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
@@ -136,8 +146,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop and the
-    scores on the CUDA cores (run 7: 6.0 ms against 8.3 ms for the generic config, int4/32 rank 256, batch 8, 32k,
-    rel err 4.2e-4). Otherwise (e.g. Mixtral's G = 4) the generic config, the fastest of run 5 (mxint8/32).
+    scores on the CUDA cores (run 8: 5.0 ms against 7.7 ms for the generic config, int4/32 rank 256, batch 8, 32k,
+    rel err 4.7e-4). Otherwise (e.g. Mixtral's G = 4: 3.9 ms in run 8) the generic config, the fastest of run 5.
     """
     if group == 1 and rank_pad is not None and rank_pad <= 256:
         return DecodeConfig(hoist_basis=True, fma_scores=True)
@@ -270,6 +280,17 @@ def _mm(x, y, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _mm16(x16, y, acc, F32_DOT: tl.constexpr):
+    """``acc + x16 @ fp16(y)`` on fp16 tensor cores (fp32 accumulation); F32_DOT as in :func:`_mm`."""
+    y16 = y.to(tl.float32).to(tl.float16)
+    if F32_DOT:
+        acc = tl.dot(x16.to(tl.float32), y16.to(tl.float32), acc)
+    else:
+        acc = tl.dot(x16, y16, acc)
+    return acc
+
+
+@triton.jit
 def _dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, F32_DOT: tl.constexpr):
     """``acc + a @ b`` on bf16 tensor cores: an operand whose values are not exactly bf16 (``*_EXACT`` False) is
     split into ``hi = bf16(x)`` and ``lo = bf16(x - hi)``; the lo x lo term (~2^-16 relative) is dropped."""
@@ -296,6 +317,19 @@ def _fma_scores(scores, x, q_row0, cols, cols_ok, G, stride_qh, stride_qd, G_PAD
         sg = tl.sum(x * qg[None, :], axis=1)
         scores += tl.where(gi[:, None] == g, sg[None, :], 0.0)
     return scores
+
+
+@triton.jit
+def _fma_values(acc, p, zv, G_PAD: tl.constexpr, G_LOOP: tl.constexpr):
+    """``acc (G_PAD, R) + p (G_PAD, N) @ zv (N, R)`` for the first ``G_LOOP`` rows in fp32 on the CUDA cores: one
+    weighted row sum per query head, instead of a tensor-core product padded to 16 rows with hi/lo splits of both
+    operands (three dots). Rows >= G_LOOP are left as they are (padding heads)."""
+    gi = tl.arange(0, G_PAD)
+    for g in tl.static_range(G_LOOP):
+        pg = tl.sum(tl.where(gi[:, None] == g, p, 0.0), axis=0)  # (N,) this head's softmax weights
+        vg = tl.sum(pg[:, None] * zv, axis=0)  # (R,)
+        acc += tl.where(gi[:, None] == g, vg[None, :], 0.0)
+    return acc
 
 
 @triton.jit
@@ -350,7 +384,7 @@ def _latent_attention_split_kernel(
     V_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, V_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
     V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr, K_MX: tl.constexpr, V_MX: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, P_BF16: tl.constexpr,
-    PHASE: tl.constexpr,
+    PHASE: tl.constexpr, FMA_VALUES: tl.constexpr = False, KEY_FP16: tl.constexpr = False,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -403,6 +437,12 @@ def _latent_attention_split_kernel(
             p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
         if HAS_REST:
             p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
+        if KEY_FP16:  # converted once, not per tile
+            if HAS_ROT:
+                p1 = p1.to(tl.float32).to(tl.float16)
+                p2 = p2.to(tl.float32).to(tl.float16)
+            if HAS_REST:
+                p3 = p3.to(tl.float32).to(tl.float16)
 
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
@@ -433,7 +473,7 @@ def _latent_attention_split_kernel(
                 stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
                 G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK,
                 Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
-                PAIRED_TABLE, FMA_SCORES, G_LOOP)
+                PAIRED_TABLE, FMA_SCORES, G_LOOP, KEY_FP16)
         if PHASE == 1:
             tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & row_ok[None, :])
         else:
@@ -447,7 +487,10 @@ def _latent_attention_split_kernel(
             zv = _latent_load(lv_rows, col_ok, v_col0, v_blk0, v_rank, vmeta_ptr + 12 * h, v_scale_base, v_min_base,
                               stride_lvw, 0, BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN,
                               V_WORDS, V_MX)
-            acc = _dot_split(p, zv, acc * alpha[:, None], P_BF16, ZV_EXACT, F32_DOT)
+            if FMA_VALUES:  # few query heads per KV head: exact fp32 products on the CUDA cores
+                acc = _fma_values(acc * alpha[:, None], p, zv, G_PAD, G_LOOP)
+            else:
+                acc = _dot_split(p, zv, acc * alpha[:, None], P_BF16, ZV_EXACT, F32_DOT)
             m_i = m_new
 
     if PHASE != 1:
@@ -471,7 +514,7 @@ def _tile_scores(
     K_QBLOCK: tl.constexpr, MASK: tl.constexpr, Q_EXACT: tl.constexpr, ZK_EXACT: tl.constexpr,
     BK_EXACT: tl.constexpr, F32_DOT: tl.constexpr, K_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr,
     K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr, K_MX: tl.constexpr,
-    PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr,
+    PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, KEY_FP16: tl.constexpr,
 ):
     """(G_PAD, BLOCK_N) fp32 scores in log2 units of one tile of slots ``offs``: rebuild the pre-RoPE keys from the key
     latent and the basis block, rotate them at each slot's position, score the KV head's query heads, mask
@@ -493,11 +536,19 @@ def _tile_scores(
                 p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
             if HAS_REST:
                 p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
-        if HAS_ROT:
-            x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
-            x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
-        if HAS_REST:
-            x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
+        if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 and most bf16 bases exact)
+            z16 = z.to(tl.float16)
+            if HAS_ROT:
+                x1 = _mm16(z16, p1, x1, F32_DOT)
+                x2 = _mm16(z16, p2, x2, F32_DOT)
+            if HAS_REST:
+                x3 = _mm16(z16, p3, x3, F32_DOT)
+        else:
+            if HAS_ROT:
+                x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
+                x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
+            if HAS_REST:
+                x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
     scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
     if HAS_ROT:
         pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
@@ -938,7 +989,7 @@ def _launch(
         if cfg.split is not None:
             n = max(1, min(cfg.split, n_tiles))
         else:
-            want = triton.cdiv(cfg.target_programs, b * hkv * s)
+            want = cfg.target_programs // (b * hkv * s)  # whole waves: 256 programs, not 384, for B*Hkv = 128
             n = max(1, min(want, n_tiles // max(cfg.min_tiles, 1)))
         per = triton.cdiv(n_tiles, n)
         return triton.cdiv(n_tiles, per), per
@@ -991,6 +1042,8 @@ def _launch(
         # a launch-time constant only (never decided from the tables' values here: see rope_tables_paired)
         K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and half > 0 and cfg.paired_tables,
         FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1), P_BF16=cfg.p_bf16,
+        FMA_VALUES=cfg.fma_values and g <= cfg.fma_max_heads,
+        KEY_FP16=cfg.key_fp16 and not ((not kf.quantized and latent_k.dtype == bf16) or kf.pow2),
         num_stages=cfg.num_stages,
     )
     _LAST_LAUNCH.clear()

@@ -70,7 +70,7 @@ TEMPLATE_CONFIGS = (
     ScoresConfig(128, 32, 8, 1),
 )
 
-_HELPERS = (lat._tile_scores, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._fma_scores,
+_HELPERS = (lat._tile_scores, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
             lat._fp16_at, lat._rope_rows)
 
 _SOURCE = r'''
@@ -111,7 +111,7 @@ _SOURCE = r'''
         {{stride("POS", 0)}}, {{stride("POS", 1)}}, M_ST, {{stride("Q", 1)}}, {{stride("Q", 3)}},
         G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK_KIND,
         Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, False, K_ALIGN, 1, False, K_MX,
-        PAIRED_TABLE, FMA_SCORES, G_LOOP)
+        PAIRED_TABLE, FMA_SCORES, G_LOOP, False)
     idx_m = ((bh * S_Q + s) * G + gi)[:, None]
     idx_n = offs[None, :]
     mask = head_ok[:, None] & row_ok[None, :]

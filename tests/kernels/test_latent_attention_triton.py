@@ -256,6 +256,17 @@ def _check_fixed() -> None:
     out = latent_attention_triton(*args, config=DecodeConfig(block_n=16, block_r=16, num_warps=1, key_split=False))
     want = ref.latent_attention_ref(*args)
     assert float((out - want).norm() / want.norm()) <= 1e-2
+    # key_fp16 (one fp16 rounding of latent and basis, 2^-11 relative): lossy, within 2e-3; hoisted or chunked basis
+    for kcfg in (DecodeConfig(block_n=16, block_r=16, num_warps=1, key_fp16=True),
+                 DecodeConfig(block_n=16, block_r=16, num_warps=1, key_fp16=True, hoist_basis=True, two_pass=False)):
+        for case in (loose, dict(loose, kfmt="int4/32", basis_dtype=torch.float8_e4m3fn, rope="interleaved")):
+            args = _inputs(case)
+            out = latent_attention_triton(*args, config=kcfg)
+            want = ref.latent_attention_ref(*args)
+            assert float((out - want).norm() / want.norm()) <= 2e-3
+    # the value latent through the CUDA-core sums (fma_values) as well as the tensor-core product (default)
+    _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_shape="b1sk", s=2),
+           dataclasses.replace(cfg, fma_values=True))
     # the op's CUDA kernel function: Triton by default (verified on the H200), the reference with USE_TRITON off
     from ckvp_compile.ops import latent_attention_cuda as cuda_mod
 
