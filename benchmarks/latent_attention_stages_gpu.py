@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--heads", default="16:16")
     ap.add_argument("--ncu", action="store_true", help="only the two calls ncu profiles (no timing)")
     ap.add_argument("--whole-only", action="store_true", help="only the whole-call variants (and dense SDPA)")
+    ap.add_argument("--value-sweep", action="store_true", help="with --whole-only: value-pass configs instead")
     a = ap.parse_args()
     lag.H, lag.HKV = (int(x) for x in a.heads.split(":"))
     fmt, rank = a.format.rsplit(":", 1)
@@ -88,6 +89,16 @@ def main() -> None:
                  cfg, key_fp16=True, paired_tables=True, block_n=128, num_warps=8),
              "key_fp16, paired_tables, no hoist": dataclasses.replace(
                  cfg, key_fp16=True, paired_tables=True, hoist_basis=False)}
+    if a.value_sweep:  # the value pass's tile, warps and split count (the key pass is the same in all of them)
+        r = dataclasses.replace
+        whole = {"default config": cfg,
+                 "block_n_v 16, 2 warps": r(cfg, block_n_v=16, num_warps_v=2),
+                 "block_n_v 64, 4 warps": r(cfg, block_n_v=64, num_warps_v=4),
+                 "block_n_v 64, 8 warps": r(cfg, block_n_v=64, num_warps_v=8),
+                 "block_n_v 128, 8 warps": r(cfg, block_n_v=128, num_warps_v=8),
+                 "block_n_v 64, 4 warps, fma_values": r(cfg, block_n_v=64, num_warps_v=4, fma_values=True),
+                 "target_programs 528": r(cfg, target_programs=528),
+                 "target_programs 528, block_n_v 64": r(cfg, target_programs=528, block_n_v=64)}
     for name, c in whole.items():
         time_it("whole call, " + name, lambda c=c: latent_attention_triton(*args, config=c), check=True)
     if a.whole_only:
