@@ -32,103 +32,24 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ckvp_compile.bench.attention import bench, dense_times, kernel_bytes, kernel_stats, ref_chunked, rel_err
+from ckvp_compile.bench.attention import copy_bandwidth as copy_bandwidth_on
+from ckvp_compile.bench.attention import make_inputs as make_inputs_for
 from ckvp_compile.kernels import reference as ref
 from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, latent_attention_triton
-from ckvp_compile.kernels.latent_format import parse_latent_format
 
 H, HKV, D, GROUP = 32, 8, 128, 4
 
 
-def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator, dev: str) -> tuple:
-    """(latent, offsets): random rows in the storage layout of ``fmt`` (coordinates of std ~1)."""
-    off = [0]
-    for r in ranks:
-        off.append(off[-1] + r)
-    f = parse_latent_format(fmt)
-    if not f.quantized:
-        return torch.randn(b, t, off[-1], device=dev, dtype=torch.bfloat16, generator=gen), off
-    ncode, nb = sum(f.code_bytes(off)), f.num_blocks(off)
-    rows = torch.empty(b, t, f.row_width(off), dtype=torch.uint8, device=dev)
-    rows[..., :ncode] = torch.randint(0, 256, (b, t, ncode), device=dev, dtype=torch.uint8, generator=gen)
-    if f.pow2:  # random two's-complement codes; exponents so that values span about [-2, 2]
-        qmax = (1 << (f.bits - 1)) - 1
-        rows[..., ncode:] = (127 + 1 - (qmax + 1).bit_length() + torch.randint(0, 2, (b, t, nb), device=dev,
-                                                                                 generator=gen)).to(torch.uint8)
-        if f.bits == 8:  # -128 is not a valid code
-            codes = rows[..., :ncode]
-            codes[codes == 128] = 0
-        return rows, off
-    levels = (1 << f.bits) - 1 if f.bits else 15  # a mix plan: any levels (kernel and reference read the same bytes)
-    scale = (4.0 / levels) * (0.5 + torch.rand(b, t, nb, device=dev, generator=gen))  # range ~[2, 6] per block
-    mins = -scale * levels / 2 + 0.2 * torch.randn(b, t, nb, device=dev, generator=gen)
-    rows[..., ncode:ncode + 2 * nb] = scale.half().view(torch.uint8)
-    rows[..., ncode + 2 * nb:] = mins.half().view(torch.uint8)
-    return rows, off
-
-
 def make_inputs(b: int, t: int, fmt: str, rank: int, seed: int = 0, dev: str = "cuda") -> tuple:
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    lk, ko = make_latent(b, t, [rank] * HKV, fmt, gen, dev)
-    lv, vo = make_latent(b, t, [rank] * HKV, fmt, gen, dev)
-
-    def basis_block() -> torch.Tensor:
-        p = torch.linalg.qr(torch.randn(HKV, GROUP * D, rank, device=dev, generator=gen)).Q  # orthonormal columns
-        return (p[:, :D] * math.sqrt(GROUP / 2)).to(torch.bfloat16).contiguous()  # keys of std ~1
-
-    bk, bv = basis_block(), basis_block()
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=dev).float() / D))
-    ang = torch.arange(t, device=dev).float()[:, None] * inv[None]
-    ang = torch.cat((ang, ang), dim=-1)
-    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
-    slot_pos = torch.arange(t, device=dev, dtype=torch.int32).expand(b, t).contiguous()
-    q = torch.randn(b, H, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    nk = torch.randn(b, HKV, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    nv = torch.randn(b, HKV, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    slots = torch.tensor([t - 1], device=dev)
-    return (q, lk, lv, bk, bv, ko, vo, cos, sin, slot_pos, "rotate_half", D, nk, nv, slots, None, D**-0.5, t,
-            fmt, fmt)
-
-
-def ref_chunked(args: tuple, chunk: int) -> torch.Tensor:
-    """latent_attention_ref over batch chunks (every per-sequence tensor sliced)."""
-    b = args[0].shape[0]
-    outs = []
-    for i in range(0, b, chunk):
-        sl = slice(i, i + chunk)
-        a = list(args)
-        for k in (0, 1, 2, 9, 12, 13):
-            a[k] = args[k][sl]
-        outs.append(ref.latent_attention_ref(*a))
-    return torch.cat(outs)
-
-
-def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    return float((out.float() - want.float()).norm() / want.float().norm())
-
-
-def bench(fn, warmup: int = 20, rep: int = 60) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))  # ms
+    """``ckvp_compile.bench.attention.make_inputs`` with this script's heads (``H``, ``HKV``: set by ``--heads``, or
+    by a script that imports this one, as latent_attention_stages_gpu.py does), ``D`` and ``GROUP``."""
+    return make_inputs_for(b, t, fmt, rank, seed=seed, dev=dev, heads=(H, HKV), head_dim=D, group=GROUP)
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second) over 4 GiB."""
-    src = torch.randn(2**29, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (ms * 1e-3)
-
-
-def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False) -> dict:
-    q, lk, lv, bk, bv, _, _, cos, sin, slot_pos, _, _, nk, nv, *_ = args
-    b, t = lk.shape[0], lk.shape[1]
-    latent = lk.numel() * lk.element_size() + lv.numel() * lv.element_size()
-    other = (slot_pos.numel() * slot_pos.element_size() + 2 * t * cos.shape[1] * cos.element_size()
-             + (bk.numel() + bv.numel()) * 2 + (q.numel() + nk.numel() + nv.numel() + q.numel()) * 2
-             + 2 * b * HKV * n_split * (H // HKV) * (rv_pad + 2) * 4
-             + (2 * b * H * t * 4 if two_pass else 0))  # the two-pass scores, written then read
-    return {"latent": latent, "total": latent + other}
+    """Device-to-device copy bandwidth (bytes read + written per second) over 4 GiB (2 GiB copied)."""
+    return copy_bandwidth_on("cuda", gib=2.0)
 
 
 def dump(out_dir: str, payload: dict) -> None:
@@ -140,21 +61,6 @@ def to64(args: tuple) -> tuple:
     """The arguments on the CPU, floats in fp64 (quantized latents stay uint8): the golden reference's inputs."""
     return tuple(t.detach().cpu().double() if torch.is_tensor(t) and t.is_floating_point() else
                  (t.detach().cpu() if torch.is_tensor(t) else t) for t in args)
-
-
-def kernel_stats() -> dict:
-    """Registers per thread, spilled registers and shared memory of the last launched split kernel."""
-    from ckvp_compile.kernels import latent_attention_triton as lat
-
-    out = {}
-    for kind, prefix in (("split", ""), ("scores", "scores_")):
-        k = lat._LAST_LAUNCH.get(kind)
-        for name in ("n_regs", "n_spills", "shared"):
-            v = getattr(k, name, None)
-            if isinstance(v, (int, float)):
-                out[prefix + name] = v
-    lat._LAST_LAUNCH.clear()
-    return out
 
 
 def try_config(args: tuple, want: torch.Tensor, cfg: DecodeConfig, rep: int = 30) -> dict:
@@ -440,23 +346,8 @@ def main() -> None:
                     q = args[0]
                     k = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)
                     v = torch.randn(b, HKV, t, D, device="cuda", dtype=torch.bfloat16)
-                    dense = {"sdpa_eager_ms": bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))}
-                    try:
-                        dense["sdpa_compiled_ms"] = bench(lambda: sdpa(q, k, v))
-                    except Exception as e:
-                        dense["sdpa_compiled_error"] = repr(e)[:300]
-                    if a.flex and (b, t) == (8, max(contexts)):  # compiles per shape: one data point
-                        try:
-                            from torch.nn.attention.flex_attention import flex_attention
-
-                            flex = torch.compile(flex_attention, dynamic=False)
-                            t0 = time.time()
-                            flex(q, k, v, enable_gqa=True)
-                            dense["flex_compile_s"] = time.time() - t0
-                            dense["flex_compiled_ms"] = bench(lambda: flex(q, k, v, enable_gqa=True))
-                        except Exception as e:
-                            dense["flex_error"] = repr(e)[:300]
-                    dense_cache[(b, t)] = dense
+                    # FlexAttention compiles per shape: one data point
+                    dense_cache[(b, t)] = dense_times(q, k, v, sdpa=sdpa, flex=a.flex and (b, t) == (8, max(contexts)))
                     del k, v
                 dense = dense_cache[(b, t)]
                 dense_ms = min(v_ for k_, v_ in dense.items() if k_.endswith("_ms"))

@@ -12,8 +12,12 @@ Subcommands:
         batched_mm vs HF eager (:mod:`ckvp_compile.bench.moe`; CUDA).
     decode: end-to-end decode steps of random-weight Mixtral-8x7B / Qwen-MoE models and the fixture's greedy
         agreement (:mod:`ckvp_compile.bench.decode`; ``--report`` writes BENCHMARKS.md).
+    attention: one layer's fused latent decode attention (Mixtral-8x7B 32:8 heads by default) at several batches
+        and contexts against dense bf16 SDPA / FlexAttention under torch.compile: time, bytes read, share of the
+        copy bandwidth, speedup (:mod:`ckvp_compile.bench.attention`; CUDA; ``--tiny --device cpu`` smoke test).
 
-The kernel-level GPU scripts live in ``benchmarks/`` (``latent_attention_gpu.py``, ``latent_quant_gpu.py``,
+The kernel-level GPU scripts live in ``benchmarks/`` (``latent_attention_gpu.py``: the sweeps and diagnostics
+behind ``ckvp-bench attention``, ``latent_quant_gpu.py``,
 ``latent_attention_lowering_gpu.py``, ``reliability_gpu.py``) and run on a CUDA machine from the repository.
 """
 
@@ -25,7 +29,8 @@ from typing import Sequence
 __all__ = ["main"]
 
 _SUBCOMMANDS = {"fidelity": "ckvp_compile.bench.fidelity", "decode": "ckvp_compile.bench.decode",
-                "offload": "ckvp_compile.bench.offload", "moe": "ckvp_compile.bench.moe"}
+                "offload": "ckvp_compile.bench.offload", "moe": "ckvp_compile.bench.moe",
+                "attention": "ckvp_compile.bench.attention"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,95 @@
+"""CPU smoke test of ``ckvp-bench attention`` (ckvp_compile/bench/attention.py).
+
+The CLI runs end to end on tiny shapes in a child process under the Triton interpreter (``TRITON_INTERPRET=1``
+must be set before ``triton`` is imported, which importing ``ckvp_compile`` does; see
+ckvp_compile/testing/interpreter.py): every row's kernel output is within 1e-3 of the reference, its byte counts
+are positive, and nothing is timed on CPU. In this process (no interpreter): the rows run the reference only and
+say so; rows past the time budget or beyond the free memory are recorded as skipped; bad arguments are usage
+errors (exit 2). Not marked slow: no Inductor compile (the whole file takes about 15 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckvp_compile.bench.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMING_KEYS = ("ms", "GBps", "copy_share", "dense_best_ms", "speedup", "sdpa_eager_ms", "sdpa_compiled_ms")
+
+
+def test_cli_runs_the_kernel_under_the_interpreter_on_tiny_shapes(tmp_path):
+    pytest.importorskip("triton")
+    out_json, out_md = tmp_path / "attention.json", tmp_path / "attention.md"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "ckvp_compile.bench.cli", "attention", "--tiny", "--device", "cpu", "--batches",
+           "1", "2", "--contexts", "72", "--formats", "int4/32:32", "float:24", "mxint4/32:16", "--json",
+           str(out_json), "--out", str(out_md)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out_json.read_text())
+    assert result["versions"]["triton_interpreter"] is True and result["copy_bandwidth_GBps"] == 0
+    assert result["heads"] == "4:2" and result["head_dim"] == 32
+    rows = result["rows"]
+    assert [(r["batch"], r["context"], r["format"], r["rank"]) for r in rows] == [
+        (b, 72, f, r) for b in (1, 2) for f, r in (("int4/32", 32), ("float", 24), ("mxint4/32", 16))]
+    for r in rows:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["kernel"] == "triton interpreter" and r["timing"] == "none on CPU", r
+        assert r["rel_err"] <= 1e-3, r
+        assert 0 < r["bytes_latent"] < r["bytes_total"] and r["dense_bytes"] == 2 * r["batch"] * 2 * 72 * 32 * 2, r
+        assert r["byte_ratio"] == pytest.approx(r["dense_bytes"] / r["bytes_latent"]) and r["n_split"] >= 1
+        assert not any(k in r for k in TIMING_KEYS), r  # no timing on CPU
+    int4 = next(r for r in rows if r["format"] == "int4/32" and r["batch"] == 2)
+    fl = next(r for r in rows if r["format"] == "float" and r["batch"] == 2)
+    assert int4["bytes_latent"] == 2 * 2 * 72 * (2 * 32 // 2 + 2 * 4)  # two heads of 16 code bytes + 1 block each
+    assert fl["bytes_latent"] == 2 * 2 * 72 * 2 * 24 * 2  # bf16
+    md = out_md.read_text()
+    assert md.startswith("# ckvp-bench attention") and "ckvp-bench attention --tiny --device cpu" in md
+    assert "| format | rank | B | T | rel err | ms |" in md and "| int4/32 | 32 | 2 | 72 |" in md
+    assert md.count("triton interpreter; none on CPU") == 6 and "copy bandwidth not measured (CPU)" in md
+
+
+def test_cpu_without_interpreter_runs_the_reference_only_and_says_so(tmp_path):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("needs a CPU-only process without the interpreter")
+    out_json, out_md = tmp_path / "a.json", tmp_path / "a.md"
+    rc = main(["attention", "--tiny", "--device", "cpu", "--batches", "2", "--contexts", "40", "--formats",
+               "int8/32:32", "--json", str(out_json), "--out", str(out_md)])
+    assert rc == 0
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["kernel"].startswith("not run: CPU without the Triton interpreter") and "rel_err" not in row, row
+    assert row["bytes_total"] > row["bytes_latent"] > 0 and not any(k in row for k in TIMING_KEYS)
+    assert "not run: CPU without the Triton interpreter" in out_md.read_text()
+
+
+def test_budget_and_memory_skips_are_recorded():
+    pytest.importorskip("triton")
+    from ckvp_compile.bench.attention import run
+
+    kw = dict(heads=(4, 2), head_dim=32, device="cpu", log=lambda s: None)
+    rows = run([("int4/32", 32)], [1, 2], [40], budget_s=0.0, **kw)["rows"]
+    assert len(rows) == 2 and all(r["skipped"].startswith("time budget") for r in rows), rows
+    rows = run([("int4/32", 32)], [1], [40], mem_fraction=0.0, **kw)["rows"]
+    assert rows[0]["skipped"].startswith("memory: needs about"), rows
+
+
+@pytest.mark.parametrize("argv", [
+    ["attention", "--heads", "32:5"], ["attention", "--heads", "8"], ["attention", "--formats", "int4/32"],
+    ["attention", "--formats", "int5:32"], ["attention", "--formats", "tern/32:64"],
+    ["attention", "--tiny", "--formats", "int4/32:999"], ["attention", "--batches", "0"],
+    ["attention", "--contexts", "0"], ["attention", "--device", "tpu"],
+    ["attention", "--device", "cpu", "--json", "/nonexistent-dir/x.json"]])
+def test_bad_arguments_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
