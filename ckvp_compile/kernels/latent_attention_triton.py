@@ -1046,6 +1046,10 @@ def _launch(
         KEY_FP16=cfg.key_fp16 and not ((not kf.quantized and latent_k.dtype == bf16) or kf.pow2),
         num_stages=cfg.num_stages,
     )
+    # a pass that scores and accumulates on the CUDA cores has no tl.dot over the query heads: its tiles need only
+    # next_pow2(G) rows, not the 16 a dot needs (G = 1: 16x fewer registers for the scores and the value latent)
+    fma_k, fma_v = common["FMA_SCORES"], common["FMA_VALUES"]
+    g_small = _np2(g, 1)
     _LAST_LAUNCH.clear()
     if cfg.two_pass and mode != "from_scores":
         k_split, k_per = splits(cfg.block_n)
@@ -1054,7 +1058,8 @@ def _launch(
             m_ws, l_ws, acc_ws, sc_ws, t_pad,
             hkv, s, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
-            *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps, **common)
+            *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
+            **dict(common, G_PAD=g_small if fma_k else g_pad))
         if mode == "scores":
             return sc_ws
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
@@ -1063,7 +1068,8 @@ def _launch(
         hkv, s, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
         *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
         *mstrides, BLOCK_N=block_n_v if cfg.two_pass else cfg.block_n, PHASE=2 if cfg.two_pass else 0,
-        num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps, **common)
+        num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
+        **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad))
     _latent_attention_reduce_kernel[(b * hkv, s)](
         q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
         hkv, s, n_split, qk_scale, g, d, rv_max,

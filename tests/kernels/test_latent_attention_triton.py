@@ -267,6 +267,13 @@ def _check_fixed() -> None:
     # the value latent through the CUDA-core sums (fma_values) as well as the tensor-core product (default)
     _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_shape="b1sk", s=2),
            dataclasses.replace(cfg, fma_values=True))
+    # one query head per KV head with CUDA-core scores / values: tiles of next_pow2(G) = 1 row instead of 16
+    # (two-pass and one-pass; the default config for G = 1 hoists the basis)
+    g1 = dict(base, ratio=1, rk=[12, 5], rv=[7, 9], mask="bool", mask_shape="b1sk", s=2)
+    for g1_cfg in (dataclasses.replace(cfg, fma_scores=True, fma_values=True),
+                   dataclasses.replace(cfg, fma_scores=True, fma_values=True, two_pass=False),
+                   dataclasses.replace(cfg, fma_scores=True, hoist_basis=True)):
+        _check(g1, g1_cfg)
     # the op's CUDA kernel function: Triton by default (verified on the H200), the reference with USE_TRITON off
     from ckvp_compile.ops import latent_attention_cuda as cuda_mod
 

@@ -1,0 +1,178 @@
+"""Registers, spills and shared memory of the fused latent decode attention kernels, compiled for sm_90a on any machine.
+
+No GPU needed: Triton compiles ahead of time for a target (``triton.compile(..., target=GPUTarget("cuda", 90, 32))``)
+and its bundled ``ptxas -v`` reports each kernel's registers per thread, spill stores / loads and shared memory.
+The launcher (``kernels.latent_attention_triton._launch``) runs as usual on CPU tensors of the real shapes, with
+every kernel launch replaced by a compile-only warm-up against a stand-in CUDA driver. Use it to iterate on register
+pressure between GPU sessions (H200 run 8: 255 registers and spills at 2 programs per SM made the kernel
+latency-bound). The local Triton may differ from the GPU machine's (3.9 here, 3.6 there): compare variants, not
+absolute numbers.
+
+    python3 benchmarks/latent_attention_aot.py [--heads 16:16] [--format int4/32:256] [--configs "default;generic"]
+        [--keep DIR]   # also write each kernel's TTGIR and PTX there
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+class _FakeCudaDriver:
+    """Just enough of a Triton driver for compile-only warm-ups: an sm_90 target, device 0, stream 0."""
+
+    def __init__(self) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty):  # pragma: no cover - only for launchers, never built here
+        return ty
+
+
+class _CompileOnly:
+    """Stands in for a ``@triton.jit`` kernel: ``k[grid](*args, **kw)`` compiles (warm-up) and records the result."""
+
+    def __init__(self, fn, sink: list, tag: str):
+        self.fn, self.sink, self.tag = fn, sink, tag
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            compiled = self.fn.warmup(*args, grid=grid, **kwargs)
+            self.sink.append((self.tag, kwargs.get("PHASE", None), grid, compiled))
+            return compiled
+        return call
+
+
+def ptxas_stats(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers, spill stores/loads (bytes) and shared memory from Triton's bundled ``ptxas -v`` (the newest one
+    that reads this PTX version: ``ptxas-blackwell`` first)."""
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    text = ""
+    for exe in ("ptxas-blackwell", "ptxas"):
+        path = os.path.join(bin_dir, exe)
+        if not os.path.exists(path):
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([path, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True)
+        text = out.stdout + out.stderr
+        if out.returncode == 0:
+            break
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None,
+            "spill_load_bytes": int(spill.group(2)) if spill else None,
+            "ptxas": text.strip().splitlines()[-3:]}
+
+
+def compile_call(args: tuple, cfg, keep: str | None = None, label: str = "") -> list[dict]:
+    """Compile (never run) every kernel one ``latent_attention_triton(*args, config=cfg)`` call launches."""
+    from triton.runtime import driver as triton_driver  # the DriverConfig instance
+
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    sink: list = []
+    saved = (lat._latent_attention_split_kernel, lat._latent_attention_reduce_kernel, lat._interpreting,
+             lat.unsupported_reason)
+    saved_driver = getattr(triton_driver, "_active", None)
+    triton_driver.set_active(_FakeCudaDriver())
+    lat._latent_attention_split_kernel = _CompileOnly(saved[0], sink, "split")
+    lat._latent_attention_reduce_kernel = _CompileOnly(saved[1], sink, "reduce")
+    lat._interpreting = lambda: False
+    lat.unsupported_reason = lambda *a, **k: None
+    try:
+        lat.latent_attention_triton(*args, config=cfg)
+    finally:
+        (lat._latent_attention_split_kernel, lat._latent_attention_reduce_kernel, lat._interpreting,
+         lat.unsupported_reason) = saved
+        triton_driver._active = saved_driver  # reset_active() would build the default driver (none on CPU)
+    rows = []
+    for i, (tag, phase, grid, compiled) in enumerate(sink):
+        name = {None: tag, 0: "one-pass", 1: "key pass", 2: "value pass"}.get(phase, tag) if tag == "split" else tag
+        st = ptxas_stats(compiled.asm["ptx"])
+        st.update(kernel=name, grid=list(grid), shared_bytes=compiled.metadata.shared,
+                  num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages)
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(keep, f"{label}_{i}_{name.replace(' ', '_')}.{ext}"), "w") as f:
+                    f.write(compiled.asm[ext])
+        rows.append(st)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="16:16")
+    ap.add_argument("--format", default="int4/32:256")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--context", type=int, default=1024, help="slots (the shapes' sizes do not change the code)")
+    ap.add_argument("--configs", default="default;generic", help="names separated by ;")
+    ap.add_argument("--keep", default=None, help="write each kernel's TTGIR and PTX here")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import latent_attention_gpu as lag
+
+    from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, default_config
+
+    lag.H, lag.HKV = (int(x) for x in a.heads.split(":"))
+    fmt, rank = a.format.rsplit(":", 1)
+    args = lag.make_inputs(a.batch, a.context, fmt, int(rank), seed=0, dev="cpu")
+    default = default_config(lag.H // lag.HKV, max(16, 1 << (int(rank) - 1).bit_length()))
+    r = dataclasses.replace
+    named = {"default": default, "generic": DecodeConfig(),
+             "default, key_split=False": r(default, key_split=False),
+             "default, key_fp16": r(default, key_fp16=True),
+             "default, block_n_v 64": r(default, block_n_v=64),
+             "default, block_n_v 16, 2 warps": r(default, block_n_v=16, num_warps_v=2),
+             "default, fma_values": r(default, fma_values=True),
+             "default, one pass": r(default, two_pass=False),
+             "default, 1 stage": r(default, num_stages=1),
+             "generic, 1 stage": r(DecodeConfig(), num_stages=1),
+             "default, 3 stages": r(default, num_stages=3)}
+    out = []
+    for name in a.configs.split(";"):
+        cfg = named[name]
+        for row in compile_call(args, cfg, a.keep, re.sub(r"\W+", "_", name)):
+            row["config"] = name
+            out.append(row)
+            print(f"{name:<32} {row['kernel']:<11} regs {row['registers']:>3}  spill st/ld "
+                  f"{row['spill_store_bytes']}/{row['spill_load_bytes']} B  smem {row['shared_bytes']} B  "
+                  f"warps {row['num_warps']} stages {row['num_stages']}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"heads": a.heads, "format": a.format, "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
