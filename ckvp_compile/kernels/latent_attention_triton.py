@@ -194,12 +194,22 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
             code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0)
         elif BITS == 4:  # byte i holds codes 2i (low nibble) and 2i+1: load the bytes once, interleave the nibbles
             hb = C0 // 2 + tl.arange(0, NCOLS // 2)
-            h_ok = row_ok[:, None] & ((2 * hb < rank) & (2 * hb >= lo))[None, :]
+            # in byte units (hb < ceil(rank / 2)), so that the mask is constant over aligned runs of bytes and the
+            # compiler can use vector loads (``2 * hb < rank`` hides that: one byte load per code byte)
+            if RANK_ALIGN % 2 == 0:
+                h_end = rank // 2
+            else:
+                h_end = (rank + 1) // 2
+            h_ok = row_ok[:, None] & ((hb < h_end) & (hb >= (lo + 1) // 2))[None, :]
             raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :], mask=h_ok, other=0).to(tl.int32)
             code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
         else:  # BITS == 2: codes 4i .. 4i+3 in bits 0-1, 2-3, 4-5, 6-7 of byte i
             qb = C0 // 4 + tl.arange(0, NCOLS // 4)
-            q_ok = row_ok[:, None] & ((4 * qb < rank) & (4 * qb >= lo))[None, :]
+            if RANK_ALIGN % 4 == 0:  # byte units, as for 4 bits
+                q_end = rank // 4
+            else:
+                q_end = (rank + 3) // 4
+            q_ok = row_ok[:, None] & ((qb < q_end) & (qb >= (lo + 3) // 4))[None, :]
             raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :], mask=q_ok, other=0).to(tl.int32)
             code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
             code = tl.reshape(code, (NROWS, NCOLS))
