@@ -39,7 +39,9 @@ within 1e-3 of the reference at every measured row, but slow. Run 5 (two-pass, m
 copy bandwidth at batch >= 8 (0.09-0.10x dense SDPA, whose bytes are 0.97x the latent's); run 6 (16 query and 16
 KV heads, int4/32 rank 256, batch 8, 32k): 5.1-8.8 ms against 0.49 ms for dense SDPA; run 8 (whole waves, G = 1
 defaults): 5.0 ms (16:16) and 3.9 ms (32:8, dense 0.26 ms). Nsight Compute (run 8): 255 registers, 2 programs per
-SM, 0.34 eligible warps per scheduler, spills: latency- and issue-bound, DRAM at 5% of peak. ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``);
+SM, 0.34 eligible warps per scheduler, spills: latency- and issue-bound, DRAM at 5% of peak. Registers, spills and
+shared memory can be read without a GPU (``benchmarks/latent_attention_aot.py``: compiled for sm_90a with the
+H200's Triton 3.6): int4 tiles were read one byte per load until the column masks moved to byte units. ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``);
 fp8 bases and ``mix`` plans too, since run 7 checked them on the H200 (:data:`FP8_BASES_GPU_CHECKED`,
 :data:`MIX_GPU_CHECKED`: within 1e-3 at batch 8, 32k; mix plans about 2x slower than uniform int4).
 Roofline: rebuilding keys costs 2*D FLOP per latent coordinate and token, so at D = 128 the work is 256 FLOP per
