@@ -101,8 +101,8 @@ from ..kernels import moe_reference as moe_ref
 logger = logging.getLogger(__name__)
 
 __all__ = ["DECISIONS", "EXTERN_NAMES", "FORCE_LARGE_M_PATH", "GROUPED_MM_NAMES", "LARGE_M_ROUTE_M", "TEMPLATE_NAMES",
-           "grouped_mm_choice_ok", "large_m_path_reason", "register", "representative_group_sizes", "template_configs", "tuned_moe_down",
-           "tuned_moe_experts", "tuned_moe_gate_up"]
+           "grouped_mm_choice_ok", "large_m_path_reason", "register", "representative_group_sizes", "template_configs",
+           "tuned_moe_down", "tuned_moe_experts", "tuned_moe_gate_up"]
 
 _api = _compat.inductor_template_api()
 aten, prims = torch.ops.aten, torch.ops.prims
