@@ -42,8 +42,9 @@ defaults): 5.0 ms (16:16) and 3.9 ms (32:8, dense 0.26 ms). Nsight Compute (run 
 SM, 0.34 eligible warps per scheduler, spills: latency- and issue-bound, DRAM at 5% of peak. Registers, spills and
 shared memory can be read without a GPU (``benchmarks/latent_attention_aot.py``: compiled for sm_90a with the
 H200's Triton 3.6): int4 tiles were read one byte per load until the column masks moved to byte units.
-``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``); fp8 bases and ``mix`` plans too, since run 7 checked them on the H200 (:data:`FP8_BASES_GPU_CHECKED`,
-:data:`MIX_GPU_CHECKED`: within 1e-3 at batch 8, 32k; mix plans about 2x slower than uniform int4).
+``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``); fp8 bases and
+``mix`` plans too, since run 7 checked them on the H200 (:data:`FP8_BASES_GPU_CHECKED`, :data:`MIX_GPU_CHECKED`:
+within 1e-3 at batch 8, 32k; mix plans about 2x slower than uniform int4).
 Roofline: rebuilding keys costs 2*D FLOP per latent coordinate and token, so at D = 128 the work is 256 FLOP per
 byte read for 8-bit latents and 512 for 4-bit (twice that with the hi/lo split), against the H200's bf16 ridge of
 about 231 FLOP per byte (989 TFLOP/s over a measured 4.28 TB/s copy): low-bit latents make this kernel
@@ -117,9 +118,10 @@ class DecodeConfig:
     cores in fp32 (one weighted row sum per head; exact products) instead of the padded tensor-core product (off:
     run 8 measured it no faster at G = 1, 5.04 against 5.00 ms, and 1.6x slower at G = 4; since then it compiles to
     128 registers instead of 233 at G = 1, not yet timed). The split count is the largest that keeps the grid within
-    ``target_programs`` (whole waves; H200 run 8's ncu: 384 programs of 2 per SM ran 1.45 waves); key_fp16: rebuild keys from a non-bf16 latent with one fp16 dot (latent and basis rounded to fp16:
-    2^-11 relative per coordinate, about 8x less error than key_split=False, at its cost; latent values beyond
-    fp16's 65504 would overflow)."""
+    ``target_programs`` (whole waves; H200 run 8's ncu: 384 programs of 2 per SM ran 1.45 waves); key_fp16:
+    rebuild keys from a non-bf16 latent with one fp16 dot (latent and basis rounded to fp16: 2^-11 relative per
+    coordinate, about 8x less error than key_split=False, at its cost; latent values beyond fp16's 65504 would
+    overflow)."""
 
     block_n: int = 64
     block_r: int = 64
