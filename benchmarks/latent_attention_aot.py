@@ -138,6 +138,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="slots (the shapes' sizes do not change the code)")
     ap.add_argument("--configs", default="default;generic", help="names separated by ;")
     ap.add_argument("--keep", default=None, help="write each kernel's TTGIR and PTX here")
+    ap.add_argument("--fp8-bases", action="store_true", help="bases in float8_e4m3fn (as the store's basis_dtype)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import latent_attention_gpu as lag
@@ -147,6 +148,8 @@ def main() -> int:
     lag.H, lag.HKV = (int(x) for x in a.heads.split(":"))
     fmt, rank = a.format.rsplit(":", 1)
     args = lag.make_inputs(a.batch, a.context, fmt, int(rank), seed=0, dev="cpu")
+    if a.fp8_bases:
+        args = args[:3] + (args[3].to(torch.float8_e4m3fn), args[4].to(torch.float8_e4m3fn)) + args[5:]
     default = default_config(lag.H // lag.HKV, max(16, 1 << (int(rank) - 1).bit_length()))
     r = dataclasses.replace
     named = {"default": default, "generic": DecodeConfig(),
@@ -158,7 +161,10 @@ def main() -> int:
              "default, one pass": r(default, two_pass=False),
              "default, 1 stage": r(default, num_stages=1),
              "generic, 1 stage": r(DecodeConfig(), num_stages=1),
-             "default, 3 stages": r(default, num_stages=3)}
+             "default, 3 stages": r(default, num_stages=3),
+             "key_codes": r(DecodeConfig(), key_codes=True),
+             "key_codes, fma_scores": r(DecodeConfig(), key_codes=True, fma_scores=True),
+             "key_codes, fma_scores, fma_values": r(DecodeConfig(), key_codes=True, fma_scores=True, fma_values=True)}
     out = []
     for name in a.configs.split(";"):
         cfg = named[name]

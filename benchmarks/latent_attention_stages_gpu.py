@@ -51,11 +51,14 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true", help="only the two calls ncu profiles (no timing)")
     ap.add_argument("--whole-only", action="store_true", help="only the whole-call variants (and dense SDPA)")
     ap.add_argument("--value-sweep", action="store_true", help="with --whole-only: value-pass configs instead")
+    ap.add_argument("--fp8-bases", action="store_true", help="bases in float8_e4m3fn")
     a = ap.parse_args()
     lag.H, lag.HKV = (int(x) for x in a.heads.split(":"))
     fmt, rank = a.format.rsplit(":", 1)
     rank = int(rank)
     args = lag.make_inputs(a.batch, a.context, fmt, rank, seed=3)
+    if a.fp8_bases:  # the store's basis_dtype=float8_e4m3fn (key_codes then multiplies e4m3 operands)
+        args = args[:3] + (args[3].to(torch.float8_e4m3fn), args[4].to(torch.float8_e4m3fn)) + args[5:]
     cfg = default_config(lag.H // lag.HKV, max(16, 1 << (rank - 1).bit_length()))
     if a.ncu:  # first call compiles and runs (2 launches), the second is the one ncu skips to
         latent_attention_triton(*args, config=cfg)
@@ -88,7 +91,12 @@ def main() -> None:
              "key_fp16, paired_tables, block_n 128, 8 warps": dataclasses.replace(
                  cfg, key_fp16=True, paired_tables=True, block_n=128, num_warps=8),
              "key_fp16, paired_tables, no hoist": dataclasses.replace(
-                 cfg, key_fp16=True, paired_tables=True, hoist_basis=False)}
+                 cfg, key_fp16=True, paired_tables=True, hoist_basis=False),
+             "key_codes (generic)": dataclasses.replace(DecodeConfig(), key_codes=True),
+             "key_codes, fma_scores": dataclasses.replace(DecodeConfig(), key_codes=True, fma_scores=True),
+             "key_codes, fma_scores, fma_values": dataclasses.replace(DecodeConfig(), key_codes=True, fma_scores=True,
+                                                                      fma_values=True),
+             "fma_values (G=1 default + fma_values)": dataclasses.replace(cfg, fma_values=True)}
     if a.value_sweep:  # the value pass's tile, warps and split count (the key pass is the same in all of them)
         r = dataclasses.replace
         whole = {"default config": cfg,

@@ -121,7 +121,10 @@ class DecodeConfig:
     ``target_programs`` (whole waves; H200 run 8's ncu: 384 programs of 2 per SM ran 1.45 waves); key_fp16:
     rebuild keys from a non-bf16 latent with one fp16 dot (latent and basis rounded to fp16: 2^-11 relative per
     coordinate, about 8x less error than key_split=False, at its cost; latent values beyond fp16's 65504 would
-    overflow)."""
+    overflow); key_codes: rebuild keys from a uniform ``int`` latent in the code domain, exactly, one quantization
+    block per chunk: integer codes times the basis on the tensor cores (e4m3 operands for <= 4-bit codes and e4m3
+    bases: twice the bf16 rate), then each row's block scale, plus its min times the basis columns' sums; one dot
+    instead of the hi/lo split's two (no hoisted basis; not yet timed on a GPU)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -143,6 +146,7 @@ class DecodeConfig:
     paired_tables: bool = False
     fma_values: bool = False
     key_fp16: bool = False
+    key_codes: bool = False
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
@@ -256,6 +260,72 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
                 mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
             z = tl.where(ok, code * sc + mn, 0.0)
     return z
+
+
+@triton.jit
+def _latent_codes(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
+                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, COL_ALIGN: tl.constexpr,
+                  RANK_ALIGN: tl.constexpr, HALF_WORDS: tl.constexpr):
+    """One quantization block of a uniform ``int`` format, undecoded: ``(codes, scale, min)`` with codes (NROWS,
+    NCOLS) fp32 holding the exact integer codes (0 where ``~row_ok`` or ``j >= rank``) and scale, min (NROWS,) fp32
+    (0 where ``~row_ok``) of block ``blk0 + C0 // NCOLS``, so that :func:`_latent_tile` = ``codes * scale + min``
+    on the valid coordinates. NCOLS is the format's block (C0 a multiple of it)."""
+    if COL_ALIGN > 1:
+        col0 = (col0 // COL_ALIGN) * COL_ALIGN
+    if RANK_ALIGN > 1:
+        rank = (rank // RANK_ALIGN) * RANK_ALIGN
+    if BITS == 8:
+        cols = C0 + tl.arange(0, NCOLS)
+        ok = row_ok[:, None] & (cols < rank)[None, :]
+        code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
+    elif BITS == 4:
+        hb = C0 // 2 + tl.arange(0, NCOLS // 2)
+        if RANK_ALIGN % 2 == 0:
+            h_end = rank // 2
+        else:
+            h_end = (rank + 1) // 2
+        raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :],
+                      mask=row_ok[:, None] & (hb < h_end)[None, :], other=0).to(tl.int32)
+        code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
+    else:  # BITS == 2
+        qb = C0 // 4 + tl.arange(0, NCOLS // 4)
+        if RANK_ALIGN % 4 == 0:
+            q_end = rank // 4
+        else:
+            q_end = (rank + 3) // 4
+        raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :],
+                      mask=row_ok[:, None] & (qb < q_end)[None, :], other=0).to(tl.int32)
+        code = tl.reshape(tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3)),
+                          (NROWS, NCOLS))
+    cols = C0 + tl.arange(0, NCOLS)
+    code = tl.where(row_ok[:, None] & (cols < rank)[None, :], code.to(tl.float32), 0.0)  # odd ranks: no pad code
+    blk = blk0 + C0 // NCOLS
+    b_ok = row_ok & (tl.full((NROWS,), C0, tl.int32) < rank)  # the block holds valid coordinates
+    if HALF_WORDS:
+        words = row_ptr.to(tl.pointer_type(tl.uint16))
+        sc = tl.load(words + (scale_base // 2 + blk), mask=b_ok, other=0).to(tl.float16, bitcast=True)
+        mn = tl.load(words + (min_base // 2 + blk), mask=b_ok, other=0).to(tl.float16, bitcast=True)
+        sc = sc.to(tl.float32)
+        mn = mn.to(tl.float32)
+    else:
+        sc = _fp16_at(row_ptr + (scale_base + 2 * blk) * stride_w, stride_w, b_ok)
+        mn = _fp16_at(row_ptr + (min_base + 2 * blk) * stride_w, stride_w, b_ok)
+    return code, sc, mn
+
+
+@triton.jit
+def _mm_codes(code, sc, mn, p, p_colsum, acc, FP8: tl.constexpr, F32_DOT: tl.constexpr):
+    """``acc + (code * sc + mn) @ p`` for one quantization block, exactly: the integer codes times the basis on the
+    tensor cores (every product exact: codes are small integers, bases bf16- or e4m3-exact; FP8 uses e4m3 operands,
+    for codes of at most 4 bits and e4m3 bases), then each row's scale, plus its min times the basis columns' sums
+    ``p_colsum``. Replaces the hi/lo split of a dequantised fp32 latent (two dots) by one dot."""
+    if F32_DOT:
+        d = tl.dot(code, p.to(tl.float32))
+    elif FP8:
+        d = tl.dot(code.to(tl.float8e4nv), p.to(tl.float32).to(tl.float8e4nv))
+    else:
+        d = tl.dot(code.to(tl.bfloat16), p.to(tl.float32).to(tl.bfloat16))
+    return acc + sc[:, None] * d + mn[:, None] * p_colsum[None, :]
 
 
 @triton.jit
@@ -415,6 +485,7 @@ def _latent_attention_split_kernel(
     V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr, K_MX: tl.constexpr, V_MX: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, P_BF16: tl.constexpr,
     PHASE: tl.constexpr, FMA_VALUES: tl.constexpr = False, KEY_FP16: tl.constexpr = False,
+    KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -503,7 +574,7 @@ def _latent_attention_split_kernel(
                 stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
                 G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK,
                 Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
-                PAIRED_TABLE, FMA_SCORES, G_LOOP, KEY_FP16)
+                PAIRED_TABLE, FMA_SCORES, G_LOOP, KEY_FP16, KEY_CODES, KEY_FP8)
         if PHASE == 1:
             tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & row_ok[None, :])
         else:
@@ -545,6 +616,7 @@ def _tile_scores(
     BK_EXACT: tl.constexpr, F32_DOT: tl.constexpr, K_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr,
     K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr, K_MX: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, KEY_FP16: tl.constexpr,
+    KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False,
 ):
     """(G_PAD, BLOCK_N) fp32 scores in log2 units of one tile of slots ``offs``: rebuild the pre-RoPE keys from the key
     latent and the basis block, rotate them at each slot's position, score the KV head's query heads, mask
@@ -555,30 +627,45 @@ def _tile_scores(
     x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x3 = tl.zeros((BLOCK_N, REST), tl.float32)
     for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
-        z = _latent_load(lk_rows, col_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
-                         r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
-        if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
+        if KEY_CODES:  # one quantization block per chunk (BLOCK_R == K_QBLOCK), rebuilt in the code domain
+            code, sc, mn = _latent_codes(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
+                                         stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS)
             r = r0 + tl.arange(0, BLOCK_R)
-            b_ok = (r < rk_max)[:, None]
+            b_ok = (r < k_rank)[:, None]  # this head's rows only, whatever the padding holds
             b_rows = bk_head + (r * stride_bkr)[:, None]
             if HAS_ROT:
                 p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
                 p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                x1 = _mm_codes(code, sc, mn, p1, tl.sum(p1.to(tl.float32), axis=0), x1, KEY_FP8, F32_DOT)
+                x2 = _mm_codes(code, sc, mn, p2, tl.sum(p2.to(tl.float32), axis=0), x2, KEY_FP8, F32_DOT)
             if HAS_REST:
                 p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
-        if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 and most bf16 bases exact)
-            z16 = z.to(tl.float16)
-            if HAS_ROT:
-                x1 = _mm16(z16, p1, x1, F32_DOT)
-                x2 = _mm16(z16, p2, x2, F32_DOT)
-            if HAS_REST:
-                x3 = _mm16(z16, p3, x3, F32_DOT)
+                x3 = _mm_codes(code, sc, mn, p3, tl.sum(p3.to(tl.float32), axis=0), x3, KEY_FP8, F32_DOT)
         else:
-            if HAS_ROT:
-                x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
-                x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
-            if HAS_REST:
-                x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
+            z = _latent_load(lk_rows, col_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
+                             r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
+            if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
+                r = r0 + tl.arange(0, BLOCK_R)
+                b_ok = (r < rk_max)[:, None]
+                b_rows = bk_head + (r * stride_bkr)[:, None]
+                if HAS_ROT:
+                    p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                    p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+                if HAS_REST:
+                    p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
+            if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 and most bf16 bases exact)
+                z16 = z.to(tl.float16)
+                if HAS_ROT:
+                    x1 = _mm16(z16, p1, x1, F32_DOT)
+                    x2 = _mm16(z16, p2, x2, F32_DOT)
+                if HAS_REST:
+                    x3 = _mm16(z16, p3, x3, F32_DOT)
+            else:
+                if HAS_ROT:
+                    x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
+                    x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
+                if HAS_REST:
+                    x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
     scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
     if HAS_ROT:
         pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
@@ -872,6 +959,13 @@ def _words(f, latent: torch.Tensor, scale_base: int, min_base: int) -> bool:
             and latent.stride(0) % 2 == 0 and latent.stride(1) % 2 == 0 and latent.data_ptr() % 2 == 0)
 
 
+def _key_codes_ok(cfg: "DecodeConfig", f, basis: torch.Tensor, rk_pad: int) -> bool:
+    """Whether ``cfg.key_codes`` applies: a uniform 8/4/2-bit ``int`` key format with blocks of 16..rk_pad (a power
+    of two, the tensor cores' K) and bases exact in bf16 (bf16 or fp8)."""
+    return (cfg.key_codes and f.quantized and not (f.mixed or f.ternary or f.pow2) and f.bits in (8, 4, 2)
+            and f.block & (f.block - 1) == 0 and 16 <= f.block <= rk_pad and basis.dtype in BASIS_BF16_EXACT)
+
+
 def _blockwise(f, ncols: int) -> bool:
     """A quantized format whose blocks tile every chunk of ``ncols`` coordinates (power-of-two block <= ncols)."""
     return f.quantized and f.block & (f.block - 1) == 0 and f.block <= ncols
@@ -1010,7 +1104,11 @@ def _launch(
     half = rd // 2
     g_pad = _np2(g)
     rk_pad, rv_pad = _np2(rk_max), _np2(rv_max)
-    block_r = rk_pad if cfg.hoist_basis else min(cfg.block_r, rk_pad)
+    key_codes = _key_codes_ok(cfg, kf, basis_k_block, rk_pad)
+    if key_codes:  # one quantization block per chunk, the basis chunk loaded per tile (no hoisting)
+        block_r, cfg = kf.block, dataclasses.replace(cfg, hoist_basis=False)
+    else:
+        block_r = rk_pad if cfg.hoist_basis else min(cfg.block_r, rk_pad)
     f32_dot = _interpreting() or cfg.f32_dots
 
     def splits(block_n: int) -> tuple[int, int]:  # (programs along the context, tiles per program)
@@ -1072,7 +1170,9 @@ def _launch(
         K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and half > 0 and cfg.paired_tables,
         FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1), P_BF16=cfg.p_bf16,
         FMA_VALUES=cfg.fma_values and g <= cfg.fma_max_heads,
-        KEY_FP16=cfg.key_fp16 and not ((not kf.quantized and latent_k.dtype == bf16) or kf.pow2),
+        KEY_FP16=cfg.key_fp16 and not key_codes and not ((not kf.quantized and latent_k.dtype == bf16) or kf.pow2),
+        KEY_CODES=key_codes,
+        KEY_FP8=key_codes and kf.bits <= 4 and basis_k_block.dtype == torch.float8_e4m3fn and not f32_dot,
         num_stages=cfg.num_stages,
     )
     # a pass that scores and accumulates on the CUDA cores has no tl.dot over the query heads: its tiles need only

@@ -274,6 +274,21 @@ def _check_fixed() -> None:
                    dataclasses.replace(cfg, fma_scores=True, fma_values=True, two_pass=False),
                    dataclasses.replace(cfg, fma_scores=True, hoist_basis=True)):
         _check(g1, g1_cfg)
+    # key_codes: keys rebuilt exactly in the code domain (codes x basis, then block scale and min x column sums),
+    # one quantization block per chunk; int8/4/2, bf16 and e4m3 bases, odd ranks, one- and two-pass, G = 1 and 2
+    codes_cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, key_codes=True)
+    for kcase in (dict(base, rk=[33, 20], rv=[5, 3], kfmt="int4/16", basis_dtype=torch.bfloat16, s=2),
+                  dict(base, rk=[31, 17], rv=[5, 3], kfmt="int2/16", basis_dtype=torch.bfloat16, ratio=1),
+                  dict(base, rk=[64, 40], rv=[7, 9], kfmt="int4/32", basis_dtype=torch.float8_e4m3fn,
+                       dtype=torch.bfloat16, mask="bool", mask_shape="b1sk", s=2)):
+        for kc in (codes_cfg, dataclasses.replace(codes_cfg, two_pass=False, fma_scores=True)):
+            assert _check(kcase, kc) <= TOL
+    from ckvp_compile.kernels.latent_format import parse_latent_format as _plf
+
+    assert lat_mod._key_codes_ok(codes_cfg, _plf("int8/32"), torch.empty(0, dtype=torch.bfloat16), 256)
+    assert not lat_mod._key_codes_ok(codes_cfg, _plf("int4/32"), torch.empty(0), 256)  # fp32 bases: not exact
+    assert not lat_mod._key_codes_ok(codes_cfg, _plf("int4/8"), torch.empty(0, dtype=torch.bfloat16), 256)
+    assert not lat_mod._key_codes_ok(codes_cfg, _plf("mxint4"), torch.empty(0, dtype=torch.bfloat16), 256)
     # the op's CUDA kernel function: Triton by default (verified on the H200), the reference with USE_TRITON off
     from ckvp_compile.ops import latent_attention_cuda as cuda_mod
 
