@@ -653,7 +653,7 @@ def _tile_scores(
                     p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
                 if HAS_REST:
                     p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
-            if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 and most bf16 bases exact)
+            if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 bases exact)
                 z16 = z.to(tl.float16)
                 if HAS_ROT:
                     x1 = _mm16(z16, p1, x1, F32_DOT)
