@@ -2,7 +2,7 @@
 
     ckvp-bench attention [--heads 32:8] [--batches 1 8 32] [--contexts 4096 32768 131072]
                          [--formats int4/32:256 int8/32:256] [--flex] [--budget-s 900] [--json OUT.json]
-                         [--out OUT.md] [--device cuda] [--tiny] [--seed 0]
+                         [--out OUT.md] [--device cuda] [--cuda-graphs] [--tiny] [--seed 0]
 
 The layer: Mixtral-8x7B-shaped by default (``--heads 32:8``: 32 query heads, 8 KV heads, head_dim 128; ``16:16``
 for Qwen1.5-MoE), rotate_half RoPE over all 128 channels, one new token per sequence at the last slot; the cache
@@ -18,7 +18,9 @@ For every (batch, context, format) row:
   ratio and rank) against :func:`ckvp_compile.kernels.reference.latent_attention_ref` on the same inputs (bf16
   inputs, fp32 math in both; the reference runs in batch chunks to bound its memory); on CUDA also through the op
   (``torch.ops.ckvp.latent_attention``, which must dispatch to the kernel);
-* time (CUDA only): median of ``triton.testing.do_bench`` after a warm-up;
+* time (CUDA only): median of ``triton.testing.do_bench`` after a warm-up (launches: at small shapes the
+  launcher's host work dominates), or with ``--cuda-graphs`` of CUDA-graph replay (:func:`graph_bench`), as a
+  decode step under CUDA graphs runs it;
 * bytes read by one call (:func:`kernel_bytes`: the latent rows once, slot positions, the cos/sin rows, q, the new
   tokens, the basis blocks, the split workspaces written and read back, and the two-pass scores written and read
   back), the achieved bandwidth (bytes / time) and its share of the device-to-device copy bandwidth measured at
