@@ -174,6 +174,40 @@ def _fp16_at(ptr, step, mask):
 
 
 @triton.jit
+def _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0: tl.constexpr, NROWS: tl.constexpr,
+                      NCOLS: tl.constexpr, BITS: tl.constexpr, RANK_ALIGN: tl.constexpr):
+    """(NROWS, NCOLS) int32 codes of coordinates j = C0 + [0, NCOLS) of a quantized row (8, 4 or 2 bits; the code
+    of j is bits ``(j % (8/BITS)) * BITS`` of byte ``col0 + j*BITS/8``), 0 where ``~row_ok`` and, to byte
+    granularity, outside [lo, rank): the caller masks the coordinates of a partly used byte. The masks are written
+    in byte units (``hb < ceil(rank / 2)``, not ``2 * hb < rank``), so that Triton sees them constant over aligned
+    runs of bytes and uses vector loads (Triton 3.6 PTX: one byte per load otherwise)."""
+    if BITS == 8:
+        cols = C0 + tl.arange(0, NCOLS)
+        ok = row_ok[:, None] & ((cols < rank) & (cols >= lo))[None, :]
+        code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
+    elif BITS == 4:  # byte i holds codes 2i (low nibble) and 2i+1: load the bytes once, interleave the nibbles
+        hb = C0 // 2 + tl.arange(0, NCOLS // 2)
+        if RANK_ALIGN % 2 == 0:
+            h_end = rank // 2
+        else:
+            h_end = (rank + 1) // 2
+        h_ok = row_ok[:, None] & ((hb < h_end) & (hb >= (lo + 1) // 2))[None, :]
+        raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :], mask=h_ok, other=0).to(tl.int32)
+        code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
+    else:  # BITS == 2: codes 4i .. 4i+3 in bits 0-1, 2-3, 4-5, 6-7 of byte i
+        qb = C0 // 4 + tl.arange(0, NCOLS // 4)
+        if RANK_ALIGN % 4 == 0:
+            q_end = rank // 4
+        else:
+            q_end = (rank + 3) // 4
+        q_ok = row_ok[:, None] & ((qb < q_end) & (qb >= (lo + 3) // 4))[None, :]
+        raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :], mask=q_ok, other=0).to(tl.int32)
+        code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
+        code = tl.reshape(code, (NROWS, NCOLS))
+    return code
+
+
+@triton.jit
 def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                  BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
@@ -198,29 +232,7 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
     if BITS == 16:
         z = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
-        if BITS == 8:
-            code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0)
-        elif BITS == 4:  # byte i holds codes 2i (low nibble) and 2i+1: load the bytes once, interleave the nibbles
-            hb = C0 // 2 + tl.arange(0, NCOLS // 2)
-            # in byte units (hb < ceil(rank / 2)), so that the mask is constant over aligned runs of bytes and the
-            # compiler can use vector loads (``2 * hb < rank`` hides that: one byte load per code byte)
-            if RANK_ALIGN % 2 == 0:
-                h_end = rank // 2
-            else:
-                h_end = (rank + 1) // 2
-            h_ok = row_ok[:, None] & ((hb < h_end) & (hb >= (lo + 1) // 2))[None, :]
-            raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :], mask=h_ok, other=0).to(tl.int32)
-            code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
-        else:  # BITS == 2: codes 4i .. 4i+3 in bits 0-1, 2-3, 4-5, 6-7 of byte i
-            qb = C0 // 4 + tl.arange(0, NCOLS // 4)
-            if RANK_ALIGN % 4 == 0:  # byte units, as for 4 bits
-                q_end = rank // 4
-            else:
-                q_end = (rank + 3) // 4
-            q_ok = row_ok[:, None] & ((qb < q_end) & (qb >= (lo + 3) // 4))[None, :]
-            raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :], mask=q_ok, other=0).to(tl.int32)
-            code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
-            code = tl.reshape(code, (NROWS, NCOLS))
+        code = _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0, NROWS, NCOLS, BITS, RANK_ALIGN)
         if MX:  # two's-complement codes times 2**(byte - 127), built from its bits (exact; no exp2 rounding)
             code = code.to(tl.int32)
             code = code - ((code >> (BITS - 1)) << BITS)
@@ -274,29 +286,7 @@ def _latent_codes(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, strid
         col0 = (col0 // COL_ALIGN) * COL_ALIGN
     if RANK_ALIGN > 1:
         rank = (rank // RANK_ALIGN) * RANK_ALIGN
-    if BITS == 8:
-        cols = C0 + tl.arange(0, NCOLS)
-        ok = row_ok[:, None] & (cols < rank)[None, :]
-        code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
-    elif BITS == 4:
-        hb = C0 // 2 + tl.arange(0, NCOLS // 2)
-        if RANK_ALIGN % 2 == 0:
-            h_end = rank // 2
-        else:
-            h_end = (rank + 1) // 2
-        raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :],
-                      mask=row_ok[:, None] & (hb < h_end)[None, :], other=0).to(tl.int32)
-        code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
-    else:  # BITS == 2
-        qb = C0 // 4 + tl.arange(0, NCOLS // 4)
-        if RANK_ALIGN % 4 == 0:
-            q_end = rank // 4
-        else:
-            q_end = (rank + 3) // 4
-        raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :],
-                      mask=row_ok[:, None] & (qb < q_end)[None, :], other=0).to(tl.int32)
-        code = tl.reshape(tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3)),
-                          (NROWS, NCOLS))
+    code = _latent_raw_codes(row_ptr, row_ok, col0, rank, 0, stride_w, C0, NROWS, NCOLS, BITS, RANK_ALIGN)
     cols = C0 + tl.arange(0, NCOLS)
     code = tl.where(row_ok[:, None] & (cols < rank)[None, :], code.to(tl.float32), 0.0)  # odd ranks: no pad code
     blk = blk0 + C0 // NCOLS
