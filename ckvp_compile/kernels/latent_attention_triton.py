@@ -13,9 +13,10 @@ Algorithm, two launches, no host synchronisation:
   ``slot_pos``), scores the G query heads of h at once (GQA: one latent read serves G heads), applies the mask,
   and folds the tile into an fp32 online softmax (FlashAttention-2's running max / sum) whose accumulator is the
   softmax-weighted VALUE LATENT, (G, Rv): value absorption as in DeepSeek-V2's MLA, so dense values are never
-  formed. The current call's slots (``slots``) are skipped here. It stores (max, sum, accumulator) per program.
+  formed. The exact tokens' slots (``slots``: the current call's, and a recent window's kept dense; -1 marks an
+  unused entry) are skipped here. It stores (max, sum, accumulator) per program.
 * ``_latent_attention_reduce_kernel``, grid (B*Hkv, S): merges the splits' partial softmaxes (FlashDecoding's
-  second step), adds the current call's tokens exactly from ``new_k`` / ``new_v`` (fp32), projects the absorbed
+  second step), adds the exact tokens from ``new_k`` / ``new_v`` (fp32, one at a time), projects the absorbed
   latent once with the basis_v block, ``out = (acc @ P_v^T + w_new @ new_v) / sum``, and stores (G, D) per program.
 
 RoPE without register shuffles: each form pairs channel ``i1(j)`` with ``i2(j)``, j < rotary_dim/2
@@ -454,7 +455,7 @@ def _latent_attention_split_kernel(
     q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr,
     m_ptr, l_ptr, acc_ptr, sc_ptr, stride_scr,
     # sizes and scalars
-    Hkv, S, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rk_max,
+    Hkv, S, n_exact, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rk_max,
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     # strides
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -480,7 +481,8 @@ def _latent_attention_split_kernel(
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
     Shapes: q (B, H, S, D); latent_k (B, S_max, Wk), latent_v (B, S_max, Wv) (float, or uint8 rows); basis_k
-    (Hkv, D, Rk_max); cos/sin (P_max, W); slot_pos (B, S_max); slots (S,); mask (B, H, S, kv_len) by strides;
+    (Hkv, D, Rk_max); cos/sin (P_max, W); slot_pos (B, S_max); slots (n_exact,) the exact tokens' slots (-1:
+    unused), skipped here; mask (B, H, S, kv_len) by strides;
     kmeta / vmeta (Hkv, 3) int32 = (first column or code byte, first block, rank); m / l (rows, n_split, G) and
     acc (rows, n_split, G, RV_PAD) fp32 with rows = B*Hkv*S.
 
@@ -545,9 +547,9 @@ def _latent_attention_split_kernel(
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
         is_new = offs < 0
-        for j0 in range(0, S, SLOT_BLOCK):  # the current call's slots come exactly from new_k / new_v
+        for j0 in range(0, n_exact, SLOT_BLOCK):  # the exact tokens' slots come from new_k / new_v
             sj = j0 + tl.arange(0, SLOT_BLOCK)
-            sl = tl.load(slots_ptr + sj, mask=sj < S, other=-1)
+            sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
             is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
         col_ok = row_ok & ~is_new
         sc_rows = sc_ptr + ((bh * S + s) * G + tl.arange(0, G_PAD)).to(tl.int64) * stride_scr  # (G_PAD,)
@@ -698,19 +700,20 @@ def _tile_scores(
 @triton.jit
 def _new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd, stride_mt,
                D_PAD: tl.constexpr, MASK: tl.constexpr):
-    """(G_PAD,) fp32 log2-unit scores of q (G_PAD, D_PAD) against the new key j, masked at its slot's column."""
+    """(G_PAD,) fp32 log2-unit scores of q (G_PAD, D_PAD) against the exact key j, masked at its slot's column;
+    ``-inf`` for an unused entry (slot < 0)."""
     d = tl.arange(0, D_PAD)
     k = tl.load(nk_head + j * stride_nks + d * stride_nkd, mask=d < D, other=0.0).to(tl.float32)
     sc = tl.sum(q * k[None, :], axis=1) * qk_scale
-    if MASK != 0:
-        sl = tl.load(slots_ptr + j)
-        if MASK == 1:
-            mv = tl.load(mask_row + sl * stride_mt, mask=head_ok, other=0)
-            sc = tl.where(mv != 0, sc, float("-inf"))
-        else:
-            mv = tl.load(mask_row + sl * stride_mt, mask=head_ok, other=0.0)
-            sc = sc + mv.to(tl.float32) * 1.4426950408889634
-    return sc
+    sl = tl.load(slots_ptr + j)
+    col = tl.maximum(sl, 0)  # an unused entry reads column 0, then scores -inf
+    if MASK == 1:
+        mv = tl.load(mask_row + col * stride_mt, mask=head_ok, other=0)
+        sc = tl.where(mv != 0, sc, float("-inf"))
+    if MASK == 2:
+        mv = tl.load(mask_row + col * stride_mt, mask=head_ok, other=0.0)
+        sc = sc + mv.to(tl.float32) * 1.4426950408889634
+    return tl.where(sl >= 0, sc, float("-inf"))
 
 
 @triton.jit
@@ -718,7 +721,7 @@ def _latent_attention_reduce_kernel(
     # pointers
     q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
     # sizes and scalars
-    Hkv, S, n_split, qk_scale, G, D, rv_max,
+    Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
     # strides
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_nkb, stride_nkh, stride_nks, stride_nkd,
@@ -730,9 +733,10 @@ def _latent_attention_reduce_kernel(
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, KV head, query token), add the exact new tokens, project, normalise.
+    """Merge the splits of one (sequence, KV head, query token), add the exact tokens, project, normalise.
 
-    Shapes: new_k / new_v (B, Hkv, S, D); basis_v (Hkv, D, Rv_max); out (B, H, S, D) q.dtype; the rest as in
+    Shapes: new_k / new_v (B, Hkv, n_exact, D) at slots (n_exact,) (-1: unused entry); basis_v (Hkv, D, Rv_max);
+    out (B, H, S, D) q.dtype; the rest as in
     ``_latent_attention_split_kernel``. The new tokens are taken one at a time with 2-D tiles only (an earlier
     (G, tokens, D) broadcast form computed wrong sums on the H200). Rows whose every score is masked get 0
     (torch SDPA's math path).
@@ -754,7 +758,7 @@ def _latent_attention_reduce_kernel(
     m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
     for c in range(0, n_split):
         m_all = tl.maximum(m_all, tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf")))
-    for j in range(0, S):
+    for j in range(0, n_exact):
         m_all = tl.maximum(m_all, _new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks,
                                              stride_nkd, stride_mt, D_PAD, MASK))
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
@@ -767,7 +771,7 @@ def _latent_attention_reduce_kernel(
         part = tl.load(acc_ptr + ((row0 + c) * G + g)[:, None] * RV_PAD + rv[None, :], mask=head_ok[:, None],
                        other=0.0)
         acc += w[:, None] * part
-    for j in range(0, S):
+    for j in range(0, n_exact):
         l_all += tl.exp2(_new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd,
                                     stride_mt, D_PAD, MASK) - m_use)
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
@@ -778,7 +782,7 @@ def _latent_attention_reduce_kernel(
         pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
                      mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
         o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
-        for j in range(0, S):
+        for j in range(0, n_exact):
             p = tl.exp2(_new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd,
                                    stride_mt, D_PAD, MASK) - m_use)
             v = tl.load(nv_head + j * stride_nvs + dd * stride_nvd, mask=dd < D, other=0.0).to(tl.float32)
@@ -1083,6 +1087,7 @@ def _launch(
     elif mode == "all" and cfg.two_pass and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES:
         cfg = dataclasses.replace(cfg, two_pass=False)  # a long prefill: the scores would not fit; one pass
     b, h, s, d = q.shape
+    n_exact = slots.shape[0]
     hkv = basis_k_block.shape[-3]
     g = h // hkv
     kf, vf = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
@@ -1175,7 +1180,7 @@ def _launch(
         _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
             m_ws, l_ws, acc_ws, sc_ws, t_pad,
-            hkv, s, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+            hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
             *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
             **dict(common, G_PAD=g_small if fma_k else g_pad))
@@ -1184,14 +1189,14 @@ def _launch(
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
         q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
         m_ws, l_ws, acc_ws, sc_ws, t_pad,
-        hkv, s, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+        hkv, s, n_exact, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
         *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
         *mstrides, BLOCK_N=block_n_v if cfg.two_pass else cfg.block_n, PHASE=2 if cfg.two_pass else 0,
         num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
         **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad))
     _latent_attention_reduce_kernel[(b * hkv, s)](
         q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
-        hkv, s, n_split, qk_scale, g, d, rv_max,
+        hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
         *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
         G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)),
         MASK=mask_kind, BV_EXACT=basis_v_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4,

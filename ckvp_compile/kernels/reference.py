@@ -256,6 +256,47 @@ def rope_table_update_ref(
     slot_pos[:, slots.long()] = position_ids.to(slot_pos.dtype).expand(slot_pos.shape[0], s)
 
 
+def exact_slots(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a call's exact tokens go, without a host synchronisation (CUDA graphs).
+
+    Args:
+        slots: (N,) int, the exact tokens' cache slots; ``-1`` (any negative value) marks an unused entry, e.g. a
+            recent-window ring that is not full yet (:class:`~ckvp_compile.runtime.store.LatentKVStore`'s
+            ``recent_window``). The used ones are distinct and < ``n_slots``.
+        n_slots: the slots attended (kv_len, or S_max).
+    Returns:
+        ``(valid, idx, taken)``: (N,) bool, the entry is used; (N,) int64, its slot, or the scratch slot
+        ``n_slots`` just past the end for an unused entry (callers pad their slot axis by one and drop it);
+        (n_slots,) bool, the slot holds an exact token (its latent row is not attended).
+    """
+    s = slots.long()
+    valid = s >= 0
+    idx = torch.where(valid, s, n_slots)
+    taken = torch.zeros(n_slots + 1, dtype=torch.bool, device=slots.device)
+    taken[idx] = True
+    return valid, idx, taken[:n_slots]
+
+
+def _pad_slot(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with one zero slot appended along ``dim`` (the scratch slot of :func:`exact_slots`)."""
+    shape = list(x.shape)
+    shape[dim] = 1
+    return torch.cat((x, x.new_zeros(shape)), dim)
+
+
+def _mask_with_scratch(attn_mask: torch.Tensor | None, b: int, h: int, s: int, kv_len: int,
+                       device: torch.device) -> torch.Tensor:
+    """``attn_mask`` (broadcastable to (B, H, S, kv_len)) with the scratch slot's column appended, masked out."""
+    if attn_mask is None:
+        m = torch.ones(kv_len + 1, dtype=torch.bool, device=device)
+        m[-1] = False
+        return m
+    m = attn_mask.expand(b, h, s, kv_len)
+    if m.dtype == torch.bool:
+        return torch.cat((m, m.new_zeros(b, h, s, 1)), -1)
+    return torch.cat((m, m.new_full((b, h, s, 1), float("-inf"))), -1)
+
+
 def _rebuild(
     latent: torch.Tensor,
     basis_block: torch.Tensor,
@@ -301,16 +342,18 @@ def latent_reconstruct_ref(
         slot_pos: (B, S_max) int, RoPE position of every slot (values < P_max; ignored for 'none').
         rope_form: one of :data:`ROPE_FORMS`.
         rotary_dim: channels rotated (ignored for 'none').
-        new: (B, Hkv, S, D) float, this call's exact tokens (post-RoPE for keys).
-        slots: (S,) int, their slots.
+        new: (B, Hkv, N, D) float, exact tokens (post-RoPE for keys): this call's, and a recent window's.
+        slots: (N,) int, their slots; -1 marks an unused entry (see :func:`exact_slots`).
         fmt: the latent's storage format (see :func:`unpack_latent_ref`).
     Returns:
         (B, Hkv, S_max, D) new.dtype: ``RoPE(latent_h @ basis_block[h, :, :r_h]^T)`` per head and slot, with
-        slots ``slots`` replaced by ``new``.
+        the used ``slots`` replaced by ``new``.
     """
     out = _rebuild(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, fmt)
-    out[:, :, slots.long()] = new.float()
-    return out.to(new.dtype)
+    _, idx, _ = exact_slots(slots, out.shape[2])
+    out = _pad_slot(out, 2)
+    out[:, :, idx] = new.float()
+    return out[:, :, :-1].to(new.dtype)
 
 
 def _attention_weights(
@@ -390,26 +433,28 @@ def latent_attention_ref(
         k_offsets, v_offsets: Hkv+1 ints each.
         cos_table, sin_table, slot_pos, rope_form, rotary_dim: the keys' RoPE, as in
             :func:`latent_reconstruct_ref`.
-        new_k, new_v: (B, Hkv, S, D) float, this call's exact keys (post-RoPE) and values.
-        slots: (S,) int, their slots, all < kv_len.
+        new_k, new_v: (B, Hkv, N, D) float, the exact keys (post-RoPE) and values: this call's tokens, and those
+            of a recent window kept dense (N may differ from S).
+        slots: (N,) int, their slots, distinct and < kv_len; -1 marks an unused entry (see :func:`exact_slots`).
         attn_mask: broadcastable to (B, H, S, kv_len), bool (True = attend) or additive float, or None.
         scale: score scale.
         kv_len: slots attended, 1 <= kv_len <= S_max.
         k_fmt, v_fmt: the latents' storage formats (see :func:`unpack_latent_ref`).
     Returns:
-        (B, H, S, D) q.dtype, fp32 accumulation. With ``w`` the softmax weights, past slots contribute
+        (B, H, S, D) q.dtype, fp32 accumulation. With ``w`` the softmax weights, latent slots contribute
         ``(w_past @ latent_v_h) @ basis_v_block[h, :, :r_h]^T`` (value absorption: the dense values are never
-        formed) and the current call's slots contribute ``w_new @ new_v``.
+        formed) and the exact tokens' slots contribute ``w_exact @ new_v``.
     """
     b, h, s, d = q.shape
-    idx = slots.long()
+    _, idx, taken = exact_slots(slots, kv_len)
     k = _rebuild(latent_k[:, :kv_len], basis_k_block, k_offsets, cos_table, sin_table, slot_pos[:, :kv_len],
                  rope_form, rotary_dim, k_fmt)
+    k = _pad_slot(k, 2)  # the scratch slot of unused entries: masked out below
     k[:, :, idx] = new_k.float()
-    w = _attention_weights(q, k, attn_mask, scale)  # (B, Hkv, H/Hkv, S, kv_len)
+    w = _attention_weights(q, k, _mask_with_scratch(attn_mask, b, h, s, kv_len, q.device), scale)  # (B, Hkv, G, S, kv_len+1)
     zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1], v_fmt)  # (B, Hkv, kv_len, Rv)
-    zv[:, :, idx] = 0.0  # the current call's slots come from new_v below
-    absorbed = torch.einsum("bgrst,bgtk->bgrsk", w, zv)  # (B, Hkv, H/Hkv, S, Rv): per query head, in latent space
+    zv = zv.masked_fill(taken[:, None], 0.0)  # the exact tokens' slots come from new_v below
+    absorbed = torch.einsum("bgrst,bgtk->bgrsk", w[..., :kv_len], zv)  # (B, Hkv, G, S, Rv): per query head
     eq = "bgrsk,bgdk->bgrsd" if basis_v_block.dim() == 4 else "bgrsk,gdk->bgrsd"
     out = torch.einsum(eq, absorbed, basis_v_block.float())
     out = out + torch.einsum("bgrsn,bgnd->bgrsd", w[..., idx], new_v.float())
@@ -456,8 +501,8 @@ def latent_scores_ref(
     Args: as :func:`latent_attention_ref` (``q`` (B, H, S, D), ``latent_k`` (B, S_max, Rk_tot) ...).
     Returns:
         (B, Hkv, S, H/Hkv, kv_len) fp32, contiguous: ``scale * log2(e) * q . k`` with k the rebuilt, rotated key of
-        the slot, plus an additive mask times log2(e); ``-inf`` where a bool mask is False and at the current
-        call's ``slots`` (their exact keys enter in :func:`latent_attention_from_scores_ref`).
+        the slot, plus an additive mask times log2(e); ``-inf`` where a bool mask is False and at the exact
+        tokens' ``slots`` (their exact keys enter in :func:`latent_attention_from_scores_ref`).
     """
     b, h, s, d = q.shape
     k = _rebuild(latent_k[:, :kv_len], basis_k_block, k_offsets, cos_table, sin_table, slot_pos[:, :kv_len],
@@ -466,8 +511,7 @@ def latent_scores_ref(
     g = h // hkv
     sc = torch.einsum("bgrsd,bgtd->bgsrt", q.float().reshape(b, hkv, g, s, d), k) * (scale * LOG2E)
     sc = _mask_scores(sc, attn_mask, None, b, hkv, g, s, kv_len)
-    sc[..., slots.long()] = float("-inf")
-    return sc.contiguous()
+    return sc.masked_fill(exact_slots(slots, kv_len)[2], float("-inf")).contiguous()
 
 
 def latent_attention_from_scores_ref(
@@ -498,16 +542,17 @@ def latent_attention_from_scores_ref(
     b, h, s, d = q.shape
     hkv = new_k.shape[1]
     g = h // hkv
-    idx = slots.long()
+    valid, idx, taken = exact_slots(slots, kv_len)
     s_new = torch.einsum("bgrsd,bgnd->bgsrn", q.float().reshape(b, hkv, g, s, d), new_k.float()) * (scale * LOG2E)
-    s_new = _mask_scores(s_new, attn_mask, idx, b, hkv, g, s, kv_len)
+    s_new = _mask_scores(s_new, attn_mask, torch.where(valid, idx, 0), b, hkv, g, s, kv_len)
+    s_new = s_new.masked_fill(~valid, float("-inf"))
     allsc = torch.cat((scores.float(), s_new), dim=-1)
     mx = allsc.amax(dim=-1, keepdim=True)
     w = torch.exp2(allsc - torch.where(torch.isneginf(mx), 0.0, mx))
     l = w.sum(dim=-1, keepdim=True)
     w = torch.where(l > 0, w / torch.where(l > 0, l, 1.0), 0.0)
     zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1], v_fmt)  # (B, Hkv, T, Rv)
-    zv[:, :, idx] = 0.0  # never attended (-inf); zeroed so that stale rows cannot turn 0 * x into NaN
+    zv = zv.masked_fill(taken[:, None], 0.0)  # never attended (-inf); zeroed so that stale rows cannot make NaN
     absorbed = torch.einsum("bgsrt,bgtk->bgsrk", w[..., :kv_len], zv)
     eq = "bgsrk,bgdk->bgsrd" if basis_v_block.dim() == 4 else "bgsrk,gdk->bgsrd"
     out = torch.einsum(eq, absorbed, basis_v_block.float())

@@ -101,9 +101,9 @@ _SOURCE = r'''
     offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs < KV_LEN
     is_new = offs < 0
-    for j0 in range(0, S_Q, 16):  # the current call's slots are scored exactly later (ckvp::latent_attention_from_scores)
+    for j0 in range(0, N_EXACT, 16):  # exact tokens' slots: scored later (ckvp::latent_attention_from_scores)
         sj = j0 + tl.arange(0, 16)
-        sl = tl.load(SLOTS + sj, mask=sj < S_Q, other=-1)
+        sl = tl.load(SLOTS + sj, mask=sj < N_EXACT, other=-1)
         is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
     col_ok = row_ok & ~is_new
     scores = _tile_scores(
@@ -200,14 +200,14 @@ def _mask_meta(attn_mask: Any, b: int, h: int, s: int, kv_len: int) -> dict[str,
 
 
 def _index_inputs(s: int) -> dict[int, Any]:
-    """input_gen_fns for autotuning: slot positions (input 5) all 0 and the current call's slots (input 6) 0..S-1,
+    """input_gen_fns for autotuning: slot positions (input 5) all 0 and the exact tokens' slots (input 6) 0..N-1,
     valid indices for the RoPE tables and the context (random integers would index out of bounds)."""
 
     def positions(node: Any) -> torch.Tensor:
         return torch.zeros([int(x) for x in node.get_size()], dtype=node.get_dtype(), device=node.get_device())
 
     def slots(node: Any) -> torch.Tensor:
-        return torch.arange(s, dtype=node.get_dtype(), device=node.get_device())
+        return torch.arange(int(node.get_size()[0]), dtype=node.get_dtype(), device=node.get_device())
 
     return {5: positions, 6: slots}
 
@@ -252,7 +252,8 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
     cfg = _api.config
     autotune = bool(cfg.max_autotune or cfg.max_autotune_gemm)
     meta_common = dict(
-        HKV=hkv, G=g, G_PAD=lat._np2(g), G_LOOP=lat._np2(g, 1), S_Q=s, BH=b * hkv, KV_LEN=kv_len, D=d,
+        HKV=hkv, G=g, G_PAD=lat._np2(g), G_LOOP=lat._np2(g, 1), S_Q=s, N_EXACT=int(ins[6].get_size()[0]),
+        BH=b * hkv, KV_LEN=kv_len, D=d,
         HALF_VAL=half, HALF=lat._np2(half), REST=lat._np2(d - rd), HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope,
         RK_MAX=rk_max, RK_PAD=rk_pad, QK_SCALE=float(scale) * math.log2(math.e), K_RANK=rank,
         K_HEAD_COLS=cb, K_HEAD_BLOCKS=nb, K_SCALE_BASE=scale_base, K_MIN_BASE=min_base, K_BITS=kf.bits,

@@ -22,7 +22,7 @@ messages), plus the scores' shape.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -32,16 +32,16 @@ from .latent_kv import _check_latent_attention, _expect_shape, _fail, _shape
 __all__ = ["OPS", "latent_attention_from_scores", "latent_scores"]
 
 
-def _stand_in(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """A (B, Hkv, S, D) tensor like the new keys, for the shared checks (never read; one element, expanded)."""
-    b, _, s, d = q.shape
-    return q.new_empty(()).expand(b, hkv, s, d)
+def _stand_in(q: torch.Tensor, hkv: int, n: Any) -> torch.Tensor:
+    """A (B, Hkv, N, D) tensor like the exact keys, for the shared checks (never read; one element, expanded)."""
+    b, _, _, d = q.shape
+    return q.new_empty(()).expand(b, hkv, n, d)
 
 
 def _check_scores_args(q, latent_k, basis_k_block, k_offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
                        slots, attn_mask, scale, kv_len, k_fmt) -> None:
     hkv = basis_k_block.shape[-3] if basis_k_block.dim() >= 3 else 1
-    nk = _stand_in(q, hkv) if q.dim() == 4 else q
+    nk = _stand_in(q, hkv, slots.shape[0]) if q.dim() == 4 and slots.dim() == 1 else q
     _check_latent_attention(q, latent_k, latent_k, basis_k_block, basis_k_block, k_offsets, k_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, nk, nk, slots, attn_mask, scale, kv_len, k_fmt,
                             k_fmt)
@@ -76,11 +76,12 @@ def latent_scores(q: torch.Tensor, latent_k: torch.Tensor, basis_k_block: torch.
     Args: the key-side arguments of :func:`ckvp_compile.ops.latent_kv.latent_attention` (same shapes and dtypes):
         q (B, H, S, D) float post-RoPE queries, latent_k (B, S_max, Rk_tot) float or uint8 rows of ``k_fmt``,
         basis_k_block (Hkv, D, Rk_max) or per-sequence (B, Hkv, D, Rk_max), k_offsets (Hkv+1 ints), the RoPE
-        tables and slot positions, slots (S,) of the current call, attn_mask broadcastable to (B, H, S, kv_len),
+        tables and slot positions, slots (N,) of the exact tokens (-1: unused), attn_mask broadcastable to
+        (B, H, S, kv_len),
         scale, kv_len.
     Returns:
         (B, Hkv, S, H/Hkv, kv_len) fp32, contiguous: ``scale * log2(e) * q.k`` plus an additive mask times log2(e)
-        (log2 units); ``-inf`` where a bool mask is False and at the current call's ``slots``.
+        (log2 units); ``-inf`` where a bool mask is False and at the exact tokens' ``slots``.
     Raises:
         CKVPShapeError: a shape, dtype, device, RoPE or mask argument does not match.
     Reference: kernels/reference.py::latent_scores_ref
@@ -111,7 +112,7 @@ def latent_attention_from_scores(scores: torch.Tensor, q: torch.Tensor, latent_v
                                  basis_v_block: torch.Tensor, v_offsets: Sequence[int], new_k: torch.Tensor,
                                  new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None,
                                  scale: float, kv_len: int, v_fmt: str = "float") -> torch.Tensor:
-    """Softmax over ``scores`` and the current call's exact keys, then values: the value pass of
+    """Softmax over ``scores`` and the exact tokens' keys, then values: the value pass of
     ``ckvp::latent_attention``.
 
     Args:
@@ -119,8 +120,8 @@ def latent_attention_from_scores(scores: torch.Tensor, q: torch.Tensor, latent_v
         q, latent_v, basis_v_block, v_offsets, new_k, new_v, slots, attn_mask, scale, kv_len, v_fmt: as
             :func:`ckvp_compile.ops.latent_kv.latent_attention`.
     Returns:
-        (B, H, S, D) q.dtype, contiguous; past values absorbed in latent space and projected once, new values
-        exact; rows the mask removes entirely are 0.
+        (B, H, S, D) q.dtype, contiguous; latent values absorbed in latent space and projected once, the exact
+        tokens' values exact; rows the mask removes entirely are 0.
     Raises:
         CKVPShapeError: a shape, dtype, device or mask argument does not match.
     Reference: kernels/reference.py::latent_attention_from_scores_ref

@@ -140,19 +140,20 @@ def _check_rope(op: str, form: str, rotary_dim: int, d: Any, cos_table: torch.Te
     _expect_index(op, "slot_pos", slot_pos)
 
 
-def _check_slots(op: str, slots: torch.Tensor) -> Any:
-    _expect_ndim(op, "slots", slots, 1, "(S,)")
+def _check_slots(op: str, slots: torch.Tensor, layout: str = "(S,)") -> Any:
+    _expect_ndim(op, "slots", slots, 1, layout)
     _expect_index(op, "slots", slots)
     return slots.shape[0]
 
 
-def _check_slot_values(op: str, slots: torch.Tensor, s_max: int) -> None:
+def _check_slot_values(op: str, slots: torch.Tensor, s_max: int, unused_ok: bool = False) -> None:
     """Slots beyond the cache mean a context longer than the cache: a clear error on host tensors (on a GPU the
-    check would synchronise every step; there the indexing ops fail with a device-side assert instead)."""
+    check would synchronise every step; there the indexing ops fail with a device-side assert instead).
+    ``unused_ok``: -1 marks an unused exact-token entry (a recent window that is not full yet)."""
     if slots.device.type != "cpu" or slots.numel() == 0:
         return
     lo, hi = int(slots.min()), int(slots.max())
-    if lo < 0 or hi >= s_max:
+    if lo < (-1 if unused_ok else 0) or hi >= s_max:
         raise CKVPShapeError(f"ckvp::{op}: slot {hi if hi >= s_max else lo} is outside the cache's {s_max} slots: the "
                              f"context is longer than the cache. Build it with CKVPStaticCache(max_cache_len=...) at "
                              f"least as long as prompt + new tokens, or call cache.reset() before a new sequence")
@@ -212,10 +213,10 @@ def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table
                               new, slots, fmt="float") -> None:
     op = "latent_reconstruct"
     _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
-    s = _check_slots(op, slots)
+    n = _check_slots(op, slots, "(N,)")
     b, s_max = latent.shape[0], latent.shape[1]
     hkv, d, r_pad = _basis_dims(op, "basis_block", basis_block, b, "Hkv, D, R_max")
-    _expect_shape(op, "new", new, (b, hkv, s, d), "(B, Hkv, S, D) from latent, basis_block and slots")
+    _expect_shape(op, "new", new, (b, hkv, n, d), "(B, Hkv, N, D) from latent, basis_block and slots")
     _check_latent(op, "latent", latent, fmt)
     for name, t in (("basis_block", basis_block), ("new", new)):
         _expect_float(op, name, t)
@@ -245,10 +246,9 @@ def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block,
     _expect_shape(op, "latent_k", latent_k, (b, None, None), "(B, S_max, Rk_tot) with B from q")
     s_max = latent_k.shape[1]
     _expect_shape(op, "latent_v", latent_v, (b, s_max, None), "(B, S_max, Rv_tot) from q and latent_k")
-    if _check_slots(op, slots) != s:
-        _fail(op, f"slots must be (S,) with S = {s} (q.shape[2]), but got {_shape(slots)}")
-    _expect_shape(op, "new_k", new_k, (b, hkv, s, d), "(B, Hkv, S, D) from q and basis_k_block")
-    _expect_shape(op, "new_v", new_v, (b, hkv, s, d), "(B, Hkv, S, D) from q and basis_k_block")
+    n = _check_slots(op, slots, "(N,)")
+    _expect_shape(op, "new_k", new_k, (b, hkv, n, d), "(B, Hkv, N, D) from q, basis_k_block and slots (N,)")
+    _expect_shape(op, "new_v", new_v, (b, hkv, n, d), "(B, Hkv, N, D) from q, basis_k_block and slots (N,)")
     _check_latent(op, "latent_k", latent_k, k_fmt)
     _check_latent(op, "latent_v", latent_v, v_fmt)
     for name, t in (("q", q), ("basis_k_block", basis_k_block), ("basis_v_block", basis_v_block), ("new_k", new_k),
@@ -363,8 +363,9 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
         slot_pos: (B, S_max) int32|int64, each slot's RoPE position (any tensor for 'none').
         rope_form: 'none' (values), 'rotate_half', 'interleaved' or 'complex'.
         rotary_dim: channels rotated, even, <= D (ignored for 'none').
-        new: (B, Hkv, S, D) float, this call's exact tokens (post-RoPE keys, or values).
-        slots: (S,) int32|int64, their slots.
+        new: (B, Hkv, N, D) float, the exact tokens (post-RoPE keys, or values): this call's, and a recent
+            window's when the store keeps one.
+        slots: (N,) int32|int64, their slots; -1 marks an unused entry (kernels.reference.exact_slots).
         fmt: the latent's storage format.
     Returns:
         (B, Hkv, S_max, D) new.dtype, computed in fp32.
@@ -374,7 +375,7 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
     """
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
                               new, slots, fmt)
-    _check_slot_values("latent_reconstruct", slots, latent.shape[1])
+    _check_slot_values("latent_reconstruct", slots, latent.shape[1], unused_ok=True)
     out = ref.latent_reconstruct_ref(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form,
                                      rotary_dim, new, slots, fmt)
     return out.contiguous()  # the fake promises contiguous strides
@@ -412,8 +413,10 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
         k_offsets, v_offsets: Hkv+1 ints each.
         cos_table, sin_table, slot_pos, rope_form, rotary_dim: the keys' RoPE, as in
             :func:`latent_reconstruct`.
-        new_k, new_v: (B, Hkv, S, D) float, this call's exact keys (post-RoPE) and values.
-        slots: (S,) int32|int64, their slots, all < kv_len.
+        new_k, new_v: (B, Hkv, N, D) float, the exact keys (post-RoPE) and values: this call's tokens, and a
+            recent window's when the store keeps one (N may differ from S).
+        slots: (N,) int32|int64, their slots, distinct and < kv_len; -1 marks an unused entry
+            (kernels.reference.exact_slots).
         attn_mask: broadcastable to (B, H, S, kv_len), bool (True = attend) or additive float; None = no mask.
         scale: score scale (1/sqrt(D) for standard attention).
         kv_len: slots attended, 1 <= kv_len <= S_max.
@@ -427,7 +430,7 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
                             k_fmt, v_fmt)
-    _check_slot_values("latent_attention", slots, latent_k.shape[1])
+    _check_slot_values("latent_attention", slots, latent_k.shape[1], unused_ok=True)
     out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
                                    cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
                                    attn_mask, scale, kv_len, k_fmt, v_fmt)

@@ -64,10 +64,15 @@ def _inputs(p: dict):
     # written in place, as the store's ckvp::rope_table_update does
     cos, sin = (torch.zeros(64, w, dtype=dt).copy_(t[:, :w]) for t in (ang.cos(), ang.sin()))
     slot_pos = torch.randint(0, 64, (b, s_max), generator=g, dtype=p["pos_dtype"])
-    slots = torch.randperm(kv_len, generator=g)[:s]
+    # exact tokens: the call's s, plus a recent window's "win" (N != S), "unused" of them marked -1 (a ring not full)
+    n = min(kv_len, s + p.get("win", 0))
+    slots = torch.randperm(kv_len, generator=g)[:n]
+    unused = min(p.get("unused", 0), n)
+    if unused:
+        slots[torch.randperm(n, generator=g)[:unused]] = -1
     q = torch.randn(b, s, h, d, generator=g).to(dt).transpose(1, 2)  # non-contiguous (B, H, S, D)
-    nk = torch.randn(b, hkv, d, s, generator=g).to(dt).transpose(2, 3)
-    nv = torch.randn(b, hkv, s, d, generator=g).to(dt)
+    nk = torch.randn(b, hkv, d, n, generator=g).to(dt).transpose(2, 3)
+    nv = torch.randn(b, hkv, n, d, generator=g).to(dt)
     full = (b, h, s, kv_len)
     shape = {"bhsk": full, "b1sk": (b, 1, s, kv_len), "1hsk": (1, h, s, kv_len), "sk": (s, kv_len),
              "k": (kv_len,)}.get(p["mask_shape"])
@@ -145,7 +150,8 @@ def _check_property(n_examples: int) -> None:
                  mask_shape=draw(st.sampled_from(("bhsk", "b1sk", "1hsk", "sk", "k"))),
                  mask_p=draw(st.sampled_from((0.2, 0.7))),
                  dtype=draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16))),
-                 pos_dtype=draw(st.sampled_from((torch.int32, torch.int64))))
+                 pos_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
+                 win=draw(st.sampled_from((0, 0, 3, 17))), unused=draw(st.sampled_from((0, 0, 1, 2))))
         cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=draw(st.sampled_from((16, 32))),
                            num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
                            hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
@@ -162,6 +168,8 @@ def _check_property(n_examples: int) -> None:
 
 
 def _check_fixed() -> None:
+    import dataclasses
+
     import torch
 
     from ckvp_compile.kernels import reference as ref
@@ -174,6 +182,10 @@ def _check_fixed() -> None:
                 dtype=torch.float32, pos_dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
     _check(base, cfg)  # a rank-0 head on each side
+    # a recent window kept dense: 19 exact tokens for 2 queries, 4 entries unused (-1), one- and two-pass
+    for wcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
+        _check(dict(base, rk=[12, 5], rv=[7, 9], s=2, win=17, unused=4, mask="bool", mask_shape="b1sk"), wcfg)
+        _check(dict(base, rk=[12, 5], rv=[7, 9], s=1, win=8, unused=8, mask="add"), wcfg)  # only -1 besides one
     _check(dict(base, rk=[12, 5], rv=[7, 9], online=True, mask="bool", mask_shape="b1sk"), cfg)  # online bases
     _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
     _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
@@ -206,8 +218,6 @@ def _check_fixed() -> None:
     finally:
         lat_mod.MAX_SCORES_BYTES = saved
     # tables with one angle per pair (HF's layout), declared so by the caller: the kernel loads half of them
-    import dataclasses
-
     from ckvp_compile.kernels.latent_attention_triton import rope_tables_paired
 
     paired_cfg = dataclasses.replace(cfg, paired_tables=True)

@@ -106,8 +106,8 @@ def _check_template(p: dict, block_n: int, block_r: int, fma: bool) -> None:
     rk_pad = lat._np2(bk.shape[-1])
     block_r = min(block_r, rk_pad)
     meta = dict(
-        num_stages=1, num_warps=1, HKV=hkv, G=g, G_PAD=lat._np2(g), G_LOOP=lat._np2(g, 1), S_Q=s, BH=b * hkv,
-        KV_LEN=kv, D=d, HALF_VAL=rdim // 2, HALF=lat._np2(rdim // 2), REST=lat._np2(d - rdim), HAS_ROT=rope != 0,
+        num_stages=1, num_warps=1, HKV=hkv, G=g, G_PAD=lat._np2(g), G_LOOP=lat._np2(g, 1), S_Q=s, N_EXACT=sl.shape[0],
+        BH=b * hkv, KV_LEN=kv, D=d, HALF_VAL=rdim // 2, HALF=lat._np2(rdim // 2), REST=lat._np2(d - rdim), HAS_ROT=rope != 0,
         HAS_REST=d > rdim, ROPE=rope, RK_MAX=bk.shape[-1], RK_PAD=rk_pad, QK_SCALE=sc * math.log2(math.e),
         K_RANK=rank, K_HEAD_COLS=cb, K_HEAD_BLOCKS=nb, K_SCALE_BASE=scale_base,
         K_MIN_BASE=scale_base + 2 * f.num_blocks(ko) if f.quantized else 0, K_BITS=f.bits, K_QBLOCK=max(f.block, 1),
@@ -149,7 +149,8 @@ def _check_templates(n_examples: int) -> None:
                   d=d, kv_len=kv_len, s=s, rk=[r] * hkv, rv=[4] * hkv,
                   kfmt=draw(st.sampled_from(("float", "int8/8", "int4/32", "mxint8/8", "mxint4/32", "int2/8"))),
                   rope=rope, rd=rd, mask=draw(st.sampled_from((None, "bool", "add"))),
-                  mask_shape=draw(st.sampled_from(("bhsk", "b1sk", "1hsk", "sk"))))
+                  mask_shape=draw(st.sampled_from(("bhsk", "b1sk", "1hsk", "sk"))),
+                  win=draw(st.sampled_from((0, 5, 20))), unused=draw(st.sampled_from((0, 2))))
         return p, draw(st.sampled_from((16, 32))), draw(st.sampled_from((8, 16, 32))), draw(st.booleans())
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)

@@ -275,9 +275,10 @@ def test_rope_table_update_writes_positions_per_sequence():
 
 
 def _attention_case(*, b, h, hkv, d, g, s_max, n_past, n_new, kv_len, form, rotary_dim, k_ranks, v_ranks,
-                    mask_kind, j=0, q_dtype=torch.float32):
+                    mask_kind, j=0, q_dtype=torch.float32, n_win=0, n_unused=0):
     """Run a prefill + current call through the ops; return (latent_attention output, SDPA over the
-    reconstructed dense K/V)."""
+    reconstructed dense K/V). ``n_win`` past slots are exact too (a recent window kept dense), and ``n_unused``
+    exact-token entries are -1 (unused ring entries, with garbage values that must not count)."""
     kg = Group(b=b, hkv=hkv, g=g, d=d, s_max=s_max, ranks=k_ranks, r_pad=max(k_ranks) + 1, form=form,
                rotary_dim=rotary_dim)
     vg = Group(b=b, hkv=hkv, g=g, d=d, s_max=s_max, ranks=v_ranks, r_pad=max(v_ranks), form="none", rotary_dim=0)
@@ -289,6 +290,12 @@ def _attention_case(*, b, h, hkv, d, g, s_max, n_past, n_new, kv_len, form, rota
     kg.latent[:, kv_len:] = float("nan")  # beyond kv_len: never read
     vg.latent[:, kv_len:] = float("nan")
     new_k, new_v = kg.dense(j)[:, :, slots], vg.x[:, :, slots, j * d : (j + 1) * d]
+    n_win = min(n_win, n_past)
+    if n_win or n_unused:
+        win = torch.randperm(n_past)[:n_win]
+        slots = torch.cat((win, torch.full((n_unused,), -1), slots))
+        new_k = torch.cat((torch.randn(b, hkv, n_win + n_unused, d), new_k), 2)
+        new_v = torch.cat((torch.randn(b, hkv, n_win + n_unused, d), new_v), 2)
     q = torch.randn(b, h, n_new, d).to(q_dtype)
     scale = 0.7 / math.sqrt(d)
     # left padding + causal: query i (slot n_past + i) attends to slots [pad_b, n_past + i]
@@ -305,8 +312,9 @@ def _attention_case(*, b, h, hkv, d, g, s_max, n_past, n_new, kv_len, form, rota
     got = OPS.latent_attention(q, kg.latent, vg.latent, kg.block(j), vg.block(j), kg.offsets, vg.offsets,
                                kg.cos_table, kg.sin_table, kg.slot_pos, form, rotary_dim, new_k, new_v, slots, mask,
                                scale, kv_len)
-    k_dense = kg.reconstruct(j, new_k, slots)[:, :, :kv_len]
-    v_dense = vg.reconstruct(j, new_v, slots)[:, :, :kv_len]
+    used = slots >= 0  # the oracle drops unused entries on the host (the ops must ignore them on their own)
+    k_dense = kg.reconstruct(j, new_k[:, :, used], slots[used])[:, :, :kv_len]
+    v_dense = vg.reconstruct(j, new_v[:, :, used], slots[used])[:, :, :kv_len]
     n_rep = h // hkv
     want = F.scaled_dot_product_attention(q.float(), k_dense.repeat_interleave(n_rep, 1),
                                           v_dense.repeat_interleave(n_rep, 1), attn_mask=mask, scale=scale)
@@ -331,7 +339,8 @@ def test_latent_attention_equals_sdpa_over_reconstruction(data):
         b=data.draw(st.integers(1, 3)), h=h, hkv=hkv, d=d, g=g, s_max=s_max, n_past=n_past, n_new=n_new,
         kv_len=kv_len, form=form, rotary_dim=rotary_dim, k_ranks=k_ranks, v_ranks=v_ranks,
         mask_kind=data.draw(st.sampled_from(("none", "bool", "bool_bh", "bool_2d", "float"))),
-        j=data.draw(st.integers(0, g - 1)))
+        j=data.draw(st.integers(0, g - 1)), n_win=data.draw(st.sampled_from((0, 1, 5))),
+        n_unused=data.draw(st.sampled_from((0, 2))))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
