@@ -294,6 +294,8 @@ class _StoreArgs:
         self.names = list(plan.extra_inputs)
         self.index = plan.store_input_index
         self.groups = [gr.group for gr in plan.groups]
+        #: per rewritten group, its layers in site order (their recent-window rings follow the group's tensors)
+        self.layers = [[site.layer for site in gr.sites] for gr in plan.groups]
         self.layout = plan.store.layout()
         self.fits_online_bases = plan.fits_online_bases
         #: (P_max, W) of the RoPE tables the graph was compiled with (None: a model without RoPE)
@@ -306,10 +308,13 @@ class _StoreArgs:
         elif store.rope_cos is None:  # a model without RoPE: the tables are unused, give empty ones
             store.ensure_rope_tables(1, 1)
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
-        for g in self.groups:
+        for g, layers in zip(self.groups, self.layers):
             out += [store.latent_k[g], store.latent_v[g], store.basis_k[g], store.basis_v[g]]
             if getattr(store, "residual_format", ""):  # ALR-KVD residual rows (the pass adds them after the bases)
                 out += [store.resid_k[g], store.resid_v[g]]
+            if getattr(store, "recent_window", 0):  # the dense recent window's ring of each layer, site order
+                for layer in layers:
+                    out += [store.window_k[layer], store.window_v[layer], store.window_slots[layer]]
         assert len(out) == len(self.names), (self.names, len(out))  # internal: pass and wrapper agree
         return out
 

@@ -277,6 +277,30 @@ def exact_slots(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.
     return valid, idx, taken[:n_slots]
 
 
+def window_append_ref(window_k: torch.Tensor, window_v: torch.Tensor, window_slots: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write a call's tokens into a layer's dense recent-window ring, in place, without a host synchronisation.
+
+    Args:
+        window_k, window_v: (B, Hkv, W, D) float, the ring: entry ``slot % W`` holds the token of that slot.
+        window_slots: (W,) int64, each entry's slot (-1: empty).
+        k, v: (B, Hkv, S, D) float, the call's exact post-RoPE keys and values.
+        slots: (S,) int, their slots. Only the last ``min(S, W)`` are kept (the most recent ones, when the slots
+            increase as a static cache writes them); those must be distinct modulo W (consecutive slots are).
+    Returns:
+        None. Entries of older tokens stay until a later slot of the same residue replaces them; attention keeps
+        only entries below the current call's first slot (see the ``recent_window`` rewrite in
+        ``passes/latent_kv_cache.py``), so a rewound sequence never reads the tokens it abandoned.
+    """
+    w = window_k.shape[2]
+    n = min(w, slots.shape[0])
+    last = slots[slots.shape[0] - n:].long()
+    ring = torch.remainder(last, w)
+    window_k[:, :, ring] = k[:, :, k.shape[2] - n:].to(window_k.dtype)
+    window_v[:, :, ring] = v[:, :, v.shape[2] - n:].to(window_v.dtype)
+    window_slots[ring] = last
+
+
 def _pad_slot(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` with one zero slot appended along ``dim`` (the scratch slot of :func:`exact_slots`)."""
     shape = list(x.shape)

@@ -85,7 +85,7 @@ def latent_reconstruct_residual_ref(latent: torch.Tensor, basis_block: torch.Ten
     Returns:
         (B, Hkv, S_max, D) new.dtype: ``RoPE(P_j z + e_j)`` per head and slot, slots ``slots`` replaced by ``new``.
     """
-    from .reference import apply_rope_ref, unpack_latent_ref
+    from .reference import apply_rope_ref, exact_slots, unpack_latent_ref
 
     b, s_max = latent.shape[0], latent.shape[1]
     hkv, d = basis_block.shape[-3], basis_block.shape[-2]
@@ -97,5 +97,7 @@ def latent_reconstruct_residual_ref(latent: torch.Tensor, basis_block: torch.Ten
         pos = slot_pos.long()
         pre = apply_rope_ref(pre, cos_table.float()[pos][:, None], sin_table.float()[pos][:, None], rope_form,
                              rotary_dim)
-    pre[:, :, slots.long()] = new.float()
-    return pre.to(new.dtype)
+    _, idx, _ = exact_slots(slots, pre.shape[2])  # -1: an unused entry (a recent window not full yet)
+    pre = torch.cat((pre, pre.new_zeros(*pre.shape[:2], 1, pre.shape[3])), 2)
+    pre[:, :, idx] = new.float()
+    return pre[:, :, :-1].to(new.dtype)

@@ -483,6 +483,54 @@ def _(basis, x, offsets, slots) -> None:
     _check_online_basis_fit(basis, x, offsets, slots)
 
 
+def _check_window_append(window_k, window_v, window_slots, k, v, slots) -> None:
+    op = "window_append"
+    _expect_ndim(op, "window_k", window_k, 4, "(B, Hkv, W, D)")
+    b, hkv, w, d = window_k.shape
+    _expect_shape(op, "window_v", window_v, (b, hkv, w, d), "(B, Hkv, W, D) as window_k")
+    _expect_shape(op, "window_slots", window_slots, (w,), "(W,) from window_k")
+    s = _check_slots(op, slots)
+    for name, t in (("k", k), ("v", v)):
+        _expect_shape(op, name, t, (b, hkv, s, d), "(B, Hkv, S, D) from window_k and slots")
+        _expect_float(op, name, t)
+    _expect_float(op, "window_k", window_k)
+    _expect_float(op, "window_v", window_v)
+    if window_slots.dtype != torch.int64:
+        _fail(op, f"window_slots must be int64, but got {window_slots.dtype}")
+    _expect_same_device(op, window_k=window_k, window_v=window_v, window_slots=window_slots, k=k, v=v, slots=slots)
+
+
+@torch.library.custom_op("ckvp::window_append", mutates_args=("window_k", "window_v", "window_slots"),
+                         schema="(Tensor(a!) window_k, Tensor(b!) window_v, Tensor(c!) window_slots, Tensor k, "
+                                "Tensor v, Tensor slots) -> ()")
+def window_append(window_k: torch.Tensor, window_v: torch.Tensor, window_slots: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Keep a call's most recent tokens exact: write them into a layer's dense recent-window ring (in place).
+
+    Args:
+        window_k, window_v: (B, Hkv, W, D) float, the ring (``LatentKVStore(recent_window=W)``); entry
+            ``slot % W`` holds that slot's post-RoPE key / value.
+        window_slots: (W,) int64, each entry's slot (-1: empty).
+        k, v: (B, Hkv, S, D) float, the call's exact post-RoPE keys and values.
+        slots: (S,) int32|int64, their slots; the last min(S, W) are kept (distinct modulo W).
+    Returns:
+        None; see :func:`~ckvp_compile.kernels.reference.window_append_ref` (plain indexing: no host sync, so it
+        runs inside CUDA graphs on any device).
+    Raises:
+        CKVPShapeError: a shape, dtype or device does not match the layout above.
+    Reference: kernels/reference.py::window_append_ref; the dense recent window of KIVI (Liu et al., 2024,
+    arXiv:2402.02750).
+    """
+    _check_window_append(window_k, window_v, window_slots, k, v, slots)
+    _check_slot_values("window_append", slots, 2**62)
+    ref.window_append_ref(window_k, window_v, window_slots, k, v, slots)
+
+
+@window_append.register_fake
+def _(window_k, window_v, window_slots, k, v, slots) -> None:
+    _check_window_append(window_k, window_v, window_slots, k, v, slots)
+
+
 # ----------------------------------------------------------------------------------------- ALR-KVD residual
 
 
@@ -604,6 +652,7 @@ def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, r
 
 #: The ops this module defines, by name.
 OPS = {
+    "window_append": window_append,
     "residual_append": residual_append,
     "latent_reconstruct_residual": latent_reconstruct_residual,
     "online_basis_fit": online_basis_fit,

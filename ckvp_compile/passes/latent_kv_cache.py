@@ -27,6 +27,17 @@ in place: a store tensor read after its functionalized write is cloned whole eve
 :class:`~ckvp_compile.passes.store_write_order.StoreWriteOrderPass` keeps that order through Inductor's own
 reordering of the functional graph.
 
+With a dense recent window (``LatentKVStore(recent_window=W)``), each layer l also reads its ring of the last W
+tokens' exact keys and values, and the exact tokens of every op above become the ring's entries (those below the
+call's first slot; the others are marked unused, -1) followed by the call's own::
+
+    k_ex = cat([window_k[l], k_rot], 2)     slots_ex = cat([where(window_slots[l] < min(slots), window_slots[l], -1),
+    v_ex = cat([window_v[l], v], 2)                         slots])
+    ckvp.latent_reconstruct(..., k_ex, slots_ex) / ckvp.latent_attention(..., k_ex, v_ex, slots_ex, ...)
+
+and after the group's appends, ``ckvp.window_append(window_k[l], window_v[l], window_slots[l], k_rot, v, slots)``
+(after every read of the ring, as the other store writes).
+
 ``k_pre`` is the layer's pre-RoPE key (the analysis' ``rope.k_in``): the latent is projected from pre-RoPE
 keys (DESIGN.md, "CKVP in numbers"), and RoPE is re-applied at each cached slot's own position when keys
 are rebuilt. Tokens of the current call are attended exactly (``k_rot``/``v`` overwrite their slots); past
@@ -134,11 +145,16 @@ class LatentKVCachePass(CKVPPass):
                 res_k, res_v = inputs.add(f"ckvp_resid_k_{g}"), inputs.add(f"ckvp_resid_v_{g}")
             k_pre_nodes, v_nodes, last_write = [], [], None
             readers: list[fx.Node | None] = []  # the latent_attention nodes: the append goes after them
+            windows: list[tuple[fx.Node, ...]] = []  # per site: (window k, v, slots inputs, k_rot, v, slots)
             for j, site in enumerate(gr.sites):
                 d = site.head_dim
                 form = site.rope.form if site.rope is not None else "none"
                 rd = site.rope.rotary_dim if site.rope is not None else 0
                 recons: dict[str, tuple[fx.Node, fx.Node, fx.Node, fx.Node]] = {}
+                ring = None
+                if store.recent_window:  # this layer's dense recent window (backend._StoreArgs agrees on the order)
+                    ring = tuple(inputs.add(f"ckvp_window_{x}_{site.layer}") for x in ("k", "v", "slots"))
+                    written: dict[str, fx.Node] = {}
                 for kind, write, latent, basis, offsets, rope, fmt, resid in (
                     ("k", site.k_cache, lat_k, bas_k, store.k_offsets[g], form, store.k_formats[g], res_k),
                     ("v", site.v_cache, lat_v, bas_v, store.v_offsets[g], "none", store.v_formats[g], res_v),
@@ -146,7 +162,12 @@ class LatentKVCachePass(CKVPPass):
                     w, cache, value = nodes[write.write_node], nodes[write.cache_node], nodes[write.value_node]
                     slots = nodes[write.position_node]
                     rows = (slice(None),) * (2 if store.online else 1) + (slice(j * d, (j + 1) * d), slice(None))
-                    with graph.inserting_after(w):
+                    after = w
+                    if ring is not None:  # exact tokens: the ring's (older slots only), then this call's
+                        written[kind] = value
+                        after, value, slots = _with_window(graph, w, ring[0 if kind == "k" else 1], ring[2], value,
+                                                           slots)
+                    with graph.inserting_after(after):
                         block = graph.call_function(operator.getitem, (basis, rows))
                     args = (latent, block, offsets, rope_cos, rope_sin, slot_pos, rope, rd if rope != "none" else 0,
                             value, slots, fmt)
@@ -170,9 +191,12 @@ class LatentKVCachePass(CKVPPass):
                     recons[kind] = (recon, block, value, slots)
                     last_write = recon if last_write is None or order[recon] > order[last_write] else last_write
                     if kind == "k":
-                        k_pre_nodes.append(_as_bhsd(graph, nodes[site.rope.k_in] if site.rope else value, site, recon))
+                        k_pre_nodes.append(_as_bhsd(graph, nodes[site.rope.k_in] if site.rope else
+                                                    nodes[write.value_node], site, recon))
                     else:
-                        v_nodes.append(value)
+                        v_nodes.append(nodes[write.value_node])
+                if ring is not None:
+                    windows.append((*ring, written["k"], written["v"], nodes[site.k_cache.position_node]))
                 if store.residual_format:
                     self.notes[site.layer] = ("the store holds an ALR-KVD residual, which ckvp.latent_attention does "
                                               "not read: reconstruct (with the residual) + the model's attention")
@@ -216,6 +240,9 @@ class LatentKVCachePass(CKVPPass):
                         av = graph.call_function(torch.ops.ckvp.residual_append.default,
                                                  (res, lat, x, bas, offsets, slots, fmt, store.residual_format,
                                                   len(store.groups[g])))
+            for wk, wv, ws, k_rot, v, w_slots in windows:  # after every read of the rings (the group's attention)
+                with graph.inserting_after(av):
+                    av = graph.call_function(torch.ops.ckvp.window_append.default, (wk, wv, ws, k_rot, v, w_slots))
             group_ends.append((av, slots))
         if cos_n is not None:  # one write of the tables per graph: after every group's reads, with the same values
             position = {n: i for i, n in enumerate(graph.nodes)}
@@ -386,6 +413,25 @@ def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
             if n in (block_k, block_v, new_k, new_v, slots):
                 break
     return "", out
+
+
+def _with_window(graph: fx.Graph, after: fx.Node, ring: fx.Node, ring_slots: fx.Node, value: fx.Node,
+                 slots: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """The exact tokens of a layer with a dense recent window, inserted after ``after``: ``cat(ring, value)``
+    (B, Hkv, W+S, D) and their slots ``cat(where(ring_slots < min(slots), ring_slots, -1), slots)`` (W+S,); ring
+    entries at or past the call's first slot are its own tokens or abandoned ones (a rewound sequence) and are
+    marked unused. Returns (the last node inserted, exact values, exact slots)."""
+    with graph.inserting_after(after):
+        first = graph.call_method("min", (slots,))
+    with graph.inserting_after(first):
+        keep = graph.call_function(operator.lt, (ring_slots, first))
+    with graph.inserting_after(keep):
+        older = graph.call_function(torch.where, (keep, ring_slots, -1))
+    with graph.inserting_after(older):
+        ex_slots = graph.call_function(torch.cat, ((older, slots),))
+    with graph.inserting_after(ex_slots):
+        ex = graph.call_function(torch.cat, ((ring, value), 2))
+    return ex, ex, ex_slots
 
 
 class _StoreInputs:

@@ -63,8 +63,11 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
             their bytes, see :class:`~ckvp_compile.runtime.store.LatentKVStore`).
         residual_format: '' (default, none) or the ALR-KVD residual's quantized format, e.g. ``"int2/64"``
             (:mod:`ckvp_compile.kernels.residual`).
+        recent_window: keep the keys and values of the last ``recent_window`` tokens exact (dense) beside the
+            latent (default 0: none); see :class:`~ckvp_compile.runtime.store.LatentKVStore`.
     Raises:
-        CKVPConfigError: the bases do not match the model's layers, KV heads or head dim; an unknown format.
+        CKVPConfigError: the bases do not match the model's layers, KV heads or head dim; an unknown format; a
+            recent_window outside [0, max_cache_len).
         CKVPError: (when used) any eager use; compile the model with ``backend="ckvp"``.
     Notes:
         Memory: ``self.store.nbytes()`` (latents + slot positions per sequence; bases and RoPE tables once).
@@ -73,7 +76,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
     def __init__(self, config: Any, bases: Any, max_cache_len: int, max_batch_size: int = 1,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  latent_format: str | tuple[str, str] = "auto", latent_dtype: torch.dtype | None = None,
-                 basis_dtype: torch.dtype | None = None, residual_format: str = "") -> None:
+                 basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0) -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -88,7 +91,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"(cache_implementation='static') with backend='ckvp', or a model without a sliding window.")
         k_format, v_format = _formats(latent_format)
         self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
-                                   latent_dtype, basis_dtype, residual_format)
+                                   latent_dtype, basis_dtype, residual_format, recent_window)
         for i, layer in enumerate(self.layers):
             probe = torch.empty(max_batch_size, num_kv, 0, head_dim, device=device, dtype=dtype)
             layer.lazy_initialization(probe, probe)  # sets shapes, device, counters (allocates dense: freed below)
@@ -138,7 +141,7 @@ def _formats(latent_format: str | tuple[str, str]) -> tuple[str, str]:
 
 def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tuple[str, str] = "auto",
                      latent_dtype: torch.dtype | None = None,
-                     basis_dtype: torch.dtype | None = None) -> LatentKVStore:
+                     basis_dtype: torch.dtype | None = None, recent_window: int = 0) -> LatentKVStore:
     """Replace a gpt-fast-style model's per-layer ``k_cache`` / ``v_cache`` buffers by latent-store phantoms.
 
     Call after the model's ``setup_caches(max_batch_size, max_seq_length)``. Buffers are found as pairs of
@@ -148,7 +151,7 @@ def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tu
     Args:
         model: the model (its caches already set up).
         bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for it.
-        latent_format, latent_dtype, basis_dtype: as for :class:`CKVPStaticCache`.
+        latent_format, latent_dtype, basis_dtype, recent_window: as for :class:`CKVPStaticCache`.
     Returns:
         The :class:`LatentKVStore` now holding the model's KV state (``store.reset()`` starts over); each
         cache module keeps it as ``ckvp_store``.
@@ -162,7 +165,7 @@ def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tu
     b, hkv, s, d = caches[0].k_cache.shape
     _check_bases(bases, len(caches), hkv, d)
     store = LatentKVStore(bases, b, s, caches[0].k_cache.device, caches[0].k_cache.dtype, *_formats(latent_format),
-                          latent_dtype, basis_dtype)
+                          latent_dtype, basis_dtype, recent_window=recent_window)
     for i, m in enumerate(caches):
         m.k_cache = store.phantom(i, "k")
         m.v_cache = store.phantom(i, "v")

@@ -29,6 +29,13 @@ reads the store instead. Anything else that touches a phantom fails loudly: an i
 and a read yields NaN, never plausible numbers; the cache classes in :mod:`ckvp_compile.runtime.hf_cache`
 raise a :class:`CKVPError` before either can happen in eager code.
 
+With ``recent_window=W > 0`` the store also keeps, per layer l, the exact (dense) keys and values of the W most
+recent tokens in a ring: ``window_k[l]`` / ``window_v[l]`` (B, Hkv, W, D) in the model's dtype (post-RoPE keys)
+and ``window_slots[l]`` (W,) int64, the cache slot each ring entry holds (entry ``slot % W``; -1 = empty). Attention
+reads those tokens exactly and only older ones from the latent: the recent tokens, which carry most of the
+attention mass of a decode step, lose nothing to compression (the "dense recent window" of KIVI, arXiv:2402.02750,
+and of xKV's serving setup), for ``2 * L * Hkv * W * D`` extra elements per sequence, independent of the context.
+
 Memory accounting (:meth:`LatentKVStore.nbytes`) separates per-sequence state (latents, slot positions),
 which is what the KV compression ratio counts, from model constants (bases, RoPE tables), which do not grow
 with batch or context and are reported beside it.
@@ -60,6 +67,7 @@ class StoreBytes:
         dense_elements: their element count (for :meth:`ratio_vs` another dense dtype).
         online_bases: the bases are per sequence (fitted at each prefill), so they are per-sequence state.
         residual: ALR-KVD residual rows (per sequence; 0 without a residual).
+        window: the dense recent window's keys, values and ring slots (per sequence; 0 without a window).
     """
 
     latent: int
@@ -70,12 +78,14 @@ class StoreBytes:
     dense_elements: int = 0
     online_bases: bool = False
     residual: int = 0
+    window: int = 0
 
     @property
     def per_sequence_state(self) -> int:
-        """Bytes that scale with the batch (and context): latents, ALR-KVD residuals and slot positions, plus the
-        bases when they are online (per sequence)."""
-        return self.latent + self.residual + self.slot_positions + (self.bases if self.online_bases else 0)
+        """Bytes that scale with the batch (and context): latents, ALR-KVD residuals, the dense recent window and
+        slot positions, plus the bases when they are online (per sequence)."""
+        return (self.latent + self.residual + self.window + self.slot_positions
+                + (self.bases if self.online_bases else 0))
 
     @property
     def ratio(self) -> float:
@@ -116,17 +126,23 @@ class LatentKVStore:
         residual_format: '' (none) or a quantized format (e.g. ``"int2/64"``) for the ALR-KVD residual of keys
             and values (:mod:`ckvp_compile.kernels.residual`): ``resid_k[g]`` / ``resid_v[g]`` (B, S_max, W) uint8.
             The rewrite then attends through reconstruct + SDPA (the fused attention kernel has no residual).
+        recent_window: W, the number of most recent tokens per sequence whose keys and values are kept exact
+            (dense, ``dtype``) beside the latent (default 0: none); see the module docstring. Costs
+            ``2 * layers * Hkv * W * D`` elements per sequence.
     Raises:
-        CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, or a non-float latent_dtype or
-            basis_dtype.
+        CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, a non-float latent_dtype or
+            basis_dtype, or recent_window outside [0, max_cache_len).
     """
 
     def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
                  dtype: torch.dtype, k_format: str = "auto", v_format: str = "auto",
                  latent_dtype: torch.dtype | None = None, basis_dtype: torch.dtype | None = None,
-                 residual_format: str = ""):
+                 residual_format: str = "", recent_window: int = 0):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
+        if not isinstance(recent_window, int) or not 0 <= recent_window < max_cache_len:
+            raise CKVPConfigError(f"recent_window must be an int in [0, max_cache_len = {max_cache_len}), got "
+                                  f"{recent_window!r}; it counts the most recent tokens kept dense (0: none)")
         ngroups = len(bases.groups)
         try:
             kfs = _group_formats(k_format, getattr(bases, "k_formats", ()), ngroups)
@@ -191,6 +207,17 @@ class LatentKVStore:
             for g in self.groups:
                 prepare_device_tables(residual_offsets(len(g), self.num_kv_heads, self.head_dim),
                                       self.residual_format, self.head_dim, self.device)
+        self.recent_window = recent_window
+        #: per layer: the dense recent window's ring (see the module docstring); empty dicts without a window
+        self.window_k: dict[int, torch.Tensor] = {}
+        self.window_v: dict[int, torch.Tensor] = {}
+        self.window_slots: dict[int, torch.Tensor] = {}
+        if recent_window:
+            for layer in (layer for g in self.groups for layer in g):
+                shape = (b, self.num_kv_heads, recent_window, self.head_dim)
+                self.window_k[layer] = torch.zeros(shape, device=self.device, dtype=dtype)
+                self.window_v[layer] = torch.zeros(shape, device=self.device, dtype=dtype)
+                self.window_slots[layer] = torch.full((recent_window,), -1, device=self.device, dtype=torch.int64)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
@@ -211,7 +238,7 @@ class LatentKVStore:
         return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
                 tuple(map(tuple, self.v_offsets)), tuple(self.k_formats), tuple(self.v_formats), self.latent_dtype,
                 self.dtype,
-                str(self.device), self.online, self.basis_dtype, self.residual_format)
+                str(self.device), self.online, self.basis_dtype, self.residual_format, self.recent_window)
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""
@@ -243,10 +270,13 @@ class LatentKVStore:
             self.rope_sin = torch.zeros(p, width, device=self.device, dtype=self.dtype)
 
     def reset(self) -> None:
-        """Forget every sequence (a new ``generate()`` call): zero latents and slot positions (and online bases)
-        in place."""
-        for t in (*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos):
+        """Forget every sequence (a new ``generate()`` call): zero latents and slot positions (and online bases),
+        empty the recent window, in place."""
+        for t in (*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos,
+                  *self.window_k.values(), *self.window_v.values()):
             t.zero_()
+        for t in self.window_slots.values():
+            t.fill_(-1)
         if self.online:
             for t in (*self.basis_k, *self.basis_v):
                 t.zero_()
@@ -254,9 +284,10 @@ class LatentKVStore:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Reorder the B sequences in place (beam search): sequence i takes sequence ``index[i]``'s latents, slot
-        positions (and online bases)."""
+        positions, recent window (and online bases)."""
         idx = index.to(self.device, torch.long)
-        per_sequence = [*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos]
+        per_sequence = [*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos,
+                        *self.window_k.values(), *self.window_v.values()]
         if self.online:
             per_sequence += [*self.basis_k, *self.basis_v]
         for t in per_sequence:
@@ -278,6 +309,7 @@ class LatentKVStore:
             rope_tables=size([self.rope_cos, self.rope_sin]),
             dense_equivalent=dense * torch.empty((), dtype=self.dtype).element_size(),
             dense_elements=dense, online_bases=self.online, residual=size(self.resid_k) + size(self.resid_v),
+            window=size(self.window_k.values()) + size(self.window_v.values()) + size(self.window_slots.values()),
         )
 
 
