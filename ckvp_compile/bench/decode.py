@@ -549,6 +549,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-len", type=int, default=4096,
                    help="cache length (one sequence) the byte ratio is met at, bases counted (as examples/generate.py)")
     g.add_argument("--fixture-dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--recent-window", type=int, default=0,
+                   help="keep the last N tokens' keys and values exact beside the latent (CKVPStaticCache("
+                        "recent_window=N)); their bytes count against the ratio at --budget-len (default 0: none)")
     g.add_argument("--planned-format", default=None,
                    help="--latent-format planned: the bit plan's blocks, mix/<block> or mix/<block>v<value block> "
                         "(as ckvp-bench fidelity's --latent-formats; default mix/32), e.g. mix/32v64")
@@ -596,7 +599,11 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.shape == "fixture":
         if any(r < 1 for r in a.ratios):
             p.error("--ratios must be >= 1")
+        if not 0 <= a.recent_window < a.prompt_len + a.new_tokens:
+            p.error(f"--recent-window must be in [0, --prompt-len + --new-tokens = {a.prompt_len + a.new_tokens})")
         return
+    if a.recent_window:
+        p.error("--recent-window is for --shape fixture")
     try:
         [parse_system(s) for s in a.systems]
     except ValueError as e:

@@ -168,18 +168,20 @@ def run_fixture(args: argparse.Namespace) -> int:
             if fmt == "planned":  # rank and bits per (group, head, K/V) from the planner, stored as 'auto'
                 cfg = FidelityConfig(args.group_size, ratio, args.latent_format, args.planned_format)
                 built = config_bases(cfg, moments, batch_size=1, window=args.budget_len, latent_dtype=kv_dtype,
-                                     dense_dtype=kv_dtype, measure_errors=measure_errors)
+                                     dense_dtype=kv_dtype, measure_errors=measure_errors,
+                                     recent_window=args.recent_window)
                 if built is None:
                     raise CKVPConfigError(f"the planner cannot meet {ratio:g}x at --budget-len {args.budget_len} "
                                           f"(see the log above)")
                 bases, _, planned_label, basis_dtype, _ = built
             else:
                 bases = bases_for_byte_ratio(decomposed, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
-                                             dense_dtype=kv_dtype, latent_dtype=kv_dtype)
+                                             dense_dtype=kv_dtype, latent_dtype=kv_dtype,
+                                             recent_window=args.recent_window)
             store_fmt = "auto" if fmt == "planned" else fmt
             cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
                                     dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,
-                                    basis_dtype=basis_dtype)
+                                    basis_dtype=basis_dtype, recent_window=args.recent_window)
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
             got = [_decode(model, p, args.new_tokens, cache) for p in prompts]
@@ -190,7 +192,7 @@ def run_fixture(args: argparse.Namespace) -> int:
             nb = cache.store.nbytes()
             budget = (dense_kv_bytes(bases, 1, args.budget_len, kv_dtype)
                       / store_bytes(bases, 1, args.budget_len, store_fmt, store_fmt, kv_dtype,
-                                    basis_dtype=basis_dtype))
+                                    basis_dtype=basis_dtype, recent_window=args.recent_window))
             rows.append(FixtureRow(ratio, args.latent_format, same / n_tok, sum(map(_prefix, dense, got)) / len(prompts), n_tok,
                                    len(prompts), round(budget, 3), round(nb.ratio_vs(kv_dtype, with_bases=False), 3),
                                    args.budget_len, [list(r) for r in bases.k_ranks], [list(r) for r in bases.v_ranks],
@@ -213,7 +215,7 @@ def run_fixture(args: argparse.Namespace) -> int:
     env = environment(args.device, args.argv)
     env.update(model=str(model_dir.name), fixture_dtype=args.fixture_dtype, compiler=args.compiler,
                group_size=args.group_size, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-               calib_windows=args.calib_windows, prompt_starts=starts,
+               calib_windows=args.calib_windows, prompt_starts=starts, recent_window=args.recent_window,
                measure_windows=measure_windows, planned_format=args.planned_format if fmt == "planned" else None,
                wall_s=round(time.perf_counter() - t0, 1))
     data = {"kind": "fixture", "meta": env, "rows": [asdict(r) for r in rows]}

@@ -439,7 +439,8 @@ def measured_errors_cache(model: torch.nn.Module, windows: torch.Tensor, *, chun
 def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: int,
                  latent_dtype: torch.dtype = torch.bfloat16, dense_dtype: torch.dtype = torch.bfloat16,
                  log: Callable[[str], None] | None = None,
-                 measure_errors: Callable[..., Any] | None = None) -> tuple[Any, str, str, torch.dtype, str] | None:
+                 measure_errors: Callable[..., Any] | None = None,
+                 recent_window: int = 0) -> tuple[Any, str, str, torch.dtype, str] | None:
     """The bases of one config, fitted to its byte ratio as :func:`run_fidelity` counts it.
 
     Args:
@@ -451,6 +452,7 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
         measure_errors: for '+measured': ``measure_errors(group_size, full_bases, block, v_block, rotate,
             basis_dtype)`` -> the planner's measured ``block_errors``
             (:func:`~ckvp_compile.latent.planner.measured_block_errors`).
+        recent_window: the store's dense recent window (tokens): its bytes come off the budget.
     Returns:
         ``(bases, cache latent_format, label of the format, basis dtype, ALR residual format or '')``, or None
         when the ratio cannot be met (logged).
@@ -483,7 +485,7 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
                          cfg.kv_ratio, batch_size=batch_size, max_cache_len=window, block=block,
                          dense_dtype=dense_dtype, latent_dtype=latent_dtype, weights=weights, rotate=rotate,
                          basis_dtype=basis_dtype, residual_format=residual, error_scales=scales, v_block=v_block,
-                         block_errors=measured)
+                         block_errors=measured, recent_window=recent_window)
         fmt = "auto"
         label = f"mix/{block}" + (f"v{v_block}" if v_block != block else "")
     else:
@@ -491,7 +493,8 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
         bases = _or_skip(log, cfg, bases_for_byte_ratio, moments, cfg.kv_ratio, fmt,
                          batch_size=batch_size, max_cache_len=window, rank_allocation=alloc,
                          basis=basis, dense_dtype=dense_dtype, latent_dtype=latent_dtype,
-                         basis_dtype=basis_dtype, rotate=rotate, residual_format=residual)
+                         basis_dtype=basis_dtype, rotate=rotate, residual_format=residual,
+                         recent_window=recent_window)
     return None if bases is None else (bases, fmt, label, basis_dtype, residual)
 
 

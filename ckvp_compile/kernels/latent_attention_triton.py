@@ -154,12 +154,13 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
     """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
 
-    G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop and the
-    scores on the CUDA cores (run 8: 5.0 ms against 7.7 ms for the generic config, int4/32 rank 256, batch 8, 32k,
-    rel err 4.7e-4). Otherwise (e.g. Mixtral's G = 4: 3.9 ms in run 8) the generic config, the fastest of run 5.
+    G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
+    value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
+    latent on the tensor cores, and 5.87 ms for the generic config; int4/32 rank 256, batch 8, 32k). Otherwise
+    (e.g. Mixtral's G = 4: 2.92 ms in run 10, 2.44 with e4m3 bases) the generic config, the fastest of run 5.
     """
     if group == 1 and rank_pad is not None and rank_pad <= 256:
-        return DecodeConfig(hoist_basis=True, fma_scores=True)
+        return DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True)
     return DecodeConfig()
 
 

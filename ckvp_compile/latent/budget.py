@@ -18,7 +18,7 @@ import torch
 from ..errors import CKVPConfigError
 from ..kernels.latent_format import parse_latent_format
 
-__all__ = ["bases_for_byte_ratio", "dense_kv_bytes", "fit_byte_ratio", "store_bytes"]
+__all__ = ["bases_for_byte_ratio", "dense_kv_bytes", "fit_byte_ratio", "store_bytes", "window_bytes"]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -31,13 +31,25 @@ def dense_kv_bytes(bases: Any, batch_size: int, max_cache_len: int, dtype: torch
     return 2 * layers * batch_size * bases.num_kv_heads * max_cache_len * bases.head_dim * _itemsize(dtype)
 
 
+def window_bytes(bases: Any, batch_size: int, recent_window: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of a store's dense recent window (``LatentKVStore(recent_window=W)``): per layer and sequence, W
+    exact keys and values of Hkv x D elements in ``dtype`` (the store's ``latent_dtype``), plus each layer's (W,)
+    int64 ring slots."""
+    if not recent_window:
+        return 0
+    layers = sum(len(g) for g in bases.groups)
+    per_seq = 2 * layers * bases.num_kv_heads * recent_window * bases.head_dim * _itemsize(dtype)
+    return batch_size * per_seq + layers * recent_window * 8
+
+
 def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str = "float", v_format: str = "float",
                 latent_dtype: torch.dtype = torch.bfloat16, with_bases: bool = True,
-                basis_dtype: torch.dtype | None = None, residual_format: str = "") -> int:
+                basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0) -> int:
     """Bytes a :class:`~ckvp_compile.runtime.store.LatentKVStore` of these bases holds for B sequences of S_max
     slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``basis_dtype`` (default
     ``latent_dtype``, as the store), plus the ALR-KVD residual rows of keys and values when ``residual_format``
-    is given (:mod:`ckvp_compile.kernels.residual`). A format of
+    is given (:mod:`ckvp_compile.kernels.residual`) and the dense recent window of ``recent_window`` tokens
+    (:func:`window_bytes`). A format of
     ``"auto"`` takes the bases' planned per-group formats (``k_formats`` / ``v_formats``), else ``"float"``.
 
     RoPE tables are not counted (a cache of the model's own cos / sin; ``StoreBytes.rope_tables``).
@@ -63,7 +75,7 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
         rf = parse_latent_format(residual_format)
         per_token += sum(2 * rf.row_width(residual_offsets(len(g), bases.num_kv_heads, bases.head_dim))
                          for g in bases.groups)
-    total = per_token * batch_size * max_cache_len
+    total = per_token * batch_size * max_cache_len + window_bytes(bases, batch_size, recent_window, latent_dtype)
     if with_bases:
         total += sum(p.numel() for p in (*bases.k_basis, *bases.v_basis)) * _itemsize(basis_dtype or latent_dtype)
     return total
@@ -104,7 +116,7 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
                          max_cache_len: int = 4096, rank_allocation: str = "energy", basis: str = "pca",
                          dense_dtype: torch.dtype = torch.bfloat16,
                          latent_dtype: torch.dtype = torch.bfloat16, basis_dtype: torch.dtype | None = None,
-                         rotate: bool = False, residual_format: str = "") -> Any:
+                         rotate: bool = False, residual_format: str = "", recent_window: int = 0) -> Any:
     """Bases from collected moments whose store meets ``kv_ratio`` in bytes (see :func:`store_bytes`).
 
     Args:
@@ -123,6 +135,7 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
             (:func:`~ckvp_compile.latent.rotation.rotate_basis_blocks`: equal-variance coordinates per block,
             same subspace); recorded as ``rotation="hadamard/<block>"``. Needs a quantized format.
         residual_format: '' or the ALR-KVD residual's format (e.g. ``"int2/64"``), whose bytes count.
+        recent_window: the store's dense recent window (tokens), whose bytes count (:func:`window_bytes`).
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
         ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
@@ -143,7 +156,7 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
     def byte_ratio(b: Any) -> float:
         return (dense_kv_bytes(b, batch_size, max_cache_len, dense_dtype)
                 / store_bytes(b, batch_size, max_cache_len, fmt, fmt, latent_dtype, basis_dtype=basis_dtype,
-                              residual_format=residual_format))
+                              residual_format=residual_format, recent_window=recent_window))
 
     layers = sum(len(g) for g in moments.groups)
     top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere

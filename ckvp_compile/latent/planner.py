@@ -326,7 +326,8 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
                         basis_dtype: torch.dtype | None = None, residual_format: str = "",
                         error_scales: dict[str, Sequence[dict[str, torch.Tensor]]] | None = None,
                         v_block: int | None = None,
-                        block_errors: dict[tuple[str, int, int], Sequence[dict[int, float]]] | None = None) -> Any:
+                        block_errors: dict[tuple[str, int, int], Sequence[dict[int, float]]] | None = None,
+                        recent_window: int = 0) -> Any:
     """:func:`plan_bits` at the budget that makes a store of these sequences hold ``kv_ratio`` times fewer bytes
     than a dense ``dense_dtype`` cache, counted as :func:`~ckvp_compile.latent.budget.store_bytes` counts them
     (latent rows with scales, slot positions, and the bases in ``latent_dtype`` padded to each group's largest
@@ -337,12 +338,14 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
     ``basis_dtype``: the dtype the store keeps the bases in (default ``latent_dtype``; e.g.
     ``torch.float8_e4m3fn`` halves their bytes), counted at its size. ``residual_format``: the ALR-KVD residual's
     format (e.g. ``"int2/64"``), whose bytes come off the budget first (the plan's error model ignores it).
-    ``error_scales``, ``v_block``, ``block_errors``: as :func:`plan_bits`.
+    ``error_scales``, ``v_block``, ``block_errors``: as :func:`plan_bits`. ``recent_window``: the store's dense
+    recent window (tokens), whose bytes also come off the budget first
+    (:func:`~ckvp_compile.latent.budget.window_bytes`).
 
     Raises:
         CKVPConfigError: as :func:`plan_bits`, or the ratio is not met after ``iterations`` re-plans.
     """
-    from .budget import dense_kv_bytes, store_bytes
+    from .budget import dense_kv_bytes, store_bytes, window_bytes
 
     tokens = batch_size * max_cache_len
     dense = dense_kv_bytes(full_bases, batch_size, max_cache_len, dense_dtype)
@@ -350,7 +353,8 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
     resid = (store_bytes(full_bases, 1, 1, "float", "float", latent_dtype, with_bases=False,
                          residual_format=residual_format)
              - store_bytes(full_bases, 1, 1, "float", "float", latent_dtype, with_bases=False))
-    budget = dense / kv_ratio / tokens - 4 - resid  # per token, minus the int32 slot position and the residual
+    window = window_bytes(full_bases, batch_size, recent_window, latent_dtype) / tokens
+    budget = dense / kv_ratio / tokens - 4 - resid - window  # per token: minus slot position, residual, window
 
     def attempt(per_token: float) -> tuple[Any, int]:
         planned = plan_bits(full_bases, per_token, block=block, tokens_sharing_bases=tokens, basis_itemsize=item,
@@ -358,7 +362,8 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
                             block_errors=block_errors)
         planned = dataclasses.replace(planned, target_ratio=float(kv_ratio))
         return planned, store_bytes(planned, batch_size, max_cache_len, "auto", "auto", latent_dtype,
-                                    basis_dtype=basis_dtype, residual_format=residual_format)
+                                    basis_dtype=basis_dtype, residual_format=residual_format,
+                                    recent_window=recent_window)
 
     too_much = None  # the smallest budget whose plan held too many bytes
     for _ in range(iterations):

@@ -30,7 +30,7 @@ and a read yields NaN, never plausible numbers; the cache classes in :mod:`ckvp_
 raise a :class:`CKVPError` before either can happen in eager code.
 
 With ``recent_window=W > 0`` the store also keeps, per layer l, the exact (dense) keys and values of the W most
-recent tokens in a ring: ``window_k[l]`` / ``window_v[l]`` (B, Hkv, W, D) in the model's dtype (post-RoPE keys)
+recent tokens in a ring: ``window_k[l]`` / ``window_v[l]`` (B, Hkv, W, D) in ``latent_dtype`` (post-RoPE keys)
 and ``window_slots[l]`` (W,) int64, the cache slot each ring entry holds (entry ``slot % W``; -1 = empty). Attention
 reads those tokens exactly and only older ones from the latent: the recent tokens, which carry most of the
 attention mass of a decode step, lose nothing to compression (the "dense recent window" of KIVI, arXiv:2402.02750,
@@ -127,8 +127,8 @@ class LatentKVStore:
             and values (:mod:`ckvp_compile.kernels.residual`): ``resid_k[g]`` / ``resid_v[g]`` (B, S_max, W) uint8.
             The rewrite then attends through reconstruct + SDPA (the fused attention kernel has no residual).
         recent_window: W, the number of most recent tokens per sequence whose keys and values are kept exact
-            (dense, ``dtype``) beside the latent (default 0: none); see the module docstring. Costs
-            ``2 * layers * Hkv * W * D`` elements per sequence.
+            (dense, in ``latent_dtype``: what a bf16 deployment keeps) beside the latent (default 0: none); see the
+            module docstring. Costs ``2 * layers * Hkv * W * D`` elements per sequence.
     Raises:
         CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, a non-float latent_dtype or
             basis_dtype, or recent_window outside [0, max_cache_len).
@@ -215,8 +215,8 @@ class LatentKVStore:
         if recent_window:
             for layer in (layer for g in self.groups for layer in g):
                 shape = (b, self.num_kv_heads, recent_window, self.head_dim)
-                self.window_k[layer] = torch.zeros(shape, device=self.device, dtype=dtype)
-                self.window_v[layer] = torch.zeros(shape, device=self.device, dtype=dtype)
+                self.window_k[layer] = torch.zeros(shape, device=self.device, dtype=latent_dtype)
+                self.window_v[layer] = torch.zeros(shape, device=self.device, dtype=latent_dtype)
                 self.window_slots[layer] = torch.full((recent_window,), -1, device=self.device, dtype=torch.int64)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
