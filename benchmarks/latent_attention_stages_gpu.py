@@ -96,7 +96,9 @@ def main() -> None:
              "key_codes, fma_scores": dataclasses.replace(DecodeConfig(), key_codes=True, fma_scores=True),
              "key_codes, fma_scores, fma_values": dataclasses.replace(DecodeConfig(), key_codes=True, fma_scores=True,
                                                                       fma_values=True),
-             "fma_values (G=1 default + fma_values)": dataclasses.replace(cfg, fma_values=True)}
+             "fma_values (G=1 default + fma_values)": dataclasses.replace(cfg, fma_values=True),
+             "key_fp16, paired_tables, fma_values": dataclasses.replace(cfg, key_fp16=True, paired_tables=True,
+                                                                         fma_values=True)}
     if a.value_sweep:  # the value pass's tile, warps and split count (the key pass is the same in all of them)
         r = dataclasses.replace
         whole = {"default config": cfg,
