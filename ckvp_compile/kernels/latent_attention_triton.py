@@ -16,7 +16,7 @@ Algorithm, two launches, no host synchronisation:
   formed. The exact tokens' slots (``slots``: the current call's, and a recent window's kept dense; -1 marks an
   unused entry) are skipped here. It stores (max, sum, accumulator) per program.
 * ``_latent_attention_reduce_kernel``, grid (B*Hkv, S): merges the splits' partial softmaxes (FlashDecoding's
-  second step), adds the exact tokens from ``new_k`` / ``new_v`` (fp32, one at a time), projects the absorbed
+  second step), adds the exact tokens from ``new_k`` / ``new_v`` (tiles of NB tokens), projects the absorbed
   latent once with the basis_v block, ``out = (acc @ P_v^T + w_new @ new_v) / sum``, and stores (G, D) per program.
 
 RoPE without register shuffles: each form pairs channel ``i1(j)`` with ``i2(j)``, j < rotary_dim/2
@@ -51,7 +51,7 @@ byte read for 8-bit latents and 512 for 4-bit (twice that with the hi/lo split),
 about 231 FLOP per byte (989 TFLOP/s over a measured 4.28 TB/s copy): low-bit latents make this kernel
 compute-bound unless the rebuild gets cheaper.
 
-The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``, ``_new_score``) and both kernels are
+The ``@triton.jit`` helpers (``_latent_tile``, ``_dot_split``, ``_rope_rows``, ``_exact_scores``) and both kernels are
 the single source a future Inductor ``TritonTemplate`` lowering is meant to call. Sources (read, not copied):
 FlashDecoding (Dao et al., 2023, https://crfm.stanford.edu/2023/10/12/flashdecoding.html: split-KV + reduction),
 FlashAttention-2 (Dao, 2023, arXiv:2307.08691: online softmax), DeepSeek-V2 (arXiv:2405.04434: latent absorption),
@@ -699,22 +699,27 @@ def _tile_scores(
 
 
 @triton.jit
-def _new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd, stride_mt,
-               D_PAD: tl.constexpr, MASK: tl.constexpr):
-    """(G_PAD,) fp32 log2-unit scores of q (G_PAD, D_PAD) against the exact key j, masked at its slot's column;
-    ``-inf`` for an unused entry (slot < 0)."""
+def _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks, stride_nkd,
+                  stride_mt, D_PAD: tl.constexpr, NB: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr):
+    """(G_PAD, NB) fp32 log2-unit scores of q (G_PAD, D_PAD) against exact keys j0 .. j0+NB-1, each masked at its
+    slot's column; ``-inf`` past ``n_exact`` and for unused entries (slot < 0). One tensor-core product with hi/lo
+    splits (2-D tiles only: a (G, tokens, D) broadcast form computed wrong sums on the H200 in run 3)."""
+    j = j0 + tl.arange(0, NB)
+    sl = tl.load(slots_ptr + j, mask=j < n_exact, other=-1)
+    used = sl >= 0
     d = tl.arange(0, D_PAD)
-    k = tl.load(nk_head + j * stride_nks + d * stride_nkd, mask=d < D, other=0.0).to(tl.float32)
-    sc = tl.sum(q * k[None, :], axis=1) * qk_scale
-    sl = tl.load(slots_ptr + j)
+    k = tl.load(nk_head + j[:, None] * stride_nks + (d * stride_nkd)[None, :], mask=used[:, None] & (d < D)[None, :],
+                other=0.0).to(tl.float32)
+    sc = _dot_split(q, tl.trans(k), tl.zeros((q.shape[0], NB), tl.float32), False, False, F32_DOT) * qk_scale
     col = tl.maximum(sl, 0)  # an unused entry reads column 0, then scores -inf
     if MASK == 1:
-        mv = tl.load(mask_row + col * stride_mt, mask=head_ok, other=0)
+        mv = tl.load(mask_row[:, None] + (col * stride_mt)[None, :], mask=head_ok[:, None] & used[None, :], other=0)
         sc = tl.where(mv != 0, sc, float("-inf"))
     if MASK == 2:
-        mv = tl.load(mask_row + col * stride_mt, mask=head_ok, other=0.0)
+        mv = tl.load(mask_row[:, None] + (col * stride_mt)[None, :], mask=head_ok[:, None] & used[None, :],
+                     other=0.0)
         sc = sc + mv.to(tl.float32) * 1.4426950408889634
-    return tl.where(sl >= 0, sc, float("-inf"))
+    return tl.where(used[None, :], sc, float("-inf"))
 
 
 @triton.jit
@@ -732,15 +737,14 @@ def _latent_attention_reduce_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     # meta-parameters
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
+    MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr,
 ):
     """Merge the splits of one (sequence, KV head, query token), add the exact tokens, project, normalise.
 
     Shapes: new_k / new_v (B, Hkv, n_exact, D) at slots (n_exact,) (-1: unused entry); basis_v (Hkv, D, Rv_max);
-    out (B, H, S, D) q.dtype; the rest as in
-    ``_latent_attention_split_kernel``. The new tokens are taken one at a time with 2-D tiles only (an earlier
-    (G, tokens, D) broadcast form computed wrong sums on the H200). Rows whose every score is masked get 0
-    (torch SDPA's math path).
+    out (B, H, S, D) q.dtype; the rest as in ``_latent_attention_split_kernel``. The exact tokens are taken NB at a
+    time (:func:`_exact_scores`): a recent window of W tokens costs W/NB tile products per pass. Rows whose every
+    score is masked get 0 (torch SDPA's math path).
     """
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -759,9 +763,10 @@ def _latent_attention_reduce_kernel(
     m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
     for c in range(0, n_split):
         m_all = tl.maximum(m_all, tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf")))
-    for j in range(0, n_exact):
-        m_all = tl.maximum(m_all, _new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks,
-                                             stride_nkd, stride_mt, D_PAD, MASK))
+    for j0 in range(0, n_exact, NB):
+        sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
+                           stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
+        m_all = tl.maximum(m_all, tl.max(sc, axis=1))
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.zeros((G_PAD,), tl.float32)
     rv = tl.arange(0, RV_PAD)
@@ -772,9 +777,10 @@ def _latent_attention_reduce_kernel(
         part = tl.load(acc_ptr + ((row0 + c) * G + g)[:, None] * RV_PAD + rv[None, :], mask=head_ok[:, None],
                        other=0.0)
         acc += w[:, None] * part
-    for j in range(0, n_exact):
-        l_all += tl.exp2(_new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd,
-                                    stride_mt, D_PAD, MASK) - m_use)
+    for j0 in range(0, n_exact, NB):
+        sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
+                           stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
+        l_all += tl.sum(tl.exp2(sc - m_use[:, None]), axis=1)
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     out_row = out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + heads * stride_oh
     bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
@@ -783,11 +789,15 @@ def _latent_attention_reduce_kernel(
         pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
                      mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
         o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
-        for j in range(0, n_exact):
-            p = tl.exp2(_new_score(q, head_ok, nk_head, slots_ptr, mask_row, j, D, qk_scale, stride_nks, stride_nkd,
-                                   stride_mt, D_PAD, MASK) - m_use)
-            v = tl.load(nv_head + j * stride_nvs + dd * stride_nvd, mask=dd < D, other=0.0).to(tl.float32)
-            o += p[:, None] * v[None, :]
+        for j0 in range(0, n_exact, NB):
+            sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
+                               stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
+            p = tl.exp2(sc - m_use[:, None])
+            j = j0 + tl.arange(0, NB)
+            used = tl.load(slots_ptr + j, mask=j < n_exact, other=-1) >= 0  # unused entries: never read
+            v = tl.load(nv_head + j[:, None] * stride_nvs + (dd * stride_nvd)[None, :],
+                        mask=used[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+            o = _dot_split(p, v, o, False, False, F32_DOT)
         tl.store(out_row[:, None] + (dd * stride_od)[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
                  mask=head_ok[:, None] & (dd < D)[None, :])
 
@@ -1201,5 +1211,6 @@ def _launch(
         *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
         G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)),
         MASK=mask_kind, BV_EXACT=basis_v_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4,
+        NB=16 if n_exact <= 16 else 32,
     )
     return out.to(q.dtype)

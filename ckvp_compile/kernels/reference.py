@@ -272,8 +272,9 @@ def exact_slots(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.
     s = slots.long()
     valid = s >= 0
     idx = torch.where(valid, s, n_slots)
-    taken = torch.zeros(n_slots + 1, dtype=torch.bool, device=slots.device)
-    taken[idx] = True
+    # index_fill_, not ``taken[idx] = True``: a Python value assigned by indexing is copied from the host, which
+    # CUDA graph capture refuses
+    taken = torch.zeros(n_slots + 1, dtype=torch.bool, device=slots.device).index_fill_(0, idx, True)
     return valid, idx, taken[:n_slots]
 
 
@@ -312,9 +313,7 @@ def _mask_with_scratch(attn_mask: torch.Tensor | None, b: int, h: int, s: int, k
                        device: torch.device) -> torch.Tensor:
     """``attn_mask`` (broadcastable to (B, H, S, kv_len)) with the scratch slot's column appended, masked out."""
     if attn_mask is None:
-        m = torch.ones(kv_len + 1, dtype=torch.bool, device=device)
-        m[-1] = False
-        return m
+        return torch.arange(kv_len + 1, device=device) < kv_len
     m = attn_mask.expand(b, h, s, kv_len)
     if m.dtype == torch.bool:
         return torch.cat((m, m.new_zeros(b, h, s, 1)), -1)
