@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-len", type=int, default=4096,
                    help="with --kv-ratio: the cache length (one sequence) the byte ratio is met at, bases counted "
                         "(default 4096; the bases are shared by all sequences and contexts, like weights)")
+    p.add_argument("--recent-window", type=int, default=0,
+                   help="with --kv-ratio: keep the last N tokens' keys and values exact beside the latent, their "
+                        "bytes counted in the ratio (default 0: none)")
     return p.parse_args(argv)
 
 
@@ -78,11 +81,12 @@ def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
     kv_dtype = torch.bfloat16 if dtype == torch.float32 else dtype  # the dense cache a deployment would hold
     bases = calibrate(model, samples, group_size=args.group_size, kv_ratio=args.kv_ratio, progress=False,
                       latent_format=args.latent_format, cache_len=args.budget_len, dense_dtype=kv_dtype,
-                      latent_dtype=kv_dtype)
+                      latent_dtype=kv_dtype, recent_window=args.recent_window)
     print(f"calibrated CKVP bases on {len(samples)} x 256 tokens in {time.perf_counter() - start:.1f} s")
     print(bases.summary())
     return CKVPStaticCache(model.config, bases, max_cache_len=max_cache_len, max_batch_size=1,
-                           device=args.device, dtype=dtype, latent_format=args.latent_format, latent_dtype=kv_dtype)
+                           device=args.device, dtype=dtype, latent_format=args.latent_format, latent_dtype=kv_dtype,
+                           recent_window=args.recent_window)
 
 
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) -> tuple[list[int], float]:

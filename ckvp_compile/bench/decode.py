@@ -264,7 +264,8 @@ class _Runner:
             self.env["calibration_s"] = round(time.perf_counter() - t, 2)
             self.clean()
         return bases_for_byte_ratio(self.moments, ratio, self.args.latent_format, batch_size=batch,
-                                    max_cache_len=max_len, dense_dtype=self.dtype, latent_dtype=self.dtype)
+                                    max_cache_len=max_len, dense_dtype=self.dtype, latent_dtype=self.dtype,
+                                    recent_window=self.args.recent_window)
 
     def step_fn(self, system: System) -> Callable:
         fwd = self.model.forward
@@ -290,7 +291,8 @@ class _Runner:
 
         a = self.args
         max_len = context + a.warmup + a.steps + 1 + a.profile_steps
-        row = DecodeRow(a.shape, self.layers, self.layers_full, system.name, system.kind, system.mode, system.ratio,
+        name = system.name + (f" w{a.recent_window}" if system.kind == "ckvp" and a.recent_window else "")
+        row = DecodeRow(a.shape, self.layers, self.layers_full, name, system.kind, system.mode, system.ratio,
                         a.latent_format if system.kind == "ckvp" else None, batch, context, max_len, max_batch,
                         dense_kv_bytes_per_token=dense_kv_bytes_per_token(self.config, self.dtype),
                         weights_bytes=self.weights, timing="cuda-events" if self.cuda() else "wall-clock (CPU)")
@@ -309,7 +311,8 @@ class _Runner:
             if bases is None:
                 cache = dense_cache(self.config, batch, max_len, self.device, self.dtype)
             else:
-                cache = latent_cache(self.config, bases, batch, max_len, self.device, self.dtype, a.latent_format)
+                cache = latent_cache(self.config, bases, batch, max_len, self.device, self.dtype, a.latent_format,
+                                     a.recent_window)
                 row.ranks = {"k": [list(r) for r in bases.k_ranks], "v": [list(r) for r in bases.v_ranks],
                              "group_size": a.group_size}
             fill_cache_(cache, context, seed=a.seed)
@@ -549,9 +552,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-len", type=int, default=4096,
                    help="cache length (one sequence) the byte ratio is met at, bases counted (as examples/generate.py)")
     g.add_argument("--fixture-dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--recent-window", type=int, default=0,
-                   help="keep the last N tokens' keys and values exact beside the latent (CKVPStaticCache("
-                        "recent_window=N)); their bytes count against the ratio at --budget-len (default 0: none)")
+    p.add_argument("--recent-window", type=int, default=0,
+                   help="ckvp: keep the last N tokens' keys and values exact beside the latent (CKVPStaticCache("
+                        "recent_window=N)), their bytes counted in the ratio (at --budget-len for the fixture); "
+                        "ckvp rows are then named '<system> wN' (default 0: none)")
     g.add_argument("--planned-format", default=None,
                    help="--latent-format planned: the bit plan's blocks, mix/<block> or mix/<block>v<value block> "
                         "(as ckvp-bench fidelity's --latent-formats; default mix/32), e.g. mix/32v64")
@@ -602,8 +606,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if not 0 <= a.recent_window < a.prompt_len + a.new_tokens:
             p.error(f"--recent-window must be in [0, --prompt-len + --new-tokens = {a.prompt_len + a.new_tokens})")
         return
-    if a.recent_window:
-        p.error("--recent-window is for --shape fixture")
+    if a.recent_window < 0:
+        p.error("--recent-window must be >= 0")
     try:
         [parse_system(s) for s in a.systems]
     except ValueError as e:

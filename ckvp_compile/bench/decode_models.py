@@ -159,20 +159,22 @@ def dense_cache(config: Any, batch: int, max_cache_len: int, device: torch.devic
 
 
 def latent_cache(config: Any, bases: Any, batch: int, max_cache_len: int, device: torch.device | str,
-                 dtype: torch.dtype, latent_format: str) -> Any:
-    """A :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` (latents and bases in ``dtype``)."""
+                 dtype: torch.dtype, latent_format: str, recent_window: int = 0) -> Any:
+    """A :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` (latents, bases and the dense recent window of
+    ``recent_window`` tokens in ``dtype``)."""
     from ..runtime.hf_cache import CKVPStaticCache
 
     return CKVPStaticCache(config, bases, max_cache_len=max_cache_len, max_batch_size=batch, device=device,
-                           dtype=dtype, latent_format=latent_format, latent_dtype=dtype)
+                           dtype=dtype, latent_format=latent_format, latent_dtype=dtype, recent_window=recent_window)
 
 
 def fill_cache_(cache: Any, context: int, seed: int = 0) -> None:
     """Make ``cache`` hold ``context`` random tokens per sequence, as if a prefill of that length had run.
 
     Dense: K and V slots ``[0, context)`` ~ N(0, 1). Latent: the store's latent rows of those slots are random
-    N(0, 1) latents, quantized in the store's format (one random block of up to 1024 rows, repeated), and
-    ``slot_pos`` holds each slot's position. Then every layer's length counter (transformers >= 5.2x
+    N(0, 1) latents, quantized in the store's format (one random block of up to 1024 rows, repeated),
+    ``slot_pos`` holds each slot's position, and a dense recent window's ring holds random keys and values of the
+    last slots. Then every layer's length counter (transformers >= 5.2x
     ``cumulative_length``) is set to ``context``; older versions take the position from ``cache_position``.
 
     Raises:
@@ -202,6 +204,14 @@ def fill_cache_(cache: Any, context: int, seed: int = 0) -> None:
                     reps = math.ceil(context / n)
                     t[:, :context] = rows.repeat(reps, 1)[:context]
             store.slot_pos[:, :context] = torch.arange(context, device=store.device, dtype=store.slot_pos.dtype)
+            w = store.recent_window
+            if w and context:  # the ring holds the last min(W, context) slots, each at entry slot % W
+                last = torch.arange(max(0, context - w), context, device=store.device)
+                for layer in store.window_k:
+                    store.window_k[layer].normal_(generator=gen)
+                    store.window_v[layer].normal_(generator=gen)
+                    store.window_slots[layer].fill_(-1)
+                    store.window_slots[layer][last % w] = last
         for layer in cache.layers:
             counter = getattr(layer, "cumulative_length", None)
             if isinstance(counter, torch.Tensor):

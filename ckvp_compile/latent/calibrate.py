@@ -169,7 +169,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
               group_size: int | None = None, kv_ratio: float = 4.0, rank_allocation: str = "energy",
               basis: str = "pca", max_cache_len: int | None = None, progress: bool = True,
               latent_format: str | None = None, batch_size: int = 1, cache_len: int = 4096,
-              dense_dtype: torch.dtype = torch.bfloat16, latent_dtype: torch.dtype = torch.bfloat16) -> LatentBases:
+              dense_dtype: torch.dtype = torch.bfloat16, latent_dtype: torch.dtype = torch.bfloat16,
+              recent_window: int = 0) -> LatentBases:
     """Fit cross-layer latent bases and per-head ranks for ``model`` on ``samples``.
 
     Args:
@@ -197,6 +198,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             positions and the bases in ``latent_dtype``
             (:func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`). Pass the same format to the cache.
         batch_size, cache_len, dense_dtype, latent_dtype: that cache (with ``latent_format``).
+        recent_window: with ``latent_format``, the dense recent window the cache will keep
+            (``CKVPStaticCache(recent_window=...)``): its bytes come off the budget first.
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
@@ -230,7 +233,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
 
         return bases_for_byte_ratio(moments, kv_ratio, latent_format, batch_size=batch_size, max_cache_len=cache_len,
                                     rank_allocation=rank_allocation, basis=basis, dense_dtype=dense_dtype,
-                                    latent_dtype=latent_dtype)
+                                    latent_dtype=latent_dtype, recent_window=recent_window)
     return moments.bases(kv_ratio, rank_allocation, basis)
 
 

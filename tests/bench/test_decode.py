@@ -232,3 +232,30 @@ def test_decomposed_moments_build_the_library_bases(hkv, d, layers, g, ratio, al
     assert (got.k_ranks, got.v_ranks) == (want.k_ranks, want.v_ranks)
     for a, b in zip((*want.k_basis, *want.v_basis), (*got.k_basis, *got.v_basis)):
         assert torch.allclose(a.abs(), b.abs(), atol=1e-5)
+
+
+def test_cli_recent_window_rows(tmp_path):
+    """--recent-window: ckvp rows named '<system> wN', the ring filled with the last slots, its bytes counted (the
+    measured ratio still meets the requested one), and the step runs; on the fixture the ratio at the budget length
+    counts the window too."""
+    from ckvp_compile.latent.budget import bases_for_byte_ratio
+
+    speed, fixture = tmp_path / "tiny.json", tmp_path / "fixture.json"
+    assert bench_cli(["decode", "--shape", "tiny", "--systems", "ckvp-4", "--batch", "2", "--context", "32",
+                      "--steps", "2", "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--bases",
+                      "synthetic", "--recent-window", "2", "--json", str(speed)]) == 0
+    (row,) = json.loads(speed.read_text())["rows"]
+    assert row["system"] == "ckvp-4 w2" and row["status"] == "ok" and 4.0 <= row["kv_ratio_measured"] < 4.4, row
+    cfg = make_config("tiny", max_positions=64)
+    model = build_random_model(cfg, "cpu", torch.float32)
+    bases = bases_for_byte_ratio(synthetic_moments(model, 4), 4.0, "int4", batch_size=2, max_cache_len=40,
+                                 dense_dtype=torch.float32, latent_dtype=torch.float32, recent_window=2)
+    cache = latent_cache(cfg, bases, 2, 40, "cpu", torch.float32, "int4", recent_window=2)
+    fill_cache_(cache, 21)
+    assert cache.store.window_slots[0].tolist() == [20, 19]  # entry slot % 2
+    assert 4.0 <= 2 * 40 * dense_kv_bytes_per_token(cfg, torch.float32) / kv_bytes_held(cache) < 4.4
+    assert bench_cli(["decode", "--shape", "fixture", "--ratios", "4", "--prompts", "1", "--new-tokens", "4",
+                      "--prompt-len", "16", "--calib-windows", "1", "--compiler", "eager", "--device", "cpu",
+                      "--recent-window", "8", "--json", str(fixture)]) == 0
+    meta, (dense, four) = json.loads(fixture.read_text())["meta"], json.loads(fixture.read_text())["rows"]
+    assert meta["recent_window"] == 8 and four["status"] == "ok" and four["ratio_measured_at_budget"] >= 4.0, four
