@@ -98,7 +98,10 @@ def main() -> None:
                                                                       fma_values=True),
              "fma_values (G=1 default + fma_values)": dataclasses.replace(cfg, fma_values=True),
              "key_fp16, paired_tables, fma_values": dataclasses.replace(cfg, key_fp16=True, paired_tables=True,
-                                                                         fma_values=True)}
+                                                                         fma_values=True),
+             "paired_tables": dataclasses.replace(cfg, paired_tables=True),
+             "one pass (two_pass=False)": dataclasses.replace(cfg, two_pass=False),
+             "one pass, block_n 32": dataclasses.replace(cfg, two_pass=False, block_n=32)}
     if a.value_sweep:  # the value pass's tile, warps and split count (the key pass is the same in all of them)
         r = dataclasses.replace
         whole = {"default config": cfg,
