@@ -544,14 +544,20 @@ def _latent_attention_split_kernel(
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     t_start = c * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
+    lo_exact = kv_len  # the first slot of a used exact token: tiles wholly below it skip the slot check
+    for j0 in range(0, n_exact, SLOT_BLOCK):
+        sj = j0 + tl.arange(0, SLOT_BLOCK)
+        sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
+        lo_exact = tl.minimum(lo_exact, tl.min(tl.where(sl >= 0, sl, kv_len), axis=0))
     for t in range(t_start, t_end):
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
         is_new = offs < 0
-        for j0 in range(0, n_exact, SLOT_BLOCK):  # the exact tokens' slots come from new_k / new_v
-            sj = j0 + tl.arange(0, SLOT_BLOCK)
-            sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
-            is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
+        if t * BLOCK_N + BLOCK_N > lo_exact:  # the exact tokens' slots come from new_k / new_v
+            for j0 in range(0, n_exact, SLOT_BLOCK):
+                sj = j0 + tl.arange(0, SLOT_BLOCK)
+                sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
+                is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
         col_ok = row_ok & ~is_new
         sc_rows = sc_ptr + ((bh * S + s) * G + tl.arange(0, G_PAD)).to(tl.int64) * stride_scr  # (G_PAD,)
         if PHASE == 2:
