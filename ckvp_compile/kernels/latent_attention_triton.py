@@ -544,11 +544,14 @@ def _latent_attention_split_kernel(
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     t_start = c * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    lo_exact = kv_len  # the first slot of a used exact token: tiles wholly below it skip the slot check
+    # the first slot of a used exact token: tiles wholly below it skip the slot check (a vector carried through
+    # the loop: its type stays int64 whatever Triton specialises kv_len to)
+    lo_vec = tl.full((SLOT_BLOCK,), kv_len, tl.int64)
     for j0 in range(0, n_exact, SLOT_BLOCK):
         sj = j0 + tl.arange(0, SLOT_BLOCK)
-        sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
-        lo_exact = tl.minimum(lo_exact, tl.min(tl.where(sl >= 0, sl, kv_len), axis=0))
+        sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1).to(tl.int64)
+        lo_vec = tl.minimum(lo_vec, tl.where(sl >= 0, sl, lo_vec))
+    lo_exact = tl.min(lo_vec, axis=0)
     for t in range(t_start, t_end):
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
