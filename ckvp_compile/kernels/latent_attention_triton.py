@@ -42,7 +42,10 @@ KV heads, int4/32 rank 256, batch 8, 32k): 5.1-8.8 ms against 0.49 ms for dense 
 defaults): 5.0 ms (16:16) and 3.9 ms (32:8, dense 0.26 ms). Nsight Compute (run 8): 255 registers, 2 programs per
 SM, 0.34 eligible warps per scheduler, spills: latency- and issue-bound, DRAM at 5% of peak. Registers, spills and
 shared memory can be read without a GPU (``benchmarks/latent_attention_aot.py``: compiled for sm_90a with the
-H200's Triton 3.6): int4 tiles were read one byte per load until the column masks moved to byte units.
+H200's Triton 3.6): int4 tiles were read one byte per load until the column masks moved to byte units. Since then
+(runs 10-11 and benchmarks/results/2026-11-30-recent-window-h200): 4.33 ms (16:16, with the value latent on the
+CUDA cores and the exact-slot check only on tiles that reach an exact slot) and 2.86 ms (32:8), still 9-11x dense;
+a dense recent window of up to 128 tokens adds at most 0.12 ms.
 ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``); fp8 bases and
 ``mix`` plans too, since run 7 checked them on the H200 (:data:`FP8_BASES_GPU_CHECKED`, :data:`MIX_GPU_CHECKED`:
 within 1e-3 at batch 8, 32k; mix plans about 2x slower than uniform int4).
