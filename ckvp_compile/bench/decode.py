@@ -291,9 +291,9 @@ class _Runner:
 
         a = self.args
         max_len = context + a.warmup + a.steps + 1 + a.profile_steps
-        name = system.name + (f" w{a.recent_window}" if system.kind == "ckvp" and a.recent_window else "")
-        row = DecodeRow(a.shape, self.layers, self.layers_full, name, system.kind, system.mode, system.ratio,
-                        a.latent_format if system.kind == "ckvp" else None, batch, context, max_len, max_batch,
+        row = DecodeRow(a.shape, self.layers, self.layers_full, self.row_name(system), system.kind, system.mode,
+                        system.ratio, a.latent_format if system.kind == "ckvp" else None, batch, context, max_len,
+                        max_batch,
                         dense_kv_bytes_per_token=dense_kv_bytes_per_token(self.config, self.dtype),
                         weights_bytes=self.weights, timing="cuda-events" if self.cuda() else "wall-clock (CPU)")
         if a.budget_s is not None and self.elapsed() > a.budget_s:
@@ -382,9 +382,15 @@ class _Runner:
         torch.cuda.synchronize()
         return [s.elapsed_time(e) for s, e in events]
 
+    def row_name(self, system: System) -> str:
+        """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N."""
+        w = self.args.recent_window
+        return system.name + (f" w{w}" if system.kind == "ckvp" and w else "")
+
     # -- largest batch
     def max_batch_row(self, system: System, context: int) -> DecodeRow:
-        done = [r for r in self.rows if r.system == system.name and r.context == context and r.status == "ok"
+        name = self.row_name(system)
+        done = [r for r in self.rows if r.system == name and r.context == context and r.status == "ok"
                 and not r.max_batch and r.peak_bytes]
         if not self.cuda():
             row = self.run_row(system, 1, context, max_batch=True)

@@ -23,9 +23,11 @@ import torch
 
 from ..errors import CKVPConfigError
 
-#: How a token enters the latent today (the store has no pages and no dense recent window): printed as is.
+#: How a token enters the latent today (the store has no pages; the report's store keeps no recent window):
+#: printed as is.
 PAGE = "1 token (every token projected at its group's last layer)"
-WINDOW = "the current call's tokens only"
+WINDOW = ("the current call's tokens only (a cache built with recent_window=W also keeps the last W tokens' keys "
+          "and values exact)")
 
 #: Seed of the random calibration tokens (another stream than the inspection prompt's).
 CALIBRATION_SEED = 1

@@ -491,7 +491,7 @@ def _latent_attention_split_kernel(
     acc (rows, n_split, G, RV_PAD) fp32 with rows = B*Hkv*S.
 
     PHASE 0 does it all in one pass. The two-pass form (PHASE 1, then PHASE 2) keeps far fewer values live per
-    program: PHASE 1 only rebuilds keys and stores the tile's scores (log2 units, masked and the current call's
+    program: PHASE 1 only rebuilds keys and stores the tile's scores (log2 units, masked and the exact tokens'
     slots at -inf) into the workspace ``sc`` (rows*G, stride_scr) fp32; PHASE 2 reads them back and only runs the
     online softmax and the value-latent product. The scores cost 4*G bytes per slot and KV head of extra traffic
     (about 3% of an int8 rank-256 latent row)."""
@@ -625,7 +625,7 @@ def _tile_scores(
 ):
     """(G_PAD, BLOCK_N) fp32 scores in log2 units of one tile of slots ``offs``: rebuild the pre-RoPE keys from the key
     latent and the basis block, rotate them at each slot's position, score the KV head's query heads, mask
-    (``-inf`` where ``~col_ok``: past the context, or the current call's slots)."""
+    (``-inf`` where ``~col_ok``: past the context, or the exact tokens' slots)."""
     lk_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
     # rebuild the tile's pre-RoPE keys, split into the rotated pairs' halves and the pass-through channels
     x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
@@ -1030,7 +1030,7 @@ def latent_scores_triton(
 
     Returns:
         (B, Hkv, S, G, kv_len) fp32, contiguous: scores in log2 units (``scale * log2(e) * q.k``, plus an
-        additive mask times log2(e)); ``-inf`` where a bool mask is False and at the current call's ``slots``.
+        additive mask times log2(e)); ``-inf`` where a bool mask is False and at the exact tokens' ``slots``.
     Raises:
         NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses.
     """

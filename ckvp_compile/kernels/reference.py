@@ -373,7 +373,7 @@ def latent_reconstruct_ref(
         the used ``slots`` replaced by ``new``.
     """
     out = _rebuild(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, fmt)
-    _, idx, _ = exact_slots(slots, out.shape[2])
+    _, idx, _ = exact_slots(slots, out.shape[2])  # unused entries land in the scratch slot, dropped
     out = _pad_slot(out, 2)
     out[:, :, idx] = new.float()
     return out[:, :, :-1].to(new.dtype)
@@ -469,12 +469,15 @@ def latent_attention_ref(
         formed) and the exact tokens' slots contribute ``w_exact @ new_v``.
     """
     b, h, s, d = q.shape
-    _, idx, taken = exact_slots(slots, kv_len)
+    valid, idx, taken = exact_slots(slots, kv_len)
+    new_k = new_k.float().masked_fill(~valid[:, None], 0.0)  # unused entries are never read (NaN-safe)
+    new_v = new_v.float().masked_fill(~valid[:, None], 0.0)
     k = _rebuild(latent_k[:, :kv_len], basis_k_block, k_offsets, cos_table, sin_table, slot_pos[:, :kv_len],
                  rope_form, rotary_dim, k_fmt)
     k = _pad_slot(k, 2)  # the scratch slot of unused entries: masked out below
     k[:, :, idx] = new_k.float()
-    w = _attention_weights(q, k, _mask_with_scratch(attn_mask, b, h, s, kv_len, q.device), scale)  # (B, Hkv, G, S, kv_len+1)
+    mask = _mask_with_scratch(attn_mask, b, h, s, kv_len, q.device)
+    w = _attention_weights(q, k, mask, scale)  # (B, Hkv, G, S, kv_len + 1)
     zv = unpack_latent_ref(latent_v[:, :kv_len], v_offsets, basis_v_block.shape[-1], v_fmt)  # (B, Hkv, kv_len, Rv)
     zv = zv.masked_fill(taken[:, None], 0.0)  # the exact tokens' slots come from new_v below
     absorbed = torch.einsum("bgrst,bgtk->bgrsk", w[..., :kv_len], zv)  # (B, Hkv, G, S, Rv): per query head
@@ -554,19 +557,21 @@ def latent_attention_from_scores_ref(
     """The value half of :func:`latent_attention_ref`, from the scores of :func:`latent_scores_ref`.
 
     Args:
-        scores: (B, Hkv, S, G, kv_len) fp32 log2-unit scores of the cache slots (current call's slots at -inf).
+        scores: (B, Hkv, S, G, kv_len) fp32 log2-unit scores of the cache slots (exact tokens' slots at -inf).
         q, latent_v, basis_v_block, v_offsets, new_k, new_v, slots, attn_mask, scale, kv_len, v_fmt: as
             :func:`latent_attention_ref`.
     Returns:
-        (B, H, S, D) q.dtype: softmax over the cache slots and the current call's exact keys (``new_k``, masked at
-        their slots' columns), past values absorbed in latent space and projected once, new values exact; rows the
-        mask removes entirely are 0.
+        (B, H, S, D) q.dtype: softmax over the cache slots and the exact tokens' keys (``new_k``, masked at their
+        slots' columns; unused entries never read), latent values absorbed in latent space and projected once, the
+        exact tokens' values exact; rows the mask removes entirely are 0.
     """
     b, h, s, d = q.shape
     hkv = new_k.shape[1]
     g = h // hkv
     valid, idx, taken = exact_slots(slots, kv_len)
-    s_new = torch.einsum("bgrsd,bgnd->bgsrn", q.float().reshape(b, hkv, g, s, d), new_k.float()) * (scale * LOG2E)
+    new_k = new_k.float().masked_fill(~valid[:, None], 0.0)  # unused entries are never read (NaN-safe)
+    new_v = new_v.float().masked_fill(~valid[:, None], 0.0)
+    s_new = torch.einsum("bgrsd,bgnd->bgsrn", q.float().reshape(b, hkv, g, s, d), new_k) * (scale * LOG2E)
     s_new = _mask_scores(s_new, attn_mask, torch.where(valid, idx, 0), b, hkv, g, s, kv_len)
     s_new = s_new.masked_fill(~valid, float("-inf"))
     allsc = torch.cat((scores.float(), s_new), dim=-1)

@@ -31,10 +31,16 @@ def dense_kv_bytes(bases: Any, batch_size: int, max_cache_len: int, dtype: torch
     return 2 * layers * batch_size * bases.num_kv_heads * max_cache_len * bases.head_dim * _itemsize(dtype)
 
 
+def _check_window(recent_window: Any) -> None:
+    if isinstance(recent_window, bool) or not isinstance(recent_window, int) or recent_window < 0:
+        raise CKVPConfigError(f"recent_window must be an int >= 0 (tokens kept dense; 0: none), got {recent_window!r}")
+
+
 def window_bytes(bases: Any, batch_size: int, recent_window: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of a store's dense recent window (``LatentKVStore(recent_window=W)``): per layer and sequence, W
     exact keys and values of Hkv x D elements in ``dtype`` (the store's ``latent_dtype``), plus each layer's (W,)
-    int64 ring slots."""
+    int64 ring slots. Raises CKVPConfigError for a negative or non-integer ``recent_window``."""
+    _check_window(recent_window)
     if not recent_window:
         return 0
     layers = sum(len(g) for g in bases.groups)
@@ -99,7 +105,8 @@ def fit_byte_ratio(build: Callable[[float], Any], target: float, max_elements_ra
     best = build(hi)
     if bytes_ratio(best) < target:
         raise CKVPConfigError(f"a byte ratio of {target:g} is not reachable (at most {bytes_ratio(best):.3g} at rank 1 "
-                              "everywhere); lower kv_ratio, use fewer bits or a longer cache")
+                              "everywhere); lower kv_ratio, use fewer bits, a longer cache or a shorter "
+                              "recent_window")
     if bytes_ratio(build(lo)) >= target:
         return build(lo)
     for _ in range(iterations):
@@ -146,6 +153,7 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         fmt = parse_latent_format(latent_format).name
     except ValueError as e:
         raise CKVPConfigError(str(e)) from None
+    _check_window(recent_window)
     if rotate and not parse_latent_format(fmt).quantized:
         raise CKVPConfigError("rotate=True needs a quantized latent format (its blocks are what is rotated)")
     if kv_ratio == 1.0:

@@ -199,7 +199,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             (:func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`). Pass the same format to the cache.
         batch_size, cache_len, dense_dtype, latent_dtype: that cache (with ``latent_format``).
         recent_window: with ``latent_format``, the dense recent window the cache will keep
-            (``CKVPStaticCache(recent_window=...)``): its bytes come off the budget first.
+            (``CKVPStaticCache(recent_window=...)``): its bytes come off the budget first (an error without
+            ``latent_format``).
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
@@ -222,6 +223,9 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         raise CKVPConfigError(f"kv_ratio must be a number >= 1 (dense / latent elements per token), got {kv_ratio!r}")
     if basis not in BASES:
         raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
+    if recent_window and latent_format is None:
+        raise CKVPConfigError("recent_window is counted in bytes: give latent_format too (the format the cache "
+                              "will store), so that the ranks leave room for the window")
 
     def check_groups(groups: tuple[tuple[int, ...], ...], hkv: int, d: int) -> None:
         check_target_ratio(kv_ratio, sum(map(len, groups)) * hkv * d * 2, 2 * len(groups) * hkv)

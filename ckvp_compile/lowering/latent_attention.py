@@ -199,15 +199,17 @@ def _mask_meta(attn_mask: Any, b: int, h: int, s: int, kv_len: int) -> dict[str,
                 M_ST=st[3])
 
 
-def _index_inputs(s: int) -> dict[int, Any]:
+def _index_inputs(kv_len: int) -> dict[int, Any]:
     """input_gen_fns for autotuning: slot positions (input 5) all 0 and the exact tokens' slots (input 6) 0..N-1,
-    valid indices for the RoPE tables and the context (random integers would index out of bounds)."""
+    those past ``kv_len`` marked unused (-1): valid indices for the RoPE tables and the context (random integers
+    would index out of bounds)."""
 
     def positions(node: Any) -> torch.Tensor:
         return torch.zeros([int(x) for x in node.get_size()], dtype=node.get_dtype(), device=node.get_device())
 
     def slots(node: Any) -> torch.Tensor:
-        return torch.arange(int(node.get_size()[0]), dtype=node.get_dtype(), device=node.get_device())
+        i = torch.arange(int(node.get_size()[0]), dtype=node.get_dtype(), device=node.get_device())
+        return torch.where(i < kv_len, i, -1)
 
     return {5: positions, 6: slots}
 
@@ -270,7 +272,7 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
             K_BLOCKWISE=lat._blockwise(kf, block_r), **meta_common)
     if autotune or not choices:
         choices.append(extern)
-    node = _api.autotune_select_algorithm(TEMPLATE_NAME, choices, ins, layout, input_gen_fns=_index_inputs(s))
+    node = _api.autotune_select_algorithm(TEMPLATE_NAME, choices, ins, layout, input_gen_fns=_index_inputs(kv_len))
     return _api.lowerings[aten.view.default](node, [b, hkv, s, g, kv_len])
 
 

@@ -1,5 +1,5 @@
 """The cross-layer latent KV ops: ``torch.ops.ckvp.{latent_append, rope_table_update, latent_reconstruct,
-latent_attention}``.
+latent_attention, window_append}`` (and online_basis_fit, residual_append, latent_reconstruct_residual below).
 
 Each op is a ``torch.library.custom_op`` (opaque to Inductor: an extern call) whose eager kernel validates its
 inputs and calls the pure-PyTorch twin in :mod:`ckvp_compile.kernels.reference`; a ``register_fake`` kernel
@@ -19,6 +19,11 @@ Schemas (``int[]`` offsets are compile-time constants; ``SymInt kv_len`` may be 
         Tensor basis_v_block, int[] k_offsets, int[] v_offsets, Tensor cos_table, Tensor sin_table,
         Tensor slot_pos, str rope_form, int rotary_dim, Tensor new_k, Tensor new_v, Tensor slots,
         Tensor? attn_mask, float scale, SymInt kv_len, str k_fmt="float", str v_fmt="float") -> Tensor
+    ckvp::window_append(Tensor(a!) window_k, Tensor(b!) window_v, Tensor(c!) window_slots, Tensor k, Tensor v,
+        Tensor slots) -> ()
+
+``new`` / ``new_k`` / ``new_v`` and ``slots`` are the exact tokens (N of them: the call's, and a dense recent
+window's; slot -1 marks an unused entry), which need not be as many as the queries.
 
 ``fmt`` / ``k_fmt`` / ``v_fmt`` name the latent's storage format (:mod:`ckvp_compile.kernels.latent_format`):
 ``"float"`` (a float latent of width R_tot) or a quantized one such as ``"int8/32"`` (a uint8 latent whose
@@ -41,7 +46,8 @@ from ..errors import CKVPShapeError
 from ..kernels import reference as ref
 from ..kernels.latent_format import parse_latent_format
 
-__all__ = ["OPS", "latent_append", "latent_attention", "latent_reconstruct", "online_basis_fit", "rope_table_update"]
+__all__ = ["OPS", "latent_append", "latent_attention", "latent_reconstruct", "online_basis_fit", "rope_table_update",
+           "window_append"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -431,6 +437,9 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
                             k_fmt, v_fmt)
     _check_slot_values("latent_attention", slots, latent_k.shape[1], unused_ok=True)
+    if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= kv_len:  # host tensors only (no sync)
+        raise CKVPShapeError(f"ckvp::latent_attention: exact token at slot {int(slots.max())}, but only slots "
+                             f"[0, kv_len = {kv_len}) are attended: exact tokens must lie inside them")
     out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
                                    cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
                                    attn_mask, scale, kv_len, k_fmt, v_fmt)

@@ -418,7 +418,7 @@ def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
 def _with_window(graph: fx.Graph, after: fx.Node, ring: fx.Node, ring_slots: fx.Node, value: fx.Node,
                  slots: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     """The exact tokens of a layer with a dense recent window, inserted after ``after``: ``cat(ring, value)``
-    (B, Hkv, W+S, D) and their slots ``cat(where(ring_slots < min(slots), ring_slots, -1), slots)`` (W+S,); ring
+    (B, Hkv, W+S, D) in ``value``'s dtype and their slots ``cat(where(ring_slots < min(slots), ring_slots, -1), slots)`` (W+S,); ring
     entries at or past the call's first slot are its own tokens or abandoned ones (a rewound sequence) and are
     marked unused. Returns (the last node inserted, exact values, exact slots)."""
     with graph.inserting_after(after):
@@ -429,8 +429,10 @@ def _with_window(graph: fx.Graph, after: fx.Node, ring: fx.Node, ring_slots: fx.
         older = graph.call_function(torch.where, (keep, ring_slots, -1))
     with graph.inserting_after(older):
         ex_slots = graph.call_function(torch.cat, ((older, slots),))
-    with graph.inserting_after(ex_slots):
-        ex = graph.call_function(torch.cat, ((ring, value), 2))
+    with graph.inserting_after(ex_slots):  # the ring is kept in latent_dtype: the exact tokens in the model's
+        ring_v = graph.call_method("type_as", (ring, value))
+    with graph.inserting_after(ring_v):
+        ex = graph.call_function(torch.cat, ((ring_v, value), 2))
     return ex, ex, ex_slots
 
 

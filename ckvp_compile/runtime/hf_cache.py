@@ -70,7 +70,8 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
             recent_window outside [0, max_cache_len).
         CKVPError: (when used) any eager use; compile the model with ``backend="ckvp"``.
     Notes:
-        Memory: ``self.store.nbytes()`` (latents + slot positions per sequence; bases and RoPE tables once).
+        Memory: ``self.store.nbytes()`` (latents, slot positions and the recent window per sequence; bases and
+        RoPE tables once).
     """
 
     def __init__(self, config: Any, bases: Any, max_cache_len: int, max_batch_size: int = 1,

@@ -140,7 +140,8 @@ class LatentKVStore:
                  residual_format: str = "", recent_window: int = 0):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
-        if not isinstance(recent_window, int) or not 0 <= recent_window < max_cache_len:
+        if isinstance(recent_window, bool) or not isinstance(recent_window, int) \
+                or not 0 <= recent_window < max_cache_len:
             raise CKVPConfigError(f"recent_window must be an int in [0, max_cache_len = {max_cache_len}), got "
                                   f"{recent_window!r}; it counts the most recent tokens kept dense (0: none)")
         ngroups = len(bases.groups)

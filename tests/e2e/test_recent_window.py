@@ -151,3 +151,44 @@ def test_gpt_fast_window_covering_the_sequence_is_exact(compiler):
     got = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE, compile_fn=compile_latent)
     for i, (a, b) in enumerate(zip(got, dense)):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4, msg=lambda m: f"step {i}: {m}")
+
+
+def test_ring_in_another_dtype_than_the_model():
+    """The ring is kept in latent_dtype: a bf16 model with fp32 latents (and ring) still gives its attention bf16
+    exact tokens (the reconstruct + SDPA path would refuse mixed dtypes)."""
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    torch.manual_seed(5)
+    shape = dict(head_dim=16, num_heads=2, num_kv_heads=2, hidden=32, num_experts=2, top_k=1, ffn=16, num_layers=2)
+    model = GptFastMoE(GptFastConfig.from_shape(shape, rope_form="rotate_half")).eval()
+    bases = calibrate(model, [torch.randint(0, 256, (1, 20)) for _ in range(3)], group_size=2, kv_ratio=1.0,
+                      progress=False)
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, PROMPT))
+    dense = prefill_decode_logits(model, ids, 4, max_cache_len=CACHE)
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager"))
+    torch._dynamo.reset()
+
+    def compile_latent(m):
+        use_latent_cache(m, bases, latent_dtype=torch.float32, recent_window=4)
+        return torch.compile(m, backend=backend, fullgraph=True)
+
+    got = prefill_decode_logits(model, ids, 4, max_cache_len=CACHE, compile_fn=compile_latent)
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    assert _rel_err(got, dense) < 2e-2  # full rank: only bf16 rounding apart
+
+
+def test_recent_window_validation_names_the_fix():
+    from ckvp_compile.latent.budget import window_bytes
+
+    shape = dict(head_dim=16, num_heads=2, num_kv_heads=1, hidden=32, num_experts=2, top_k=1, ffn=16, num_layers=2)
+    model, bases = _model(shape, HF_FAMILIES[0], 2, seed=6)
+    for bad in (-5, True):
+        with pytest.raises(CKVPConfigError, match="recent_window"):
+            window_bytes(bases, 1, bad)
+    with pytest.raises(CKVPConfigError, match="recent_window"):
+        CKVPStaticCache(model.config, bases, max_cache_len=CACHE, recent_window=True)
+    with pytest.raises(CKVPConfigError, match="latent_format"):
+        calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=4.0, progress=False,
+                  recent_window=8)

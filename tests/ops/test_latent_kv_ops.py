@@ -526,3 +526,31 @@ def test_ops_under_torch_compile(backend, device):
         torch.testing.assert_close(c, e, atol=0, rtol=0)  # every mutation visible after the compiled call
     assert not torch.equal(compiled_state[0], state[0]), "latent_k must have been written"
     assert compiled_state[4][:, 3].tolist() == pos[:, 0].tolist()
+
+
+def test_unused_exact_entries_are_never_read_and_slots_stay_inside_kv_len():
+    """Entries marked -1 (a recent window's empty ring) may hold anything, NaN and inf included: the output is the
+    one with them zeroed. An exact token at a slot >= kv_len would not be attended: a clear error on host tensors."""
+    from ckvp_compile.errors import CKVPShapeError
+
+    torch.manual_seed(0)
+    kg = Group(b=1, hkv=2, g=1, d=8, s_max=10, ranks=[3, 4], r_pad=5, form="rotate_half", rotary_dim=8)
+    vg = Group(b=1, hkv=2, g=1, d=8, s_max=10, ranks=[2, 4], r_pad=4, form="none", rotary_dim=0)
+    vg.start = kg.start
+    for grp in (kg, vg):
+        grp.call(6)
+    q = torch.randn(1, 4, 1, 8)
+    slots = torch.tensor([-1, 2, 5, -1])
+    nk, nv = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+
+    def run(k, v, sl=slots, kv_len=6):
+        return OPS.latent_attention(q, kg.latent, vg.latent, kg.block(0), vg.block(0), kg.offsets, vg.offsets,
+                                    kg.cos_table, kg.sin_table, kg.slot_pos, "rotate_half", 8, k, v, sl, None, 0.3,
+                                    kv_len)
+
+    clean = run(nk.masked_fill((slots < 0)[:, None], 0.0), nv.masked_fill((slots < 0)[:, None], 0.0))
+    dirty_k, dirty_v = nk.clone(), nv.clone()
+    dirty_k[:, :, 0], dirty_v[:, :, 0], dirty_v[:, :, 3] = float("nan"), float("inf"), float("nan")
+    torch.testing.assert_close(run(dirty_k, dirty_v), clean)
+    with pytest.raises(CKVPShapeError, match="kv_len"):
+        run(nk, nv, torch.tensor([-1, 2, 6, -1]))
