@@ -180,17 +180,18 @@ def test_moe_tuning_never_times_while_capturing(monkeypatch):
     assert gg._tune(key, cands, launch) is cands[0] and key not in gg._TUNED
 
 
-def test_compiled_decode_step_ops_are_capture_safe(monkeypatch):
-    """End to end: a tiny Mixtral with an int8 latent cache compiled by the ckvp backend (aot_eager, so the ckvp ops
-    run their CPU kernels: the same Python as the CUDA fallbacks); in the third decode step every reference the
-    ops call makes no capture-unsafe call."""
+@pytest.mark.parametrize("recent_window", [0, 4])
+def test_compiled_decode_step_ops_are_capture_safe(monkeypatch, recent_window):
+    """End to end: a tiny Mixtral with an int8 latent cache (and a dense recent window) compiled by the ckvp backend
+    (aot_eager, so the ckvp ops run their CPU kernels: the same Python as the CUDA fallbacks); in the third decode
+    step every reference the ops call makes no capture-unsafe call."""
     from ckvp_compile.latent import calibrate
     from ckvp_compile.latent.capture import hf_step_kwargs
     from ckvp_compile.runtime.hf_cache import CKVPStaticCache
     from ckvp_compile.testing import build_hf_moe
 
     names = ("latent_append_ref", "rope_table_update_ref", "latent_attention_ref", "latent_reconstruct_ref",
-             "latent_scores_ref", "latent_attention_from_scores_ref")
+             "latent_scores_ref", "latent_attention_from_scores_ref", "window_append_ref")
     hazards: list = []
     ran: list[str] = []
     armed = [False]
@@ -212,7 +213,7 @@ def test_compiled_decode_step_ops_are_capture_safe(monkeypatch):
     model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     bases = calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=2.0, latent_format="int8",
                       progress=False)
-    cache = CKVPStaticCache(model.config, bases, max_cache_len=24, latent_format="int8")
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=24, latent_format="int8", recent_window=recent_window)
     step = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"}, fullgraph=True)
     tok, pos = torch.randint(0, 256, (1, 5)), 0
     with torch.no_grad():
@@ -222,6 +223,7 @@ def test_compiled_decode_step_ops_are_capture_safe(monkeypatch):
             pos += tok.shape[1]
             tok = logits[:, -1:].argmax(-1)
     assert "latent_append_ref" in ran and "rope_table_update_ref" in ran, ran
+    assert ("window_append_ref" in ran) == bool(recent_window), ran
     assert not hazards, "\n".join(map(str, hazards))
 
 
