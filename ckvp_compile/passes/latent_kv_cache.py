@@ -418,9 +418,10 @@ def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
 def _with_window(graph: fx.Graph, after: fx.Node, ring: fx.Node, ring_slots: fx.Node, value: fx.Node,
                  slots: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     """The exact tokens of a layer with a dense recent window, inserted after ``after``: ``cat(ring, value)``
-    (B, Hkv, W+S, D) in ``value``'s dtype and their slots ``cat(where(ring_slots < min(slots), ring_slots, -1), slots)`` (W+S,); ring
-    entries at or past the call's first slot are its own tokens or abandoned ones (a rewound sequence) and are
-    marked unused. Returns (the last node inserted, exact values, exact slots)."""
+    (B, Hkv, W+S, D) in ``value``'s dtype, and their slots (W+S,)
+    ``cat(where(ring_slots < min(slots), ring_slots, -1), slots)``: ring entries at or past the call's first slot
+    are its own tokens or abandoned ones (a rewound sequence) and are marked unused. Returns (the last node
+    inserted, exact values, exact slots)."""
     with graph.inserting_after(after):
         first = graph.call_method("min", (slots,))
     with graph.inserting_after(first):
