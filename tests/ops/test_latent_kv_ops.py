@@ -397,6 +397,14 @@ def _op_args():
                                                  new_k, new_v, slots, mask, d**-0.5, 5)))
     cases.append((OPS.latent_reconstruct, (vg.latent, vg.block(0), vg.offsets, torch.empty(0), torch.empty(0),
                                            torch.empty(0, dtype=torch.int32), "none", 0, new_v, slots)))
+    # exact tokens of a recent window: N = 4 entries for 2 queries, one unused (-1); and the ring's append
+    ex_slots = torch.tensor([-1, 1, 3, 4])
+    ex_k, ex_v = torch.randn(b, hkv, 4, d), torch.randn(b, hkv, 4, d)
+    cases.append((OPS.latent_attention, (q, kg.latent, vg.latent, kg.block(0), vg.block(0), kg.offsets, vg.offsets,
+                                         kg.cos_table, kg.sin_table, kg.slot_pos, form, d // 2, ex_k, ex_v, ex_slots,
+                                         None, d**-0.5, 5)))
+    cases.append((OPS.window_append, (torch.zeros(b, hkv, 3, d), torch.zeros(b, hkv, 3, d),
+                                      torch.full((3,), -1, dtype=torch.int64), new_k, new_v, slots)))
     return cases
 
 
