@@ -152,13 +152,18 @@ def _check_slots(op: str, slots: torch.Tensor, layout: str = "(S,)") -> Any:
     return slots.shape[0]
 
 
-def _check_slot_values(op: str, slots: torch.Tensor, s_max: int, unused_ok: bool = False) -> None:
+def _check_slot_values(op: str, slots: torch.Tensor, s_max: int, unused_ok: bool = False,
+                       kv_len: int | None = None) -> None:
     """Slots beyond the cache mean a context longer than the cache: a clear error on host tensors (on a GPU the
     check would synchronise every step; there the indexing ops fail with a device-side assert instead).
-    ``unused_ok``: -1 marks an unused exact-token entry (a recent window that is not full yet)."""
+    ``unused_ok``: -1 marks an unused exact-token entry (a recent window that is not full yet); ``kv_len``: the
+    exact tokens must also lie inside the attended slots [0, kv_len)."""
     if slots.device.type != "cpu" or slots.numel() == 0:
         return
     lo, hi = int(slots.min()), int(slots.max())
+    if kv_len is not None and s_max > hi >= kv_len:
+        raise CKVPShapeError(f"ckvp::{op}: exact token at slot {hi}, but only slots [0, kv_len = {kv_len}) are "
+                             f"attended: exact tokens must lie inside them")
     if lo < (-1 if unused_ok else 0) or hi >= s_max:
         raise CKVPShapeError(f"ckvp::{op}: slot {hi if hi >= s_max else lo} is outside the cache's {s_max} slots: the "
                              f"context is longer than the cache. Build it with CKVPStaticCache(max_cache_len=...) at "
@@ -436,10 +441,7 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
                             k_fmt, v_fmt)
-    _check_slot_values("latent_attention", slots, latent_k.shape[1], unused_ok=True)
-    if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= kv_len:  # host tensors only (no sync)
-        raise CKVPShapeError(f"ckvp::latent_attention: exact token at slot {int(slots.max())}, but only slots "
-                             f"[0, kv_len = {kv_len}) are attended: exact tokens must lie inside them")
+    _check_slot_values("latent_attention", slots, latent_k.shape[1], unused_ok=True, kv_len=kv_len)
     out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
                                    cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
                                    attn_mask, scale, kv_len, k_fmt, v_fmt)
