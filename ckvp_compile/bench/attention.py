@@ -62,6 +62,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ckvp_compile.bench.output import write_result
 from ckvp_compile.kernels import reference as ref
 from ckvp_compile.kernels.latent_format import parse_latent_format
 
@@ -669,12 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(formats, batches, contexts, heads, head_dim, GROUP, args.device, args.flex, args.budget_s, args.seed,
                  cuda_graphs=args.cuda_graphs)
     result["command"] = command
-    md = to_markdown(result, command)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-    if args.out:
-        args.out.write_text(md)
-    print(md)
+    write_result(result, to_markdown(result, command), args.json, args.out)
     return 0
 
 

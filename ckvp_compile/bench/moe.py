@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .output import write_result
+
 __all__ = ["SHAPES", "SYSTEMS", "main", "run"]
 
 SHAPES = {  # name -> (Dm, I, E, A)
@@ -261,12 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(args.shapes, args.batches, args.systems, getattr(torch, args.dtype), args.device, args.budget_s,
                  args.max_gather_gb, args.tiny, args.seed, profile_calls=args.profile_calls)
     result["command"] = command
-    md = to_markdown(result, command)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(md)
-    print(md)
+    write_result(result, to_markdown(result, command), args.json, args.out)
     return 0
 
 

@@ -190,24 +190,19 @@ def _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0: tl.constexp
         cols = C0 + tl.arange(0, NCOLS)
         ok = row_ok[:, None] & ((cols < rank) & (cols >= lo))[None, :]
         code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
-    elif BITS == 4:  # byte i holds codes 2i (low nibble) and 2i+1: load the bytes once, interleave the nibbles
-        hb = C0 // 2 + tl.arange(0, NCOLS // 2)
-        if RANK_ALIGN % 2 == 0:
-            h_end = rank // 2
+    else:  # BITS 4 or 2: byte i holds the PER = 8/BITS codes PER*i .. PER*i+PER-1; load each byte once
+        PER: tl.constexpr = 8 // BITS
+        hb = C0 // PER + tl.arange(0, NCOLS // PER)
+        if RANK_ALIGN % PER == 0:
+            h_end = rank // PER
         else:
-            h_end = (rank + 1) // 2
-        h_ok = row_ok[:, None] & ((hb < h_end) & (hb >= (lo + 1) // 2))[None, :]
+            h_end = (rank + PER - 1) // PER
+        h_ok = row_ok[:, None] & ((hb < h_end) & (hb >= (lo + PER - 1) // PER))[None, :]
         raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :], mask=h_ok, other=0).to(tl.int32)
-        code = tl.reshape(tl.join(raw & 15, raw >> 4), (NROWS, NCOLS))
-    else:  # BITS == 2: codes 4i .. 4i+3 in bits 0-1, 2-3, 4-5, 6-7 of byte i
-        qb = C0 // 4 + tl.arange(0, NCOLS // 4)
-        if RANK_ALIGN % 4 == 0:
-            q_end = rank // 4
-        else:
-            q_end = (rank + 3) // 4
-        q_ok = row_ok[:, None] & ((qb < q_end) & (qb >= (lo + 3) // 4))[None, :]
-        raw = tl.load(row_ptr[:, None] + ((col0 + qb) * stride_w)[None, :], mask=q_ok, other=0).to(tl.int32)
-        code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
+        if BITS == 4:  # low nibble first: interleave the nibbles
+            code = tl.join(raw & 15, raw >> 4)
+        else:  # bits 0-1, 2-3, 4-5, 6-7
+            code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
         code = tl.reshape(code, (NROWS, NCOLS))
     return code
 
@@ -526,14 +521,8 @@ def _latent_attention_split_kernel(
     p2 = 0.0
     p3 = 0.0
     if HOIST and PHASE != 2:  # the whole (RK_PAD, .) basis block stays on chip across the tile loop (BLOCK_R == RK_PAD)
-        r = tl.arange(0, RK_PAD)
-        b_ok = (r < rk_max)[:, None]
-        b_rows = bk_head + (r * stride_bkr)[:, None]
-        if HAS_ROT:
-            p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-            p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-        if HAS_REST:
-            p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
+        p1, p2, p3 = _basis_rows(bk_head, tl.arange(0, RK_PAD), rk_max, i1, i2, rot_ok, rest, rest_ok, stride_bkr,
+                                 stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
         if KEY_FP16:  # converted once, not per tile
             if HAS_ROT:
                 p1 = p1.to(tl.float32).to(tl.float16)
@@ -609,6 +598,22 @@ def _latent_attention_split_kernel(
 
 
 @triton.jit
+def _basis_rows(bk_head, r, r_end, i1, i2, rot_ok, rest, rest_ok, stride_bkr, stride_bkd, p1, p2, p3,
+                HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr):
+    """Rows ``r`` (< ``r_end``; 0 beyond) of a KV head's basis block, split as the keys are: the rotated pairs'
+    halves (columns ``i1``, ``i2``) and the pass-through channels (``rest``); ``p1``, ``p2``, ``p3`` are returned
+    unchanged where the head has no such channels."""
+    b_ok = (r < r_end)[:, None]
+    b_rows = bk_head + (r * stride_bkr)[:, None]
+    if HAS_ROT:
+        p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+        p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
+    if HAS_REST:
+        p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
+    return p1, p2, p3
+
+
+@triton.jit
 def _tile_scores(
     lk_ptr, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
     col_ok, head_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, rk_max, qk_scale, G,
@@ -635,29 +640,20 @@ def _tile_scores(
         if KEY_CODES:  # one quantization block per chunk (BLOCK_R == K_QBLOCK), rebuilt in the code domain
             code, sc, mn = _latent_codes(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
                                          stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS)
-            r = r0 + tl.arange(0, BLOCK_R)
-            b_ok = (r < k_rank)[:, None]  # this head's rows only, whatever the padding holds
-            b_rows = bk_head + (r * stride_bkr)[:, None]
+            # this head's rows only (< k_rank), whatever the padding holds
+            p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), k_rank, i1, i2, rot_ok, rest, rest_ok,
+                                     stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
             if HAS_ROT:
-                p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-                p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
                 x1 = _mm_codes(code, sc, mn, p1, tl.sum(p1.to(tl.float32), axis=0), x1, KEY_FP8, F32_DOT)
                 x2 = _mm_codes(code, sc, mn, p2, tl.sum(p2.to(tl.float32), axis=0), x2, KEY_FP8, F32_DOT)
             if HAS_REST:
-                p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
                 x3 = _mm_codes(code, sc, mn, p3, tl.sum(p3.to(tl.float32), axis=0), x3, KEY_FP8, F32_DOT)
         else:
             z = _latent_load(lk_rows, col_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
                              r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
             if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
-                r = r0 + tl.arange(0, BLOCK_R)
-                b_ok = (r < rk_max)[:, None]
-                b_rows = bk_head + (r * stride_bkr)[:, None]
-                if HAS_ROT:
-                    p1 = tl.load(b_rows + (i1 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-                    p2 = tl.load(b_rows + (i2 * stride_bkd)[None, :], mask=b_ok & rot_ok[None, :], other=0.0)
-                if HAS_REST:
-                    p3 = tl.load(b_rows + (rest * stride_bkd)[None, :], mask=b_ok & rest_ok[None, :], other=0.0)
+                p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), rk_max, i1, i2, rot_ok, rest, rest_ok,
+                                         stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
             if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 bases exact)
                 z16 = z.to(tl.float16)
                 if HAS_ROT:

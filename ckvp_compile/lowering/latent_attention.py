@@ -74,7 +74,7 @@ TEMPLATE_CONFIGS = (
 #: template, compiled by Inductor, has not been run with them there yet: until then such calls stay extern calls.
 FP8_BASES_TEMPLATE_GPU_CHECKED = False
 
-_HELPERS = (lat._tile_scores, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
+_HELPERS = (lat._tile_scores, lat._basis_rows, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
             lat._fma_scores_pair, lat._latent_codes, lat._mm_codes, lat._latent_raw_codes,
             lat._fp16_at, lat._rope_rows)
 
