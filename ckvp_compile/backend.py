@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from . import _compat
 from .analysis import GraphAnalysis, analyze
-from .analysis.graph import op_name
+from .analysis.graph import CAPTURE_UNSAFE_OPS, capture_unsafe_calls, op_name
 from .config import CKVPConfig
 from .errors import CKVPConfigError, CKVPError, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
@@ -223,7 +223,25 @@ class CKVPBackend:
         patches["post_grad_custom_post_pass"] = manager
         if self.recorder is not None:
             patches["fx_graph_cache"] = False
+        if patches.get("triton.cudagraphs") and any(getattr(t, "is_cuda", False) for t in example_inputs):
+            _cudagraphs_off_for_host_syncs(gm, patches)
         return _compat.compile_with_inductor(gm, example_inputs, patches)
+
+
+def _cudagraphs_off_for_host_syncs(gm: fx.GraphModule, patches: dict[str, Any]) -> None:
+    """Turn CUDA graphs off for ``gm`` (in ``patches``), with a warning naming the op and the fix, when ``gm``
+    calls an op that synchronises with the host (``analysis.graph.CAPTURE_UNSAFE_OPS``): recording such a graph
+    would stop with "Cannot copy between CPU and CUDA tensors during CUDA graph capture" (H200,
+    benchmarks/results/2026-11-30-max-batch-h200). The graph still runs, compiled, without CUDA graphs."""
+    found = capture_unsafe_calls(gm.graph)
+    if not found:
+        return
+    patches["triton.cudagraphs"] = False
+    reasons = "; ".join(f"{name} x{n}: {CAPTURE_UNSAFE_OPS[name][0]}" for name, n in found.items())
+    fixes = "; or ".join(dict.fromkeys(CAPTURE_UNSAFE_OPS[name][1] for name in found))
+    warnings.warn(f"ckvp: CUDA graphs are off for this graph (mode reduce-overhead / max-autotune asked for them): "
+                  f"it calls ops that synchronise with the host, which a CUDA graph cannot capture ({reasons}). "
+                  f"Fix: {fixes}.", UnsupportedPatternWarning, stacklevel=3)
 
 
 #: Unsupported-site kinds of the MoE analysis (analysis/moe.py) that mean experts computed in the graph itself.

@@ -54,6 +54,30 @@ VIEW_LIKE = frozenset(
 )
 
 
+#: Ops that synchronise with the host inside, so a CUDA graph cannot capture them: op name (as :func:`op_name`
+#: gives it) -> what does it and how to avoid it. transformers' fp32 expert path (``grouped_mm_fallback``, used
+#: when ``torch._grouped_mm`` cannot run: non-bf16 weights under torch.compile) loops over ``offs.tolist()``.
+CAPTURE_UNSAFE_OPS = {
+    "transformers::grouped_mm_fallback": (
+        "transformers' grouped_mm fallback for non-bf16 experts, which reads its group offsets on the host "
+        "(offs.tolist())",
+        "run the model in bfloat16 (transformers then calls torch._grouped_mm), or pass "
+        "options={'enable_expert_gemm': True} (ckvp's device-side expert GEMM replaces it)",
+    ),
+}
+
+
+def capture_unsafe_calls(graph: fx.Graph) -> dict[str, int]:
+    """Op name -> number of calls in ``graph`` of each op in :data:`CAPTURE_UNSAFE_OPS` (empty: none)."""
+    found: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            name = op_name(node)
+            if name in CAPTURE_UNSAFE_OPS:
+                found[name] = found.get(name, 0) + 1
+    return found
+
+
 def op_name(node: fx.Node) -> str:
     """Return a canonical lowercase name of what ``node`` computes.
 

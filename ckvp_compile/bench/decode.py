@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -116,6 +117,7 @@ class DecodeRow:
     max_batch: bool = False
     status: str = "ok"  # ok | oom | error | skipped-budget
     error: str | None = None
+    error_where: list[str] | None = None  # oom / error: the innermost frames (file:line function) that raised
     steps: int = 0
     ms_median: float | None = None
     ms_p10: float | None = None
@@ -161,6 +163,13 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
         env["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     env["git_commit"] = _run(["git", "-C", str(REPO), "rev-parse", "HEAD"])
     return env
+
+
+def _innermost_frames(exc: BaseException, n: int = 6) -> list[str]:
+    """The ``n`` innermost frames of ``exc``'s traceback as ``file:line in function: code`` (where an OOM or error
+    row was raised: the allocation's op, for a row that needs explaining)."""
+    return [f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()[:160]}"
+            for f in traceback.extract_tb(exc.__traceback__)[-n:]]
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -358,8 +367,10 @@ class _Runner:
                 row.peak_bytes = torch.cuda.max_memory_allocated()
         except torch.OutOfMemoryError as e:
             row.status, row.error = "oom", str(e).split("\n")[0][:300]
+            row.error_where = _innermost_frames(e)
         except Exception as e:  # noqa: BLE001  recorded in the row; the run goes on
             row.status, row.error = "error", f"{type(e).__name__}: {str(e)[:600]}"
+            row.error_where = _innermost_frames(e)
         finally:
             del cache, fn, ballast
             self.clean()
@@ -412,7 +423,7 @@ class _Runner:
             if any(t["batch"] == batch for t in attempts):
                 break
             row = self.run_row(system, batch, context, max_batch=True)
-            attempts.append({"batch": batch, "status": row.status, "error": row.error})
+            attempts.append({"batch": batch, "status": row.status, "error": row.error, "where": row.error_where})
             if row.status == "ok":
                 if best is None or row.batch > best.batch:
                     best = row

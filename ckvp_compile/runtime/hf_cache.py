@@ -94,8 +94,16 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
         self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
                                    latent_dtype, basis_dtype, residual_format, recent_window)
         for i, layer in enumerate(self.layers):
-            probe = torch.empty(max_batch_size, num_kv, 0, head_dim, device=device, dtype=dtype)
-            layer.lazy_initialization(probe, probe)  # sets shapes, device, counters (allocates dense: freed below)
+            # HF's lazy_initialization sets the layer's shapes, dtype and flags, and allocates the dense K/V from
+            # the probe's device: a meta probe allocates nothing (a real one would need one layer's dense cache,
+            # which at large batch x context does not fit: the capacity the latent cache exists for)
+            probe = torch.empty(max_batch_size, num_kv, 0, head_dim, device="meta", dtype=dtype)
+            counter = getattr(layer, "cumulative_length", None)
+            layer.lazy_initialization(probe, probe)
+            layer.device = self.store.device
+            if isinstance(counter, torch.Tensor):  # transformers 5.17: a length counter tensor, moved to the probe's
+                layer.cumulative_length = counter.to(self.store.device)
+                torch._dynamo.mark_static_address(layer.cumulative_length)
             layer.keys = self.store.phantom(i, "k")
             layer.values = self.store.phantom(i, "v")
             for t in (layer.keys, layer.values):
