@@ -94,8 +94,9 @@ def ptxas_stats(ptx: str, arch: str = "sm_90a") -> dict:
             "ptxas": text.strip().splitlines()[-3:]}
 
 
-def compile_call(args: tuple, cfg, keep: str | None = None, label: str = "") -> list[dict]:
-    """Compile (never run) every kernel one ``latent_attention_triton(*args, config=cfg)`` call launches."""
+def compile_call(args: tuple, cfg, keep: str | None = None, label: str = "", page_table=None) -> list[dict]:
+    """Compile (never run) every kernel one ``latent_attention_triton(*args, config=cfg, page_table=...)`` call
+    launches."""
     from triton.runtime import driver as triton_driver  # the DriverConfig instance
 
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -110,7 +111,7 @@ def compile_call(args: tuple, cfg, keep: str | None = None, label: str = "") -> 
     lat._interpreting = lambda: False
     lat.unsupported_reason = lambda *a, **k: None
     try:
-        lat.latent_attention_triton(*args, config=cfg)
+        lat.latent_attention_triton(*args, config=cfg, page_table=page_table)
     finally:
         (lat._latent_attention_split_kernel, lat._latent_attention_reduce_kernel, lat._interpreting,
          lat.unsupported_reason) = saved
@@ -139,6 +140,8 @@ def main() -> int:
     ap.add_argument("--configs", default="default;generic", help="names separated by ;")
     ap.add_argument("--keep", default=None, help="write each kernel's TTGIR and PTX here")
     ap.add_argument("--fp8-bases", action="store_true", help="bases in float8_e4m3fn (as the store's basis_dtype)")
+    ap.add_argument("--page", type=int, default=0, help="paged latents: pools of pages of this many slots and a "
+                    "page table (0: contiguous)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import latent_attention_gpu as lag
@@ -150,6 +153,17 @@ def main() -> int:
     args = lag.make_inputs(a.batch, a.context, fmt, int(rank), seed=0, dev="cpu")
     if a.fp8_bases:
         args = args[:3] + (args[3].to(torch.float8_e4m3fn), args[4].to(torch.float8_e4m3fn)) + args[5:]
+    table = None
+    if a.page:  # the same rows as page pools (one spare page: the trash page) and an identity page table
+        lk, lv = args[1], args[2]
+        n_log = lk.shape[1] // a.page
+        table = torch.arange(lk.shape[0] * n_log, dtype=torch.int32).view(lk.shape[0], n_log)
+
+        def pool(t):
+            rows = t[:, : n_log * a.page].reshape(-1, a.page, t.shape[2])
+            return torch.cat((rows, rows[:1]))
+
+        args = (args[0], pool(lk), pool(lv)) + args[3:]
     default = default_config(lag.H // lag.HKV, max(16, 1 << (int(rank) - 1).bit_length()))
     r = dataclasses.replace
     named = {"default": default, "generic": DecodeConfig(),
@@ -168,7 +182,7 @@ def main() -> int:
     out = []
     for name in a.configs.split(";"):
         cfg = named[name]
-        for row in compile_call(args, cfg, a.keep, re.sub(r"\W+", "_", name)):
+        for row in compile_call(args, cfg, a.keep, re.sub(r"\W+", "_", name), table):
             row["config"] = name
             out.append(row)
             print(f"{name:<32} {row['kernel']:<11} regs {row['registers']:>3}  spill st/ld "

@@ -452,7 +452,7 @@ def _rope_rows(half, rot_dim, d_model, HALF: tl.constexpr, REST: tl.constexpr, R
 def _latent_attention_split_kernel(
     # pointers
     q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr,
-    m_ptr, l_ptr, acc_ptr, sc_ptr, stride_scr,
+    m_ptr, l_ptr, acc_ptr, sc_ptr, stride_scr, pt_ptr, stride_ptb,
     # sizes and scalars
     Hkv, S, n_exact, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rk_max,
     k_scale_base, k_min_base, v_scale_base, v_min_base,
@@ -475,13 +475,15 @@ def _latent_attention_split_kernel(
     V_WORDS: tl.constexpr, HALF_ALIGN: tl.constexpr, K_MX: tl.constexpr, V_MX: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, P_BF16: tl.constexpr,
     PHASE: tl.constexpr, FMA_VALUES: tl.constexpr = False, KEY_FP16: tl.constexpr = False,
-    KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False,
+    KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False, PAGE: tl.constexpr = 0,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
     Shapes: q (B, H, S, D); latent_k (B, S_max, Wk), latent_v (B, S_max, Wv) (float, or uint8 rows); basis_k
     (Hkv, D, Rk_max); cos/sin (P_max, W); slot_pos (B, S_max); slots (n_exact,) the exact tokens' slots (-1:
-    unused), skipped here; mask (B, H, S, kv_len) by strides;
+    unused), skipped here; mask (B, H, S, kv_len) by strides; PAGE > 0: latent_k / latent_v are page pools
+    (N_pages + 1, PAGE, W) and ``pt_ptr`` the (B, S_max / PAGE) int32 page table (row stride ``stride_ptb``): slot t
+    of sequence b is row t % PAGE of page table[b, t // PAGE], an unmapped page (-1) reads as zero rows;
     kmeta / vmeta (Hkv, 3) int32 = (first column or code byte, first block, rank); m / l (rows, n_split, G) and
     acc (rows, n_split, G, RV_PAD) fp32 with rows = B*Hkv*S.
 
@@ -554,17 +556,27 @@ def _latent_attention_split_kernel(
                 sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
                 is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
         col_ok = row_ok & ~is_new
+        if PAGE > 0:  # walk the page table: each slot's page, then its row inside the page
+            page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
+            ld_ok = col_ok & (page >= 0)
+            in_page = (offs % PAGE).to(tl.int64)
+            lk_rows = lk_ptr + page * stride_lkb + in_page * stride_lks
+            lv_rows = lv_ptr + page * stride_lvb + in_page * stride_lvs
+        else:
+            ld_ok = col_ok
+            lk_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
+            lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
         sc_rows = sc_ptr + ((bh * S + s) * G + tl.arange(0, G_PAD)).to(tl.int64) * stride_scr  # (G_PAD,)
         if PHASE == 2:
             scores = tl.load(sc_rows[:, None] + offs[None, :], mask=head_ok[:, None] & row_ok[None, :],
                              other=float("-inf"))
         else:
             scores = _tile_scores(
-                lk_ptr, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
+                lk_rows, ld_ok, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
                 col_ok, head_ok, k_col0, k_blk0, k_rank, kmeta_ptr + 12 * h, k_scale_base, k_min_base, rk_max,
                 qk_scale, G,
                 i1, i2, c1, c2, rot_ok, rest, rest_ok,
-                stride_lkb, stride_lks, stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
+                stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
                 stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
                 G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK,
                 Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
@@ -578,8 +590,7 @@ def _latent_attention_split_kernel(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(scores - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
-            zv = _latent_load(lv_rows, col_ok, v_col0, v_blk0, v_rank, vmeta_ptr + 12 * h, v_scale_base, v_min_base,
+            zv = _latent_load(lv_rows, ld_ok, v_col0, v_blk0, v_rank, vmeta_ptr + 12 * h, v_scale_base, v_min_base,
                               stride_lvw, 0, BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN,
                               V_WORDS, V_MX)
             if FMA_VALUES:  # few query heads per KV head: exact fp32 products on the CUDA cores
@@ -615,10 +626,10 @@ def _basis_rows(bk_head, r, r_end, i1, i2, rot_ok, rest, rest_ok, stride_bkr, st
 
 @triton.jit
 def _tile_scores(
-    lk_ptr, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
+    lk_rows, ld_ok, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
     col_ok, head_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, rk_max, qk_scale, G,
     i1, i2, c1, c2, rot_ok, rest, rest_ok,
-    stride_lkb, stride_lks, stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
+    stride_lkw, stride_bkd, stride_bkr, stride_cp, stride_cw, stride_sp,
     stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
     G_PAD: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr,
     ROPE: tl.constexpr, RK_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BITS: tl.constexpr,
@@ -630,15 +641,15 @@ def _tile_scores(
 ):
     """(G_PAD, BLOCK_N) fp32 scores in log2 units of one tile of slots ``offs``: rebuild the pre-RoPE keys from the key
     latent and the basis block, rotate them at each slot's position, score the KV head's query heads, mask
-    (``-inf`` where ``~col_ok``: past the context, or the exact tokens' slots)."""
-    lk_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
+    (``-inf`` where ``~col_ok``: past the context, or the exact tokens' slots). ``lk_rows``: the slots' latent row
+    pointers (BLOCK_N,), loaded where ``ld_ok`` (zero rows elsewhere: an unmapped page)."""
     # rebuild the tile's pre-RoPE keys, split into the rotated pairs' halves and the pass-through channels
     x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x3 = tl.zeros((BLOCK_N, REST), tl.float32)
     for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
         if KEY_CODES:  # one quantization block per chunk (BLOCK_R == K_QBLOCK), rebuilt in the code domain
-            code, sc, mn = _latent_codes(lk_rows, col_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
+            code, sc, mn = _latent_codes(lk_rows, ld_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
                                          stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS)
             # this head's rows only (< k_rank), whatever the padding holds
             p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), k_rank, i1, i2, rot_ok, rest, rest_ok,
@@ -649,7 +660,7 @@ def _tile_scores(
             if HAS_REST:
                 x3 = _mm_codes(code, sc, mn, p3, tl.sum(p3.to(tl.float32), axis=0), x3, KEY_FP8, F32_DOT)
         else:
-            z = _latent_load(lk_rows, col_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
+            z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
                              r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
             if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
                 p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), rk_max, i1, i2, rot_ok, rest, rest_ok,
@@ -820,7 +831,7 @@ def _interpreting() -> bool:
 def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
                        basis_v_block: torch.Tensor, rope_form: str, attn_mask: torch.Tensor | None,
                        cos_table: torch.Tensor, new_k: torch.Tensor, k_fmt: str = "float",
-                       v_fmt: str = "float") -> str | None:
+                       v_fmt: str = "float", page_table: torch.Tensor | None = None) -> str | None:
     """Why :func:`latent_attention_triton` cannot run these (already validated) inputs, or None if it can.
 
     The op's CUDA kernel calls the reference whenever this returns a reason, so nothing unsupported runs wrong.
@@ -852,6 +863,8 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
         return f"cos/sin table dtype {cos_table.dtype}"
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
         return f"attn_mask dtype {attn_mask.dtype}"
+    if page_table is not None and page_table.dtype not in (torch.int32, torch.int64):
+        return f"page_table dtype {page_table.dtype}"
     b, h, s, d = q.shape
     hkv = basis_k_block.shape[-3]
     if b == 0 or s == 0:
@@ -1060,11 +1073,13 @@ def latent_attention_triton(
     sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int, new_k: torch.Tensor,
     new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, kv_len: int,
     k_fmt: str = "float", v_fmt: str = "float", config: DecodeConfig | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend over latent cache slots [0, kv_len) with the fused kernels: the math of ``latent_attention_ref``.
 
     Args: exactly those of ``torch.ops.ckvp.latent_attention`` (shapes, dtypes and layout there), already
-        validated; ``config`` picks tile sizes, warps, stages and the context split.
+        validated; ``config`` picks tile sizes, warps, stages and the context split; ``page_table`` (B, S_max / P)
+        int: paged latents, page pools (N_pages + 1, P, W) whose pages the split kernel looks up per tile.
     Returns:
         (B, H, S, D) q.dtype, contiguous; fp32 softmax and accumulation; rows the mask removes entirely are 0.
     Raises:
@@ -1079,7 +1094,7 @@ def latent_attention_triton(
     """
     return _launch("all", q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                    sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt,
-                   v_fmt, config)
+                   v_fmt, config, page_table=page_table)
 
 
 def _launch(
@@ -1088,13 +1103,15 @@ def _launch(
     sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int, new_k: torch.Tensor,
     new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, kv_len: int,
     k_fmt: str = "float", v_fmt: str = "float", config: DecodeConfig | None = None,
-    scores: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernels of one call. mode 'all': key pass (two-pass config) or one pass, then the merge; 'scores': the
     key pass only, returning the scores; 'from_scores': the value pass over ``scores`` and the merge (the K
     arguments are then stand-ins, never read)."""
     reason = unsupported_reason(q, latent_k, latent_v, basis_k_block, basis_v_block, rope_form, attn_mask,
-                                cos_table, new_k, k_fmt, v_fmt)
+                                cos_table, new_k, k_fmt, v_fmt, page_table)
+    if page_table is not None and mode != "all":
+        reason = f"paged latents in mode {mode!r}"
     if reason is not None:
         raise NotImplementedError(f"NYI: latent_attention_triton does not support {reason}; call "
                                   f"kernels.reference.latent_attention_ref instead")
@@ -1187,8 +1204,9 @@ def _launch(
         KEY_FP16=cfg.key_fp16 and not key_codes and not ((not kf.quantized and latent_k.dtype == bf16) or kf.pow2),
         KEY_CODES=key_codes,
         KEY_FP8=key_codes and kf.bits <= 4 and basis_k_block.dtype == torch.float8_e4m3fn and not f32_dot,
-        num_stages=cfg.num_stages,
+        PAGE=0 if page_table is None else latent_k.shape[1], num_stages=cfg.num_stages,
     )
+    pt, pt_stride = (slots, 0) if page_table is None else (page_table, page_table.stride(0))  # slots: never read
     # a pass that scores and accumulates on the CUDA cores has no tl.dot over the query heads: its tiles need only
     # next_pow2(G) rows, not the 16 a dot needs (G = 1: 16x fewer registers for the scores and the value latent)
     fma_k, fma_v = common["FMA_SCORES"], common["FMA_VALUES"]
@@ -1198,7 +1216,7 @@ def _launch(
         k_split, k_per = splits(cfg.block_n)
         _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
-            m_ws, l_ws, acc_ws, sc_ws, t_pad,
+            m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride,
             hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
             *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
@@ -1207,7 +1225,7 @@ def _launch(
             return sc_ws
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
         q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
-        m_ws, l_ws, acc_ws, sc_ws, t_pad,
+        m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride,
         hkv, s, n_exact, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
         *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
         *mstrides, BLOCK_N=block_n_v if cfg.two_pass else cfg.block_n, PHASE=2 if cfg.two_pass else 0,

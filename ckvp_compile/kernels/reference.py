@@ -19,6 +19,10 @@ Packed layout shared by every function here:
 ``basis_block`` (Hkv, D, R_max), layer ``j``'s rows ``basis[:, j*D:(j+1)*D, :]`` (or (B, Hkv, D, R_max))
 ``cos_table``   (P_max, W) indexed by RoPE *position*; ``W`` per :func:`rope_table_width`
 ``slot_pos``    (B, S_max) int32, the RoPE position of every cache slot of every sequence
+``page_table``  optional, (B, S_max / P) int32: a *paged* latent is a pool (N_pages + 1, P, W) of pages of P slots
+                and slot ``t`` of sequence ``b`` lives at ``pool[page_table[b, t // P], t % P]``; -1 marks an
+                unmapped page, read as zero rows; writes to unmapped slots land in the last (trash) page, which
+                no mapped slot reads (vLLM's PagedAttention layout, Kwon et al., SOSP 2023)
 ==============  ===========================================================================================
 
 RoPE forms (``apply_rope_ref``), each over the first ``rotary_dim`` channels, the rest passing through:
@@ -54,6 +58,8 @@ __all__ = [
     "latent_reconstruct_ref",
     "latent_scores_ref",
     "online_basis_fit_ref",
+    "paged_gather",
+    "paged_rows",
     "rope_table_update_ref",
     "rope_table_width",
     "sdpa_ref",
@@ -166,7 +172,7 @@ def unpack_latent_ref(latent: torch.Tensor, offsets: Sequence[int], r_pad: int, 
 
 def latent_append_ref(
     latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor,
-    fmt: str = "float",
+    fmt: str = "float", page_table: torch.Tensor | None = None,
 ) -> None:
     """Project the group's stacked new keys (or values) onto each head's basis and store them in the latent.
 
@@ -177,17 +183,51 @@ def latent_append_ref(
         offsets: Hkv+1 ints, head h owns latent columns offsets[h]:offsets[h+1].
         slots: (S,) int, distinct cache slots of the new tokens.
         fmt: the latent's storage format; a quantized one takes a uint8 (B, S_max, row_bytes) latent.
+        page_table: optional (B, S_max / P) int; then ``latent`` is a page pool (N_pages + 1, P, W).
     Returns:
         None. ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` in fp32, cast to
         latent.dtype (or quantized per :func:`~ckvp_compile.kernels.latent_format.quantize_latent_ref`).
     """
-    latent_append_with(latent, x, basis, offsets, slots, fmt, quantize_latent_ref)
+    latent_append_with(latent, x, basis, offsets, slots, fmt, quantize_latent_ref, page_table)
+
+
+def paged_rows(page_table: torch.Tensor, slots: torch.Tensor, page_size: int, trash_page: int) -> torch.Tensor:
+    """Flat row indices into a page pool viewed as (N_pages + 1) * P rows.
+
+    Args:
+        page_table: (B, S_max / P) int32|int64, physical page of each logical page, -1 = unmapped.
+        slots: (S,) int, logical slots (< S_max).
+        page_size: P, slots per page. trash_page: the pool's last page index (N_pages), where unmapped slots go.
+    Returns:
+        (B, S) int64: ``page * P + slot % P`` with page = ``page_table[b, slot // P]`` (``trash_page`` when -1).
+    """
+    s = slots.long()
+    page = page_table.long().index_select(1, s // page_size)
+    page = torch.where(page >= 0, page, torch.full_like(page, trash_page))
+    return page * page_size + (s % page_size)[None, :]
+
+
+def paged_gather(pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """The contiguous (B, S_max, W) latent a page pool stands for (reads only; unmapped pages read as zeros).
+
+    Args:
+        pool: (N_pages + 1, P, W), any dtype (float latents or uint8 rows). page_table: (B, S_max / P) int.
+    Returns:
+        (B, S_max, W) pool.dtype with S_max = page_table.shape[1] * P; a copy.
+    """
+    b, n = page_table.shape
+    p = pool.shape[1]
+    pages = page_table.long()
+    rows = pool.index_select(0, pages.clamp(min=0).reshape(-1)).reshape(b, n * p, pool.shape[2])
+    mapped = (pages >= 0).repeat_interleave(p, dim=1, output_size=n * p)  # (B, S_max)
+    return torch.where(mapped[..., None], rows, torch.zeros((), dtype=pool.dtype, device=pool.device))
 
 
 def latent_append_with(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
-                       slots: torch.Tensor, fmt: str, quantize) -> None:
+                       slots: torch.Tensor, fmt: str, quantize, page_table: torch.Tensor | None = None) -> None:
     """:func:`latent_append_ref` with ``quantize(packed, offsets, fmt) -> rows`` as the quantizer (the CUDA kernel
-    of ``ckvp::latent_append`` passes the bit-equal Triton one)."""
+    of ``ckvp::latent_append`` passes the bit-equal Triton one); with ``page_table``, ``latent`` is a page pool
+    (module docstring) and the rows go to their pages."""
     b, hkv, s, _ = x.shape
     r_pad = basis.shape[-1]
     eq = "bhsk,bhkr->bshr" if basis.dim() == 4 else "bhsk,hkr->bshr"
@@ -197,7 +237,11 @@ def latent_append_with(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     packed = z.reshape(b, s, hkv * r_pad).index_select(-1, _packed_columns(offsets, r_pad, latent.device))
     if parse_latent_format(fmt).quantized:
         packed = quantize(packed, offsets, fmt)
-    latent[:, slots.long()] = packed.to(latent.dtype)
+    if page_table is None:
+        latent[:, slots.long()] = packed.to(latent.dtype)
+        return
+    rows = paged_rows(page_table, slots, latent.shape[1], latent.shape[0] - 1)  # (B, S)
+    latent.view(-1, latent.shape[2]).index_copy_(0, rows.reshape(-1), packed.to(latent.dtype).reshape(b * s, -1))
 
 
 def online_basis_fit_ref(basis: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor) -> None:
@@ -354,6 +398,7 @@ def latent_reconstruct_ref(
     new: torch.Tensor,
     slots: torch.Tensor,
     fmt: str = "float",
+    page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rebuild one layer's dense cache from the group latent, with RoPE, current-call tokens exact.
 
@@ -368,10 +413,13 @@ def latent_reconstruct_ref(
         new: (B, Hkv, N, D) float, exact tokens (post-RoPE for keys): this call's, and a recent window's.
         slots: (N,) int, their slots; -1 marks an unused entry (see :func:`exact_slots`).
         fmt: the latent's storage format (see :func:`unpack_latent_ref`).
+        page_table: optional (B, S_max / P) int; then ``latent`` is a page pool (module docstring).
     Returns:
         (B, Hkv, S_max, D) new.dtype: ``RoPE(latent_h @ basis_block[h, :, :r_h]^T)`` per head and slot, with
         the used ``slots`` replaced by ``new``.
     """
+    if page_table is not None:
+        latent = paged_gather(latent, page_table)
     out = _rebuild(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, fmt)
     _, idx, _ = exact_slots(slots, out.shape[2])  # unused entries land in the scratch slot, dropped
     out = _pad_slot(out, 2)
@@ -446,6 +494,7 @@ def latent_attention_ref(
     kv_len: int,
     k_fmt: str = "float",
     v_fmt: str = "float",
+    page_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend over cache slots [0, kv_len) of the latent K/V, values absorbed, current-call tokens exact.
 
@@ -463,12 +512,17 @@ def latent_attention_ref(
         scale: score scale.
         kv_len: slots attended, 1 <= kv_len <= S_max.
         k_fmt, v_fmt: the latents' storage formats (see :func:`unpack_latent_ref`).
+        page_table: optional (B, S_max / P) int; then ``latent_k`` / ``latent_v`` are page pools (module
+            docstring), read through the table (only the pages below kv_len).
     Returns:
         (B, H, S, D) q.dtype, fp32 accumulation. With ``w`` the softmax weights, latent slots contribute
         ``(w_past @ latent_v_h) @ basis_v_block[h, :, :r_h]^T`` (value absorption: the dense values are never
         formed) and the exact tokens' slots contribute ``w_exact @ new_v``.
     """
     b, h, s, d = q.shape
+    if page_table is not None:
+        used = page_table[:, :-(-kv_len // latent_k.shape[1])]  # the pages holding slots < kv_len
+        latent_k, latent_v = paged_gather(latent_k, used), paged_gather(latent_v, used)
     valid, idx, taken = exact_slots(slots, kv_len)
     new_k = new_k.float().masked_fill(~valid[:, None], 0.0)  # unused entries are never read (NaN-safe)
     new_v = new_v.float().masked_fill(~valid[:, None], 0.0)

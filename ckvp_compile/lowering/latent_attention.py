@@ -106,12 +106,13 @@ _SOURCE = r'''
         sl = tl.load(SLOTS + sj, mask=sj < N_EXACT, other=-1)
         is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
     col_ok = row_ok & ~is_new
+    lk_rows = LK + b.to(tl.int64) * {{stride("LK", 0)}} + offs.to(tl.int64) * {{stride("LK", 1)}}
     scores = _tile_scores(
-        LK, bk_head, COS, SIN, POS, mask_row, q_row0, q1, q2, q3, 0.0, 0.0, 0.0, b, offs,
+        lk_rows, col_ok, bk_head, COS, SIN, POS, mask_row, q_row0, q1, q2, q3, 0.0, 0.0, 0.0, b, offs,
         col_ok, head_ok, h * K_HEAD_COLS, h * K_HEAD_BLOCKS, K_RANK, 0, K_SCALE_BASE, K_MIN_BASE, RK_MAX, QK_SCALE,
         G,
         i1, i2, c1, c2, rot_ok, rest, rest_ok,
-        {{stride("LK", 0)}}, {{stride("LK", 1)}}, {{stride("LK", 2)}}, {{stride("BK", 1)}}, {{stride("BK", 2)}},
+        {{stride("LK", 2)}}, {{stride("BK", 1)}}, {{stride("BK", 2)}},
         {{stride("COS", 0)}}, {{stride("COS", 1)}}, {{stride("SIN", 0)}}, {{stride("SIN", 1)}},
         {{stride("POS", 0)}}, {{stride("POS", 1)}}, M_ST, {{stride("Q", 1)}}, {{stride("Q", 3)}},
         G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK_KIND,
@@ -278,15 +279,17 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
 
 def tuned_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
-                           k_fmt="float", v_fmt="float"):
+                           k_fmt="float", v_fmt="float", page_table=None):
     """Lowering of ``ckvp::latent_attention``: on CUDA the tuned key pass then the extern value pass; elsewhere
-    (or when the template refuses) the whole op as one extern call."""
-    reason = template_refusal(q, latent_k, basis_k_block, k_offsets, rope_form, attn_mask, kv_len, k_fmt)
+    (or when the template refuses, or for paged latents: the op's own kernel walks the page table) the whole op as
+    one extern call."""
+    reason = "paged latents" if page_table is not None else template_refusal(
+        q, latent_k, basis_k_block, k_offsets, rope_form, attn_mask, kv_len, k_fmt)
     if reason is not None:
         logger.debug("ckvp::latent_attention: one extern call (%s)", reason)
         return _api.fallback_handler(torch.ops.ckvp.latent_attention.default, add_to_fallback_set=False)(
             q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table, sin_table, slot_pos,
-            rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt, v_fmt)
+            rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt, v_fmt, page_table)
     scores = tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_table, slot_pos, rope_form,
                                  rotary_dim, slots, attn_mask, scale, kv_len, k_fmt)
     return _api.fallback_handler(torch.ops.ckvp.latent_attention_from_scores.default, add_to_fallback_set=False)(

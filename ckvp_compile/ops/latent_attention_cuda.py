@@ -55,7 +55,8 @@ def latent_attention_cuda(q: torch.Tensor, latent_k: torch.Tensor, latent_v: tor
                           v_offsets: Sequence[int], cos_table: torch.Tensor, sin_table: torch.Tensor,
                           slot_pos: torch.Tensor, rope_form: str, rotary_dim: int, new_k: torch.Tensor,
                           new_v: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-                          kv_len: int, k_fmt: str = "float", v_fmt: str = "float") -> torch.Tensor:
+                          kv_len: int, k_fmt: str = "float", v_fmt: str = "float",
+                          page_table: torch.Tensor | None = None) -> torch.Tensor:
     """``ckvp::latent_attention`` on CUDA tensors (arguments, result and errors as
     :func:`ckvp_compile.ops.latent_kv.latent_attention`): the Triton kernels where enabled and supported, else the
     reference.
@@ -66,13 +67,14 @@ def latent_attention_cuda(q: torch.Tensor, latent_k: torch.Tensor, latent_v: tor
     """
     args = (q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table, sin_table,
             slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt, v_fmt)
-    _check_latent_attention(*args)
+    _check_latent_attention(*args, page_table)
     reason = "USE_TRITON is False" if not USE_TRITON else unsupported_reason(
-        q, latent_k, latent_v, basis_k_block, basis_v_block, rope_form, attn_mask, cos_table, new_k, k_fmt, v_fmt)
+        q, latent_k, latent_v, basis_k_block, basis_v_block, rope_form, attn_mask, cos_table, new_k, k_fmt, v_fmt,
+        page_table)
     if reason is None:
-        return latent_attention_triton(*args)
+        return latent_attention_triton(*args, page_table=page_table)
     logger.debug("ckvp::latent_attention on %s: reference path (%s)", q.device, reason)
-    return ref.latent_attention_ref(*args).contiguous()
+    return ref.latent_attention_ref(*args, page_table).contiguous()
 
 
 latent_kv.latent_attention.register_kernel("cuda")(latent_attention_cuda)
@@ -124,7 +126,7 @@ parts.latent_attention_from_scores.register_kernel("cuda")(latent_attention_from
 
 
 def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
-                       slots: torch.Tensor, fmt: str = "float") -> None:
+                       slots: torch.Tensor, fmt: str = "float", page_table: torch.Tensor | None = None) -> None:
     """``ckvp::latent_append`` on CUDA tensors (arguments and errors as
     :func:`ckvp_compile.ops.latent_kv.latent_append`): the reference projection, then the Triton quantizer
     (bit-equal to the reference, :mod:`ckvp_compile.kernels.latent_quant_triton`) for the formats
@@ -135,10 +137,10 @@ def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
         CKVPShapeError: as the op.
     Reference: kernels/reference.py::latent_append_ref
     """
-    latent_kv._check_latent_append(latent, x, basis, offsets, slots, fmt)
+    latent_kv._check_latent_append(latent, x, basis, offsets, slots, fmt, page_table)
     use = lq.use_triton(fmt, latent.device)
     ref.latent_append_with(latent, x, basis, offsets, slots, fmt,
-                           lq.quantize_latent_triton if use else quantize_latent_ref)
+                           lq.quantize_latent_triton if use else quantize_latent_ref, page_table)
 
 
 latent_kv.latent_append.register_kernel("cuda")(latent_append_cuda)

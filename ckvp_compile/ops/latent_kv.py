@@ -146,6 +146,20 @@ def _check_rope(op: str, form: str, rotary_dim: int, d: Any, cos_table: torch.Te
     _expect_index(op, "slot_pos", slot_pos)
 
 
+def _logical_dims(op: str, name: str, latent: torch.Tensor, page_table: torch.Tensor | None) -> tuple[Any, Any]:
+    """(B, S_max) that ``latent`` stands for: its first two dims, or with a page table, the table's B and
+    pages x page size (``latent`` is then a page pool (N_pages + 1, P, W), the last page the trash page)."""
+    if page_table is None:
+        return latent.shape[0], latent.shape[1]
+    _expect_ndim(op, "page_table", page_table, 2, "(B, S_max / P)")
+    _expect_index(op, "page_table", page_table)
+    if latent.shape[0] < 2:
+        _fail(op, f"a paged {name} is a page pool (N_pages + 1, P, W) with at least one page and the trash page, "
+                  f"but got {_shape(latent)}")
+    _expect_same_device(op, **{name: latent, "page_table": page_table})
+    return page_table.shape[0], page_table.shape[1] * latent.shape[1]
+
+
 def _check_slots(op: str, slots: torch.Tensor, layout: str = "(S,)") -> Any:
     _expect_ndim(op, "slots", slots, 1, layout)
     _expect_index(op, "slots", slots)
@@ -181,11 +195,11 @@ def _basis_dims(op: str, name: str, basis: torch.Tensor, b: Any, layout: str) ->
     return basis.shape[0], basis.shape[1], basis.shape[2]
 
 
-def _check_latent_append(latent, x, basis, offsets, slots, fmt="float") -> None:
+def _check_latent_append(latent, x, basis, offsets, slots, fmt="float", page_table=None) -> None:
     op = "latent_append"
-    _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
+    _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot), or a page pool (N_pages + 1, P, R_tot)")
     s = _check_slots(op, slots)
-    b = latent.shape[0]
+    b, _ = _logical_dims(op, "latent", latent, page_table)
     hkv, gd, r_pad = _basis_dims(op, "basis", basis, b, "Hkv, G*D, R_max")
     _expect_shape(op, "x", x, (b, hkv, s, gd), "(B, Hkv, S, G*D) from latent, basis and slots")
     _check_latent(op, "latent", latent, fmt)
@@ -221,11 +235,11 @@ def _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_
 
 
 def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
-                              new, slots, fmt="float") -> None:
+                              new, slots, fmt="float", page_table=None) -> None:
     op = "latent_reconstruct"
-    _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot)")
+    _expect_ndim(op, "latent", latent, 3, "(B, S_max, R_tot), or a page pool (N_pages + 1, P, R_tot)")
     n = _check_slots(op, slots, "(N,)")
-    b, s_max = latent.shape[0], latent.shape[1]
+    b, s_max = _logical_dims(op, "latent", latent, page_table)
     hkv, d, r_pad = _basis_dims(op, "basis_block", basis_block, b, "Hkv, D, R_max")
     _expect_shape(op, "new", new, (b, hkv, n, d), "(B, Hkv, N, D) from latent, basis_block and slots")
     _check_latent(op, "latent", latent, fmt)
@@ -240,7 +254,7 @@ def _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table
 
 def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale,
-                            kv_len, k_fmt="float", v_fmt="float") -> None:
+                            kv_len, k_fmt="float", v_fmt="float", page_table=None) -> None:
     op = "latent_attention"
     _expect_ndim(op, "q", q, 4, "(B, H, S, D)")
     b, h, s, d = q.shape
@@ -254,9 +268,16 @@ def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block,
     if hkv == 0 or h % hkv:
         _fail(op, f"the query heads H = {h} (q.shape[1]) must be a multiple of the KV heads Hkv = {hkv} "
                   f"(from basis_k_block)")
-    _expect_shape(op, "latent_k", latent_k, (b, None, None), "(B, S_max, Rk_tot) with B from q")
-    s_max = latent_k.shape[1]
-    _expect_shape(op, "latent_v", latent_v, (b, s_max, None), "(B, S_max, Rv_tot) from q and latent_k")
+    if page_table is None:
+        _expect_shape(op, "latent_k", latent_k, (b, None, None), "(B, S_max, Rk_tot) with B from q")
+        s_max = latent_k.shape[1]
+        _expect_shape(op, "latent_v", latent_v, (b, s_max, None), "(B, S_max, Rv_tot) from q and latent_k")
+    else:
+        _expect_ndim(op, "latent_k", latent_k, 3, "a page pool (N_pages + 1, P, Rk_tot)")
+        _expect_shape(op, "latent_v", latent_v, (latent_k.shape[0], latent_k.shape[1], None),
+                      "a page pool (N_pages + 1, P, Rv_tot) with latent_k's pages")
+        _expect_shape(op, "page_table", page_table, (b, None), "(B, S_max / P) with B from q")
+        s_max = _logical_dims(op, "latent_k", latent_k, page_table)[1]
     n = _check_slots(op, slots, "(N,)")
     _expect_shape(op, "new_k", new_k, (b, hkv, n, d), "(B, Hkv, N, D) from q, basis_k_block and slots (N,)")
     _expect_shape(op, "new_v", new_v, (b, hkv, n, d), "(B, Hkv, N, D) from q, basis_k_block and slots (N,)")
@@ -289,10 +310,11 @@ def _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block,
 @torch.library.custom_op(
     "ckvp::latent_append",
     mutates_args=("latent",),
-    schema="(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots, str fmt=\"float\") -> ()",
+    schema="(Tensor(a!) latent, Tensor x, Tensor basis, int[] offsets, Tensor slots, str fmt=\"float\", "
+    "Tensor? page_table=None) -> ()",
 )
 def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
-                  slots: torch.Tensor, fmt: str = "float") -> None:
+                  slots: torch.Tensor, fmt: str = "float", page_table: torch.Tensor | None = None) -> None:
     """Project the group's stacked new keys (or values) onto each head's basis and write them into the latent.
 
     Args:
@@ -303,6 +325,9 @@ def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, of
         offsets: Hkv+1 ints, head h owns latent columns offsets[h]:offsets[h+1].
         slots: (S,) int32|int64, distinct cache slots < S_max.
         fmt: the latent's storage format ('float', 'int8/32', 'int4/32', 'int2/32', ...).
+        page_table: None, or (B, S_max / P) int32|int64 for a paged latent: ``latent`` is then a page pool
+            (N_pages + 1, P, W) and slot t of sequence b is row ``t % P`` of page ``page_table[b, t // P]``
+            (-1: unmapped, the write goes to the last, trash page); see kernels/reference.py.
     Returns:
         None; ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` (fp32, then cast or
         quantized per token and block).
@@ -310,14 +335,14 @@ def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, of
         CKVPShapeError: a shape, dtype or device does not match the layout above.
     Reference: kernels/reference.py::latent_append_ref
     """
-    _check_latent_append(latent, x, basis, offsets, slots, fmt)
-    _check_slot_values("latent_append", slots, latent.shape[1])
-    ref.latent_append_ref(latent, x, basis, offsets, slots, fmt)
+    _check_latent_append(latent, x, basis, offsets, slots, fmt, page_table)
+    _check_slot_values("latent_append", slots, _logical_dims("latent_append", "latent", latent, page_table)[1])
+    ref.latent_append_ref(latent, x, basis, offsets, slots, fmt, page_table)
 
 
 @latent_append.register_fake
-def _(latent, x, basis, offsets, slots, fmt="float") -> None:
-    _check_latent_append(latent, x, basis, offsets, slots, fmt)
+def _(latent, x, basis, offsets, slots, fmt="float", page_table=None) -> None:
+    _check_latent_append(latent, x, basis, offsets, slots, fmt, page_table)
 
 
 @torch.library.custom_op(
@@ -359,11 +384,13 @@ def _(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots) -> None:
     "ckvp::latent_reconstruct",
     mutates_args=(),
     schema="(Tensor latent, Tensor basis_block, int[] offsets, Tensor cos_table, Tensor sin_table, "
-    "Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots, str fmt=\"float\") -> Tensor",
+    "Tensor slot_pos, str rope_form, int rotary_dim, Tensor new, Tensor slots, str fmt=\"float\", "
+    "Tensor? page_table=None) -> Tensor",
 )
 def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets: Sequence[int],
                        cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str,
-                       rotary_dim: int, new: torch.Tensor, slots: torch.Tensor, fmt: str = "float") -> torch.Tensor:
+                       rotary_dim: int, new: torch.Tensor, slots: torch.Tensor, fmt: str = "float",
+                       page_table: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild one layer's dense K (or V) cache from the group latent, RoPE applied, current-call tokens exact.
 
     Args:
@@ -378,6 +405,7 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
             window's when the store keeps one.
         slots: (N,) int32|int64, their slots; -1 marks an unused entry (kernels.reference.exact_slots).
         fmt: the latent's storage format.
+        page_table: None, or (B, S_max / P) int for a paged latent (a page pool; see :func:`latent_append`).
     Returns:
         (B, Hkv, S_max, D) new.dtype, computed in fp32.
     Raises:
@@ -385,18 +413,20 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
     Reference: kernels/reference.py::latent_reconstruct_ref
     """
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
-                              new, slots, fmt)
-    _check_slot_values("latent_reconstruct", slots, latent.shape[1], unused_ok=True)
+                              new, slots, fmt, page_table)
+    s_max = _logical_dims("latent_reconstruct", "latent", latent, page_table)[1]
+    _check_slot_values("latent_reconstruct", slots, s_max, unused_ok=True)
     out = ref.latent_reconstruct_ref(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form,
-                                     rotary_dim, new, slots, fmt)
+                                     rotary_dim, new, slots, fmt, page_table)
     return out.contiguous()  # the fake promises contiguous strides
 
 
 @latent_reconstruct.register_fake
-def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, new, slots, fmt="float"):
+def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim, new, slots, fmt="float",
+      page_table=None):
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
-                              new, slots, fmt)
-    b, s_max = latent.shape[0], latent.shape[1]
+                              new, slots, fmt, page_table)
+    b, s_max = _logical_dims("latent_reconstruct", "latent", latent, page_table)
     return new.new_empty((b, basis_block.shape[-3], s_max, basis_block.shape[-2]))
 
 
@@ -406,14 +436,14 @@ def _(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, r
     schema="(Tensor q, Tensor latent_k, Tensor latent_v, Tensor basis_k_block, Tensor basis_v_block, "
     "int[] k_offsets, int[] v_offsets, Tensor cos_table, Tensor sin_table, Tensor slot_pos, str rope_form, "
     "int rotary_dim, Tensor new_k, Tensor new_v, Tensor slots, Tensor? attn_mask, float scale, SymInt kv_len, "
-    "str k_fmt=\"float\", str v_fmt=\"float\") -> Tensor",
+    "str k_fmt=\"float\", str v_fmt=\"float\", Tensor? page_table=None) -> Tensor",
 )
 def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
                      basis_v_block: torch.Tensor, k_offsets: Sequence[int], v_offsets: Sequence[int],
                      cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str,
                      rotary_dim: int, new_k: torch.Tensor, new_v: torch.Tensor, slots: torch.Tensor,
                      attn_mask: torch.Tensor | None, scale: float, kv_len: int, k_fmt: str = "float",
-                     v_fmt: str = "float") -> torch.Tensor:
+                     v_fmt: str = "float", page_table: torch.Tensor | None = None) -> torch.Tensor:
     """Attend over latent cache slots [0, kv_len): keys rebuilt with RoPE, values absorbed, new tokens exact.
 
     Args:
@@ -432,6 +462,9 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
         scale: score scale (1/sqrt(D) for standard attention).
         kv_len: slots attended, 1 <= kv_len <= S_max.
         k_fmt, v_fmt: the latents' storage formats.
+        page_table: None, or (B, S_max / P) int for paged latents: ``latent_k`` / ``latent_v`` are then page
+            pools (N_pages + 1, P, W) sharing the table (see :func:`latent_append`); every slot < kv_len of every
+            sequence must be mapped (an unmapped page reads as zero latents).
     Returns:
         (B, H, S, D) q.dtype, fp32 accumulation. Rows the mask removes entirely are 0, as in torch SDPA.
     Raises:
@@ -440,20 +473,22 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
     """
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
-                            k_fmt, v_fmt)
-    _check_slot_values("latent_attention", slots, latent_k.shape[1], unused_ok=True, kv_len=kv_len)
+                            k_fmt, v_fmt, page_table)
+    s_max = _logical_dims("latent_attention", "latent_k", latent_k, page_table)[1]
+    _check_slot_values("latent_attention", slots, s_max, unused_ok=True, kv_len=kv_len)
     out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
                                    cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
-                                   attn_mask, scale, kv_len, k_fmt, v_fmt)
+                                   attn_mask, scale, kv_len, k_fmt, v_fmt, page_table)
     return out.contiguous()  # the fake promises contiguous strides
 
 
 @latent_attention.register_fake
 def _(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table, sin_table, slot_pos,
-      rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt="float", v_fmt="float"):
+      rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len, k_fmt="float", v_fmt="float",
+      page_table=None):
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                             sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
-                            k_fmt, v_fmt)
+                            k_fmt, v_fmt, page_table)
     return q.new_empty(q.shape)
 
 

@@ -37,6 +37,8 @@ def _inputs(p: dict):
     g = torch.Generator().manual_seed(p["seed"])
     b, hkv, s, d, kv_len = p["b"], p["hkv"], p["s"], p["d"], p["kv_len"]
     h, s_max, dt = hkv * p["ratio"], kv_len + p["extra"], p["dtype"]
+    if p.get("page"):  # a paged store's logical length is whole pages
+        s_max = -(-s_max // p["page"]) * p["page"]
 
     def latent(ranks, fmt):
         off = [0]
@@ -86,6 +88,36 @@ def _inputs(p: dict):
             p["kfmt"], p["vfmt"])
 
 
+def _paged(p: dict, args):
+    """The same call on paged latents: (lk_pool, lv_pool, page_table). Pages are scattered over a pool with spare
+    pages holding garbage (NaN for float latents, random bytes for packed ones), and pages wholly past kv_len of
+    some sequences are unmapped (-1): the kernel must read exactly the mapped rows below kv_len."""
+    import torch
+
+    g = torch.Generator().manual_seed(p["seed"] + 1)
+    lk, lv, kv_len, page = args[1], args[2], args[17], p["page"]
+    b, s_max = lk.shape[:2]
+    n_log = s_max // page
+    n_pages = b * n_log + 3
+    table = torch.randperm(n_pages, generator=g)[: b * n_log].view(b, n_log).to(torch.int32)
+    first_free = -(-kv_len // page)
+    table[:, first_free:] = torch.where(torch.rand(b, n_log - first_free, generator=g) < 0.5, -1,
+                                        table[:, first_free:])
+
+    def pool(lat):
+        if lat.is_floating_point():
+            out = torch.full((n_pages + 1, page, lat.shape[2]), float("nan"), dtype=lat.dtype)
+        else:
+            out = torch.randint(0, 256, (n_pages + 1, page, lat.shape[2]), generator=g, dtype=torch.uint8)
+        for i in range(b):
+            for j in range(n_log):
+                if table[i, j] >= 0:
+                    out[table[i, j]] = lat[i, j * page:(j + 1) * page]
+        return out
+
+    return pool(lk), pool(lv), table
+
+
 def _expected(args):
     """latent_attention_ref; per-sequence (4-D) bases are checked one sequence at a time with 3-D bases."""
     import torch
@@ -113,7 +145,13 @@ def _check(p: dict, config=None) -> float:
     from ckvp_compile.kernels.latent_attention_triton import latent_attention_triton
 
     args = _inputs(p)
-    out = latent_attention_triton(*args, config=config)
+    if p.get("page"):  # the kernel walks the page table; the reference reads the contiguous latents
+        lk, lv, table = _paged(p, args)
+        paged = list(args)
+        paged[1], paged[2] = lk, lv
+        out = latent_attention_triton(*paged, config=config, page_table=table)
+    else:
+        out = latent_attention_triton(*args, config=config)
     want = _expected(args)
     assert out.shape == want.shape and out.dtype == want.dtype and out.is_contiguous()
     assert torch.isfinite(out).all(), p
@@ -151,7 +189,8 @@ def _check_property(n_examples: int) -> None:
                  mask_p=draw(st.sampled_from((0.2, 0.7))),
                  dtype=draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16))),
                  pos_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
-                 win=draw(st.sampled_from((0, 0, 3, 17))), unused=draw(st.sampled_from((0, 0, 1, 2))))
+                 win=draw(st.sampled_from((0, 0, 3, 17))), unused=draw(st.sampled_from((0, 0, 1, 2))),
+                 page=draw(st.sampled_from((0, 0, 4, 8))))
         cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=draw(st.sampled_from((16, 32))),
                            num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
                            hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
