@@ -112,7 +112,8 @@ class DecodeConfig:
     most ``fma_max_heads`` query heads (else a tensor-core product padded to 16 heads with a hi/lo split of the
     keys); p_bf16: round the softmax weights to bf16 once for the value product (FlashAttention-2's practice,
     ~2^-9 relative per weight) instead of a hi/lo split (two products); two_pass: score every tile first (keys
-    only), then softmax and value product in a second launch (tiles of ``block_n_v`` slots, ``num_warps_v`` warps;
+    only), then softmax and value product in a second launch (tiles of ``block_n_v`` slots, at least
+    :data:`MIN_TC_VALUE_BLOCK` on a GPU when the value product runs on the tensor cores, ``num_warps_v`` warps;
     None: as the first), which keeps far fewer registers live than the one-pass kernel (``False``);
     paired_tables: the caller guarantees that the cos/sin tables hold one angle per rotated pair (HF's
     ``cat((freqs, freqs))`` for rotate_half, ``repeat_interleave`` for interleaved; check once with
@@ -1025,6 +1026,21 @@ def rope_tables_paired(cos_table: torch.Tensor, sin_table: torch.Tensor, rope_fo
                for t in (cos_table, sin_table))
 
 
+#: Fewest slots per value tile when the value latent is accumulated on the tensor cores (not ``fma_values``), on a
+#: GPU: 16-slot tiles gave wrong outputs on the H200 (rel err 1.6 at 32:8, int4/32 rank 256, batch 1 and 8, 4k;
+#: benchmarks/results/2026-11-30-latent-attention-small-h200, Triton 3.6; exact under the interpreter), so a
+#: config asking for fewer is raised to this until the cause is found.
+MIN_TC_VALUE_BLOCK = 32
+
+
+def _value_block(block: int, fma_values: bool, device: torch.device) -> int:
+    """Slots per value tile actually launched: ``block``, raised to :data:`MIN_TC_VALUE_BLOCK` for a tensor-core
+    value product on a GPU."""
+    if fma_values or device.type != "cuda" or _interpreting():
+        return block
+    return max(block, MIN_TC_VALUE_BLOCK)
+
+
 def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(int(x), 1)))
 
@@ -1152,8 +1168,10 @@ def _launch(
         per = triton.cdiv(n_tiles, n)
         return triton.cdiv(n_tiles, per), per
 
-    block_n_v = cfg.block_n_v or cfg.block_n
-    n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else cfg.block_n)
+    fma_values = cfg.fma_values and g <= cfg.fma_max_heads
+    block_n_v = _value_block(cfg.block_n_v or cfg.block_n, fma_values, q.device)
+    block_n_one = _value_block(cfg.block_n, fma_values, q.device)  # one pass: its tiles carry the values too
+    n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else block_n_one)
     if attn_mask is None:
         mask_kind, mask, mstrides = 0, q, (0, 0, 0, 0)
     else:
@@ -1200,7 +1218,7 @@ def _launch(
         # a launch-time constant only (never decided from the tables' values here: see rope_tables_paired)
         K_MX=kf.pow2, V_MX=vf.pow2, PAIRED_TABLE=rope in (1, 2) and half > 0 and cfg.paired_tables,
         FMA_SCORES=cfg.fma_scores and g <= cfg.fma_max_heads, G_LOOP=_np2(g, 1), P_BF16=cfg.p_bf16,
-        FMA_VALUES=cfg.fma_values and g <= cfg.fma_max_heads,
+        FMA_VALUES=fma_values,
         KEY_FP16=cfg.key_fp16 and not key_codes and not ((not kf.quantized and latent_k.dtype == bf16) or kf.pow2),
         KEY_CODES=key_codes,
         KEY_FP8=key_codes and kf.bits <= 4 and basis_k_block.dtype == torch.float8_e4m3fn and not f32_dot,
@@ -1228,7 +1246,7 @@ def _launch(
         m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride,
         hkv, s, n_exact, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
         *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
-        *mstrides, BLOCK_N=block_n_v if cfg.two_pass else cfg.block_n, PHASE=2 if cfg.two_pass else 0,
+        *mstrides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one, PHASE=2 if cfg.two_pass else 0,
         num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
         **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad))
     _latent_attention_reduce_kernel[(b * hkv, s)](

@@ -419,3 +419,19 @@ def test_rope_tables_paired_helper():
     assert not lat.rope_tables_paired(ang.cos(), ang.sin(), "complex", 2 * half)
     assert not lat.rope_tables_paired(ang.cos(), ang.sin(), "none", 0)
     assert lat.DecodeConfig().paired_tables is False and not hasattr(lat, "_paired_tables")
+
+
+def test_tensor_core_value_tiles_are_never_below_32_slots_on_a_gpu(monkeypatch):
+    """16-slot value tiles on the tensor cores gave wrong outputs on the H200 (rel err 1.6, 32:8 heads;
+    benchmarks/results/2026-11-30-latent-attention-small-h200): the launcher raises them to 32 on a GPU, and keeps
+    what was asked elsewhere (the interpreter is exact) or for the CUDA-core value product."""
+    pytest.importorskip("triton")
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from ckvp_compile.kernels.latent_attention_triton import MIN_TC_VALUE_BLOCK, _value_block
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert MIN_TC_VALUE_BLOCK == 32
+    assert _value_block(16, False, cuda) == 32 and _value_block(64, False, cuda) == 64
+    assert _value_block(16, True, cuda) == 16 and _value_block(16, False, cpu) == 16

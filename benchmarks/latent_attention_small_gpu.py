@@ -1,0 +1,100 @@
+"""Decode attention at small batch x context (issue 9's batch 1, 4k row is latency-bound): launch configs and
+the split of the time between the kernels.
+
+    python3 benchmarks/latent_attention_small_gpu.py --out DIR      # about 2 minutes on an H200
+
+One layer, head_dim 128, int4/32 latents of rank 256 (a 4-layer group), Qwen1.5-MoE-shaped (16:16) and
+Mixtral-shaped (32:8) heads, batch 1 and 8 at context 4k. Per config: median ms of the whole call
+(``triton.testing.do_bench`` over a CUDA-graph replay of the call, as a compiled decode step runs it: eager calls
+at these sizes time the launcher's Python, kept as ``ms_eager``), of the key pass alone (``latent_scores_triton``) and the relative error against the
+fp32 reference, with the compiled split kernel's registers and spills. Configs: the default; one pass; context
+splits (``min_tiles`` 2, ``target_programs`` 528); tiles of 32 slots; 1 and 3 stages. Dense
+SDPA over bf16 K/V of the same context is timed in the same run for scale. Writes DIR/latent_attention_small.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ckvp_compile.bench.attention import bench, kernel_stats, make_inputs, ref_chunked, rel_err  # noqa: E402
+from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
+    default_config,
+    latent_attention_triton,
+    latent_scores_triton,
+)
+
+
+def configs(default) -> dict:
+    r = dataclasses.replace
+    return {"default": default, "one pass": r(default, two_pass=False), "min_tiles 2": r(default, min_tiles=2),
+            "target 528": r(default, target_programs=528), "block_n 32": r(default, block_n=32),
+            "1 stage": r(default, num_stages=1), "3 stages": r(default, num_stages=3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batches", default="1,8")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    import triton
+
+    t0 = time.time()
+    rows = []
+    for heads in ((16, 16), (32, 8)):
+        for b in (int(x) for x in a.batches.split(",")):
+            args = make_inputs(b, a.context, "int4/32", 256, seed=0, dev="cuda", heads=heads, head_dim=128, group=4)
+            want = ref_chunked(args, 1)
+            q = args[0]
+            k = torch.randn(b, heads[1], a.context, 128, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            dense_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=heads[0] != heads[1]),
+                             warmup=10, rep=30)
+            sargs = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
+                     args[15], args[16], args[17], args[18])
+            default = default_config(heads[0] // heads[1], 256)
+            for name, cfg in configs(default).items():
+                row = {"heads": f"{heads[0]}:{heads[1]}", "batch": b, "context": a.context, "config": name,
+                       "dense_sdpa_ms": dense_ms}
+                try:
+                    out = latent_attention_triton(*args, config=cfg)
+                    row["rel_err"] = rel_err(out, want)
+                    row["ms_eager"] = bench(lambda: latent_attention_triton(*args, config=cfg), warmup=10, rep=30)
+                    # the launcher's Python time dominates eager calls at these sizes: time a CUDA-graph replay
+                    # (what a compiled decode step runs) as "ms"
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        latent_attention_triton(*args, config=cfg)
+                    row["ms"] = bench(graph.replay, warmup=10, rep=30)
+                    row.update(kernel_stats())
+                    if cfg.two_pass:
+                        kgraph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(kgraph):
+                            latent_scores_triton(*sargs, config=cfg)
+                        row["key_pass_ms"] = bench(kgraph.replay, warmup=10, rep=30)
+                    row["config_fields"] = dataclasses.asdict(cfg)
+                except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+                    row["error"] = repr(e)[:300]
+                print(json.dumps({k: v for k, v in row.items() if k != "config_fields"}), flush=True)
+                rows.append(row)
+            del args, want, k, v
+            torch.cuda.empty_cache()
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "command": "python3 " + " ".join(sys.argv), "wall_s": round(time.time() - t0, 1)}
+    with open(os.path.join(a.out, "latent_attention_small.json"), "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
