@@ -306,6 +306,12 @@ class _StoreArgs:
 
     The store is looked up at each call through the phantom cache tensor the graph receives, so one compiled
     graph serves every cache (state never leaks between caches or models).
+
+    A paged store (``LatentKVStore(page_size=P)``) has its pages mapped before each call: the pass's slot probe
+    computes the call's cache slots from the graph inputs, their maximum is read on the host (one device sync
+    per call: the price of on-demand paging; the unpaged path has none), and ``store.ensure_mapped(max + 1)``
+    maps every sequence's pages up to it. Where the slots are not computable from the inputs, every page of
+    every sequence is mapped at the first call (correct, but no memory saved).
     """
 
     def __init__(self, plan: LatentRewritePlan) -> None:
@@ -319,6 +325,12 @@ class _StoreArgs:
         #: (P_max, W) of the RoPE tables the graph was compiled with (None: a model without RoPE)
         rope = plan.store.rope_cos
         self.rope_shape = None if rope is None else tuple(rope.shape)
+        self.paged = bool(getattr(plan.store, "page_size", 0))
+        self.slot_probe, self.slot_inputs = plan.slot_probe, list(plan.slot_inputs)
+        if self.paged and self.slot_probe is None:
+            logger.info("ckvp: paged latent store: this graph's cache slots cannot be read from its inputs (%s), so "
+                        "every page of every sequence is mapped at its first call (correct, no memory saved by "
+                        "paging)", plan.slot_probe_note)
 
     def tensors(self, store: LatentKVStore) -> list[Any]:
         if self.rope_shape is not None:  # another store of the same layout has no tables yet: allocate them
@@ -326,6 +338,8 @@ class _StoreArgs:
         elif store.rope_cos is None:  # a model without RoPE: the tables are unused, give empty ones
             store.ensure_rope_tables(1, 1)
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
+        if self.paged:  # the page table follows the slot positions (the pass adds it there)
+            out.append(store.page_table)
         for g, layers in zip(self.groups, self.layers):
             out += [store.latent_k[g], store.latent_v[g], store.basis_k[g], store.basis_v[g]]
             if getattr(store, "residual_format", ""):  # ALR-KVD residual rows (the pass adds them after the bases)
@@ -359,12 +373,30 @@ class _StoreArgs:
                     "prefill; the first call after cache.reset() must hold at least 2 tokens (a prompt of one token "
                     "cannot fit them). Use calibrated bases (ckvp_compile.calibrate) for one-token prompts."
                 )
+            if self.paged:
+                self.map_pages(store, args)
             out = compiled(*args, *self.tensors(store))
             if store.online and self.fits_online_bases:
                 store.online_fitted = True
             return out
 
         return run
+
+    def map_pages(self, store: LatentKVStore, args: Sequence[Any]) -> None:
+        """Map the pages of a paged ``store`` that a call with ``args`` (the graph's original inputs) touches: slots
+        [0, highest slot + 1) of every sequence (one device sync, reading the slots' maximum), or every slot when
+        the graph has no slot probe. A slot beyond the cache is left to the ops' own error.
+
+        Raises:
+            CKVPConfigError: the store's page pool runs out (the message names the num_pages that would do).
+        """
+        if self.slot_probe is None:
+            store.ensure_mapped(store.max_cache_len)
+            return
+        slots = [t for t in self.slot_probe(*(args[i] for i in self.slot_inputs)) if t.numel()]
+        if slots:
+            hi = int(torch.stack([t.max().long() for t in slots]).max()) + 1  # the one host read per call
+            store.ensure_mapped(max(0, min(hi, store.max_cache_len)))
 
 
 def ckvp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,

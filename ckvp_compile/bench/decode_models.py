@@ -174,8 +174,9 @@ def fill_cache_(cache: Any, context: int, seed: int = 0) -> None:
     Dense: K and V slots ``[0, context)`` ~ N(0, 1). Latent: the store's latent rows of those slots are random
     N(0, 1) latents, quantized in the store's format (one random block of up to 1024 rows, repeated),
     ``slot_pos`` holds each slot's position, and a dense recent window's ring holds random keys and values of the
-    last slots. Then every layer's length counter (transformers >= 5.2x
-    ``cumulative_length``) is set to ``context``; older versions take the position from ``cache_position``.
+    last slots (a paged store first maps the pages of slots ``[0, context)`` of every sequence). Then every layer's
+    length counter (transformers >= 5.2x ``cumulative_length``) is set to ``context``; older versions take the
+    position from ``cache_position``.
 
     Raises:
         CKVPConfigError: ``context`` exceeds the cache length.
@@ -194,6 +195,9 @@ def fill_cache_(cache: Any, context: int, seed: int = 0) -> None:
                 layer.values[:, :, :context].normal_(generator=gen)
         else:
             gen = torch.Generator(device=store.device).manual_seed(seed)
+            page = store.page_size
+            if page:  # a paged store: map the context's pages, then write them through the page table
+                store.ensure_mapped(context)
             for g in range(len(store.groups)):
                 for t, fmt, offsets in ((store.latent_k[g], store.k_formats[g], store.k_offsets[g]),
                                         (store.latent_v[g], store.v_formats[g], store.v_offsets[g])):
@@ -202,7 +206,13 @@ def fill_cache_(cache: Any, context: int, seed: int = 0) -> None:
                     z = torch.randn(n, offsets[-1], generator=gen, device=store.device)
                     rows = quantize_latent_ref(z, offsets, f) if f.quantized else z.to(t.dtype)
                     reps = math.ceil(context / n)
-                    t[:, :context] = rows.repeat(reps, 1)[:context]
+                    rows = rows.repeat(reps, 1)[:context]
+                    if not page:
+                        t[:, :context] = rows
+                    elif context:  # (pages, P, W) into every sequence's pages; the last page's tail zero
+                        pages = -(-context // page)
+                        full = torch.cat((rows, rows.new_zeros(pages * page - context, rows.shape[1])))
+                        t[store.page_table[:, :pages].long()] = full.view(pages, page, -1)
             store.slot_pos[:, :context] = torch.arange(context, device=store.device, dtype=store.slot_pos.dtype)
             w = store.recent_window
             if w and context:  # the ring holds the last min(W, context) slots, each at entry slot % W
@@ -239,7 +249,8 @@ def fill_rope_tables_(model: torch.nn.Module, cache: Any) -> bool:
 
 def kv_bytes_held(cache: Any) -> int:
     """Bytes of the tensors that hold the cache's KV state: dense K and V, or every byte of the latent store
-    (latents, slot positions, bases; not the RoPE tables, a cache of the model's cos / sin)."""
+    (latents, or a paged store's whole page pools and its page table, slot positions, the recent window, bases;
+    not the RoPE tables, a cache of the model's cos / sin)."""
     store = getattr(cache, "store", None)
     if store is None:
         return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))

@@ -23,7 +23,8 @@ import torch
 
 from ..errors import CKVPConfigError
 
-#: How a token enters the latent today (the store has no pages; the report's store keeps no recent window):
+#: How a token enters the latent today (one at a time, paged store or not; the report's store keeps no recent
+#: window):
 #: printed as is.
 PAGE = "1 token (every token projected at its group's last layer)"
 WINDOW = ("the current call's tokens only (a cache built with recent_window=W also keeps the last W tokens' keys "
@@ -331,10 +332,12 @@ class LatentReport:
     def store_line(self) -> str:
         """Return the store's measured bytes (``nbytes()``) at its B and S_max, with both ratios."""
         b = self.store_bytes
+        pages = b.get("page_table", 0)  # a paged store: its latents are the page pools, plus the page table
+        paged = f" + page table {pages}" if pages else ""
         return (f"store at B={self.batch_size}, S_max={self.max_cache_len} (nbytes()): latents {b['latent']} + slot "
-                f"positions {b['slot_positions']} = {b['latent'] + b['slot_positions']} B per-sequence state vs dense "
-                f"{b['dense_equivalent']} B: ratio {self.ratio:.2f}x; bases {b['bases']} B and RoPE tables "
-                f"{b['rope_tables']} B (model constants); with the bases counted {self.ratio_with_bases:.2f}x")
+                f"positions {b['slot_positions']}{paged} = {b['latent'] + b['slot_positions'] + pages} B per-sequence "
+                f"state vs dense {b['dense_equivalent']} B: ratio {self.ratio:.2f}x; bases {b['bases']} B and RoPE "
+                f"tables {b['rope_tables']} B (model constants); with the bases counted {self.ratio_with_bases:.2f}x")
 
     def header_line(self) -> str:
         """Return the bases' source, shape and dtypes in one line."""

@@ -50,13 +50,17 @@ def window_bytes(bases: Any, batch_size: int, recent_window: int, dtype: torch.d
 
 def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str = "float", v_format: str = "float",
                 latent_dtype: torch.dtype = torch.bfloat16, with_bases: bool = True,
-                basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0) -> int:
+                basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0,
+                page_size: int = 0, num_pages: int | None = None) -> int:
     """Bytes a :class:`~ckvp_compile.runtime.store.LatentKVStore` of these bases holds for B sequences of S_max
     slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``basis_dtype`` (default
     ``latent_dtype``, as the store), plus the ALR-KVD residual rows of keys and values when ``residual_format``
     is given (:mod:`ckvp_compile.kernels.residual`) and the dense recent window of ``recent_window`` tokens
     (:func:`window_bytes`). A format of
     ``"auto"`` takes the bases' planned per-group formats (``k_formats`` / ``v_formats``), else ``"float"``.
+    A paged store (``page_size`` P > 0) holds ``num_pages + 1`` pages of P latent rows (default num_pages:
+    B * S_max / P; the last page is the trash page) instead of B x S_max rows, plus its (B, S_max / P) int32
+    page table.
 
     RoPE tables are not counted (a cache of the model's own cos / sin; ``StoreBytes.rope_tables``).
     """
@@ -68,20 +72,27 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
     n = len(bases.groups)
     kfs, vfs = per_group(k_format, getattr(bases, "k_formats", ())), per_group(v_format, getattr(bases, "v_formats", ()))
     item = _itemsize(latent_dtype)
-    per_token = 4  # slot_pos
+    latent_row = 0  # bytes of one slot's latent rows, every group, K and V
     for kf, vf, ranks_k, ranks_v in zip(kfs, vfs, bases.k_ranks, bases.v_ranks):
         for f, ranks in ((kf, ranks_k), (vf, ranks_v)):
             offsets = [0]
             for r in ranks:
                 offsets.append(offsets[-1] + int(r))
-            per_token += f.bytes_per_token(offsets, item)
+            latent_row += f.bytes_per_token(offsets, item)
+    per_token = 4  # slot_pos
     if residual_format:
         from ..kernels.residual import residual_offsets
 
         rf = parse_latent_format(residual_format)
         per_token += sum(2 * rf.row_width(residual_offsets(len(g), bases.num_kv_heads, bases.head_dim))
                          for g in bases.groups)
-    total = per_token * batch_size * max_cache_len + window_bytes(bases, batch_size, recent_window, latent_dtype)
+    slots = batch_size * max_cache_len
+    if page_size:
+        pages = batch_size * (max_cache_len // page_size) if num_pages is None else num_pages
+        latent = latent_row * (pages + 1) * page_size + 4 * batch_size * (max_cache_len // page_size)
+    else:
+        latent = latent_row * slots
+    total = per_token * slots + latent + window_bytes(bases, batch_size, recent_window, latent_dtype)
     if with_bases:
         total += sum(p.numel() for p in (*bases.k_basis, *bases.v_basis)) * _itemsize(basis_dtype or latent_dtype)
     return total

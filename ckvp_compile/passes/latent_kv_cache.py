@@ -38,6 +38,11 @@ call's first slot; the others are marked unused, -1) followed by the call's own:
 and after the group's appends, ``ckvp.window_append(window_k[l], window_v[l], window_slots[l], k_rot, v, slots)``
 (after every read of the ring, as the other store writes).
 
+With a paged store (``LatentKVStore(page_size=P)``), the store's page table is one more graph input, passed as the
+last argument (``page_table``) of every ``ckvp.latent_append`` / ``latent_reconstruct`` / ``latent_attention``; the
+latents are then page pools (N_pages + 1, P, W). The pass also records how to read the call's highest slot on the
+host before the call (:attr:`LatentRewritePlan.slot_probe`), so that the backend maps the pages it will touch.
+
 ``k_pre`` is the layer's pre-RoPE key (the analysis' ``rope.k_in``): the latent is projected from pre-RoPE
 keys (DESIGN.md, "CKVP in numbers"), and RoPE is re-applied at each cached slot's own position when keys
 are rebuilt. Tokens of the current call are attended exactly (``k_rot``/``v`` overwrite their slots); past
@@ -60,6 +65,7 @@ DeepSeek-V2's MLA (DeepSeek-AI, 2024) and Palu (Chang et al., 2024).
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +102,12 @@ class LatentRewritePlan:
         extra_inputs: filled by the pass: names of the store tensors appended as graph inputs, in order.
         fits_online_bases: filled by the pass: the graph fits online bases (a multi-token call), so running it
             may start a sequence; a graph that does not (decode) needs them fitted first.
+        slot_probe: filled by the pass for a paged store: a small graph that computes, from the graph inputs
+            at ``slot_inputs``, the cache slots every group writes (a tuple of (S,) int tensors), so that the
+            runtime reads the call's highest slot before running it; None when the slots cannot be computed
+            from the inputs alone (then :attr:`slot_probe_note` says why).
+        slot_inputs: indices (among the graph's original inputs) of the probe's inputs, in its order.
+        slot_probe_note: why there is no probe ('' when there is one).
     """
 
     store: Any
@@ -103,6 +115,9 @@ class LatentRewritePlan:
     store_input_index: int
     extra_inputs: list[str] = field(default_factory=list)
     fits_online_bases: bool = False
+    slot_probe: fx.GraphModule | None = None
+    slot_inputs: list[int] = field(default_factory=list)
+    slot_probe_note: str = ""
 
 
 class LatentKVCachePass(CKVPPass):
@@ -126,6 +141,12 @@ class LatentKVCachePass(CKVPPass):
         store = self.plan.store
         nodes = node_map(graph)
         order = {n: i for i, n in enumerate(graph.nodes)}
+        paged = bool(getattr(store, "page_size", 0))
+        if paged:  # before any rewrite: the slots' inputs, as the caller passes them
+            slot_nodes = [nodes[w.position_node] for gr in self.plan.groups for site in gr.sites
+                          for w in (site.k_cache, site.v_cache)]
+            probe, slot_inputs, note = _slot_probe(graph, list(dict.fromkeys(slot_nodes)))
+            self.plan.slot_probe, self.plan.slot_inputs, self.plan.slot_probe_note = probe, slot_inputs, note
         inputs = _StoreInputs(graph)
         first = self.plan.groups[0].sites[0]
         cos_n, sin_n, pos_n, width = _rope_tables(nodes, first, graph)
@@ -134,6 +155,8 @@ class LatentKVCachePass(CKVPPass):
         rope_cos = inputs.add("ckvp_rope_cos")
         rope_sin = inputs.add("ckvp_rope_sin")
         slot_pos = inputs.add("ckvp_slot_pos")
+        # a paged store's page table: the last argument of every latent op (backend._StoreArgs agrees on the order)
+        pt = (inputs.add("ckvp_page_table"),) if paged else ()
         rewritten = 0
         group_ends: list[tuple[fx.Node, fx.Node]] = []  # per group: its last store write, its slots
         for gr in self.plan.groups:
@@ -173,7 +196,7 @@ class LatentKVCachePass(CKVPPass):
                             value, slots, fmt)
                     with graph.inserting_after(block):
                         if resid is None:
-                            recon = graph.call_function(torch.ops.ckvp.latent_reconstruct.default, args)
+                            recon = graph.call_function(torch.ops.ckvp.latent_reconstruct.default, args + pt)
                         else:
                             recon = graph.call_function(torch.ops.ckvp.latent_reconstruct_residual.default,
                                                         (*args, resid, store.group_of(site.layer)[1], len(store.groups[g]),
@@ -202,7 +225,7 @@ class LatentKVCachePass(CKVPPass):
                                               "not read: reconstruct (with the residual) + the model's attention")
                 elif self.absorb_attention:
                     note, fused = _absorb_attention(graph, nodes[site.attention_node], site, recons,
-                                                    (lat_k, lat_v, rope_cos, rope_sin, slot_pos), store, g)
+                                                    (lat_k, lat_v, rope_cos, rope_sin, slot_pos), store, g, pt)
                     self.notes[site.layer] = note
                     readers.append(fused)
                 else:
@@ -227,11 +250,13 @@ class LatentKVCachePass(CKVPPass):
                 self.plan.fits_online_bases = True
             with graph.inserting_after(fit_after):
                 ak = graph.call_function(
-                    torch.ops.ckvp.latent_append.default, (lat_k, xk, bas_k, store.k_offsets[g], slots, store.k_formats[g])
+                    torch.ops.ckvp.latent_append.default,
+                    (lat_k, xk, bas_k, store.k_offsets[g], slots, store.k_formats[g], *pt)
                 )
             with graph.inserting_after(ak):
                 av = graph.call_function(
-                    torch.ops.ckvp.latent_append.default, (lat_v, xv, bas_v, store.v_offsets[g], slots, store.v_formats[g])
+                    torch.ops.ckvp.latent_append.default,
+                    (lat_v, xv, bas_v, store.v_offsets[g], slots, store.v_formats[g], *pt)
                 )
             if store.residual_format:  # after the latent rows of the new tokens are written
                 for res, lat, x, bas, offsets, fmt in ((res_k, lat_k, xk, bas_k, store.k_offsets[g], store.k_formats[g]),
@@ -360,9 +385,10 @@ def _is_gqa_view(chain: list[fx.Node], start: fx.Node, shape: tuple[int, ...], n
 
 def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
                       recons: dict[str, tuple[fx.Node, fx.Node, fx.Node, fx.Node]], inputs: tuple, store: Any,
-                      g: int) -> tuple[str, fx.Node | None]:
+                      g: int, page_table: tuple = ()) -> tuple[str, fx.Node | None]:
     """Replace the site's SDPA by ``ckvp.latent_attention`` (see the module docstring); return ('', the new node)
-    when done, else (the reason it was left as reconstruct-then-SDPA, None)."""
+    when done, else (the reason it was left as reconstruct-then-SDPA, None). ``page_table``: () or (the paged
+    store's page table input,), appended to the op's arguments."""
     if site.form != "sdpa" or attn.target is not torch._C._nn.scaled_dot_product_attention:
         return f"attention form {site.form!r} is not one SDPA call", None
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -398,7 +424,8 @@ def _absorb_attention(graph: fx.Graph, attn: fx.Node, site: AttentionSite,
         out = graph.call_function(
             torch.ops.ckvp.latent_attention.default,
             (q, lat_k, lat_v, block_k, block_v, store.k_offsets[g], store.v_offsets[g], rope_cos, rope_sin,
-             slot_pos, form, rd, new_k, new_v, slots, mask, scale, lens[0], store.k_formats[g], store.v_formats[g]),
+             slot_pos, form, rd, new_k, new_v, slots, mask, scale, lens[0], store.k_formats[g], store.v_formats[g],
+             *page_table),
         )
     out.meta.update({k: v for k, v in attn.meta.items() if k in ("val", "example_value", "tensor_meta",
                                                                   "nn_module_stack", "stack_trace")})
@@ -435,6 +462,86 @@ def _with_window(graph: fx.Graph, after: fx.Node, ring: fx.Node, ring_slots: fx.
     with graph.inserting_after(ring_v):
         ex = graph.call_function(torch.cat, ((ring_v, value), 2))
     return ex, ex, ex_slots
+
+
+_PROBE_MAX_NODES = 64  # a slot computation larger than this is not replayed on the host before each call
+_PROBE_MAX_INPUT_NUMEL = 1 << 16  # nor one reading large inputs (parameters, activations)
+
+
+_INPLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv)
+
+
+def _written(n: fx.Node) -> list[Any]:
+    """The inputs ``n`` writes: ``self`` of an in-place method or function (``add_``, setitem, ``+=``), the
+    mutable arguments of an op, an ``out=``."""
+    out = [n.kwargs["out"]] if "out" in n.kwargs else []
+    if n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("__"):
+        return out + list(n.args[:1])
+    if n.op != "call_function":
+        return out
+    t = n.target
+    schema = getattr(t, "_schema", None)
+    if schema is not None:
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                out.append(n.args[i] if i < len(n.args) else n.kwargs.get(a.name))
+        return out
+    name = getattr(t, "__name__", "")
+    if t in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("__")):
+        return out + list(n.args[:1])
+    return out
+
+
+def _mutates(n: fx.Node) -> bool:
+    """Whether ``n`` writes one of its inputs (see :func:`_written`)."""
+    return bool(_written(n))
+
+
+def _slot_probe(graph: fx.Graph, slot_nodes: list[fx.Node]) -> tuple[fx.GraphModule | None, list[int], str]:
+    """A copy of the (small) part of ``graph`` that computes ``slot_nodes`` from its inputs, to run on the host
+    before a call: ``(probe, input indices, '')``, the probe taking the graph's inputs at those indices (among its
+    placeholders) and returning the slot tensors; ``(None, [], reason)`` when the slots depend on more than a
+    few cheap ops over small inputs, or on an input the graph writes before reading it for the slots.
+
+    HF ``StaticCache`` computes a call's slots as ``arange(S) + cumulative_length`` (a 0-d input the graph bumps
+    after the write); a gpt-fast model passes them as ``input_pos`` (the probe is then the input itself)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    needed: set[fx.Node] = set()
+    for s in slot_nodes:
+        ancestors: set[fx.Node] = set()
+        stack = [s]
+        while stack:
+            n = stack.pop()
+            if n in ancestors:
+                continue
+            ancestors.add(n)
+            if len(needed | ancestors) > _PROBE_MAX_NODES:
+                return None, [], f"the slots are computed by more than {_PROBE_MAX_NODES} graph nodes"
+            if n.op == "placeholder":
+                shape = shape_of(n)
+                if shape is not None and math.prod(shape) > _PROBE_MAX_INPUT_NUMEL:
+                    return None, [], f"the slots are computed from the large input {n.name} {list(shape)}"
+                continue
+            if n.op not in ("call_function", "call_method") or _mutates(n):
+                return None, [], f"the slots are computed through {n.op} {n.target} ({n.name})"
+            stack.extend(n.all_input_nodes)
+        # what the probe reads before the call must be what the graph reads: nothing on the way written before
+        # (HF bumps each layer's length counter in place, after that layer's write)
+        for n in ancestors:
+            written = [u for u in n.users if order[u] < order[s] and any(w is n for w in _written(u))]
+            if written:
+                return None, [], f"the slots ({s.name}) read {n.name} after the graph writes it ({written[0].name})"
+        needed |= ancestors
+    probe = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        if n in needed:
+            env[n] = probe.node_copy(n, lambda a: env[a])
+    probe.output(tuple(env[n] for n in slot_nodes))
+    indices = [placeholders.index(n) for n in graph.nodes if n in needed and n.op == "placeholder"]
+    return fx.GraphModule(torch.nn.Module(), probe), indices, ""
 
 
 class _StoreInputs:

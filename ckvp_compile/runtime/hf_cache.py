@@ -65,19 +65,28 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
             (:mod:`ckvp_compile.kernels.residual`).
         recent_window: keep the keys and values of the last ``recent_window`` tokens exact (dense) beside the
             latent (default 0: none); see :class:`~ckvp_compile.runtime.store.LatentKVStore`.
+        page_size: P > 0 pages the latents (vLLM-style page table; default 0: one contiguous row per sequence
+            and slot): memory is taken from a pool of ``num_pages`` pages of P slots as each call's slots are
+            reached (the backend maps them before the call, at the price of one device sync per call), so
+            sequences of different lengths share one pool. Must divide max_cache_len.
+        num_pages: pages in the pool (default: max_batch_size * max_cache_len / page_size, every slot mappable);
+            fewer hold less memory and raise :class:`~ckvp_compile.errors.CKVPConfigError` when exhausted.
+            ``self.store.release(b)`` gives sequence b's pages back, :meth:`reset` all of them.
     Raises:
         CKVPConfigError: the bases do not match the model's layers, KV heads or head dim; an unknown format; a
-            recent_window outside [0, max_cache_len).
+            recent_window outside [0, max_cache_len); a bad page_size / num_pages, or paging with a
+            residual_format or online bases; (when used) the page pool runs out.
         CKVPError: (when used) any eager use; compile the model with ``backend="ckvp"``.
     Notes:
-        Memory: ``self.store.nbytes()`` (latents, slot positions and the recent window per sequence; bases and
-        RoPE tables once).
+        Memory: ``self.store.nbytes()`` (latents or their page pools, slot positions, the page table and the
+        recent window per sequence; bases and RoPE tables once).
     """
 
     def __init__(self, config: Any, bases: Any, max_cache_len: int, max_batch_size: int = 1,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  latent_format: str | tuple[str, str] = "auto", latent_dtype: torch.dtype | None = None,
-                 basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0) -> None:
+                 basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0,
+                 page_size: int = 0, num_pages: int | None = None) -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -92,7 +101,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"(cache_implementation='static') with backend='ckvp', or a model without a sliding window.")
         k_format, v_format = _formats(latent_format)
         self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
-                                   latent_dtype, basis_dtype, residual_format, recent_window)
+                                   latent_dtype, basis_dtype, residual_format, recent_window, page_size, num_pages)
         for i, layer in enumerate(self.layers):
             # HF's lazy_initialization sets the layer's shapes, dtype and flags, and allocates the dense K/V from
             # the probe's device: a meta probe allocates nothing (a real one would need one layer's dense cache,
@@ -132,7 +141,8 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
         self.store.reorder(beam_idx)
 
     def reset(self) -> None:
-        """Start over (a new ``generate()``): zero the store's latents and every layer's length counter."""
+        """Start over (a new ``generate()``): zero the store's latents and every layer's length counter, and unmap
+        every page of a paged store."""
         self.store.reset()
         for layer in self.layers:
             counter = getattr(layer, "cumulative_length", None)
@@ -150,7 +160,8 @@ def _formats(latent_format: str | tuple[str, str]) -> tuple[str, str]:
 
 def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tuple[str, str] = "auto",
                      latent_dtype: torch.dtype | None = None,
-                     basis_dtype: torch.dtype | None = None, recent_window: int = 0) -> LatentKVStore:
+                     basis_dtype: torch.dtype | None = None, recent_window: int = 0, page_size: int = 0,
+                     num_pages: int | None = None) -> LatentKVStore:
     """Replace a gpt-fast-style model's per-layer ``k_cache`` / ``v_cache`` buffers by latent-store phantoms.
 
     Call after the model's ``setup_caches(max_batch_size, max_seq_length)``. Buffers are found as pairs of
@@ -160,12 +171,15 @@ def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tu
     Args:
         model: the model (its caches already set up).
         bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for it.
-        latent_format, latent_dtype, basis_dtype, recent_window: as for :class:`CKVPStaticCache`.
+        latent_format, latent_dtype, basis_dtype, recent_window, page_size, num_pages: as for
+            :class:`CKVPStaticCache` (a paged store's pages are mapped by the backend before each call, from the
+            model's ``input_pos``).
     Returns:
-        The :class:`LatentKVStore` now holding the model's KV state (``store.reset()`` starts over); each
-        cache module keeps it as ``ckvp_store``.
+        The :class:`LatentKVStore` now holding the model's KV state (``store.reset()`` starts over and unmaps
+        every page, ``store.release(b)`` unmaps sequence b's); each cache module keeps it as ``ckvp_store``.
     Raises:
-        CKVPConfigError: no such buffers, or the bases do not match them.
+        CKVPConfigError: no such buffers, the bases do not match them, or bad paging arguments (see
+            :class:`~ckvp_compile.runtime.store.LatentKVStore`).
     """
     caches = [m for m in model.modules() if isinstance(getattr(m, "k_cache", None), torch.Tensor)
               and isinstance(getattr(m, "v_cache", None), torch.Tensor)]
@@ -174,7 +188,8 @@ def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tu
     b, hkv, s, d = caches[0].k_cache.shape
     _check_bases(bases, len(caches), hkv, d)
     store = LatentKVStore(bases, b, s, caches[0].k_cache.device, caches[0].k_cache.dtype, *_formats(latent_format),
-                          latent_dtype, basis_dtype, recent_window=recent_window)
+                          latent_dtype, basis_dtype, recent_window=recent_window, page_size=page_size,
+                          num_pages=num_pages)
     for i, m in enumerate(caches):
         m.k_cache = store.phantom(i, "k")
         m.v_cache = store.phantom(i, "v")

@@ -10,7 +10,8 @@ tensor              shape                                 meaning
                                                           ``k_offsets[g][h]:k_offsets[g][h+1]``; uint8
                                                           (B, S_max, row_bytes) in a quantized
                                                           ``k_format`` (``kernels/latent_format.py``)
-``latent_v[g]``     (B, S_max, sum_h rV[g][h])            packed value latents (``v_format``)
+``latent_v[g]``     (B, S_max, sum_h rV[g][h])            packed value latents (``v_format``); both are page
+                                                          pools (N_pages + 1, P, row width) when paged
 ``basis_k[g]``      (Hkv, G*D, max_h rK[g][h])            orthonormal bases (zero columns beyond a rank);
                                                           (B, Hkv, G*D, ...) per sequence for online bases
 ``basis_v[g]``      (Hkv, G*D, max_h rV[g][h])
@@ -36,6 +37,15 @@ reads those tokens exactly and only older ones from the latent: the recent token
 attention mass of a decode step, lose nothing to compression (the "dense recent window" of KIVI, arXiv:2402.02750,
 and of xKV's serving setup), for ``2 * L * Hkv * W * D`` extra elements per sequence, independent of the context.
 
+With ``page_size=P > 0`` the latents are *paged* (vLLM's PagedAttention layout, Kwon et al., SOSP 2023):
+``latent_k[g]`` / ``latent_v[g]`` are page pools (N_pages + 1, P, W), the last page a trash page that takes writes
+to unmapped slots and is never read as data, and ``page_table`` (B, S_max / P) int32 maps logical page j of
+sequence b (its slots ``j*P .. j*P+P-1``) to a physical page, -1 when unmapped. Pages are mapped on demand by a
+host-side allocator (:meth:`LatentKVStore.ensure_mapped`, :meth:`LatentKVStore.release`; the backend maps the
+pages of each call's slots before running it), so a pool smaller than B x S_max / P pages serves sequences of
+different lengths, and a finished sequence's pages go back to the pool. Slot positions, bases, RoPE tables and
+the recent window are not paged.
+
 Memory accounting (:meth:`LatentKVStore.nbytes`) separates per-sequence state (latents, slot positions),
 which is what the KV compression ratio counts, from model constants (bases, RoPE tables), which do not grow
 with batch or context and are reported beside it.
@@ -43,13 +53,14 @@ with batch or context and are reported beside it.
 
 from __future__ import annotations
 
+import heapq
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import CKVPConfigError
+from ..errors import CKVPConfigError, CKVPError, CKVPShapeError
 from ..kernels.device_cache import prepare_device_tables
 from ..kernels.latent_format import parse_latent_format
 
@@ -68,6 +79,8 @@ class StoreBytes:
         online_bases: the bases are per sequence (fitted at each prefill), so they are per-sequence state.
         residual: ALR-KVD residual rows (per sequence; 0 without a residual).
         window: the dense recent window's keys, values and ring slots (per sequence; 0 without a window).
+        page_table: the page table of a paged store (per sequence; 0 when not paged). ``latent`` is then the
+            page pools' real bytes, every page of the pool (mapped or not) and the trash page.
     """
 
     latent: int
@@ -79,12 +92,14 @@ class StoreBytes:
     online_bases: bool = False
     residual: int = 0
     window: int = 0
+    page_table: int = 0
 
     @property
     def per_sequence_state(self) -> int:
-        """Bytes that scale with the batch (and context): latents, ALR-KVD residuals, the dense recent window and
-        slot positions, plus the bases when they are online (per sequence)."""
-        return (self.latent + self.residual + self.window + self.slot_positions
+        """Bytes that scale with the batch (and context): latents (a paged store's pools), ALR-KVD residuals, the
+        dense recent window, slot positions and the page table, plus the bases when they are online (per
+        sequence)."""
+        return (self.latent + self.residual + self.window + self.slot_positions + self.page_table
                 + (self.bases if self.online_bases else 0))
 
     @property
@@ -129,21 +144,34 @@ class LatentKVStore:
         recent_window: W, the number of most recent tokens per sequence whose keys and values are kept exact
             (dense, in ``latent_dtype``: what a bf16 deployment keeps) beside the latent (default 0: none); see the
             module docstring. Costs ``2 * layers * Hkv * W * D`` elements per sequence.
+        page_size: P, slots per page of a paged store (default 0: not paged, one contiguous (B, S_max, W) latent
+            per group). With P > 0 the latents are page pools (num_pages + 1, P, W) and ``page_table``
+            (B, S_max / P) int32 maps each sequence's logical pages to them (see the module docstring); pages are
+            mapped on demand (:meth:`ensure_mapped`, which the backend calls before each compiled call) and freed
+            by :meth:`release` / :meth:`reset`.
+        num_pages: physical pages in each pool, the trash page not counted (default, and only with page_size > 0:
+            B * S_max / P, every slot of every sequence mappable). Fewer pages hold less memory; running out
+            raises when the pages are mapped.
     Raises:
         CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, a non-float latent_dtype or
-            basis_dtype, or recent_window outside [0, max_cache_len).
+            basis_dtype, recent_window outside [0, max_cache_len); page_size < 0 or not dividing max_cache_len,
+            num_pages < 1 or given without page_size, or paging with a residual_format or online bases (not
+            supported yet).
     """
 
     def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
                  dtype: torch.dtype, k_format: str = "auto", v_format: str = "auto",
                  latent_dtype: torch.dtype | None = None, basis_dtype: torch.dtype | None = None,
-                 residual_format: str = "", recent_window: int = 0):
+                 residual_format: str = "", recent_window: int = 0, page_size: int = 0,
+                 num_pages: int | None = None):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
         if isinstance(recent_window, bool) or not isinstance(recent_window, int) \
                 or not 0 <= recent_window < max_cache_len:
             raise CKVPConfigError(f"recent_window must be an int in [0, max_cache_len = {max_cache_len}), got "
                                   f"{recent_window!r}; it counts the most recent tokens kept dense (0: none)")
+        num_pages = _check_paging(page_size, num_pages, batch_size, max_cache_len, residual_format,
+                                  bool(getattr(bases, "online", False)))
         ngroups = len(bases.groups)
         try:
             kfs = _group_formats(k_format, getattr(bases, "k_formats", ()), ngroups)
@@ -168,11 +196,14 @@ class LatentKVStore:
         self.k_offsets = [_offsets(r) for r in bases.k_ranks]
         self.v_offsets = [_offsets(r) for r in bases.v_ranks]
         b, s = batch_size, max_cache_len
+        #: P (0: not paged) and the pools' physical pages (None when not paged; the trash page not counted)
+        self.page_size, self.num_pages = page_size, num_pages
+        rows = (b, s) if not page_size else (num_pages + 1, page_size)  # a paged pool's last page: the trash page
         try:
-            self.latent_k = [torch.zeros(b, s, f.row_width(o), device=self.device, dtype=f.storage_dtype(latent_dtype))
-                             for f, o in zip(kfs, self.k_offsets)]
-            self.latent_v = [torch.zeros(b, s, f.row_width(o), device=self.device, dtype=f.storage_dtype(latent_dtype))
-                             for f, o in zip(vfs, self.v_offsets)]
+            self.latent_k = [torch.zeros(*rows, f.row_width(o), device=self.device,
+                                         dtype=f.storage_dtype(latent_dtype)) for f, o in zip(kfs, self.k_offsets)]
+            self.latent_v = [torch.zeros(*rows, f.row_width(o), device=self.device,
+                                         dtype=f.storage_dtype(latent_dtype)) for f, o in zip(vfs, self.v_offsets)]
         except ValueError as e:  # a bit plan for other ranks
             raise CKVPConfigError(f"{e}; plan the formats for these bases (ckvp_compile.latent.planner)") from None
         self.residual_format, self.resid_k, self.resid_v = "", [], []
@@ -222,6 +253,15 @@ class LatentKVStore:
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
+        #: a paged store's (B, S_max / P) int32 page table on the device (-1: unmapped); None when not paged
+        self.page_table: torch.Tensor | None = None
+        if page_size:
+            self.page_table = torch.full((b, s // page_size), -1, device=self.device, dtype=torch.int32)
+            # the allocator, host-side only (no device sync): the table's host copy, the free physical pages (a
+            # min-heap: the lowest free page first, deterministic) and each sequence's count of mapped pages
+            self._host_table = torch.full((b, s // page_size), -1, dtype=torch.int32)
+            self._free = list(range(num_pages))
+            self._mapped = [0] * b
 
     # ------------------------------------------------------------------ layout
     @property
@@ -235,11 +275,13 @@ class LatentKVStore:
         return self.v_formats[0] if len(set(self.v_formats)) == 1 else ";".join(self.v_formats)
 
     def layout(self) -> tuple:
-        """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats and dtypes."""
+        """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats, dtypes and the paging
+        (page size and pool pages: the pools' shapes)."""
         return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
                 tuple(map(tuple, self.v_offsets)), tuple(self.k_formats), tuple(self.v_formats), self.latent_dtype,
                 self.dtype,
-                str(self.device), self.online, self.basis_dtype, self.residual_format, self.recent_window)
+                str(self.device), self.online, self.basis_dtype, self.residual_format, self.recent_window,
+                self.page_size, self.num_pages)
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""
@@ -272,7 +314,7 @@ class LatentKVStore:
 
     def reset(self) -> None:
         """Forget every sequence (a new ``generate()`` call): zero latents and slot positions (and online bases),
-        empty the recent window, in place."""
+        empty the recent window, unmap every page of a paged store, in place."""
         for t in (*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos,
                   *self.window_k.values(), *self.window_v.values()):
             t.zero_()
@@ -282,17 +324,168 @@ class LatentKVStore:
             for t in (*self.basis_k, *self.basis_v):
                 t.zero_()
             self.online_fitted = False
+        if self.page_table is not None:
+            self._unmap_all()
+            self.page_table.fill_(-1)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Reorder the B sequences in place (beam search): sequence i takes sequence ``index[i]``'s latents, slot
-        positions, recent window (and online bases)."""
+        positions, recent window (and online bases).
+
+        A paged store reads ``index`` on the host (one device sync), copies the mapped pages of the sources
+        (a transient copy of at most the mapped pages) and maps each sequence's pages afresh.
+
+        Raises:
+            CKVPShapeError: (paged) ``index`` is not B sequence indices in [0, B).
+            CKVPConfigError: (paged) the reordered sequences need more pages than the pool has (beams duplicating
+                long sequences); nothing is changed.
+        """
         idx = index.to(self.device, torch.long)
-        per_sequence = [*self.latent_k, *self.latent_v, *self.resid_k, *self.resid_v, self.slot_pos,
-                        *self.window_k.values(), *self.window_v.values()]
+        per_sequence = [*self.resid_k, *self.resid_v, self.slot_pos, *self.window_k.values(), *self.window_v.values()]
+        if self.page_table is None:
+            per_sequence += [*self.latent_k, *self.latent_v]
+        else:
+            self._reorder_pages(index)
         if self.online:
             per_sequence += [*self.basis_k, *self.basis_v]
         for t in per_sequence:
             t.copy_(t.index_select(0, idx))
+
+    # ------------------------------------------------------------------ paging (host-side allocator)
+    @property
+    def mapped_pages(self) -> int:
+        """Physical pages mapped to some sequence (0 when not paged)."""
+        return sum(self._mapped) if self.page_table is not None else 0
+
+    @property
+    def free_pages(self) -> int:
+        """Physical pages free to map (``num_pages - mapped_pages``; 0 when not paged)."""
+        return len(self._free) if self.page_table is not None else 0
+
+    @property
+    def host_page_table(self) -> torch.Tensor | None:
+        """A copy of the allocator's host view of ``page_table``: (B, S_max / P) int32 on the CPU, -1 unmapped
+        (None when not paged). Equal to the device table after every allocator call."""
+        return None if self.page_table is None else self._host_table.clone()
+
+    def ensure_mapped(self, length: int, sequences: Any = None) -> int:
+        """Map pages so that slots [0, ``length``) of ``sequences`` are mapped (a no-op when not paged).
+
+        Each sequence's logical pages are mapped in order, to the lowest free physical pages; then the changed
+        rows of ``page_table`` go to the device in one host-to-device copy (from pageable host memory, no device
+        sync). The backend calls this before each compiled call with the call's highest slot + 1.
+
+        Args:
+            length: slots per sequence to map, 0 <= length <= S_max.
+            sequences: sequence indices in [0, B) (default: all B).
+        Returns:
+            The number of pages newly mapped.
+        Raises:
+            CKVPShapeError: ``length`` > S_max (a context longer than the cache) or a sequence outside [0, B).
+            CKVPConfigError: the pool has too few free pages; the message names the num_pages that would do.
+                The table is left as it was.
+            CKVPError: called while a CUDA graph is being captured (the copy cannot be captured).
+        """
+        if self.page_table is None:
+            return 0
+        if not 0 <= length <= self.max_cache_len:
+            raise CKVPShapeError(f"cannot map slots [0, {length}) of a cache of {self.max_cache_len} slots: the "
+                                 f"context is longer than the cache. Build it with CKVPStaticCache(max_cache_len=...) "
+                                 f"at least as long as prompt + new tokens, or call cache.reset() before a new "
+                                 f"sequence")
+        seqs = self._sequences(sequences)
+        need = -(-length // self.page_size)
+        missing = {b: need - self._mapped[b] for b in seqs if self._mapped[b] < need}
+        total = sum(missing.values())
+        if total > len(self._free):
+            raise CKVPConfigError(
+                f"out of latent pages: {self.mapped_pages} of {self.num_pages} mapped, and slots [0, {length}) of "
+                f"{len(missing)} sequence(s) need {total} more; pass num_pages >= {self.mapped_pages + total} (every "
+                f"slot of every sequence: {self.batch_size * (self.max_cache_len // self.page_size)}), or a smaller "
+                f"batch / max_cache_len, or release() finished sequences")
+        if not missing:
+            return 0
+        for b, n in missing.items():
+            for j in range(self._mapped[b], self._mapped[b] + n):
+                self._host_table[b, j] = heapq.heappop(self._free)
+            self._mapped[b] += n
+        self._upload(min(missing), max(missing) + 1)
+        return total
+
+    def release(self, sequence: int) -> int:
+        """Unmap every page of ``sequence`` back to the free list (a finished sequence frees its memory; a no-op
+        when not paged). Its latent rows are not cleared: a page is written before it is read again. Its slots
+        must be mapped again (:meth:`ensure_mapped`; the backend does it) before it is attended.
+
+        Args:
+            sequence: index in [0, B).
+        Returns:
+            The number of pages freed.
+        Raises:
+            CKVPShapeError: ``sequence`` outside [0, B).
+            CKVPError: called while a CUDA graph is being captured.
+        """
+        if self.page_table is None:
+            return 0
+        (b,) = self._sequences([sequence])
+        n = self._mapped[b]
+        if n:
+            for page in self._host_table[b, :n].tolist():
+                heapq.heappush(self._free, page)
+            self._host_table[b] = -1
+            self._mapped[b] = 0
+            self._upload(b, b + 1)
+        return n
+
+    def _sequences(self, sequences: Any) -> list[int]:
+        if sequences is None:
+            return list(range(self.batch_size))
+        out = [int(b) for b in sequences]
+        bad = [b for b in out if not 0 <= b < self.batch_size]
+        if bad:
+            raise CKVPShapeError(f"sequence(s) {bad} outside [0, B = {self.batch_size}) of this latent store")
+        return list(dict.fromkeys(out))
+
+    def _unmap_all(self) -> None:
+        """Host side only: every page free, every table entry -1."""
+        self._host_table.fill_(-1)
+        self._free = list(range(self.num_pages))
+        self._mapped = [0] * self.batch_size
+
+    def _upload(self, lo: int, hi: int) -> None:
+        """Copy rows [lo, hi) of the host table to the device table: one copy from pageable host memory, which the
+        driver stages at once (no device sync)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise CKVPError("ckvp: latent pages cannot be mapped while a CUDA graph is being captured (a host-to-"
+                            "device copy); map them before the call (LatentKVStore.ensure_mapped), as the backend does")
+        self.page_table[lo:hi].copy_(self._host_table[lo:hi], non_blocking=True)
+
+    def _reorder_pages(self, index: torch.Tensor) -> None:
+        """The paged part of :meth:`reorder`: sequence i gets fresh pages holding sequence ``index[i]``'s."""
+        src = [int(i) for i in index.reshape(-1).tolist()]  # beam search: one host read per reorder
+        if len(src) != self.batch_size or any(not 0 <= i < self.batch_size for i in src):
+            raise CKVPShapeError(f"reorder takes B = {self.batch_size} sequence indices in [0, B), got {src}")
+        counts = [self._mapped[i] for i in src]
+        if sum(counts) > self.num_pages:
+            raise CKVPConfigError(f"out of latent pages: the reordered sequences need {sum(counts)} pages, the pool "
+                                  f"has {self.num_pages}; pass num_pages >= {sum(counts)}")
+        old = [p for i, c in zip(src, counts) for p in self._host_table[i, :c].tolist()]
+        saved = []
+        if old:
+            pages = torch.tensor(old, device=self.device)
+            saved = [pool.index_select(0, pages) for pool in (*self.latent_k, *self.latent_v)]
+        self._unmap_all()
+        new = []
+        for b, c in enumerate(counts):
+            for j in range(c):
+                self._host_table[b, j] = page = heapq.heappop(self._free)
+                new.append(page)
+            self._mapped[b] = c
+        if old:
+            pages = torch.tensor(new, device=self.device)
+            for pool, rows in zip((*self.latent_k, *self.latent_v), saved):
+                pool.index_copy_(0, pages, rows)
+        self._upload(0, self.batch_size)
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> StoreBytes:
@@ -311,7 +504,37 @@ class LatentKVStore:
             dense_equivalent=dense * torch.empty((), dtype=self.dtype).element_size(),
             dense_elements=dense, online_bases=self.online, residual=size(self.resid_k) + size(self.resid_v),
             window=size(self.window_k.values()) + size(self.window_v.values()) + size(self.window_slots.values()),
+            page_table=size([self.page_table]),
         )
+
+
+def _check_paging(page_size: Any, num_pages: Any, batch_size: int, max_cache_len: int, residual_format: str,
+                  online: bool) -> int | None:
+    """Validate a store's paging arguments; return its pool's physical pages (None when not paged)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 0:
+        raise CKVPConfigError(f"page_size must be an int >= 0 (slots per latent page; 0: not paged), got {page_size!r}")
+    if not page_size:
+        if num_pages is not None:
+            raise CKVPConfigError(f"num_pages={num_pages!r} needs a paged store: pass page_size > 0 (e.g. 16) too")
+        return None
+    if max_cache_len % page_size:
+        multiple = -(-max_cache_len // page_size) * page_size
+        raise CKVPConfigError(f"page_size={page_size} does not divide max_cache_len={max_cache_len}; pass a "
+                              f"max_cache_len that is a multiple of it (e.g. {multiple}) or a page_size dividing "
+                              f"{max_cache_len}")
+    if residual_format:
+        raise CKVPConfigError(f"a paged store (page_size={page_size}) with an ALR-KVD residual (residual_format="
+                              f"{residual_format!r}) is not supported yet; pass page_size=0 or residual_format=''")
+    if online:
+        raise CKVPConfigError(f"a paged store (page_size={page_size}) with online bases is not supported yet; pass "
+                              f"page_size=0 or calibrated bases (ckvp_compile.calibrate)")
+    if num_pages is None:
+        return batch_size * (max_cache_len // page_size)
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise CKVPConfigError(f"num_pages must be an int >= 1 (physical latent pages of {page_size} slots; default "
+                              f"B * max_cache_len / page_size = {batch_size * (max_cache_len // page_size)}), got "
+                              f"{num_pages!r}")
+    return num_pages
 
 
 def _group_formats(fmt: Any, planned: Any, ngroups: int) -> list:
