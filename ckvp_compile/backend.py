@@ -327,6 +327,7 @@ class _StoreArgs:
         self.rope_shape = None if rope is None else tuple(rope.shape)
         self.paged = bool(getattr(plan.store, "page_size", 0))
         self.slot_probe, self.slot_inputs = plan.slot_probe, list(plan.slot_inputs)
+        self.slot_probe_note = plan.slot_probe_note
         if self.paged and self.slot_probe is None:
             logger.info("ckvp: paged latent store: this graph's cache slots cannot be read from its inputs (%s), so "
                         "every page of every sequence is mapped at its first call (correct, no memory saved by "
@@ -363,7 +364,8 @@ class _StoreArgs:
             if hit[0].layout() != self.layout:
                 raise UnsupportedGraphError(
                     "ckvp: a graph compiled for one ckvp latent cache was called with a cache of another layout "
-                    "(batch size, length, ranks, latent format or dtype); call torch._dynamo.reset() before "
+                    "(batch size, length, ranks, latent format, dtype, or paging: page_size / num_pages); call "
+                    "torch._dynamo.reset() before "
                     "switching, or keep one cache layout per compiled model"
                 )
             store = hit[0]
@@ -391,7 +393,13 @@ class _StoreArgs:
             CKVPConfigError: the store's page pool runs out (the message names the num_pages that would do).
         """
         if self.slot_probe is None:
-            store.ensure_mapped(store.max_cache_len)
+            try:
+                store.ensure_mapped(store.max_cache_len)
+            except CKVPConfigError as e:
+                raise CKVPConfigError(
+                    f"{e} (this graph's cache slots cannot be read from its inputs ({self.slot_probe_note}), so "
+                    f"every page of every sequence is mapped at its first call: a pool for this model needs "
+                    f"num_pages >= batch x max_cache_len / page_size)") from None
             return
         slots = [t for t in self.slot_probe(*(args[i] for i in self.slot_inputs)) if t.numel()]
         if slots:

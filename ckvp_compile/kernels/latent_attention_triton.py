@@ -1224,6 +1224,8 @@ def _launch(
         KEY_FP8=key_codes and kf.bits <= 4 and basis_k_block.dtype == torch.float8_e4m3fn and not f32_dot,
         PAGE=0 if page_table is None else latent_k.shape[1], num_stages=cfg.num_stages,
     )
+    if page_table is not None:
+        page_table = page_table.contiguous()  # the kernel steps along a row by 1
     pt, pt_stride = (slots, 0) if page_table is None else (page_table, page_table.stride(0))  # slots: never read
     # a pass that scores and accumulates on the CUDA cores has no tl.dot over the query heads: its tiles need only
     # next_pow2(G) rows, not the 16 a dot needs (G = 1: 16x fewer registers for the scores and the value latent)

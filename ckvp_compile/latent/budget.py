@@ -63,7 +63,13 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
     page table.
 
     RoPE tables are not counted (a cache of the model's own cos / sin; ``StoreBytes.rope_tables``).
+
+    Raises:
+        ValueError: ``num_pages`` without a ``page_size`` (the store refuses it too).
     """
+    if num_pages is not None and not page_size:
+        raise ValueError(f"num_pages={num_pages} needs a page_size > 0 (a paged store)")
+
     def per_group(fmt: str, planned: Any) -> list:
         if fmt == "auto":
             return [parse_latent_format(f) for f in planned] if planned else [parse_latent_format("float")] * n

@@ -156,8 +156,36 @@ def _logical_dims(op: str, name: str, latent: torch.Tensor, page_table: torch.Te
     if latent.shape[0] < 2:
         _fail(op, f"a paged {name} is a page pool (N_pages + 1, P, W) with at least one page and the trash page, "
                   f"but got {_shape(latent)}")
+    if not latent.is_contiguous():  # pages are addressed as rows of the whole pool
+        _fail(op, f"a paged {name} must be a contiguous page pool (N_pages + 1, P, W), but got strides "
+                  f"{tuple(latent.stride())}; pass {name}.contiguous() (a copy) or allocate the pool contiguous")
     _expect_same_device(op, **{name: latent, "page_table": page_table})
     return page_table.shape[0], page_table.shape[1] * latent.shape[1]
+
+
+def _check_page_values(op: str, latent: torch.Tensor, page_table: torch.Tensor | None,
+                       written: torch.Tensor | None = None) -> None:
+    """On host tensors (a GPU check would synchronise every call): entries are -1 or pages of the pool below its
+    trash page, no physical page is mapped twice, and the slots ``written`` (an append's) are mapped in every
+    sequence (an unmapped write would land in the trash page and be lost)."""
+    if page_table is None or page_table.device.type != "cpu" or page_table.numel() == 0:
+        return
+    n = latent.shape[0] - 1
+    lo, hi = int(page_table.min()), int(page_table.max())
+    if lo < -1 or hi >= n:
+        raise CKVPShapeError(f"ckvp::{op}: page_table entries must be physical pages in [0, {n}) or -1 (unmapped); "
+                             f"page {n} is the pool's trash page; got {lo if lo < -1 else hi}")
+    mapped = page_table[page_table >= 0]
+    if mapped.numel() != torch.unique(mapped).numel():
+        raise CKVPShapeError(f"ckvp::{op}: a physical page is mapped twice in page_table: each page holds one "
+                             f"(sequence, logical page); use LatentKVStore.ensure_mapped to map pages")
+    if written is not None and written.numel():
+        pages = page_table.long().index_select(1, written.long() // latent.shape[1])  # (B, S)
+        if bool((pages < 0).any()):
+            b, j = (int(x) for x in (pages < 0).nonzero()[0])
+            raise CKVPShapeError(f"ckvp::{op}: slot {int(written[j])} of sequence {b} is written but its page is "
+                                 f"unmapped (page_table[{b}, {int(written[j]) // latent.shape[1]}] = -1); map it "
+                                 f"first (LatentKVStore.ensure_mapped; the backend does it before each call)")
 
 
 def _check_slots(op: str, slots: torch.Tensor, layout: str = "(S,)") -> Any:
@@ -326,17 +354,22 @@ def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, of
         slots: (S,) int32|int64, distinct cache slots < S_max.
         fmt: the latent's storage format ('float', 'int8/32', 'int4/32', 'int2/32', ...).
         page_table: None, or (B, S_max / P) int32|int64 for a paged latent: ``latent`` is then a page pool
-            (N_pages + 1, P, W) and slot t of sequence b is row ``t % P`` of page ``page_table[b, t // P]``
-            (-1: unmapped, the write goes to the last, trash page); see kernels/reference.py.
+            (N_pages + 1, P, W), contiguous, and slot t of sequence b is row ``t % P`` of page
+            ``page_table[b, t // P]`` (-1: unmapped); entries are distinct pages below the last one (the trash
+            page). Writing an unmapped slot is an error: raised for host tensors; on a GPU (no check without a
+            sync) the write lands in the trash page and is lost. See kernels/reference.py.
     Returns:
         None; ``latent[:, slots, offsets[h]:offsets[h+1]] = x[:, h] @ basis[h, :, :r_h]`` (fp32, then cast or
         quantized per token and block).
     Raises:
-        CKVPShapeError: a shape, dtype or device does not match the layout above.
+        CKVPShapeError: a shape, dtype or device does not match the layout above; for host tensors also a slot
+            beyond the cache, and with a page table an entry out of range, a page mapped twice or an unmapped
+            written slot.
     Reference: kernels/reference.py::latent_append_ref
     """
     _check_latent_append(latent, x, basis, offsets, slots, fmt, page_table)
     _check_slot_values("latent_append", slots, _logical_dims("latent_append", "latent", latent, page_table)[1])
+    _check_page_values("latent_append", latent, page_table, slots)
     ref.latent_append_ref(latent, x, basis, offsets, slots, fmt, page_table)
 
 
@@ -409,13 +442,15 @@ def latent_reconstruct(latent: torch.Tensor, basis_block: torch.Tensor, offsets:
     Returns:
         (B, Hkv, S_max, D) new.dtype, computed in fp32.
     Raises:
-        CKVPShapeError: a shape, dtype, device or RoPE argument does not match the layout above.
+        CKVPShapeError: a shape, dtype, device or RoPE argument does not match the layout above (host tensors:
+            also a page table entry out of range or a page mapped twice).
     Reference: kernels/reference.py::latent_reconstruct_ref
     """
     _check_latent_reconstruct(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form, rotary_dim,
                               new, slots, fmt, page_table)
     s_max = _logical_dims("latent_reconstruct", "latent", latent, page_table)[1]
     _check_slot_values("latent_reconstruct", slots, s_max, unused_ok=True)
+    _check_page_values("latent_reconstruct", latent, page_table)
     out = ref.latent_reconstruct_ref(latent, basis_block, offsets, cos_table, sin_table, slot_pos, rope_form,
                                      rotary_dim, new, slots, fmt, page_table)
     return out.contiguous()  # the fake promises contiguous strides
@@ -468,7 +503,8 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
     Returns:
         (B, H, S, D) q.dtype, fp32 accumulation. Rows the mask removes entirely are 0, as in torch SDPA.
     Raises:
-        CKVPShapeError: a shape, dtype, device, RoPE or mask argument does not match the layout above.
+        CKVPShapeError: a shape, dtype, device, RoPE or mask argument does not match the layout above (host
+            tensors: also a page table entry out of range or a page mapped twice).
     Reference: kernels/reference.py::latent_attention_ref
     """
     _check_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
@@ -476,6 +512,7 @@ def latent_attention(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Te
                             k_fmt, v_fmt, page_table)
     s_max = _logical_dims("latent_attention", "latent_k", latent_k, page_table)[1]
     _check_slot_values("latent_attention", slots, s_max, unused_ok=True, kv_len=kv_len)
+    _check_page_values("latent_attention", latent_k, page_table)
     out = ref.latent_attention_ref(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets,
                                    cos_table, sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots,
                                    attn_mask, scale, kv_len, k_fmt, v_fmt, page_table)

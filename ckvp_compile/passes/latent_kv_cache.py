@@ -75,7 +75,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from .. import _compat
-from ..analysis.graph import dtype_of, find_upstream, node_map, shape_of
+from ..analysis.graph import dtype_of, find_upstream, node_map, op_name, shape_of
 from ..analysis.sites import AttentionSite
 from .base import CKVPPass
 
@@ -493,6 +493,23 @@ def _written(n: fx.Node) -> list[Any]:
     return out
 
 
+#: Ops whose result may share its first argument's storage: an in-place write to it writes that argument.
+_ALIASING = frozenset({
+    "getitem", "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "select", "narrow", "slice", "expand",
+    "expand_as", "as_strided", "t", "transpose", "permute", "movedim", "flatten", "unflatten", "view_as", "alias",
+    "detach", "contiguous", "split", "chunk", "unbind", "diagonal", "real", "imag", "view_as_real",
+    "view_as_complex", "__getitem__", "to", "type_as", "float", "long", "int",
+})
+
+
+def _alias_root(n: Any) -> Any:
+    """The node whose storage ``n`` may share, following aliasing ops (views, getitem, no-op casts) back."""
+    while isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n.args \
+            and isinstance(n.args[0], fx.Node) and op_name(n) in _ALIASING:
+        n = n.args[0]
+    return n
+
+
 def _mutates(n: fx.Node) -> bool:
     """Whether ``n`` writes one of its inputs (see :func:`_written`)."""
     return bool(_written(n))
@@ -527,12 +544,16 @@ def _slot_probe(graph: fx.Graph, slot_nodes: list[fx.Node]) -> tuple[fx.GraphMod
             if n.op not in ("call_function", "call_method") or _mutates(n):
                 return None, [], f"the slots are computed through {n.op} {n.target} ({n.name})"
             stack.extend(n.all_input_nodes)
-        # what the probe reads before the call must be what the graph reads: nothing on the way written before
-        # (HF bumps each layer's length counter in place, after that layer's write)
-        for n in ancestors:
-            written = [u for u in n.users if order[u] < order[s] and any(w is n for w in _written(u))]
-            if written:
-                return None, [], f"the slots ({s.name}) read {n.name} after the graph writes it ({written[0].name})"
+        # what the probe reads before the call must be what the graph reads: nothing on the way written before,
+        # directly or through a view of it (HF bumps each layer's length counter in place, after that layer's write)
+        roots = {_alias_root(n) for n in ancestors}
+        for u in graph.nodes:
+            if order[u] >= order[s]:
+                break
+            hit = next((w for w in _written(u) if w in ancestors or _alias_root(w) in roots), None)
+            if hit is not None:
+                return None, [], f"the slots ({s.name}) read {_alias_root(hit).name} after the graph writes it " \
+                                 f"({u.name})"
         needed |= ancestors
     probe = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

@@ -234,3 +234,50 @@ def test_generate_with_prompts_of_several_lengths_maps_pages_on_demand(model_and
     for (want, _), (got, mapped), n in zip(runs[0], runs[4], (5, 9, 17)):
         assert torch.equal(got, want)
         assert mapped == -(-(n + 5) // 4)
+
+
+class _CountedPositions(torch.nn.Module):
+    """A gpt-fast model behind a wrapper that keeps its own position counter and bumps it in place, directly or
+    through a view, before deriving the call's positions from it (what a serving wrapper may do)."""
+
+    def __init__(self, inner: torch.nn.Module, through_view: bool):
+        super().__init__()
+        self.inner, self.through_view = inner, through_view
+        self.register_buffer("n", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, idx):
+        s = idx.shape[1]
+        if self.through_view:
+            self.n[0].add_(s)
+        else:
+            self.n.add_(s)
+        return self.inner(idx, torch.arange(s) + self.n - s)
+
+
+@pytest.mark.parametrize("through_view", [False, True])
+def test_slots_read_after_an_in_place_write_map_every_page(through_view):
+    """The slot probe replays the graph's slot computation before the call; slots computed from an input the
+    graph writes first (here a counter bumped in place, also through an indexing view) cannot be probed, so every
+    page is mapped at the first call: still equal to the unpaged cache (a probe reading the counter before the bump
+    under-estimated every call's slots, and the writes went to the trash page)."""
+    torch.manual_seed(0)
+    inner = GptFastMoE(GptFastConfig(n_layer=2)).eval()
+    bases = calibrate(inner, [torch.randint(0, 256, (1, 20)) for _ in range(3)], group_size=2, kv_ratio=2.0,
+                      progress=False)
+    ids = torch.randint(0, 256, (1, 6))
+    outs = {}
+    for page in (0, 4):
+        torch._dynamo.reset()
+        model = _CountedPositions(inner, through_view)
+        inner.setup_caches(1, 32)
+        store = use_latent_cache(inner, bases, latent_format="float", page_size=page)
+        step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+        with torch.no_grad():
+            o = [step(ids)]
+            for _ in range(4):
+                o.append(step(o[-1][:, -1:].argmax(-1)))
+        outs[page] = o
+        if page:
+            assert store.mapped_pages == 32 // 4  # no probe: every page at the first call
+    for got, want in zip(outs[4], outs[0]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

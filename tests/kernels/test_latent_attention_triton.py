@@ -115,6 +115,10 @@ def _paged(p: dict, args):
                     out[table[i, j]] = lat[i, j * page:(j + 1) * page]
         return out
 
+    if p["seed"] % 2:  # the same table as a strided view (the kernel must not assume a contiguous one)
+        wide = torch.full((b, 2 * n_log), -7, dtype=torch.int32)
+        wide[:, ::2] = table
+        table = wide[:, ::2]
     return pool(lk), pool(lv), table
 
 
@@ -221,6 +225,9 @@ def _check_fixed() -> None:
                 dtype=torch.float32, pos_dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
     _check(base, cfg)  # a rank-0 head on each side
+    # paged latents: pages scattered over a pool, a strided page table (odd seed), one- and two-pass
+    for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
+        _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
     # a recent window kept dense: 19 exact tokens for 2 queries, 4 entries unused (-1), one- and two-pass
     for wcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
         _check(dict(base, rk=[12, 5], rv=[7, 9], s=2, win=17, unused=4, mask="bool", mask_shape="b1sk"), wcfg)

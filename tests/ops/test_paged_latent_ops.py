@@ -111,10 +111,16 @@ def test_paged_ops_equal_contiguous(data):
 
 
 def test_unmapped_writes_land_in_the_trash_page_only():
+    """The reference (what a GPU does, unchecked) writes an unmapped slot into the trash page; the op refuses it
+    on host tensors, naming the slot and the fix."""
     lat, pool, table, basis, offsets = _state(2, 1, 1, 8, 8, 4, [4], "float", 2, 0)
     table[1, 1] = -1  # sequence 1's second page is unmapped
     before = pool.clone()
-    OPS.latent_append(pool, torch.randn(2, 1, 1, 8), basis, offsets, torch.tensor([5]), "float", table)
+    x = torch.randn(2, 1, 1, 8)
+    with pytest.raises(CKVPShapeError, match=r"slot 5 of sequence 1 is written but its page is unmapped"):
+        OPS.latent_append(pool, x, basis, offsets, torch.tensor([5]), "float", table)
+    assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))  # refused before any write
+    ref.latent_append_ref(pool, x, basis, offsets, torch.tensor([5]), "float", table)
     changed = (pool != before) & ~(pool.isnan() & before.isnan())
     pages = changed.flatten(1).any(1).nonzero().flatten().tolist()
     assert pages == sorted([int(table[0, 1]), pool.shape[0] - 1])  # sequence 0's page and the trash page
@@ -155,3 +161,29 @@ def test_bad_page_tables_name_the_layout(bad, expect):
         OPS.latent_attention(q, pool, pool, basis, basis, offsets, offsets, torch.zeros(1), torch.zeros(1),
                              torch.zeros(2, 8, dtype=torch.int32), "none", 0, new, new, torch.tensor([3]), None, 0.3,
                              4, "float", "float", bad(table))
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (lambda t, n: t.__setitem__((0, 0), n), "physical pages in"),       # the trash page as a data page
+    (lambda t, n: t.__setitem__((0, 0), n + 5), "physical pages in"),   # beyond the pool
+    (lambda t, n: t.__setitem__((0, 0), -5), "physical pages in"),      # not -1
+    (lambda t, n: t.__setitem__((1, 0), int(t[0, 0])), "mapped twice"),  # two sequences share a page
+])
+def test_page_table_values_are_checked_on_host_tensors(edit, expect):
+    lat, pool, table, basis, offsets = _state(2, 1, 1, 8, 8, 4, [4], "float", 1, 4)
+    edit(table, pool.shape[0] - 1)
+    q, new = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
+    with pytest.raises(CKVPShapeError, match=expect):
+        OPS.latent_attention(q, pool, pool, basis, basis, offsets, offsets, torch.zeros(1), torch.zeros(1),
+                             torch.zeros(2, 8, dtype=torch.int32), "none", 0, new, new, torch.tensor([3]), None, 0.3,
+                             4, "float", "float", table)
+    with pytest.raises(CKVPShapeError, match=expect):
+        OPS.latent_append(pool, torch.randn(2, 1, 1, 8), basis, offsets, torch.tensor([0]), "float", table)
+
+
+def test_non_contiguous_pools_are_refused_with_the_fix():
+    lat, pool, table, basis, offsets = _state(1, 1, 1, 8, 8, 4, [4], "float", 0, 5)
+    wide = torch.zeros(pool.shape[0] * 2, *pool.shape[1:])[::2]
+    with pytest.raises(CKVPShapeError, match=r"contiguous\(\)"):
+        OPS.latent_append(wide, torch.randn(1, 1, 1, 8), basis, offsets, torch.tensor([0]), "float", table)
+
