@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from ckvp_compile.bench.output import run_env  # noqa: E402
+
 
 def frames_with_source(exc: BaseException, context: int = 6) -> list[dict]:
     """Each traceback frame's file, line and function, with the surrounding source of generated-code frames."""
@@ -104,8 +106,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    import triton
-
     t0 = time.time()
     rows = [
         run_variant("fp32 ckvp (HF experts: CUDA graphs off, warned)", torch.float32, "ckvp", 0, expert_pass=False),
@@ -114,8 +114,7 @@ def main() -> None:
         run_variant("fp32 inductor", torch.float32, "inductor", 0),
         run_variant("bf16 ckvp", torch.bfloat16, "ckvp", 0),
     ]
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python3 " + " ".join(sys.argv), "wall_s": round(time.time() - t0, 1)}
+    env = run_env(t0)
     with open(os.path.join(a.out, "capture_fp32_gpu.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     with open(os.path.join(a.out, "capture_fp32_gpu.md"), "w") as f:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ckvp_compile.bench.attention import bench, kernel_stats, make_inputs, ref_chunked, rel_err  # noqa: E402
+from ckvp_compile.bench.output import run_env  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
     default_config,
     latent_attention_triton,
@@ -48,8 +49,6 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    import triton
-
     t0 = time.time()
     rows = []
     for heads in ((16, 16), (32, 8)):
@@ -90,8 +89,7 @@ def main() -> None:
                 rows.append(row)
             del args, want, k, v
             torch.cuda.empty_cache()
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python3 " + " ".join(sys.argv), "wall_s": round(time.time() - t0, 1)}
+    env = run_env(t0)
     with open(os.path.join(a.out, "latent_attention_small.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 

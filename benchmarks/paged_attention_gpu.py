@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ckvp_compile.bench.attention import bench, make_inputs, ref_chunked, rel_err  # noqa: E402
+from ckvp_compile.bench.output import run_env  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import latent_attention_triton  # noqa: E402
 
 
@@ -55,8 +56,6 @@ def main() -> None:
     ap.add_argument("--pages", default="16,64,256")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    import triton
-
     t0 = time.time()
     rows = []
     for heads in ((32, 8), (16, 16)):
@@ -83,8 +82,7 @@ def main() -> None:
             rows.append(row)
         del args, want, base
         torch.cuda.empty_cache()
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python3 " + " ".join(sys.argv), "wall_s": round(time.time() - t0, 1)}
+    env = run_env(t0)
     with open(os.path.join(a.out, "paged_attention_h200.json"), "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 

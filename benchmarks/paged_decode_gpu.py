@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ckvp_compile.bench.output import run_env  # noqa: E402
+
 
 def run(model, bases, ids, steps, page_size: int, num_pages: int | None, tokens=None) -> dict:
     from ckvp_compile.latent.capture import hf_step_kwargs
@@ -58,8 +60,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    import triton
-
     from ckvp_compile.latent import calibrate
     from ckvp_compile.testing import build_hf_moe
 
@@ -87,8 +87,7 @@ def main() -> None:
         row["error"] = repr(e)[:600]
         row["traceback"] = traceback.format_exc()[-4000:]
     print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python3 " + " ".join(sys.argv), "wall_s": round(time.time() - t0, 1)}
+    env = run_env(t0)
     with open(os.path.join(a.out, "paged_decode_gpu.json"), "w") as f:
         json.dump({"env": env, "row": row}, f, indent=1)
 

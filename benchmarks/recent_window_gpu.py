@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
 from ckvp_compile.bench.attention import bench, make_inputs, ref_chunked, rel_err
+from ckvp_compile.bench.output import run_env
 from ckvp_compile.kernels.latent_attention_triton import latent_attention_triton
 
 
@@ -113,13 +113,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    import triton
-
     t0 = time.time()
     rows = kernel_rows((32, 8), a.batch, a.context) + kernel_rows((16, 16), a.batch, a.context)
     e2e = e2e_row()
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "command": "python3 " + " ".join(sys.argv), "wall_s": round(time.time() - t0, 1)}
+    env = run_env(t0)
     with open(os.path.join(a.out, "recent_window_h200.json"), "w") as f:
         json.dump({"env": env, "kernel": rows, "e2e": e2e}, f, indent=1)
 

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["write_result"]
+__all__ = ["run_env", "write_result"]
+
+
+def run_env(started: float, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a GPU script's JSON records about its run: device name, torch and Triton versions, the exact command
+    (``python3`` + ``argv``, default ``sys.argv``) and the wall time in seconds since ``started``
+    (``time.time()``). Device ``"cpu"`` without CUDA."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton ships with torch on every supported machine
+        triton_version = None
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+            "triton": triton_version, "command": "python3 " + " ".join(sys.argv if argv is None else argv),
+            "wall_s": round(time.time() - started, 1)}
 
 
 def write_result(result: dict[str, Any], markdown: str, json_path: Path | None, out_path: Path | None) -> None:
