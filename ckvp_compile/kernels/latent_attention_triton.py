@@ -14,7 +14,10 @@ Algorithm, two launches, no host synchronisation:
   and folds the tile into an fp32 online softmax (FlashAttention-2's running max / sum) whose accumulator is the
   softmax-weighted VALUE LATENT, (G, Rv): value absorption as in DeepSeek-V2's MLA, so dense values are never
   formed. The exact tokens' slots (``slots``: the current call's, and a recent window's kept dense; -1 marks an
-  unused entry) are skipped here. It stores (max, sum, accumulator) per program.
+  unused entry) are skipped here. It stores (max, sum, accumulator) per program. Paged latents (``page_table``:
+  page pools (N_pages + 1, P, W)): each tile looks up its slots' pages in the table and reads row ``t % P`` of page
+  ``table[b, t // P]`` (H200: bit-identical to the contiguous layout, 1.4-8% slower;
+  benchmarks/results/2026-11-30-paged-attention-h200).
 * ``_latent_attention_reduce_kernel``, grid (B*Hkv, S): merges the splits' partial softmaxes (FlashDecoding's
   second step), adds the exact tokens from ``new_k`` / ``new_v`` (tiles of NB tokens), projects the absorbed
   latent once with the basis_v block, ``out = (acc @ P_v^T + w_new @ new_v) / sum``, and stores (G, D) per program.

@@ -372,8 +372,9 @@ class LatentKVStore:
         """Map pages so that slots [0, ``length``) of ``sequences`` are mapped (a no-op when not paged).
 
         Each sequence's logical pages are mapped in order, to the lowest free physical pages; then the changed
-        rows of ``page_table`` go to the device in one host-to-device copy (from pageable host memory, no device
-        sync). The backend calls this before each compiled call with the call's highest slot + 1.
+        rows of ``page_table`` go to the device in one host-to-device copy (from pageable host memory: CUDA waits
+        for the stream's earlier work first, a sync the backend's slot read has already paid). The backend calls
+        this before each compiled call with the call's highest slot + 1.
 
         Args:
             length: slots per sequence to map, 0 <= length <= S_max.
@@ -453,8 +454,8 @@ class LatentKVStore:
         self._mapped = [0] * self.batch_size
 
     def _upload(self, lo: int, hi: int) -> None:
-        """Copy rows [lo, hi) of the host table to the device table: one copy from pageable host memory, which the
-        driver stages at once (no device sync)."""
+        """Copy rows [lo, hi) of the host table to the device table: one copy from pageable host memory (CUDA
+        synchronises the stream before staging it; in stream order, so no kernel reads a half-written table)."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise CKVPError("ckvp: latent pages cannot be mapped while a CUDA graph is being captured (a host-to-"
                             "device copy); map them before the call (LatentKVStore.ensure_mapped), as the backend does")
