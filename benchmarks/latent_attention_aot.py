@@ -176,6 +176,7 @@ def main() -> int:
              "default, 1 stage": r(default, num_stages=1),
              "generic, 1 stage": r(DecodeConfig(), num_stages=1),
              "default, 3 stages": r(default, num_stages=3),
+             "default, reduce_split_d": r(default, reduce_split_d=True),
              "key_codes": r(DecodeConfig(), key_codes=True),
              "key_codes, fma_scores": r(DecodeConfig(), key_codes=True, fma_scores=True),
              "key_codes, fma_scores, fma_values": r(DecodeConfig(), key_codes=True, fma_scores=True, fma_values=True)}

@@ -8,7 +8,7 @@ Mixtral-shaped (32:8) heads, batch 1 and 8 at context 4k. Per config: median ms 
 (``triton.testing.do_bench`` over a CUDA-graph replay of the call, as a compiled decode step runs it: eager calls
 at these sizes time the launcher's Python, kept as ``ms_eager``), of the key pass alone (``latent_scores_triton``) and the relative error against the
 fp32 reference, with the compiled split kernel's registers and spills. Configs: the default; one pass; context
-splits (``min_tiles`` 2, ``target_programs`` 528); tiles of 32 slots; 1 and 3 stages. Dense
+splits (``min_tiles`` 2, ``target_programs`` 528); tiles of 32 slots; 1 and 3 stages; the merge split over D. Dense
 SDPA over bf16 K/V of the same context is timed in the same run for scale. Writes DIR/latent_attention_small.json.
 """
 
@@ -39,7 +39,8 @@ def configs(default) -> dict:
     r = dataclasses.replace
     return {"default": default, "one pass": r(default, two_pass=False), "min_tiles 2": r(default, min_tiles=2),
             "target 528": r(default, target_programs=528), "block_n 32": r(default, block_n=32),
-            "1 stage": r(default, num_stages=1), "3 stages": r(default, num_stages=3)}
+            "1 stage": r(default, num_stages=1), "3 stages": r(default, num_stages=3),
+            "reduce split over D": r(default, reduce_split_d=True)}
 
 
 def main() -> None:

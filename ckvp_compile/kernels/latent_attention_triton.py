@@ -132,7 +132,9 @@ class DecodeConfig:
     overflow); key_codes: rebuild keys from a uniform ``int`` latent in the code domain, exactly, one quantization
     block per chunk: integer codes times the basis on the tensor cores (e4m3 operands for <= 4-bit codes and e4m3
     bases: twice the bf16 rate), then each row's block scale, plus its min times the basis columns' sums; one dot
-    instead of the hi/lo split's two (no hoisted basis; not yet timed on a GPU)."""
+    instead of the hi/lo split's two (no hoisted basis; not yet timed on a GPU); reduce_split_d: the merge kernel
+    runs one program per 32-channel slice of the output as well (at batch 1 the merge has only B*Hkv*S programs,
+    16 for a 16-KV-head model; not yet timed on a GPU)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -155,6 +157,7 @@ class DecodeConfig:
     fma_values: bool = False
     key_fp16: bool = False
     key_codes: bool = False
+    reduce_split_d: bool = False
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
@@ -761,13 +764,16 @@ def _latent_attention_reduce_kernel(
     # meta-parameters
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr,
+    SPLIT_D: tl.constexpr = False,
 ):
     """Merge the splits of one (sequence, KV head, query token), add the exact tokens, project, normalise.
 
     Shapes: new_k / new_v (B, Hkv, n_exact, D) at slots (n_exact,) (-1: unused entry); basis_v (Hkv, D, Rv_max);
     out (B, H, S, D) q.dtype; the rest as in ``_latent_attention_split_kernel``. The exact tokens are taken NB at a
     time (:func:`_exact_scores`): a recent window of W tokens costs W/NB tile products per pass. Rows whose every
-    score is masked get 0 (torch SDPA's math path).
+    score is masked get 0 (torch SDPA's math path). SPLIT_D: grid (B*Hkv, S, D_PAD / BLOCK_D), each program merges
+    the splits and projects one BLOCK_D slice of the output (more programs at small batch; the merge is repeated
+    per slice); otherwise one program per (sequence, KV head, query token) projects every slice.
     """
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -807,8 +813,10 @@ def _latent_attention_reduce_kernel(
     inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
     out_row = out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + heads * stride_oh
     bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
-    for d0 in tl.static_range(0, D_PAD, BLOCK_D):
+    for d0 in tl.static_range(0, BLOCK_D if SPLIT_D else D_PAD, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
+        if SPLIT_D:
+            dd += tl.program_id(2) * BLOCK_D
         pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
                      mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
         o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
@@ -1254,11 +1262,12 @@ def _launch(
         *mstrides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one, PHASE=2 if cfg.two_pass else 0,
         num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
         **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad))
-    _latent_attention_reduce_kernel[(b * hkv, s)](
+    d_pad, block_d = _np2(d), min(32, _np2(d))
+    _latent_attention_reduce_kernel[(b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](
         q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
         hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
         *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
-        G_PAD=g_pad, D_PAD=_np2(d), RV_PAD=rv_pad, BLOCK_D=min(32, _np2(d)),
+        G_PAD=g_pad, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d, SPLIT_D=cfg.reduce_split_d,
         MASK=mask_kind, BV_EXACT=basis_v_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4,
         NB=16 if n_exact <= 16 else 32,
     )

@@ -199,7 +199,8 @@ def _check_property(n_examples: int) -> None:
                            num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
                            hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
                            fma_scores=draw(st.booleans()), p_bf16=draw(st.booleans()),
-                           two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32))))
+                           two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32))),
+                           reduce_split_d=draw(st.booleans()))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -226,8 +227,11 @@ def _check_fixed() -> None:
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
     _check(base, cfg)  # a rank-0 head on each side
     # paged latents: pages scattered over a pool, a strided page table (odd seed), one- and two-pass
-    for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
+    for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
         _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
+    # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens
+    _check(dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
+           dataclasses.replace(cfg, reduce_split_d=True))
     # a recent window kept dense: 19 exact tokens for 2 queries, 4 entries unused (-1), one- and two-pass
     for wcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
         _check(dict(base, rk=[12, 5], rv=[7, 9], s=2, win=17, unused=4, mask="bool", mask_shape="b1sk"), wcfg)
