@@ -149,14 +149,14 @@ class LatentKVStore:
             (B, S_max / P) int32 maps each sequence's logical pages to them (see the module docstring); pages are
             mapped on demand (:meth:`ensure_mapped`, which the backend calls before each compiled call) and freed
             by :meth:`release` / :meth:`reset`.
-        num_pages: physical pages in each pool, the trash page not counted (default, and only with page_size > 0:
-            B * S_max / P, every slot of every sequence mappable). Fewer pages hold less memory; running out
-            raises when the pages are mapped.
+        num_pages: physical pages in each pool, the trash page not counted, in [1, B * S_max / P] (default, and
+            only with page_size > 0: B * S_max / P, every slot of every sequence mappable). Fewer pages hold less
+            memory; running out raises when the pages are mapped.
     Raises:
         CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, a non-float latent_dtype or
             basis_dtype, recent_window outside [0, max_cache_len); page_size < 0 or not dividing max_cache_len,
-            num_pages < 1 or given without page_size, or paging with a residual_format or online bases (not
-            supported yet).
+            num_pages outside [1, B * S_max / P] or given without page_size, or paging with a residual_format or
+            online bases (not supported yet).
     """
 
     def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
@@ -401,9 +401,11 @@ class LatentKVStore:
         if total > len(self._free):
             raise CKVPConfigError(
                 f"out of latent pages: {self.mapped_pages} of {self.num_pages} mapped, and slots [0, {length}) of "
-                f"{len(missing)} sequence(s) need {total} more; pass num_pages >= {self.mapped_pages + total} (every "
+                f"{len(missing)} sequence(s) need {total} more; pass num_pages >= {self.mapped_pages + total} for "
+                f"this call (a whole run needs batch x ceil(longest prompt + new tokens / page_size) pages; every "
                 f"slot of every sequence: {self.batch_size * (self.max_cache_len // self.page_size)}), or a smaller "
-                f"batch / max_cache_len, or release() finished sequences")
+                f"batch / max_cache_len, or release() finished sequences. A cache with another num_pages is another "
+                f"layout for a compiled model: call torch._dynamo.reset() (or compile again) before using it")
         if not missing:
             return 0
         for b, n in missing.items():
@@ -531,10 +533,11 @@ def _check_paging(page_size: Any, num_pages: Any, batch_size: int, max_cache_len
                               f"page_size=0 or calibrated bases (ckvp_compile.calibrate)")
     if num_pages is None:
         return batch_size * (max_cache_len // page_size)
-    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-        raise CKVPConfigError(f"num_pages must be an int >= 1 (physical latent pages of {page_size} slots; default "
-                              f"B * max_cache_len / page_size = {batch_size * (max_cache_len // page_size)}), got "
-                              f"{num_pages!r}")
+    most = batch_size * (max_cache_len // page_size)
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or not 1 <= num_pages <= most:
+        raise CKVPConfigError(f"num_pages must be an int in [1, {most}] (physical latent pages of {page_size} slots; "
+                              f"B * max_cache_len / page_size = {most} maps every slot of every sequence, the "
+                              f"default, and more could never be mapped), got {num_pages!r}")
     return num_pages
 
 

@@ -66,7 +66,7 @@ def _paged_runs(draw):
     b = draw(st.integers(1, 4))
     lpages = draw(st.integers(1, 6))
     s = p * lpages
-    num_pages = draw(st.integers(1, b * lpages + 2))
+    num_pages = draw(st.integers(1, b * lpages))
     op = st.one_of(
         st.tuples(st.just("map"), st.integers(0, s),
                   st.none() | st.lists(st.integers(0, b - 1), min_size=1, max_size=b)),
@@ -169,8 +169,10 @@ def test_a_smaller_pool_holds_fewer_bytes(fmt):
 def test_bad_paging_arguments_name_the_fix():
     with pytest.raises(CKVPConfigError, match="does not divide max_cache_len=18"):
         _store(1, 18, 4)
-    with pytest.raises(CKVPConfigError, match="num_pages must be an int >= 1"):
+    with pytest.raises(CKVPConfigError, match=r"num_pages must be an int in \[1, 4\]"):
         _store(1, 16, 4, num_pages=0)
+    with pytest.raises(CKVPConfigError, match="more could never be mapped"):  # beyond B * S_max / P
+        _store(1, 16, 4, num_pages=5)
     with pytest.raises(CKVPConfigError, match="page_size > 0"):
         _store(1, 16, 0, num_pages=4)
     for bad in (-1, True, 2.0):
