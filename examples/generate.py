@@ -89,6 +89,14 @@ def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
                            recent_window=args.recent_window)
 
 
+def _generate_takes_cache() -> bool:
+    """Whether this transformers' generate() takes the cache as ``cache=`` (5.24 and later)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 24)
+
+
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) -> tuple[list[int], float]:
     """Greedy generation with a static (or the given latent) cache; returns new token ids and wall seconds."""
     if input_ids.device.type == "cuda":
@@ -96,7 +104,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) ->
     start = time.perf_counter()
     if cache is not None:
         cache.reset()
-        kwargs = {"past_key_values": cache}
+        # transformers 5.24 renamed generate()'s past_key_values to cache (the old name warns); 5.17 has the old one
+        kwargs = {"cache" if _generate_takes_cache() else "past_key_values": cache}
     else:
         kwargs = {"cache_implementation": "static"}
     with torch.no_grad():
