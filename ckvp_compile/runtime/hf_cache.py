@@ -110,7 +110,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
             counter = getattr(layer, "cumulative_length", None)
             layer.lazy_initialization(probe, probe)
             layer.device = self.store.device
-            if isinstance(counter, torch.Tensor):  # transformers 5.17: a length counter tensor, moved to the probe's
+            if isinstance(counter, torch.Tensor):  # the layer's length counter: lazy_initialization moved it to meta
                 layer.cumulative_length = counter.to(self.store.device)
                 torch._dynamo.mark_static_address(layer.cumulative_length)
             layer.keys = self.store.phantom(i, "k")
