@@ -493,7 +493,8 @@ def _written(n: fx.Node) -> list[Any]:
     return out
 
 
-#: Ops whose result may share its first argument's storage: an in-place write to it writes that argument.
+#: Ops whose result may share its first argument's storage: an in-place write to it writes that argument. Casts
+#: (``to``, ``float``...) share it only when they change nothing; listing them errs towards giving up the probe.
 _ALIASING = frozenset({
     "getitem", "view", "reshape", "_unsafe_view", "squeeze", "unsqueeze", "select", "narrow", "slice", "expand",
     "expand_as", "as_strided", "t", "transpose", "permute", "movedim", "flatten", "unflatten", "view_as", "alias",
