@@ -179,7 +179,23 @@ def main() -> int:
              "default, reduce_split_d": r(default, reduce_split_d=True),
              "key_codes": r(DecodeConfig(), key_codes=True),
              "key_codes, fma_scores": r(DecodeConfig(), key_codes=True, fma_scores=True),
-             "key_codes, fma_scores, fma_values": r(DecodeConfig(), key_codes=True, fma_scores=True, fma_values=True)}
+             "key_codes, fma_scores, fma_values": r(DecodeConfig(), key_codes=True, fma_scores=True, fma_values=True),
+             "r_loop": r(DecodeConfig(), r_loop=True),
+             "r_loop, maxnreg 128": r(DecodeConfig(), r_loop=True, maxnreg=128),
+             "r_loop, maxnreg 168": r(DecodeConfig(), r_loop=True, maxnreg=168),
+             "key_codes, r_loop, maxnreg 128": r(DecodeConfig(), key_codes=True, r_loop=True, maxnreg=128),
+             "key_codes, r_loop, maxnreg 168": r(DecodeConfig(), key_codes=True, r_loop=True, maxnreg=168),
+             "key_codes, r_loop, block_r 32, 8 warps, maxnreg 128": r(DecodeConfig(), key_codes=True, r_loop=True,
+                                                                        num_warps=8, maxnreg=128),
+             "r_loop, fma_scores": r(DecodeConfig(), r_loop=True, fma_scores=True),
+             "r_loop, 3 stages": r(DecodeConfig(), r_loop=True, num_stages=3),
+             "r_loop, block_r 32": r(DecodeConfig(), r_loop=True, block_r=32),
+             "r_loop, block_n 128, 8 warps": r(DecodeConfig(), r_loop=True, block_n=128, num_warps=8),
+             "key_codes, r_loop": r(DecodeConfig(), key_codes=True, r_loop=True),
+             "key_codes, r_loop, fma_scores": r(DecodeConfig(), key_codes=True, r_loop=True, fma_scores=True),
+             "key_codes, r_loop, 3 stages": r(DecodeConfig(), key_codes=True, r_loop=True, num_stages=3),
+             "key_codes, r_loop, block_n 128, 8 warps": r(DecodeConfig(), key_codes=True, r_loop=True, block_n=128,
+                                                          num_warps=8)}
     out = []
     for name in a.configs.split(";"):
         cfg = named[name]

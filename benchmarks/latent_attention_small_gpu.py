@@ -35,6 +35,30 @@ from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
 )
 
 
+def configs_v2(default) -> dict:
+    """The runtime rank loop (``r_loop``) and the exact code-domain rebuild (``key_codes``): fewer live registers
+    per program, and one tensor-core product per chunk instead of the hi/lo split's two."""
+    r = dataclasses.replace
+    codes = r(default, key_codes=True, r_loop=True, hoist_basis=False)
+    return {"default": default, "reduce split over D": r(default, reduce_split_d=True),
+            "codes r_loop": codes, "codes r_loop 8w": r(codes, num_warps=8),
+            "codes r_loop 8w cap128": r(codes, num_warps=8, maxnreg=128),
+            "codes r_loop 8w 1 tile": r(codes, num_warps=8, key_tiles=1),
+            "codes r_loop 8w 3 stages": r(codes, num_warps=8, num_stages=3),
+            "codes r_loop 4w cap168": r(codes, maxnreg=168),
+            "codes r_loop bn128 8w": r(codes, block_n=128, num_warps=8),
+            "r_loop 8w": r(default, r_loop=True, hoist_basis=False, num_warps=8),
+            "codes r_loop 8w, split D": r(codes, num_warps=8, reduce_split_d=True)}
+
+
+def configs_values(default) -> dict:
+    """The value pass at one query head per KV head: the 2-D accumulation (default) against the row sum per tile,
+    with the merge over D slices (default) and without."""
+    r = dataclasses.replace
+    return {"default": default, "row sum per tile, one merge program": r(default, fma_values_2d=False,
+                                                                          reduce_split_d=False)}
+
+
 def configs(default) -> dict:
     r = dataclasses.replace
     return {"default": default, "one pass": r(default, two_pass=False), "min_tiles 2": r(default, min_tiles=2),
@@ -48,51 +72,61 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--contexts", default="", help="comma-separated contexts (default: --context)")
+    ap.add_argument("--heads", default="16:16,32:8")
+    ap.add_argument("--set", default="launch", choices=["launch", "v2", "values"], help="config set: launch configs, or the "
+                    "runtime rank loop / code-domain rebuild variants")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     rows = []
-    for heads in ((16, 16), (32, 8)):
-        for b in (int(x) for x in a.batches.split(",")):
-            args = make_inputs(b, a.context, "int4/32", 256, seed=0, dev="cuda", heads=heads, head_dim=128, group=4)
-            want = ref_chunked(args, 1)
-            q = args[0]
-            k = torch.randn(b, heads[1], a.context, 128, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            dense_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=heads[0] != heads[1]),
-                             warmup=10, rep=30)
-            sargs = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
-                     args[15], args[16], args[17], args[18])
-            default = default_config(heads[0] // heads[1], 256)
-            for name, cfg in configs(default).items():
-                row = {"heads": f"{heads[0]}:{heads[1]}", "batch": b, "context": a.context, "config": name,
-                       "dense_sdpa_ms": dense_ms}
-                try:
-                    out = latent_attention_triton(*args, config=cfg)
-                    row["rel_err"] = rel_err(out, want)
-                    row["ms_eager"] = bench(lambda: latent_attention_triton(*args, config=cfg), warmup=10, rep=30)
-                    # the launcher's Python time dominates eager calls at these sizes: time a CUDA-graph replay
-                    # (what a compiled decode step runs) as "ms"
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        latent_attention_triton(*args, config=cfg)
-                    row["ms"] = bench(graph.replay, warmup=10, rep=30)
-                    row.update(kernel_stats())
-                    if cfg.two_pass:
-                        kgraph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(kgraph):
-                            latent_scores_triton(*sargs, config=cfg)
-                        row["key_pass_ms"] = bench(kgraph.replay, warmup=10, rep=30)
-                    row["config_fields"] = dataclasses.asdict(cfg)
-                except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-                    row["error"] = repr(e)[:300]
-                print(json.dumps({k: v for k, v in row.items() if k != "config_fields"}), flush=True)
-                rows.append(row)
-            del args, want, k, v
-            torch.cuda.empty_cache()
-    env = run_env(t0)
-    with open(os.path.join(a.out, "latent_attention_small.json"), "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
+    contexts = [int(x) for x in (a.contexts or str(a.context)).split(",")]
+    shapes = [(tuple(int(x) for x in hs.split(":")), b, t) for hs in a.heads.split(",")
+              for t in contexts for b in (int(x) for x in a.batches.split(","))]
+    for heads, b, context in shapes:
+        if time.time() - t0 > a.budget_s:
+            print(json.dumps({"skipped": [heads, b, context]}), flush=True)
+            continue
+        a.context = context
+        args = make_inputs(b, a.context, "int4/32", 256, seed=0, dev="cuda", heads=heads, head_dim=128, group=4)
+        want = ref_chunked(args, 1)
+        q = args[0]
+        k = torch.randn(b, heads[1], a.context, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        dense_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=heads[0] != heads[1]),
+                         warmup=10, rep=30)
+        sargs = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
+                 args[15], args[16], args[17], args[18])
+        default = default_config(heads[0] // heads[1], 256)
+        for name, cfg in {"v2": configs_v2, "values": configs_values}.get(a.set, configs)(default).items():
+            row = {"heads": f"{heads[0]}:{heads[1]}", "batch": b, "context": a.context, "config": name,
+                   "dense_sdpa_ms": dense_ms}
+            try:
+                out = latent_attention_triton(*args, config=cfg)
+                row["rel_err"] = rel_err(out, want)
+                row["ms_eager"] = bench(lambda: latent_attention_triton(*args, config=cfg), warmup=10, rep=30)
+                # the launcher's Python time dominates eager calls at these sizes: time a CUDA-graph replay
+                # (what a compiled decode step runs) as "ms"
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    latent_attention_triton(*args, config=cfg)
+                row["ms"] = bench(graph.replay, warmup=10, rep=30)
+                row.update(kernel_stats())
+                if cfg.two_pass:
+                    kgraph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(kgraph):
+                        latent_scores_triton(*sargs, config=cfg)
+                    row["key_pass_ms"] = bench(kgraph.replay, warmup=10, rep=30)
+                row["config_fields"] = dataclasses.asdict(cfg)
+            except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+                row["error"] = repr(e)[:300]
+            print(json.dumps({k: v for k, v in row.items() if k != "config_fields"}), flush=True)
+            rows.append(row)
+        del args, want, k, v
+        torch.cuda.empty_cache()
+        with open(os.path.join(a.out, "latent_attention_small.json"), "w") as f:  # after each shape: kept if cut
+            json.dump({"env": run_env(t0), "argv": sys.argv[1:], "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

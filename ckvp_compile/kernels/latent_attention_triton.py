@@ -67,6 +67,8 @@ xKV (arXiv:2503.18893) / Palu (arXiv:2407.21118): RoPE re-applied to low-rank ke
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -134,7 +136,15 @@ class DecodeConfig:
     bases: twice the bf16 rate), then each row's block scale, plus its min times the basis columns' sums; one dot
     instead of the hi/lo split's two (no hoisted basis; not yet timed on a GPU); reduce_split_d: the merge kernel
     runs one program per 32-channel slice of the output as well (at batch 1 the merge has only B*Hkv*S programs,
-    16 for a 16-KV-head model; not yet timed on a GPU)."""
+    16 for a 16-KV-head model; H200, benchmarks/results/2026-11-30-latent-attention-v2-h200: 6% faster calls at
+    batch 1, 4k, neutral at batch 8, 32k); r_loop: rebuild keys over the rank chunks in a runtime loop
+    (one ``block_r`` chunk of latent and basis live at a time, its loads software-pipelined over ``num_stages``)
+    instead of an unrolled one (no effect with a hoisted basis, which is one chunk); key_tiles: tiles per key-pass
+    program (two-pass form; None: the value pass's split of the context); maxnreg: the register cap of each
+    thread of the key pass (ptxas ``.maxnreg``: more programs per SM, spills past it; None: the compiler's choice);
+    fma_values_2d: with fma_values and one query head per KV head, the value pass sums the weighted value rows
+    elementwise into a (block_n_v, R) fp32 accumulator and reduces its rows once per program, instead of a row sum
+    across threads per tile."""
 
     block_n: int = 64
     block_r: int = 64
@@ -157,7 +167,11 @@ class DecodeConfig:
     fma_values: bool = False
     key_fp16: bool = False
     key_codes: bool = False
-    reduce_split_d: bool = False
+    reduce_split_d: bool = True
+    r_loop: bool = False
+    key_tiles: int | None = None
+    maxnreg: int | None = None
+    fma_values_2d: bool = True
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
@@ -168,10 +182,41 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
     latent on the tensor cores, and 5.87 ms for the generic config; int4/32 rank 256, batch 8, 32k). Otherwise
     (e.g. Mixtral's G = 4: 2.92 ms in run 10, 2.44 with e4m3 bases) the generic config, the fastest of run 5.
+
+    Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
+    :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}`` (read when a call has no
+    explicit config; a compiled model reads it when its graph is first run).
+
+    Raises:
+        ValueError: the variable is not a JSON object of DecodeConfig fields (the message names the bad field).
     """
     if group == 1 and rank_pad is not None and rank_pad <= 256:
-        return DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True)
-    return DecodeConfig()
+        cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True)
+    else:
+        cfg = DecodeConfig()
+    override = _env_override(os.environ.get(CONFIG_ENV, ""))
+    return dataclasses.replace(cfg, **override) if override else cfg
+
+
+#: The environment variable of :func:`default_config`'s tuning override.
+CONFIG_ENV = "CKVP_DECODE_CONFIG"
+
+
+@functools.lru_cache(maxsize=8)
+def _env_override(text: str) -> dict:
+    """The DecodeConfig fields of a CKVP_DECODE_CONFIG value (empty: none)."""
+    if not text.strip():
+        return {}
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{CONFIG_ENV} must be a JSON object of DecodeConfig fields, e.g. '{{\"num_warps\": 8}}', "
+                         f"but {text!r} is not JSON ({e})") from None
+    known = {f.name for f in dataclasses.fields(DecodeConfig)}
+    if not isinstance(fields, dict) or set(fields) - known:
+        bad = sorted(set(fields) - known) if isinstance(fields, dict) else fields
+        raise ValueError(f"{CONFIG_ENV}: unknown DecodeConfig field(s) {bad}; the fields are {sorted(known)}")
+    return fields
 
 
 # ------------------------------------------------------------------------------------------------ jit helpers
@@ -483,6 +528,7 @@ def _latent_attention_split_kernel(
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, P_BF16: tl.constexpr,
     PHASE: tl.constexpr, FMA_VALUES: tl.constexpr = False, KEY_FP16: tl.constexpr = False,
     KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False, PAGE: tl.constexpr = 0,
+    R_LOOP: tl.constexpr = False, FMA_VALUES_2D: tl.constexpr = True,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -542,6 +588,13 @@ def _latent_attention_split_kernel(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, RV_PAD), tl.float32)
+    # one query head per KV head, value pass: the weighted value rows are summed elementwise into a (BLOCK_N, R)
+    # accumulator and reduced across its rows once, after the loop, instead of a cross-thread row sum per tile
+    VALUES_2D: tl.constexpr = FMA_VALUES and FMA_VALUES_2D and G_PAD == 1 and PHASE == 2
+    if VALUES_2D:
+        acc2 = tl.zeros((BLOCK_N, RV_PAD), tl.float32)
+    else:
+        acc2 = tl.zeros((1, 1), tl.float32)
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     t_start = c * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
@@ -587,7 +640,7 @@ def _latent_attention_split_kernel(
                 stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
                 G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK,
                 Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
-                PAIRED_TABLE, FMA_SCORES, G_LOOP, KEY_FP16, KEY_CODES, KEY_FP8)
+                PAIRED_TABLE, FMA_SCORES, G_LOOP, KEY_FP16, KEY_CODES, KEY_FP8, R_LOOP)
         if PHASE == 1:
             tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & row_ok[None, :])
         else:
@@ -600,12 +653,16 @@ def _latent_attention_split_kernel(
             zv = _latent_load(lv_rows, ld_ok, v_col0, v_blk0, v_rank, vmeta_ptr + 12 * h, v_scale_base, v_min_base,
                               stride_lvw, 0, BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN,
                               V_WORDS, V_MX)
-            if FMA_VALUES:  # few query heads per KV head: exact fp32 products on the CUDA cores
+            if VALUES_2D:
+                acc2 = acc2 * tl.sum(alpha, axis=0) + tl.sum(p, axis=0)[:, None] * zv
+            elif FMA_VALUES:  # few query heads per KV head: exact fp32 products on the CUDA cores
                 acc = _fma_values(acc * alpha[:, None], p, zv, G_PAD, G_LOOP)
             else:
                 acc = _dot_split(p, zv, acc * alpha[:, None], P_BF16, ZV_EXACT, F32_DOT)
             m_i = m_new
 
+    if VALUES_2D:
+        acc = tl.sum(acc2, axis=0)[None, :]
     if PHASE != 1:
         row = (bh * S + s) * n_split + c
         g = tl.arange(0, G_PAD)
@@ -632,6 +689,50 @@ def _basis_rows(bk_head, r, r_end, i1, i2, rot_ok, rest, rest_ok, stride_bkr, st
 
 
 @triton.jit
+def _rebuild_chunk(lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, k_blk0, k_rank, kmix_row,
+                   k_scale_base, k_min_base, rk_max, i1, i2, rot_ok, rest, rest_ok, stride_lkw, stride_bkd, stride_bkr,
+                   HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr, ZK_EXACT: tl.constexpr, BK_EXACT: tl.constexpr,
+                   F32_DOT: tl.constexpr, K_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr, K_ALIGN: tl.constexpr,
+                   K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr, K_MX: tl.constexpr, KEY_FP16: tl.constexpr,
+                   KEY_CODES: tl.constexpr, KEY_FP8: tl.constexpr):
+    """Add rank chunk [r0, r0 + BLOCK_R) of a tile's pre-RoPE key rebuild to ``x1``, ``x2``, ``x3`` (the rotated pairs'
+    halves and the pass-through channels): the chunk of the latent times the same rows of the basis block (``p1``,
+    ``p2``, ``p3`` when HOIST, which has one chunk; loaded here otherwise)."""
+    if KEY_CODES:  # one quantization block per chunk (BLOCK_R == K_QBLOCK), rebuilt in the code domain
+        code, sc, mn = _latent_codes(lk_rows, ld_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
+                                     stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS)
+        # this head's rows only (< k_rank), whatever the padding holds
+        p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), k_rank, i1, i2, rot_ok, rest, rest_ok,
+                                 stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
+        if HAS_ROT:
+            x1 = _mm_codes(code, sc, mn, p1, tl.sum(p1.to(tl.float32), axis=0), x1, KEY_FP8, F32_DOT)
+            x2 = _mm_codes(code, sc, mn, p2, tl.sum(p2.to(tl.float32), axis=0), x2, KEY_FP8, F32_DOT)
+        if HAS_REST:
+            x3 = _mm_codes(code, sc, mn, p3, tl.sum(p3.to(tl.float32), axis=0), x3, KEY_FP8, F32_DOT)
+    else:
+        z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
+                         r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
+        if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
+            p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), rk_max, i1, i2, rot_ok, rest, rest_ok,
+                                     stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
+        if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 bases exact)
+            z16 = z.to(tl.float16)
+            if HAS_ROT:
+                x1 = _mm16(z16, p1, x1, F32_DOT)
+                x2 = _mm16(z16, p2, x2, F32_DOT)
+            if HAS_REST:
+                x3 = _mm16(z16, p3, x3, F32_DOT)
+        else:
+            if HAS_ROT:
+                x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
+                x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
+            if HAS_REST:
+                x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
+    return x1, x2, x3
+
+
+@triton.jit
 def _tile_scores(
     lk_rows, ld_ok, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
     col_ok, head_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, rk_max, qk_scale, G,
@@ -644,7 +745,7 @@ def _tile_scores(
     BK_EXACT: tl.constexpr, F32_DOT: tl.constexpr, K_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr,
     K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr, K_MX: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, KEY_FP16: tl.constexpr,
-    KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False,
+    KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False, R_LOOP: tl.constexpr = False,
 ):
     """(G_PAD, BLOCK_N) fp32 scores in log2 units of one tile of slots ``offs``: rebuild the pre-RoPE keys from the key
     latent and the basis block, rotate them at each slot's position, score the KV head's query heads, mask
@@ -654,37 +755,20 @@ def _tile_scores(
     x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x3 = tl.zeros((BLOCK_N, REST), tl.float32)
-    for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
-        if KEY_CODES:  # one quantization block per chunk (BLOCK_R == K_QBLOCK), rebuilt in the code domain
-            code, sc, mn = _latent_codes(lk_rows, ld_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
-                                         stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS)
-            # this head's rows only (< k_rank), whatever the padding holds
-            p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), k_rank, i1, i2, rot_ok, rest, rest_ok,
-                                     stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
-            if HAS_ROT:
-                x1 = _mm_codes(code, sc, mn, p1, tl.sum(p1.to(tl.float32), axis=0), x1, KEY_FP8, F32_DOT)
-                x2 = _mm_codes(code, sc, mn, p2, tl.sum(p2.to(tl.float32), axis=0), x2, KEY_FP8, F32_DOT)
-            if HAS_REST:
-                x3 = _mm_codes(code, sc, mn, p3, tl.sum(p3.to(tl.float32), axis=0), x3, KEY_FP8, F32_DOT)
-        else:
-            z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
-                             r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
-            if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
-                p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), rk_max, i1, i2, rot_ok, rest, rest_ok,
-                                         stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
-            if KEY_FP16:  # one fp16 dot: latent and basis rounded to fp16 (2^-11 relative; fp8 bases exact)
-                z16 = z.to(tl.float16)
-                if HAS_ROT:
-                    x1 = _mm16(z16, p1, x1, F32_DOT)
-                    x2 = _mm16(z16, p2, x2, F32_DOT)
-                if HAS_REST:
-                    x3 = _mm16(z16, p3, x3, F32_DOT)
-            else:
-                if HAS_ROT:
-                    x1 = _dot_split(z, p1.to(tl.float32), x1, ZK_EXACT, BK_EXACT, F32_DOT)
-                    x2 = _dot_split(z, p2.to(tl.float32), x2, ZK_EXACT, BK_EXACT, F32_DOT)
-                if HAS_REST:
-                    x3 = _dot_split(z, p3.to(tl.float32), x3, ZK_EXACT, BK_EXACT, F32_DOT)
+    if R_LOOP:  # a runtime loop over the rank chunks: one chunk live at a time, its loads software-pipelined
+        for r0 in range(0, RK_PAD, BLOCK_R):
+            x1, x2, x3 = _rebuild_chunk(
+                lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, k_blk0, k_rank, kmix_row, k_scale_base,
+                k_min_base, rk_max, i1, i2, rot_ok, rest, rest_ok, stride_lkw, stride_bkd, stride_bkr, HAS_ROT,
+                HAS_REST, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST,
+                K_ALIGN, K_RALIGN, K_WORDS, K_MX, KEY_FP16, KEY_CODES, KEY_FP8)
+    else:
+        for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
+            x1, x2, x3 = _rebuild_chunk(
+                lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, k_blk0, k_rank, kmix_row, k_scale_base,
+                k_min_base, rk_max, i1, i2, rot_ok, rest, rest_ok, stride_lkw, stride_bkd, stride_bkr, HAS_ROT,
+                HAS_REST, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST,
+                K_ALIGN, K_RALIGN, K_WORDS, K_MX, KEY_FP16, KEY_CODES, KEY_FP8)
     scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
     if HAS_ROT:
         pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
@@ -1052,6 +1136,11 @@ def _value_block(block: int, fma_values: bool, device: torch.device) -> int:
     return max(block, MIN_TC_VALUE_BLOCK)
 
 
+def _reg_cap(maxnreg: int | None) -> dict:
+    """The launch option capping registers per thread (none under the interpreter, which has no such option)."""
+    return {} if maxnreg is None or _interpreting() else {"maxnreg": int(maxnreg)}
+
+
 def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(int(x), 1)))
 
@@ -1234,6 +1323,7 @@ def _launch(
         KEY_CODES=key_codes,
         KEY_FP8=key_codes and kf.bits <= 4 and basis_k_block.dtype == torch.float8_e4m3fn and not f32_dot,
         PAGE=0 if page_table is None else latent_k.shape[1], num_stages=cfg.num_stages,
+        R_LOOP=cfg.r_loop and not cfg.hoist_basis and rk_pad > block_r, FMA_VALUES_2D=cfg.fma_values_2d,
     )
     if page_table is not None:
         page_table = page_table.contiguous()  # the kernel steps along a row by 1
@@ -1244,14 +1334,18 @@ def _launch(
     g_small = _np2(g, 1)
     _LAST_LAUNCH.clear()
     if cfg.two_pass and mode != "from_scores":
-        k_split, k_per = splits(cfg.block_n)
+        if cfg.key_tiles:
+            k_per = max(1, int(cfg.key_tiles))
+            k_split = triton.cdiv(triton.cdiv(kv_len, cfg.block_n), k_per)
+        else:
+            k_split, k_per = splits(cfg.block_n)
         _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
             m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride,
             hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
             *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
-            **dict(common, G_PAD=g_small if fma_k else g_pad))
+            **dict(common, G_PAD=g_small if fma_k else g_pad), **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](

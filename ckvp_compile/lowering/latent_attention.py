@@ -54,13 +54,17 @@ EXTERN_NAME = "ckvp_latent_scores_extern"
 
 @dataclass(frozen=True)
 class ScoresConfig:
-    """One template choice: slots per program, rebuild chunk, warps, stages, CUDA-core scores."""
+    """One template choice: slots per program, rebuild chunk, warps, stages, CUDA-core scores, the exact code-domain
+    key rebuild (``DecodeConfig.key_codes``: chunks of one quantization block, where the format allows it) and a
+    runtime loop over the rank chunks (``DecodeConfig.r_loop``)."""
 
     block_n: int
     block_r: int
     num_warps: int
     num_stages: int
     fma_scores: bool = False
+    key_codes: bool = False
+    r_loop: bool = False
 
 
 #: Autotuning choices (the first is the one used without max-autotune: the key pass of the H200 run 5 winner).
@@ -74,7 +78,7 @@ TEMPLATE_CONFIGS = (
 #: template, compiled by Inductor, has not been run with them there yet: until then such calls stay extern calls.
 FP8_BASES_TEMPLATE_GPU_CHECKED = False
 
-_HELPERS = (lat._tile_scores, lat._basis_rows, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
+_HELPERS = (lat._tile_scores, lat._rebuild_chunk, lat._basis_rows, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
             lat._fma_scores_pair, lat._latent_codes, lat._mm_codes, lat._latent_raw_codes,
             lat._fp16_at, lat._rope_rows)
 
@@ -117,7 +121,7 @@ _SOURCE = r'''
         {{stride("POS", 0)}}, {{stride("POS", 1)}}, M_ST, {{stride("Q", 1)}}, {{stride("Q", 3)}},
         G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK_KIND,
         Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, False, K_ALIGN, 1, False, K_MX,
-        PAIRED_TABLE, FMA_SCORES, G_LOOP, False)
+        PAIRED_TABLE, FMA_SCORES, G_LOOP, False, KEY_CODES, False, R_LOOP)
     idx_m = ((bh * S_Q + s) * G + gi)[:, None]
     idx_n = offs[None, :]
     mask = head_ok[:, None] & row_ok[None, :]
@@ -265,12 +269,15 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
         BK_EXACT=bk.get_dtype() in lat.BASIS_BF16_EXACT, F32_DOT=False, K_ALIGN=lat._align([cb]),
         PAIRED_TABLE=False, **_mask_meta(attn_mask, b, h, s, kv_len))
     choices: list[Any] = []
+    basis_probe = torch.empty(0, dtype=bk.get_dtype())
     for c in TEMPLATE_CONFIGS if autotune else TEMPLATE_CONFIGS[:1]:
-        block_r = min(c.block_r, rk_pad)
+        key_codes = lat._key_codes_ok(lat.DecodeConfig(key_codes=c.key_codes), kf, basis_probe, rk_pad)
+        block_r = kf.block if key_codes else min(c.block_r, rk_pad)
         scores_template.maybe_append_choice(
             choices, input_nodes=ins, layout=layout, num_stages=c.num_stages, num_warps=c.num_warps,
             BLOCK_N=c.block_n, BLOCK_R=block_r, FMA_SCORES=c.fma_scores and g <= 8,
-            K_BLOCKWISE=lat._blockwise(kf, block_r), **meta_common)
+            K_BLOCKWISE=lat._blockwise(kf, block_r), KEY_CODES=key_codes, R_LOOP=c.r_loop and rk_pad > block_r,
+            **meta_common)
     if autotune or not choices:
         choices.append(extern)
     node = _api.autotune_select_algorithm(TEMPLATE_NAME, choices, ins, layout, input_gen_fns=_index_inputs(kv_len))

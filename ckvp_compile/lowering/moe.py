@@ -536,8 +536,11 @@ def tuned_moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down):
         _record("large_m", None, fused_gate_up=fused, **info)
         return out
     _record("padded", reason, **info)
-    align = _api.fallback_handler(torch.ops.ckvp.moe_align.default, add_to_fallback_set=False)
-    sorted_ids, tile_expert = align(topk_ids, num_experts, route_m)
+    if num_experts == 1:  # e.g. a shared expert: the routing is the identity, no sort (no moe_align launch)
+        sorted_ids, tile_expert = _one_expert_routing(t * top_k, route_m, layout.device)
+    else:
+        align = _api.fallback_handler(torch.ops.ckvp.moe_align.default, add_to_fallback_set=False)
+        sorted_ids, tile_expert = align(topk_ids, num_experts, route_m)
     act = tuned_moe_gate_up(hidden, sorted_ids, tile_expert, w_gate, w_up, top_k, route_m)
     pairs = tuned_moe_down(act, sorted_ids, tile_expert, w_down, topk_weights, route_m)
     low = _api.lowerings
@@ -545,6 +548,24 @@ def tuned_moe_experts(hidden, topk_ids, topk_weights, w_gate, w_up, w_down):
     if hidden.get_dtype() != torch.float32:
         out = low[prims.convert_element_type.default](out, hidden.get_dtype())
     return out
+
+
+def _one_expert_routing(p: int, block_m: int, device: torch.device) -> tuple[Any, Any]:
+    """``moe_align``'s outputs for E = 1 as Inductor IR, without reading the ids (all pairs go to expert 0):
+    sorted_ids[i] = min(i, P) over P_pad rows (pad rows hold P) and tile_expert[t] = 0 for tiles that start below P,
+    :data:`~ckvp_compile.kernels.moe_reference.PAD_EXPERT` after; int32, equal to ``moe_align_ref(ids, 1, block_m)``
+    for any valid ids."""
+    low = _api.lowerings
+    p_pad = moe_ref.padded_rows(p, 1, block_m)
+
+    def iota(n: int) -> Any:
+        return low[prims.iota.default](n, start=0, step=1, dtype=torch.int32, device=device, requires_grad=False)
+
+    sorted_ids = low[aten.clamp_max.default](iota(p_pad), p)
+    tile_start = low[aten.mul.Tensor](iota(p_pad // block_m), block_m)
+    past = low[prims.convert_element_type.default](low[aten.ge.Scalar](tile_start, p), torch.int32)
+    tile_expert = low[aten.mul.Tensor](past, moe_ref.PAD_EXPERT)  # expert 0, or the pad marker past P
+    return sorted_ids, tile_expert
 
 
 _REGISTERED: list[str] = []

@@ -200,7 +200,8 @@ def _check_property(n_examples: int) -> None:
                            hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
                            fma_scores=draw(st.booleans()), p_bf16=draw(st.booleans()),
                            two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32))),
-                           reduce_split_d=draw(st.booleans()))
+                           reduce_split_d=draw(st.booleans()), r_loop=draw(st.booleans()),
+                           key_tiles=draw(st.sampled_from((None, 1, 2))))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -341,7 +342,8 @@ def _check_fixed() -> None:
                   dict(base, rk=[31, 17], rv=[5, 3], kfmt="int2/16", basis_dtype=torch.bfloat16, ratio=1),
                   dict(base, rk=[64, 40], rv=[7, 9], kfmt="int4/32", basis_dtype=torch.float8_e4m3fn,
                        dtype=torch.bfloat16, mask="bool", mask_shape="b1sk", s=2)):
-        for kc in (codes_cfg, dataclasses.replace(codes_cfg, two_pass=False, fma_scores=True)):
+        for kc in (codes_cfg, dataclasses.replace(codes_cfg, two_pass=False, fma_scores=True),
+                   dataclasses.replace(codes_cfg, r_loop=True, key_tiles=1)):
             assert _check(kcase, kc) <= TOL
     from ckvp_compile.kernels.latent_format import parse_latent_format as _plf
 

@@ -68,7 +68,8 @@ def test_cpu_inductor_keeps_the_ops_as_exact_extern_calls(mask):
 # ------------------------------------------------------------------------------------------ template (child)
 
 
-def _check_template(p: dict, block_n: int, block_r: int, fma: bool) -> None:
+def _check_template(p: dict, block_n: int, block_r: int, fma: bool, key_codes: bool = False,
+                    r_loop: bool = False) -> None:
     import math
 
     import triton
@@ -104,7 +105,8 @@ def _check_template(p: dict, block_n: int, block_r: int, fma: bool) -> None:
     rope = lat._ROPE_CODE[rf]
     rdim = 0 if rope == 0 else rd
     rk_pad = lat._np2(bk.shape[-1])
-    block_r = min(block_r, rk_pad)
+    key_codes = lat._key_codes_ok(lat.DecodeConfig(key_codes=key_codes), f, bk, rk_pad)
+    block_r = f.block if key_codes else min(block_r, rk_pad)
     meta = dict(
         num_stages=1, num_warps=1, HKV=hkv, G=g, G_PAD=lat._np2(g), G_LOOP=lat._np2(g, 1), S_Q=s, N_EXACT=sl.shape[0],
         BH=b * hkv, KV_LEN=kv, D=d, HALF_VAL=rdim // 2, HALF=lat._np2(rdim // 2), REST=lat._np2(d - rdim), HAS_ROT=rope != 0,
@@ -113,6 +115,7 @@ def _check_template(p: dict, block_n: int, block_r: int, fma: bool) -> None:
         K_MIN_BASE=scale_base + 2 * f.num_blocks(ko) if f.quantized else 0, K_BITS=f.bits, K_QBLOCK=max(f.block, 1),
         K_MX=f.pow2, Q_EXACT=False, ZK_EXACT=f.pow2, BK_EXACT=False, F32_DOT=True, K_ALIGN=lat._align([cb]),
         PAIRED_TABLE=False, BLOCK_N=block_n, BLOCK_R=block_r, FMA_SCORES=fma, K_BLOCKWISE=lat._blockwise(f, block_r),
+        KEY_CODES=key_codes, R_LOOP=r_loop and rk_pad > block_r,
         **la._mask_meta(None if mask_t is None else _Node(mask_t), b, h, s, kv))
     inputs = dict(q=q, lk=lk, bk=bk, cos=cos, sin=sin, pos=sp, slots=sl, mask=q if mask_t is None else mask_t)
     fn, src = render_template(la.scores_template, inputs, (b * hkv * s * g, kv), torch.float32, **meta)
@@ -150,8 +153,10 @@ def _check_templates(n_examples: int) -> None:
                   kfmt=draw(st.sampled_from(("float", "int8/8", "int4/32", "mxint8/8", "mxint4/32", "int2/8"))),
                   rope=rope, rd=rd, mask=draw(st.sampled_from((None, "bool", "add"))),
                   mask_shape=draw(st.sampled_from(("bhsk", "b1sk", "1hsk", "sk"))),
-                  win=draw(st.sampled_from((0, 5, 20))), unused=draw(st.sampled_from((0, 2))))
-        return p, draw(st.sampled_from((16, 32))), draw(st.sampled_from((8, 16, 32))), draw(st.booleans())
+                  win=draw(st.sampled_from((0, 5, 20))), unused=draw(st.sampled_from((0, 2))),
+                  basis_dtype=draw(st.sampled_from((torch.float32, torch.bfloat16))))
+        return (p, draw(st.sampled_from((16, 32))), draw(st.sampled_from((8, 16, 32))), draw(st.booleans()),
+                draw(st.booleans()), draw(st.booleans()))
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
     @given(cases())

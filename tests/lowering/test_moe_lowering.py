@@ -26,6 +26,7 @@ import os
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckvp_compile.testing.moe_cases import make_moe_inputs, moe_routing_cases
 
@@ -57,8 +58,10 @@ def test_register_all_is_idempotent_and_names_the_ops():
 
 
 def _compiled_inductor(fn):
+    # plain Inductor: its FX graph cache does not key on this package's lowerings (the ckvp backend's does)
     torch._dynamo.reset()
-    return torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+    return torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True,
+                         options={"fx_graph_cache": False})
 
 
 @given(case=moe_routing_cases(max_tokens=24, dims=(8, 16, 24)))
@@ -79,11 +82,50 @@ def test_cpu_inductor_picks_the_extern_parts_and_stays_exact(case):
     out, codes = run_and_get_code(_compiled_inductor(f), *_args(x))
     code = "\n".join(codes)
     assert "ckvp_moe_gate_up_extern" in code and "ckvp_moe_down_extern" in code, code[-2000:]
-    assert "torch.ops.ckvp.moe_align.default" in code
+    # one expert (a shared expert): the identity routing is built in IR, no moe_align call
+    assert ("torch.ops.ckvp.moe_align.default" in code) == (case["num_experts"] > 1)
     want = torch.ops.ckvp.moe_experts(*_args(x))
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     if case["top_k"] <= 2:  # a sum of at most two rows has one rounding order
         assert torch.equal(out, want)
+
+
+@given(tokens=st.integers(1, 70), route_m=st.sampled_from((16, 32, 64, 128)))
+@settings(max_examples=8, deadline=None)
+def test_one_expert_routing_ir_equals_moe_align(tokens, route_m):
+    """E = 1 (a shared expert run as a one-expert MoE): the routing the lowering builds in Inductor IR, without
+    reading the ids, equals ``moe_align_ref`` (pad rows hold P; tiles past P carry the pad expert)."""
+    pytest.importorskip("triton")
+    from ckvp_compile.kernels import moe_reference as moe_ref
+    from ckvp_compile.lowering import moe
+
+    def f(ids):  # ids are unread: the routing of E = 1 is fixed by P alone
+        return torch.ops.ckvp.moe_align(ids, 1, route_m)
+
+    def lowered(gm, example_inputs):
+        from torch._inductor import lowering as L
+
+        def one_expert(ids, num_experts, block_m):
+            return moe._one_expert_routing(int(ids.get_size()[0]) * int(ids.get_size()[1]), block_m,
+                                           ids.get_device())
+
+        saved = L.lowerings.get(torch.ops.ckvp.moe_align.default)
+        L.lowerings[torch.ops.ckvp.moe_align.default] = one_expert
+        try:
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        finally:
+            if saved is None:
+                L.lowerings.pop(torch.ops.ckvp.moe_align.default, None)
+            else:
+                L.lowerings[torch.ops.ckvp.moe_align.default] = saved
+
+    ids = torch.zeros(tokens, 1, dtype=torch.int64)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=lowered, dynamic=False, fullgraph=True)(ids)
+    want = moe_ref.moe_align_ref(ids, 1, route_m)
+    assert all(torch.equal(a.to(torch.int32), b) for a, b in zip(got, want)), (got, want)
 
 
 def test_cpu_inductor_symbolic_sizes_keep_the_whole_op():
