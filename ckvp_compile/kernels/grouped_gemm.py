@@ -314,6 +314,7 @@ def _moe_align_kernel(
     num_pairs, num_experts, p_pad, num_tiles,
     # meta-parameters: P_BLOCK >= P and E_BLOCK >= E (powers of two)
     BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
 ):
     """One program: the routing of ``moe_align_ref`` (stable sort by expert, segments padded to BLOCK_M)."""
     offs_p = tl.arange(0, P_BLOCK)
@@ -332,8 +333,8 @@ def _moe_align_kernel(
         tl.store(sorted_ids_ptr + rows, tl.full([FILL_BLOCK], 0, tl.int32) + num_pairs, mask=rows < p_pad)
     tl.debug_barrier()  # the pad fill lands before the pairs overwrite their rows
     tl.store(sorted_ids_ptr + dest, offs_p, mask=p_ok)
-    for off in range(0, num_tiles, FILL_BLOCK):
-        tiles = off + tl.arange(0, FILL_BLOCK)
+    for off in range(0, num_tiles, TILE_BLOCK):
+        tiles = off + tl.arange(0, TILE_BLOCK)
         expert = tl.sum((padded_end[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         expert = tl.where(expert < num_experts, expert, -1)
         tl.store(block_expert_ptr + tiles, expert, mask=tiles < num_tiles)
@@ -360,11 +361,13 @@ def _combine_kernel(
 ALIGN_MAX_TILE = 8192
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Device-side routing, one launch when small: same outputs as :func:`~.moe_reference.moe_align_ref`.
 
     Args:
         topk_ids: (T, A) int32|int64 on the GPU (or on CPU under the interpreter). num_experts: E. block_m: M tile.
+        num_warps: of the one program (None: :func:`align_num_warps`).
     Returns:
         sorted_ids (P_pad,) int32 and block_expert (P_pad / block_m,) int32 (-1 for unused tiles).
     Reference: kernels/moe_reference.py::moe_align_ref
@@ -376,12 +379,25 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     if p == 0 or p_block * e_block > ALIGN_MAX_TILE:
         return moe_align_ref(topk_ids, num_experts, block_m)
     p_pad = padded_rows(p, num_experts, block_m)
+    num_tiles = p_pad // block_m
     sorted_ids = torch.empty(p_pad, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(p_pad // block_m, dtype=torch.int32, device=topk_ids.device)
-    _wrap(_moe_align_kernel, topk_ids)[(1,)](topk_ids.reshape(-1), sorted_ids, block_expert, p, num_experts, p_pad,
-                                   p_pad // block_m, BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block,
-                                   FILL_BLOCK=256, num_warps=4)
+    block_expert = torch.empty(num_tiles, dtype=torch.int32, device=topk_ids.device)
+    _wrap(_moe_align_kernel, topk_ids)[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, p, num_experts, p_pad, num_tiles, BLOCK_M=block_m,
+        P_BLOCK=p_block, E_BLOCK=e_block, FILL_BLOCK=min(256, triton.next_power_of_2(p_pad)),
+        TILE_BLOCK=min(64, triton.next_power_of_2(num_tiles)),
+        num_warps=num_warps or align_num_warps(p_block, e_block))
     return sorted_ids, block_expert
+
+
+def align_num_warps(p_block: int, e_block: int) -> int:
+    """Warps of the routing program: one for decode-sized routings (its scans and sums stay inside a warp, no
+    block-wide barriers), four above :data:`ALIGN_ONE_WARP_TILE` one-hot entries."""
+    return 1 if p_block * e_block <= ALIGN_ONE_WARP_TILE else 4
+
+
+#: Largest one-hot tile (pairs x experts, powers of two) routed by one warp.
+ALIGN_ONE_WARP_TILE = 2048
 
 
 def combine(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:

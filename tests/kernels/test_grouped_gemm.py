@@ -62,6 +62,13 @@ def _check_cases() -> None:
                            for k in range(t)])
         for got, want in zip(gg.moe_align(ids, e, bm), ref.moe_align_ref(ids, e, bm)):
             assert torch.equal(got, want), (t, e, a, bm)
+    # more tiles than one tile block (68 > 64), repeated experts in a token's row, both warp counts
+    for t, e, a, bm, seed in ((60, 64, 2, 16, 7), (9, 6, 3, 16, 8)):
+        ids = torch.randint(0, e, (t, a), generator=torch.Generator().manual_seed(seed))
+        for warps in (1, 4):
+            for got, want in zip(gg.moe_align(ids, e, bm, num_warps=warps), ref.moe_align_ref(ids, e, bm)):
+                assert torch.equal(got, want), (t, e, a, bm, warps)
+    assert gg.align_num_warps(4, 64) == 1 and gg.align_num_warps(128, 64) == 4
     pairs = torch.randn(12, 40)
     torch.testing.assert_close(gg.combine(pairs, 3, torch.float32), pairs.view(4, 3, 40).sum(1))
     # configs: the first survivor fits shared memory for fp32 too (it is the untuned default)
