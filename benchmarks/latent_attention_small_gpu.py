@@ -59,6 +59,16 @@ def configs_values(default) -> dict:
                                                                           reduce_split_d=False)}
 
 
+def configs_b1(default) -> dict:
+    """Batch 1: programs per pass, value tiles and warps, stages, hoisting (the latency-bound regime)."""
+    r = dataclasses.replace
+    return {"default": default, "key_tiles 1": r(default, key_tiles=1), "key_tiles 2": r(default, key_tiles=2),
+            "1 stage": r(default, num_stages=1), "block_n_v 64": r(default, block_n_v=64),
+            "block_n_v 16": r(default, block_n_v=16), "num_warps_v 2": r(default, num_warps_v=2),
+            "min_tiles 1, target 528": r(default, min_tiles=1, target_programs=528),
+            "8 warps": r(default, num_warps=8), "no hoist": r(default, hoist_basis=False)}
+
+
 def configs(default) -> dict:
     r = dataclasses.replace
     return {"default": default, "one pass": r(default, two_pass=False), "min_tiles 2": r(default, min_tiles=2),
@@ -74,7 +84,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="", help="comma-separated contexts (default: --context)")
     ap.add_argument("--heads", default="16:16,32:8")
-    ap.add_argument("--set", default="launch", choices=["launch", "v2", "values"], help="config set: launch configs, or the "
+    ap.add_argument("--ranks", default="256", help="comma-separated latent ranks per KV head")
+    ap.add_argument("--set", default="launch", choices=["launch", "v2", "values", "b1"], help="config set: launch configs, or the "
                     "runtime rank loop / code-domain rebuild variants")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
     a = ap.parse_args()
@@ -82,14 +93,15 @@ def main() -> None:
     t0 = time.time()
     rows = []
     contexts = [int(x) for x in (a.contexts or str(a.context)).split(",")]
-    shapes = [(tuple(int(x) for x in hs.split(":")), b, t) for hs in a.heads.split(",")
+    shapes = [(tuple(int(x) for x in hs.split(":")), b, t, rank) for hs in a.heads.split(",")
+              for rank in (int(x) for x in a.ranks.split(","))
               for t in contexts for b in (int(x) for x in a.batches.split(","))]
-    for heads, b, context in shapes:
+    for heads, b, context, rank in shapes:
         if time.time() - t0 > a.budget_s:
-            print(json.dumps({"skipped": [heads, b, context]}), flush=True)
+            print(json.dumps({"skipped": [heads, b, context, rank]}), flush=True)
             continue
         a.context = context
-        args = make_inputs(b, a.context, "int4/32", 256, seed=0, dev="cuda", heads=heads, head_dim=128, group=4)
+        args = make_inputs(b, a.context, "int4/32", rank, seed=0, dev="cuda", heads=heads, head_dim=128, group=4)
         want = ref_chunked(args, 1)
         q = args[0]
         k = torch.randn(b, heads[1], a.context, 128, device="cuda", dtype=torch.bfloat16)
@@ -98,9 +110,9 @@ def main() -> None:
                          warmup=10, rep=30)
         sargs = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
                  args[15], args[16], args[17], args[18])
-        default = default_config(heads[0] // heads[1], 256)
-        for name, cfg in {"v2": configs_v2, "values": configs_values}.get(a.set, configs)(default).items():
-            row = {"heads": f"{heads[0]}:{heads[1]}", "batch": b, "context": a.context, "config": name,
+        default = default_config(heads[0] // heads[1], max(16, 1 << (rank - 1).bit_length()))
+        for name, cfg in {"v2": configs_v2, "values": configs_values, "b1": configs_b1}.get(a.set, configs)(default).items():
+            row = {"heads": f"{heads[0]}:{heads[1]}", "batch": b, "context": a.context, "rank": rank, "config": name,
                    "dense_sdpa_ms": dense_ms}
             try:
                 out = latent_attention_triton(*args, config=cfg)

@@ -397,7 +397,7 @@ def align_num_warps(p_block: int, e_block: int) -> int:
 
 
 #: Largest one-hot tile (pairs x experts, powers of two) routed by one warp.
-ALIGN_ONE_WARP_TILE = 2048
+ALIGN_ONE_WARP_TILE = 1024
 
 
 def combine(pairs: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
