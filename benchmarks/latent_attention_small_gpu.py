@@ -69,6 +69,14 @@ def configs_b1(default) -> dict:
             "8 warps": r(default, num_warps=8), "no hoist": r(default, hoist_basis=False)}
 
 
+def configs_b1b(default) -> dict:
+    """The batch-1 winners of ``b1`` combined, and the one-pass kernel (no scores round trip, one launch fewer)."""
+    r = dataclasses.replace
+    return {"default": default, "1 stage": r(default, num_stages=1),
+            "1 stage, block_n_v 64": r(default, num_stages=1, block_n_v=64),
+            "one pass": r(default, two_pass=False), "one pass, 1 stage": r(default, two_pass=False, num_stages=1)}
+
+
 def configs(default) -> dict:
     r = dataclasses.replace
     return {"default": default, "one pass": r(default, two_pass=False), "min_tiles 2": r(default, min_tiles=2),
@@ -85,7 +93,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="", help="comma-separated contexts (default: --context)")
     ap.add_argument("--heads", default="16:16,32:8")
     ap.add_argument("--ranks", default="256", help="comma-separated latent ranks per KV head")
-    ap.add_argument("--set", default="launch", choices=["launch", "v2", "values", "b1"], help="config set: launch configs, or the "
+    ap.add_argument("--set", default="launch", choices=["launch", "v2", "values", "b1", "b1b"], help="config set: launch configs, or the "
                     "runtime rank loop / code-domain rebuild variants")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
     a = ap.parse_args()
@@ -111,7 +119,7 @@ def main() -> None:
         sargs = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
                  args[15], args[16], args[17], args[18])
         default = default_config(heads[0] // heads[1], max(16, 1 << (rank - 1).bit_length()))
-        for name, cfg in {"v2": configs_v2, "values": configs_values, "b1": configs_b1}.get(a.set, configs)(default).items():
+        for name, cfg in {"v2": configs_v2, "values": configs_values, "b1": configs_b1, "b1b": configs_b1b}.get(a.set, configs)(default).items():
             row = {"heads": f"{heads[0]}:{heads[1]}", "batch": b, "context": a.context, "rank": rank, "config": name,
                    "dense_sdpa_ms": dense_ms}
             try:
