@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import re
 import shlex
@@ -150,6 +151,10 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
                            "python": platform.python_version(), "device": device, "cpu": platform.processor() or
                            platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                            "command": "ckvp-bench decode " + shlex.join(argv)}
+    from ..kernels.latent_attention_triton import CONFIG_ENV
+
+    if os.environ.get(CONFIG_ENV):  # a kernel-config override changes what the rows measure: part of the command
+        env["command"] = f"{CONFIG_ENV}={shlex.quote(os.environ[CONFIG_ENV])} " + env["command"]
     try:
         import triton
 

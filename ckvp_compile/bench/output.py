@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,9 +25,12 @@ def run_env(started: float, argv: Sequence[str] | None = None) -> dict[str, Any]
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton ships with torch on every supported machine
         triton_version = None
+    command = "python3 " + " ".join(sys.argv if argv is None else argv)
+    override = os.environ.get("CKVP_DECODE_CONFIG")  # kernels.latent_attention_triton.CONFIG_ENV
+    if override:
+        command = f"CKVP_DECODE_CONFIG={shlex.quote(override)} {command}"
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-            "triton": triton_version, "command": "python3 " + " ".join(sys.argv if argv is None else argv),
-            "wall_s": round(time.time() - started, 1)}
+            "triton": triton_version, "command": command, "wall_s": round(time.time() - started, 1)}
 
 
 def write_result(result: dict[str, Any], markdown: str, json_path: Path | None, out_path: Path | None) -> None:
