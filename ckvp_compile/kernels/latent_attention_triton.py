@@ -48,7 +48,10 @@ shared memory can be read without a GPU (``benchmarks/latent_attention_aot.py``:
 H200's Triton 3.6): int4 tiles were read one byte per load until the column masks moved to byte units. Since then
 (runs 10-11 and benchmarks/results/2026-11-30-recent-window-h200): 4.33 ms (16:16, with the value latent on the
 CUDA cores and the exact-slot check only on tiles that reach an exact slot) and 2.86 ms (32:8), still 9-11x dense;
-a dense recent window of up to 128 tokens adds at most 0.12 ms.
+a dense recent window of up to 128 tokens adds at most 0.12 ms. At one query head per KV head the value pass now
+sums its weighted rows elementwise and reduces once per program (4.32 -> 3.29 ms at 16:16;
+benchmarks/results/2026-11-30-latent-attention-v2-h200, which also records the negative result of a runtime
+rank-chunk loop with the exact code-domain rebuild: 1.3-2x slower).
 ``ckvp::latent_attention``'s CUDA kernel runs it (``ops.latent_attention_cuda.USE_TRITON``); fp8 bases and
 ``mix`` plans too, since run 7 checked them on the H200 (:data:`FP8_BASES_GPU_CHECKED`, :data:`MIX_GPU_CHECKED`:
 within 1e-3 at batch 8, 32k; mix plans about 2x slower than uniform int4).
