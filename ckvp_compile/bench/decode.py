@@ -151,10 +151,9 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
                            "python": platform.python_version(), "device": device, "cpu": platform.processor() or
                            platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                            "command": "ckvp-bench decode " + shlex.join(argv)}
-    from ..kernels.latent_attention_triton import CONFIG_ENV
-
-    if os.environ.get(CONFIG_ENV):  # a kernel-config override changes what the rows measure: part of the command
-        env["command"] = f"{CONFIG_ENV}={shlex.quote(os.environ[CONFIG_ENV])} " + env["command"]
+    override = os.environ.get("CKVP_DECODE_CONFIG")  # kernels.latent_attention_triton.CONFIG_ENV (no Triton import)
+    if override:  # a kernel-config override changes what the rows measure: part of the command
+        env["command"] = f"CKVP_DECODE_CONFIG={shlex.quote(override)} " + env["command"]
     try:
         import triton
 

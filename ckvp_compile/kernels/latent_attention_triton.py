@@ -187,8 +187,10 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
     (e.g. Mixtral's G = 4: 2.92 ms in run 10, 2.44 with e4m3 bases) the generic config, the fastest of run 5.
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
-    :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}`` (read when a call has no
-    explicit config; a compiled model reads it when its graph is first run).
+    :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}``, read by every call without an
+    explicit config. In a model compiled with Inductor on CUDA whose heads share one key rank, the key pass is the
+    autotuned Inductor template instead (``lowering.latent_attention.TEMPLATE_CONFIGS``): there the override reaches
+    the value pass and the merge only; with unequal per-head ranks (calibrated plans) the whole call reads it.
 
     Raises:
         ValueError: the variable is not a JSON object of DecodeConfig fields (the message names the bad field).
@@ -215,10 +217,16 @@ def _env_override(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{CONFIG_ENV} must be a JSON object of DecodeConfig fields, e.g. '{{\"num_warps\": 8}}', "
                          f"but {text!r} is not JSON ({e})") from None
-    known = {f.name for f in dataclasses.fields(DecodeConfig)}
-    if not isinstance(fields, dict) or set(fields) - known:
-        bad = sorted(set(fields) - known) if isinstance(fields, dict) else fields
-        raise ValueError(f"{CONFIG_ENV}: unknown DecodeConfig field(s) {bad}; the fields are {sorted(known)}")
+    types = {f.name: str(f.type) for f in dataclasses.fields(DecodeConfig)}
+    if not isinstance(fields, dict) or set(fields) - set(types):
+        bad = sorted(set(fields) - set(types)) if isinstance(fields, dict) else fields
+        raise ValueError(f"{CONFIG_ENV}: unknown DecodeConfig field(s) {bad}; the fields are {sorted(types)}")
+    for name, value in fields.items():
+        ann = types[name]
+        ok = ((value is None and "None" in ann) or (isinstance(value, bool) and ann.startswith("bool"))
+              or (isinstance(value, int) and not isinstance(value, bool) and ann.startswith("int")))
+        if not ok:
+            raise ValueError(f"{CONFIG_ENV}: field {name!r} takes {ann}, but got {value!r}")
     return fields
 
 

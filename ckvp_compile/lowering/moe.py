@@ -97,6 +97,7 @@ from .. import _compat
 from ..kernels import grouped_gemm as gg
 from ..kernels import moe_grouped_mm as gm
 from ..kernels import moe_reference as moe_ref
+from ..ops import register_all as _register_ops
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ __all__ = ["DECISIONS", "EXTERN_NAMES", "FORCE_LARGE_M_PATH", "GROUPED_MM_NAMES"
 
 _api = _compat.inductor_template_api()
 aten, prims = torch.ops.aten, torch.ops.prims
+_register_ops()  # the extern choices below name torch.ops.ckvp.*: importable on its own (idempotent)
 
 #: Names of the templates (Inductor's autotuning log shows them; generated kernels define the helpers below).
 TEMPLATE_NAMES = ("ckvp_moe_gate_up", "ckvp_moe_down")

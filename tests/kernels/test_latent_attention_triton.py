@@ -201,7 +201,8 @@ def _check_property(n_examples: int) -> None:
                            fma_scores=draw(st.booleans()), p_bf16=draw(st.booleans()),
                            two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32))),
                            reduce_split_d=draw(st.booleans()), r_loop=draw(st.booleans()),
-                           key_tiles=draw(st.sampled_from((None, 1, 2))))
+                           key_tiles=draw(st.sampled_from((None, 1, 2))), fma_values=draw(st.booleans()),
+                           fma_values_2d=draw(st.booleans()))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -335,6 +336,13 @@ def _check_fixed() -> None:
                    dataclasses.replace(cfg, fma_scores=True, fma_values=True, two_pass=False),
                    dataclasses.replace(cfg, fma_scores=True, hoist_basis=True)):
         _check(g1, g1_cfg)
+    # the 2-D value accumulation of one query head per KV head, rescaled across several tiles per program (one
+    # split of 5 tiles of 8 slots: the running max moves, alpha < 1 multiplies a non-zero accumulator), against the
+    # row sum per tile
+    g1_long = dict(g1, kv_len=37, mask=None)
+    for values_2d in (True, False):
+        _check(g1_long, dataclasses.replace(cfg, fma_scores=True, fma_values=True, fma_values_2d=values_2d, split=1,
+                                            block_n_v=8))
     # key_codes: keys rebuilt exactly in the code domain (codes x basis, then block scale and min x column sums),
     # one quantization block per chunk; int8/4/2, bf16 and e4m3 bases, odd ranks, one- and two-pass, G = 1 and 2
     codes_cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, key_codes=True)
