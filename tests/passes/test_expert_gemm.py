@@ -427,7 +427,8 @@ def test_hunyuan_moe_ungated_shared_expert():
 def test_full_inductor_output_code_calls_the_ckvp_op():
     """Full Inductor (CPU): the rewritten graph compiles, the ckvp op's lowering is in the generated code (routing
     and the two GEMMs as extern calls: on CPU the reference parts run), for the routed experts and for the shared
-    expert (E = 1), the HF experts' grouped_mm fallback is not, and logits equal eager."""
+    expert (E = 1, whose routing is Inductor IR, no moe_align call), the HF experts' grouped_mm fallback is not,
+    and logits equal eager."""
     from torch._inductor.utils import run_and_get_code
 
     model = build_hf_moe("qwen2_moe", num_layers=1)
@@ -438,7 +439,8 @@ def test_full_inductor_output_code_calls_the_ckvp_op():
         out, codes = run_and_get_code(lambda: compiled(ids, use_cache=False).logits)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     code = "\n".join(codes)
-    for part in ("torch.ops.ckvp.moe_align.default(", "extern_kernels.ckvp_moe_gate_up_extern(",
-                 "extern_kernels.ckvp_moe_down_extern("):
+    for part in ("extern_kernels.ckvp_moe_gate_up_extern(", "extern_kernels.ckvp_moe_down_extern("):
         assert code.count(part) == 2, part  # the routed experts and the shared expert (one expert)
+    # the shared expert's routing (one expert: the identity) is built in Inductor IR, without a moe_align call
+    assert code.count("torch.ops.ckvp.moe_align.default(") == 1
     assert "grouped_mm_fallback" not in code
