@@ -98,6 +98,41 @@ def _decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, cache
     return out
 
 
+#: latent_format label of the noise-floor row (dense decode, KV cache rounded to bf16).
+BF16_KV_FLOOR = "dense, bf16 KV"
+
+
+def bf16_kv_cache(model: torch.nn.Module, max_len: int) -> Any:
+    """A dense ``StaticCache`` whose writes are rounded to bf16 (and stored in the model's dtype): what a bf16
+    deployment of the same model keeps, the smallest perturbation of the KV cache there is."""
+    from ..latent.capture import make_static_cache
+
+    cache = make_static_cache(model, max_len)
+    update = cache.update
+
+    def rounded(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return update(key_states.to(torch.bfloat16).to(key_states.dtype),
+                      value_states.to(torch.bfloat16).to(value_states.dtype), *args, **kwargs)
+
+    cache.update = rounded
+    return cache
+
+
+def _bf16_kv_floor(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, max_len: int) -> FixtureRow:
+    """Greedy agreement of the dense decode with itself over a bf16-rounded KV cache: the fixture's numerical noise
+    floor (a near-tie that flips under bf16 rounding flips under any compression too)."""
+    t = time.perf_counter()
+    got = [_decode(model, p, new_tokens, bf16_kv_cache(model, max_len)) for p in prompts]
+    forced = [_decode(model, p, new_tokens, bf16_kv_cache(model, max_len), feed=d) for p, d in zip(prompts, dense)]
+    n_tok = sum(map(len, dense))
+    forced_each = [sum(x == y for x, y in zip(d, g)) for d, g in zip(dense, forced)]
+    return FixtureRow(None, BF16_KV_FLOOR, sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g)) / n_tok,
+                      sum(map(_prefix, dense, got)) / len(prompts), n_tok, len(prompts),
+                      wall_s=round(time.perf_counter() - t, 2), forced_agreement=sum(forced_each) / n_tok,
+                      prefixes=list(map(_prefix, dense, got)),
+                      forced_per_prompt=[n / len(d) for n, d in zip(forced_each, dense)], generated=got)
+
+
 def _line_end(text: bytes, start: int, length: int) -> int:
     """Move a prompt start forward so that the prompt ``text[start:start + length]`` ends just after a line break
     (the continuation starts a new line); unchanged when no line break follows within 4 kB."""
@@ -150,6 +185,8 @@ def run_fixture(args: argparse.Namespace) -> int:
     rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts), forced_agreement=1.0,
                        prefixes=[args.new_tokens] * len(prompts), forced_per_prompt=[1.0] * len(prompts),
                        generated=dense)]
+    if dtype != torch.bfloat16:  # the noise floor: dense with its KV cache rounded to bf16, as a bf16 deployment
+        rows.append(_bf16_kv_floor(model, prompts, dense, args.new_tokens, max_len))
     moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
     decomposed = DecomposedMoments.from_moments(moments)  # one eigh; the byte-ratio fit builds bases ~40 times
     fmt, *opts = args.latent_format.split("+")  # planned[+rot][+fp8][+measured]: ckvp-bench fidelity's allocations

@@ -122,8 +122,11 @@ def test_cli_tiny_fixture_and_report(tmp_path):
                     "--prompt-len", "16", "--calib-windows", "1", "--compiler", "eager", "--device", "cpu",
                     "--json", str(fixture)])
     assert rc == 0
-    dense, four = json.loads(fixture.read_text())["rows"]
+    dense, floor, four = json.loads(fixture.read_text())["rows"]
     assert dense["agreement"] == 1.0 and four["status"] == "ok", four
+    # the noise floor: dense over a bf16-rounded KV cache (the fixture runs in fp32), labelled, no ratio
+    assert floor["latent_format"] == "dense, bf16 KV" and floor["ratio_requested"] is None
+    assert 0.0 <= floor["agreement"] <= 1.0 and floor["tokens"] == 4
     assert 0.0 <= four["agreement"] <= 1.0 and 0.0 <= four["forced_agreement"] <= 1.0
     assert four["ratio_measured_at_budget"] >= 4.0 and four["tokens"] == 4
     md = tmp_path / "B.md"
@@ -131,7 +134,7 @@ def test_cli_tiny_fixture_and_report(tmp_path):
                       str(tmp_path / "plots")]) == 0
     text = md.read_text()
     assert "| ckvp-4 | 2 | 16 |" in text and "## Fidelity: greedy generation on the trained fixture" in text
-    assert "5. Fixture, greedy 4 tokens x 1 prompts at 4x" in text
+    assert "5. Fixture, greedy 4 tokens x 1 prompts at 4x" in text and "dense with its KV cache rounded to bf16" in text
     assert (tmp_path / "plots" / "decode_ms_tiny.png").stat().st_size > 1000
     assert (tmp_path / "plots" / "decode_fidelity.png").stat().st_size > 1000
 
@@ -144,7 +147,7 @@ def test_fixture_planned_rotated_fp8_bases(tmp_path):
                     "--prompt-len", "16", "--calib-windows", "1", "--compiler", "eager", "--device", "cpu",
                     "--latent-format", "planned+rot+fp8", "--json", str(out)])
     assert rc == 0
-    four = json.loads(out.read_text())["rows"][1]
+    four = next(r for r in json.loads(out.read_text())["rows"] if r["ratio_requested"] == 4.0)
     assert four["status"] == "ok" and four["latent_format"] == "planned+rot+fp8", four
     assert four["ratio_measured_at_budget"] >= 4.0
 
@@ -184,7 +187,7 @@ def test_fixture_planned_measured_bases(tmp_path, monkeypatch):
     windows, blocks = seen[0]
     assert windows.tolist() == [list(text[:256])] and blocks == (32, 64)
     data = json.loads(out.read_text())
-    dense, two = data["rows"]
+    dense, two = data["rows"][0], data["rows"][-1]  # between them: the bf16-KV noise floor (fp32 fixture)
     assert two["status"] == "ok" and two["latent_format"] == "planned+rot+fp8+measured", two
     assert two["planned_format"] == "mix/32v64" and data["meta"]["measure_windows"] == 1
     assert two["ratio_measured_at_budget"] >= 2.0 and len(two["prefixes"]) == 1 == len(two["generated"])
@@ -257,5 +260,6 @@ def test_cli_recent_window_rows(tmp_path):
     assert bench_cli(["decode", "--shape", "fixture", "--ratios", "4", "--prompts", "1", "--new-tokens", "4",
                       "--prompt-len", "16", "--calib-windows", "1", "--compiler", "eager", "--device", "cpu",
                       "--recent-window", "8", "--json", str(fixture)]) == 0
-    meta, (dense, four) = json.loads(fixture.read_text())["meta"], json.loads(fixture.read_text())["rows"]
+    meta, (dense, floor, four) = json.loads(fixture.read_text())["meta"], json.loads(fixture.read_text())["rows"]
+    assert floor["latent_format"] == "dense, bf16 KV"
     assert meta["recent_window"] == 8 and four["status"] == "ok" and four["ratio_measured_at_budget"] >= 4.0, four
