@@ -193,7 +193,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
     the value pass and the merge only; with unequal per-head ranks (calibrated plans) the whole call reads it.
 
     Raises:
-        ValueError: the variable is not a JSON object of DecodeConfig fields (the message names the bad field).
+        ValueError: the variable is not a JSON object of DecodeConfig fields with values of their types (the
+            message names the bad field).
     """
     if group == 1 and rank_pad is not None and rank_pad <= 256:
         cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True)
