@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import re
 import shlex
@@ -62,6 +61,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .output import with_config_override
 
 __all__ = ["DecodeRow", "System", "main", "parse_system"]
 
@@ -150,10 +151,7 @@ def environment(device: str, argv: Sequence[str]) -> dict[str, Any]:
     env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version(), "device": device, "cpu": platform.processor() or
                            platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                           "command": "ckvp-bench decode " + shlex.join(argv)}
-    override = os.environ.get("CKVP_DECODE_CONFIG")  # kernels.latent_attention_triton.CONFIG_ENV (no Triton import)
-    if override:  # a kernel-config override changes what the rows measure: part of the command
-        env["command"] = f"CKVP_DECODE_CONFIG={shlex.quote(override)} " + env["command"]
+                           "command": with_config_override("ckvp-bench decode " + shlex.join(argv))}
     try:
         import triton
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["run_env", "write_result"]
+__all__ = ["run_env", "with_config_override", "write_result"]
 
 
 def run_env(started: float, argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -25,12 +25,17 @@ def run_env(started: float, argv: Sequence[str] | None = None) -> dict[str, Any]
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton ships with torch on every supported machine
         triton_version = None
-    command = "python3 " + " ".join(sys.argv if argv is None else argv)
-    override = os.environ.get("CKVP_DECODE_CONFIG")  # kernels.latent_attention_triton.CONFIG_ENV
-    if override:
-        command = f"CKVP_DECODE_CONFIG={shlex.quote(override)} {command}"
+    command = with_config_override("python3 " + " ".join(sys.argv if argv is None else argv))
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "triton": triton_version, "command": command, "wall_s": round(time.time() - started, 1)}
+
+
+def with_config_override(command: str) -> str:
+    """``command`` prefixed with the kernel-config override (``CKVP_DECODE_CONFIG=...``) when one is set: it changes
+    what a row measures, so it is part of the command. The variable is
+    ``kernels.latent_attention_triton.CONFIG_ENV``, named here without importing Triton."""
+    override = os.environ.get("CKVP_DECODE_CONFIG")
+    return f"CKVP_DECODE_CONFIG={shlex.quote(override)} {command}" if override else command
 
 
 def write_result(result: dict[str, Any], markdown: str, json_path: Path | None, out_path: Path | None) -> None:

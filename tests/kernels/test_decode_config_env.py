@@ -33,5 +33,10 @@ def test_bench_command_records_the_override(monkeypatch):
 
     monkeypatch.setenv(lat.CONFIG_ENV, '{"num_stages": 1}')
     assert run_env(0.0, ["x.py"])["command"].startswith("CKVP_DECODE_CONFIG=")
+    from ckvp_compile.bench.decode import environment
+
+    assert environment("cpu", ["--shape", "tiny"])["command"] == (
+        """CKVP_DECODE_CONFIG='{"num_stages": 1}' ckvp-bench decode --shape tiny""")
     monkeypatch.delenv(lat.CONFIG_ENV)
     assert run_env(0.0, ["x.py"])["command"] == "python3 x.py"
+    assert environment("cpu", ["--shape", "tiny"])["command"] == "ckvp-bench decode --shape tiny"
