@@ -70,7 +70,8 @@ When which choice: on CPU (and any non-CUDA device) the padded path with the ext
 Inductor calls the reference parts (exact against the eager op). On CUDA with ``max_autotune`` (or
 ``max_autotune_gemm``): the large-M path where :func:`large_m_path_reason` allows (``ROUTE_M`` 128), else every
 template config, the extern and, where :func:`grouped_mm_choice_ok`, the grouped_mm extern. On CUDA otherwise:
-the padded path with the first template config only (no timing at compile time).
+the padded path with one template config, no timing at compile time: the first candidate whose grid fills
+the SMs (:func:`default_template_config`; at Qwen1.5-MoE's decode shapes narrower N tiles than the first).
 Symbolic sizes (``dynamic=True``) or T == 0: the whole op stays one extern call (``ckvp::moe_experts``).
 
 One copy of the math: the template bodies call ``_ckvp_gate_up_tile`` / ``_ckvp_down_tile``, the ``@triton.jit``
@@ -102,6 +103,7 @@ from ..ops import register_all as _register_ops
 logger = logging.getLogger(__name__)
 
 __all__ = ["DECISIONS", "EXTERN_NAMES", "FORCE_LARGE_M_PATH", "GROUPED_MM_NAMES", "LARGE_M_ROUTE_M", "TEMPLATE_NAMES",
+           "default_template_config",
            "grouped_mm_choice_ok", "large_m_path_reason", "register", "representative_group_sizes", "template_configs",
            "tuned_moe_down", "tuned_moe_experts", "tuned_moe_gate_up"]
 
@@ -185,6 +187,37 @@ def template_configs(kind: str, route_m: int, itemsize: int) -> list[gg.GemmConf
     lists without split-K (a template writes each output element once)."""
     cands = gg.gate_up_configs(route_m, itemsize) if kind == "gate_up" else gg.down_configs(route_m, itemsize)
     return [c for c in cands if c.split_k == 1]
+
+
+def default_template_config(configs: list[gg.GemmConfig], route_m: int, num_pairs: int, num_experts: int, n: int,
+                            sms: int) -> gg.GemmConfig:
+    """The one config compiled without max-autotune: the first of ``configs`` (the H200 tuning winner at
+    Mixtral shape) whose grid fills the GPU, else the one with the most programs.
+
+    A bandwidth-bound grouped GEMM at decode needs a program on every SM: at Qwen1.5-MoE's shape and batch 1 (4 of
+    60 experts hit, I = 1408) the first gate/up config's 128-column tiles make 4 x 11 = 44 programs for 132 SMs,
+    and the shared expert's (I = 5632) 44 as well. Programs are counted as the non-empty M tiles, at least
+    ``max(min(E, P), P / rows)`` for P (token, expert) pairs, times the N tiles ``cdiv(n, block_n)``.
+
+    Args:
+        configs: the candidates in preference order (:func:`template_configs`), not empty.
+        route_m: the routing's M tile; num_pairs: P = tokens x top-k; num_experts: E; n: output columns (the
+            expert FFN width for gate/up, the model width for down); sms: the device's streaming multiprocessors.
+    Returns:
+        One of ``configs``.
+    """
+    def programs(c: gg.GemmConfig) -> int:
+        m_tiles = max(min(num_experts, num_pairs), -(-num_pairs // c.rows(route_m)))
+        return m_tiles * -(-n // c.block_n)
+
+    return next((c for c in configs if programs(c) >= sms), max(configs, key=programs))
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (132 on an H200; 1 without a visible GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _static_ints(*sizes: Any) -> list[int] | None:
@@ -298,8 +331,11 @@ def tuned_moe_gate_up(hidden, sorted_ids, tile_expert, w_gate, w_up, top_k: int,
         return _api.autotune_select_algorithm(TEMPLATE_NAMES[0], [extern], inputs, layout)
     t, num_experts = sizes[0], sizes[3]
     configs = template_configs("gate_up", block_m, hidden.get_dtype().itemsize)
+    if mode != "autotune":
+        configs = [default_template_config(configs, block_m, t * top_k, num_experts, int(n),
+                                           _sm_count(layout.device))]
     choices: list[Any] = []
-    for c in configs if mode == "autotune" else configs[:1]:
+    for c in configs:
         gate_up_template.maybe_append_choice(
             choices, input_nodes=inputs, layout=layout, num_stages=c.num_stages, num_warps=c.num_warps,
             TOP_K=top_k, ROUTE_M=block_m, BLOCK_M=c.rows(block_m), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
@@ -329,8 +365,10 @@ def tuned_moe_down(act, sorted_ids, tile_expert, w_down, topk_weights, block_m: 
     t, top_k, num_experts = sizes[:3]
     p_pad = sizes[3]
     configs = template_configs("down", block_m, act.get_dtype().itemsize)
+    if mode != "autotune":
+        configs = [default_template_config(configs, block_m, t * top_k, num_experts, dm, _sm_count(layout.device))]
     choices: list[Any] = []
-    for c in configs if mode == "autotune" else configs[:1]:
+    for c in configs:
         down_template.maybe_append_choice(
             choices, input_nodes=inputs, layout=layout, num_stages=c.num_stages, num_warps=c.num_warps,
             call_sizes=[p_pad, dm], TOP_K=top_k, ROUTE_M=block_m, BLOCK_M=c.rows(block_m), BLOCK_N=c.block_n,

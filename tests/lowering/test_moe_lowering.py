@@ -57,6 +57,40 @@ def test_register_all_is_idempotent_and_names_the_ops():
             assert cfgs and all(c.split_k == 1 and route_m % c.rows(route_m) == 0 for c in cfgs)
 
 
+@given(kind=st.sampled_from(["gate_up", "down"]), route_m=st.sampled_from([16, 32, 64, 128]),
+       pairs=st.integers(1, 4096), experts=st.integers(1, 128), n=st.integers(8, 16384),
+       sms=st.sampled_from([1, 78, 132]))
+@settings(max_examples=60, deadline=None)
+def test_default_template_config_fills_the_gpu_when_a_candidate_can(kind, route_m, pairs, experts, n, sms):
+    """Without max-autotune one config is compiled: the first candidate whose programs (non-empty M tiles times N
+    tiles) reach the SM count, else the candidate with the most programs."""
+    pytest.importorskip("triton")
+    from ckvp_compile.lowering import moe
+
+    cfgs = moe.template_configs(kind, route_m, 2)
+    got = moe.default_template_config(cfgs, route_m, pairs, experts, n, sms)
+
+    def programs(c):
+        return max(min(experts, pairs), -(-pairs // c.rows(route_m))) * -(-n // c.block_n)
+
+    filling = [c for c in cfgs if programs(c) >= sms]
+    assert got == (filling[0] if filling else max(cfgs, key=programs))
+
+
+def test_default_template_config_at_decode_shapes():
+    """Qwen1.5-MoE at batch 1 (4 of 60 experts, I = 1408; the shared expert I = 5632) gets narrow gate/up tiles
+    (176 programs, not 44); Mixtral-8x7B (2 of 8 experts, I = 14336) keeps the tuned first config."""
+    pytest.importorskip("triton")
+    from ckvp_compile.lowering import moe
+
+    gate_up = moe.template_configs("gate_up", 16, 2)
+    assert moe.default_template_config(gate_up, 16, 4, 60, 1408, 132).block_n == 32
+    assert moe.default_template_config(gate_up, 16, 1, 1, 5632, 132).block_n == 32
+    assert moe.default_template_config(gate_up, 16, 2, 8, 14336, 132) == gate_up[0]
+    down = moe.template_configs("down", 16, 2)
+    assert moe.default_template_config(down, 16, 2, 8, 4096, 132) == down[0]
+
+
 def _compiled_inductor(fn):
     # plain Inductor: its FX graph cache does not key on this package's lowerings (the ckvp backend's does)
     torch._dynamo.reset()
