@@ -177,6 +177,8 @@ def main() -> int:
              "generic, 1 stage": r(DecodeConfig(), num_stages=1),
              "default, 3 stages": r(default, num_stages=3),
              "default, reduce_split_d": r(default, reduce_split_d=True),
+             "default, fuse_merge": r(default, fuse_merge=True),
+             "generic, fuse_merge": r(DecodeConfig(), fuse_merge=True),
              "key_codes": r(DecodeConfig(), key_codes=True),
              "key_codes, fma_scores": r(DecodeConfig(), key_codes=True, fma_scores=True),
              "key_codes, fma_scores, fma_values": r(DecodeConfig(), key_codes=True, fma_scores=True, fma_values=True),

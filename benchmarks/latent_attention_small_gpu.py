@@ -77,6 +77,14 @@ def configs_b1b(default) -> dict:
             "one pass": r(default, two_pass=False), "one pass, 1 stage": r(default, two_pass=False, num_stages=1)}
 
 
+def configs_fuse(default) -> dict:
+    """The merge fused into the value pass (the last-arriving split merges its row): one launch fewer."""
+    r = dataclasses.replace
+    return {"default": default, "fuse_merge": r(default, fuse_merge=True),
+            "fuse_merge, one pass": r(default, fuse_merge=True, two_pass=False),
+            "fuse_merge, 1 stage, block_n_v 64": r(default, fuse_merge=True, num_stages=1, block_n_v=64)}
+
+
 def configs(default) -> dict:
     r = dataclasses.replace
     return {"default": default, "one pass": r(default, two_pass=False), "min_tiles 2": r(default, min_tiles=2),
@@ -93,7 +101,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="", help="comma-separated contexts (default: --context)")
     ap.add_argument("--heads", default="16:16,32:8")
     ap.add_argument("--ranks", default="256", help="comma-separated latent ranks per KV head")
-    ap.add_argument("--set", default="launch", choices=["launch", "v2", "values", "b1", "b1b"], help="config set: launch configs, or the "
+    ap.add_argument("--set", default="launch", choices=["launch", "v2", "values", "b1", "b1b", "fuse"], help="config set: launch configs, or the "
                     "runtime rank loop / code-domain rebuild variants")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining rows after this long")
     a = ap.parse_args()
@@ -119,7 +127,8 @@ def main() -> None:
         sargs = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
                  args[15], args[16], args[17], args[18])
         default = default_config(heads[0] // heads[1], max(16, 1 << (rank - 1).bit_length()))
-        for name, cfg in {"v2": configs_v2, "values": configs_values, "b1": configs_b1, "b1b": configs_b1b}.get(a.set, configs)(default).items():
+        for name, cfg in {"v2": configs_v2, "values": configs_values, "b1": configs_b1, "b1b": configs_b1b,
+                           "fuse": configs_fuse}.get(a.set, configs)(default).items():
             row = {"heads": f"{heads[0]}:{heads[1]}", "batch": b, "context": a.context, "rank": rank, "config": name,
                    "dense_sdpa_ms": dense_ms}
             try:
@@ -130,8 +139,11 @@ def main() -> None:
                 # (what a compiled decode step runs) as "ms"
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    latent_attention_triton(*args, config=cfg)
+                    graph_out = latent_attention_triton(*args, config=cfg)
                 row["ms"] = bench(graph.replay, warmup=10, rep=30)
+                # the graph's output after every replay above (state left by a call, e.g. the fused merge's
+                # arrival counters, must not change the next one)
+                row["rel_err_after_replays"] = rel_err(graph_out, want)
                 row.update(kernel_stats())
                 if cfg.two_pass:
                     kgraph = torch.cuda.CUDAGraph()

@@ -147,7 +147,9 @@ class DecodeConfig:
     thread of the key pass (ptxas ``.maxnreg``: more programs per SM, spills past it; None: the compiler's choice);
     fma_values_2d: with fma_values and one query head per KV head, the value pass sums the weighted value rows
     elementwise into a (block_n_v, R) fp32 accumulator and reduces its rows once per program, instead of a row sum
-    across threads per tile."""
+    across threads per tile; fuse_merge: the last value-pass program of each (sequence, KV head, query) merges the
+    splits itself (an arrival counter per row, acquire-release atomics) instead of a third launch, the merge
+    kernel (``reduce_split_d`` then has no effect)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -175,6 +177,7 @@ class DecodeConfig:
     key_tiles: int | None = None
     maxnreg: int | None = None
     fma_values_2d: bool = True
+    fuse_merge: bool = False
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
@@ -517,9 +520,11 @@ def _latent_attention_split_kernel(
     # pointers
     q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr,
     m_ptr, l_ptr, acc_ptr, sc_ptr, stride_scr, pt_ptr, stride_ptb,
+    # the fused merge (FUSE_MERGE): arrival counters, exact tokens, value basis, output
+    cnt_ptr, nk_ptr, nv_ptr, bv_ptr, out_ptr,
     # sizes and scalars
     Hkv, S, n_exact, kv_len, tiles_per_split, n_split, qk_scale, G, D, half, rk_max,
-    k_scale_base, k_min_base, v_scale_base, v_min_base,
+    k_scale_base, k_min_base, v_scale_base, v_min_base, rv_max,
     # strides
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_lkb, stride_lks, stride_lkw,
@@ -528,6 +533,10 @@ def _latent_attention_split_kernel(
     stride_cp, stride_cw, stride_sp, stride_sw,
     stride_pb, stride_ps,
     stride_mb, stride_mh, stride_ms, stride_mt,
+    stride_nkb, stride_nkh, stride_nks, stride_nkd,
+    stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+    stride_bvb, stride_bvh, stride_bvd, stride_bvr,
+    stride_ob, stride_oh, stride_os, stride_od,
     # meta-parameters
     G_PAD: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr,
     ROPE: tl.constexpr, RK_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -540,7 +549,9 @@ def _latent_attention_split_kernel(
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, P_BF16: tl.constexpr,
     PHASE: tl.constexpr, FMA_VALUES: tl.constexpr = False, KEY_FP16: tl.constexpr = False,
     KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False, PAGE: tl.constexpr = 0,
-    R_LOOP: tl.constexpr = False, FMA_VALUES_2D: tl.constexpr = True,
+    R_LOOP: tl.constexpr = False, FMA_VALUES_2D: tl.constexpr = True, FUSE_MERGE: tl.constexpr = False,
+    D_PAD: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16, BV_EXACT: tl.constexpr = False, NB: tl.constexpr = 16,
+    MERGE_G_PAD: tl.constexpr = 16,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -556,7 +567,15 @@ def _latent_attention_split_kernel(
     program: PHASE 1 only rebuilds keys and stores the tile's scores (log2 units, masked and the exact tokens'
     slots at -inf) into the workspace ``sc`` (rows*G, stride_scr) fp32; PHASE 2 reads them back and only runs the
     online softmax and the value-latent product. The scores cost 4*G bytes per slot and KV head of extra traffic
-    (about 3% of an int8 rank-256 latent row)."""
+    (about 3% of an int8 rank-256 latent row).
+
+    FUSE_MERGE (PHASE 0 or 2): the program that stores a row's last partial also merges the row
+    (:func:`_merge_row`, every D slice) instead of a separate ``_latent_attention_reduce_kernel`` launch: each
+    program counts its arrival in ``cnt`` (B*Hkv*S,) int32 with an acquire-release atomic after its partial
+    stores (the CUDA threadFenceReduction pattern); the last arrival (count n_split - 1) resets the counter and
+    reads the partials through L2 (in MERGE_G_PAD rows: at least 16, the tensor cores' M). The counters must be 0
+    at launch: PHASE 1 of the same call zeroes them (split
+    c == 0), otherwise the launcher does. Shapes of new_k / new_v / basis_v / out: as for the merge kernel."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     s = tl.program_id(2)
@@ -675,13 +694,32 @@ def _latent_attention_split_kernel(
 
     if VALUES_2D:
         acc = tl.sum(acc2, axis=0)[None, :]
-    if PHASE != 1:
+    if PHASE == 1:
+        if FUSE_MERGE:  # the value pass's arrival counters start at 0 (stream order: it runs after this launch)
+            if c == 0:
+                tl.store(cnt_ptr + bh * S + s, 0)
+    else:
         row = (bh * S + s) * n_split + c
         g = tl.arange(0, G_PAD)
         tl.store(m_ptr + row * G + g, m_i, mask=head_ok)
         tl.store(l_ptr + row * G + g, l_i, mask=head_ok)
         rv = tl.arange(0, RV_PAD)
         tl.store(acc_ptr + (row * G + g)[:, None] * RV_PAD + rv[None, :], acc, mask=head_ok[:, None])
+        if FUSE_MERGE:
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            arrived = tl.atomic_add(cnt_ptr + bh * S + s, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_split - 1:  # the last split of this row: merge it here
+                tl.atomic_xchg(cnt_ptr + bh * S + s, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                _merge_row(bh, s, 0,
+                           q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+                           Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
+                           stride_qb, stride_qh, stride_qs, stride_qd,
+                           stride_nkb, stride_nkh, stride_nks, stride_nkd,
+                           stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+                           stride_bvb, stride_bvh, stride_bvd, stride_bvr,
+                           stride_mb, stride_mh, stride_ms, stride_mt,
+                           stride_ob, stride_oh, stride_os, stride_od,
+                           MERGE_G_PAD, D_PAD, RV_PAD, BLOCK_D, MASK, BV_EXACT, F32_DOT, NB, False, True)
 
 
 @triton.jit
@@ -845,6 +883,92 @@ def _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_s
 
 
 @triton.jit
+def _merge_row(
+    bh, s, pid_d,
+    q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+    Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_nkb, stride_nkh, stride_nks, stride_nkd,
+    stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+    stride_bvb, stride_bvh, stride_bvd, stride_bvr,
+    stride_mb, stride_mh, stride_ms, stride_mt,
+    stride_ob, stride_oh, stride_os, stride_od,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr,
+    SPLIT_D: tl.constexpr, PARTS_CG: tl.constexpr,
+):
+    """Merge the splits of row (sequence ``bh // Hkv``, KV head ``bh % Hkv``, query token ``s``), add the exact
+    tokens, project, normalise, store (D slice ``pid_d`` when SPLIT_D, else every slice). PARTS_CG: read the
+    partials through L2 only (``.cg``), as the fused merge must: they were written by other programs of the same
+    launch, and this SM's L1 may hold the same workspace addresses from an earlier call."""
+    b = bh // Hkv
+    h = bh % Hkv
+    g = tl.arange(0, G_PAD)
+    head_ok = g < G
+    heads = h * G + g
+    d = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + (heads * stride_qh)[:, None]
+                + (d * stride_qd)[None, :], mask=head_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    nk_head = nk_ptr + b.to(tl.int64) * stride_nkb + h * stride_nkh
+    nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
+    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh
+    row0 = (bh * S + s) * n_split
+    m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
+    for c in range(0, n_split):
+        if PARTS_CG:
+            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+        else:
+            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"))
+        m_all = tl.maximum(m_all, m_c)
+    for j0 in range(0, n_exact, NB):
+        sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
+                           stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
+        m_all = tl.maximum(m_all, tl.max(sc, axis=1))
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.zeros((G_PAD,), tl.float32)
+    rv = tl.arange(0, RV_PAD)
+    acc = tl.zeros((G_PAD, RV_PAD), tl.float32)
+    for c in range(0, n_split):
+        part_ptrs = acc_ptr + ((row0 + c) * G + g)[:, None] * RV_PAD + rv[None, :]
+        if PARTS_CG:
+            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+            l_c = tl.load(l_ptr + (row0 + c) * G + g, mask=head_ok, other=0.0, cache_modifier=".cg")
+            part = tl.load(part_ptrs, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"))
+            l_c = tl.load(l_ptr + (row0 + c) * G + g, mask=head_ok, other=0.0)
+            part = tl.load(part_ptrs, mask=head_ok[:, None], other=0.0)
+        w = tl.exp2(m_c - m_use)
+        l_all += w * l_c
+        acc += w[:, None] * part
+    for j0 in range(0, n_exact, NB):
+        sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
+                           stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
+        l_all += tl.sum(tl.exp2(sc - m_use[:, None]), axis=1)
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    out_row = out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + heads * stride_oh
+    bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
+    for d0 in tl.static_range(0, BLOCK_D if SPLIT_D else D_PAD, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        if SPLIT_D:
+            dd += pid_d * BLOCK_D
+        pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
+                     mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+        o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
+        for j0 in range(0, n_exact, NB):
+            sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
+                               stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
+            p = tl.exp2(sc - m_use[:, None])
+            j = j0 + tl.arange(0, NB)
+            used = tl.load(slots_ptr + j, mask=j < n_exact, other=-1) >= 0  # unused entries: never read
+            v = tl.load(nv_head + j[:, None] * stride_nvs + (dd * stride_nvd)[None, :],
+                        mask=used[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+            o = _dot_split(p, v, o, False, False, F32_DOT)
+        tl.store(out_row[:, None] + (dd * stride_od)[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & (dd < D)[None, :])
+
+
+@triton.jit
 def _latent_attention_reduce_kernel(
     # pointers
     q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
@@ -862,7 +986,8 @@ def _latent_attention_reduce_kernel(
     MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr,
     SPLIT_D: tl.constexpr = False,
 ):
-    """Merge the splits of one (sequence, KV head, query token), add the exact tokens, project, normalise.
+    """Merge the splits of one (sequence, KV head, query token), add the exact tokens, project, normalise
+    (:func:`_merge_row`).
 
     Shapes: new_k / new_v (B, Hkv, n_exact, D) at slots (n_exact,) (-1: unused entry); basis_v (Hkv, D, Rv_max);
     out (B, H, S, D) q.dtype; the rest as in ``_latent_attention_split_kernel``. The exact tokens are taken NB at a
@@ -871,62 +996,16 @@ def _latent_attention_reduce_kernel(
     the splits and projects one BLOCK_D slice of the output (more programs at small batch; the merge is repeated
     per slice); otherwise one program per (sequence, KV head, query token) projects every slice.
     """
-    bh = tl.program_id(0)
-    s = tl.program_id(1)
-    b = bh // Hkv
-    h = bh % Hkv
-    g = tl.arange(0, G_PAD)
-    head_ok = g < G
-    heads = h * G + g
-    d = tl.arange(0, D_PAD)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + (heads * stride_qh)[:, None]
-                + (d * stride_qd)[None, :], mask=head_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-    nk_head = nk_ptr + b.to(tl.int64) * stride_nkb + h * stride_nkh
-    nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
-    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh
-    row0 = (bh * S + s) * n_split
-    m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
-    for c in range(0, n_split):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf")))
-    for j0 in range(0, n_exact, NB):
-        sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
-                           stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
-        m_all = tl.maximum(m_all, tl.max(sc, axis=1))
-    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
-    l_all = tl.zeros((G_PAD,), tl.float32)
-    rv = tl.arange(0, RV_PAD)
-    acc = tl.zeros((G_PAD, RV_PAD), tl.float32)
-    for c in range(0, n_split):
-        w = tl.exp2(tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf")) - m_use)
-        l_all += w * tl.load(l_ptr + (row0 + c) * G + g, mask=head_ok, other=0.0)
-        part = tl.load(acc_ptr + ((row0 + c) * G + g)[:, None] * RV_PAD + rv[None, :], mask=head_ok[:, None],
-                       other=0.0)
-        acc += w[:, None] * part
-    for j0 in range(0, n_exact, NB):
-        sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
-                           stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
-        l_all += tl.sum(tl.exp2(sc - m_use[:, None]), axis=1)
-    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
-    out_row = out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + heads * stride_oh
-    bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
-    for d0 in tl.static_range(0, BLOCK_D if SPLIT_D else D_PAD, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        if SPLIT_D:
-            dd += tl.program_id(2) * BLOCK_D
-        pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
-                     mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
-        o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
-        for j0 in range(0, n_exact, NB):
-            sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
-                               stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
-            p = tl.exp2(sc - m_use[:, None])
-            j = j0 + tl.arange(0, NB)
-            used = tl.load(slots_ptr + j, mask=j < n_exact, other=-1) >= 0  # unused entries: never read
-            v = tl.load(nv_head + j[:, None] * stride_nvs + (dd * stride_nvd)[None, :],
-                        mask=used[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
-            o = _dot_split(p, v, o, False, False, F32_DOT)
-        tl.store(out_row[:, None] + (dd * stride_od)[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=head_ok[:, None] & (dd < D)[None, :])
+    _merge_row(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+               q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+               Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
+               stride_qb, stride_qh, stride_qs, stride_qd,
+               stride_nkb, stride_nkh, stride_nks, stride_nkd,
+               stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+               stride_bvb, stride_bvh, stride_bvd, stride_bvr,
+               stride_mb, stride_mh, stride_ms, stride_mt,
+               stride_ob, stride_oh, stride_os, stride_od,
+               G_PAD, D_PAD, RV_PAD, BLOCK_D, MASK, BV_EXACT, F32_DOT, NB, SPLIT_D, False)
 
 
 # ------------------------------------------------------------------------------------------------ launcher
@@ -1344,6 +1423,19 @@ def _launch(
     # next_pow2(G) rows, not the 16 a dot needs (G = 1: 16x fewer registers for the scores and the value latent)
     fma_k, fma_v = common["FMA_SCORES"], common["FMA_VALUES"]
     g_small = _np2(g, 1)
+    d_pad, block_d = _np2(d), min(32, _np2(d))
+    nb = 16 if n_exact <= 16 else 32
+    bv_exact = basis_v_block.dtype in BASIS_BF16_EXACT
+    # the fused merge (cfg.fuse_merge): arrival counters zeroed by this call's key pass, or here without one
+    fuse = cfg.fuse_merge and mode != "scores"
+    if fuse:
+        zeroed_by_key_pass = cfg.two_pass and mode != "from_scores"
+        cnt = (torch.empty if zeroed_by_key_pass else torch.zeros)(rows, dtype=torch.int32, device=q.device)
+    else:
+        cnt = m_ws  # never read
+    merge_args = (cnt, new_k, new_v, basis_v_block, out)
+    merge_strides = (*new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *out.stride())
+    common.update(FUSE_MERGE=fuse, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad)
     _LAST_LAUNCH.clear()
     if cfg.two_pass and mode != "from_scores":
         if cfg.key_tiles:
@@ -1353,28 +1445,29 @@ def _launch(
             k_split, k_per = splits(cfg.block_n)
         _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
-            m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride,
-            hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+            m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,
+            hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb, rv_max,
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
-            *mstrides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
+            *mstrides, *merge_strides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
             **dict(common, G_PAD=g_small if fma_k else g_pad), **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
         q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
-        m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride,
+        m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,
         hkv, s, n_exact, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+        rv_max,
         *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
-        *mstrides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one, PHASE=2 if cfg.two_pass else 0,
+        *mstrides, *merge_strides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one,
+        PHASE=2 if cfg.two_pass else 0,
         num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
         **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad))
-    d_pad, block_d = _np2(d), min(32, _np2(d))
-    _latent_attention_reduce_kernel[(b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](
-        q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
-        hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
-        *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
-        G_PAD=g_pad, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d, SPLIT_D=cfg.reduce_split_d,
-        MASK=mask_kind, BV_EXACT=basis_v_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4,
-        NB=16 if n_exact <= 16 else 32,
-    )
+    if not fuse:
+        _latent_attention_reduce_kernel[(b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](
+            q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
+            hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
+            *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
+            G_PAD=g_pad, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d, SPLIT_D=cfg.reduce_split_d,
+            MASK=mask_kind, BV_EXACT=bv_exact, F32_DOT=f32_dot, num_warps=4, NB=nb,
+        )
     return out.to(q.dtype)

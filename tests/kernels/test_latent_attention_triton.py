@@ -202,7 +202,7 @@ def _check_property(n_examples: int) -> None:
                            two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32))),
                            reduce_split_d=draw(st.booleans()), r_loop=draw(st.booleans()),
                            key_tiles=draw(st.sampled_from((None, 1, 2))), fma_values=draw(st.booleans()),
-                           fma_values_2d=draw(st.booleans()))
+                           fma_values_2d=draw(st.booleans()), fuse_merge=draw(st.booleans()))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -240,6 +240,16 @@ def _check_fixed() -> None:
         _check(dict(base, rk=[12, 5], rv=[7, 9], s=1, win=8, unused=8, mask="add"), wcfg)  # only -1 besides one
     _check(dict(base, rk=[12, 5], rv=[7, 9], online=True, mask="bool", mask_shape="b1sk"), cfg)  # online bases
     _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
+    # the merge fused into the value pass (last-arriving split merges): two-pass (counters zeroed by the key pass)
+    # and one-pass (zeroed by the launcher), with window tokens, D = 64 (two 32-channel slices), every row masked;
+    # a second call on the same workspace sizes checks that the counters were left at 0
+    fused = dataclasses.replace(cfg, fuse_merge=True)
+    for fcfg in (fused, dataclasses.replace(fused, two_pass=False)):
+        for fcase in (dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
+                      dict(base, rk=[12, 5], rv=[7, 9], s=1, win=17, unused=4, mask="bool", mask_shape="b1sk"),
+                      dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2)):
+            _check(fcase, fcfg)
+            _check(fcase, fcfg)
     _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
                 mask="add"), DecodeConfig(block_n=16, block_r=16, num_warps=1))  # chunked prefill, 2 R chunks
     # the two halves as separate launches (the ops ckvp::latent_scores / ckvp::latent_attention_from_scores)
@@ -259,6 +269,9 @@ def _check_fixed() -> None:
         out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf, config=cfg)
         want = ref.latent_attention_from_scores_ref(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf)
         assert float((out - want).norm() / want.norm()) <= TOL
+        out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf,
+                                                  config=dataclasses.replace(cfg, fuse_merge=True))
+        assert float((out - want).norm() / want.norm()) <= TOL  # fused merge, counters zeroed by the launcher
     # a long prefill whose two-pass scores would exceed MAX_SCORES_BYTES runs the one-pass kernel
     from ckvp_compile.kernels import latent_attention_triton as lat_mod
 
