@@ -149,7 +149,9 @@ class DecodeConfig:
     elementwise into a (block_n_v, R) fp32 accumulator and reduces its rows once per program, instead of a row sum
     across threads per tile; fuse_merge: the last value-pass program of each (sequence, KV head, query) merges the
     splits itself (an arrival counter per row, acquire-release atomics) instead of a third launch, the merge
-    kernel (``reduce_split_d`` then has no effect)."""
+    kernel (``reduce_split_d`` then has no effect). Off: correct on the H200, but the merge code doubles the value
+    pass's registers (96 -> 214 at G = 1), which costs more than the launch it saves (0.055 -> 0.061 ms per call at
+    16:16, batch 1, 4k; Qwen1.5-MoE step 4.75 -> 4.95 ms; benchmarks/results/2026-11-30-fused-merge-h200)."""
 
     block_n: int = 64
     block_r: int = 64
