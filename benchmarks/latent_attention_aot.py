@@ -137,7 +137,8 @@ def main() -> int:
     ap.add_argument("--format", default="int4/32:256")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--context", type=int, default=1024, help="slots (the shapes' sizes do not change the code)")
-    ap.add_argument("--configs", default="default;generic", help="names separated by ;")
+    ap.add_argument("--configs", default="default;generic",
+                    help='names separated by ;, each optionally NAME+{JSON DecodeConfig fields}, e.g. default+{"block_n": 32}')
     ap.add_argument("--keep", default=None, help="write each kernel's TTGIR and PTX here")
     ap.add_argument("--fp8-bases", action="store_true", help="bases in float8_e4m3fn (as the store's basis_dtype)")
     ap.add_argument("--page", type=int, default=0, help="paged latents: pools of pages of this many slots and a "
@@ -200,7 +201,8 @@ def main() -> int:
                                                           num_warps=8)}
     out = []
     for name in a.configs.split(";"):
-        cfg = named[name]
+        base, plus, extra = name.partition("+")  # NAME+{"field": value, ...}: a named config with fields replaced
+        cfg = r(named[base], **json.loads(extra)) if plus else named[name]
         for row in compile_call(args, cfg, a.keep, re.sub(r"\W+", "_", name), table):
             row["config"] = name
             out.append(row)
