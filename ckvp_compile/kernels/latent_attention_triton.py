@@ -574,8 +574,8 @@ def _latent_attention_split_kernel(
     FUSE_MERGE (PHASE 0 or 2): the program that stores a row's last partial also merges the row
     (:func:`_merge_row`, every D slice) instead of a separate ``_latent_attention_reduce_kernel`` launch: each
     program counts its arrival in ``cnt`` (B*Hkv*S,) int32 with an acquire-release atomic after its partial
-    stores (the CUDA threadFenceReduction pattern); the last arrival (count n_split - 1) resets the counter and
-    reads the partials through L2 (in MERGE_G_PAD rows: at least 16, the tensor cores' M). The counters must be 0
+    stores (the CUDA threadFenceReduction pattern); the last arrival (count n_split - 1) reads the partials
+    through L2 (in MERGE_G_PAD rows: at least 16, the tensor cores' M). The counters must be 0
     at launch: PHASE 1 of the same call zeroes them (split
     c == 0), otherwise the launcher does. Shapes of new_k / new_v / basis_v / out: as for the merge kernel."""
     c = tl.program_id(0)
@@ -711,7 +711,6 @@ def _latent_attention_split_kernel(
             tl.debug_barrier()  # every thread's partial stores precede the release below
             arrived = tl.atomic_add(cnt_ptr + bh * S + s, 1, sem="acq_rel", scope="gpu")
             if arrived == n_split - 1:  # the last split of this row: merge it here
-                tl.atomic_xchg(cnt_ptr + bh * S + s, 0, sem="relaxed", scope="gpu")  # ready for the next call
                 _merge_row(bh, s, 0,
                            q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
                            Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
@@ -1437,7 +1436,8 @@ def _launch(
         cnt = m_ws  # never read
     merge_args = (cnt, new_k, new_v, basis_v_block, out)
     merge_strides = (*new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *out.stride())
-    common.update(FUSE_MERGE=fuse, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad)
+    if fuse:  # the merge's meta-parameters only where it runs (no extra specialisations of the default kernel)
+        common.update(FUSE_MERGE=True, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad)
     _LAST_LAUNCH.clear()
     if cfg.two_pass and mode != "from_scores":
         if cfg.key_tiles:

@@ -372,8 +372,9 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
             break
         too_much = budget
         # the plan moves in whole blocks, so a shrink by the byte excess alone can leave it unchanged: the margin
-        # doubles with each miss (0.1%, 0.2%, 0.4%, ...); the bisection below gives back what it overshoots
-        budget *= dense / held / kv_ratio * (1 - 0.001 * 2**i)
+        # doubles with each miss (0.1%, 0.2%, 0.4%, ..., at most 50%); the bisection below gives back what it
+        # overshoots
+        budget *= dense / held / kv_ratio * (1 - min(0.001 * 2**i, 0.5))
     else:
         raise CKVPConfigError(f"could not plan a byte ratio of {kv_ratio:g} (last {dense / held:.3f})")
     # the planner's cost spreads the bases over the heads; the store pads them to each group's largest rank, so a

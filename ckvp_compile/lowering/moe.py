@@ -333,7 +333,7 @@ def tuned_moe_gate_up(hidden, sorted_ids, tile_expert, w_gate, w_up, top_k: int,
     configs = template_configs("gate_up", block_m, hidden.get_dtype().itemsize)
     if mode != "autotune":
         configs = [default_template_config(configs, block_m, t * top_k, num_experts, int(n),
-                                           _sm_count(layout.device))]
+                                           _sm_count(layout.device))] if configs else []
     choices: list[Any] = []
     for c in configs:
         gate_up_template.maybe_append_choice(
@@ -366,7 +366,8 @@ def tuned_moe_down(act, sorted_ids, tile_expert, w_down, topk_weights, block_m: 
     p_pad = sizes[3]
     configs = template_configs("down", block_m, act.get_dtype().itemsize)
     if mode != "autotune":
-        configs = [default_template_config(configs, block_m, t * top_k, num_experts, dm, _sm_count(layout.device))]
+        configs = [default_template_config(configs, block_m, t * top_k, num_experts, int(dm),
+                                           _sm_count(layout.device))] if configs else []
     choices: list[Any] = []
     for c in configs:
         down_template.maybe_append_choice(
