@@ -31,6 +31,13 @@ __all__ = ["main"]
 _SUBCOMMANDS = {"fidelity": "ckvp_compile.bench.fidelity", "decode": "ckvp_compile.bench.decode",
                 "offload": "ckvp_compile.bench.offload", "moe": "ckvp_compile.bench.moe",
                 "attention": "ckvp_compile.bench.attention"}
+#: One line per subcommand for ``ckvp-bench --help`` (the module docstring has the longer form).
+_SUMMARY = {"fidelity": "perplexity, top-1 agreement and KL of the latent KV cache against the dense model",
+            "decode": "end-to-end decode steps (Mixtral / Qwen-MoE shapes, fixture agreement); --report writes "
+                      "BENCHMARKS.md",
+            "offload": "expert offload: prefetch vs on-demand vs all-resident, next-layer prediction recall",
+            "moe": "one MoE layer: ckvp grouped GEMMs vs Inductor and HF implementations (CUDA)",
+            "attention": "one layer's fused latent decode attention vs dense SDPA / FlexAttention (CUDA)"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,10 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import importlib
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] not in _SUBCOMMANDS:
-        bad = f"ckvp-bench: error: unknown subcommand {args[0]!r}\n" if args and args[0] not in ("-h", "--help") else ""
-        sys.stderr.write(bad + "usage: ckvp-bench {" + ",".join(_SUBCOMMANDS) + "} [args]  (ckvp-bench fidelity --help)\n")
-        return 0 if args and args[0] in ("-h", "--help") else 2
+    usage = "usage: ckvp-bench {" + ",".join(_SUBCOMMANDS) + "} [args]  (ckvp-bench SUBCOMMAND --help)\n"
+    if args and args[0] in ("-h", "--help"):
+        sys.stdout.write(usage + "\nsubcommands:\n" + "".join(f"  {name:<10} {what}\n" for name, what in _SUMMARY.items()))
+        return 0
+    if not args or args[0] not in _SUBCOMMANDS:
+        bad = f"ckvp-bench: error: unknown subcommand {args[0]!r}\n" if args else ""
+        sys.stderr.write(bad + usage)
+        return 2
     return importlib.import_module(_SUBCOMMANDS[args[0]]).main(args[1:])
 
 

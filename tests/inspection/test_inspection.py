@@ -156,7 +156,7 @@ def test_cli_bad_option(tmp_path):
         (["--options", '{"inductor": {"max_autotune": 1}}'], "must be a bool"),
         (["--compiler", "tvm"], "invalid choice"),
         (["--html", "/no/such/dir/out.html"], "does not exist"),
-        (["--prompt-len", "64"], "--max-cache-len"),
+        (["--prompt-len", "128"], "--max-cache-len"),
     ],
 )
 def test_cli_usage_errors_in_process(args, needle, capsys):
@@ -473,10 +473,10 @@ def test_cli_kv_ratio_shows_the_latent_plan(tiny_latent, tmp_path, capsys):
            "call's tokens only" in text
 
     # the bytes are what a store of these bases holds (nbytes()), per token and in total
-    store = LatentKVStore(bases, 1, 64, "cpu", torch.float32)
+    store = LatentKVStore(bases, 1, 128, "cpu", torch.float32)  # ckvp-inspect's default --max-cache-len
     store.ensure_rope_tables(bases.head_dim)  # (S_max, D) cos and sin, allocated by the rewrite (rotate-half)
     nb = store.nbytes()
-    per_token = nb.per_sequence_state // 64
+    per_token = nb.per_sequence_state // 128
     assert f"KV bytes/token per sequence: dense 1024 -> latent {per_token} " in text  # 4 L * 2 Hkv * 16 D * 2 * 4 B
     assert (f"latents {nb.latent} + slot positions {nb.slot_positions} = {nb.per_sequence_state} B per-sequence "
             f"state vs dense {nb.dense_equivalent} B: ratio {nb.ratio:.2f}x; bases {nb.bases} B") in text
