@@ -575,9 +575,9 @@ def _latent_attention_split_kernel(
     (:func:`_merge_row`, every D slice) instead of a separate ``_latent_attention_reduce_kernel`` launch: each
     program counts its arrival in ``cnt`` (B*Hkv*S,) int32 with an acquire-release atomic after its partial
     stores (the CUDA threadFenceReduction pattern); the last arrival (count n_split - 1) reads the partials
-    through L2 (in MERGE_G_PAD rows: at least 16, the tensor cores' M). The counters must be 0
-    at launch: PHASE 1 of the same call zeroes them (split
-    c == 0), otherwise the launcher does. Shapes of new_k / new_v / basis_v / out: as for the merge kernel."""
+    through L2 (in MERGE_G_PAD rows: at least 16, the tensor cores' M). The counters are fresh per call and must
+    be 0 at launch: PHASE 1 of the same call zeroes them (split c == 0), otherwise the launcher does (torch.zeros).
+    Shapes of new_k / new_v / basis_v / out: as for the merge kernel."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     s = tl.program_id(2)
