@@ -53,9 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "graph without code generation)")
     p.add_argument("--no-decode", action="store_true", help="compile the prefill only, no decode step")
     p.add_argument("--full", action="store_true", help="print whole diffs (default: the first 40 lines each)")
-    p.add_argument("--max-cache-len", type=int, default=128,
-                   help="static cache length (default 128; a length equal to the head dim keeps the unfused attention, "
-                        "whose layout check cannot tell the two axes apart)")
+    p.add_argument("--max-cache-len", type=int, default=128, help="static cache length (default 128)")
     p.add_argument("--prompt-len", type=int, default=8, help="prefill length in tokens (default 8)")
     p.add_argument("--traceback", action="store_true", help="show the traceback when compiling fails")
     lat = p.add_argument_group("latent KV cache (inspect the CKVP rewrite itself)")

@@ -422,8 +422,7 @@ def inspect_model(
         options: :class:`CKVPConfig` fields as a dict (``compiler`` defaults to 'aot_eager' here, which records
             the post-grad ATen graph without code generation), or a ready :class:`CKVPConfig`.
         decode: also run (and report) one decode step after the prefill.
-        max_cache_len: static cache length S_max (default 128; one equal to the head dim keeps the unfused
-            attention: the rewrite's layout check cannot tell the two axes apart). prompt_len: prefill length S.
+        max_cache_len: static cache length S_max (default 128). prompt_len: prefill length S.
         extra_passes: extra :class:`CKVPPass` objects to run after the planned ones (tests, experiments).
         dynamic: ``torch.compile``'s ``dynamic``. The default ``False`` compiles prefill and decode each for
             its own shapes, as static-cache decoding does; ``None`` lets Dynamo mark the sequence length

@@ -307,6 +307,7 @@ def _layout_chain(start: fx.Node, end: fx.Node) -> list[fx.Node] | None:
 
 
 _PROBE_SLOTS = 8  # the probe's slot count: the layout chain is replayed with S_max shrunk to this
+_FULL_PROBE_NUMEL = 1 << 22  # the largest unshrunk probe (float64 elements) when S_max equals another dim
 
 
 def _replay(chain: list[fx.Node], x: torch.Tensor, prev: fx.Node, s_max: int, s_probe: int) -> torch.Tensor:
@@ -359,12 +360,16 @@ def _is_gqa_view(chain: list[fx.Node], start: fx.Node, shape: tuple[int, ...], n
 
     Conservative: a chain whose constants could mean something else after shrinking (S_max equal to another
     dim, a slice bound beyond the probe's slots, or an int between s and S_max that is no known dim) is refused
-    rather than guessed."""
+    rather than guessed. Where S_max equals another dim (e.g. a cache as long as the head dim) the probe keeps
+    all S_max slots instead, when that is at most :data:`_FULL_PROBE_NUMEL` elements: nothing is shrunk, so no
+    constant needs reinterpreting, and the probe's distinct values still tell the slot axis from the other."""
     b, hkv, s_max, d = shape
     s_probe = min(s_max, _PROBE_SLOTS)
+    dims = {b, hkv, num_heads, d, num_heads // max(hkv, 1), b * num_heads, b * hkv}
+    if s_probe < s_max and s_max in dims and b * hkv * s_max * d <= _FULL_PROBE_NUMEL:
+        s_probe = s_max
     if s_probe < s_max:
         ints, bounds = _chain_ints(chain)
-        dims = {b, hkv, num_heads, d, num_heads // max(hkv, 1), b * num_heads, b * hkv}
         if (s_max in dims or any(s_probe < abs(v) < s_max or abs(v) > s_max for v in bounds)
                 or any(s_probe < abs(v) < s_max and abs(v) not in dims for v in ints)):
             return None

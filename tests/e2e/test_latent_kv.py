@@ -216,6 +216,22 @@ def test_attention_over_the_latent_is_fused_where_understood(attn):
             assert "not one SDPA call" in ops["notes"][0][1]
 
 
+def test_a_cache_as_long_as_the_head_dim_is_still_fused():
+    """S_max equal to the head dim (32): the layout check cannot shrink the slots (a constant 32 could be either
+    axis), so it replays the chain on all 32 slots; SDPA still becomes ckvp.latent_attention, and the logits
+    match eager."""
+    model = build_hf_moe("qwen3_moe", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=CACHE)
+    bases = calibrate(model, calib_samples(), group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    rec = CompileRecorder()
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
+    assert_close_all(eager, latent)
+    for ops in _latent_graph_ops(rec).values():
+        assert (ops["latent_attention"], ops["latent_reconstruct"], ops["sdpa"]) == (2, 0, 0), ops
+
+
 @pytest.mark.parametrize("family", ["mixtral", "olmoe"])
 def test_online_bases_full_rank_equal_dense(family):
     """Online bases (fitted from each prompt at prefill): at full rank the per-sequence basis is a complete
