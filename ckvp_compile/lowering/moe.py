@@ -205,6 +205,10 @@ def default_template_config(configs: list[gg.GemmConfig], route_m: int, num_pair
             expert FFN width for gate/up, the model width for down); sms: the device's streaming multiprocessors.
     Returns:
         One of ``configs``.
+    Raises:
+        ValueError: ``configs`` is empty (the lowerings pass only non-empty lists).
+    Source: a wave-quantisation heuristic measured on the H200 (neutral at Qwen1.5-MoE's batch-1 step, 4.79 ->
+    4.77 ms: benchmarks/results/2026-11-30-decode-e2e-h200, moe-default-config).
     """
     def programs(c: gg.GemmConfig) -> int:
         m_tiles = max(min(num_experts, num_pairs), -(-num_pairs // c.rows(route_m)))

@@ -192,12 +192,9 @@ def _latent_graph_ops(rec):
     return ops
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_attention_over_the_latent_is_fused_where_understood(attn):
-    """SDPA over the rebuilt caches becomes ckvp.latent_attention (values absorbed) in every layer; a
-    hand-written softmax(QK^T)V keeps reconstruct-then-attention, says why, and is still exact at full rank."""
-    model = build_hf_moe("qwen3_moe", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-                         attn_implementation=attn)
+def _full_rank_latent_ops(model) -> dict:
+    """Decode ``model`` with full-rank bases through the latent cache, check the logits against eager, and return
+    each compiled graph's latent ops (:func:`_latent_graph_ops`)."""
     bases = calibrate(model, calib_samples(), group_size=2, kv_ratio=1.0, progress=False)
     ids = torch.randint(0, 256, (2, PROMPT))
     eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
@@ -205,7 +202,16 @@ def test_attention_over_the_latent_is_fused_where_understood(attn):
     cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
     latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
     assert_close_all(eager, latent)
-    for ops in _latent_graph_ops(rec).values():
+    return _latent_graph_ops(rec)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_attention_over_the_latent_is_fused_where_understood(attn):
+    """SDPA over the rebuilt caches becomes ckvp.latent_attention (values absorbed) in every layer; a
+    hand-written softmax(QK^T)V keeps reconstruct-then-attention, says why, and is still exact at full rank."""
+    model = build_hf_moe("qwen3_moe", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                         attn_implementation=attn)
+    for ops in _full_rank_latent_ops(model).values():
         assert ops["latent_append"] == 4  # K and V of 2 groups
         if attn == "sdpa":
             assert (ops["latent_attention"], ops["latent_reconstruct"], ops["sdpa"]) == (3, 0, 0), ops
@@ -221,14 +227,7 @@ def test_a_cache_as_long_as_the_head_dim_is_still_fused():
     axis), so it replays the chain on all 32 slots; SDPA still becomes ckvp.latent_attention, and the logits
     match eager."""
     model = build_hf_moe("qwen3_moe", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=CACHE)
-    bases = calibrate(model, calib_samples(), group_size=2, kv_ratio=1.0, progress=False)
-    ids = torch.randint(0, 256, (2, PROMPT))
-    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
-    rec = CompileRecorder()
-    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
-    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
-    assert_close_all(eager, latent)
-    for ops in _latent_graph_ops(rec).values():
+    for ops in _full_rank_latent_ops(model).values():
         assert (ops["latent_attention"], ops["latent_reconstruct"], ops["sdpa"]) == (2, 0, 0), ops
 
 
