@@ -254,7 +254,9 @@ def launch_shape(config, b: int, h: int, hkv: int, kv_len: int, s: int = 1) -> d
     if config.split is not None:
         n = max(1, min(config.split, n_tiles))
     else:
-        n = max(1, min(config.target_programs // (b * hkv * s), n_tiles // max(config.min_tiles, 1)))
+        target = ((getattr(config, "target_programs_v", None) or config.target_programs) if two_pass
+                  else config.target_programs)
+        n = max(1, min(target // (b * hkv * s), n_tiles // max(config.min_tiles, 1)))
     per = -(-n_tiles // n)
     return {"two_pass": two_pass, "n_split": -(-n_tiles // per)}
 

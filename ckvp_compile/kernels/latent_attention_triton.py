@@ -100,6 +100,9 @@ _BASIS_DTYPES = _FLOATS + BASIS_BF16_EXACT[1:]
 FP8_BASES_GPU_CHECKED = True
 MIX_GPU_CHECKED = True
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
+#: MAX_ROTATED_RANK: widest padded key rank DecodeConfig.rotate_basis applies to (its four (rank, D/2)
+#: coefficient blocks stay on chip across the tile loop).
+MAX_ROTATED_RANK = 64
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
 MAX_GROUP = 64
@@ -151,7 +154,16 @@ class DecodeConfig:
     splits itself (an arrival counter per row, acquire-release atomics) instead of a third launch, the merge
     kernel (``reduce_split_d`` then has no effect). Off: correct on the H200, but the merge code doubles the value
     pass's registers (96 -> 214 at G = 1), which costs more than the launch it saves (0.055 -> 0.061 ms per call at
-    16:16, batch 1, 4k; Qwen1.5-MoE step 4.75 -> 4.95 ms; benchmarks/results/2026-11-30-fused-merge-h200)."""
+    16:16, batch 1, 4k; Qwen1.5-MoE step 4.75 -> 4.95 ms; benchmarks/results/2026-11-30-fused-merge-h200);
+    target_programs_v: the value pass's own ``target_programs`` (two-pass form; None: ``target_programs``). Its
+    programs hold few registers (40 at G = 1), so many more of them fit on an SM than of the key pass's: at
+    ``target_programs`` = 264 a batch-8, 16-KV-head call ran 256 value programs, 0.16 waves (H200 Nsight Compute,
+    benchmarks/results/2026-11-30-small-rank-h200); rotate_basis: with one query head per KV head and the basis
+    hoisted, score slots without rebuilding keys: the query is folded into the basis once per program and the
+    RoPE tables multiply those coefficients on the tensor cores (``_tile_scores_rotated``), so the CUDA cores do
+    rank, not head_dim, multiply-adds per slot (H200, batch 8, 32k, int4/32: rank 32 1.22 -> 0.92 ms, 0.77 with
+    paired tables; rank 64 1.44 -> 1.51, so the default enables it up to rank 32; needs ``fma_scores``, padded rank
+    <= :data:`MAX_ROTATED_RANK`, dequantized, non-mix latents, else ignored)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -180,6 +192,8 @@ class DecodeConfig:
     maxnreg: int | None = None
     fma_values_2d: bool = True
     fuse_merge: bool = False
+    target_programs_v: int | None = None
+    rotate_basis: bool = False
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
@@ -188,7 +202,9 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
-    latent on the tensor cores, and 5.87 ms for the generic config; int4/32 rank 256, batch 8, 32k). Otherwise
+    latent on the tensor cores, and 5.87 ms for the generic config; int4/32 rank 256, batch 8, 32k), the value
+    pass on 8x the programs (``target_programs_v``) and, up to rank 32, RoPE moved onto the basis
+    (``rotate_basis``; benchmarks/results/2026-11-30-small-rank-h200). Otherwise
     (e.g. Mixtral's G = 4: 2.92 ms in run 10, 2.44 with e4m3 bases) the generic config, the fastest of run 5.
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
@@ -202,7 +218,11 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
             message names the bad field).
     """
     if group == 1 and rank_pad is not None and rank_pad <= 256:
-        cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True)
+        # RoPE on the basis up to rank 32, and 8x the value programs: at batch 8, 32k the whole call at rank 32
+        # went 1.61 -> 0.92 ms, rank 12 2.14 -> 1.21, rank 64 (value programs only) 1.84 -> 1.44
+        # (benchmarks/results/2026-11-30-small-rank-h200)
+        cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True, target_programs_v=2112,
+                           rotate_basis=rank_pad <= 32)
     else:
         cfg = DecodeConfig()
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
@@ -553,7 +573,7 @@ def _latent_attention_split_kernel(
     KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False, PAGE: tl.constexpr = 0,
     R_LOOP: tl.constexpr = False, FMA_VALUES_2D: tl.constexpr = True, FUSE_MERGE: tl.constexpr = False,
     D_PAD: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16, BV_EXACT: tl.constexpr = False, NB: tl.constexpr = 16,
-    MERGE_G_PAD: tl.constexpr = 16,
+    MERGE_G_PAD: tl.constexpr = 16, ROT_BASIS: tl.constexpr = False, COS_EXACT: tl.constexpr = False,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -617,6 +637,27 @@ def _latent_attention_split_kernel(
                 p2 = p2.to(tl.float32).to(tl.float16)
             if HAS_REST:
                 p3 = p3.to(tl.float32).to(tl.float16)
+    # ROT_BASIS (one query head per KV head, hoisted basis): the query folded into the basis once per program, as
+    # the coefficients of each table column (see _tile_scores_rotated); (RK_PAD, HALF) fp32 each, c3 (RK_PAD,)
+    ea = 0.0
+    eb = 0.0
+    ec = 0.0
+    ed = 0.0
+    c3 = 0.0
+    if ROT_BASIS and PHASE != 2:
+        if HAS_ROT:
+            p1f = p1.to(tl.float32)
+            p2f = p2.to(tl.float32)
+            if ROPE == 3 or PAIRED_TABLE:  # cos1 == cos2 and sin1 == sin2: two coefficient blocks
+                ea = p1f * q1 + p2f * q2
+                eb = p1f * q2 - p2f * q1
+            else:
+                ea = p1f * q1  # cos1
+                eb = -(p2f * q1)  # sin1
+                ec = p2f * q2  # cos2
+                ed = p1f * q2  # sin2
+        if HAS_REST:
+            c3 = tl.sum(p3.to(tl.float32) * q3, axis=1)
 
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
@@ -663,6 +704,13 @@ def _latent_attention_split_kernel(
         if PHASE == 2:
             scores = tl.load(sc_rows[:, None] + offs[None, :], mask=head_ok[:, None] & row_ok[None, :],
                              other=float("-inf"))
+        elif ROT_BASIS:
+            scores = _tile_scores_rotated(
+                lk_rows, ld_ok, cos_ptr, sin_ptr, pos_ptr, mask_row, ea, eb, ec, ed, c3, b, offs, col_ok, head_ok,
+                k_col0, k_blk0, k_rank, kmeta_ptr + 12 * h, k_scale_base, k_min_base, qk_scale, c1, c2, rot_ok,
+                stride_lkw, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps, stride_mt,
+                HALF, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, K_BITS, K_QBLOCK, MASK, F32_DOT, K_BLOCKWISE,
+                K_ALIGN, K_RALIGN, K_WORDS, K_MX, PAIRED_TABLE, COS_EXACT)
         else:
             scores = _tile_scores(
                 lk_rows, ld_ok, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
@@ -847,6 +895,57 @@ def _tile_scores(
         else:
             scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, F32_DOT)
     scores = scores * qk_scale  # log2 units: qk_scale = scale * log2(e)
+    if MASK == 1:
+        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                     other=0)
+        scores = tl.where(mv != 0, scores, float("-inf"))
+    if MASK == 2:
+        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        scores = scores + mv.to(tl.float32) * 1.4426950408889634
+    scores = tl.where(col_ok[None, :], scores, float("-inf"))
+    return scores
+
+
+@triton.jit
+def _tile_scores_rotated(
+    lk_rows, ld_ok, cos_ptr, sin_ptr, pos_ptr, mask_row, ea, eb, ec, ed, c3, b, offs, col_ok, head_ok,
+    k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, qk_scale, c1, c2, rot_ok,
+    stride_lkw, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps, stride_mt,
+    HALF: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, ROPE: tl.constexpr, RK_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
+    K_BLOCKWISE: tl.constexpr, K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
+    K_MX: tl.constexpr, PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr,
+):
+    """:func:`_tile_scores` for one query head per KV head without rebuilding keys: RoPE moved onto the basis.
+
+    With x1 = z P1, x2 = z P2 (the pairs' halves) the score of slot t is
+    ``sum_j q1_j (x1 cos1 - x2 sin1)_tj + q2_j (x2 cos2 + x1 sin2)_tj + q3 . x3_t``, which regrouped over the
+    latent coordinates r is ``sum_r z_tr W_tr`` with ``W = cos1 @ Ea^T + sin1 @ Eb^T + cos2 @ Ec^T + sin2 @ Ed^T +
+    c3`` and ``Ea = P1 diag(q1)``, ``Eb = -P2 diag(q1)``, ``Ec = P2 diag(q2)``, ``Ed = P1 diag(q2)``, ``c3 = P3 q3``
+    (paired tables: two blocks, ``Ea + Ec`` and ``Eb + Ed``), built once per program. Per slot this is
+    (BLOCK_N, HALF) x (HALF, RK_PAD) tensor-core products of the RoPE tables (hi/lo split, ~2^-16 relative) plus
+    RK_PAD fp32 multiply-adds against the dequantized latent, instead of rebuilding D channels, rotating them
+    and reducing D products: the rotation costs the tensor cores HALF*RK_PAD per table and slot, the CUDA cores
+    only RK_PAD. ea..ed: (RK_PAD, HALF) fp32; c3: (RK_PAD,) fp32. Returns (1, BLOCK_N) fp32 log2-unit scores."""
+    z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw, 0,
+                     BLOCK_N, RK_PAD, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
+    w = tl.zeros((BLOCK_N, RK_PAD), tl.float32)
+    if HAS_ROT:
+        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
+        tab_ok = col_ok[:, None] & rot_ok[None, :]
+        cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
+        sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
+        w = _dot_split(cos1.to(tl.float32), tl.trans(ea), w, COS_EXACT, False, F32_DOT)
+        w = _dot_split(sin1.to(tl.float32), tl.trans(eb), w, COS_EXACT, False, F32_DOT)
+        if not (ROPE == 3 or PAIRED_TABLE):
+            cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok, other=0.0)
+            sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok, other=0.0)
+            w = _dot_split(cos2.to(tl.float32), tl.trans(ec), w, COS_EXACT, False, F32_DOT)
+            w = _dot_split(sin2.to(tl.float32), tl.trans(ed), w, COS_EXACT, False, F32_DOT)
+    if HAS_REST:
+        w = w + c3[None, :]
+    scores = tl.sum(z * w, axis=1)[None, :] * qk_scale  # (1, BLOCK_N), log2 units
     if MASK == 1:
         mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
                      other=0)
@@ -1350,12 +1449,12 @@ def _launch(
         block_r = rk_pad if cfg.hoist_basis else min(cfg.block_r, rk_pad)
     f32_dot = _interpreting() or cfg.f32_dots
 
-    def splits(block_n: int) -> tuple[int, int]:  # (programs along the context, tiles per program)
+    def splits(block_n: int, target: int) -> tuple[int, int]:  # (programs along the context, tiles per program)
         n_tiles = triton.cdiv(kv_len, block_n)
         if cfg.split is not None:
             n = max(1, min(cfg.split, n_tiles))
         else:
-            want = cfg.target_programs // (b * hkv * s)  # whole waves: 256 programs, not 384, for B*Hkv = 128
+            want = target // (b * hkv * s)  # whole waves: 256 programs, not 384, for B*Hkv = 128
             n = max(1, min(want, n_tiles // max(cfg.min_tiles, 1)))
         per = triton.cdiv(n_tiles, n)
         return triton.cdiv(n_tiles, per), per
@@ -1363,7 +1462,8 @@ def _launch(
     fma_values = cfg.fma_values and g <= cfg.fma_max_heads
     block_n_v = _value_block(cfg.block_n_v or cfg.block_n, fma_values, q.device)
     block_n_one = _value_block(cfg.block_n, fma_values, q.device)  # one pass: its tiles carry the values too
-    n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else block_n_one)
+    target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
+    n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else block_n_one, target_v)
     if attn_mask is None:
         mask_kind, mask, mstrides = 0, q, (0, 0, 0, 0)
     else:
@@ -1423,6 +1523,12 @@ def _launch(
     # a pass that scores and accumulates on the CUDA cores has no tl.dot over the query heads: its tiles need only
     # next_pow2(G) rows, not the 16 a dot needs (G = 1: 16x fewer registers for the scores and the value latent)
     fma_k, fma_v = common["FMA_SCORES"], common["FMA_VALUES"]
+    # the rotated basis (DecodeConfig.rotate_basis): one query head per KV head, the basis hoisted, dequantized
+    # (not code-domain) latents, ranks within MAX_ROTATED_RANK
+    rot_basis = (cfg.rotate_basis and g == 1 and cfg.hoist_basis and not key_codes and not kf.mixed
+                 and rk_pad <= MAX_ROTATED_RANK and fma_k and (cfg.two_pass or fma_v))
+    if rot_basis:
+        common.update(COS_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16)
     g_small = _np2(g, 1)
     d_pad, block_d = _np2(d), min(32, _np2(d))
     nb = 16 if n_exact <= 16 else 32
@@ -1439,19 +1545,21 @@ def _launch(
     if fuse:  # the merge's meta-parameters only where it runs (no extra specialisations of the default kernel)
         common.update(FUSE_MERGE=True, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad)
     _LAST_LAUNCH.clear()
+    _LAST_LAUNCH["rot_basis"] = rot_basis
     if cfg.two_pass and mode != "from_scores":
         if cfg.key_tiles:
             k_per = max(1, int(cfg.key_tiles))
             k_split = triton.cdiv(triton.cdiv(kv_len, cfg.block_n), k_per)
         else:
-            k_split, k_per = splits(cfg.block_n)
+            k_split, k_per = splits(cfg.block_n, cfg.target_programs)
         _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
             m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,
             hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb, rv_max,
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
             *mstrides, *merge_strides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
-            **dict(common, G_PAD=g_small if fma_k else g_pad), **_reg_cap(cfg.maxnreg))
+            **dict(common, G_PAD=g_small if fma_k else g_pad, ROT_BASIS=rot_basis and fma_k),
+            **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
@@ -1463,7 +1571,8 @@ def _launch(
         *mstrides, *merge_strides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one,
         PHASE=2 if cfg.two_pass else 0,
         num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
-        **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad))
+        **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
+               ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
     if not fuse:
         _latent_attention_reduce_kernel[(b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](
             q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,

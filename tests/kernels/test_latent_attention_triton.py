@@ -202,7 +202,8 @@ def _check_property(n_examples: int) -> None:
                            two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32))),
                            reduce_split_d=draw(st.booleans()), r_loop=draw(st.booleans()),
                            key_tiles=draw(st.sampled_from((None, 1, 2))), fma_values=draw(st.booleans()),
-                           fma_values_2d=draw(st.booleans()), fuse_merge=draw(st.booleans()))
+                           fma_values_2d=draw(st.booleans()), fuse_merge=draw(st.booleans()),
+                           rotate_basis=draw(st.booleans()))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -304,6 +305,18 @@ def _check_fixed() -> None:
         case = dict(base, rk=[12, 5], rv=[7, 9], paired=True, rope=rope)
         assert rope_tables_paired(*_inputs(case)[7:9], rope, case["rd"])
         _check(case, paired_cfg)
+    # RoPE moved onto the basis (rotate_basis, one query head per KV head, hoisted basis): every RoPE form, paired
+    # and unpaired tables, pass-through channels (rd < d), bf16 tables (exact operands), masks, quantized latents;
+    # the rotated path must really run (ROT_BASIS in the key pass's launch)
+    rot_cfg = dataclasses.replace(cfg, hoist_basis=True, rotate_basis=True, fma_scores=True, fma_values=True)
+    for rope, rd, paired, dt in (("rotate_half", 16, False, torch.float32), ("rotate_half", 32, True, torch.bfloat16),
+                                 ("interleaved", 16, False, torch.bfloat16), ("interleaved", 32, True, torch.float32),
+                                 ("complex", 32, False, torch.float32), ("none", 0, False, torch.bfloat16)):
+        case = dict(base, ratio=1, rk=[12, 5], rv=[7, 9], rope=rope, rd=rd, paired=paired, dtype=dt, mask="bool",
+                    mask_shape="b1sk", s=2)
+        for two_pass in (True, False):
+            _check(case, dataclasses.replace(rot_cfg, two_pass=two_pass, paired_tables=paired))
+            assert lat_mod._LAST_LAUNCH["rot_basis"] is True
     # the launcher never looks at the tables' values: no device comparison (a host sync) in any launch, and fresh
     # table copies per call (as Inductor passes a later group's tables) get the same kernel as the first call
     def no_equal(*_):
