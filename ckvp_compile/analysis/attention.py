@@ -54,7 +54,7 @@ from .graph import (
 )
 from .kv_cache import ALLOC_OPS, KVTrace, cache_write_site, grown_cache, mla_evidence, trace_kv
 from .masks import sliding_window
-from .rope import RopeMatch, match_rope
+from .rope import RopeMatch, match_rope, tables_paired
 from .sites import AttentionSite, RopeSite, UnsupportedSite
 
 logger = logging.getLogger(__name__)
@@ -226,6 +226,7 @@ def _rope_site(rope_k: RopeMatch | None, rope_q: RopeMatch | None, head_dim: int
         k_in=rope_k.x_in.name,
         cos=_name(rope_k.cos),
         sin=_name(rope_k.sin),
+        tables_paired=tables_paired(rope_k.cos, rope_k.form) and tables_paired(rope_k.sin, rope_k.form),
     )
 
 

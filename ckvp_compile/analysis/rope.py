@@ -322,3 +322,94 @@ def _partial_source(x: fx.Node, out: fx.Node) -> fx.Node | None:
         if psel is not None and strip_dtype(psel[0]) is strip_dtype(y) and psel[1] == stop:
             return strip_dtype(y)
     return None
+
+
+#: Ops that map each table entry to a value of that entry alone (or keep the tensor as is), so that a table whose
+#: paired columns are equal keeps them equal: what HF's rotary embedding applies after ``cat((freqs, freqs))``.
+_PAIR_PRESERVING = frozenset({"cos", "sin", "float", "to", "type_as", "half", "bfloat16", "_to_copy", "contiguous",
+                              "clone", "alias", "detach", "expand"})
+#: How many producer hops :func:`tables_paired` walks from a table back to the ``cat`` that pairs it.
+_MAX_PAIR_DEPTH = 24
+
+
+def tables_paired(table: fx.Node | None, form: str) -> bool:
+    """Whether a RoPE cos or sin table holds, by construction, one angle per rotated pair.
+
+    Proves it from the graph, never from values: walking back from ``table`` through per-entry ops (``cos``,
+    ``sin``, multiplication by a Python number such as HF's ``attention_scaling``, dtype casts, ``contiguous``,
+    ``expand``, ``unsqueeze`` / ``getitem`` / ``view`` / ``reshape`` that keep the last dim) to
+
+    * ``rotate_half``: ``cat((f, f), dim=-1)`` with the same node twice (HF's ``emb = cat((freqs, freqs), -1)``);
+    * ``interleaved``: ``repeat_interleave(f, 2, dim=-1)`` (GPT-J's ``duplicate_interleave``) or
+      ``stack((f, f), -1)`` flattened over its last two dims.
+
+    Args:
+        table: the table node (e.g. :attr:`RopeMatch.cos`), or None. form: the RoPE form.
+    Returns:
+        True only when proven; False for other forms ('complex' has one angle per pair by layout), for tables
+        that enter the graph as inputs, and for anything not recognised.
+    """
+    node, depth = table, 0
+    while isinstance(node, fx.Node) and depth < _MAX_PAIR_DEPTH:
+        depth += 1
+        name = op_name(node)
+        if form == "rotate_half" and name == "cat":
+            parts, dim = arg(node, 0, "tensors"), arg(node, 1, "dim", 0)
+            shape = shape_of(node)
+            return (isinstance(parts, (list, tuple)) and len(parts) == 2 and parts[0] is parts[1]
+                    and isinstance(parts[0], fx.Node) and shape is not None
+                    and dim in (-1, len(shape) - 1))
+        if form == "interleaved" and name == "repeat_interleave":
+            shape = shape_of(node)
+            reps, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+            return shape is not None and reps == 2 and dim in (-1, len(shape) - 1)
+        if form == "interleaved" and name in ("flatten", "view", "reshape") and _flattens_pair_stack(node):
+            return True
+        if name in _PAIR_PRESERVING or (name in ("mul", "div", "truediv") and _by_number(node)):
+            nxt = node.args[0] if node.args else None
+            if name in ("mul",) and not isinstance(nxt, fx.Node):  # 2.0 * t
+                nxt = node.args[1] if len(node.args) > 1 else None
+            node = nxt
+            continue
+        if name in ("unsqueeze", "getitem", "view", "reshape", "squeeze", "select", "slice") and _keeps_last_dim(node):
+            node = node.args[0]
+            continue
+        return False
+    return False
+
+
+def _by_number(node: fx.Node) -> bool:
+    """``t * c`` / ``c * t`` / ``t / c`` with ``c`` a Python number (not a tensor)."""
+    a = node.args
+    return (len(a) == 2 and isinstance(a[0], fx.Node) != isinstance(a[1], fx.Node)
+            and all(isinstance(v, (int, float)) for v in a if not isinstance(v, fx.Node))
+            and (op_name(node) == "mul" or isinstance(a[0], fx.Node)))
+
+
+def _keeps_last_dim(node: fx.Node) -> bool:
+    """A view or selection whose output's last dim is its input's whole last dim, unchanged."""
+    src = node.args[0] if node.args else None
+    s_in, s_out = shape_of(src), shape_of(node)
+    if not isinstance(src, fx.Node) or not s_in or not s_out or s_in[-1] != s_out[-1]:
+        return False
+    if op_name(node) == "getitem":  # leading-dim indexing only: ints, full slices, None; no Ellipsis
+        idx = node.args[1] if len(node.args) > 1 else None
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if any(not (i is None or isinstance(i, int) or i == slice(None)) for i in idx):
+            return False
+        real = [i for i in idx if i is not None]
+        return len(real) < len(s_in) or real[-1] == slice(None)
+    return True
+
+
+def _flattens_pair_stack(node: fx.Node) -> bool:
+    """``stack((f, f), -1)`` (the same node twice) with its last two dims merged by flatten / view / reshape."""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node) or op_name(src) != "stack":
+        return False
+    parts, dim = arg(src, 0, "tensors"), arg(src, 1, "dim", 0)
+    s_src, s_out = shape_of(src), shape_of(node)
+    return (isinstance(parts, (list, tuple)) and len(parts) == 2 and parts[0] is parts[1]
+            and s_src is not None and s_out is not None and dim in (-1, len(s_src) - 1)
+            and len(s_out) == len(s_src) - 1 and s_out[-1] == 2 * s_src[-2]
+            and tuple(s_out[:-1]) == tuple(s_src[:-2]))

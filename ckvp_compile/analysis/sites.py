@@ -37,6 +37,8 @@ class RopeSite:
         k_in: node name of the key before RoPE (the pre-RoPE key CKVP projects).
         cos: node name of the cosine table (or the complex frequencies), None if not identified.
         sin: node name of the sine table, None for the complex form.
+        tables_paired: the graph builds both tables with one angle per rotated pair (HF's
+            ``cat((freqs, freqs), -1)``; :func:`~.rope.tables_paired`), so a kernel may read half of each.
     """
 
     form: RopeForm
@@ -47,6 +49,7 @@ class RopeSite:
     k_in: str | None
     cos: str | None = None
     sin: str | None = None
+    tables_paired: bool = False
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ import functools
 import json
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -85,8 +86,9 @@ from .device_cache import check_not_capturing
 from .latent_format import parse_latent_format
 from .reference import ROPE_FORMS
 
-__all__ = ["DecodeConfig", "default_config", "latent_attention_from_scores_triton", "latent_attention_triton",
-           "latent_scores_triton", "rope_tables_paired", "unsupported_reason"]
+__all__ = ["DecodeConfig", "declare_paired_tables", "default_config", "latent_attention_from_scores_triton",
+           "latent_attention_triton", "latent_scores_triton", "paired_tables_declared", "rope_tables_paired",
+           "unsupported_reason"]
 
 _ROPE_CODE = {"none": 0, "rotate_half": 1, "interleaved": 2, "complex": 3}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -196,9 +198,12 @@ class DecodeConfig:
     rotate_basis: bool = False
 
 
-def default_config(group: int | None = None, rank_pad: int | None = None) -> DecodeConfig:
+def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False) -> DecodeConfig:
     """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
+
+    ``paired``: the call's cos / sin tables are declared paired (:func:`declare_paired_tables`): ``paired_tables``
+    on, and the rotated basis up to :data:`MAX_ROTATED_RANK` instead of 32.
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
@@ -221,10 +226,13 @@ def default_config(group: int | None = None, rank_pad: int | None = None) -> Dec
         # RoPE on the basis up to rank 32, and 8x the value programs: at batch 8, 32k the whole call at rank 32
         # went 1.61 -> 0.92 ms, rank 12 2.14 -> 1.21, rank 64 (value programs only) 1.84 -> 1.44
         # (benchmarks/results/2026-11-30-small-rank-h200)
+        # (paired tables: rank 64 0.78 ms against 1.44)
         cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True, target_programs_v=2112,
-                           rotate_basis=rank_pad <= 32)
+                           rotate_basis=rank_pad <= (MAX_ROTATED_RANK if paired else 32))
     else:
         cfg = DecodeConfig()
+    if paired:
+        cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
     return dataclasses.replace(cfg, **override) if override else cfg
 
@@ -468,6 +476,24 @@ def _dot_split(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, F32_DOT:
 
 
 @triton.jit
+def _split_bf16(x):
+    """(hi, lo) bf16 parts of fp32 ``x``: ``hi = bf16(x)``, ``lo = bf16(x - hi)`` (about 16 mantissa bits)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_presplit(a, b_hi, b_lo, acc, A_EXACT: tl.constexpr, F32_DOT: tl.constexpr):
+    """:func:`_dot_split` with ``b`` already split (:func:`_split_bf16`, e.g. once per program, not per tile)."""
+    a_hi = a.to(tl.bfloat16)  # a no-op for bf16 ``a`` (A_EXACT)
+    acc = _mm(a_hi, b_hi, acc, F32_DOT)
+    if not A_EXACT:
+        acc = _mm((a - a_hi.to(tl.float32)).to(tl.bfloat16), b_hi, acc, F32_DOT)
+    acc = _mm(a_hi, b_lo, acc, F32_DOT)
+    return acc
+
+
+@triton.jit
 def _fma_scores(scores, x, q_row0, cols, cols_ok, G, stride_qh, stride_qd, G_PAD: tl.constexpr,
                 G_LOOP: tl.constexpr):
     """``scores`` (G_PAD, N) plus, for each query head g < G of the KV head, ``x (N, C) @ q_g[cols]`` in fp32 on the
@@ -639,23 +665,28 @@ def _latent_attention_split_kernel(
                 p3 = p3.to(tl.float32).to(tl.float16)
     # ROT_BASIS (one query head per KV head, hoisted basis): the query folded into the basis once per program, as
     # the coefficients of each table column (see _tile_scores_rotated); (RK_PAD, HALF) fp32 each, c3 (RK_PAD,)
-    ea = 0.0
-    eb = 0.0
-    ec = 0.0
-    ed = 0.0
+    # (transposed to (HALF, RK_PAD) and split into bf16 hi + lo parts here, not per tile)
+    ea_hi = 0.0
+    ea_lo = 0.0
+    eb_hi = 0.0
+    eb_lo = 0.0
+    ec_hi = 0.0
+    ec_lo = 0.0
+    ed_hi = 0.0
+    ed_lo = 0.0
     c3 = 0.0
     if ROT_BASIS and PHASE != 2:
         if HAS_ROT:
             p1f = p1.to(tl.float32)
             p2f = p2.to(tl.float32)
             if ROPE == 3 or PAIRED_TABLE:  # cos1 == cos2 and sin1 == sin2: two coefficient blocks
-                ea = p1f * q1 + p2f * q2
-                eb = p1f * q2 - p2f * q1
+                ea_hi, ea_lo = _split_bf16(tl.trans(p1f * q1 + p2f * q2))
+                eb_hi, eb_lo = _split_bf16(tl.trans(p1f * q2 - p2f * q1))
             else:
-                ea = p1f * q1  # cos1
-                eb = -(p2f * q1)  # sin1
-                ec = p2f * q2  # cos2
-                ed = p1f * q2  # sin2
+                ea_hi, ea_lo = _split_bf16(tl.trans(p1f * q1))  # cos1
+                eb_hi, eb_lo = _split_bf16(tl.trans(-(p2f * q1)))  # sin1
+                ec_hi, ec_lo = _split_bf16(tl.trans(p2f * q2))  # cos2
+                ed_hi, ed_lo = _split_bf16(tl.trans(p1f * q2))  # sin2
         if HAS_REST:
             c3 = tl.sum(p3.to(tl.float32) * q3, axis=1)
 
@@ -706,7 +737,8 @@ def _latent_attention_split_kernel(
                              other=float("-inf"))
         elif ROT_BASIS:
             scores = _tile_scores_rotated(
-                lk_rows, ld_ok, cos_ptr, sin_ptr, pos_ptr, mask_row, ea, eb, ec, ed, c3, b, offs, col_ok, head_ok,
+                lk_rows, ld_ok, cos_ptr, sin_ptr, pos_ptr, mask_row, ea_hi, ea_lo, eb_hi, eb_lo, ec_hi, ec_lo, ed_hi,
+                ed_lo, c3, b, offs, col_ok, head_ok,
                 k_col0, k_blk0, k_rank, kmeta_ptr + 12 * h, k_scale_base, k_min_base, qk_scale, c1, c2, rot_ok,
                 stride_lkw, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps, stride_mt,
                 HALF, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, K_BITS, K_QBLOCK, MASK, F32_DOT, K_BLOCKWISE,
@@ -909,8 +941,8 @@ def _tile_scores(
 
 @triton.jit
 def _tile_scores_rotated(
-    lk_rows, ld_ok, cos_ptr, sin_ptr, pos_ptr, mask_row, ea, eb, ec, ed, c3, b, offs, col_ok, head_ok,
-    k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, qk_scale, c1, c2, rot_ok,
+    lk_rows, ld_ok, cos_ptr, sin_ptr, pos_ptr, mask_row, ea_hi, ea_lo, eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo, c3,
+    b, offs, col_ok, head_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, qk_scale, c1, c2, rot_ok,
     stride_lkw, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps, stride_mt,
     HALF: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, ROPE: tl.constexpr, RK_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
@@ -923,11 +955,12 @@ def _tile_scores_rotated(
     ``sum_j q1_j (x1 cos1 - x2 sin1)_tj + q2_j (x2 cos2 + x1 sin2)_tj + q3 . x3_t``, which regrouped over the
     latent coordinates r is ``sum_r z_tr W_tr`` with ``W = cos1 @ Ea^T + sin1 @ Eb^T + cos2 @ Ec^T + sin2 @ Ed^T +
     c3`` and ``Ea = P1 diag(q1)``, ``Eb = -P2 diag(q1)``, ``Ec = P2 diag(q2)``, ``Ed = P1 diag(q2)``, ``c3 = P3 q3``
-    (paired tables: two blocks, ``Ea + Ec`` and ``Eb + Ed``), built once per program. Per slot this is
+    (paired tables: two blocks, ``Ea + Ec`` and ``Eb + Ed``), built once per program and passed transposed,
+    (HALF, RK_PAD), as bf16 hi + lo parts (``_split_bf16``). Per slot this is
     (BLOCK_N, HALF) x (HALF, RK_PAD) tensor-core products of the RoPE tables (hi/lo split, ~2^-16 relative) plus
     RK_PAD fp32 multiply-adds against the dequantized latent, instead of rebuilding D channels, rotating them
     and reducing D products: the rotation costs the tensor cores HALF*RK_PAD per table and slot, the CUDA cores
-    only RK_PAD. ea..ed: (RK_PAD, HALF) fp32; c3: (RK_PAD,) fp32. Returns (1, BLOCK_N) fp32 log2-unit scores."""
+    only RK_PAD. c3: (RK_PAD,) fp32. Returns (1, BLOCK_N) fp32 log2-unit scores."""
     z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw, 0,
                      BLOCK_N, RK_PAD, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
     w = tl.zeros((BLOCK_N, RK_PAD), tl.float32)
@@ -936,13 +969,19 @@ def _tile_scores_rotated(
         tab_ok = col_ok[:, None] & rot_ok[None, :]
         cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
         sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-        w = _dot_split(cos1.to(tl.float32), tl.trans(ea), w, COS_EXACT, False, F32_DOT)
-        w = _dot_split(sin1.to(tl.float32), tl.trans(eb), w, COS_EXACT, False, F32_DOT)
+        if not COS_EXACT:  # exact (bf16) tables go to the tensor cores as loaded
+            cos1 = cos1.to(tl.float32)
+            sin1 = sin1.to(tl.float32)
+        w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
+        w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
         if not (ROPE == 3 or PAIRED_TABLE):
             cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok, other=0.0)
             sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-            w = _dot_split(cos2.to(tl.float32), tl.trans(ec), w, COS_EXACT, False, F32_DOT)
-            w = _dot_split(sin2.to(tl.float32), tl.trans(ed), w, COS_EXACT, False, F32_DOT)
+            if not COS_EXACT:
+                cos2 = cos2.to(tl.float32)
+                sin2 = sin2.to(tl.float32)
+            w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
+            w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
     if HAS_REST:
         w = w + c3[None, :]
     scores = tl.sum(z * w, axis=1)[None, :] * qk_scale  # (1, BLOCK_N), log2 units
@@ -1312,6 +1351,40 @@ def rope_tables_paired(cos_table: torch.Tensor, sin_table: torch.Tensor, rope_fo
                for t in (cos_table, sin_table))
 
 
+#: Tables declared paired by their owner (:func:`declare_paired_tables`): (cos ptr, sin ptr) -> weak references.
+_PAIRED_TABLES: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def declare_paired_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, paired: bool = True) -> None:
+    """Declare (or, ``paired=False``, withdraw) that these cos / sin tables hold one angle per rotated pair.
+
+    The latent KV store declares its own tables when every graph that writes them builds its tables paired (proven
+    from the graph: :func:`ckvp_compile.analysis.rope.tables_paired`). A launch without an explicit config whose
+    tables are these tensors (same storage, alive) then reads half of each table (``paired_tables``) and, at one
+    query head per KV head, moves RoPE onto the basis up to rank 64 (``default_config``). Nothing compares
+    values, so no device synchronisation; tables never declared (or copies of them) run the unpaired kernel.
+
+    Args:
+        cos_table, sin_table: (P_max, W) tables, as the kernels take them. paired: declare (True) or withdraw.
+    """
+    key = (cos_table.data_ptr(), sin_table.data_ptr())
+    if paired:
+        _PAIRED_TABLES[key] = (weakref.ref(cos_table), weakref.ref(sin_table))
+    else:
+        _PAIRED_TABLES.pop(key, None)
+
+
+def paired_tables_declared(cos_table: torch.Tensor, sin_table: torch.Tensor) -> bool:
+    """Whether :func:`declare_paired_tables` declared these tables (the same storage, still alive) paired."""
+    refs = _PAIRED_TABLES.get((cos_table.data_ptr(), sin_table.data_ptr()))
+    if refs is None:
+        return False
+    cos0, sin0 = refs[0](), refs[1]()
+    return (cos0 is not None and sin0 is not None and cos0.shape == cos_table.shape
+            and sin0.shape == sin_table.shape and cos0.stride() == cos_table.stride()
+            and sin0.stride() == sin_table.stride())
+
+
 #: Fewest slots per value tile when the value latent is accumulated on the tensor cores (not ``fma_values``), on a
 #: GPU: 16-slot tiles gave wrong outputs on the H200 (rel err 1.6 at 32:8, int4/32 rank 256, batch 1 and 8, 4k;
 #: benchmarks/results/2026-11-30-latent-attention-small-h200, Triton 3.6; exact under the interpreter), so a
@@ -1423,7 +1496,8 @@ def _launch(
         raise NotImplementedError(f"NYI: latent_attention_triton does not support {reason}; call "
                                   f"kernels.reference.latent_attention_ref instead")
     if config is None:
-        config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]))
+        paired = rope_form in ("rotate_half", "interleaved") and paired_tables_declared(cos_table, sin_table)
+        config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired)
     cfg = config
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
@@ -1546,6 +1620,7 @@ def _launch(
         common.update(FUSE_MERGE=True, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad)
     _LAST_LAUNCH.clear()
     _LAST_LAUNCH["rot_basis"] = rot_basis
+    _LAST_LAUNCH["paired_tables"] = common["PAIRED_TABLE"]
     if cfg.two_pass and mode != "from_scores":
         if cfg.key_tiles:
             k_per = max(1, int(cfg.key_tiles))

@@ -152,6 +152,8 @@ class LatentKVCachePass(CKVPPass):
         cos_n, sin_n, pos_n, width = _rope_tables(nodes, first, graph)
         if first.rope is not None:
             store.ensure_rope_tables(width)
+            if cos_n is not None:  # this graph writes the tables, from the first site's cos / sin
+                store.note_rope_writer(first.rope.tables_paired)
         rope_cos = inputs.add("ckvp_rope_cos")
         rope_sin = inputs.add("ckvp_rope_sin")
         slot_pos = inputs.add("ckvp_slot_pos")

@@ -62,6 +62,7 @@ import torch
 
 from ..errors import CKVPConfigError, CKVPError, CKVPShapeError
 from ..kernels.device_cache import prepare_device_tables
+from ..kernels.latent_attention_triton import declare_paired_tables
 from ..kernels.latent_format import parse_latent_format
 
 _PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
@@ -252,6 +253,9 @@ class LatentKVStore:
                 self.window_slots[layer] = torch.full((recent_window,), -1, device=self.device, dtype=torch.int64)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        #: whether every graph writing the RoPE tables builds them with one angle per rotated pair (None: no writer
+        #: yet); see :meth:`note_rope_writer`
+        self.rope_paired: bool | None = None
         self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
         #: a paged store's (B, S_max / P) int32 page table on the device (-1: unmapped); None when not paged
         self.page_table: torch.Tensor | None = None
@@ -309,8 +313,32 @@ class LatentKVStore:
         """Allocate the (P_max, W) cos / sin tables once W is known (the rewrite knows it from the graph)."""
         p = num_positions or self.max_cache_len
         if self.rope_cos is None or self.rope_cos.shape != (p, width):
+            if self.rope_cos is not None:
+                declare_paired_tables(self.rope_cos, self.rope_sin, False)
             self.rope_cos = torch.zeros(p, width, device=self.device, dtype=self.dtype)
             self.rope_sin = torch.zeros(p, width, device=self.device, dtype=self.dtype)
+            if self.rope_paired:
+                declare_paired_tables(self.rope_cos, self.rope_sin)
+
+    def note_rope_writer(self, paired: bool) -> None:
+        """Record one more compiled graph that writes the RoPE tables, and whether the graph proves its tables paired
+        (one angle per rotated pair, :attr:`~ckvp_compile.analysis.sites.RopeSite.tables_paired`). While every writer
+        is proven, the tables are declared paired to the decode attention kernel, which then reads half of each
+        (:func:`~ckvp_compile.kernels.latent_attention_triton.declare_paired_tables`).
+
+        Raises:
+            CKVPConfigError: an unproven writer arrives after the tables were declared paired (kernels launched or
+                captured in CUDA graphs before may assume pairing); the declaration is withdrawn first.
+        """
+        was = self.rope_paired
+        self.rope_paired = paired if was is None else (was and paired)
+        if self.rope_cos is not None:
+            declare_paired_tables(self.rope_cos, self.rope_sin, bool(self.rope_paired))
+        if was and not paired:
+            raise CKVPConfigError(
+                "a compiled graph writes RoPE tables that the backend cannot prove hold one angle per rotated pair "
+                "into a KV store whose tables earlier graphs read as paired; call torch._dynamo.reset() and build a "
+                "new cache (the tables are now treated as unpaired)")
 
     def reset(self) -> None:
         """Forget every sequence (a new ``generate()`` call): zero latents and slot positions (and online bases),

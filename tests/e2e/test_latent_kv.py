@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckvp_compile import CKVPBackend, CKVPConfig, CKVPError, CompileRecorder
+from ckvp_compile.kernels.latent_attention_triton import paired_tables_declared
 from ckvp_compile.latent import calibrate
 from ckvp_compile.runtime.hf_cache import CKVPStaticCache, use_latent_cache
 from ckvp_compile.testing import HF_FAMILIES, GptFastConfig, GptFastMoE, build_hf_moe, prefill_decode_logits
@@ -57,6 +58,9 @@ def test_hf_full_rank_equals_dense(shape, family, group_size, batch):
     cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=batch)
     latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
     assert_close_all(eager, latent)
+    # both graphs (prefill, decode) build HF's cat((freqs, freqs)) tables: the store declares them paired
+    assert cache.store.rope_paired is True
+    assert paired_tables_declared(cache.store.rope_cos, cache.store.rope_sin)
     groups = len(bases.groups)
     for g in rec.graphs:
         assert g.plan.latent_groups == tuple(range(groups)) and g.plan.blocking == ()
@@ -76,12 +80,16 @@ def test_gpt_fast_full_rank_equals_dense(shape, rope, group_size):
     eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
     backend = CKVPBackend(CKVPConfig(compiler="aot_eager"))
 
+    stores = []
+
     def compile_latent(m):
-        use_latent_cache(m, bases)
+        stores.append(use_latent_cache(m, bases))
         return torch.compile(m, backend=backend, fullgraph=True)
 
     latent = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE, compile_fn=compile_latent)
     assert_close_all(eager, latent)
+    # gpt-fast's tables are sliced from a precomputed buffer (a graph input): nothing proves them paired
+    assert stores and all(not s.rope_paired for s in stores)
 
 
 def test_storage_really_shrinks_at_ratio_4():

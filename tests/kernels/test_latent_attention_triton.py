@@ -317,6 +317,24 @@ def _check_fixed() -> None:
         for two_pass in (True, False):
             _check(case, dataclasses.replace(rot_cfg, two_pass=two_pass, paired_tables=paired))
             assert lat_mod._LAST_LAUNCH["rot_basis"] is True
+    # tables declared paired by their owner (the store, from a graph proof): a launch without a config reads half of
+    # each and, at one query head per KV head, rotates the basis; withdrawn or copied tables run unpaired
+    from ckvp_compile.kernels.latent_attention_triton import declare_paired_tables
+
+    for rope in ("rotate_half", "interleaved"):
+        case = dict(base, ratio=1, rk=[12, 5], rv=[7, 9], paired=True, rope=rope, rd=32)
+        args = list(_inputs(case))
+        want = ref.latent_attention_ref(*args)
+        declare_paired_tables(args[7], args[8])
+        for tables, paired in (((args[7], args[8]), True), ((args[7].clone(), args[8].clone()), False)):
+            call = list(args)
+            call[7], call[8] = tables
+            out = latent_attention_triton(*call)
+            assert lat_mod._LAST_LAUNCH["paired_tables"] is paired and lat_mod._LAST_LAUNCH["rot_basis"] is True
+            assert float((out - want).norm() / want.norm()) <= TOL
+        declare_paired_tables(args[7], args[8], False)
+        latent_attention_triton(*args)
+        assert lat_mod._LAST_LAUNCH["paired_tables"] is False
     # the launcher never looks at the tables' values: no device comparison (a host sync) in any launch, and fresh
     # table copies per call (as Inductor passes a later group's tables) get the same kernel as the first call
     def no_equal(*_):
