@@ -51,6 +51,10 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
     return format(x, spec)
 
 
+#: ``ckvp-bench decode --group-size`` default; ckvp rows of files run with another group size are labelled ``G=N``.
+DEFAULT_GROUP_SIZE = 4
+
+
 def _key(r: dict[str, Any]) -> tuple:
     return (r["shape"], r["layers"], r["system"], r["context"], r["max_batch"], None if r["max_batch"] else r["batch"])
 
@@ -61,8 +65,11 @@ def _decode_rows(datas: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, d in enumerate(datas):
         if d.get("kind") != "decode":
             continue
+        group = (d.get("meta", {}).get("settings") or {}).get("group_size")
         for r in d["rows"]:
             r = {**r, "run": i + 1}
+            if r.get("kind") == "ckvp" and group not in (None, DEFAULT_GROUP_SIZE):  # its own row: G=1 is not G=4
+                r["system"] = f"{r['system']} G={group}"
             k = _key(r)
             if k not in best or r["status"] == "ok" or best[k]["status"] != "ok":
                 best[k] = r

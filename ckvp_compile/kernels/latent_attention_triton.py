@@ -102,9 +102,10 @@ _BASIS_DTYPES = _FLOATS + BASIS_BF16_EXACT[1:]
 FP8_BASES_GPU_CHECKED = True
 MIX_GPU_CHECKED = True
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
-#: MAX_ROTATED_RANK: widest padded key rank DecodeConfig.rotate_basis applies to (its four (rank, D/2)
-#: coefficient blocks stay on chip across the tile loop).
-MAX_ROTATED_RANK = 64
+#: MAX_ROTATED_RANK: widest padded key rank DecodeConfig.rotate_basis applies to (its (rank, D/2) coefficient
+#: blocks stay on chip across the tile loop; at 128, paired, the key pass spills 54 registers and is still 1.4x
+#: faster than the rebuild).
+MAX_ROTATED_RANK = 128
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
 MAX_GROUP = 64
@@ -164,8 +165,9 @@ class DecodeConfig:
     hoisted, score slots without rebuilding keys: the query is folded into the basis once per program and the
     RoPE tables multiply those coefficients on the tensor cores (``_tile_scores_rotated``), so the CUDA cores do
     rank, not head_dim, multiply-adds per slot (H200, batch 8, 32k, int4/32: rank 32 1.22 -> 0.92 ms, 0.77 with
-    paired tables; rank 64 1.44 -> 1.51, so the default enables it up to rank 32; needs ``fma_scores``, padded rank
-    <= :data:`MAX_ROTATED_RANK`, dequantized, non-mix latents, else ignored)."""
+    paired tables; rank 64 1.44 -> 1.51 unpaired but 0.78 paired, so the default enables it up to rank 32, or up to
+    :data:`MAX_ROTATED_RANK` with tables declared paired; needs ``fma_scores``, padded rank <=
+    :data:`MAX_ROTATED_RANK`, dequantized, non-mix latents, else ignored)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -226,9 +228,11 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # RoPE on the basis up to rank 32, and 8x the value programs: at batch 8, 32k the whole call at rank 32
         # went 1.61 -> 0.92 ms, rank 12 2.14 -> 1.21, rank 64 (value programs only) 1.84 -> 1.44
         # (benchmarks/results/2026-11-30-small-rank-h200)
-        # (paired tables: rank 64 0.78 ms against 1.44)
+        # (paired tables: rank 64 0.78 ms against 1.44, rank 104 1.33 against 1.85, and up to rank 32 the key pass
+        # on 396 programs, 3 per SM at its 137 registers: rank 32 0.77 -> 0.58 ms, rank 12 1.10 -> 0.91)
+        rotate = rank_pad <= (MAX_ROTATED_RANK if paired else 32)
         cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True, target_programs_v=2112,
-                           rotate_basis=rank_pad <= (MAX_ROTATED_RANK if paired else 32))
+                           rotate_basis=rotate, target_programs=396 if paired and rank_pad <= 32 else 264)
     else:
         cfg = DecodeConfig()
     if paired:
@@ -1361,7 +1365,7 @@ def declare_paired_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, pair
     The latent KV store declares its own tables when every graph that writes them builds its tables paired (proven
     from the graph: :func:`ckvp_compile.analysis.rope.tables_paired`). A launch without an explicit config whose
     tables are these tensors (same storage, alive) then reads half of each table (``paired_tables``) and, at one
-    query head per KV head, moves RoPE onto the basis up to rank 64 (``default_config``). Nothing compares
+    query head per KV head, moves RoPE onto the basis up to rank 128 (``default_config``). Nothing compares
     values, so no device synchronisation; tables never declared (or copies of them) run the unpaired kernel.
 
     Args:

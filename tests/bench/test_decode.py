@@ -137,6 +137,15 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     assert "5. Fixture, greedy 4 tokens x 1 prompts at 4x" in text and "dense with its KV cache rounded to bf16" in text
     assert (tmp_path / "plots" / "decode_ms_tiny.png").stat().st_size > 1000
     assert (tmp_path / "plots" / "decode_fidelity.png").stat().st_size > 1000
+    # a run with another --group-size keeps its own ckvp rows, labelled, beside the default's
+    data = json.loads(speed.read_text())
+    assert data["meta"]["settings"]["group_size"] == 4
+    data["meta"]["settings"]["group_size"] = 1
+    g1 = tmp_path / "tiny_g1.json"
+    g1.write_text(json.dumps(data))
+    assert bench_cli(["decode", "--report", str(speed), str(g1), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "| ckvp-4 | 2 | 16 |" in text and "| ckvp-4 G=1 | 2 | 16 |" in text and text.count("| eager | 2 | 16 |") == 1
 
 
 def test_fixture_planned_rotated_fp8_bases(tmp_path):

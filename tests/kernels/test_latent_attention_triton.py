@@ -500,6 +500,20 @@ def test_rope_tables_paired_helper():
     assert lat.DecodeConfig().paired_tables is False and not hasattr(lat, "_paired_tables")
 
 
+def test_default_config_rotates_the_basis_where_measured_faster():
+    """One query head per KV head: RoPE on the basis up to rank 32, or up to MAX_ROTATED_RANK with tables declared
+    paired (then also paired_tables, and 396 key programs up to rank 32); never with several query heads."""
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    assert lat.default_config(1, 32).rotate_basis and not lat.default_config(1, 64).rotate_basis
+    assert not lat.default_config(1, 32).paired_tables and lat.default_config(1, 32).target_programs == 264
+    p32, p128 = lat.default_config(1, 32, paired=True), lat.default_config(1, 128, paired=True)
+    assert p32.rotate_basis and p32.paired_tables and p32.target_programs == 396
+    assert p128.rotate_basis and p128.paired_tables and p128.target_programs == 264
+    assert not lat.default_config(1, 256, paired=True).rotate_basis
+    assert not lat.default_config(4, 32, paired=True).rotate_basis and lat.default_config(4, 32, True).paired_tables
+
+
 def test_tensor_core_value_tiles_are_never_below_32_slots_on_a_gpu(monkeypatch):
     """16-slot value tiles on the tensor cores gave wrong outputs on the H200 (rel err 1.6, 32:8 heads;
     benchmarks/results/2026-11-30-latent-attention-small-h200): the launcher raises them to 32 on a GPU, and keeps
