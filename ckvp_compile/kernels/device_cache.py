@@ -81,3 +81,5 @@ def _prepare(offsets: Sequence[int], fmt: str, basis_width: int, device: torch.d
         _code_byte_index(offsets, f, device)
     if lq.unsupported_reason(f, torch.device("cuda")) is None:  # formats the Triton quant kernels take
         lq._tables(tuple(offsets), f.name, str(device))
+        if lq.format_family(f) in ("int", "mix"):  # latent_append_triton's (head, coordinate) table
+            lq._head_tables(tuple(offsets), f.name, str(device))

@@ -98,8 +98,8 @@ import triton.language as tl
 from .device_cache import check_not_capturing
 from .latent_format import LatentFormat, parse_latent_format
 
-__all__ = ["GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_triton", "format_family",
-           "quantize_latent_triton", "unsupported_reason", "use_triton"]
+__all__ = ["APPEND_GPU_CHECKED", "GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_triton",
+           "format_family", "latent_append_triton", "quantize_latent_triton", "unsupported_reason", "use_triton"]
 
 #: The CUDA ``ckvp::latent_append`` quantizes with these kernels (for the families in :data:`GPU_CHECKED`). Set
 #: False to force the reference quantizer.
@@ -108,6 +108,10 @@ USE_TRITON = True
 #: ``benchmarks/latent_quant_gpu.py`` (int, tern, mix: benchmarks/results/2026-11-29-latent-quant-h200/run2);
 #: :func:`use_triton` is False for the others.
 GPU_CHECKED = frozenset({"int", "tern", "mix"})
+#: :func:`latent_append_triton` (projection, quantization and row store fused) for the CUDA ``ckvp::latent_append``:
+#: checked under the interpreter only; False until a GPU run checks it at real shapes (then the unfused path, the
+#: reference projection and :func:`quantize_latent_triton`, runs on CUDA).
+APPEND_GPU_CHECKED = False
 #: Code bytes per ``_tern_pack_kernel`` program (power of two; 64 bytes = 320 coordinates covers a head of rank
 #: <= 320 in one program; raise it for larger heads to launch fewer programs, at more registers per program).
 TERN_TILE_BYTES = 64
@@ -197,21 +201,13 @@ def _check(fmt, device) -> LatentFormat:
 
 
 @triton.jit
-def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
-                  BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
-    zcol = tl.load(tab_ptr + t * 5)
-    nval = tl.load(tab_ptr + t * 5 + 1)
-    byte0 = tl.load(tab_ptr + t * 5 + 2)
-    nbytes = tl.load(tab_ptr + t * 5 + 3)
-    blk = tl.load(tab_ptr + t * 5 + 4)
+def _quant_block_store(x, j, base, byte0, nbytes, blk, n_code, NB,
+                       BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr):
+    """Quantize one block ``x`` (BP,) fp32 (entries past the block's real coordinates already 0.0, the reference's
+    padding; ``j`` = arange(BP)) and store its code bytes, fp16 scale and fp16 min into the row at ``base``."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     PER: tl.constexpr = 8 // BITS
-
-    j = tl.arange(0, BP)
     inblk = j < BLOCK
-    x = tl.load(z_ptr + row * z_stride + zcol + j, mask=j < nval, other=0.0)  # ragged tail: 0.0 (the padding)
     lo = tl.min(tl.where(inblk, x, float("inf")), axis=0)
     hi = tl.max(tl.where(inblk, x, float("-inf")), axis=0)
 
@@ -241,12 +237,66 @@ def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
     shifts = tl.arange(0, PER) * BITS
     packed = tl.sum(c2 << shifts[None, :], axis=1)
     k = tl.arange(0, BP // PER)
-    base = out_ptr + row * out_stride
     tl.store(base + byte0 + k, packed.to(tl.uint8), mask=k < nbytes)
 
     two = tl.arange(0, 2)
     tl.store(base + n_code + 2 * blk + two, ((su >> (8 * two)) & 0xFF).to(tl.uint8))
     tl.store(base + n_code + 2 * NB + 2 * blk + two, ((mu >> (8 * two)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
+                  BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    zcol = tl.load(tab_ptr + t * 5)
+    nval = tl.load(tab_ptr + t * 5 + 1)
+    byte0 = tl.load(tab_ptr + t * 5 + 2)
+    nbytes = tl.load(tab_ptr + t * 5 + 3)
+    blk = tl.load(tab_ptr + t * 5 + 4)
+    j = tl.arange(0, BP)
+    x = tl.load(z_ptr + row * z_stride + zcol + j, mask=j < nval, other=0.0)  # ragged tail: 0.0 (the padding)
+    _quant_block_store(x, j, out_ptr + row * out_stride, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP)
+
+
+@triton.jit
+def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_ptr, n_code, NB, S, K, trash,
+                   stride_xb, stride_xh, stride_xs, stride_xk, stride_bb, stride_bh, stride_bk, stride_br,
+                   stride_ob, stride_os, stride_ptb,
+                   BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+                   PAGE: tl.constexpr):
+    """One (token, block): project the token's stacked keys (or values) of the block's head onto the block's basis
+    columns in fp32, quantize, store into the token's latent row (its slot, or its page's row when PAGE > 0)."""
+    row = tl.program_id(0)
+    t = tl.program_id(1)
+    b = (row // S).to(tl.int64)
+    s = row % S
+    nval = tl.load(tab_ptr + t * 5 + 1)
+    byte0 = tl.load(tab_ptr + t * 5 + 2)
+    nbytes = tl.load(tab_ptr + t * 5 + 3)
+    blk = tl.load(tab_ptr + t * 5 + 4)
+    h = tl.load(head_ptr + t * 2)
+    j0 = tl.load(head_ptr + t * 2 + 1)
+    j = tl.arange(0, BP)
+    ok = j < nval
+    x_row = x_ptr + b * stride_xb + h * stride_xh + s * stride_xs
+    b_cols = basis_ptr + b * stride_bb + h * stride_bh + ((j0 + j) * stride_br)[None, :]
+    z = tl.zeros((BP,), tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < K
+        xv = tl.load(x_row + kk * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        bv = tl.load(b_cols + (kk * stride_bk)[:, None], mask=k_ok[:, None] & ok[None, :], other=0.0)
+        z += tl.sum(xv[:, None] * bv.to(tl.float32), axis=0)
+    z = tl.where(ok, z, 0.0)  # ragged tail: 0.0 (the padding)
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    if PAGE > 0:  # the slot's page (unmapped: the trash page), then its row in the page
+        page = tl.load(pt_ptr + b * stride_ptb + slot // PAGE).to(tl.int64)
+        page = tl.where(page >= 0, page, trash)
+        base = out_ptr + page * stride_ob + (slot % PAGE) * stride_os
+    else:
+        base = out_ptr + b * stride_ob + slot * stride_os
+    _quant_block_store(z, j, base, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP)
 
 
 @triton.jit
@@ -392,6 +442,73 @@ def quantize_latent_triton(z: torch.Tensor, offsets: Sequence[int], fmt: "str | 
             _quant_kernel[(n, tab.shape[0])](zf, out, tab, zf.stride(0), out.stride(0), n_code, nb,
                                              BITS=bits, BLOCK=f.block, BP=bp)
     return out.view(*lead, width)
+
+
+@functools.lru_cache(maxsize=256)
+def _head_tables(offsets: tuple[int, ...], name: str, device: str):
+    """Per bit-width group of :func:`_tables`, a (blocks, 2) int32 table of each block's (KV head, first coordinate
+    within the head), for :func:`latent_append_triton` (cached per layout and device, as :func:`_tables`)."""
+    check_not_capturing(f"the {name} append tables", device)
+    groups, _, _, _, _ = _tables(offsets, name, device)
+    out = []
+    for bits, tab in groups:
+        rows = []
+        for zcol in tab[:, 0].tolist():
+            h = max(i for i in range(len(offsets) - 1) if offsets[i] <= zcol)
+            rows.append((h, zcol - offsets[h]))
+        out.append(torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(device))
+    return tuple(out)
+
+
+def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
+                         slots: torch.Tensor, fmt: "str | LatentFormat",
+                         page_table: torch.Tensor | None = None) -> None:
+    """``ckvp::latent_append`` in one launch per bit width: project, quantize and store, fused.
+
+    Each program takes one (token, quantization block): the block's coordinates are the token's stacked keys (or
+    values) of the block's KV head times the block's basis columns, summed over ``G*D`` in fp32 (the reference's
+    einsum in another order), then quantized exactly as :func:`quantize_latent_triton` (same code,
+    ``_quant_block_store``) and stored straight into the token's latent row. This replaces the unfused CUDA path's
+    fp32 copies of ``x`` and the basis, the einsum, the column gather, the quantizer and the row scatter (about 6
+    kernels per call; H200, Qwen1.5-MoE batch 1: about 0.65 ms of a 4.7 ms decode step).
+
+    Args: as :func:`ckvp_compile.kernels.reference.latent_append_ref`: latent (B, S_max, row_bytes) uint8 (or a
+        page pool (N_pages + 1, P, row_bytes) with ``page_table``), x (B, Hkv, S, G*D) float, basis (Hkv, G*D,
+        R_max) or (B, Hkv, G*D, R_max) float, offsets Hkv+1 ints, slots (S,) int, fmt an ``int`` or ``mix`` format.
+    Returns:
+        None; ``latent`` written in place at the slots' rows. Equal to the reference's bytes wherever the two fp32
+        projections round a coordinate alike; elsewhere a code may differ by one step at a rounding tie, never
+        more (tests/kernels/test_latent_quant_triton.py).
+    Raises:
+        ValueError: ``fmt`` is not an int or mix format, or ``latent`` is not uint8 of the format's row width.
+        NotImplementedError: a non-CUDA tensor without ``TRITON_INTERPRET=1``.
+    Reference: kernels/reference.py::latent_append_ref
+    """
+    f = _check(fmt, latent.device)
+    if format_family(f) not in ("int", "mix"):
+        raise ValueError(f"latent_append_triton takes int and mix formats, not {f.name!r}")
+    offsets = tuple(int(o) for o in offsets)
+    groups, _, n_code, nb, width = _tables(offsets, f.name, str(latent.device))
+    if latent.dtype != torch.uint8 or latent.shape[-1] != width:
+        raise ValueError(f"latent must be uint8 (..., {width}) for {f.name} with offsets {list(offsets)}, but got "
+                         f"{latent.dtype} {tuple(latent.shape)}")
+    heads = _head_tables(offsets, f.name, str(latent.device))
+    b, _, s, k = x.shape
+    if b * s == 0:
+        return
+    bstr = basis.stride() if basis.dim() == 4 else (0, *basis.stride())
+    if page_table is None:
+        pt, pt_stride, page, trash = slots, 0, 0, 0
+        ostr = latent.stride()[:2]
+    else:
+        pt, pt_stride, page, trash = page_table, page_table.stride(0), latent.shape[1], latent.shape[0] - 1
+        ostr = latent.stride()[:2]
+    bp = triton.next_power_of_2(f.block)
+    bk = min(128, triton.next_power_of_2(k))
+    for (bits, tab), head in zip(groups, heads):
+        _append_kernel[(b * s, tab.shape[0])](
+            x, basis, slots, latent, pt, tab, head, n_code, nb, s, k, trash, *x.stride(), *bstr, *ostr, pt_stride,
+            BITS=bits, BLOCK=f.block, BP=bp, BK=bk, PAGE=page)
 
 
 def dequantize_latent_triton(rows: torch.Tensor, offsets: Sequence[int], fmt: "str | LatentFormat") -> torch.Tensor:

@@ -131,7 +131,9 @@ def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     :func:`ckvp_compile.ops.latent_kv.latent_append`): the reference projection, then the Triton quantizer
     (bit-equal to the reference, :mod:`ckvp_compile.kernels.latent_quant_triton`) for the formats
     :func:`~ckvp_compile.kernels.latent_quant_triton.use_triton` accepts (``USE_TRITON`` set and the format's family
-    checked on the GPU: ``GPU_CHECKED``); the reference otherwise.
+    checked on the GPU: ``GPU_CHECKED``); the reference otherwise. Once ``APPEND_GPU_CHECKED`` is set, int and mix
+    formats take :func:`~ckvp_compile.kernels.latent_quant_triton.latent_append_triton` instead (projection,
+    quantization and store fused in one launch).
 
     Raises:
         CKVPShapeError: as the op.
@@ -139,6 +141,9 @@ def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     """
     latent_kv._check_latent_append(latent, x, basis, offsets, slots, fmt, page_table)
     use = lq.use_triton(fmt, latent.device)
+    if use and lq.APPEND_GPU_CHECKED and lq.format_family(fmt) in ("int", "mix"):  # one fused launch per bit width
+        lq.latent_append_triton(latent, x, basis, offsets, slots, fmt, page_table)
+        return
     ref.latent_append_with(latent, x, basis, offsets, slots, fmt,
                            lq.quantize_latent_triton if use else quantize_latent_ref, page_table)
 

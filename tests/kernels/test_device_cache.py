@@ -22,7 +22,7 @@ from ckvp_compile.kernels.latent_format import _layout_index, parse_latent_forma
 def test_prepare_builds_the_launchers_cache_entries(fmt):
     off = [0, 13, 20]
     cpu = torch.device("cpu")
-    for cache in (ref._head_columns_cached, _layout_index, lq._tables):
+    for cache in (ref._head_columns_cached, _layout_index, lq._tables, lq._head_tables):
         cache.cache_clear()
     lat._META.clear()
     device_cache._prepare(off, fmt, 16, cpu)
@@ -33,10 +33,14 @@ def test_prepare_builds_the_launchers_cache_entries(fmt):
     # the launchers' own calls now hit those entries (no new table)
     ref._head_columns(off, 16, cpu)
     lat._head_meta(off, fmt, cpu)
+    fused = lq.format_family(f) in ("int", "mix")  # latent_append_triton's table too
+    assert lq._head_tables.cache_info().currsize == int(fused)
     if hits[2]:
         lq._tables(tuple(off), f.name, str(cpu))
-    assert (ref._head_columns_cached.cache_info().currsize, lq._tables.cache_info().currsize, len(lat._META)) == \
-        (hits[0], hits[2], hits[3])
+    if fused:
+        lq._head_tables(tuple(off), f.name, str(cpu))
+    assert (ref._head_columns_cached.cache_info().currsize, lq._tables.cache_info().currsize, len(lat._META),
+            lq._head_tables.cache_info().currsize) == (hits[0], hits[2], hits[3], int(fused))
 
 
 def test_prepare_does_nothing_off_cuda():
