@@ -70,8 +70,8 @@ class LayerRow:
 
     Attributes:
         layer: layer index. attention: 'sdpa' / 'softmax_qkv'. heads: 'H/Hkv/D' plus the GQA ratio and form.
-        rope: form and rotary dim. cache_write: the K and V write forms. moe: scoring, order, renormalise,
-        shared expert. experts: 'E/top-k'. experts_form: how the expert GEMMs are computed.
+        rope: form and rotary dim ("paired": tables proven to hold one angle per rotated pair). cache_write: the
+        K and V write forms. moe: scoring, order, renormalise, shared expert. experts: 'E/top-k'. experts_form: how the expert GEMMs are computed.
     """
 
     layer: int
@@ -101,7 +101,8 @@ def _attention_cells(s: AttentionSite | None) -> tuple[str, str, str, str]:
     if s.rope is None:
         rope = "none"
     else:
-        rope = f"{s.rope.form} d={s.rope.rotary_dim}" + (" partial" if s.rope.partial else "")
+        rope = (f"{s.rope.form} d={s.rope.rotary_dim}" + (" partial" if s.rope.partial else "")
+                + (" paired" if s.rope.tables_paired else ""))
     writes = [w for w in (s.k_cache, s.v_cache) if w is not None]
     if not writes:
         cache = "none"

@@ -1500,7 +1500,9 @@ def _launch(
         raise NotImplementedError(f"NYI: latent_attention_triton does not support {reason}; call "
                                   f"kernels.reference.latent_attention_ref instead")
     if config is None:
-        paired = rope_form in ("rotate_half", "interleaved") and paired_tables_declared(cos_table, sin_table)
+        # the complex form's tables hold one angle per pair by layout; the others only when declared so
+        paired = rope_form == "complex" or (rope_form in ("rotate_half", "interleaved")
+                                            and paired_tables_declared(cos_table, sin_table))
         config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired)
     cfg = config
     if mode != "all" and not cfg.two_pass:

@@ -116,6 +116,7 @@ def test_cli_on_fixture_model(tmp_path):
     rows = lines[header + 2: header + 10]
     assert [r.split("|")[0].strip() for r in rows] == [str(i) for i in range(8)]
     assert all("sdpa" in r and "4/2/64" in r and "index_copy_" in r and "4/2" in r for r in rows), rows
+    assert all("rotate_half d=64 paired" in r for r in rows), rows  # HF's cat((freqs, freqs)) tables, proven
     assert "KV bytes/token: 8192 -> 8192 (unchanged)" in text  # 8 layers * 2 Hkv * 64 D * (4 + 4) bytes fp32
 
     page = html_path.read_text()
