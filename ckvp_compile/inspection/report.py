@@ -71,7 +71,8 @@ class LayerRow:
     Attributes:
         layer: layer index. attention: 'sdpa' / 'softmax_qkv'. heads: 'H/Hkv/D' plus the GQA ratio and form.
         rope: form and rotary dim ("paired": tables proven to hold one angle per rotated pair). cache_write: the
-        K and V write forms. moe: scoring, order, renormalise, shared expert. experts: 'E/top-k'. experts_form: how the expert GEMMs are computed.
+        K and V write forms. moe: scoring, order, renormalise, shared expert. experts: 'E/top-k'.
+        experts_form: how the expert GEMMs are computed.
     """
 
     layer: int
