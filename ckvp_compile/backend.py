@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -328,6 +329,10 @@ class _StoreArgs:
         self.paged = bool(getattr(plan.store, "page_size", 0))
         self.slot_probe, self.slot_inputs = plan.slot_probe, list(plan.slot_inputs)
         self.slot_probe_note = plan.slot_probe_note
+        #: whether this graph writes RoPE tables it proves paired (None: writes none); each store records it at the
+        #: graph's first call on it, before any kernel reads its tables (the pass recorded it for plan.store)
+        self.rope_writer = plan.rope_writer
+        self._rope_noted: weakref.WeakSet = weakref.WeakSet()
         if self.paged and self.slot_probe is None:
             logger.info("ckvp: paged latent store: this graph's cache slots cannot be read from its inputs (%s), so "
                         "every page of every sequence is mapped at its first call (correct, no memory saved by "
@@ -338,6 +343,9 @@ class _StoreArgs:
             store.ensure_rope_tables(self.rope_shape[1], self.rope_shape[0])
         elif store.rope_cos is None:  # a model without RoPE: the tables are unused, give empty ones
             store.ensure_rope_tables(1, 1)
+        if self.rope_writer is not None and store not in self._rope_noted:  # may raise: see note_rope_writer
+            store.note_rope_writer(self.rope_writer)
+            self._rope_noted.add(store)
         out = [store.rope_cos, store.rope_sin, store.slot_pos]
         if self.paged:  # the page table follows the slot positions (the pass adds it there)
             out.append(store.page_table)

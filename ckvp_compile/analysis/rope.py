@@ -352,6 +352,8 @@ def tables_paired(table: fx.Node | None, form: str) -> bool:
     node, depth = table, 0
     while isinstance(node, fx.Node) and depth < _MAX_PAIR_DEPTH:
         depth += 1
+        if _written_in_place(node):  # e.g. emb[..., 0] = 0 after the cat: the graph's values are not its dataflow
+            return False
         name = op_name(node)
         if form == "rotate_half" and name == "cat":
             parts, dim = arg(node, 0, "tensors"), arg(node, 1, "dim", 0)
@@ -378,6 +380,26 @@ def tables_paired(table: fx.Node | None, form: str) -> bool:
     return False
 
 
+#: View ops whose result shares the input's storage (an in-place write through them changes the input).
+_VIEW_OPS = frozenset({"view", "reshape", "getitem", "select", "slice", "narrow", "unsqueeze", "squeeze", "expand",
+                       "transpose", "permute", "t", "flatten", "unflatten", "as_strided", "alias", "detach",
+                       "view_as", "split", "chunk", "unbind", "diagonal", "movedim", "swapaxes", "contiguous"})
+
+
+def _written_in_place(node: fx.Node, depth: int = 0) -> bool:
+    """Whether a user of ``node`` (or of a view of it) writes it in place: a method or function whose name ends
+    in ``_`` (``mul_``, ``index_fill_``, ``copy_``), ``operator.setitem``, or an ``out=`` argument."""
+    if depth > 8:
+        return True  # too deep to follow: assume written
+    for user in node.users:
+        name = op_name(user)
+        if name == "setitem" or (name.endswith("_") and not name.endswith("__")) or "out" in user.kwargs:
+            return True
+        if name in _VIEW_OPS and _written_in_place(user, depth + 1):
+            return True
+    return False
+
+
 def _by_number(node: fx.Node) -> bool:
     """``t * c`` / ``c * t`` / ``t / c`` with ``c`` a Python number (not a tensor)."""
     a = node.args
@@ -392,7 +414,16 @@ def _keeps_last_dim(node: fx.Node) -> bool:
     s_in, s_out = shape_of(src), shape_of(node)
     if not isinstance(src, fx.Node) or not s_in or not s_out or s_in[-1] != s_out[-1]:
         return False
-    if op_name(node) == "getitem":  # leading-dim indexing only: ints, full slices, None; no Ellipsis
+    name = op_name(node)
+    if name in ("select", "squeeze", "unsqueeze", "slice"):  # an op on the last dim itself never keeps it
+        dim = arg(node, 1, "dim", None)
+        if name == "squeeze" and dim is None:  # squeeze(): drops size-1 dims, never the last (W >= 2)
+            return True
+        if not isinstance(dim, int):
+            return False
+        last = len(s_out) - 1 if name == "unsqueeze" else len(s_in) - 1
+        return dim not in (-1, last)
+    if name == "getitem":  # leading-dim indexing only: ints, full slices, None; no Ellipsis
         idx = node.args[1] if len(node.args) > 1 else None
         idx = idx if isinstance(idx, tuple) else (idx,)
         if any(not (i is None or isinstance(i, int) or i == slice(None)) for i in idx):

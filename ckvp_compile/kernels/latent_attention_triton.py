@@ -1374,6 +1374,7 @@ def declare_paired_tables(cos_table: torch.Tensor, sin_table: torch.Tensor, pair
     key = (cos_table.data_ptr(), sin_table.data_ptr())
     if paired:
         _PAIRED_TABLES[key] = (weakref.ref(cos_table), weakref.ref(sin_table))
+        weakref.finalize(cos_table, _PAIRED_TABLES.pop, key, None)  # no stale entry once the table is gone
     else:
         _PAIRED_TABLES.pop(key, None)
 
@@ -1384,7 +1385,8 @@ def paired_tables_declared(cos_table: torch.Tensor, sin_table: torch.Tensor) -> 
     if refs is None:
         return False
     cos0, sin0 = refs[0](), refs[1]()
-    return (cos0 is not None and sin0 is not None and cos0.shape == cos_table.shape
+    return (cos0 is not None and sin0 is not None and cos0.data_ptr() == cos_table.data_ptr()
+            and sin0.data_ptr() == sin_table.data_ptr() and cos0.shape == cos_table.shape
             and sin0.shape == sin_table.shape and cos0.stride() == cos_table.stride()
             and sin0.stride() == sin_table.stride())
 

@@ -262,7 +262,7 @@ def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
 @triton.jit
 def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_ptr, n_code, NB, S, K, trash,
                    stride_xb, stride_xh, stride_xs, stride_xk, stride_bb, stride_bh, stride_bk, stride_br,
-                   stride_ob, stride_os, stride_ptb,
+                   stride_ob, stride_os, stride_sl, stride_ptb, stride_ptp,
                    BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
                    PAGE: tl.constexpr):
     """One (token, block): project the token's stacked keys (or values) of the block's head onto the block's basis
@@ -289,9 +289,9 @@ def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_p
         bv = tl.load(b_cols + (kk * stride_bk)[:, None], mask=k_ok[:, None] & ok[None, :], other=0.0)
         z += tl.sum(xv[:, None] * bv.to(tl.float32), axis=0)
     z = tl.where(ok, z, 0.0)  # ragged tail: 0.0 (the padding)
-    slot = tl.load(slots_ptr + s).to(tl.int64)
+    slot = tl.load(slots_ptr + s * stride_sl).to(tl.int64)
     if PAGE > 0:  # the slot's page (unmapped: the trash page), then its row in the page
-        page = tl.load(pt_ptr + b * stride_ptb + slot // PAGE).to(tl.int64)
+        page = tl.load(pt_ptr + b * stride_ptb + (slot // PAGE) * stride_ptp).to(tl.int64)
         page = tl.where(page >= 0, page, trash)
         base = out_ptr + page * stride_ob + (slot % PAGE) * stride_os
     else:
@@ -498,16 +498,15 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
         return
     bstr = basis.stride() if basis.dim() == 4 else (0, *basis.stride())
     if page_table is None:
-        pt, pt_stride, page, trash = slots, 0, 0, 0
-        ostr = latent.stride()[:2]
+        pt, pt_strides, page, trash = slots, (0, 0), 0, 0
     else:
-        pt, pt_stride, page, trash = page_table, page_table.stride(0), latent.shape[1], latent.shape[0] - 1
-        ostr = latent.stride()[:2]
+        pt, pt_strides, page, trash = page_table, page_table.stride(), latent.shape[1], latent.shape[0] - 1
     bp = triton.next_power_of_2(f.block)
     bk = min(128, triton.next_power_of_2(k))
     for (bits, tab), head in zip(groups, heads):
         _append_kernel[(b * s, tab.shape[0])](
-            x, basis, slots, latent, pt, tab, head, n_code, nb, s, k, trash, *x.stride(), *bstr, *ostr, pt_stride,
+            x, basis, slots, latent, pt, tab, head, n_code, nb, s, k, trash, *x.stride(), *bstr, *latent.stride()[:2],
+            slots.stride(0), *pt_strides,
             BITS=bits, BLOCK=f.block, BP=bp, BK=bk, PAGE=page)
 
 

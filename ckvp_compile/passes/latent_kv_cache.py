@@ -108,6 +108,9 @@ class LatentRewritePlan:
             from the inputs alone (then :attr:`slot_probe_note` says why).
         slot_inputs: indices (among the graph's original inputs) of the probe's inputs, in its order.
         slot_probe_note: why there is no probe ('' when there is one).
+        rope_writer: filled by the pass: None when the graph writes no RoPE tables, else whether the graph proves
+            the tables it writes paired (:attr:`~ckvp_compile.analysis.sites.RopeSite.tables_paired`); every store
+            the graph runs on records it (``LatentKVStore.note_rope_writer``).
     """
 
     store: Any
@@ -118,6 +121,7 @@ class LatentRewritePlan:
     slot_probe: fx.GraphModule | None = None
     slot_inputs: list[int] = field(default_factory=list)
     slot_probe_note: str = ""
+    rope_writer: bool | None = None
 
 
 class LatentKVCachePass(CKVPPass):
@@ -153,7 +157,8 @@ class LatentKVCachePass(CKVPPass):
         if first.rope is not None:
             store.ensure_rope_tables(width)
             if cos_n is not None:  # this graph writes the tables, from the first site's cos / sin
-                store.note_rope_writer(first.rope.tables_paired)
+                self.plan.rope_writer = bool(first.rope.tables_paired)
+                store.note_rope_writer(self.plan.rope_writer)
         rope_cos = inputs.add("ckvp_rope_cos")
         rope_sin = inputs.add("ckvp_rope_sin")
         slot_pos = inputs.add("ckvp_slot_pos")

@@ -41,6 +41,22 @@ def _table_node(fn, *args):
 F = torch.randn(1, 5, 8)
 
 
+def _set0(t):
+    t[..., 0] = 0.0
+    return t
+
+
+def _square(f):
+    """A (16, 16) paired table: a column of it is as wide as a row."""
+    g = f[0, :2].reshape(16)[:8].expand(16, 8) + torch.arange(16.0)[:, None]
+    return torch.cat((g, g), -1)
+
+
+def _add_view(t):
+    t[..., :4].add_(1.0)
+    return t
+
+
 @pytest.mark.parametrize("fn, form, want", [
     (lambda f: (torch.cat((f, f), -1).cos() * 0.5).to(torch.bfloat16).unsqueeze(1), "rotate_half", True),
     (lambda f: torch.cat((f, f), dim=2).sin(), "rotate_half", True),
@@ -56,6 +72,15 @@ F = torch.randn(1, 5, 8)
     (lambda f: torch.stack((f, f), -1).flatten(-2).sin(), "interleaved", True),
     (lambda f: torch.stack((f, f + 1), -1).flatten(-2).sin(), "interleaved", False),
     (lambda f: torch.cat((f, f), -1).cos(), "complex", False),
+    # a write in place after the cat (or after cos), directly or through a view: the dataflow no longer tells
+    (lambda f: _set0(torch.cat((f, f), -1)).cos(), "rotate_half", False),
+    (lambda f: _set0(torch.cat((f, f), -1).cos()), "rotate_half", False),
+    (lambda f: torch.cat((f, f), -1).mul_(2.0).cos(), "rotate_half", False),
+    (lambda f: _add_view(torch.cat((f, f), -1)).sin(), "rotate_half", False),
+    # an op on the last dim whose result happens to have the table's width
+    (lambda f: _square(f).cos().select(-1, 3), "rotate_half", False),
+    (lambda f: _square(f).cos().select(1, 3), "rotate_half", False),
+    (lambda f: _square(f).cos().select(0, 3), "rotate_half", True),
 ])
 def test_tables_paired_by_construction(fn, form, want):
     assert tables_paired(_table_node(fn, F), form) is want

@@ -189,6 +189,27 @@ def test_a_graph_refuses_a_cache_of_another_layout():
             step(**hf_step_kwargs(model, ids, other, 0))
 
 
+def test_every_store_a_graph_runs_on_records_its_rope_tables():
+    """The paired-tables proof belongs to the graph; each store it runs on records it at the first call (a second
+    cache of the same layout, never seen at compile time, is declared too), and an unproven writer is refused on a
+    store declared paired."""
+    model = build_hf_moe("mixtral", num_layers=2)
+    bases = calibrate(model, calib_samples(1), group_size=2, kv_ratio=2.0, progress=False)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+    ids = torch.randint(0, 256, (1, 4))
+    first, second = (CKVPStaticCache(model.config, bases, max_cache_len=16) for _ in range(2))
+    with torch.no_grad():
+        step(**hf_step_kwargs(model, ids, first, 0))
+        assert second.store.rope_paired is None
+        step(**hf_step_kwargs(model, ids, second, 0))
+    for cache in (first, second):
+        assert cache.store.rope_paired is True
+        assert paired_tables_declared(cache.store.rope_cos, cache.store.rope_sin)
+    with pytest.raises(CKVPError, match="cannot prove"):
+        second.store.note_rope_writer(False)
+    assert not paired_tables_declared(second.store.rope_cos, second.store.rope_sin)
+
+
 def _latent_graph_ops(rec):
     ops = {}
     for g in rec.graphs:

@@ -239,6 +239,7 @@ def _check_fused_append(n_examples: int) -> None:
         x = torch.randn(b, hkv, s, gd, generator=g) * 3
         s_max = 8
         slots = torch.randperm(s_max, generator=g)[:s]
+        slots = torch.stack((slots, slots), -1)[:, 0]  # a strided view (stride 2), as the op accepts
         f = parse_latent_format(p["fmt"])
         width = f.row_width(off)
         table = None
@@ -246,6 +247,7 @@ def _check_fused_append(n_examples: int) -> None:
             n_pages = b * s_max // p["page"]
             table = torch.randperm(n_pages, generator=g)[:b * s_max // p["page"]].reshape(b, -1).int()
             table[0, 0] = -1  # an unmapped page: its slots go to the trash page
+            table = torch.stack((table, table), -1)[..., 0]  # strided columns
             got = torch.full((n_pages + 1, p["page"], width), 7, dtype=torch.uint8)
         else:
             got = torch.full((b, s_max, width), 7, dtype=torch.uint8)
