@@ -250,15 +250,10 @@ def launch_shape(config, b: int, h: int, hkv: int, kv_len: int, s: int = 1) -> d
 
     two_pass = bool(config.two_pass) and b * h * s * int(kv_len) * 4 <= lat.MAX_SCORES_BYTES
     block_n = (config.block_n_v or config.block_n) if two_pass else config.block_n
-    n_tiles = -(-kv_len // block_n)
-    if config.split is not None:
-        n = max(1, min(config.split, n_tiles))
-    else:
-        target = ((getattr(config, "target_programs_v", None) or config.target_programs) if two_pass
-                  else config.target_programs)
-        n = max(1, min(target // (b * hkv * s), n_tiles // max(config.min_tiles, 1)))
-    per = -(-n_tiles // n)
-    return {"two_pass": two_pass, "n_split": -(-n_tiles // per)}
+    target = ((getattr(config, "target_programs_v", None) or config.target_programs) if two_pass
+              else config.target_programs)
+    n_split, _ = lat.context_splits(config, int(kv_len), block_n, b * hkv * s, target)
+    return {"two_pass": two_pass, "n_split": n_split}
 
 
 def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False) -> dict:

@@ -86,7 +86,7 @@ from .device_cache import check_not_capturing
 from .latent_format import parse_latent_format
 from .reference import ROPE_FORMS
 
-__all__ = ["DecodeConfig", "declare_paired_tables", "default_config", "latent_attention_from_scores_triton",
+__all__ = ["DecodeConfig", "context_splits", "declare_paired_tables", "default_config", "latent_attention_from_scores_triton",
            "latent_attention_triton", "latent_scores_triton", "paired_tables_declared", "rope_tables_paired",
            "unsupported_reason"]
 
@@ -1415,6 +1415,26 @@ def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(int(x), 1)))
 
 
+def context_splits(config: DecodeConfig, kv_len: int, block_n: int, rows: int, target: int) -> tuple[int, int]:
+    """How a pass divides the context among programs: ``(programs along the context, tiles per program)``.
+
+    Args:
+        config: its ``split`` (fixed count) or ``min_tiles``. kv_len: slots attended. block_n: slots per tile.
+        rows: B * Hkv * S, the programs per context position. target: the programs wanted in all (whole waves:
+            ``target_programs``, or ``target_programs_v`` for the value pass).
+    Returns:
+        (n, per) with ``n * per >= ceil(kv_len / block_n)`` and no empty program.
+    """
+    n_tiles = triton.cdiv(kv_len, block_n)
+    if config.split is not None:
+        n = max(1, min(config.split, n_tiles))
+    else:
+        want = target // max(rows, 1)  # whole waves: 256 programs, not 384, for B*Hkv = 128
+        n = max(1, min(want, n_tiles // max(config.min_tiles, 1)))
+    per = triton.cdiv(n_tiles, n)
+    return triton.cdiv(n_tiles, per), per
+
+
 def latent_scores_triton(
     q: torch.Tensor, latent_k: torch.Tensor, basis_k_block: torch.Tensor, k_offsets: Sequence[int],
     cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int,
@@ -1532,14 +1552,7 @@ def _launch(
     f32_dot = _interpreting() or cfg.f32_dots
 
     def splits(block_n: int, target: int) -> tuple[int, int]:  # (programs along the context, tiles per program)
-        n_tiles = triton.cdiv(kv_len, block_n)
-        if cfg.split is not None:
-            n = max(1, min(cfg.split, n_tiles))
-        else:
-            want = target // (b * hkv * s)  # whole waves: 256 programs, not 384, for B*Hkv = 128
-            n = max(1, min(want, n_tiles // max(cfg.min_tiles, 1)))
-        per = triton.cdiv(n_tiles, n)
-        return triton.cdiv(n_tiles, per), per
+        return context_splits(cfg, kv_len, block_n, b * hkv * s, target)
 
     fma_values = cfg.fma_values and g <= cfg.fma_max_heads
     block_n_v = _value_block(cfg.block_n_v or cfg.block_n, fma_values, q.device)

@@ -514,6 +514,29 @@ def test_default_config_rotates_the_basis_where_measured_faster():
     assert not lat.default_config(4, 32, paired=True).rotate_basis and lat.default_config(4, 32, True).paired_tables
 
 
+def test_context_splits_cover_the_context_without_empty_programs():
+    """context_splits (the launcher's, and ckvp-bench attention's, split of the context): every tile in exactly one
+    program, no empty program, within the programs wanted (at least one per row), a fixed split honoured."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, context_splits
+
+    @settings(max_examples=200, deadline=None)
+    @given(kv_len=st.integers(1, 200_000), block_n=st.sampled_from((16, 32, 64, 128)), rows=st.integers(1, 512),
+           target=st.integers(1, 5000), min_tiles=st.integers(1, 8), split=st.one_of(st.none(), st.integers(1, 64)))
+    def prop(kv_len, block_n, rows, target, min_tiles, split):
+        n, per = context_splits(DecodeConfig(split=split, min_tiles=min_tiles), kv_len, block_n, rows, target)
+        n_tiles = -(-kv_len // block_n)
+        assert n >= 1 and per >= 1 and n * per >= n_tiles and (n - 1) * per < n_tiles
+        if split is None:
+            assert n <= max(1, target // rows)
+        else:
+            assert n <= split
+
+    prop()
+
+
 def test_tensor_core_value_tiles_are_never_below_32_slots_on_a_gpu(monkeypatch):
     """16-slot value tiles on the tensor cores gave wrong outputs on the H200 (rel err 1.6, 32:8 heads;
     benchmarks/results/2026-11-30-latent-attention-small-h200): the launcher raises them to 32 on a GPU, and keeps
