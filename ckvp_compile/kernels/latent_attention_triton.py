@@ -868,6 +868,21 @@ def _rebuild_chunk(lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, 
 
 
 @triton.jit
+def _mask_tile(scores, mask_row, offs, col_ok, head_ok, stride_mt, MASK: tl.constexpr):
+    """Apply the attention mask to a tile's (G_PAD, BLOCK_N) log2-unit scores (MASK 1: bool, 2: additive, in natural
+    log units, converted) and ``-inf`` where ``~col_ok`` (past the context, or the exact tokens' slots)."""
+    if MASK == 1:
+        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                     other=0)
+        scores = tl.where(mv != 0, scores, float("-inf"))
+    if MASK == 2:
+        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        scores = scores + mv.to(tl.float32) * 1.4426950408889634
+    return tl.where(col_ok[None, :], scores, float("-inf"))
+
+
+@triton.jit
 def _tile_scores(
     lk_rows, ld_ok, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
     col_ok, head_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, rk_max, qk_scale, G,
@@ -931,16 +946,7 @@ def _tile_scores(
         else:
             scores = _dot_split(q3, tl.trans(x3), scores, Q_EXACT, False, F32_DOT)
     scores = scores * qk_scale  # log2 units: qk_scale = scale * log2(e)
-    if MASK == 1:
-        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                     other=0)
-        scores = tl.where(mv != 0, scores, float("-inf"))
-    if MASK == 2:
-        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                     other=0.0)
-        scores = scores + mv.to(tl.float32) * 1.4426950408889634
-    scores = tl.where(col_ok[None, :], scores, float("-inf"))
-    return scores
+    return _mask_tile(scores, mask_row, offs, col_ok, head_ok, stride_mt, MASK)
 
 
 @triton.jit
@@ -989,16 +995,7 @@ def _tile_scores_rotated(
     if HAS_REST:
         w = w + c3[None, :]
     scores = tl.sum(z * w, axis=1)[None, :] * qk_scale  # (1, BLOCK_N), log2 units
-    if MASK == 1:
-        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                     other=0)
-        scores = tl.where(mv != 0, scores, float("-inf"))
-    if MASK == 2:
-        mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
-                     other=0.0)
-        scores = scores + mv.to(tl.float32) * 1.4426950408889634
-    scores = tl.where(col_ok[None, :], scores, float("-inf"))
-    return scores
+    return _mask_tile(scores, mask_row, offs, col_ok, head_ok, stride_mt, MASK)
 
 
 @triton.jit
