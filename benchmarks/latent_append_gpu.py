@@ -24,8 +24,10 @@ It reports:
 
 Writes ``DIR/latent_append.json`` with the GPU, torch and Triton versions and this command. A case passes when
 all of these hold:
-- at least 99.9% of coordinates are bit-equal;
+- at least 99% of coordinates are bit-equal (the two paths sum the G*D-long projection in different fp32
+  orders, so a block's scale or a code at a rounding tie may move: at G*D = 512 about 0.2% of coordinates do);
 - no coordinate is more than one step apart;
+- the fused path's RMS error against the fp64 projection is no larger than the unfused path's (x 1.001);
 - nothing else was written.
 
 Flip ``APPEND_GPU_CHECKED`` only after every case passes.
@@ -97,11 +99,19 @@ def main() -> None:
                 step = (dw.amax(-1, keepdim=True) - dw.amin(-1, keepdim=True)) / levels
                 row["bit_equal_fraction"] = eq
                 row["max_diff_steps"] = float(((dg - dw).abs() / step.clamp_min(1e-12)).amax())
+                # quantization error of each path against the fp64 projection (B, Hkv, s, R): where the two paths
+                # differ (fp32 summation order of the G*D-long projection moves a block's scale or a near-tie code),
+                # the fused one must be no less accurate
+                y64 = torch.einsum("bhsg,hgr->bhsr", x.double(), basis.double())
+                err_w = (dw.double() - y64).pow(2).mean().sqrt().item()
+                err_g = (dg.double() - y64).pow(2).mean().sqrt().item()
+                row["rms_err_unfused"], row["rms_err_fused"] = err_w, err_g
                 row["unfused_ms"] = triton.testing.do_bench(
                     lambda: latent_append_cuda(want, x, basis, off, slots, fmt), warmup=10, rep=50)
                 row["fused_ms"] = triton.testing.do_bench(
                     lambda: lq.latent_append_triton(got, x, basis, off, slots, fmt), warmup=10, rep=50)
-                row["pass"] = row["others_untouched"] and eq >= 0.999 and row["max_diff_steps"] <= 1.0 + 1e-6
+                row["pass"] = (row["others_untouched"] and eq >= 0.99 and row["max_diff_steps"] <= 1.0 + 1e-6
+                               and err_g <= err_w * 1.001 + 1e-9)
             except Exception as e:  # noqa: BLE001 - reported; the other cases still run
                 row["error"] = repr(e)[:400]
                 row["pass"] = False

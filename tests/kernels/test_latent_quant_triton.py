@@ -161,6 +161,10 @@ def _check_latent_append_path() -> None:
     basis[1, :, 7:] = 0.0
     x = torch.randn(b, hkv, s, gd, generator=g)
     slots = torch.tensor([4, 0, 7])
+    from ckvp_compile.kernels import latent_quant_triton as lq
+
+    saved = lq.APPEND_GPU_CHECKED
+    lq.APPEND_GPU_CHECKED = False  # first the unfused path: reference projection, then the Triton quantizer
     for fmt in ("int8/8", "int4", "int2/8", "mxint8/8", "float"):
         from ckvp_compile.kernels.latent_format import parse_latent_format
 
@@ -178,10 +182,8 @@ def _check_latent_append_path() -> None:
             assert torch.equal(got[..., :code_bytes], want[..., :code_bytes]), fmt  # the codes themselves
         else:
             assert torch.equal(got, want), fmt
-    # the fused kernel behind the same op function, once enabled for CUDA (APPEND_GPU_CHECKED)
-    from ckvp_compile.kernels import latent_quant_triton as lq
-
-    saved, lq.APPEND_GPU_CHECKED = lq.APPEND_GPU_CHECKED, True
+    # the fused kernel behind the same op function (APPEND_GPU_CHECKED, the default since the H200 check)
+    lq.APPEND_GPU_CHECKED = True
     calls = []
     real = lq.latent_append_triton
     lq.latent_append_triton = lambda *a: (calls.append(a[5]), real(*a))
