@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--whole-only", action="store_true", help="only the whole-call variants (and dense SDPA)")
     ap.add_argument("--value-sweep", action="store_true", help="with --whole-only: value-pass configs instead")
     ap.add_argument("--fp8-bases", action="store_true", help="bases in float8_e4m3fn")
+    ap.add_argument("--paired", action="store_true",
+                    help="the default config for RoPE tables declared paired (as HF models' are in a compiled model)")
     a = ap.parse_args()
     lag.H, lag.HKV = (int(x) for x in a.heads.split(":"))
     fmt, rank = a.format.rsplit(":", 1)
@@ -59,7 +61,7 @@ def main() -> None:
     args = lag.make_inputs(a.batch, a.context, fmt, rank, seed=3)
     if a.fp8_bases:  # the store's basis_dtype=float8_e4m3fn (key_codes then multiplies e4m3 operands)
         args = args[:3] + (args[3].to(torch.float8_e4m3fn), args[4].to(torch.float8_e4m3fn)) + args[5:]
-    cfg = default_config(lag.H // lag.HKV, max(16, 1 << (rank - 1).bit_length()))
+    cfg = default_config(lag.H // lag.HKV, max(16, 1 << (rank - 1).bit_length()), paired=a.paired)
     if a.ncu:  # first call compiles and runs (2 launches), the second is the one ncu skips to
         latent_attention_triton(*args, config=cfg)
         latent_attention_triton(*args, config=cfg)
