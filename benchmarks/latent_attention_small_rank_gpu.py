@@ -56,9 +56,33 @@ def variants(rank_pad: int, full: bool, batch: int = 8) -> dict:
     return v
 
 
+def occupancy_variants(rank_pad: int) -> dict:
+    """``--set occupancy``: over the paired default, the knobs Nsight Compute points at
+    (benchmarks/results/2026-11-30-small-rank-ncu-h200): the key pass is latency-bound at 137 registers and 12 warps
+    per SM (register caps, 8 warps, stages, tile size); the value pass at small ranks is L1-bound on byte loads
+    (its tile and warps)."""
+    r = dataclasses.replace
+    paired = default_config(1, rank_pad, paired=True)
+    return {"default, paired tables": paired,
+            "key maxnreg 128 (4 programs per SM)": r(paired, maxnreg=128),
+            "key maxnreg 96": r(paired, maxnreg=96),
+            "key 8 warps": r(paired, num_warps=8),
+            "key block_n 128, 8 warps": r(paired, block_n=128, num_warps=8),
+            "key 1 stage": r(paired, num_stages=1),
+            "key 3 stages": r(paired, num_stages=3),
+            "key programs 528, maxnreg 128": r(paired, target_programs=528, maxnreg=128),
+            "value block_n_v 64": r(paired, block_n_v=64),
+            "value block_n_v 16, 2 warps": r(paired, block_n_v=16, num_warps_v=2),
+            "value 8 warps": r(paired, num_warps_v=8),
+            "value programs 1056": r(paired, target_programs_v=1056),
+            "value programs 4224": r(paired, target_programs_v=4224)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--set", default="launch", choices=("launch", "occupancy"),
+                    help="launch: the variants of run 2-7; occupancy: occupancy_variants")
     ap.add_argument("--cases", default="8:32768:32,8:32768:64,8:32768:104:full,8:32768:12",
                     help="comma-separated batch:context:rank[:full]")
     a = ap.parse_args()
@@ -75,7 +99,9 @@ def main() -> None:
         b, t, rank = int(b), int(t), int(rank)
         args = lag.make_inputs(b, t, "int4/32", rank, seed=3)
         want = lag.ref_chunked(args, 2)
-        for name, c in variants(max(16, 1 << (rank - 1).bit_length()), bool(full), b).items():
+        rank_pad = max(16, 1 << (rank - 1).bit_length())
+        vs = occupancy_variants(rank_pad) if a.set == "occupancy" else variants(rank_pad, bool(full), b)
+        for name, c in vs.items():
             row = {"batch": b, "context": t, "rank": rank, "variant": name}
             lat.MAX_ROTATED_RANK = 256 if "past the limit" in name else saved_limit
             try:
