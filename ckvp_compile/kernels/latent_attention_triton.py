@@ -604,6 +604,7 @@ def _latent_attention_split_kernel(
     R_LOOP: tl.constexpr = False, FMA_VALUES_2D: tl.constexpr = True, FUSE_MERGE: tl.constexpr = False,
     D_PAD: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16, BV_EXACT: tl.constexpr = False, NB: tl.constexpr = 16,
     MERGE_G_PAD: tl.constexpr = 16, ROT_BASIS: tl.constexpr = False, COS_EXACT: tl.constexpr = False,
+    MERGE_SPLIT_BLOCK: tl.constexpr = 1,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -625,7 +626,8 @@ def _latent_attention_split_kernel(
     (:func:`_merge_row`, every D slice) instead of a separate ``_latent_attention_reduce_kernel`` launch: each
     program counts its arrival in ``cnt`` (B*Hkv*S,) int32 with an acquire-release atomic after its partial
     stores (the CUDA threadFenceReduction pattern); the last arrival (count n_split - 1) reads the partials
-    through L2 (in MERGE_G_PAD rows: at least 16, the tensor cores' M). The counters are fresh per call and must
+    through L2 (in MERGE_G_PAD rows: at least 16, the tensor cores' M; MERGE_SPLIT_BLOCK splits per tile of
+    partials, :func:`merge_split_block`). The counters are fresh per call and must
     be 0 at launch: PHASE 1 of the same call zeroes them (split c == 0), otherwise the launcher does (torch.zeros).
     Shapes of new_k / new_v / basis_v / out: as for the merge kernel."""
     c = tl.program_id(0)
@@ -804,7 +806,8 @@ def _latent_attention_split_kernel(
                            stride_bvb, stride_bvh, stride_bvd, stride_bvr,
                            stride_mb, stride_mh, stride_ms, stride_mt,
                            stride_ob, stride_oh, stride_os, stride_od,
-                           MERGE_G_PAD, D_PAD, RV_PAD, BLOCK_D, MASK, BV_EXACT, F32_DOT, NB, False, True)
+                           MERGE_G_PAD, D_PAD, RV_PAD, BLOCK_D, MASK, BV_EXACT, F32_DOT, NB, G_LOOP,
+                           MERGE_SPLIT_BLOCK, False, True)
 
 
 @triton.jit
@@ -1023,6 +1026,17 @@ def _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_s
 
 
 @triton.jit
+def _load_part(ptrs, mask, other, CG: tl.constexpr):
+    """``tl.load(ptrs, mask, other)`` of split partials; CG: through L2 only (``.cg``), for partials other programs
+    of the same launch wrote (see :func:`_merge_row`'s PARTS_CG)."""
+    if CG:
+        x = tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        x = tl.load(ptrs, mask=mask, other=other)
+    return x
+
+
+@triton.jit
 def _merge_row(
     bh, s, pid_d,
     q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
@@ -1035,12 +1049,22 @@ def _merge_row(
     stride_ob, stride_oh, stride_os, stride_od,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr,
-    SPLIT_D: tl.constexpr, PARTS_CG: tl.constexpr,
+    G_LOOP: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SPLIT_D: tl.constexpr, PARTS_CG: tl.constexpr,
 ):
     """Merge the splits of row (sequence ``bh // Hkv``, KV head ``bh % Hkv``, query token ``s``), add the exact
-    tokens, project, normalise, store (D slice ``pid_d`` when SPLIT_D, else every slice). PARTS_CG: read the
-    partials through L2 only (``.cg``), as the fused merge must: they were written by other programs of the same
-    launch, and this SM's L1 may hold the same workspace addresses from an earlier call."""
+    tokens, project, normalise, store (D slice ``pid_d`` when SPLIT_D, else every slice).
+
+    The row's partials (m, l: (n_split, G) fp32; acc: (n_split, G, RV_PAD) fp32, from row ``(bh*S + s)*n_split``)
+    are read SPLIT_BLOCK splits at a time (:func:`merge_split_block`), as tiles: a loop with one dependent load
+    per split, twice, made the merge latency-bound at batch 1. First the max over (SPLIT_BLOCK, G_PAD) tiles of m;
+    then, per tile step and query head ``gi`` (a static loop over G_LOOP = next_pow2(G) >= G heads: its loads are
+    independent, SPLIT_BLOCK * G_LOOP * RV_PAD fp32 values live), that head's m, l (SPLIT_BLOCK,) and acc
+    (SPLIT_BLOCK, RV_PAD) tiles, weighted and summed over the splits into row ``gi`` of the (G_PAD, RV_PAD)
+    accumulator. 2-D tiles only (see :func:`_exact_scores`). The same fp32 products as the per-split loop; only
+    the order of the fp32 sums differs. G_PAD: the projection's tile rows (at least 16, the tensor cores' M).
+    PARTS_CG: read the partials through L2 only (``.cg``), as the fused merge must: they
+    were written by other programs of the same launch, and this SM's L1 may hold the same workspace addresses from
+    an earlier call."""
     b = bh // Hkv
     h = bh % Hkv
     g = tl.arange(0, G_PAD)
@@ -1053,13 +1077,13 @@ def _merge_row(
     nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
     mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh
     row0 = (bh * S + s) * n_split
+    cb = tl.arange(0, SPLIT_BLOCK)
     m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
-    for c in range(0, n_split):
-        if PARTS_CG:
-            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
-        else:
-            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"))
-        m_all = tl.maximum(m_all, m_c)
+    for c0 in range(0, n_split, SPLIT_BLOCK):
+        c = c0 + cb
+        m_t = _load_part(m_ptr + ((row0 + c) * G)[:, None] + g[None, :], (c < n_split)[:, None] & head_ok[None, :],
+                         float("-inf"), PARTS_CG)  # (SPLIT_BLOCK, G_PAD)
+        m_all = tl.maximum(m_all, tl.max(m_t, axis=0))
     for j0 in range(0, n_exact, NB):
         sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
                            stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
@@ -1068,19 +1092,19 @@ def _merge_row(
     l_all = tl.zeros((G_PAD,), tl.float32)
     rv = tl.arange(0, RV_PAD)
     acc = tl.zeros((G_PAD, RV_PAD), tl.float32)
-    for c in range(0, n_split):
-        part_ptrs = acc_ptr + ((row0 + c) * G + g)[:, None] * RV_PAD + rv[None, :]
-        if PARTS_CG:
-            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
-            l_c = tl.load(l_ptr + (row0 + c) * G + g, mask=head_ok, other=0.0, cache_modifier=".cg")
-            part = tl.load(part_ptrs, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
-        else:
-            m_c = tl.load(m_ptr + (row0 + c) * G + g, mask=head_ok, other=float("-inf"))
-            l_c = tl.load(l_ptr + (row0 + c) * G + g, mask=head_ok, other=0.0)
-            part = tl.load(part_ptrs, mask=head_ok[:, None], other=0.0)
-        w = tl.exp2(m_c - m_use)
-        l_all += w * l_c
-        acc += w[:, None] * part
+    for c0 in range(0, n_split, SPLIT_BLOCK):
+        c = c0 + cb
+        c_ok = c < n_split
+        for gi in tl.static_range(G_LOOP):
+            ok = c_ok & (tl.full((SPLIT_BLOCK,), gi, tl.int32) < G)  # G_LOOP rounds G up to a power of two
+            p_row = (row0 + c) * G + gi  # (SPLIT_BLOCK,) this head's partials
+            m_c = _load_part(m_ptr + p_row, ok, float("-inf"), PARTS_CG)
+            l_c = _load_part(l_ptr + p_row, ok, 0.0, PARTS_CG)
+            part = _load_part(acc_ptr + p_row[:, None] * RV_PAD + rv[None, :], ok[:, None], 0.0, PARTS_CG)
+            sel = g == gi
+            w = tl.exp2(m_c - tl.sum(tl.where(sel, m_use, 0.0), axis=0))  # 0 past n_split (m_use is finite)
+            l_all = tl.where(sel, l_all + tl.sum(w * l_c, axis=0), l_all)
+            acc = tl.where(sel[:, None], acc + tl.sum(w[:, None] * part, axis=0)[None, :], acc)
     for j0 in range(0, n_exact, NB):
         sc = _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_scale, stride_nks,
                            stride_nkd, stride_mt, D_PAD, NB, MASK, F32_DOT)
@@ -1124,7 +1148,7 @@ def _latent_attention_reduce_kernel(
     # meta-parameters
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr,
-    SPLIT_D: tl.constexpr = False,
+    G_LOOP: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SPLIT_D: tl.constexpr = False,
 ):
     """Merge the splits of one (sequence, KV head, query token), add the exact tokens, project, normalise
     (:func:`_merge_row`).
@@ -1134,7 +1158,8 @@ def _latent_attention_reduce_kernel(
     time (:func:`_exact_scores`): a recent window of W tokens costs W/NB tile products per pass. Rows whose every
     score is masked get 0 (torch SDPA's math path). SPLIT_D: grid (B*Hkv, S, D_PAD / BLOCK_D), each program merges
     the splits and projects one BLOCK_D slice of the output (more programs at small batch; the merge is repeated
-    per slice); otherwise one program per (sequence, KV head, query token) projects every slice.
+    per slice); otherwise one program per (sequence, KV head, query token) projects every slice. G_LOOP:
+    next_pow2(G); SPLIT_BLOCK: splits per tile of partials (:func:`merge_split_block`).
     """
     _merge_row(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
@@ -1145,7 +1170,8 @@ def _latent_attention_reduce_kernel(
                stride_bvb, stride_bvh, stride_bvd, stride_bvr,
                stride_mb, stride_mh, stride_ms, stride_mt,
                stride_ob, stride_oh, stride_os, stride_od,
-               G_PAD, D_PAD, RV_PAD, BLOCK_D, MASK, BV_EXACT, F32_DOT, NB, SPLIT_D, False)
+               G_PAD, D_PAD, RV_PAD, BLOCK_D, MASK, BV_EXACT, F32_DOT, NB, G_LOOP, SPLIT_BLOCK, SPLIT_D,
+               False)
 
 
 # ------------------------------------------------------------------------------------------------ launcher
@@ -1216,7 +1242,8 @@ def _scores_bytes(q: torch.Tensor, kv_len: int) -> int:
 
 
 _META: dict[tuple, torch.Tensor] = {}
-#: the compiled split kernel of the last launch (benchmarks read its register count and spills)
+#: the last launch: its compiled kernels ("scores", "split", "reduce"; benchmarks read their register counts and
+#: spills) and choices ("rot_basis", "paired_tables", "n_split", "merge_split_block")
 _LAST_LAUNCH: dict[str, object] = {}
 
 
@@ -1410,6 +1437,35 @@ def _reg_cap(maxnreg: int | None) -> dict:
 
 def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(int(x), 1)))
+
+
+#: fp32 values of split partials one merge program holds per tile step (:func:`merge_split_block`): 64 registers a
+#: thread for the merge kernel's 4 warps. The fused merge runs inside the value pass, already near the 255-register
+#: cap: its tiles are 4x smaller (ptxas for sm_90a, int4/32 rank 256: its spills 8/8 bytes at 16:16 and 32:8 heads,
+#: against 24/88 and 48/112 at 8192 values, and 16/56, 32/96 with the per-split loop before the tiles).
+MERGE_TILE_VALUES = 8192
+FUSED_MERGE_TILE_VALUES = 2048
+#: Most splits per tile of partials in the merge.
+MAX_MERGE_SPLIT_BLOCK = 64
+
+
+def merge_split_block(group: int, rv_pad: int, fused: bool = False) -> int:
+    """Splits per tile of partials in the merge: :func:`_merge_row`'s SPLIT_BLOCK, for the merge kernel and (``fused``)
+    the merge fused into the value pass.
+
+    Args:
+        group: query heads per KV head (G). rv_pad: the partials' padded value rank (RV_PAD). fused: the fused
+            merge's budget, :data:`FUSED_MERGE_TILE_VALUES`, instead of :data:`MERGE_TILE_VALUES`.
+    Returns:
+        The largest power of two <= :data:`MAX_MERGE_SPLIT_BLOCK` whose next_pow2(G) heads' (SPLIT_BLOCK, rv_pad)
+        fp32 tiles (loaded together) hold at most the budget's values; at least 1 (wide ranks with many heads: one
+        split per step, as the per-split loop it replaced). It depends on the shapes only, not on the split count,
+        which moves with kv_len: a SPLIT_BLOCK following it would compile a new kernel as the context grows. Rows
+        with more splits loop over the tiles.
+    """
+    budget = FUSED_MERGE_TILE_VALUES if fused else MERGE_TILE_VALUES
+    fit = max(1, budget // (_np2(group, 1) * int(rv_pad)))
+    return min(MAX_MERGE_SPLIT_BLOCK, 1 << (fit.bit_length() - 1))
 
 
 def context_splits(config: DecodeConfig, kv_len: int, block_n: int, rows: int, target: int) -> tuple[int, int]:
@@ -1634,11 +1690,15 @@ def _launch(
         cnt = m_ws  # never read
     merge_args = (cnt, new_k, new_v, basis_v_block, out)
     merge_strides = (*new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *out.stride())
+    split_block = merge_split_block(g, rv_pad, fuse)
     if fuse:  # the merge's meta-parameters only where it runs (no extra specialisations of the default kernel)
-        common.update(FUSE_MERGE=True, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad)
+        common.update(FUSE_MERGE=True, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad,
+                      MERGE_SPLIT_BLOCK=split_block)
     _LAST_LAUNCH.clear()
     _LAST_LAUNCH["rot_basis"] = rot_basis
     _LAST_LAUNCH["paired_tables"] = common["PAIRED_TABLE"]
+    _LAST_LAUNCH["n_split"] = n_split
+    _LAST_LAUNCH["merge_split_block"] = split_block
     if cfg.two_pass and mode != "from_scores":
         if cfg.key_tiles:
             k_per = max(1, int(cfg.key_tiles))
@@ -1667,11 +1727,13 @@ def _launch(
         **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
                ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
     if not fuse:
-        _latent_attention_reduce_kernel[(b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](
+        _LAST_LAUNCH["reduce"] = _latent_attention_reduce_kernel[
+            (b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](
             q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
             hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
             *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
             G_PAD=g_pad, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d, SPLIT_D=cfg.reduce_split_d,
-            MASK=mask_kind, BV_EXACT=bv_exact, F32_DOT=f32_dot, num_warps=4, NB=nb,
+            MASK=mask_kind, BV_EXACT=bv_exact, F32_DOT=f32_dot, num_warps=4, NB=nb, G_LOOP=_np2(g, 1),
+            SPLIT_BLOCK=split_block,
         )
     return out.to(q.dtype)

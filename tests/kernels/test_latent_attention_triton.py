@@ -9,8 +9,10 @@ GQA ratios 1-4 with Hkv 1-3 (MQA included), D in {16, 32, 64}, unequal ranks per
 blocks), the four RoPE forms with partial rotary_dim, bool / additive masks of several broadcast shapes (fully
 masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes, rebuild chunks,
 the hoisted basis, alignment hints, context splits, one- and two-pass forms.
-Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, fp8 bases, planned mix formats, every row masked, the op's CUDA kernel function
-(dispatch to Triton, and to the reference for an unsupported dtype). Bound: relative error (Frobenius) <= 1e-3.
+Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, fp8 bases, planned mix formats, every row masked,
+the merge's tiles of partials (split counts below and above SPLIT_BLOCK, G = 1-4, fused or not), the op's CUDA
+kernel function (dispatch to Triton, and to the reference for an unsupported dtype). Bound: relative error
+(Frobenius) <= 1e-3.
 """
 
 from __future__ import annotations
@@ -265,6 +267,30 @@ def _check_fixed() -> None:
                 _check(fcase, fcfg)
     finally:
         lat_mod.torch.empty = real_empty
+    # the merge reads the partials in tiles of SPLIT_BLOCK splits (merge_split_block; a small tile budget here, so
+    # SPLIT_BLOCK is 8 / 4 / 2 at G = 1 / 2 / 3-4 with RV_PAD 16): split counts (10 tiles of 16 slots, at most one
+    # per split) below, at and above it (the tile loop runs once, or several times, the last tile full or not),
+    # G = 1, 2, 3 (G_LOOP = 4 > G), 4, the merge kernel (D split or not) and the fused merge (partials read with
+    # .cg), exact window tokens, masks, every row masked
+    saved_tile = lat_mod.MERGE_TILE_VALUES, lat_mod.FUSED_MERGE_TILE_VALUES
+    lat_mod.MERGE_TILE_VALUES = lat_mod.FUSED_MERGE_TILE_VALUES = 128
+    try:
+        tcfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, min_tiles=1, block_n_v=16)
+        tbase = dict(base, b=1, kv_len=10 * 16, rk=[12, 5], rv=[7, 9], s=2, win=3, mask="add", mask_p=0.2)
+        runs = []
+        for ratio, split in ((1, 10), (1, 5), (2, 10), (2, 4), (3, 5), (3, 1), (4, 3), (4, 2)):
+            for mcfg in (dataclasses.replace(tcfg, split=split, reduce_split_d=split % 2 == 1),
+                         dataclasses.replace(tcfg, split=split, fuse_merge=True)):
+                _check(dict(tbase, ratio=ratio, seed=ratio + split), mcfg)
+                assert lat_mod._LAST_LAUNCH["n_split"] == split
+                assert lat_mod._LAST_LAUNCH["merge_split_block"] == {1: 8, 2: 4}.get(ratio, 2)
+                runs.append(split > lat_mod._LAST_LAUNCH["merge_split_block"])
+        assert any(runs) and not all(runs)  # both one tile and several
+        for mcfg in (dataclasses.replace(tcfg, split=10), dataclasses.replace(tcfg, split=10, fuse_merge=True)):
+            _check(dict(tbase, ratio=3, d=64, rd=32, mask="bool", mask_p=1.1), mcfg)  # every row masked: zeros
+            _check(dict(tbase, ratio=2, mask="bool", mask_shape="b1sk", mask_p=0.7, win=0), mcfg)
+    finally:
+        lat_mod.MERGE_TILE_VALUES, lat_mod.FUSED_MERGE_TILE_VALUES = saved_tile
     _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
                 mask="add"), DecodeConfig(block_n=16, block_r=16, num_warps=1))  # chunked prefill, 2 R chunks
     # the two halves as separate launches (the ops ckvp::latent_scores / ckvp::latent_attention_from_scores)
@@ -535,6 +561,26 @@ def test_context_splits_cover_the_context_without_empty_programs():
             assert n <= split
 
     prop()
+
+
+def test_merge_split_block_fits_the_tile_budget():
+    """merge_split_block (the merge's SPLIT_BLOCK, merge kernel and fused merge): a power of two up to
+    MAX_MERGE_SPLIT_BLOCK, whose next_pow2(G) heads' (SPLIT_BLOCK, RV_PAD) fp32 tiles fit the budget (the fused
+    merge's smaller one), the largest that does, at least 1; spot values at 16:16 (G = 1) and 32:8 (G = 4) heads."""
+    pytest.importorskip("triton")
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    for fused, budget in ((False, lat.MERGE_TILE_VALUES), (True, lat.FUSED_MERGE_TILE_VALUES)):
+        for g in range(1, lat.MAX_GROUP + 1):
+            g_loop = 1 << (g - 1).bit_length()
+            for rv_pad in (16, 32, 64, 128, 256, 512):
+                sb = lat.merge_split_block(g, rv_pad, fused)
+                assert 1 <= sb <= lat.MAX_MERGE_SPLIT_BLOCK and sb & (sb - 1) == 0
+                assert sb == 1 or sb * g_loop * rv_pad <= budget
+                assert sb == lat.MAX_MERGE_SPLIT_BLOCK or 2 * sb * g_loop * rv_pad > budget
+    shapes = {(1, 256): 32, (1, 32): 64, (4, 256): 8, (3, 256): 8, (64, 512): 1}  # (G, RV_PAD): SPLIT_BLOCK
+    assert {k: lat.merge_split_block(*k) for k in shapes} == shapes
+    assert lat.merge_split_block(1, 256, fused=True) == 8
 
 
 def test_tensor_core_value_tiles_are_never_below_32_slots_on_a_gpu(monkeypatch):
