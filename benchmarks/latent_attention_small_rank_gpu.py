@@ -78,8 +78,8 @@ def occupancy_variants(rank_pad: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--set", default="launch", choices=("launch", "occupancy"),
-                    help="launch: the variants of run 2-7; occupancy: occupancy_variants")
+    ap.add_argument("--set", default="launch", choices=("launch", "occupancy", "default"),
+                    help="launch: the variants of run 2-7; occupancy: occupancy_variants; default: the paired default")
     ap.add_argument("--cases", default="8:32768:32,8:32768:64,8:32768:104:full,8:32768:12",
                     help="comma-separated batch:context:rank[:full]")
     a = ap.parse_args()
@@ -97,7 +97,9 @@ def main() -> None:
         args = lag.make_inputs(b, t, "int4/32", rank, seed=3)
         want = lag.ref_chunked(args, 2)
         rank_pad = max(16, 1 << (rank - 1).bit_length())
-        vs = occupancy_variants(rank_pad) if a.set == "occupancy" else variants(rank_pad, bool(full), b)
+        vs = {"occupancy": lambda: occupancy_variants(rank_pad),
+              "default": lambda: {"default, paired tables": default_config(1, rank_pad, paired=True)},
+              "launch": lambda: variants(rank_pad, bool(full), b)}[a.set]()
         for name, c in vs.items():
             row = {"batch": b, "context": t, "rank": rank, "variant": name}
             lat.MAX_ROTATED_RANK = 256 if "past the limit" in name else saved_limit

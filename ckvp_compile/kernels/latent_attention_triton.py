@@ -319,7 +319,8 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
     ``(j % (8/BITS)) * BITS`` of byte ``col0 + j*BITS/8``; block ``blk0 + j // QBLOCK`` holds its fp16 scale at
     byte ``scale_base + 2*blk`` and min at ``min_base + 2*blk``; value = code * scale + min. BLOCKWISE (QBLOCK
     divides NCOLS and C0): each block's scale and min are loaded once per row and broadcast over its QBLOCK
-    coordinates; otherwise gathered per coordinate. COL_ALIGN / RANK_ALIGN: powers of two dividing ``col0`` /
+    coordinates; a tile inside one block (NCOLS <= QBLOCK, e.g. a rank-12 head of int4/32): that block's, once per
+    row, likewise; otherwise gathered per coordinate. COL_ALIGN / RANK_ALIGN: powers of two dividing ``col0`` /
     ``rank`` (the compiler can then vectorise the row loads); HALF_WORDS: the scales and mins start at even bytes
     of even-strided rows (loaded as 16-bit words). Zero where ``~row_ok``, ``j >= rank`` or ``j < lo`` (``lo``: a
     mix piece's first coordinate, a multiple of QBLOCK; ``col0`` / ``blk0`` are then the byte and block the
@@ -330,6 +331,11 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
         rank = (rank // RANK_ALIGN) * RANK_ALIGN
     cols = C0 + tl.arange(0, NCOLS)
     ok = row_ok[:, None] & ((cols < rank) & (cols >= lo))[None, :]
+    # every coordinate of the tile in one quantization block (e.g. ranks <= 16 with blocks of 32): its scale and
+    # min are loaded once per row and broadcast, not gathered per coordinate (H200 Nsight Compute at rank 12: the
+    # per-coordinate byte gathers of the fp16 scales were the largest stall of both passes)
+    ONE_BLOCK: tl.constexpr = (not BLOCKWISE) and (C0 // QBLOCK) == ((C0 + NCOLS - 1) // QBLOCK)
+    B_START: tl.constexpr = (C0 // QBLOCK) * QBLOCK  # that block's first coordinate
     if BITS == 16:
         z = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
@@ -345,6 +351,10 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
                 ex = tl.load(row_ptr[:, None] + ((scale_base + blk) * stride_w)[None, :], mask=b_ok, other=127)
                 sc = (ex.to(tl.int32) << 23).to(tl.float32, bitcast=True)
                 sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
+            elif ONE_BLOCK:
+                b_ok = row_ok & (tl.full((NROWS,), B_START, tl.int32) < rank) & (tl.full((NROWS,), B_START, tl.int32) >= lo)
+                ex = tl.load(row_ptr + (scale_base + blk0 + C0 // QBLOCK) * stride_w, mask=b_ok, other=127)
+                sc = ((ex.to(tl.int32) << 23).to(tl.float32, bitcast=True))[:, None]
             else:
                 blk = blk0 + cols // QBLOCK
                 ex = tl.load(row_ptr[:, None] + ((scale_base + blk) * stride_w)[None, :], mask=ok, other=127)
@@ -367,6 +377,18 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
                     mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
                 sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
                 mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
+            elif ONE_BLOCK:
+                blk = blk0 + C0 // QBLOCK
+                b_ok = row_ok & (tl.full((NROWS,), B_START, tl.int32) < rank) & (tl.full((NROWS,), B_START, tl.int32) >= lo)
+                if HALF_WORDS:
+                    words = row_ptr.to(tl.pointer_type(tl.uint16))
+                    sc = tl.load(words + (scale_base // 2 + blk), mask=b_ok, other=0)
+                    mn = tl.load(words + (min_base // 2 + blk), mask=b_ok, other=0)
+                    sc = sc.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+                    mn = mn.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+                else:
+                    sc = _fp16_at(row_ptr + (scale_base + 2 * blk) * stride_w, stride_w, b_ok)[:, None]
+                    mn = _fp16_at(row_ptr + (min_base + 2 * blk) * stride_w, stride_w, b_ok)[:, None]
             else:
                 blk = blk0 + cols // QBLOCK
                 sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
