@@ -385,6 +385,11 @@ def _check_fixed() -> None:
         for dt in (torch.float32, torch.bfloat16):
             _check(dict(base, rk=[12, 5], rv=[7, 9], kfmt=fmts[0], vfmt=fmts[1], basis_dtype=bdt, dtype=dt,
                         mask="bool", mask_shape="b1sk", s=2), cfg)
+    # tiles inside one quantization block (block_r 16 < blocks of 32: each row's scale loaded once, ONE_BLOCK):
+    # mx exponents, and mix pieces that start at coordinate 32 (a chunk below a piece's first block reads none)
+    _check(dict(base, rk=[12, 5], rv=[9, 16], kfmt="mxint4/32", vfmt="mxint8/32", dtype=torch.bfloat16), cfg)
+    _check(dict(base, rk=[48, 12], rv=[40, 9], kfmt="mix/32:8x32+4x16,4x12", vfmt="mix/32:8x32+2x8,8x9",
+                mask="bool", mask_shape="b1sk", s=2), cfg)
     # planned mix bit plans (8 / 4 / 2-bit pieces per head, ragged last blocks), one- and two-pass, hoisted basis
     mix = dict(base, rk=[64, 40], rv=[7, 9], kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1",
                mask="bool", mask_shape="b1sk", s=2)
