@@ -98,8 +98,10 @@ import triton.language as tl
 from .device_cache import check_not_capturing
 from .latent_format import LatentFormat, parse_latent_format
 
-__all__ = ["APPEND_GPU_CHECKED", "GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "dequantize_latent_triton",
-           "format_family", "latent_append_triton", "quantize_latent_triton", "unsupported_reason", "use_triton"]
+__all__ = ["APPEND_FP8_GPU_CHECKED", "APPEND_GPU_CHECKED", "APPEND_ONLINE_GPU_CHECKED", "APPEND_PAGED_GPU_CHECKED",
+           "GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "append_fusable", "append_gpu_checked",
+           "dequantize_latent_triton", "format_family", "latent_append_triton", "quantize_latent_triton",
+           "unsupported_reason", "use_triton"]
 
 #: The CUDA ``ckvp::latent_append`` quantizes with these kernels (for the families in :data:`GPU_CHECKED`). Set
 #: False to force the reference quantizer.
@@ -115,6 +117,13 @@ GPU_CHECKED = frozenset({"int", "tern", "mix"})
 #: no less accurate against an fp64 projection). False puts CUDA back on the unfused path (the reference
 #: projection, then :func:`quantize_latent_triton`).
 APPEND_GPU_CHECKED = True
+#: Input kinds of the fused append not yet run on a GPU (the H200 check covered contiguous latents and one basis
+#: shared by the batch, in bf16, with bf16 keys): until a run of ``benchmarks/latent_append_gpu.py`` with them
+#: passes, CUDA sends paged pools, per-sequence (online) bases and fp8 bases to the unfused path
+#: (:func:`append_gpu_checked`). They are bit-equal to the reference under the interpreter.
+APPEND_PAGED_GPU_CHECKED = False
+APPEND_ONLINE_GPU_CHECKED = False
+APPEND_FP8_GPU_CHECKED = False
 #: Code bytes per ``_tern_pack_kernel`` program (power of two; 64 bytes = 320 coordinates covers a head of rank
 #: <= 320 in one program; raise it for larger heads to launch fewer programs, at more registers per program).
 TERN_TILE_BYTES = 64
@@ -263,13 +272,14 @@ def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
 
 
 @triton.jit
-def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_ptr, n_code, NB, S, K, trash,
+def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_ptr, n_code, NB, S, K, trash, n_slots,
                    stride_xb, stride_xh, stride_xs, stride_xk, stride_bb, stride_bh, stride_bk, stride_br,
                    stride_ob, stride_os, stride_sl, stride_ptb, stride_ptp,
                    BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
                    PAGE: tl.constexpr):
     """One (token, block): project the token's stacked keys (or values) of the block's head onto the block's basis
-    columns in fp32, quantize, store into the token's latent row (its slot, or its page's row when PAGE > 0)."""
+    columns in fp32, quantize, store into the token's latent row (its slot, or its page's row when PAGE > 0). A
+    slot outside [0, n_slots) is not written (no row of another sequence or outside the cache is touched)."""
     row = tl.program_id(0)
     t = tl.program_id(1)
     b = (row // S).to(tl.int64)
@@ -293,13 +303,14 @@ def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_p
         z += tl.sum(xv[:, None] * bv.to(tl.float32), axis=0)
     z = tl.where(ok, z, 0.0)  # ragged tail: 0.0 (the padding)
     slot = tl.load(slots_ptr + s * stride_sl).to(tl.int64)
-    if PAGE > 0:  # the slot's page (unmapped: the trash page), then its row in the page
-        page = tl.load(pt_ptr + b * stride_ptb + (slot // PAGE) * stride_ptp).to(tl.int64)
-        page = tl.where(page >= 0, page, trash)
-        base = out_ptr + page * stride_ob + (slot % PAGE) * stride_os
-    else:
-        base = out_ptr + b * stride_ob + slot * stride_os
-    _quant_block_store(z, j, base, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP)
+    if (slot >= 0) & (slot < n_slots):
+        if PAGE > 0:  # the slot's page (unmapped: the trash page), then its row in the page
+            page = tl.load(pt_ptr + b * stride_ptb + (slot // PAGE) * stride_ptp).to(tl.int64)
+            page = tl.where(page >= 0, page, trash)
+            base = out_ptr + page * stride_ob + (slot % PAGE) * stride_os
+        else:
+            base = out_ptr + b * stride_ob + slot * stride_os
+        _quant_block_store(z, j, base, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP)
 
 
 @triton.jit
@@ -463,6 +474,41 @@ def _head_tables(offsets: tuple[int, ...], name: str, device: str):
     return tuple(out)
 
 
+#: dtypes :func:`latent_append_triton` loads: x in fp16 / bf16 / fp32; bases also in fp8 e5m2, and e4m3fn on GPUs of
+#: compute capability >= 8.9 (Triton's fp8e4nv); others (fp64, the fnuz / e8m0 fp8 variants) take the unfused path
+APPEND_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+APPEND_BASIS_DTYPES = APPEND_X_DTYPES + (torch.float8_e5m2,)
+
+
+def append_fusable(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor) -> str:
+    """Why :func:`latent_append_triton` cannot take these tensors ('' when it can): the latent's last dim must be
+    contiguous (the kernel writes bytes at unit stride) and x / basis of a dtype it loads (:data:`APPEND_X_DTYPES`,
+    :data:`APPEND_BASIS_DTYPES`, e4m3fn bases on CUDA capability >= 8.9 or under the interpreter)."""
+    if latent.stride(-1) != 1:
+        return f"the latent's last dim is strided (stride {latent.stride(-1)})"
+    if x.dtype not in APPEND_X_DTYPES:
+        return f"x is {x.dtype}"
+    if basis.dtype == torch.float8_e4m3fn:
+        if basis.device.type == "cuda" and torch.cuda.get_device_capability(basis.device) < (8, 9):
+            return "float8_e4m3fn bases need compute capability >= 8.9"
+    elif basis.dtype not in APPEND_BASIS_DTYPES:
+        return f"the basis is {basis.dtype}"
+    return ""
+
+
+def append_gpu_checked(basis: torch.Tensor, page_table: torch.Tensor | None) -> bool:
+    """Whether a CUDA ``ckvp::latent_append`` of these inputs may take :func:`latent_append_triton`: the kinds a
+    GPU run has checked (:data:`APPEND_GPU_CHECKED`, :data:`APPEND_PAGED_GPU_CHECKED`,
+    :data:`APPEND_ONLINE_GPU_CHECKED`, :data:`APPEND_FP8_GPU_CHECKED`)."""
+    if not APPEND_GPU_CHECKED:
+        return False
+    if page_table is not None and not APPEND_PAGED_GPU_CHECKED:
+        return False
+    if basis.dim() == 4 and not APPEND_ONLINE_GPU_CHECKED:
+        return False
+    return basis.element_size() > 1 or APPEND_FP8_GPU_CHECKED
+
+
 def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, offsets: Sequence[int],
                          slots: torch.Tensor, fmt: "str | LatentFormat",
                          page_table: torch.Tensor | None = None) -> None:
@@ -481,9 +527,13 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
     Returns:
         None; ``latent`` written in place at the slots' rows. Equal to the reference's bytes wherever the two fp32
         projections round a coordinate alike; elsewhere a code may differ by one step at a rounding tie, never
-        more (tests/kernels/test_latent_quant_triton.py).
+        more (tests/kernels/test_latent_quant_triton.py). A slot outside the cache ([0, S_max); paged: the page
+        table's slots) is not written: on a GPU the slots are not read back to the host (that would synchronise
+        every step), so, unlike the reference's indexing, it raises nothing here; the op's host-tensor check and
+        the RoPE table update of the same graph (``ckvp::rope_table_update``, device-side assert) report it.
     Raises:
-        ValueError: ``fmt`` is not an int or mix format, or ``latent`` is not uint8 of the format's row width.
+        ValueError: ``fmt`` is not an int or mix format, ``latent`` is not uint8 of the format's row width or its
+            last dim is strided, or x / basis have a dtype the kernel does not load (:func:`append_fusable`).
         NotImplementedError: a non-CUDA tensor without ``TRITON_INTERPRET=1``.
     Reference: kernels/reference.py::latent_append_ref
     """
@@ -495,6 +545,9 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
     if latent.dtype != torch.uint8 or latent.shape[-1] != width:
         raise ValueError(f"latent must be uint8 (..., {width}) for {f.name} with offsets {list(offsets)}, but got "
                          f"{latent.dtype} {tuple(latent.shape)}")
+    why = append_fusable(latent, x, basis)
+    if why:
+        raise ValueError(f"latent_append_triton: {why}; use the unfused path (ckvp::latent_append does)")
     heads = _head_tables(offsets, f.name, str(latent.device))
     b, _, s, k = x.shape
     if b * s == 0:
@@ -502,13 +555,16 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
     bstr = basis.stride() if basis.dim() == 4 else (0, *basis.stride())
     if page_table is None:
         pt, pt_strides, page, trash = slots, (0, 0), 0, 0
+        n_slots = latent.shape[1]
     else:
         pt, pt_strides, page, trash = page_table, page_table.stride(), latent.shape[1], latent.shape[0] - 1
+        n_slots = page_table.shape[1] * page
     bp = triton.next_power_of_2(f.block)
     bk = min(128, triton.next_power_of_2(k))
     for (bits, tab), head in zip(groups, heads):
         _append_kernel[(b * s, tab.shape[0])](
-            x, basis, slots, latent, pt, tab, head, n_code, nb, s, k, trash, *x.stride(), *bstr, *latent.stride()[:2],
+            x, basis, slots, latent, pt, tab, head, n_code, nb, s, k, trash, n_slots, *x.stride(), *bstr,
+            *latent.stride()[:2],
             slots.stride(0), *pt_strides,
             BITS=bits, BLOCK=f.block, BP=bp, BK=bk, PAGE=page)
 

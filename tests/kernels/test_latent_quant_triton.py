@@ -271,12 +271,68 @@ def _check_fused_append(n_examples: int) -> None:
     print("fused append:", stats)
 
 
+def _check_append_guards() -> None:
+    """The fused append never writes where the reference would not: a slot outside the cache (contiguous: rows
+    [0, S_max); paged: the page table's slots) is skipped, not written into another sequence's row or past the
+    latent; tensors it cannot load (a strided latent row, fp64 x) are refused by latent_append_triton and sent to
+    the unfused path by the op's CUDA function, which then writes the reference's bytes."""
+    import torch
+
+    from ckvp_compile.kernels import latent_quant_triton as lq
+    from ckvp_compile.kernels import reference as ref
+    from ckvp_compile.kernels.latent_format import parse_latent_format
+    from ckvp_compile.ops import register_all
+
+    register_all()
+    from ckvp_compile.ops.latent_attention_cuda import latent_append_cuda
+
+    g = torch.Generator().manual_seed(11)
+    b, hkv, gd, s_max, fmt = 2, 2, 16, 8, "int4/8"
+    off = [0, 13, 20]
+    width = parse_latent_format(fmt).row_width(off)
+    basis = torch.randn(hkv, gd, 13, generator=g) / 4
+    x = torch.randn(b, hkv, 2, gd, generator=g)
+    # contiguous: slot s_max would be sequence 1's row 0 (and past the buffer for sequence 1); -1 the row before
+    buf = torch.full((b + 1, s_max, width), 7, dtype=torch.uint8)  # a spare sequence after the latent
+    lq.latent_append_triton(buf[:b], x, basis, off, torch.tensor([s_max, -1]), fmt)
+    assert bool((buf == 7).all()), "an out-of-range slot was written"
+    # paged: slot s_max of sequence 0 would read past its page-table row into sequence 1's pages
+    page = 4
+    table = torch.arange(b * s_max // page, dtype=torch.int32).reshape(b, -1)
+    pool = torch.full((b * s_max // page + 1, page, width), 7, dtype=torch.uint8)
+    lq.latent_append_triton(pool, x, basis, off, torch.tensor([s_max, 3]), fmt, table)
+    want = torch.full_like(pool, 7)
+    ref.latent_append_ref(want, x[:, :, 1:], basis, off, torch.tensor([3]), fmt, table)  # the valid token only
+    assert torch.equal(pool, want), "the paged append wrote outside the valid slot's row"
+    # a strided latent row: refused by the kernel, the unfused path for the op
+    wide = torch.full((b, s_max, 2 * width), 7, dtype=torch.uint8)
+    assert "strided" in lq.append_fusable(wide[..., ::2], x, basis)
+    assert "float64" in lq.append_fusable(wide[..., :width], x.double(), basis)
+    try:
+        lq.latent_append_triton(wide[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
+        raise AssertionError("a strided latent was accepted")
+    except ValueError as e:
+        assert "unfused" in str(e)
+    saved = lq.APPEND_GPU_CHECKED
+    lq.APPEND_GPU_CHECKED = True
+    try:
+        got = wide.clone()
+        latent_append_cuda(got[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
+    finally:
+        lq.APPEND_GPU_CHECKED = saved
+    exp = wide.clone()
+    ref.latent_append_ref(exp[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
+    assert torch.equal(ref.unpack_latent_ref(got[..., ::2], off, 13, fmt), ref.unpack_latent_ref(exp[..., ::2], off, 13, fmt))
+    assert torch.equal(got[..., 1::2], wide[..., 1::2]), "bytes between the strided view's were written"
+
+
 def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _check_fixed()
     n = int(os.environ.get("CKVP_LATENT_QUANT_EXAMPLES", "60"))
     _check_property(n)
     _check_latent_append_path()
+    _check_append_guards()
     _check_fused_append(max(8, n // 3))
     print("ok", n)
 
@@ -311,3 +367,25 @@ def test_cpu_without_interpreter_is_refused_and_nothing_is_enabled():
 
 if __name__ == "__main__":
     _main()
+
+
+def test_fused_append_takes_only_gpu_checked_input_kinds(monkeypatch):
+    """CUDA's ckvp::latent_append fuses only the input kinds a GPU run checked: contiguous latents with one bf16 /
+    fp16 / fp32 basis for the batch; paged pools, per-sequence bases and fp8 bases wait for their own flags."""
+    pytest.importorskip("triton")
+    import torch
+
+    from ckvp_compile.kernels import latent_quant_triton as lq
+
+    shared, online = torch.zeros(2, 16, 8, dtype=torch.bfloat16), torch.zeros(3, 2, 16, 8, dtype=torch.bfloat16)
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    assert lq.append_gpu_checked(shared, None)
+    assert not lq.append_gpu_checked(shared, table)
+    assert not lq.append_gpu_checked(online, None)
+    assert not lq.append_gpu_checked(shared.to(torch.float8_e5m2), None)
+    monkeypatch.setattr(lq, "APPEND_PAGED_GPU_CHECKED", True)
+    monkeypatch.setattr(lq, "APPEND_ONLINE_GPU_CHECKED", True)
+    monkeypatch.setattr(lq, "APPEND_FP8_GPU_CHECKED", True)
+    assert lq.append_gpu_checked(online.to(torch.float8_e4m3fn), table)
+    monkeypatch.setattr(lq, "APPEND_GPU_CHECKED", False)
+    assert not lq.append_gpu_checked(shared, None)
