@@ -112,9 +112,9 @@ USE_TRITON = True
 GPU_CHECKED = frozenset({"int", "tern", "mix"})
 #: :func:`latent_append_triton` (projection, quantization and row store fused) for the CUDA ``ckvp::latent_append``
 #: of int and mix formats: bit-equal under the interpreter, and checked on the H200 at real shapes by
-#: ``benchmarks/latent_append_gpu.py`` (benchmarks/results/2026-11-30-fused-append-h200: at G*D = 128 bit-equal
-#: but for 1 in 10^7 coordinates; at G*D = 512, 99.8% bit-equal, the rest moved by the fp32 summation order and
-#: no less accurate against an fp64 projection). False puts CUDA back on the unfused path (the reference
+#: ``benchmarks/latent_append_gpu.py`` (benchmarks/results/2026-11-30-fused-append-h200: at G*D = 128 bit-equal;
+#: at G*D = 512, 99.8% bit-equal, the rest moved by the fp32 summation order, with RMS errors against an fp64
+#: projection within 0.06% of the unfused path's). False puts CUDA back on the unfused path (the reference
 #: projection, then :func:`quantize_latent_triton`).
 APPEND_GPU_CHECKED = True
 #: Input kinds of the fused append not yet run on a GPU (the H200 check covered contiguous latents and one basis
