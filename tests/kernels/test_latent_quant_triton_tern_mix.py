@@ -224,6 +224,8 @@ def _check_latent_append_path() -> None:
     real = lq.quantize_latent_triton
     lq.quantize_latent_triton = lambda *a: calls.append(a[2]) or real(*a)
     saved = lq.GPU_CHECKED
+    saved_fused = lq.APPEND_GPU_CHECKED
+    lq.APPEND_GPU_CHECKED = False  # the unfused path's quantizer dispatch (the fused append: test_latent_quant_triton)
     try:
         for checked in (frozenset({"int"}), frozenset({"int", "tern", "mix"})):
             lq.GPU_CHECKED = checked
@@ -237,7 +239,7 @@ def _check_latent_append_path() -> None:
                 assert len(calls) == n_calls + (lq.format_family(fmt) in checked), (fmt, checked)
                 assert torch.equal(got, want), fmt
     finally:
-        lq.quantize_latent_triton, lq.GPU_CHECKED = real, saved
+        lq.quantize_latent_triton, lq.GPU_CHECKED, lq.APPEND_GPU_CHECKED = real, saved, saved_fused
     assert calls == ["tern/8", "tern", "mix/8:8x5+2x8,4x7"]
 
 
