@@ -98,7 +98,6 @@ def main() -> None:
     for label, b, s, gd, xdt, bkind, page, flag in cases:
         lead = (b,) if bkind == "online" else ()
         basis = torch.linalg.qr(torch.randn(*lead, hkv, gd, r_max, device=dev, generator=g)).Q
-        basis[..., r_max:] = 0.0
         for h, r in enumerate(ranks):
             basis[..., h, :, r:] = 0.0
         bdt = {"shared": torch.bfloat16, "online": torch.bfloat16, "fp32": torch.float32,

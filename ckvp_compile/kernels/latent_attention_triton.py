@@ -1037,14 +1037,7 @@ def _exact_scores(q, head_ok, nk_head, slots_ptr, mask_row, j0, n_exact, D, qk_s
                 other=0.0).to(tl.float32)
     sc = _dot_split(q, tl.trans(k), tl.zeros((q.shape[0], NB), tl.float32), False, False, F32_DOT) * qk_scale
     col = tl.maximum(sl, 0)  # an unused entry reads column 0, then scores -inf
-    if MASK == 1:
-        mv = tl.load(mask_row[:, None] + (col * stride_mt)[None, :], mask=head_ok[:, None] & used[None, :], other=0)
-        sc = tl.where(mv != 0, sc, float("-inf"))
-    if MASK == 2:
-        mv = tl.load(mask_row[:, None] + (col * stride_mt)[None, :], mask=head_ok[:, None] & used[None, :],
-                     other=0.0)
-        sc = sc + mv.to(tl.float32) * 1.4426950408889634
-    return tl.where(used[None, :], sc, float("-inf"))
+    return _mask_tile(sc, mask_row, col, used, head_ok, stride_mt, MASK)  # each token's mask at its slot's column
 
 
 @triton.jit
