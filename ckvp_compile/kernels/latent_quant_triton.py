@@ -117,13 +117,13 @@ GPU_CHECKED = frozenset({"int", "tern", "mix"})
 #: projection within 0.06% of the unfused path's). False puts CUDA back on the unfused path (the reference
 #: projection, then :func:`quantize_latent_triton`).
 APPEND_GPU_CHECKED = True
-#: Input kinds of the fused append not yet run on a GPU (the H200 check covered contiguous latents and one basis
-#: shared by the batch, in bf16, with bf16 keys): until a run of ``benchmarks/latent_append_gpu.py`` with them
-#: passes, CUDA sends paged pools, per-sequence (online) bases and fp8 bases to the unfused path
-#: (:func:`append_gpu_checked`). They are bit-equal to the reference under the interpreter.
-APPEND_PAGED_GPU_CHECKED = False
-APPEND_ONLINE_GPU_CHECKED = False
-APPEND_FP8_GPU_CHECKED = False
+#: Input kinds of the fused append, each checked on its own: paged pools, per-sequence (online) bases and fp8
+#: (e4m3, e5m2) bases. Bit-equal to the reference under the interpreter, and on the H200 every case of
+#: ``benchmarks/latent_append_gpu.py`` passed (benchmarks/results/2026-11-30-append-kinds-h200). Setting one False
+#: sends that kind back to the unfused path on CUDA (:func:`append_gpu_checked`).
+APPEND_PAGED_GPU_CHECKED = True
+APPEND_ONLINE_GPU_CHECKED = True
+APPEND_FP8_GPU_CHECKED = True
 #: Code bytes per ``_tern_pack_kernel`` program (power of two; 64 bytes = 320 coordinates covers a head of rank
 #: <= 320 in one program; raise it for larger heads to launch fewer programs, at more registers per program).
 TERN_TILE_BYTES = 64

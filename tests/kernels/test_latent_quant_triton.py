@@ -370,8 +370,8 @@ if __name__ == "__main__":
 
 
 def test_fused_append_takes_only_gpu_checked_input_kinds(monkeypatch):
-    """CUDA's ckvp::latent_append fuses only the input kinds a GPU run checked: contiguous latents with one bf16 /
-    fp16 / fp32 basis for the batch; paged pools, per-sequence bases and fp8 bases wait for their own flags."""
+    """CUDA's ckvp::latent_append fuses only the input kinds a GPU run checked, each behind its own flag: paged
+    pools, per-sequence bases and fp8 bases (all checked on the H200), and the fused append as a whole."""
     pytest.importorskip("triton")
     import torch
 
@@ -380,12 +380,12 @@ def test_fused_append_takes_only_gpu_checked_input_kinds(monkeypatch):
     shared, online = torch.zeros(2, 16, 8, dtype=torch.bfloat16), torch.zeros(3, 2, 16, 8, dtype=torch.bfloat16)
     table = torch.zeros(3, 4, dtype=torch.int32)
     assert lq.append_gpu_checked(shared, None)
-    assert not lq.append_gpu_checked(shared, table)
-    assert not lq.append_gpu_checked(online, None)
-    assert not lq.append_gpu_checked(shared.to(torch.float8_e5m2), None)
-    monkeypatch.setattr(lq, "APPEND_PAGED_GPU_CHECKED", True)
-    monkeypatch.setattr(lq, "APPEND_ONLINE_GPU_CHECKED", True)
-    monkeypatch.setattr(lq, "APPEND_FP8_GPU_CHECKED", True)
     assert lq.append_gpu_checked(online.to(torch.float8_e4m3fn), table)
+    for flag, args in (("APPEND_PAGED_GPU_CHECKED", (shared, table)), ("APPEND_ONLINE_GPU_CHECKED", (online, None)),
+                       ("APPEND_FP8_GPU_CHECKED", (shared.to(torch.float8_e5m2), None))):
+        monkeypatch.setattr(lq, flag, False)
+        assert not lq.append_gpu_checked(*args), flag
+        assert lq.append_gpu_checked(shared, None), flag
+        monkeypatch.setattr(lq, flag, True)
     monkeypatch.setattr(lq, "APPEND_GPU_CHECKED", False)
     assert not lq.append_gpu_checked(shared, None)
