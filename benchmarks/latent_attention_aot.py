@@ -103,18 +103,19 @@ def compile_call(args: tuple, cfg, keep: str | None = None, label: str = "", pag
 
     sink: list = []
     saved = (lat._latent_attention_split_kernel, lat._latent_attention_reduce_kernel, lat._interpreting,
-             lat.unsupported_reason)
+             lat.unsupported_reason, lat._latent_scores_heads_kernel)
     saved_driver = getattr(triton_driver, "_active", None)
     triton_driver.set_active(_FakeCudaDriver())
     lat._latent_attention_split_kernel = _CompileOnly(saved[0], sink, "split")
     lat._latent_attention_reduce_kernel = _CompileOnly(saved[1], sink, "reduce")
     lat._interpreting = lambda: False
     lat.unsupported_reason = lambda *a, **k: None
+    lat._latent_scores_heads_kernel = _CompileOnly(saved[4], sink, "grouped key pass")
     try:
         lat.latent_attention_triton(*args, config=cfg, page_table=page_table)
     finally:
         (lat._latent_attention_split_kernel, lat._latent_attention_reduce_kernel, lat._interpreting,
-         lat.unsupported_reason) = saved
+         lat.unsupported_reason, lat._latent_scores_heads_kernel) = saved
         triton_driver._active = saved_driver  # reset_active() would build the default driver (none on CPU)
     rows = []
     for i, (tag, phase, grid, compiled) in enumerate(sink):

@@ -75,11 +75,26 @@ def occupancy_variants(rank_pad: int) -> dict:
             "value programs 4224": r(paired, target_programs_v=4224)}
 
 
+def group_variants(rank_pad: int) -> dict:
+    """``--set groups``: the key pass over groups of KV heads (``DecodeConfig.head_group``: one program reads the
+    group's window of each row and loads each RoPE table tile once for the group) against one head per program,
+    and the group sizes, tiles and program counts around the paired default."""
+    r = dataclasses.replace
+    paired = default_config(1, rank_pad, paired=True)
+    return {"one head per program (head_group 0)": r(paired, head_group=0, target_programs=396),
+            "default, paired tables": paired,
+            "key 8 heads": r(paired, head_group=8),
+            "key 2 heads": r(paired, head_group=2),
+            "key programs 396": r(paired, target_programs=396),
+            "key block_n 128, 8 warps": r(paired, block_n=128, num_warps=8)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--set", default="launch", choices=("launch", "occupancy", "default"),
-                    help="launch: the variants of run 2-7; occupancy: occupancy_variants; default: the paired default")
+    ap.add_argument("--set", default="launch", choices=("launch", "occupancy", "default", "groups"),
+                    help="launch: the variants of run 2-7; occupancy: occupancy_variants; default: the paired default; "
+                         "groups: group_variants")
     ap.add_argument("--cases", default="8:32768:32,8:32768:64,8:32768:104:full,8:32768:12",
                     help="comma-separated batch:context:rank[:full]")
     a = ap.parse_args()
@@ -99,6 +114,7 @@ def main() -> None:
         rank_pad = max(16, 1 << (rank - 1).bit_length())
         vs = {"occupancy": lambda: occupancy_variants(rank_pad),
               "default": lambda: {"default, paired tables": default_config(1, rank_pad, paired=True)},
+              "groups": lambda: group_variants(rank_pad),
               "launch": lambda: variants(rank_pad, bool(full), b)}[a.set]()
         for name, c in vs.items():
             row = {"batch": b, "context": t, "rank": rank, "variant": name}
@@ -108,6 +124,11 @@ def main() -> None:
                 row["rel_err"] = lag.rel_err(out, want)
                 row["ms"] = round(lag.bench(lambda c=c: latent_attention_triton(*args, config=c), warmup=5, rep=30), 4)
                 row.update(lag.kernel_stats())
+                if a.set == "groups":  # the key pass alone
+                    ka = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
+                          args[15], args[16], args[17], args[18])
+                    row["key_ms"] = round(lag.bench(lambda c=c: lat.latent_scores_triton(*ka, config=c), warmup=5,
+                                                    rep=30), 4)
             except Exception as e:  # noqa: BLE001 - reported, the others still run
                 row["error"] = repr(e)[:300]
             rows.append(row)

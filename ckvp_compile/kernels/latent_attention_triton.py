@@ -167,7 +167,14 @@ class DecodeConfig:
     rank, not head_dim, multiply-adds per slot (H200, batch 8, 32k, int4/32: rank 32 1.22 -> 0.92 ms, 0.77 with
     paired tables; rank 64 1.44 -> 1.51 unpaired but 0.78 paired, so the default enables it up to rank 32, or up to
     :data:`MAX_ROTATED_RANK` with tables declared paired; needs ``fma_scores``, padded rank <=
-    :data:`MAX_ROTATED_RANK`, dequantized, non-mix latents, else ignored)."""
+    :data:`MAX_ROTATED_RANK`, dequantized, non-mix latents, else ignored); head_group: the key pass scores this
+    many KV heads per program (``_latent_scores_heads_kernel``: each row's window of the group's bytes read once,
+    each RoPE table tile loaded once for the group, the tables multiplied with N = the group's coordinates) instead
+    of one; 0: one head per program. Applies to the two-pass form with one query head per KV head and float or
+    uniform ``int`` key latents whose heads each fit in one quantization block (rank <= block), and where the
+    groups' programs still fill ``target_programs``, else ignored. (The value pass over groups of heads, acc (16,
+    NCOLS) += (p * scale)^T @ codes on the tensor cores, was tried and dropped: on the H200 it ran 2x slower than
+    the per-head value pass and missed 1e-3; benchmarks/results/2026-11-30-head-groups-h200.)"""
 
     block_n: int = 64
     block_r: int = 64
@@ -198,6 +205,7 @@ class DecodeConfig:
     fuse_merge: bool = False
     target_programs_v: int | None = None
     rotate_basis: bool = False
+    head_group: int = 0
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False) -> DecodeConfig:
@@ -211,7 +219,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
     latent on the tensor cores, and 5.87 ms for the generic config; int4/32 rank 256, batch 8, 32k), the value
     pass on 8x the programs (``target_programs_v``) and, up to rank 32, RoPE moved onto the basis
-    (``rotate_basis``; benchmarks/results/2026-11-30-small-rank-h200). Otherwise
+    (``rotate_basis``; benchmarks/results/2026-11-30-small-rank-h200); with paired tables up to rank 32, the key pass
+    over groups of 4 KV heads (``head_group``; benchmarks/results/2026-11-30-head-groups-h200). Otherwise
     (e.g. Mixtral's G = 4: 2.92 ms in run 10, 2.44 with e4m3 bases) the generic config, the fastest of run 5.
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
@@ -231,8 +240,12 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # (paired tables: rank 64 0.78 ms against 1.44, rank 104 1.33 against 1.85, and up to rank 32 the key pass
         # on 396 programs, 3 per SM at its 137 registers: rank 32 0.77 -> 0.58 ms, rank 12 1.10 -> 0.91)
         rotate = rank_pad <= (MAX_ROTATED_RANK if paired else 32)
+        # up to rank 32 with paired tables, the key pass takes 4 KV heads per program on 264 programs (H200, batch
+        # 8, 32k, int4/32: key pass rank 12 0.377 -> 0.211 ms, rank 16 0.370 -> 0.219, rank 32 0.410 -> 0.362,
+        # against one head per program on 396; benchmarks/results/2026-11-30-head-groups-h200)
+        group = 4 if paired and rank_pad <= 32 else 0
         cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True, target_programs_v=2112,
-                           rotate_basis=rotate, target_programs=396 if paired and rank_pad <= 32 else 264)
+                           rotate_basis=rotate, head_group=group)
     else:
         cfg = DecodeConfig()
     if paired:
@@ -1192,6 +1205,244 @@ def _latent_attention_reduce_kernel(
 # ------------------------------------------------------------------------------------------------ launcher
 
 
+# ------------------------------------------------------------------ key pass over groups of KV heads (small ranks)
+
+
+@triton.jit
+def _group_columns(kmeta_ptr, h0, n_heads, base, PER: tl.constexpr, NCOLS: tl.constexpr, HB: tl.constexpr):
+    """The (head, coordinate) of each column of a KV-head group's row window: column n is code ``n % PER`` of byte
+    (element, for float latents) ``base + n // PER``. Returns (hl, j, ok) (NCOLS,) int32 / bool: the head's index
+    in the group, its latent coordinate, and whether the column holds one (j < the head's rank; not padding)."""
+    n = tl.arange(0, NCOLS)
+    unit = base + n // PER
+    hi = tl.arange(0, HB)
+    h_ok = hi < n_heads
+    col0 = tl.load(kmeta_ptr + 3 * (h0 + hi), mask=h_ok, other=0)
+    rank = tl.load(kmeta_ptr + 3 * (h0 + hi) + 2, mask=h_ok, other=0)
+    # the group's heads are in row order: a column's head is the last one starting at or before it
+    starts = h_ok[None, :] & (col0[None, :] <= unit[:, None])
+    hl = tl.sum(starts.to(tl.int32), axis=1) - 1
+    own = hi[None, :] == hl[:, None]
+    c0 = tl.sum(tl.where(own, col0[None, :], 0), axis=1)
+    r = tl.sum(tl.where(own, rank[None, :], 0), axis=1)
+    j = (unit - c0) * PER + n % PER
+    return hl, j, (hl >= 0) & (j < r)
+
+
+@triton.jit
+def _latent_scores_heads_kernel(
+    q_ptr, lk_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, sc_ptr, pt_ptr,
+    Hkv, S, n_groups, heads_per_group, n_exact, kv_len, tiles_per_split, qk_scale, D, half, k_scale_base,
+    k_min_base, row_units, stride_scr, stride_ptb,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_lkb, stride_lks, stride_lkw,
+    stride_bkb, stride_bkh, stride_bkd, stride_bkr,
+    stride_cp, stride_cw, stride_sp, stride_sw,
+    stride_pb, stride_ps,
+    stride_mb, stride_mh, stride_ms, stride_mt,
+    HB: tl.constexpr, NUNITS: tl.constexpr, UNIT_ALIGN: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
+    REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, ROPE: tl.constexpr,
+    PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
+    WORDS: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_BLOCK: tl.constexpr, PAGE: tl.constexpr = 0,
+):
+    """The key pass (two-pass form, one query head per KV head) for a GROUP of KV heads: scores of every slot of
+    one context split, for ``heads_per_group`` KV heads at once. Grid (n_split, B * n_groups, S).
+
+    Why: at small key ranks one head's part of a latent row is a few bytes (rank 12, int4/32: 6 code bytes and
+    a 2-byte scale and min), so a program per head reads mostly other heads' bytes of every sector, and multiplies
+    the RoPE tables on the tensor cores with N = its padded rank (16). A program per group reads the group's
+    contiguous window of each row once (``NUNITS`` bytes, or elements for float latents, from ``base``, the
+    group's first byte rounded down to ``UNIT_ALIGN``), loads each RoPE table tile once for all its heads, and
+    multiplies it with N = the window's coordinates.
+
+    Math (as :func:`_tile_scores_rotated`, per column): with the query folded into the basis once per program,
+    column n of head h(n) and coordinate j(n) gets the coefficient ``W_tn = cos_t . Ea_n + sin_t . Eb_n (+ the
+    unpaired tables' + c3_n)``; a uniform ``int`` latent whose heads each fit in one quantization block (rank <=
+    block) has ``z_tn = code_tn * scale_th + min_th``, so the score of head h at slot t is
+    ``scale_th * sum_{n in h} code_tn W_tn + min_th * sum_{n in h} W_tn``: two (BLOCK_N, NCOLS) x (NCOLS, HB)
+    products with the 0/1 head-membership matrix (hi/lo split of the fp32 operand; the codes are exact).
+    Float latents: ``sum_{n in h} z_tn W_tn``. Columns that are padding (an odd rank's last nibble, bytes of a
+    neighbouring group) have W = 0 and no membership.
+
+    Shapes and strides: as ``_latent_attention_split_kernel`` (G = 1); scores stored to ``sc`` rows
+    ``(b * Hkv + h) * S + s`` (stride_scr), log2 units, masked, ``-inf`` at the exact tokens' slots.
+    HB: a power of two >= 16 (the products' N) and >= heads_per_group."""
+    c = tl.program_id(0)
+    bg = tl.program_id(1)
+    s = tl.program_id(2)
+    b = bg // n_groups
+    h0 = (bg % n_groups) * heads_per_group
+    n_heads = tl.minimum(heads_per_group, Hkv - h0)
+    PER: tl.constexpr = 1 if BITS == 16 else 8 // BITS
+    NCOLS: tl.constexpr = NUNITS * PER
+    base = tl.load(kmeta_ptr + 3 * h0)
+    base = (base // UNIT_ALIGN) * UNIT_ALIGN
+    hl, j, col_ok = _group_columns(kmeta_ptr, h0, n_heads, base, PER, NCOLS, HB)
+    head = h0 + tl.maximum(hl, 0)
+    # the query folded into the basis (see _tile_scores_rotated), per column: (HALF, NCOLS) coefficient blocks
+    i1, i2, c1, c2, rot_ok, rest, rest_ok = _rope_rows(half, 2 * half, D, HALF, REST, ROPE)
+    q_col = q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + head * stride_qh  # (NCOLS,), G = 1
+    b_col = bk_ptr + b.to(tl.int64) * stride_bkb + head * stride_bkh + j * stride_bkr
+    ea_hi = tl.zeros((HALF, NCOLS), tl.bfloat16)
+    ea_lo = ea_hi
+    eb_hi = ea_hi
+    eb_lo = ea_hi
+    ec_hi = ea_hi
+    ec_lo = ea_hi
+    ed_hi = ea_hi
+    ed_lo = ea_hi
+    if HAS_ROT:
+        r_ok = rot_ok[:, None] & col_ok[None, :]
+        p1 = tl.load(b_col[None, :] + (i1 * stride_bkd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
+        p2 = tl.load(b_col[None, :] + (i2 * stride_bkd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
+        q1 = tl.load(q_col[None, :] + (i1 * stride_qd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
+        q2 = tl.load(q_col[None, :] + (i2 * stride_qd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
+        if ROPE == 3 or PAIRED_TABLE:
+            ea_hi, ea_lo = _split_bf16(p1 * q1 + p2 * q2)
+            eb_hi, eb_lo = _split_bf16(p1 * q2 - p2 * q1)
+        else:
+            ea_hi, ea_lo = _split_bf16(p1 * q1)
+            eb_hi, eb_lo = _split_bf16(-(p2 * q1))
+            ec_hi, ec_lo = _split_bf16(p2 * q2)
+            ed_hi, ed_lo = _split_bf16(p1 * q2)
+    c3 = tl.zeros((NCOLS,), tl.float32)
+    if HAS_REST:
+        x_ok = rest_ok[:, None] & col_ok[None, :]
+        p3 = tl.load(b_col[None, :] + (rest * stride_bkd)[:, None], mask=x_ok, other=0.0).to(tl.float32)
+        q3 = tl.load(q_col[None, :] + (rest * stride_qd)[:, None], mask=x_ok, other=0.0).to(tl.float32)
+        c3 = tl.sum(p3 * q3, axis=0)
+    hb = tl.arange(0, HB)
+    sel = tl.where((hl[:, None] == hb[None, :]) & col_ok[:, None], 1.0, 0.0).to(tl.bfloat16)  # (NCOLS, HB) membership
+    head_ok = hb < n_heads
+    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + (h0 + hb) * stride_mh  # (HB,) query heads
+    sc_rows = sc_ptr + ((b * Hkv + h0 + hb) * S + s).to(tl.int64) * stride_scr  # (HB,)
+    units = base + tl.arange(0, NUNITS)
+    if BITS != 16:
+        blk = tl.load(kmeta_ptr + 3 * (h0 + hb) + 1, mask=head_ok, other=0)  # each head's one block
+
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    t_start = c * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
+    lo_vec = tl.full((SLOT_BLOCK,), kv_len, tl.int64)
+    for j0 in range(0, n_exact, SLOT_BLOCK):
+        sj = j0 + tl.arange(0, SLOT_BLOCK)
+        sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1).to(tl.int64)
+        lo_vec = tl.minimum(lo_vec, tl.where(sl >= 0, sl, lo_vec))
+    lo_exact = tl.min(lo_vec, axis=0)
+    for t in range(t_start, t_end):
+        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs < kv_len
+        is_new = offs < 0
+        if t * BLOCK_N + BLOCK_N > lo_exact:
+            for j0 in range(0, n_exact, SLOT_BLOCK):
+                sj = j0 + tl.arange(0, SLOT_BLOCK)
+                sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
+                is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
+        slot_ok = row_ok & ~is_new
+        if PAGE > 0:
+            page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
+            ld_ok = slot_ok & (page >= 0)
+            rows = lk_ptr + page * stride_lkb + (offs % PAGE).to(tl.int64) * stride_lks
+        else:
+            ld_ok = slot_ok
+            rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
+        # the coefficients of every column at each slot's position
+        w = tl.zeros((BLOCK_N, NCOLS), tl.float32)
+        if HAS_ROT:
+            pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=slot_ok, other=0).to(tl.int64)
+            tab_ok = slot_ok[:, None] & rot_ok[None, :]
+            cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
+            sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
+            if not COS_EXACT:
+                cos1 = cos1.to(tl.float32)
+                sin1 = sin1.to(tl.float32)
+            w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
+            w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
+            if not (ROPE == 3 or PAIRED_TABLE):
+                cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok,
+                               other=0.0)
+                sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok,
+                               other=0.0)
+                if not COS_EXACT:
+                    cos2 = cos2.to(tl.float32)
+                    sin2 = sin2.to(tl.float32)
+                w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
+                w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
+        if HAS_REST:
+            w = w + c3[None, :]
+        # the group's window of each row, read once (contiguous: vector loads)
+        u_ok = ld_ok[:, None] & (units < row_units)[None, :]
+        raw = tl.load(rows[:, None] + (units * stride_lkw)[None, :], mask=u_ok, other=0)
+        acc = tl.zeros((BLOCK_N, HB), tl.float32)
+        if BITS == 16:
+            acc = _dot_split(raw.to(tl.float32) * w, sel, acc, False, True, F32_DOT)
+        else:
+            raw = raw.to(tl.int32)
+            if BITS == 8:
+                code = raw
+            elif BITS == 4:
+                code = tl.reshape(tl.join(raw & 15, raw >> 4), (BLOCK_N, NCOLS))
+            else:
+                code = tl.reshape(tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3)),
+                                  (BLOCK_N, NCOLS))
+            b_ok = ld_ok[:, None] & head_ok[None, :]
+            if WORDS:
+                words = rows.to(tl.pointer_type(tl.uint16))
+                sc = tl.load(words[:, None] + (k_scale_base // 2 + blk)[None, :], mask=b_ok, other=0)
+                mn = tl.load(words[:, None] + (k_min_base // 2 + blk)[None, :], mask=b_ok, other=0)
+                sc = sc.to(tl.float16, bitcast=True).to(tl.float32)
+                mn = mn.to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                sc = _fp16_at(rows[:, None] + ((k_scale_base + 2 * blk) * stride_lkw)[None, :], stride_lkw, b_ok)
+                mn = _fp16_at(rows[:, None] + ((k_min_base + 2 * blk) * stride_lkw)[None, :], stride_lkw, b_ok)
+            cw = _dot_split(code.to(tl.float32) * w, sel, tl.zeros((BLOCK_N, HB), tl.float32), False, True, F32_DOT)
+            ws = _dot_split(w, sel, tl.zeros((BLOCK_N, HB), tl.float32), False, True, F32_DOT)
+            acc = sc * cw + mn * ws
+        scores = tl.trans(acc) * qk_scale  # (HB, BLOCK_N), log2 units
+        scores = _mask_tile(scores, mask_row, offs, slot_ok, head_ok, stride_mt, MASK)
+        tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & row_ok[None, :])
+
+
+#: Most columns (latent coordinates, padding included) of a head group's row window: above it the group's
+#: (BLOCK_N, NCOLS) coefficient tile would not fit in registers, and the per-head key pass runs.
+MAX_GROUP_COLUMNS = 256
+
+
+def head_group_window(offsets: Sequence[int], fmt: str, heads: int, elem_bytes: int = 2) -> tuple[int, int] | None:
+    """The row window of ``_latent_scores_heads_kernel`` for key latents of ``offsets`` in format ``fmt`` and groups
+    of ``heads`` KV heads: ``(units, align)``, the window's width in bytes (elements for float latents; a power of
+    two >= 16) and the alignment its start is rounded down to; None where the grouped key pass does not apply (a
+    format other than float or uniform ``int``, a head wider than one quantization block, or a window of more than
+    :data:`MAX_GROUP_COLUMNS` coordinates). ``elem_bytes``: a float latent's element size."""
+    f = parse_latent_format(fmt)
+    offsets = [int(o) for o in offsets]
+    ranks = _ranks(offsets)
+    if heads < 1 or not ranks:
+        return None
+    if f.quantized:
+        if f.mixed or f.pow2 or f.ternary or f.bits not in (8, 4, 2) or max(ranks) > f.block:
+            return None
+        cb = f.code_bytes(offsets)
+        col0 = [sum(cb[:i]) for i in range(len(ranks))]
+        width, per, align = cb, 8 // f.bits, 16
+    else:
+        col0, width, per, align = offsets[:-1], ranks, 1, max(1, 16 // elem_bytes)
+
+    def window(a: int) -> int:  # the widest group's window when its start is rounded down to a multiple of a
+        span = 0
+        for h0 in range(0, len(ranks), heads):
+            last = min(h0 + heads, len(ranks)) - 1
+            span = max(span, col0[last] + width[last] - (col0[h0] // a) * a)
+        return _np2(span)
+
+    # the widest alignment (vector loads) that does not widen the window: rounding a group's start down to 16
+    # bytes could double it (4 heads of 5 code bytes: 20 bytes, up to 35 with the rounding, 64 after next_pow2)
+    units = window(1)
+    while align > 1 and window(align) > units:
+        align //= 2
+    return None if units * per > MAX_GROUP_COLUMNS else (units, align)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -1715,19 +1966,47 @@ def _launch(
     _LAST_LAUNCH["n_split"] = n_split
     _LAST_LAUNCH["merge_split_block"] = split_block
     if cfg.two_pass and mode != "from_scores":
-        if cfg.key_tiles:
-            k_per = max(1, int(cfg.key_tiles))
-            k_split = triton.cdiv(triton.cdiv(kv_len, cfg.block_n), k_per)
+        window = None
+        per_group = min(int(cfg.head_group), hkv)
+        n_groups = triton.cdiv(hkv, max(per_group, 1))
+        # only where the groups' programs can still fill the target (batch 1, 4k: 4 groups would run 64 programs,
+        # against 256 per head)
+        fills = b * n_groups * s * max(1, triton.cdiv(kv_len, cfg.block_n) // max(cfg.min_tiles, 1)) \
+            >= cfg.target_programs
+        if per_group > 0 and fills and g == 1 and not fuse and (kf.quantized or latent_k.dtype in _FLOATS):
+            window = head_group_window(k_offsets, k_fmt, per_group, latent_k.element_size())
+        _LAST_LAUNCH["head_group"] = 0 if window is None else per_group
+        if window is not None:  # a program per group of KV heads (small ranks: whole row windows)
+            if cfg.key_tiles:
+                k_per = max(1, int(cfg.key_tiles))
+                k_split = triton.cdiv(triton.cdiv(kv_len, cfg.block_n), k_per)
+            else:
+                k_split, k_per = context_splits(cfg, kv_len, cfg.block_n, b * n_groups * s, cfg.target_programs)
+            _LAST_LAUNCH["scores"] = _latent_scores_heads_kernel[(k_split, b * n_groups, s)](
+                q, latent_k, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, sc_ws, pt,
+                hkv, s, n_groups, per_group, n_exact, kv_len, k_per, qk_scale, d, half, k_sb, k_mb,
+                latent_k.shape[-1], t_pad, pt_stride,
+                *q.stride(), *latent_k.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr, *mstrides,
+                HB=_np2(per_group), NUNITS=window[0], UNIT_ALIGN=window[1], BITS=kf.bits, HALF=common["HALF"],
+                REST=common["REST"], HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope,
+                PAIRED_TABLE=common["PAIRED_TABLE"],
+                COS_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16, MASK=mask_kind,
+                F32_DOT=f32_dot, WORDS=common["K_WORDS"], BLOCK_N=cfg.block_n, SLOT_BLOCK=16,
+                PAGE=common["PAGE"], num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
         else:
-            k_split, k_per = splits(cfg.block_n, cfg.target_programs)
-        _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
-            q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
-            m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,
-            hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb, rv_max,
-            *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
-            *mstrides, *merge_strides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
-            **dict(common, G_PAD=g_small if fma_k else g_pad, ROT_BASIS=rot_basis and fma_k),
-            **_reg_cap(cfg.maxnreg))
+            if cfg.key_tiles:
+                k_per = max(1, int(cfg.key_tiles))
+                k_split = triton.cdiv(triton.cdiv(kv_len, cfg.block_n), k_per)
+            else:
+                k_split, k_per = splits(cfg.block_n, cfg.target_programs)
+            _LAST_LAUNCH["scores"] = _latent_attention_split_kernel[(k_split, b * hkv, s)](
+                q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
+                m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,
+                hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+                rv_max, *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr,
+                *sstr, *pstr, *mstrides, *merge_strides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
+                **dict(common, G_PAD=g_small if fma_k else g_pad, ROT_BASIS=rot_basis and fma_k),
+                **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
     _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](

@@ -205,7 +205,7 @@ def _check_property(n_examples: int) -> None:
                            reduce_split_d=draw(st.booleans()), r_loop=draw(st.booleans()),
                            key_tiles=draw(st.sampled_from((None, 1, 2))), fma_values=draw(st.booleans()),
                            fma_values_2d=draw(st.booleans()), fuse_merge=draw(st.booleans()),
-                           rotate_basis=draw(st.booleans()))
+                           rotate_basis=draw(st.booleans()), head_group=draw(st.sampled_from((0, 0, 2, 3))))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -448,6 +448,30 @@ def _check_fixed() -> None:
     assert not lat_mod._key_codes_ok(codes_cfg, _plf("int4/32"), torch.empty(0), 256)  # fp32 bases: not exact
     assert not lat_mod._key_codes_ok(codes_cfg, _plf("int4/8"), torch.empty(0, dtype=torch.bfloat16), 256)
     assert not lat_mod._key_codes_ok(codes_cfg, _plf("mxint4"), torch.empty(0, dtype=torch.bfloat16), 256)
+    # the key pass over groups of KV heads (head_group; one query head per KV head, heads within one quantization
+    # block): groups of 2 and 3 over 5 heads of unequal ranks (the last group short, odd ranks' padding nibbles),
+    # int4 / int8 / int2 / float latents, paged pools, masks with exact window tokens, every RoPE form, paired
+    # bf16 tables; the grouped kernel must really run, and its scores must match the reference's
+    grp = dict(base, hkv=5, ratio=1, rk=[12, 5, 9, 16, 3], rv=[4, 9, 7, 7, 7], kv_len=37)
+    gcfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, hoist_basis=True, fma_scores=True,
+                        fma_values=True, target_programs=1, min_tiles=1)
+    for hg, extra in ((2, dict(kfmt="int4/32")), (3, dict(kfmt="int8/32", page=4, seed=3)),
+                      (2, dict(kfmt="int2/16", mask="bool", mask_shape="b1sk", s=2, win=5)),
+                      (3, dict(kfmt="float", rope="interleaved", rd=32, mask="add")),
+                      (2, dict(kfmt="int4/16", rope="complex", rd=16, dtype=torch.bfloat16)),
+                      (3, dict(kfmt="int4/32", rope="none", rd=0)),
+                      (2, dict(kfmt="int4/32", paired=True, dtype=torch.bfloat16, rd=32))):
+        case = dict(grp, **extra)
+        hcfg = dataclasses.replace(gcfg, head_group=hg, paired_tables=bool(extra.get("paired")))
+        _check(case, hcfg)
+        assert lat_mod._LAST_LAUNCH["head_group"] == hg, (case, lat_mod._LAST_LAUNCH)
+        if not case.get("page"):
+            (q, lk, lv, bk, bv, ko, vo, cos, sin, sp, rf, rd, nk, nv, sl, mk, sc_, kv, kf, vf) = _inputs(case)
+            sc = latent_scores_triton(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf, config=hcfg)
+            sc_want = ref.latent_scores_ref(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf)
+            assert torch.equal(torch.isneginf(sc), torch.isneginf(sc_want))
+            fin = torch.isfinite(sc_want)
+            assert float((sc[fin] - sc_want[fin]).abs().max()) <= 1e-3 * float(sc_want[fin].abs().max()) + 1e-5
     # the op's CUDA kernel function: Triton by default (verified on the H200), the reference with USE_TRITON off
     from ckvp_compile.ops import latent_attention_cuda as cuda_mod
 
@@ -533,16 +557,55 @@ def test_rope_tables_paired_helper():
 
 def test_default_config_rotates_the_basis_where_measured_faster():
     """One query head per KV head: RoPE on the basis up to rank 32, or up to MAX_ROTATED_RANK with tables declared
-    paired (then also paired_tables, and 396 key programs up to rank 32); never with several query heads."""
+    paired (then also paired_tables, and the key pass over groups of 4 KV heads up to rank 32); never with several
+    query heads."""
     from ckvp_compile.kernels import latent_attention_triton as lat
 
     assert lat.default_config(1, 32).rotate_basis and not lat.default_config(1, 64).rotate_basis
     assert not lat.default_config(1, 32).paired_tables and lat.default_config(1, 32).target_programs == 264
     p32, p128 = lat.default_config(1, 32, paired=True), lat.default_config(1, 128, paired=True)
-    assert p32.rotate_basis and p32.paired_tables and p32.target_programs == 396
+    assert p32.rotate_basis and p32.paired_tables and p32.head_group == 4
     assert p128.rotate_basis and p128.paired_tables and p128.target_programs == 264
     assert not lat.default_config(1, 256, paired=True).rotate_basis
     assert not lat.default_config(4, 32, paired=True).rotate_basis and lat.default_config(4, 32, True).paired_tables
+
+
+def test_head_group_window_covers_each_group_and_refuses_wide_heads():
+    """The grouped key pass's row window: every group's bytes (elements) fit in it from the group's first byte
+    rounded down to the returned alignment, the alignment never widens the window, and formats or ranks the kernel
+    cannot read in one quantization block per head are refused (None: the per-head key pass runs)."""
+    pytest.importorskip("triton")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ckvp_compile.kernels.latent_attention_triton import MAX_GROUP_COLUMNS, head_group_window
+    from ckvp_compile.kernels.latent_format import parse_latent_format
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @given(st.lists(st.integers(1, 32), min_size=1, max_size=20), st.integers(1, 8),
+           st.sampled_from(("int4/32", "int8/32", "int2/32", "float")))
+    def prop(ranks, heads, fmt):
+        off = [0]
+        for r in ranks:
+            off.append(off[-1] + r)
+        got = head_group_window(off, fmt, heads)
+        f = parse_latent_format(fmt)
+        per = 8 // f.bits if f.quantized else 1
+        if got is None:
+            return
+        units, align = got
+        assert units & (units - 1) == 0 and units >= 16 and units * per <= MAX_GROUP_COLUMNS
+        cb = f.code_bytes(off) if f.quantized else ranks
+        col0 = [sum(cb[:i]) for i in range(len(ranks))]
+        for h0 in range(0, len(ranks), heads):
+            last = min(h0 + heads, len(ranks)) - 1
+            assert col0[last] + cb[last] - (col0[h0] // align) * align <= units
+        assert head_group_window(off, fmt, heads)[0] == units
+
+    prop()
+    assert head_group_window([0, 33, 40], "int4/32", 2) is None  # a head over two blocks of 32
+    assert head_group_window([0, 12, 24], "mxint4/32", 2) is None and head_group_window([0, 12], "mix/32:4x12", 1) is None
+    assert head_group_window([0, 200, 400], "float", 2) is None  # wider than MAX_GROUP_COLUMNS
 
 
 def test_context_splits_cover_the_context_without_empty_programs():
