@@ -458,7 +458,7 @@ def _check_fixed() -> None:
     for hg, extra in ((2, dict(kfmt="int4/32")), (3, dict(kfmt="int8/32", page=4, seed=3)),
                       (2, dict(kfmt="int2/16", mask="bool", mask_shape="b1sk", s=2, win=5)),
                       (3, dict(kfmt="float", rope="interleaved", rd=32, mask="add")),
-                      (2, dict(kfmt="int4/16", rope="complex", rd=16, dtype=torch.bfloat16)),
+                      (2, dict(kfmt="int4/16", rope="complex", rd=16, pos_dtype=torch.int64)),
                       (3, dict(kfmt="int4/32", rope="none", rd=0)),
                       (2, dict(kfmt="int4/32", paired=True, dtype=torch.bfloat16, rd=32))):
         case = dict(grp, **extra)
