@@ -1319,6 +1319,8 @@ def _latent_scores_heads_kernel(
     units = base + tl.arange(0, NUNITS)
     if BITS != 16:
         blk = tl.load(kmeta_ptr + 3 * (h0 + hb) + 1, mask=head_ok, other=0)  # each head's one block
+        # a rank-0 head has no block (its index is the next head's, or past the row's last): never read
+        has_blk = head_ok & (tl.load(kmeta_ptr + 3 * (h0 + hb) + 2, mask=head_ok, other=0) > 0)
 
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     t_start = c * tiles_per_split
@@ -1385,7 +1387,7 @@ def _latent_scores_heads_kernel(
             else:
                 code = tl.reshape(tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3)),
                                   (BLOCK_N, NCOLS))
-            b_ok = ld_ok[:, None] & head_ok[None, :]
+            b_ok = ld_ok[:, None] & has_blk[None, :]
             if WORDS:
                 words = rows.to(tl.pointer_type(tl.uint16))
                 sc = tl.load(words[:, None] + (k_scale_base // 2 + blk)[None, :], mask=b_ok, other=0)

@@ -460,6 +460,7 @@ def _check_fixed() -> None:
                       (3, dict(kfmt="float", rope="interleaved", rd=32, mask="add")),
                       (2, dict(kfmt="int4/16", rope="complex", rd=16, pos_dtype=torch.int64)),
                       (3, dict(kfmt="int4/32", rope="none", rd=0)),
+                      (2, dict(kfmt="int4/32", rk=[12, 0, 9, 16, 0])),  # rank-0 heads, the last one too
                       (2, dict(kfmt="int4/32", paired=True, dtype=torch.bfloat16, rd=32))):
         case = dict(grp, **extra)
         hcfg = dataclasses.replace(gcfg, head_group=hg, paired_tables=bool(extra.get("paired")))
