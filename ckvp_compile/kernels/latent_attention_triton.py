@@ -86,9 +86,9 @@ from .device_cache import check_not_capturing
 from .latent_format import parse_latent_format
 from .reference import ROPE_FORMS
 
-__all__ = ["DecodeConfig", "context_splits", "declare_paired_tables", "default_config", "latent_attention_from_scores_triton",
-           "latent_attention_triton", "latent_scores_triton", "paired_tables_declared", "rope_tables_paired",
-           "unsupported_reason"]
+__all__ = ["DecodeConfig", "context_splits", "declare_paired_tables", "default_config", "head_group_window",
+           "latent_attention_from_scores_triton", "latent_attention_triton", "latent_scores_triton",
+           "paired_tables_declared", "rope_tables_paired", "subbyte_codes", "unsupported_reason"]
 
 _ROPE_CODE = {"none": 0, "rotate_half": 1, "interleaved": 2, "complex": 3}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -106,6 +106,16 @@ MIX_GPU_CHECKED = True
 #: blocks stay on chip across the tile loop; at 128, paired, the key pass spills 54 registers and is still 1.4x
 #: faster than the rebuild).
 MAX_ROTATED_RANK = 128
+#: Sub-byte codes (int4 / int2, mxint4, mix pieces of 4 or 2 bits) unpacked from bytes and multiplied on the tensor
+#: cores (the per-head key rebuild, its one-pass form and the tensor-core value product) gave wrong results on the
+#: H200 with Triton 3.6 at some tile / warp shapes (key pass: 16-slot tiles, or 1 warp at 32-64 slots, scores off by
+#: up to 14; value product: 16-slot tiles, rel err 1.6; benchmarks/results/2026-11-30-latent-attention-small-h200 and
+#: the review in benchmarks/results/2026-11-30-head-groups-h200), exact under the interpreter, while the default
+#: shapes were checked right. Until the cause is found, CUDA launches those passes at these checked (slots per
+#: tile, warps) shapes whatever the config asks: "key" for the per-head key pass and the one-pass kernel, "value"
+#: for a tensor-core value pass. The rotated key pass and the CUDA-core value pass do not multiply the codes on the
+#: tensor cores, and the grouped key pass was right at every shape tried; they keep the config's shapes.
+SUBBYTE_DOT_SHAPES = {"key": (64, 4), "value": (32, 4)}
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
 MAX_GROUP = 64
@@ -172,7 +182,8 @@ class DecodeConfig:
     each RoPE table tile loaded once for the group, the tables multiplied with N = the group's coordinates) instead
     of one; 0: one head per program. Applies to the two-pass form with one query head per KV head and float or
     uniform ``int`` key latents whose heads each fit in one quantization block (rank <= block), and where the
-    groups' programs still fill ``target_programs``, else ignored. (The value pass over groups of heads, acc (16,
+    groups' programs still fill ``target_programs``, not with ``fuse_merge`` (whose counters the per-head key pass
+    zeroes), else ignored. (The value pass over groups of heads, acc (16,
     NCOLS) += (p * scale)^T @ codes on the tensor cores, was tried and dropped: on the H200 it ran 2x slower than
     the per-head value pass and missed 1e-3; benchmarks/results/2026-11-30-head-groups-h200.)"""
 
@@ -1264,6 +1275,10 @@ def _latent_scores_heads_kernel(
     Float latents: ``sum_{n in h} z_tn W_tn``. Columns that are padding (an odd rank's last nibble, bytes of a
     neighbouring group) have W = 0 and no membership.
 
+    A non-finite float latent value of one of the group's heads makes the scores of every head of the group NaN
+    at that slot (0 * inf in the membership product), where the reference makes its own head's NaN; columns of the
+    window outside the group's heads are masked before the product, so other groups are not affected.
+
     Shapes and strides: as ``_latent_attention_split_kernel`` (G = 1); scores stored to ``sc`` rows
     ``(b * Hkv + h) * S + s`` (stride_scr), log2 units, masked, ``-inf`` at the exact tokens' slots.
     HB: a power of two >= 16 (the products' N) and >= heads_per_group."""
@@ -1376,8 +1391,9 @@ def _latent_scores_heads_kernel(
         u_ok = ld_ok[:, None] & (units < row_units)[None, :]
         raw = tl.load(rows[:, None] + (units * stride_lkw)[None, :], mask=u_ok, other=0)
         acc = tl.zeros((BLOCK_N, HB), tl.float32)
-        if BITS == 16:
-            acc = _dot_split(raw.to(tl.float32) * w, sel, acc, False, True, F32_DOT)
+        if BITS == 16:  # other heads' columns never enter (a non-finite value there would, through 0 * inf)
+            z = tl.where(col_ok[None, :], raw.to(tl.float32), 0.0)
+            acc = _dot_split(z * w, sel, acc, False, True, F32_DOT)
         else:
             raw = raw.to(tl.int32)
             if BITS == 8:
@@ -1406,8 +1422,9 @@ def _latent_scores_heads_kernel(
 
 
 #: Most columns (latent coordinates, padding included) of a head group's row window: above it the group's
-#: (BLOCK_N, NCOLS) coefficient tile would not fit in registers, and the per-head key pass runs.
-MAX_GROUP_COLUMNS = 256
+#: coefficient blocks spill (ptxas for sm_90a: 256 columns, 8 heads of rank 32, spill 800 bytes and ran 2.3x slower
+#: than one head per program on the H200), and the per-head key pass runs.
+MAX_GROUP_COLUMNS = 128
 
 
 def head_group_window(offsets: Sequence[int], fmt: str, heads: int, elem_bytes: int = 2) -> tuple[int, int] | None:
@@ -1614,6 +1631,16 @@ def _key_codes_ok(cfg: "DecodeConfig", f, basis: torch.Tensor, rk_pad: int) -> b
             and f.block & (f.block - 1) == 0 and 16 <= f.block <= rk_pad and basis.dtype in BASIS_BF16_EXACT)
 
 
+def subbyte_codes(f) -> bool:
+    """Whether a parsed latent format packs codes of fewer than 8 bits (int4 / int2, mxint4, a mix plan with 4- or
+    2-bit pieces): the formats :data:`SUBBYTE_DOT_SHAPES` guards."""
+    if not f.quantized or f.ternary:
+        return False
+    if f.mixed:
+        return any(bits < 8 for segs in f.segments for bits, _ in segs)
+    return f.bits < 8
+
+
 def _blockwise(f, ncols: int) -> bool:
     """A quantized format whose blocks tile every chunk of ``ncols`` coordinates (power-of-two block <= ncols)."""
     return f.quantized and f.block & (f.block - 1) == 0 and f.block <= ncols
@@ -1756,6 +1783,23 @@ def context_splits(config: DecodeConfig, kv_len: int, block_n: int, rows: int, t
     return triton.cdiv(n_tiles, per), per
 
 
+def _subbyte_shapes(cfg: DecodeConfig, kf, vf, g: int) -> tuple[DecodeConfig, dict]:
+    """``cfg`` with the GPU-checked (slots per tile, warps) of :data:`SUBBYTE_DOT_SHAPES` where sub-byte codes meet
+    the tensor cores, and the fields it changed: the key pass's (``block_n``, ``num_warps``; the rotated and grouped
+    key passes read the same fields and are right at these shapes too) for sub-byte key codes, and for sub-byte
+    value codes a tensor-core value pass's (``block_n_v``, ``num_warps_v``; one pass: its tiles, the key pass's)."""
+    changes = {}
+    key_shape, value_shape = SUBBYTE_DOT_SHAPES["key"], SUBBYTE_DOT_SHAPES["value"]
+    tc_values = not (cfg.fma_values and g <= cfg.fma_max_heads)
+    if subbyte_codes(kf) or (subbyte_codes(vf) and tc_values and not cfg.two_pass):
+        if (cfg.block_n, cfg.num_warps) != key_shape:
+            changes.update(block_n=key_shape[0], num_warps=key_shape[1])
+    if subbyte_codes(vf) and tc_values and cfg.two_pass:
+        if (cfg.block_n_v or cfg.block_n, cfg.num_warps_v or cfg.num_warps) != value_shape:
+            changes.update(block_n_v=value_shape[0], num_warps_v=value_shape[1])
+    return (dataclasses.replace(cfg, **changes) if changes else cfg), changes
+
+
 def latent_scores_triton(
     q: torch.Tensor, latent_k: torch.Tensor, basis_k_block: torch.Tensor, k_offsets: Sequence[int],
     cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int,
@@ -1857,6 +1901,9 @@ def _launch(
     hkv = basis_k_block.shape[-3]
     g = h // hkv
     kf, vf = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
+    subbyte_changes = {}
+    if q.is_cuda and not _interpreting():
+        cfg, subbyte_changes = _subbyte_shapes(cfg, kf, vf, g)
     kmeta, k_sb, k_mb, kmeta_cols = _head_meta(k_offsets, k_fmt, q.device)
     vmeta, v_sb, v_mb, vmeta_cols = _head_meta(v_offsets, v_fmt, q.device)
     rk_max, rv_max = basis_k_block.shape[-1], basis_v_block.shape[-1]
@@ -1963,6 +2010,7 @@ def _launch(
         common.update(FUSE_MERGE=True, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad,
                       MERGE_SPLIT_BLOCK=split_block)
     _LAST_LAUNCH.clear()
+    _LAST_LAUNCH["subbyte_shapes"] = subbyte_changes
     _LAST_LAUNCH["rot_basis"] = rot_basis
     _LAST_LAUNCH["paired_tables"] = common["PAIRED_TABLE"]
     _LAST_LAUNCH["n_split"] = n_split

@@ -473,6 +473,20 @@ def _check_fixed() -> None:
             assert torch.equal(torch.isneginf(sc), torch.isneginf(sc_want))
             fin = torch.isfinite(sc_want)
             assert float((sc[fin] - sc_want[fin]).abs().max()) <= 1e-3 * float(sc_want[fin].abs().max()) + 1e-5
+    # a non-finite float latent value stays out of the groups whose window only overlaps it: head 1's last column
+    # (element 10) opens group 1's window (heads 2-3, start rounded down to 10), where it is masked; inside its own
+    # group it reaches head 0 too (the membership product's 0 * inf), like any NaN reaching o_proj would
+    case = dict(grp, kfmt="float", rk=[5, 6, 7, 8, 8])
+    assert lat_mod.head_group_window([0, 5, 11, 18, 26, 34], "float", 2, 4) == (16, 2)
+    args = list(_inputs(case))
+    args[1] = args[1].clone()
+    args[1][:, :, 10] = float("inf")
+    want = ref.latent_attention_ref(*args)
+    out = latent_attention_triton(*args, config=dataclasses.replace(gcfg, head_group=2))
+    assert lat_mod._LAST_LAUNCH["head_group"] == 2
+    assert bool(torch.isnan(want[:, 1]).all()) and not bool(torch.isnan(want[:, 2:]).any())
+    assert not bool(torch.isnan(out[:, 2:]).any())
+    assert float((out[:, 2:] - want[:, 2:]).norm() / want[:, 2:].norm()) <= TOL
     # the op's CUDA kernel function: Triton by default (verified on the H200), the reference with USE_TRITON off
     from ckvp_compile.ops import latent_attention_cuda as cuda_mod
 
@@ -607,6 +621,35 @@ def test_head_group_window_covers_each_group_and_refuses_wide_heads():
     assert head_group_window([0, 33, 40], "int4/32", 2) is None  # a head over two blocks of 32
     assert head_group_window([0, 12, 24], "mxint4/32", 2) is None and head_group_window([0, 12], "mix/32:4x12", 1) is None
     assert head_group_window([0, 200, 400], "float", 2) is None  # wider than MAX_GROUP_COLUMNS
+
+
+def test_subbyte_codes_run_the_gpu_checked_shapes():
+    """On CUDA, sub-byte codes (int4 / int2, mxint4, mix plans with 4- or 2-bit pieces) meet the tensor cores only at
+    the (slots per tile, warps) of SUBBYTE_DOT_SHAPES: the key pass for sub-byte keys, a tensor-core value pass for
+    sub-byte values (one pass: its tiles); 8-bit and float latents and CUDA-core value passes keep the config."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from ckvp_compile.kernels import latent_attention_triton as lat
+    from ckvp_compile.kernels.latent_format import parse_latent_format as fmt
+
+    key, value = lat.SUBBYTE_DOT_SHAPES["key"], lat.SUBBYTE_DOT_SHAPES["value"]
+    assert [lat.subbyte_codes(fmt(f)) for f in ("int4/32", "int2/8", "mxint4/32", "mix/32:8x32+4x16", "int8/32",
+                                                "mxint8/32", "mix/32:8x32", "float")] == [True] * 4 + [False] * 4
+    odd = lat.DecodeConfig(block_n=16, num_warps=1, block_n_v=16, num_warps_v=2)
+    cfg, changed = lat._subbyte_shapes(odd, fmt("int4/32"), fmt("int8/32"), 4)
+    assert (cfg.block_n, cfg.num_warps) == key and (cfg.block_n_v, cfg.num_warps_v) == (16, 2)
+    assert changed == {"block_n": key[0], "num_warps": key[1]}
+    cfg, changed = lat._subbyte_shapes(odd, fmt("int8/32"), fmt("int2/8"), 4)  # tensor-core value product
+    assert (cfg.block_n, cfg.num_warps) == (16, 1) and (cfg.block_n_v, cfg.num_warps_v) == value
+    cfg, _ = lat._subbyte_shapes(dataclasses.replace(odd, fma_values=True), fmt("float"), fmt("int4/32"), 1)
+    assert cfg == dataclasses.replace(odd, fma_values=True)  # CUDA-core values: unchanged
+    cfg, _ = lat._subbyte_shapes(dataclasses.replace(odd, two_pass=False), fmt("int8/32"), fmt("int4/32"), 4)
+    assert (cfg.block_n, cfg.num_warps) == key  # one pass: the value product runs in the key pass's tiles
+    assert lat._subbyte_shapes(odd, fmt("int8/32"), fmt("float"), 4) == (odd, {})
+    for g, rank in ((1, 16), (1, 64), (4, 256)):  # the defaults are the checked shapes
+        d = lat.default_config(g, rank)
+        assert lat._subbyte_shapes(d, fmt("int4/32"), fmt("int4/32"), g) == (d, {})
 
 
 def test_context_splits_cover_the_context_without_empty_programs():
