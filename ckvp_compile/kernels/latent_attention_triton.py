@@ -113,8 +113,9 @@ MAX_ROTATED_RANK = 128
 #: the review in benchmarks/results/2026-11-30-head-groups-h200), exact under the interpreter, while the default
 #: shapes were checked right. Until the cause is found, CUDA launches those passes at these checked (slots per
 #: tile, warps) shapes whatever the config asks: "key" for the per-head key pass and the one-pass kernel, "value"
-#: for a tensor-core value pass. The rotated key pass and the CUDA-core value pass do not multiply the codes on the
-#: tensor cores, and the grouped key pass was right at every shape tried; they keep the config's shapes.
+#: for a tensor-core value pass (the CUDA-core value pass keeps the config's). The rotated and grouped key passes,
+#: which do not feed the unpacked codes to the tensor cores and were right at other shapes, read the same config
+#: fields and so run the checked key shape too.
 SUBBYTE_DOT_SHAPES = {"key": (64, 4), "value": (32, 4)}
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
@@ -183,9 +184,10 @@ class DecodeConfig:
     of one; 0: one head per program. Applies to the two-pass form with one query head per KV head and float or
     uniform ``int`` key latents whose heads each fit in one quantization block (rank <= block), and where the
     groups' programs still fill ``target_programs``, not with ``fuse_merge`` (whose counters the per-head key pass
-    zeroes), else ignored. (The value pass over groups of heads, acc (16,
-    NCOLS) += (p * scale)^T @ codes on the tensor cores, was tried and dropped: on the H200 it ran 2x slower than
-    the per-head value pass and missed 1e-3; benchmarks/results/2026-11-30-head-groups-h200.)"""
+    zeroes), else ignored. (A value pass over groups of heads was tried twice and dropped: on the
+    tensor cores, acc (16, NCOLS) += (p * scale)^T @ codes, it ran 2x slower than the per-head value pass on the
+    H200 and missed 1e-3; on the CUDA cores it was right but slower, 26.3 against 22.2 ms per Qwen1.5-MoE step;
+    benchmarks/results/2026-11-30-head-groups-h200.)"""
 
     block_n: int = 64
     block_r: int = 64
