@@ -326,12 +326,19 @@ def _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0: tl.constexp
             h_end = (rank + PER - 1) // PER
         h_ok = row_ok[:, None] & ((hb < h_end) & (hb >= (lo + PER - 1) // PER))[None, :]
         raw = tl.load(row_ptr[:, None] + ((col0 + hb) * stride_w)[None, :], mask=h_ok, other=0).to(tl.int32)
-        if BITS == 4:  # low nibble first: interleave the nibbles
-            code = tl.join(raw & 15, raw >> 4)
-        else:  # bits 0-1, 2-3, 4-5, 6-7
-            code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
-        code = tl.reshape(code, (NROWS, NCOLS))
+        code = _unpack_codes(raw, NROWS, NCOLS, BITS)
     return code
+
+
+@triton.jit
+def _unpack_codes(raw, NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr):
+    """(NROWS, NCOLS) int32 codes of (NROWS, NCOLS * BITS / 8) int32 bytes ``raw`` of 4- or 2-bit codes, in
+    coordinate order: code ``i`` of a byte is its bits ``i*BITS .. i*BITS + BITS - 1`` (low nibble first)."""
+    if BITS == 4:  # interleave the nibbles
+        code = tl.join(raw & 15, raw >> 4)
+    else:  # bits 0-1, 2-3, 4-5, 6-7
+        code = tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3))
+    return tl.reshape(code, (NROWS, NCOLS))
 
 
 @triton.jit
@@ -535,6 +542,79 @@ def _split_bf16(x):
 
 
 @triton.jit
+def _rotated_coefficients(p1, p2, q1, q2, ROPE: tl.constexpr, PAIRED_TABLE: tl.constexpr):
+    """The query folded into the basis as the coefficients of each RoPE table column (see
+    :func:`_tile_scores_rotated`): from the basis rows of the pairs' halves ``p1``, ``p2`` (HALF, N) fp32 and the
+    query's halves ``q1``, ``q2`` (HALF, N or 1) fp32, the (HALF, N) blocks ``Ea = P1 q1``, ``Eb = -P2 q1``,
+    ``Ec = P2 q2``, ``Ed = P1 q2`` (one angle per pair, ROPE 3 or PAIRED_TABLE: ``Ea + Ec`` and ``Eb + Ed`` only;
+    the last four returned are then placeholders), each as bf16 hi + lo parts (:func:`_split_bf16`)."""
+    if ROPE == 3 or PAIRED_TABLE:  # cos1 == cos2 and sin1 == sin2: two coefficient blocks
+        ea_hi, ea_lo = _split_bf16(p1 * q1 + p2 * q2)
+        eb_hi, eb_lo = _split_bf16(p1 * q2 - p2 * q1)
+        ec_hi, ec_lo, ed_hi, ed_lo = ea_hi, ea_lo, eb_hi, eb_lo
+    else:
+        ea_hi, ea_lo = _split_bf16(p1 * q1)  # cos1
+        eb_hi, eb_lo = _split_bf16(-(p2 * q1))  # sin1
+        ec_hi, ec_lo = _split_bf16(p2 * q2)  # cos2
+        ed_hi, ed_lo = _split_bf16(p1 * q2)  # sin2
+    return ea_hi, ea_lo, eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo
+
+
+@triton.jit
+def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, c1, c2, ea_hi, ea_lo, eb_hi, eb_lo,
+                        ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps,
+                        ROPE: tl.constexpr, PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr,
+                        F32_DOT: tl.constexpr):
+    """``w`` (BLOCK_N, N) plus each latent coordinate's coefficient at the slots' positions: the cos / sin table rows
+    of ``offs`` (gathered through ``slot_pos``; zero where ``~slot_ok``) times the :func:`_rotated_coefficients`
+    blocks on the tensor cores (tables exact in bf16, COS_EXACT: as loaded; else split hi / lo)."""
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=slot_ok, other=0).to(tl.int64)
+    tab_ok = slot_ok[:, None] & rot_ok[None, :]
+    cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
+    sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
+    if not COS_EXACT:  # exact (bf16) tables go to the tensor cores as loaded
+        cos1 = cos1.to(tl.float32)
+        sin1 = sin1.to(tl.float32)
+    w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
+    w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
+    if not (ROPE == 3 or PAIRED_TABLE):
+        cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok, other=0.0)
+        sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok, other=0.0)
+        if not COS_EXACT:
+            cos2 = cos2.to(tl.float32)
+            sin2 = sin2.to(tl.float32)
+        w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
+        w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
+    return w
+
+
+@triton.jit
+def _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK: tl.constexpr):
+    """The lowest slot of a used exact token (``slots`` (n_exact,), -1: unused), or ``kv_len``: tiles wholly below
+    it skip :func:`_exact_in_tile` (reduced from a vector, so its type stays int64 whatever Triton specialises
+    kv_len to)."""
+    lo_vec = tl.full((SLOT_BLOCK,), kv_len, tl.int64)
+    for j0 in range(0, n_exact, SLOT_BLOCK):
+        sj = j0 + tl.arange(0, SLOT_BLOCK)
+        sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1).to(tl.int64)
+        lo_vec = tl.minimum(lo_vec, tl.where(sl >= 0, sl, lo_vec))
+    return tl.min(lo_vec, axis=0)
+
+
+@triton.jit
+def _exact_in_tile(offs, tile_end, lo_exact, slots_ptr, n_exact, SLOT_BLOCK: tl.constexpr):
+    """(BLOCK_N,) bool: which slots ``offs`` of a tile ending at ``tile_end`` hold an exact token (their keys and
+    values come from new_k / new_v, not the latent); checked only if the tile reaches ``lo_exact``."""
+    is_new = offs < 0
+    if tile_end > lo_exact:
+        for j0 in range(0, n_exact, SLOT_BLOCK):
+            sj = j0 + tl.arange(0, SLOT_BLOCK)
+            sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
+            is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
+    return is_new
+
+
+@triton.jit
 def _dot_presplit(a, b_hi, b_lo, acc, A_EXACT: tl.constexpr, F32_DOT: tl.constexpr):
     """:func:`_dot_split` with ``b`` already split (:func:`_split_bf16`, e.g. once per program, not per tile)."""
     a_hi = a.to(tl.bfloat16)  # a no-op for bf16 ``a`` (A_EXACT)
@@ -731,16 +811,9 @@ def _latent_attention_split_kernel(
     c3 = 0.0
     if ROT_BASIS and PHASE != 2:
         if HAS_ROT:
-            p1f = p1.to(tl.float32)
-            p2f = p2.to(tl.float32)
-            if ROPE == 3 or PAIRED_TABLE:  # cos1 == cos2 and sin1 == sin2: two coefficient blocks
-                ea_hi, ea_lo = _split_bf16(tl.trans(p1f * q1 + p2f * q2))
-                eb_hi, eb_lo = _split_bf16(tl.trans(p1f * q2 - p2f * q1))
-            else:
-                ea_hi, ea_lo = _split_bf16(tl.trans(p1f * q1))  # cos1
-                eb_hi, eb_lo = _split_bf16(tl.trans(-(p2f * q1)))  # sin1
-                ec_hi, ec_lo = _split_bf16(tl.trans(p2f * q2))  # cos2
-                ed_hi, ed_lo = _split_bf16(tl.trans(p1f * q2))  # sin2
+            ea_hi, ea_lo, eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo = _rotated_coefficients(
+                tl.trans(p1.to(tl.float32)), tl.trans(p2.to(tl.float32)), tl.trans(q1), tl.trans(q2), ROPE,
+                PAIRED_TABLE)
         if HAS_REST:
             c3 = tl.sum(p3.to(tl.float32) * q3, axis=1)
 
@@ -757,23 +830,12 @@ def _latent_attention_split_kernel(
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     t_start = c * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    # the first slot of a used exact token: tiles wholly below it skip the slot check (a vector carried through
-    # the loop: its type stays int64 whatever Triton specialises kv_len to)
-    lo_vec = tl.full((SLOT_BLOCK,), kv_len, tl.int64)
-    for j0 in range(0, n_exact, SLOT_BLOCK):
-        sj = j0 + tl.arange(0, SLOT_BLOCK)
-        sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1).to(tl.int64)
-        lo_vec = tl.minimum(lo_vec, tl.where(sl >= 0, sl, lo_vec))
-    lo_exact = tl.min(lo_vec, axis=0)
+    lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
     for t in range(t_start, t_end):
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
-        is_new = offs < 0
-        if t * BLOCK_N + BLOCK_N > lo_exact:  # the exact tokens' slots come from new_k / new_v
-            for j0 in range(0, n_exact, SLOT_BLOCK):
-                sj = j0 + tl.arange(0, SLOT_BLOCK)
-                sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
-                is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
+        # the exact tokens' slots come from new_k / new_v
+        is_new = _exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
         col_ok = row_ok & ~is_new
         if PAGE > 0:  # walk the page table: each slot's page, then its row inside the page
             page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
@@ -1026,23 +1088,9 @@ def _tile_scores_rotated(
                      BLOCK_N, RK_PAD, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
     w = tl.zeros((BLOCK_N, RK_PAD), tl.float32)
     if HAS_ROT:
-        pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
-        tab_ok = col_ok[:, None] & rot_ok[None, :]
-        cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
-        sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-        if not COS_EXACT:  # exact (bf16) tables go to the tensor cores as loaded
-            cos1 = cos1.to(tl.float32)
-            sin1 = sin1.to(tl.float32)
-        w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
-        w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
-        if not (ROPE == 3 or PAIRED_TABLE):
-            cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok, other=0.0)
-            sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-            if not COS_EXACT:
-                cos2 = cos2.to(tl.float32)
-                sin2 = sin2.to(tl.float32)
-            w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
-            w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
+        w = _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, col_ok, rot_ok, c1, c2, ea_hi, ea_lo, eb_hi,
+                                eb_lo, ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw, stride_sp, stride_sw,
+                                stride_pb, stride_ps, ROPE, PAIRED_TABLE, COS_EXACT, F32_DOT)
     if HAS_REST:
         w = w + c3[None, :]
     scores = tl.sum(z * w, axis=1)[None, :] * qk_scale  # (1, BLOCK_N), log2 units
@@ -1314,14 +1362,8 @@ def _latent_scores_heads_kernel(
         p2 = tl.load(b_col[None, :] + (i2 * stride_bkd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
         q1 = tl.load(q_col[None, :] + (i1 * stride_qd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
         q2 = tl.load(q_col[None, :] + (i2 * stride_qd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
-        if ROPE == 3 or PAIRED_TABLE:
-            ea_hi, ea_lo = _split_bf16(p1 * q1 + p2 * q2)
-            eb_hi, eb_lo = _split_bf16(p1 * q2 - p2 * q1)
-        else:
-            ea_hi, ea_lo = _split_bf16(p1 * q1)
-            eb_hi, eb_lo = _split_bf16(-(p2 * q1))
-            ec_hi, ec_lo = _split_bf16(p2 * q2)
-            ed_hi, ed_lo = _split_bf16(p1 * q2)
+        ea_hi, ea_lo, eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo = _rotated_coefficients(p1, p2, q1, q2, ROPE,
+                                                                                       PAIRED_TABLE)
     c3 = tl.zeros((NCOLS,), tl.float32)
     if HAS_REST:
         x_ok = rest_ok[:, None] & col_ok[None, :]
@@ -1342,22 +1384,11 @@ def _latent_scores_heads_kernel(
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     t_start = c * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    lo_vec = tl.full((SLOT_BLOCK,), kv_len, tl.int64)
-    for j0 in range(0, n_exact, SLOT_BLOCK):
-        sj = j0 + tl.arange(0, SLOT_BLOCK)
-        sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1).to(tl.int64)
-        lo_vec = tl.minimum(lo_vec, tl.where(sl >= 0, sl, lo_vec))
-    lo_exact = tl.min(lo_vec, axis=0)
+    lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
     for t in range(t_start, t_end):
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
-        is_new = offs < 0
-        if t * BLOCK_N + BLOCK_N > lo_exact:
-            for j0 in range(0, n_exact, SLOT_BLOCK):
-                sj = j0 + tl.arange(0, SLOT_BLOCK)
-                sl = tl.load(slots_ptr + sj, mask=sj < n_exact, other=-1)
-                is_new = is_new | (tl.sum((offs[:, None] == sl[None, :]).to(tl.int32), axis=1) > 0)
-        slot_ok = row_ok & ~is_new
+        slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
         if PAGE > 0:
             page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
             ld_ok = slot_ok & (page >= 0)
@@ -1368,25 +1399,9 @@ def _latent_scores_heads_kernel(
         # the coefficients of every column at each slot's position
         w = tl.zeros((BLOCK_N, NCOLS), tl.float32)
         if HAS_ROT:
-            pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=slot_ok, other=0).to(tl.int64)
-            tab_ok = slot_ok[:, None] & rot_ok[None, :]
-            cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
-            sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-            if not COS_EXACT:
-                cos1 = cos1.to(tl.float32)
-                sin1 = sin1.to(tl.float32)
-            w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
-            w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
-            if not (ROPE == 3 or PAIRED_TABLE):
-                cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok,
-                               other=0.0)
-                sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok,
-                               other=0.0)
-                if not COS_EXACT:
-                    cos2 = cos2.to(tl.float32)
-                    sin2 = sin2.to(tl.float32)
-                w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
-                w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
+            w = _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, c1, c2, ea_hi, ea_lo,
+                                    eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw, stride_sp,
+                                    stride_sw, stride_pb, stride_ps, ROPE, PAIRED_TABLE, COS_EXACT, F32_DOT)
         if HAS_REST:
             w = w + c3[None, :]
         # the group's window of each row, read once (contiguous: vector loads)
@@ -1400,11 +1415,8 @@ def _latent_scores_heads_kernel(
             raw = raw.to(tl.int32)
             if BITS == 8:
                 code = raw
-            elif BITS == 4:
-                code = tl.reshape(tl.join(raw & 15, raw >> 4), (BLOCK_N, NCOLS))
             else:
-                code = tl.reshape(tl.join(tl.join(raw & 3, (raw >> 4) & 3), tl.join((raw >> 2) & 3, (raw >> 6) & 3)),
-                                  (BLOCK_N, NCOLS))
+                code = _unpack_codes(raw, BLOCK_N, NCOLS, BITS)
             b_ok = ld_ok[:, None] & has_blk[None, :]
             if WORDS:
                 words = rows.to(tl.pointer_type(tl.uint16))
@@ -1434,9 +1446,18 @@ def head_group_window(offsets: Sequence[int], fmt: str, heads: int, elem_bytes: 
     of ``heads`` KV heads: ``(units, align)``, the window's width in bytes (elements for float latents; a power of
     two >= 16) and the alignment its start is rounded down to; None where the grouped key pass does not apply (a
     format other than float or uniform ``int``, a head wider than one quantization block, or a window of more than
-    :data:`MAX_GROUP_COLUMNS` coordinates). ``elem_bytes``: a float latent's element size."""
+    :data:`MAX_GROUP_COLUMNS` coordinates). ``offsets``: (Hkv + 1,) ints, the heads' latent column offsets;
+    ``elem_bytes``: a float latent's element size. Cached per arguments (the launcher asks once per call).
+
+    Raises:
+        ValueError: an unknown format (as :func:`~ckvp_compile.kernels.latent_format.parse_latent_format`).
+    """
+    return _head_group_window(tuple(int(o) for o in offsets), fmt, int(heads), int(elem_bytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _head_group_window(offsets: tuple, fmt: str, heads: int, elem_bytes: int) -> tuple[int, int] | None:
     f = parse_latent_format(fmt)
-    offsets = [int(o) for o in offsets]
     ranks = _ranks(offsets)
     if heads < 1 or not ranks:
         return None
