@@ -244,16 +244,20 @@ def copy_bandwidth(device: str = "cuda", gib: float = 2.0) -> float:
 
 def launch_shape(config, b: int, h: int, hkv: int, kv_len: int, s: int = 1) -> dict:
     """How ``latent_attention_triton`` launches with ``config`` (a ``DecodeConfig``) at this shape, as its launcher
-    decides: ``two_pass`` (False when the scores would exceed ``MAX_SCORES_BYTES``) and ``n_split``, the programs
-    along the context of the pass that writes the split workspaces (flash-decoding's split count)."""
+    decides: ``two_pass`` (False when one sequence's scores would exceed ``MAX_SCORES_BYTES``), ``batch_slices``
+    (how many slices of the batch the two passes run on, each within that cap) and ``n_split``, the programs along
+    the context of the pass that writes the split workspaces (flash-decoding's split count) in the first slice."""
     from ckvp_compile.kernels import latent_attention_triton as lat
 
-    two_pass = bool(config.two_pass) and b * h * s * int(kv_len) * 4 <= lat.MAX_SCORES_BYTES
+    slices = lat.score_batch_slices(b, h, s, int(kv_len)) if config.two_pass else None
+    two_pass = slices is not None
+    rows = (slices[0][1] - slices[0][0]) if two_pass else b
     block_n = (config.block_n_v or config.block_n) if two_pass else config.block_n
     target = ((getattr(config, "target_programs_v", None) or config.target_programs) if two_pass
               else config.target_programs)
-    n_split, _ = lat.context_splits(config, int(kv_len), block_n, b * hkv * s, target)
-    return {"two_pass": two_pass, "n_split": n_split}
+    n_split, _ = lat.context_splits(config, int(kv_len), block_n, rows * hkv * s, target)
+    return {"two_pass": two_pass, "batch_slices": len(slices) if two_pass else 1, "slice_batch": rows,
+            "n_split": n_split}
 
 
 def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False) -> dict:
@@ -358,7 +362,8 @@ def estimate_bytes(b: int, t: int, fmt: str, rank: int, heads: tuple[int, int] =
     rpad = _np2(rank)  # the launcher's padded rank (a power of 2, >= 16)
     cfg = default_config(h // hkv, rpad)
     shape = launch_shape(cfg, b, h, hkv, t)
-    kernel = ((b * h * t * 4 if shape["two_pass"] else 0) + b * h * shape["n_split"] * (rpad + 2) * 4
+    kernel = ((shape["slice_batch"] * h * t * 4 if shape["two_pass"] else 0)  # one slice's scores at a time
+              + b * h * shape["n_split"] * (rpad + 2) * 4
               + b * h * d * 4)
     c = min(ref_chunk, b)
     reference = int(1.5 * c * t * (5 * hkv * d * 4 + 2 * d * 4 + 4 * hkv * rank * 4 + 3 * h * 4))

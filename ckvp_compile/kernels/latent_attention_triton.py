@@ -1538,8 +1538,10 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
     return None
 
 
-#: Largest two-pass scores workspace (bytes) ``latent_attention_triton`` allocates; above it (long prefills: S query
-#: tokens x kv_len slots) it runs the one-pass kernel, which keeps no per-slot state.
+#: Largest two-pass scores workspace (bytes) ``latent_attention_triton`` allocates. A larger batch runs the two
+#: passes on slices of its sequences, each within this (:func:`score_batch_slices`); where one sequence's scores
+#: alone exceed it (long prefills: S query tokens x kv_len slots) it runs the one-pass kernel, which keeps no
+#: per-slot state.
 MAX_SCORES_BYTES = 1 << 28
 
 
@@ -1547,6 +1549,35 @@ def _scores_bytes(q: torch.Tensor, kv_len: int) -> int:
     """Bytes of the two-pass scores, (B, Hkv, S, H/Hkv, kv_len) fp32 = B * H * S * kv_len * 4."""
     b, h, s, _ = q.shape
     return b * h * s * int(kv_len) * 4
+
+
+def score_batch_slices(b: int, h: int, s: int, kv_len: int) -> list[tuple[int, int]] | None:
+    """How the two-pass form splits a batch so that each slice's scores fit :data:`MAX_SCORES_BYTES`.
+
+    Args:
+        b, h, s: batch, query heads, query tokens per sequence; kv_len: slots attended.
+    Returns:
+        ``[(b0, b1), ...]``: consecutive slices covering [0, b), sizes within one of each other (one slice when the whole
+        batch's scores fit); None when one sequence's scores (h * s * kv_len fp32) alone exceed the cap (the
+        launcher then runs the one-pass kernel).
+
+    At Qwen1.5-MoE's largest batch at 32k (289 sequences, 16 heads: 606 MB of scores) the launcher used to fall
+    back to the one-pass kernel, which has no grouped or rotated key pass; slices of 96-97 sequences keep the
+    two-pass kernels (issue 9's largest-batch throughput).
+    """
+    per_seq = h * s * int(kv_len) * 4
+    if per_seq > MAX_SCORES_BYTES:
+        return None
+    n = -(-b // (MAX_SCORES_BYTES // per_seq))  # fewest slices of at most cap // per_seq sequences
+    return [(i * b // n, (i + 1) * b // n) for i in range(n)]  # sizes within one: at most ceil(b / n)
+
+
+def _batch_slice(t: torch.Tensor | None, b: int, b0: int, b1: int, dims: int) -> torch.Tensor | None:
+    """Sequences [b0, b1) of ``t`` when it has ``dims`` dimensions and a batch dimension of size ``b`` (a view);
+    ``t`` itself when it is shared across the batch (None, fewer dimensions, or a broadcast batch of 1)."""
+    if t is None or t.dim() != dims or t.shape[0] != b or b == 1:
+        return t
+    return t[b0:b1]
 
 
 _META: dict[tuple, torch.Tensor] = {}
@@ -1918,7 +1949,21 @@ def _launch(
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
     elif mode == "all" and cfg.two_pass and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES:
-        cfg = dataclasses.replace(cfg, two_pass=False)  # a long prefill: the scores would not fit; one pass
+        slices = score_batch_slices(q.shape[0], q.shape[1], q.shape[2], kv_len)
+        if slices is None:
+            cfg = dataclasses.replace(cfg, two_pass=False)  # a long prefill: the scores would not fit; one pass
+        else:  # a large batch: the two passes on slices of its sequences (each slice's scores within the cap)
+            bt = q.shape[0]
+            paged = page_table is not None
+            outs = [_launch(mode, q[b0:b1], latent_k if paged else latent_k[b0:b1],
+                            latent_v if paged else latent_v[b0:b1], _batch_slice(basis_k_block, bt, b0, b1, 4),
+                            _batch_slice(basis_v_block, bt, b0, b1, 4), k_offsets, v_offsets, cos_table, sin_table,
+                            _batch_slice(slot_pos, bt, b0, b1, 2) if rope_form != "none" else slot_pos, rope_form,
+                            rotary_dim, new_k[b0:b1], new_v[b0:b1], slots, _batch_slice(attn_mask, bt, b0, b1, 4),
+                            scale, kv_len, k_fmt, v_fmt, cfg, page_table=None if not paged else page_table[b0:b1])
+                    for b0, b1 in slices]
+            _LAST_LAUNCH["batch_slices"] = len(slices)
+            return torch.cat(outs, dim=0)
     b, h, s, d = q.shape
     n_exact = slots.shape[0]
     hkv = basis_k_block.shape[-3]
@@ -2034,6 +2079,7 @@ def _launch(
                       MERGE_SPLIT_BLOCK=split_block)
     _LAST_LAUNCH.clear()
     _LAST_LAUNCH["subbyte_shapes"] = subbyte_changes
+    _LAST_LAUNCH["batch_slices"] = 1
     _LAST_LAUNCH["rot_basis"] = rot_basis
     _LAST_LAUNCH["paired_tables"] = common["PAIRED_TABLE"]
     _LAST_LAUNCH["n_split"] = n_split

@@ -267,6 +267,33 @@ def _check_fixed() -> None:
                 _check(fcase, fcfg)
     finally:
         lat_mod.torch.empty = real_empty
+    # a batch whose two-pass scores exceed MAX_SCORES_BYTES runs the two passes on slices of its sequences (views
+    # of q, the latents or the page table, per-sequence bases, slot positions, new tokens and a per-sequence mask;
+    # a broadcast mask shared), or the one-pass kernel where one sequence's scores alone exceed the cap
+    saved_cap = lat_mod.MAX_SCORES_BYTES
+    try:
+        sbase = dict(base, b=5, rk=[12, 5], rv=[7, 9], s=2, win=3)
+        per_seq = sbase["hkv"] * sbase["ratio"] * sbase["s"] * sbase["kv_len"] * 4
+        lat_mod.MAX_SCORES_BYTES = 2 * per_seq  # 5 sequences: 3 slices (1, 2, 2)
+        assert lat_mod.score_batch_slices(5, 4, 2, 37) == [(0, 1), (1, 3), (3, 5)]
+        for scase, scfg in ((dict(sbase, mask="add", mask_shape="bhsk", online=True), cfg),
+                            (dict(sbase, mask="bool", mask_shape="1hsk", page=4, seed=5), cfg),
+                            (dict(sbase, mask="bool", mask_shape="b1sk", kfmt="int8/32", rk=[16, 16]),
+                             dataclasses.replace(cfg, fuse_merge=True)),
+                            (dict(sbase, ratio=1, hkv=4, rk=[8, 12, 5, 10], rv=[7, 9, 4, 6], mask="add", mask_shape="k",
+                                  paired=True),
+                             DecodeConfig(block_n=16, num_warps=1, min_tiles=1, target_programs=4, hoist_basis=True,
+                                          fma_scores=True, fma_values=True, rotate_basis=True, head_group=2,
+                                          paired_tables=True))):
+            _check(scase, scfg)
+            assert lat_mod._LAST_LAUNCH["batch_slices"] == 3, scase
+            assert lat_mod._LAST_LAUNCH["head_group"] == scfg.head_group, (scase, lat_mod._LAST_LAUNCH)
+        lat_mod.MAX_SCORES_BYTES = per_seq - 4  # one sequence's scores do not fit: the one-pass kernel
+        assert lat_mod.score_batch_slices(5, 4, 2, 37) is None
+        _check(dict(sbase, mask="add", mask_shape="bhsk"), cfg)
+        assert lat_mod._LAST_LAUNCH["batch_slices"] == 1 and "scores" not in lat_mod._LAST_LAUNCH
+    finally:
+        lat_mod.MAX_SCORES_BYTES = saved_cap
     # the merge reads the partials in tiles of SPLIT_BLOCK splits (merge_split_block; a small tile budget here, so
     # SPLIT_BLOCK is 8 / 4 / 2 at G = 1 / 2 / 3-4 with RV_PAD 16): split counts (10 tiles of 16 slots, at most one
     # per split) below, at and above it (the tile loop runs once, or several times, the last tile full or not),
@@ -673,6 +700,36 @@ def test_context_splits_cover_the_context_without_empty_programs():
             assert n <= split
 
     prop()
+
+
+def test_score_batch_slices_cover_the_batch_within_the_cap():
+    """score_batch_slices (the two-pass form's slices of a large batch): consecutive slices covering [0, B), each
+    slice's scores within MAX_SCORES_BYTES, as few slices as the cap allows, sizes within one of each other; None
+    exactly when one sequence's scores alone exceed the cap."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ckvp_compile.kernels.latent_attention_triton import MAX_SCORES_BYTES, score_batch_slices
+
+    @settings(max_examples=300, deadline=None)
+    @given(b=st.integers(1, 2048), h=st.sampled_from((1, 8, 16, 32, 64)), s=st.integers(1, 8),
+           kv_len=st.integers(1, 1 << 20))
+    def prop(b, h, s, kv_len):
+        per_seq = h * s * kv_len * 4
+        got = score_batch_slices(b, h, s, kv_len)
+        if per_seq > MAX_SCORES_BYTES:
+            assert got is None
+            return
+        assert got[0][0] == 0 and got[-1][1] == b
+        assert all(x[1] == y[0] for x, y in zip(got, got[1:]))
+        sizes = [b1 - b0 for b0, b1 in got]
+        assert min(sizes) >= 1 and max(sizes) * per_seq <= MAX_SCORES_BYTES
+        assert len(got) == -(-b // (MAX_SCORES_BYTES // per_seq))  # the fewest slices within the cap
+        assert max(sizes) - min(sizes) <= 1
+
+    prop()
+    # Qwen1.5-MoE's largest batch at 32k (16 heads): 606 MB of scores, three slices of 96-97 sequences
+    assert score_batch_slices(289, 16, 1, 32768) == [(0, 96), (96, 192), (192, 289)]
 
 
 def test_merge_split_block_fits_the_tile_budget():
