@@ -10,6 +10,10 @@ error, log2 units), and whole calls with the tensor-core value pass (relative er
 ``SUBBYTE_DOT_SHAPES`` only where every row of it passes.
 
     python3 benchmarks/subbyte_shapes_gpu.py --out DIR        # DIR/subbyte_shapes.json
+    python3 benchmarks/subbyte_shapes_gpu.py --out DIR --formats int4/32,int8/32 --ranks 12,40   # a smaller grid
+
+First a probe of the smallest form: codes unpacked from bytes (the library's ``_unpack_codes``, or a
+per-coordinate gather) and fed to one ``tl.dot``, per (rows, warps) shape.
 
 Shapes: 32 query / 8 KV heads (G = 4, the rebuild path), head_dim 128, ranks 12 (inside one block of 32), 40 and
 256, batch 2, 4096 slots; generic config (rebuild, tensor-core values) with the key pass's or value pass's shape
@@ -25,10 +29,13 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from ckvp_compile.bench.attention import make_inputs, ref_chunked, rel_err
 from ckvp_compile.kernels import latent_attention_triton as lat
 from ckvp_compile.kernels import reference as ref
+from ckvp_compile.kernels.latent_attention_triton import _unpack_codes
 
 FORMATS = ("int4/32", "int2/16", "int8/32")
 RANKS = (12, 40, 256)
@@ -36,13 +43,65 @@ KEY_SHAPES = [(bn, w) for bn in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
 VALUE_SHAPES = [(bn, w) for bn in (16, 32, 64) for w in (1, 2, 4, 8)]
 
 
+@triton.jit
+def _probe_kernel(raw_ptr, b_ptr, out_ptr, BN: tl.constexpr, NC: tl.constexpr, NO: tl.constexpr,
+                  BITS: tl.constexpr, GATHER: tl.constexpr):
+    """out (BN, NO) fp32 = codes (BN, NC) @ b (NC, NO) bf16, the codes unpacked from (BN, NC*BITS/8) bytes: with
+    the library's ``_unpack_codes`` (tl.join / tl.reshape), or GATHER: each coordinate reads its own byte."""
+    PER: tl.constexpr = 8 // BITS
+    rows = tl.arange(0, BN)
+    if GATHER:
+        cols = tl.arange(0, NC)
+        raw = tl.load(raw_ptr + rows[:, None] * (NC // PER) + (cols // PER)[None, :]).to(tl.int32)
+        code = (raw >> ((cols % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+    else:
+        hb = tl.arange(0, NC // PER)
+        raw = tl.load(raw_ptr + rows[:, None] * (NC // PER) + hb[None, :]).to(tl.int32)
+        code = _unpack_codes(raw, BN, NC, BITS)
+    oc = tl.arange(0, NO)
+    bm = tl.load(b_ptr + tl.arange(0, NC)[:, None] * NO + oc[None, :])
+    acc = tl.dot(code.to(tl.bfloat16), bm)
+    tl.store(out_ptr + rows[:, None] * NO + oc[None, :], acc)
+
+
+def probe(rows: list) -> None:
+    """The smallest form of the failure: sub-byte codes unpacked and fed to one tensor-core product, per (rows,
+    warps) shape, with the library's unpack and with a per-coordinate gather (root cause: the unpack's layout, or
+    the product)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for bits in (4, 2):
+        for bn in (16, 32, 64, 128):
+            for nc in (32,):
+                raw = torch.randint(0, 256, (bn, nc * bits // 8), generator=g, device="cuda", dtype=torch.uint8)
+                bm = torch.randn(nc, 64, generator=g, device="cuda").to(torch.bfloat16)
+                shifts = torch.arange(0, 8, bits, device="cuda")
+                codes = ((raw.long()[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(bn, nc).float()
+                want = codes @ bm.float()
+                for w in (1, 2, 4, 8):
+                    for gather in (False, True):
+                        out = torch.empty(bn, 64, device="cuda")
+                        row = {"pass": "probe", "bits": bits, "block_n": bn, "ncols": nc, "num_warps": w,
+                               "unpack": "gather" if gather else "join/reshape"}
+                        try:
+                            _probe_kernel[(1,)](raw, bm, out, BN=bn, NC=nc, NO=64, BITS=bits, GATHER=gather,
+                                                num_warps=w)
+                            err = float((out - want).abs().max())
+                            row.update(max_abs_err=err, ok=err <= 1e-3 * float(want.abs().max()))
+                        except Exception as e:  # noqa: BLE001 - reported, the others still run
+                            row["error"] = repr(e)[:300]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated latent formats")
+    ap.add_argument("--ranks", default=",".join(map(str, RANKS)), help="comma-separated key/value ranks")
+    ap.add_argument("--probe-only", action="store_true", help="only the minimal unpack-then-dot probe")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    import triton
 
     lat._subbyte_shapes = lambda cfg, kf, vf, g: (cfg, {})  # this script's calls run the shapes they ask for
     lat.MIN_TC_VALUE_BLOCK = 16  # 16-slot value tiles too (the launcher raises them to 32 otherwise)
@@ -55,9 +114,11 @@ def main() -> None:
         with open(os.path.join(a.out, "subbyte_shapes.json"), "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)
 
+    probe(rows)
+    dump()
     base = lat.DecodeConfig()
-    for fmt in FORMATS:
-        for rank in RANKS:
+    for fmt in ([] if a.probe_only else a.formats.split(",")):
+        for rank in map(int, a.ranks.split(",")):
             args = make_inputs(2, a.context, fmt, rank, seed=5, heads=(32, 8))
             q, lk, lv, bk, bv, ko, vo, cos, sin, sp, rf, rd, nk, nv, sl, mk, sc_, kv, kf, vf = args
             sw = ref.latent_scores_ref(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf)
