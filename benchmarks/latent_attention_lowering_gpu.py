@@ -72,7 +72,7 @@ def op_level(b: int, t: int, fmt: str, rank: int) -> dict:
     ms_compiled = float(do_bench(lambda: comp(q, lk, lv, bk, bv, cos, sin, sp, nk, nv, sl), rep=60))
     ms_plain = float(do_bench(lambda: latent_attention_triton(*args), rep=60))
     templates = _template_kernels(code)
-    return dict(check=f"op_{fmt}_B{b}_T{t}", ok=bool(templates or "ckvp_latent_scores_extern" in code)
+    return dict(check=f"op_{fmt}_r{rank}_B{b}_T{t}", ok=bool(templates or "ckvp_latent_scores_extern" in code)
                 and lag.rel_err(out, want) <= 1e-3, template_kernels=templates,
                 extern_in_code="ckvp_latent_scores_extern" in code, from_scores_in_code="latent_attention_from_scores" in code,
                 rel_err=lag.rel_err(out, want), compile_s=compile_s, ms_compiled=ms_compiled, ms_plain_default=ms_plain)
@@ -119,7 +119,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=150)
-    ap.add_argument("--jobs", default="op,model,op4k,op_int8", help="comma-separated: op, model, op4k, op_int8")
+    ap.add_argument("--jobs", default="op,model,op4k,op_int8",
+                    help="comma-separated: op, model, op4k, op_int8, op_int4, op_int4_r12")
+    ap.add_argument("--lift-subbyte-guard", action="store_true",
+                    help="let the template serve int4 / int2 key latents (SUBBYTE_TEMPLATE_GPU_CHECKED) for this run")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +132,10 @@ def main() -> int:
     from ckvp_compile.lowering import register_all
 
     register_all()
+    if a.lift_subbyte_guard:
+        from ckvp_compile.lowering import latent_attention as lowering_mod
+
+        lowering_mod.SUBBYTE_TEMPLATE_GPU_CHECKED = True
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                transformers=transformers.__version__, python=platform.python_version())
     feedback: list = []
@@ -136,7 +143,8 @@ def main() -> int:
     rows = []
     start = time.time()
     jobs = {"op": lambda: op_level(8, 32768, "mxint8/32", 256), "model": model_level,
-            "op4k": lambda: op_level(8, 4096, "mxint8/32", 256), "op_int8": lambda: op_level(8, 32768, "int8/32", 256)}
+            "op4k": lambda: op_level(8, 4096, "mxint8/32", 256), "op_int8": lambda: op_level(8, 32768, "int8/32", 256),
+            "op_int4": lambda: op_level(8, 32768, "int4/32", 256), "op_int4_r12": lambda: op_level(8, 32768, "int4/32", 12)}
     for job in (jobs[k] for k in a.jobs.split(",")):
         if time.time() - start > a.budget_s:
             rows.append(dict(check="skipped", ok=False, why="time budget"))

@@ -45,9 +45,11 @@ VALUE_SHAPES = [(bn, w) for bn in (16, 32, 64) for w in (1, 2, 4, 8)]
 
 @triton.jit
 def _probe_kernel(raw_ptr, b_ptr, out_ptr, BN: tl.constexpr, NC: tl.constexpr, NO: tl.constexpr,
-                  BITS: tl.constexpr, GATHER: tl.constexpr):
-    """out (BN, NO) fp32 = codes (BN, NC) @ b (NC, NO) bf16, the codes unpacked from (BN, NC*BITS/8) bytes: with
-    the library's ``_unpack_codes`` (tl.join / tl.reshape), or GATHER: each coordinate reads its own byte."""
+                  BITS: tl.constexpr, GATHER: tl.constexpr, VALUE: tl.constexpr):
+    """Codes (BN, NC) unpacked from (BN, NC*BITS/8) bytes, with the library's ``_unpack_codes`` (tl.join /
+    tl.reshape) or, GATHER, each coordinate reading its own byte; then one bf16 tensor-core product: the key form
+    out (BN, NO) fp32 = codes @ b (NC, NO), or VALUE: out (NO, NC) = b (NO, BN) @ codes (the codes as the B
+    operand, K = BN rows, as in the value pass)."""
     PER: tl.constexpr = 8 // BITS
     rows = tl.arange(0, BN)
     if GATHER:
@@ -59,38 +61,48 @@ def _probe_kernel(raw_ptr, b_ptr, out_ptr, BN: tl.constexpr, NC: tl.constexpr, N
         raw = tl.load(raw_ptr + rows[:, None] * (NC // PER) + hb[None, :]).to(tl.int32)
         code = _unpack_codes(raw, BN, NC, BITS)
     oc = tl.arange(0, NO)
-    bm = tl.load(b_ptr + tl.arange(0, NC)[:, None] * NO + oc[None, :])
-    acc = tl.dot(code.to(tl.bfloat16), bm)
-    tl.store(out_ptr + rows[:, None] * NO + oc[None, :], acc)
+    if VALUE:
+        bm = tl.load(b_ptr + oc[:, None] * BN + rows[None, :])
+        acc = tl.dot(bm, code.to(tl.bfloat16))
+        tl.store(out_ptr + oc[:, None] * NC + tl.arange(0, NC)[None, :], acc)
+    else:
+        bm = tl.load(b_ptr + tl.arange(0, NC)[:, None] * NO + oc[None, :])
+        acc = tl.dot(code.to(tl.bfloat16), bm)
+        tl.store(out_ptr + rows[:, None] * NO + oc[None, :], acc)
 
 
 def probe(rows: list) -> None:
     """The smallest form of the failure: sub-byte codes unpacked and fed to one tensor-core product, per (rows,
-    warps) shape, with the library's unpack and with a per-coordinate gather (root cause: the unpack's layout, or
-    the product)."""
+    columns, warps) shape, in the key form and the value form, with the library's unpack and with a
+    per-coordinate gather (root cause: the unpack's layout, or the product)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     for bits in (4, 2):
         for bn in (16, 32, 64, 128):
-            for nc in (32,):
+            for nc in (16, 32, 64):
                 raw = torch.randint(0, 256, (bn, nc * bits // 8), generator=g, device="cuda", dtype=torch.uint8)
-                bm = torch.randn(nc, 64, generator=g, device="cuda").to(torch.bfloat16)
                 shifts = torch.arange(0, 8, bits, device="cuda")
                 codes = ((raw.long()[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(bn, nc).float()
-                want = codes @ bm.float()
-                for w in (1, 2, 4, 8):
-                    for gather in (False, True):
-                        out = torch.empty(bn, 64, device="cuda")
-                        row = {"pass": "probe", "bits": bits, "block_n": bn, "ncols": nc, "num_warps": w,
-                               "unpack": "gather" if gather else "join/reshape"}
-                        try:
-                            _probe_kernel[(1,)](raw, bm, out, BN=bn, NC=nc, NO=64, BITS=bits, GATHER=gather,
-                                                num_warps=w)
-                            err = float((out - want).abs().max())
-                            row.update(max_abs_err=err, ok=err <= 1e-3 * float(want.abs().max()))
-                        except Exception as e:  # noqa: BLE001 - reported, the others still run
-                            row["error"] = repr(e)[:300]
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                for value in (False, True):
+                    no = 16 if value else 64
+                    bm = torch.randn(*((no, bn) if value else (nc, no)), generator=g, device="cuda")
+                    bm = bm.to(torch.bfloat16)
+                    want = bm.float() @ codes if value else codes @ bm.float()
+                    for w in (1, 2, 4, 8):
+                        for gather in (False, True):
+                            out = torch.empty(*want.shape, device="cuda")
+                            row = {"pass": "probe", "form": "value" if value else "key", "bits": bits,
+                                   "block_n": bn, "ncols": nc, "num_warps": w,
+                                   "unpack": "gather" if gather else "join/reshape"}
+                            try:
+                                _probe_kernel[(1,)](raw, bm, out, BN=bn, NC=nc, NO=no, BITS=bits, GATHER=gather,
+                                                    VALUE=value, num_warps=w)
+                                err = float((out - want).abs().max())
+                                row.update(max_abs_err=err, ok=err <= 1e-3 * float(want.abs().max()))
+                            except Exception as e:  # noqa: BLE001 - reported, the others still run
+                                row["error"] = repr(e)[:300]
+                            rows.append(row)
+                            if not row.get("ok"):
+                                print(json.dumps(row), flush=True)
 
 
 def main() -> None:
@@ -100,6 +112,7 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated latent formats")
     ap.add_argument("--ranks", default=",".join(map(str, RANKS)), help="comma-separated key/value ranks")
     ap.add_argument("--probe-only", action="store_true", help="only the minimal unpack-then-dot probe")
+    ap.add_argument("--skip-probe", action="store_true", help="the library's kernels only")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
 
@@ -114,8 +127,9 @@ def main() -> None:
         with open(os.path.join(a.out, "subbyte_shapes.json"), "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)
 
-    probe(rows)
-    dump()
+    if not a.skip_probe:
+        probe(rows)
+        dump()
     base = lat.DecodeConfig()
     for fmt in ([] if a.probe_only else a.formats.split(",")):
         for rank in map(int, a.ranks.split(",")):

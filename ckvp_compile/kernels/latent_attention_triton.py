@@ -234,7 +234,9 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     pass on 8x the programs (``target_programs_v``) and, up to rank 32, RoPE moved onto the basis
     (``rotate_basis``; benchmarks/results/2026-11-30-small-rank-h200); with paired tables up to rank 32, the key pass
     over groups of 4 KV heads (``head_group``; benchmarks/results/2026-11-30-head-groups-h200). Otherwise
-    (e.g. Mixtral's G = 4: 2.92 ms in run 10, 2.44 with e4m3 bases) the generic config, the fastest of run 5.
+    (e.g. Mixtral's G = 4) the generic config (the fastest of run 5) in its one-pass form, which the decode of
+    Mixtral-8x7B at 32k measured 1.36-1.6x faster than the two-pass one at batch 8-64
+    (benchmarks/results/2026-11-30-batch-slices-h200).
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
     :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}``, read by every call without an
@@ -260,7 +262,10 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True, target_programs_v=2112,
                            rotate_basis=rotate, head_group=group)
     else:
-        cfg = DecodeConfig()
+        # G > 1 (Mixtral's 32:8): the one-pass kernel. Mixtral-8x7B decode at 32k on the H200, 8 layers, ckvp-16,
+        # ms per step one-pass against two-pass: batch 8 19.4 / 26.3, 16 32.8 / 49.5, 32 62.5 / 97.1, 64 117 / 189
+        # (benchmarks/results/2026-11-30-batch-slices-h200)
+        cfg = DecodeConfig(two_pass=False)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
@@ -307,16 +312,29 @@ def _fp16_at(ptr, step, mask):
 
 @triton.jit
 def _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0: tl.constexpr, NROWS: tl.constexpr,
-                      NCOLS: tl.constexpr, BITS: tl.constexpr, RANK_ALIGN: tl.constexpr):
+                      NCOLS: tl.constexpr, BITS: tl.constexpr, RANK_ALIGN: tl.constexpr, GATHER: tl.constexpr = False):
     """(NROWS, NCOLS) int32 codes of coordinates j = C0 + [0, NCOLS) of a quantized row (8, 4 or 2 bits; the code
     of j is bits ``(j % (8/BITS)) * BITS`` of byte ``col0 + j*BITS/8``), 0 where ``~row_ok`` and, to byte
     granularity, outside [lo, rank): the caller masks the coordinates of a partly used byte. The masks are written
     in byte units (``hb < ceil(rank / 2)``, not ``2 * hb < rank``), so that Triton sees them constant over aligned
-    runs of bytes and uses vector loads (Triton 3.6 PTX: one byte per load otherwise)."""
+    runs of bytes and uses vector loads (Triton 3.6 PTX: one byte per load otherwise).
+
+    GATHER (sub-byte codes bound for a tensor-core product whose K dimension is 16): each coordinate loads its own
+    byte and shifts its code out, instead of loading each byte once and interleaving its codes with
+    :func:`_unpack_codes` (``tl.join`` / ``tl.reshape``). On the H200 with Triton 3.6 the interleaved codes gave
+    wrong products at K = 16 (as the A operand: 16 columns at 32-slot tiles, or 64-128 at 1-2 warps; as the B
+    operand: 16-slot tiles), while the gathered ones were right at every shape (``benchmarks/subbyte_shapes_gpu.py``
+    probe, benchmarks/results/2026-11-30-subbyte-h200)."""
     if BITS == 8:
         cols = C0 + tl.arange(0, NCOLS)
         ok = row_ok[:, None] & ((cols < rank) & (cols >= lo))[None, :]
         code = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
+    elif GATHER:
+        PER: tl.constexpr = 8 // BITS
+        cols = C0 + tl.arange(0, NCOLS)
+        ok = row_ok[:, None] & ((cols < rank) & (cols >= lo))[None, :]
+        raw = tl.load(row_ptr[:, None] + ((col0 + cols // PER) * stride_w)[None, :], mask=ok, other=0).to(tl.int32)
+        code = (raw >> ((cols % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
     else:  # BITS 4 or 2: byte i holds the PER = 8/BITS codes PER*i .. PER*i+PER-1; load each byte once
         PER: tl.constexpr = 8 // BITS
         hb = C0 // PER + tl.arange(0, NCOLS // PER)
@@ -345,7 +363,7 @@ def _unpack_codes(raw, NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.conste
 def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                  BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
-                 HALF_WORDS: tl.constexpr, MX: tl.constexpr = False, lo=0):
+                 HALF_WORDS: tl.constexpr, MX: tl.constexpr = False, lo=0, GATHER: tl.constexpr = False):
     """(NROWS, NCOLS) fp32 latent coordinates j = C0 + [0, NCOLS) of one head, rows starting at ``row_ptr``.
 
     Float format (BITS == 16): columns ``col0 + j``. Quantized: the code of coordinate j is bits
@@ -372,7 +390,8 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
     if BITS == 16:
         z = tl.load(row_ptr[:, None] + ((col0 + cols) * stride_w)[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
-        code = _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0, NROWS, NCOLS, BITS, RANK_ALIGN)
+        code = _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0, NROWS, NCOLS, BITS, RANK_ALIGN,
+                                 GATHER)
         if MX:  # two's-complement codes times 2**(byte - 127), built from its bits (exact; no exp2 rounding)
             code = code.to(tl.int32)
             code = code - ((code >> (BITS - 1)) << BITS)
@@ -433,7 +452,7 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
 @triton.jit
 def _latent_codes(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
                   NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, COL_ALIGN: tl.constexpr,
-                  RANK_ALIGN: tl.constexpr, HALF_WORDS: tl.constexpr):
+                  RANK_ALIGN: tl.constexpr, HALF_WORDS: tl.constexpr, GATHER: tl.constexpr = False):
     """One quantization block of a uniform ``int`` format, undecoded: ``(codes, scale, min)`` with codes (NROWS,
     NCOLS) fp32 holding the exact integer codes (0 where ``~row_ok`` or ``j >= rank``) and scale, min (NROWS,) fp32
     (0 where ``~row_ok``) of block ``blk0 + C0 // NCOLS``, so that :func:`_latent_tile` = ``codes * scale + min``
@@ -442,7 +461,7 @@ def _latent_codes(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, strid
         col0 = (col0 // COL_ALIGN) * COL_ALIGN
     if RANK_ALIGN > 1:
         rank = (rank // RANK_ALIGN) * RANK_ALIGN
-    code = _latent_raw_codes(row_ptr, row_ok, col0, rank, 0, stride_w, C0, NROWS, NCOLS, BITS, RANK_ALIGN)
+    code = _latent_raw_codes(row_ptr, row_ok, col0, rank, 0, stride_w, C0, NROWS, NCOLS, BITS, RANK_ALIGN, GATHER)
     cols = C0 + tl.arange(0, NCOLS)
     code = tl.where(row_ok[:, None] & (cols < rank)[None, :], code.to(tl.float32), 0.0)  # odd ranks: no pad code
     blk = blk0 + C0 // NCOLS
@@ -478,23 +497,23 @@ def _mm_codes(code, sc, mn, p, p_colsum, acc, FP8: tl.constexpr, F32_DOT: tl.con
 def _latent_load(row_ptr, row_ok, col0, blk0, rank, mix_row, scale_base, min_base, stride_w, C0: tl.constexpr,
                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                  BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
-                 HALF_WORDS: tl.constexpr, MX: tl.constexpr):
+                 HALF_WORDS: tl.constexpr, MX: tl.constexpr, GATHER: tl.constexpr = False):
     """:func:`_latent_tile` of a uniform format (BITS 16, 8, 4, 2), or of a ``mix`` bit plan (BITS 0): the sum of
     the head's 8-, 4- and 2-bit pieces, each read with its own constexpr width; ``mix_row`` points at the head's 12
     int32 (col0, blk0, lo, hi) for bits 8, 4, 2 (an empty range where the head has no such piece)."""
     if BITS == 0:
         z = _latent_tile(row_ptr, row_ok, tl.load(mix_row), tl.load(mix_row + 1), tl.load(mix_row + 3), scale_base,
                          min_base, stride_w, C0, NROWS, NCOLS, 8, QBLOCK, BLOCKWISE, COL_ALIGN, 1, HALF_WORDS,
-                         False, tl.load(mix_row + 2))
+                         False, tl.load(mix_row + 2), GATHER)
         z += _latent_tile(row_ptr, row_ok, tl.load(mix_row + 4), tl.load(mix_row + 5), tl.load(mix_row + 7),
                           scale_base, min_base, stride_w, C0, NROWS, NCOLS, 4, QBLOCK, BLOCKWISE, COL_ALIGN, 1,
-                          HALF_WORDS, False, tl.load(mix_row + 6))
+                          HALF_WORDS, False, tl.load(mix_row + 6), GATHER)
         z += _latent_tile(row_ptr, row_ok, tl.load(mix_row + 8), tl.load(mix_row + 9), tl.load(mix_row + 11),
                           scale_base, min_base, stride_w, C0, NROWS, NCOLS, 2, QBLOCK, BLOCKWISE, COL_ALIGN, 1,
-                          HALF_WORDS, False, tl.load(mix_row + 10))
+                          HALF_WORDS, False, tl.load(mix_row + 10), GATHER)
     else:
         z = _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0, NROWS, NCOLS, BITS,
-                         QBLOCK, BLOCKWISE, COL_ALIGN, RANK_ALIGN, HALF_WORDS, MX)
+                         QBLOCK, BLOCKWISE, COL_ALIGN, RANK_ALIGN, HALF_WORDS, MX, 0, GATHER)
     return z
 
 
@@ -879,9 +898,10 @@ def _latent_attention_split_kernel(
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(scores - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            V_GATHER: tl.constexpr = (BLOCK_N <= 16) and not (FMA_VALUES or VALUES_2D)  # K = BLOCK_N
             zv = _latent_load(lv_rows, ld_ok, v_col0, v_blk0, v_rank, vmeta_ptr + 12 * h, v_scale_base, v_min_base,
                               stride_lvw, 0, BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN,
-                              V_WORDS, V_MX)
+                              V_WORDS, V_MX, V_GATHER)
             if VALUES_2D:
                 acc2 = acc2 * tl.sum(alpha, axis=0) + tl.sum(p, axis=0)[:, None] * zv
             elif FMA_VALUES:  # few query heads per KV head: exact fp32 products on the CUDA cores
@@ -949,7 +969,8 @@ def _rebuild_chunk(lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, 
     ``p2``, ``p3`` when HOIST, which has one chunk; loaded here otherwise)."""
     if KEY_CODES:  # one quantization block per chunk (BLOCK_R == K_QBLOCK), rebuilt in the code domain
         code, sc, mn = _latent_codes(lk_rows, ld_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
-                                     stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS)
+                                     stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS,
+                                     BLOCK_R <= 16)  # K = BLOCK_R: see _latent_raw_codes' GATHER
         # this head's rows only (< k_rank), whatever the padding holds
         p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), k_rank, i1, i2, rot_ok, rest, rest_ok,
                                  stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
@@ -960,7 +981,8 @@ def _rebuild_chunk(lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, 
             x3 = _mm_codes(code, sc, mn, p3, tl.sum(p3.to(tl.float32), axis=0), x3, KEY_FP8, F32_DOT)
     else:
         z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
-                         r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
+                         r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
+                         BLOCK_R <= 16)  # K = BLOCK_R: see _latent_raw_codes' GATHER
         if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
             p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), rk_max, i1, i2, rot_ok, rest, rest_ok,
                                      stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
