@@ -286,8 +286,8 @@ def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False)
 def kernel_stats() -> dict:
     """Registers per thread, spilled registers and shared memory of the last launched split (and, two-pass, key
     pass: ``scores_`` keys; the merge kernel, unless the merge is fused: ``reduce_`` keys) kernel, as Triton reports
-    them for a compiled CUDA kernel, and ``subbyte_shapes``: the config fields the launch replaced with the
-    GPU-checked shapes of sub-byte codes (``SUBBYTE_DOT_SHAPES``), if any; clears the record."""
+    them for a compiled CUDA kernel, and ``batch_slices``: how many slices of the batch the two passes ran on
+    (:func:`~ckvp_compile.kernels.latent_attention_triton.score_batch_slices`); clears the record."""
     from ckvp_compile.kernels import latent_attention_triton as lat
 
     out = {}
@@ -297,8 +297,8 @@ def kernel_stats() -> dict:
             v = getattr(k, name, None)
             if isinstance(v, (int, float)):
                 out[prefix + name] = v
-    if lat._LAST_LAUNCH.get("subbyte_shapes"):  # the config's shapes were replaced (SUBBYTE_DOT_SHAPES)
-        out["subbyte_shapes"] = dict(lat._LAST_LAUNCH["subbyte_shapes"])
+    if "batch_slices" in lat._LAST_LAUNCH:
+        out["batch_slices"] = lat._LAST_LAUNCH["batch_slices"]
     lat._LAST_LAUNCH.clear()
     return out
 

@@ -88,7 +88,7 @@ from .reference import ROPE_FORMS
 
 __all__ = ["DecodeConfig", "context_splits", "declare_paired_tables", "default_config", "head_group_window",
            "latent_attention_from_scores_triton", "latent_attention_triton", "latent_scores_triton",
-           "paired_tables_declared", "rope_tables_paired", "subbyte_codes", "unsupported_reason"]
+           "paired_tables_declared", "rope_tables_paired", "score_batch_slices", "unsupported_reason"]
 
 _ROPE_CODE = {"none": 0, "rotate_half": 1, "interleaved": 2, "complex": 3}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -106,17 +106,6 @@ MIX_GPU_CHECKED = True
 #: blocks stay on chip across the tile loop; at 128, paired, the key pass spills 54 registers and is still 1.4x
 #: faster than the rebuild).
 MAX_ROTATED_RANK = 128
-#: Sub-byte codes (int4 / int2, mxint4, mix pieces of 4 or 2 bits) unpacked from bytes and multiplied on the tensor
-#: cores (the per-head key rebuild, its one-pass form and the tensor-core value product) gave wrong results on the
-#: H200 with Triton 3.6 at some tile / warp shapes (key pass: 16-slot tiles, or 1 warp at 32-64 slots, scores off by
-#: up to 14; value product: 16-slot tiles, rel err 1.6; benchmarks/results/2026-11-30-latent-attention-small-h200 and
-#: the review in benchmarks/results/2026-11-30-head-groups-h200), exact under the interpreter, while the default
-#: shapes were checked right. Until the cause is found, CUDA launches those passes at these checked (slots per
-#: tile, warps) shapes whatever the config asks: "key" for the per-head key pass and the one-pass kernel, "value"
-#: for a tensor-core value pass (the CUDA-core value pass keeps the config's). The rotated and grouped key passes,
-#: which do not feed the unpacked codes to the tensor cores and were right at other shapes, read the same config
-#: fields and so run the checked key shape too.
-SUBBYTE_DOT_SHAPES = {"key": (64, 4), "value": (32, 4)}
 MAX_HEAD_DIM = 256
 MAX_RANK = 512
 MAX_GROUP = 64
@@ -137,9 +126,9 @@ class DecodeConfig:
     most ``fma_max_heads`` query heads (else a tensor-core product padded to 16 heads with a hi/lo split of the
     keys); p_bf16: round the softmax weights to bf16 once for the value product (FlashAttention-2's practice,
     ~2^-9 relative per weight) instead of a hi/lo split (two products); two_pass: score every tile first (keys
-    only), then softmax and value product in a second launch (tiles of ``block_n_v`` slots, at least
-    :data:`MIN_TC_VALUE_BLOCK` on a GPU when the value product runs on the tensor cores, ``num_warps_v`` warps;
-    None: as the first), which keeps far fewer registers live than the one-pass kernel (``False``);
+    only), then softmax and value product in a second launch (tiles of ``block_n_v`` slots, ``num_warps_v`` warps;
+    None: as the first), which keeps far fewer registers live than the one-pass kernel (``False``; the default
+    at G > 1 up to rank 128, measured faster there);
     paired_tables: the caller guarantees that the cos/sin tables hold one angle per rotated pair (HF's
     ``cat((freqs, freqs))`` for rotate_half, ``repeat_interleave`` for interleaved; check once with
     :func:`rope_tables_paired`), so the kernel loads half of the table bytes; wrong results if they do not. Off by
@@ -234,8 +223,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     pass on 8x the programs (``target_programs_v``) and, up to rank 32, RoPE moved onto the basis
     (``rotate_basis``; benchmarks/results/2026-11-30-small-rank-h200); with paired tables up to rank 32, the key pass
     over groups of 4 KV heads (``head_group``; benchmarks/results/2026-11-30-head-groups-h200). Otherwise
-    (e.g. Mixtral's G = 4) the generic config (the fastest of run 5) in its one-pass form, which the decode of
-    Mixtral-8x7B at 32k measured 1.36-1.6x faster than the two-pass one at batch 8-64
+    (e.g. Mixtral's G = 4) the generic config (the fastest of run 5), up to rank 128 in its one-pass form, which the
+    decode of Mixtral-8x7B at 32k (key ranks 95-101) measured 1.36-1.9x faster than the two-pass one at batch 8-195
     (benchmarks/results/2026-11-30-batch-slices-h200).
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
@@ -262,10 +251,12 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True, target_programs_v=2112,
                            rotate_basis=rotate, head_group=group)
     else:
-        # G > 1 (Mixtral's 32:8): the one-pass kernel. Mixtral-8x7B decode at 32k on the H200, 8 layers, ckvp-16,
-        # ms per step one-pass against two-pass: batch 8 19.4 / 26.3, 16 32.8 / 49.5, 32 62.5 / 97.1, 64 117 / 189
-        # (benchmarks/results/2026-11-30-batch-slices-h200)
-        cfg = DecodeConfig(two_pass=False)
+        # G > 1 up to rank 128 (Mixtral's 32:8 at ckvp-16: key ranks 95-101): the one-pass kernel. Mixtral-8x7B
+        # decode at 32k on the H200, 8 layers, ms per step one-pass against two-pass: batch 8 19.4 / 26.3, 16
+        # 32.8 / 49.5, 32 62.5 / 97.1, 64 117 / 189 (benchmarks/results/2026-11-30-batch-slices-h200). At rank 256
+        # one 32:8 call at batch 8, 32k took 3.37 ms one-pass against 2.41 for the two-pass template
+        # (benchmarks/results/2026-11-30-subbyte-h200): there the two-pass form stays.
+        cfg = DecodeConfig(two_pass=not (rank_pad is not None and rank_pad <= 128))
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
@@ -1707,16 +1698,6 @@ def _key_codes_ok(cfg: "DecodeConfig", f, basis: torch.Tensor, rk_pad: int) -> b
             and f.block & (f.block - 1) == 0 and 16 <= f.block <= rk_pad and basis.dtype in BASIS_BF16_EXACT)
 
 
-def subbyte_codes(f) -> bool:
-    """Whether a parsed latent format packs codes of fewer than 8 bits (int4 / int2, mxint4, a mix plan with 4- or
-    2-bit pieces): the formats :data:`SUBBYTE_DOT_SHAPES` guards."""
-    if not f.quantized or f.ternary:
-        return False
-    if f.mixed:
-        return any(bits < 8 for segs in f.segments for bits, _ in segs)
-    return f.bits < 8
-
-
 def _blockwise(f, ncols: int) -> bool:
     """A quantized format whose blocks tile every chunk of ``ncols`` coordinates (power-of-two block <= ncols)."""
     return f.quantized and f.block & (f.block - 1) == 0 and f.block <= ncols
@@ -1786,21 +1767,6 @@ def paired_tables_declared(cos_table: torch.Tensor, sin_table: torch.Tensor) -> 
             and sin0.stride() == sin_table.stride())
 
 
-#: Fewest slots per value tile when the value latent is accumulated on the tensor cores (not ``fma_values``), on a
-#: GPU: 16-slot tiles gave wrong outputs on the H200 (rel err 1.6 at 32:8, int4/32 rank 256, batch 1 and 8, 4k;
-#: benchmarks/results/2026-11-30-latent-attention-small-h200, Triton 3.6; exact under the interpreter), so a
-#: config asking for fewer is raised to this until the cause is found.
-MIN_TC_VALUE_BLOCK = 32
-
-
-def _value_block(block: int, fma_values: bool, device: torch.device) -> int:
-    """Slots per value tile actually launched: ``block``, raised to :data:`MIN_TC_VALUE_BLOCK` for a tensor-core
-    value product on a GPU."""
-    if fma_values or device.type != "cuda" or _interpreting():
-        return block
-    return max(block, MIN_TC_VALUE_BLOCK)
-
-
 def _reg_cap(maxnreg: int | None) -> dict:
     """The launch option capping registers per thread (none under the interpreter, which has no such option)."""
     return {} if maxnreg is None or _interpreting() else {"maxnreg": int(maxnreg)}
@@ -1857,23 +1823,6 @@ def context_splits(config: DecodeConfig, kv_len: int, block_n: int, rows: int, t
         n = max(1, min(want, n_tiles // max(config.min_tiles, 1)))
     per = triton.cdiv(n_tiles, n)
     return triton.cdiv(n_tiles, per), per
-
-
-def _subbyte_shapes(cfg: DecodeConfig, kf, vf, g: int) -> tuple[DecodeConfig, dict]:
-    """``cfg`` with the GPU-checked (slots per tile, warps) of :data:`SUBBYTE_DOT_SHAPES` where sub-byte codes meet
-    the tensor cores, and the fields it changed: the key pass's (``block_n``, ``num_warps``; the rotated and grouped
-    key passes read the same fields and are right at these shapes too) for sub-byte key codes, and for sub-byte
-    value codes a tensor-core value pass's (``block_n_v``, ``num_warps_v``; one pass: its tiles, the key pass's)."""
-    changes = {}
-    key_shape, value_shape = SUBBYTE_DOT_SHAPES["key"], SUBBYTE_DOT_SHAPES["value"]
-    tc_values = not (cfg.fma_values and g <= cfg.fma_max_heads)
-    if subbyte_codes(kf) or (subbyte_codes(vf) and tc_values and not cfg.two_pass):
-        if (cfg.block_n, cfg.num_warps) != key_shape:
-            changes.update(block_n=key_shape[0], num_warps=key_shape[1])
-    if subbyte_codes(vf) and tc_values and cfg.two_pass:
-        if (cfg.block_n_v or cfg.block_n, cfg.num_warps_v or cfg.num_warps) != value_shape:
-            changes.update(block_n_v=value_shape[0], num_warps_v=value_shape[1])
-    return (dataclasses.replace(cfg, **changes) if changes else cfg), changes
 
 
 def latent_scores_triton(
@@ -1991,9 +1940,6 @@ def _launch(
     hkv = basis_k_block.shape[-3]
     g = h // hkv
     kf, vf = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
-    subbyte_changes = {}
-    if q.is_cuda and not _interpreting():
-        cfg, subbyte_changes = _subbyte_shapes(cfg, kf, vf, g)
     kmeta, k_sb, k_mb, kmeta_cols = _head_meta(k_offsets, k_fmt, q.device)
     vmeta, v_sb, v_mb, vmeta_cols = _head_meta(v_offsets, v_fmt, q.device)
     rk_max, rv_max = basis_k_block.shape[-1], basis_v_block.shape[-1]
@@ -2013,8 +1959,8 @@ def _launch(
         return context_splits(cfg, kv_len, block_n, b * hkv * s, target)
 
     fma_values = cfg.fma_values and g <= cfg.fma_max_heads
-    block_n_v = _value_block(cfg.block_n_v or cfg.block_n, fma_values, q.device)
-    block_n_one = _value_block(cfg.block_n, fma_values, q.device)  # one pass: its tiles carry the values too
+    block_n_v = cfg.block_n_v or cfg.block_n
+    block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
     n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else block_n_one, target_v)
     if attn_mask is None:
@@ -2100,7 +2046,6 @@ def _launch(
         common.update(FUSE_MERGE=True, D_PAD=d_pad, BLOCK_D=block_d, BV_EXACT=bv_exact, NB=nb, MERGE_G_PAD=g_pad,
                       MERGE_SPLIT_BLOCK=split_block)
     _LAST_LAUNCH.clear()
-    _LAST_LAUNCH["subbyte_shapes"] = subbyte_changes
     _LAST_LAUNCH["batch_slices"] = 1
     _LAST_LAUNCH["rot_basis"] = rot_basis
     _LAST_LAUNCH["paired_tables"] = common["PAIRED_TABLE"]

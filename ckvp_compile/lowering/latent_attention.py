@@ -77,11 +77,6 @@ TEMPLATE_CONFIGS = (
 #: The fused kernel reads fp8 bases on the H200 (kernels.latent_attention_triton.FP8_BASES_GPU_CHECKED, run 7); this
 #: template, compiled by Inductor, has not been run with them there yet: until then such calls stay extern calls.
 FP8_BASES_TEMPLATE_GPU_CHECKED = False
-#: Sub-byte (int4 / int2 / mxint4) key latents: on the H200 (Triton 3.6) the per-head rebuild gave wrong scores at
-#: some tile / warp shapes (kernels.latent_attention_triton.SUBBYTE_DOT_SHAPES) and the template's choices include
-#: unchecked ones; until a GPU run checks each choice, such calls stay extern calls (the plain kernel at its
-#: checked shape).
-SUBBYTE_TEMPLATE_GPU_CHECKED = False
 
 _HELPERS = (lat._tile_scores, lat._rebuild_chunk, lat._basis_rows, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
             lat._fma_scores_pair, lat._latent_codes, lat._mm_codes, lat._latent_raw_codes,
@@ -176,10 +171,6 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
     f = parse_latent_format(k_fmt)
     if f.mixed or f.ternary or (f.quantized and f.bits not in (8, 4, 2)):
         return f"latent format {k_fmt!r}"
-    if lat.subbyte_codes(f) and not SUBBYTE_TEMPLATE_GPU_CHECKED:
-        return (f"latent format {k_fmt!r}: sub-byte codes in a tensor-core rebuild are checked on a GPU at the plain "
-                "kernel's launch shape only (kernels.latent_attention_triton.SUBBYTE_DOT_SHAPES); the extern kernel "
-                "runs that shape")
     ranks = {int(b) - int(a) for a, b in zip(k_offsets, k_offsets[1:])}
     if len(ranks) != 1:
         return f"heads of unequal rank {sorted(ranks)}"

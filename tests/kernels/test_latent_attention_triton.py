@@ -610,6 +610,10 @@ def test_default_config_rotates_the_basis_where_measured_faster():
     assert p128.rotate_basis and p128.paired_tables and p128.target_programs == 264
     assert not lat.default_config(1, 256, paired=True).rotate_basis
     assert not lat.default_config(4, 32, paired=True).rotate_basis and lat.default_config(4, 32, True).paired_tables
+    # GQA up to rank 128: one pass (Mixtral decode, batch 1-195); rank 256 and G = 1: two passes
+    assert not lat.default_config(4, 128).two_pass and not lat.default_config(8, 16).two_pass
+    assert lat.default_config(4, 256).two_pass and lat.default_config(4).two_pass
+    assert all(lat.default_config(1, r).two_pass for r in (16, 128, 256))
 
 
 def test_head_group_window_covers_each_group_and_refuses_wide_heads():
@@ -648,35 +652,6 @@ def test_head_group_window_covers_each_group_and_refuses_wide_heads():
     assert head_group_window([0, 33, 40], "int4/32", 2) is None  # a head over two blocks of 32
     assert head_group_window([0, 12, 24], "mxint4/32", 2) is None and head_group_window([0, 12], "mix/32:4x12", 1) is None
     assert head_group_window([0, 200, 400], "float", 2) is None  # wider than MAX_GROUP_COLUMNS
-
-
-def test_subbyte_codes_run_the_gpu_checked_shapes():
-    """On CUDA, sub-byte codes (int4 / int2, mxint4, mix plans with 4- or 2-bit pieces) meet the tensor cores only at
-    the (slots per tile, warps) of SUBBYTE_DOT_SHAPES: the key pass for sub-byte keys, a tensor-core value pass for
-    sub-byte values (one pass: its tiles); 8-bit and float latents and CUDA-core value passes keep the config."""
-    pytest.importorskip("triton")
-    import dataclasses
-
-    from ckvp_compile.kernels import latent_attention_triton as lat
-    from ckvp_compile.kernels.latent_format import parse_latent_format as fmt
-
-    key, value = lat.SUBBYTE_DOT_SHAPES["key"], lat.SUBBYTE_DOT_SHAPES["value"]
-    assert [lat.subbyte_codes(fmt(f)) for f in ("int4/32", "int2/8", "mxint4/32", "mix/32:8x32+4x16", "int8/32",
-                                                "mxint8/32", "mix/32:8x32", "float")] == [True] * 4 + [False] * 4
-    odd = lat.DecodeConfig(block_n=16, num_warps=1, block_n_v=16, num_warps_v=2)
-    cfg, changed = lat._subbyte_shapes(odd, fmt("int4/32"), fmt("int8/32"), 4)
-    assert (cfg.block_n, cfg.num_warps) == key and (cfg.block_n_v, cfg.num_warps_v) == (16, 2)
-    assert changed == {"block_n": key[0], "num_warps": key[1]}
-    cfg, changed = lat._subbyte_shapes(odd, fmt("int8/32"), fmt("int2/8"), 4)  # tensor-core value product
-    assert (cfg.block_n, cfg.num_warps) == (16, 1) and (cfg.block_n_v, cfg.num_warps_v) == value
-    cfg, _ = lat._subbyte_shapes(dataclasses.replace(odd, fma_values=True), fmt("float"), fmt("int4/32"), 1)
-    assert cfg == dataclasses.replace(odd, fma_values=True)  # CUDA-core values: unchanged
-    cfg, _ = lat._subbyte_shapes(dataclasses.replace(odd, two_pass=False), fmt("int8/32"), fmt("int4/32"), 4)
-    assert (cfg.block_n, cfg.num_warps) == key  # one pass: the value product runs in the key pass's tiles
-    assert lat._subbyte_shapes(odd, fmt("int8/32"), fmt("float"), 4) == (odd, {})
-    for g, rank in ((1, 16), (1, 64), (4, 256)):  # the defaults are the checked shapes
-        d = lat.default_config(g, rank)
-        assert lat._subbyte_shapes(d, fmt("int4/32"), fmt("int4/32"), g) == (d, {})
 
 
 def test_context_splits_cover_the_context_without_empty_programs():
@@ -750,19 +725,3 @@ def test_merge_split_block_fits_the_tile_budget():
     shapes = {(1, 256): 32, (1, 32): 64, (4, 256): 8, (3, 256): 8, (64, 512): 1}  # (G, RV_PAD): SPLIT_BLOCK
     assert {k: lat.merge_split_block(*k) for k in shapes} == shapes
     assert lat.merge_split_block(1, 256, fused=True) == 8
-
-
-def test_tensor_core_value_tiles_are_never_below_32_slots_on_a_gpu(monkeypatch):
-    """16-slot value tiles on the tensor cores gave wrong outputs on the H200 (rel err 1.6, 32:8 heads;
-    benchmarks/results/2026-11-30-latent-attention-small-h200): the launcher raises them to 32 on a GPU, and keeps
-    what was asked elsewhere (the interpreter is exact) or for the CUDA-core value product."""
-    pytest.importorskip("triton")
-    import torch
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from ckvp_compile.kernels.latent_attention_triton import MIN_TC_VALUE_BLOCK, _value_block
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert MIN_TC_VALUE_BLOCK == 32
-    assert _value_block(16, False, cuda) == 32 and _value_block(64, False, cuda) == 64
-    assert _value_block(16, True, cuda) == 16 and _value_block(16, False, cpu) == 16
