@@ -144,7 +144,8 @@ def main() -> int:
     start = time.time()
     jobs = {"op": lambda: op_level(8, 32768, "mxint8/32", 256), "model": model_level,
             "op4k": lambda: op_level(8, 4096, "mxint8/32", 256), "op_int8": lambda: op_level(8, 32768, "int8/32", 256),
-            "op_int4": lambda: op_level(8, 32768, "int4/32", 256), "op_int4_r12": lambda: op_level(8, 32768, "int4/32", 12)}
+            "op_int4": lambda: op_level(8, 32768, "int4/32", 256),
+            "op_int4_r12": lambda: op_level(8, 32768, "int4/32", 12)}
     for job in (jobs[k] for k in a.jobs.split(",")):
         if time.time() - start > a.budget_s:
             rows.append(dict(check="skipped", ok=False, why="time budget"))

@@ -2,12 +2,12 @@
 
 The review of 2026-11-30 (benchmarks/results/2026-11-30-head-groups-h200/README.md) found the per-head key rebuild
 of ``latent_attention_triton`` wrong on the H200 (Triton 3.6) for int4 / int2 key latents at 16-slot tiles or 1 warp
-(scores off by up to 14), while the default shape (64 slots, 4 warps) was right; 16-slot tensor-core value tiles
-had failed the same way before (``MIN_TC_VALUE_BLOCK``). Since then CUDA launches these passes only at
-``SUBBYTE_DOT_SHAPES``. This script lifts that guard for its own calls and checks a grid of shapes against the
-reference, for sub-byte formats and an 8-bit control: the key pass alone (``latent_scores_triton``, max abs score
-error, log2 units), and whole calls with the tensor-core value pass (relative error). A shape may join
-``SUBBYTE_DOT_SHAPES`` only where every row of it passes.
+(scores off by up to 14), and 16-slot tensor-core value tiles had failed the same way. This script checks a grid of
+(slots per tile, warps) shapes against the reference, for sub-byte formats and an 8-bit control: the key pass alone
+(``latent_scores_triton``, max abs score error, log2 units), and whole calls with the tensor-core value pass
+(relative error). Its probe found the cause (the ``tl.join`` / ``tl.reshape`` unpack feeding a K = 16 product);
+since the fix (``_latent_raw_codes``' GATHER) every row of the grid passes and the launcher no longer restricts
+the shapes (benchmarks/results/2026-11-30-subbyte-h200). Rerun it on a new GPU or Triton version.
 
     python3 benchmarks/subbyte_shapes_gpu.py --out DIR        # DIR/subbyte_shapes.json
     python3 benchmarks/subbyte_shapes_gpu.py --out DIR --formats int4/32,int8/32 --ranks 12,40   # a smaller grid
@@ -116,8 +116,6 @@ def main() -> None:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
 
-    lat._subbyte_shapes = lambda cfg, kf, vf, g: (cfg, {})  # this script's calls run the shapes they ask for
-    lat.MIN_TC_VALUE_BLOCK = 16  # 16-slot value tiles too (the launcher raises them to 32 otherwise)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "heads": "32:8", "head_dim": 128, "batch": 2, "context": a.context,
            "command": "python3 " + " ".join(sys.argv)}

@@ -1570,9 +1570,9 @@ def score_batch_slices(b: int, h: int, s: int, kv_len: int) -> list[tuple[int, i
     Args:
         b, h, s: batch, query heads, query tokens per sequence; kv_len: slots attended.
     Returns:
-        ``[(b0, b1), ...]``: consecutive slices covering [0, b), sizes within one of each other (one slice when the whole
-        batch's scores fit); None when one sequence's scores (h * s * kv_len fp32) alone exceed the cap (the
-        launcher then runs the one-pass kernel).
+        ``[(b0, b1), ...]``: consecutive slices covering [0, b), sizes within one of each other (one slice when
+        the whole batch's scores fit); None when one sequence's scores (h * s * kv_len fp32) alone exceed the cap
+        (the launcher then runs the one-pass kernel).
 
     At Qwen1.5-MoE's largest batch at 32k (289 sequences, 16 heads: 606 MB of scores) the launcher used to fall
     back to the one-pass kernel, which has no grouped or rotated key pass; slices of 96-97 sequences keep the
