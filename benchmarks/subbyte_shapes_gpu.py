@@ -4,10 +4,11 @@ The review of 2026-11-30 (benchmarks/results/2026-11-30-head-groups-h200/README.
 of ``latent_attention_triton`` wrong on the H200 (Triton 3.6) for int4 / int2 key latents at 16-slot tiles or 1 warp
 (scores off by up to 14), and 16-slot tensor-core value tiles had failed the same way. This script checks a grid of
 (slots per tile, warps) shapes against the reference, for sub-byte formats and an 8-bit control: the key pass alone
-(``latent_scores_triton``, max abs score error, log2 units), and whole calls with the tensor-core value pass
-(relative error). Its probe found the cause (the ``tl.join`` / ``tl.reshape`` unpack feeding a K = 16 product);
-since the fix (``_latent_raw_codes``' GATHER) every row of the grid passes and the launcher no longer restricts
-the shapes (benchmarks/results/2026-11-30-subbyte-h200). Rerun it on a new GPU or Triton version.
+(``latent_scores_triton``, max abs score error, log2 units), and whole calls with the tensor-core value pass and
+with the one-pass kernel (relative error; the one-pass rows were added after the 2026-11-30 runs). Its probe found
+the cause (the ``tl.join`` / ``tl.reshape`` unpack feeding a K = 16 product); since the fix (``_latent_raw_codes``'
+GATHER) every row of the grid passes and the launcher no longer restricts the shapes
+(benchmarks/results/2026-11-30-subbyte-h200). Rerun it on a new GPU or Triton version.
 
     python3 benchmarks/subbyte_shapes_gpu.py --out DIR        # DIR/subbyte_shapes.json
     python3 benchmarks/subbyte_shapes_gpu.py --out DIR --formats int4/32,int8/32 --ranks 12,40   # a smaller grid
@@ -41,6 +42,7 @@ FORMATS = ("int4/32", "int2/16", "int8/32")
 RANKS = (12, 40, 256)
 KEY_SHAPES = [(bn, w) for bn in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
 VALUE_SHAPES = [(bn, w) for bn in (16, 32, 64) for w in (1, 2, 4, 8)]
+ONE_PASS_SHAPES = [(bn, w) for bn in (16, 32, 64) for w in (1, 2, 4, 8)]
 
 
 @triton.jit
@@ -153,6 +155,17 @@ def main() -> None:
                 try:
                     out = lat.latent_attention_triton(*args, config=dataclasses.replace(base, block_n_v=bn,
                                                                                         num_warps_v=w))
+                    err = rel_err(out, want)
+                    row.update(rel_err=err, ok=err <= 1e-3)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            for bn, w in ONE_PASS_SHAPES:  # the one-pass kernel (the GQA default up to rank 128): keys and values
+                row = {"format": fmt, "rank": rank, "pass": "one pass", "block_n": bn, "num_warps": w}
+                try:
+                    out = lat.latent_attention_triton(*args, config=dataclasses.replace(base, two_pass=False,
+                                                                                        block_n=bn, num_warps=w))
                     err = rel_err(out, want)
                     row.update(rel_err=err, ok=err <= 1e-3)
                 except Exception as e:  # noqa: BLE001

@@ -246,12 +246,13 @@ def launch_shape(config, b: int, h: int, hkv: int, kv_len: int, s: int = 1) -> d
     """How ``latent_attention_triton`` launches with ``config`` (a ``DecodeConfig``) at this shape, as its launcher
     decides: ``two_pass`` (False when one sequence's scores would exceed ``MAX_SCORES_BYTES``), ``batch_slices``
     (how many slices of the batch the two passes run on, each within that cap) and ``n_split``, the programs along
-    the context of the pass that writes the split workspaces (flash-decoding's split count) in the first slice."""
+    the context of the pass that writes the split workspaces (flash-decoding's split count) in the largest slice
+    (``slice_batch`` sequences)."""
     from ckvp_compile.kernels import latent_attention_triton as lat
 
     slices = lat.score_batch_slices(b, h, s, int(kv_len)) if config.two_pass else None
     two_pass = slices is not None
-    rows = (slices[0][1] - slices[0][0]) if two_pass else b
+    rows = max(b1 - b0 for b0, b1 in slices) if two_pass else b  # the largest slice
     block_n = (config.block_n_v or config.block_n) if two_pass else config.block_n
     target = ((getattr(config, "target_programs_v", None) or config.target_programs) if two_pass
               else config.target_programs)

@@ -256,7 +256,10 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # 32.8 / 49.5, 32 62.5 / 97.1, 64 117 / 189 (benchmarks/results/2026-11-30-batch-slices-h200). At rank 256
         # one 32:8 call at batch 8, 32k took 3.37 ms one-pass against 2.41 for the two-pass template
         # (benchmarks/results/2026-11-30-subbyte-h200): there the two-pass form stays.
-        cfg = DecodeConfig(two_pass=not (rank_pad is not None and rank_pad <= 128))
+        # (measured at key and value ranks 95-101; a much wider value rank would make the one-pass kernel's
+        # registers the limit, untested)
+        gqa = group is not None and group > 1
+        cfg = DecodeConfig(two_pass=not (gqa and rank_pad is not None and rank_pad <= 128))
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
@@ -313,9 +316,9 @@ def _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0: tl.constexp
     GATHER (sub-byte codes bound for a tensor-core product whose K dimension is 16): each coordinate loads its own
     byte and shifts its code out, instead of loading each byte once and interleaving its codes with
     :func:`_unpack_codes` (``tl.join`` / ``tl.reshape``). On the H200 with Triton 3.6 the interleaved codes gave
-    wrong products at K = 16 (as the A operand: 16 columns at 32-slot tiles, or 64-128 at 1-2 warps; as the B
-    operand: 16-slot tiles), while the gathered ones were right at every shape (``benchmarks/subbyte_shapes_gpu.py``
-    probe, benchmarks/results/2026-11-30-subbyte-h200)."""
+    wrong products at K = 16 (as the A operand, 16 columns: at 16- and 32-slot tiles with any warps, at 64-128
+    with 1-2 warps; as the B operand: 16-slot tiles), while the gathered ones were right at every shape
+    (``benchmarks/subbyte_shapes_gpu.py`` probe, benchmarks/results/2026-11-30-subbyte-h200)."""
     if BITS == 8:
         cols = C0 + tl.arange(0, NCOLS)
         ok = row_ok[:, None] & ((cols < rank) & (cols >= lo))[None, :]
@@ -1575,8 +1578,8 @@ def score_batch_slices(b: int, h: int, s: int, kv_len: int) -> list[tuple[int, i
         (the launcher then runs the one-pass kernel).
 
     At Qwen1.5-MoE's largest batch at 32k (289 sequences, 16 heads: 606 MB of scores) the launcher used to fall
-    back to the one-pass kernel, which has no grouped or rotated key pass; slices of 96-97 sequences keep the
-    two-pass kernels (issue 9's largest-batch throughput).
+    back to the one-pass kernel, which has no grouped key pass; slices of 96-97 sequences keep the two-pass
+    kernels (issue 9's largest-batch throughput).
     """
     per_seq = h * s * int(kv_len) * 4
     if per_seq > MAX_SCORES_BYTES:

@@ -15,10 +15,16 @@ query token); its body calls ``_tile_scores``, the ``@triton.jit`` helper of
 :mod:`ckvp_compile.kernels.latent_attention_triton` that the plain kernels call too (one copy of the math).
 
 When the template is not used (the reason is logged at DEBUG): a non-CUDA device (then ``latent_attention`` stays
-one extern call: on CPU the reference, exactly as without this lowering), symbolic sizes, a long prefill whose
-scores would exceed ``MAX_SCORES_BYTES`` (the extern op then runs the one-pass kernel), per-sequence (online)
+one extern call: on CPU the reference, exactly as without this lowering), symbolic sizes, scores that would exceed
+``MAX_SCORES_BYTES`` (the extern op then runs the two passes on slices of the batch, or the one-pass kernel for a
+long prefill whose one sequence exceeds it), per-sequence (online)
 bases, latent formats other than uniform ``int*`` / ``mxint*`` / ``float``, heads of unequal rank, or a mask that
 is not bool / float; these keep the op as an extern call, which still runs the Triton kernels on CUDA.
+
+Where the template is used the call always runs in two passes, also with GQA up to rank 128, where the plain
+kernel's default is the one-pass form (``default_config``): that default was measured faster on calibrated plans
+(unequal ranks, so extern calls here) at key ranks 95-101, while at rank 12 the two-pass template was the faster
+(benchmarks/results/2026-11-30-subbyte-h200); equal ranks near 100 with GQA are not measured yet.
 
 Registered by :func:`ckvp_compile.lowering.register_all`. Inductor internals through ``_compat`` only. Source: the
 template / extern-choice pattern of ``torch/_inductor/kernel/mm.py`` and ``flex_attention.py`` (read in torch 2.13).
@@ -161,7 +167,8 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
         return "symbolic sizes"
     b, h, s = sizes[:3]
     if b * h * s * sizes[-1] * 4 > lat.MAX_SCORES_BYTES:
-        return f"{s} query tokens over {sizes[-1]} slots (the scores would take more than {lat.MAX_SCORES_BYTES} bytes)"
+        return (f"batch {b} x {h} heads x {s} query tokens over {sizes[-1]} slots (the scores would take more than "
+                f"{lat.MAX_SCORES_BYTES} bytes)")
     if len(basis_k_block.get_size()) != 3:
         return "per-sequence (online) bases"
     if (basis_k_block.get_dtype() not in (torch.float16, torch.bfloat16, torch.float32)

@@ -612,7 +612,7 @@ def test_default_config_rotates_the_basis_where_measured_faster():
     assert not lat.default_config(4, 32, paired=True).rotate_basis and lat.default_config(4, 32, True).paired_tables
     # GQA up to rank 128: one pass (Mixtral decode, batch 1-195); rank 256 and G = 1: two passes
     assert not lat.default_config(4, 128).two_pass and not lat.default_config(8, 16).two_pass
-    assert lat.default_config(4, 256).two_pass and lat.default_config(4).two_pass
+    assert lat.default_config(4, 256).two_pass and lat.default_config(4).two_pass and lat.default_config(None, 64).two_pass
     assert all(lat.default_config(1, r).two_pass for r in (16, 128, 256))
 
 
