@@ -89,12 +89,19 @@ def group_variants(rank_pad: int) -> dict:
             "key block_n 128, 8 warps": r(paired, block_n=128, num_warps=8)}
 
 
+def fp16_variants(rank_pad: int) -> dict:
+    """``--set fp16``: the rotated and grouped key passes with one fp16 product per RoPE table
+    (``DecodeConfig.rotate_fp16``) against the hi / lo split's two, over the paired default."""
+    paired = default_config(1, rank_pad, paired=True)
+    return {"default, paired tables": paired, "paired, rotate_fp16": dataclasses.replace(paired, rotate_fp16=True)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--set", default="launch", choices=("launch", "occupancy", "default", "groups"),
+    ap.add_argument("--set", default="launch", choices=("launch", "occupancy", "default", "groups", "fp16"),
                     help="launch: the variants of run 2-7; occupancy: occupancy_variants; default: the paired default; "
-                         "groups: group_variants")
+                         "groups: group_variants; fp16: fp16_variants")
     ap.add_argument("--cases", default="8:32768:32,8:32768:64,8:32768:104:full,8:32768:12",
                     help="comma-separated batch:context:rank[:full]")
     a = ap.parse_args()
@@ -114,7 +121,7 @@ def main() -> None:
         rank_pad = max(16, 1 << (rank - 1).bit_length())
         vs = {"occupancy": lambda: occupancy_variants(rank_pad),
               "default": lambda: {"default, paired tables": default_config(1, rank_pad, paired=True)},
-              "groups": lambda: group_variants(rank_pad),
+              "groups": lambda: group_variants(rank_pad), "fp16": lambda: fp16_variants(rank_pad),
               "launch": lambda: variants(rank_pad, bool(full), b)}[a.set]()
         for name, c in vs.items():
             row = {"batch": b, "context": t, "rank": rank, "variant": name}
@@ -124,7 +131,7 @@ def main() -> None:
                 row["rel_err"] = lag.rel_err(out, want)
                 row["ms"] = round(lag.bench(lambda c=c: latent_attention_triton(*args, config=c), warmup=5, rep=30), 4)
                 row.update(lag.kernel_stats())
-                if a.set == "groups":  # the key pass alone
+                if a.set in ("groups", "fp16"):  # the key pass alone
                     ka = (args[0], args[1], args[3], args[5], args[7], args[8], args[9], args[10], args[11], args[14],
                           args[15], args[16], args[17], args[18])
                     row["key_ms"] = round(lag.bench(lambda c=c: lat.latent_scores_triton(*ka, config=c), warmup=5,

@@ -176,7 +176,15 @@ class DecodeConfig:
     zeroes), else ignored. (A value pass over groups of heads was tried twice and dropped: on the
     tensor cores, acc (16, NCOLS) += (p * scale)^T @ codes, it ran 2x slower than the per-head value pass on the
     H200 and missed 1e-3; on the CUDA cores it was right but slower, 26.3 against 22.2 ms per Qwen1.5-MoE step;
-    benchmarks/results/2026-11-30-head-groups-h200.)"""
+    benchmarks/results/2026-11-30-head-groups-h200.) rotate_fp16: the rotated and grouped key passes multiply the
+    RoPE tables (rounded to fp16, exact for bf16 tables down to 2^-14) with the folded coefficients rounded once
+    to fp16 (2^-11 relative), one tensor-core product per table instead of the hi / lo split's two: half the
+    tensor work of those passes. An fp64 emulation at the Qwen layer shape (16:16 heads, int4/32, 4k-32k slots)
+    puts its added output error at 6e-5 (rank 12) to 1.8e-4 (rank 104), against ~1e-6 for the split, but the error
+    is relative to the logits: at large logits it passes 1e-3 (1.4e-3 in an interpreter case, bf16, head_dim 32),
+    so it is a lossy option like ``key_fp16``; coefficients (query x basis) beyond fp16's 65504 would overflow.
+    Off; not yet timed on a GPU (ptxas for sm_90a at rank 104: the per-head key pass's 104-byte spill and half of
+    its 100 KB of shared memory go away)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -208,6 +216,7 @@ class DecodeConfig:
     target_programs_v: int | None = None
     rotate_basis: bool = False
     head_group: int = 0
+    rotate_fp16: bool = False
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False) -> DecodeConfig:
@@ -555,13 +564,27 @@ def _split_bf16(x):
 
 
 @triton.jit
-def _rotated_coefficients(p1, p2, q1, q2, ROPE: tl.constexpr, PAIRED_TABLE: tl.constexpr):
+def _rotated_coefficients(p1, p2, q1, q2, ROPE: tl.constexpr, PAIRED_TABLE: tl.constexpr,
+                          FP16: tl.constexpr = False):
     """The query folded into the basis as the coefficients of each RoPE table column (see
     :func:`_tile_scores_rotated`): from the basis rows of the pairs' halves ``p1``, ``p2`` (HALF, N) fp32 and the
     query's halves ``q1``, ``q2`` (HALF, N or 1) fp32, the (HALF, N) blocks ``Ea = P1 q1``, ``Eb = -P2 q1``,
     ``Ec = P2 q2``, ``Ed = P1 q2`` (one angle per pair, ROPE 3 or PAIRED_TABLE: ``Ea + Ec`` and ``Eb + Ed`` only;
-    the last four returned are then placeholders), each as bf16 hi + lo parts (:func:`_split_bf16`)."""
-    if ROPE == 3 or PAIRED_TABLE:  # cos1 == cos2 and sin1 == sin2: two coefficient blocks
+    the last four returned are then placeholders), each as bf16 hi + lo parts (:func:`_split_bf16`); FP16: each
+    rounded once to fp16 instead (``*_lo`` are then placeholders; one tensor-core product per table, see
+    :func:`_table_coefficients`)."""
+    if FP16:  # one return below: Triton wants the same return types on every path
+        if ROPE == 3 or PAIRED_TABLE:
+            ea_hi = (p1 * q1 + p2 * q2).to(tl.float16)
+            eb_hi = (p1 * q2 - p2 * q1).to(tl.float16)
+            ec_hi, ed_hi = ea_hi, eb_hi
+        else:
+            ea_hi = (p1 * q1).to(tl.float16)
+            eb_hi = (-(p2 * q1)).to(tl.float16)
+            ec_hi = (p2 * q2).to(tl.float16)
+            ed_hi = (p1 * q2).to(tl.float16)
+        ea_lo, eb_lo, ec_lo, ed_lo = ea_hi, eb_hi, ec_hi, ed_hi
+    elif ROPE == 3 or PAIRED_TABLE:  # cos1 == cos2 and sin1 == sin2: two coefficient blocks
         ea_hi, ea_lo = _split_bf16(p1 * q1 + p2 * q2)
         eb_hi, eb_lo = _split_bf16(p1 * q2 - p2 * q1)
         ec_hi, ec_lo, ed_hi, ed_lo = ea_hi, ea_lo, eb_hi, eb_lo
@@ -577,27 +600,37 @@ def _rotated_coefficients(p1, p2, q1, q2, ROPE: tl.constexpr, PAIRED_TABLE: tl.c
 def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, c1, c2, ea_hi, ea_lo, eb_hi, eb_lo,
                         ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps,
                         ROPE: tl.constexpr, PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr,
-                        F32_DOT: tl.constexpr):
+                        F32_DOT: tl.constexpr, FP16: tl.constexpr = False):
     """``w`` (BLOCK_N, N) plus each latent coordinate's coefficient at the slots' positions: the cos / sin table rows
     of ``offs`` (gathered through ``slot_pos``; zero where ``~slot_ok``) times the :func:`_rotated_coefficients`
-    blocks on the tensor cores (tables exact in bf16, COS_EXACT: as loaded; else split hi / lo)."""
+    blocks on the tensor cores (tables exact in bf16, COS_EXACT: as loaded; else split hi / lo). FP16: the
+    coefficient blocks are fp16 (:func:`_rotated_coefficients`) and each table is rounded to fp16 (exact for bf16
+    values of magnitude >= 2^-14): one product per table instead of two or four."""
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=slot_ok, other=0).to(tl.int64)
     tab_ok = slot_ok[:, None] & rot_ok[None, :]
     cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
     sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-    if not COS_EXACT:  # exact (bf16) tables go to the tensor cores as loaded
-        cos1 = cos1.to(tl.float32)
-        sin1 = sin1.to(tl.float32)
-    w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
-    w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
+    if FP16:
+        w = _mm16(cos1.to(tl.float32).to(tl.float16), ea_hi, w, F32_DOT)
+        w = _mm16(sin1.to(tl.float32).to(tl.float16), eb_hi, w, F32_DOT)
+    else:
+        if not COS_EXACT:  # exact (bf16) tables go to the tensor cores as loaded
+            cos1 = cos1.to(tl.float32)
+            sin1 = sin1.to(tl.float32)
+        w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
+        w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
     if not (ROPE == 3 or PAIRED_TABLE):
         cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok, other=0.0)
         sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-        if not COS_EXACT:
-            cos2 = cos2.to(tl.float32)
-            sin2 = sin2.to(tl.float32)
-        w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
-        w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
+        if FP16:
+            w = _mm16(cos2.to(tl.float32).to(tl.float16), ec_hi, w, F32_DOT)
+            w = _mm16(sin2.to(tl.float32).to(tl.float16), ed_hi, w, F32_DOT)
+        else:
+            if not COS_EXACT:
+                cos2 = cos2.to(tl.float32)
+                sin2 = sin2.to(tl.float32)
+            w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
+            w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
     return w
 
 
@@ -745,7 +778,7 @@ def _latent_attention_split_kernel(
     R_LOOP: tl.constexpr = False, FMA_VALUES_2D: tl.constexpr = True, FUSE_MERGE: tl.constexpr = False,
     D_PAD: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16, BV_EXACT: tl.constexpr = False, NB: tl.constexpr = 16,
     MERGE_G_PAD: tl.constexpr = 16, ROT_BASIS: tl.constexpr = False, COS_EXACT: tl.constexpr = False,
-    MERGE_SPLIT_BLOCK: tl.constexpr = 1,
+    MERGE_SPLIT_BLOCK: tl.constexpr = 1, ROT_FP16: tl.constexpr = False,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -826,7 +859,7 @@ def _latent_attention_split_kernel(
         if HAS_ROT:
             ea_hi, ea_lo, eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo = _rotated_coefficients(
                 tl.trans(p1.to(tl.float32)), tl.trans(p2.to(tl.float32)), tl.trans(q1), tl.trans(q2), ROPE,
-                PAIRED_TABLE)
+                PAIRED_TABLE, ROT_FP16)
         if HAS_REST:
             c3 = tl.sum(p3.to(tl.float32) * q3, axis=1)
 
@@ -871,7 +904,7 @@ def _latent_attention_split_kernel(
                 k_col0, k_blk0, k_rank, kmeta_ptr + 12 * h, k_scale_base, k_min_base, qk_scale, c1, c2, rot_ok,
                 stride_lkw, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps, stride_mt,
                 HALF, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, K_BITS, K_QBLOCK, MASK, F32_DOT, K_BLOCKWISE,
-                K_ALIGN, K_RALIGN, K_WORDS, K_MX, PAIRED_TABLE, COS_EXACT)
+                K_ALIGN, K_RALIGN, K_WORDS, K_MX, PAIRED_TABLE, COS_EXACT, ROT_FP16)
         else:
             scores = _tile_scores(
                 lk_rows, ld_ok, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
@@ -1086,7 +1119,7 @@ def _tile_scores_rotated(
     HALF: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, ROPE: tl.constexpr, RK_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
     K_BLOCKWISE: tl.constexpr, K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
-    K_MX: tl.constexpr, PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr,
+    K_MX: tl.constexpr, PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr, ROT_FP16: tl.constexpr = False,
 ):
     """:func:`_tile_scores` for one query head per KV head without rebuilding keys: RoPE moved onto the basis.
 
@@ -1106,7 +1139,7 @@ def _tile_scores_rotated(
     if HAS_ROT:
         w = _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, col_ok, rot_ok, c1, c2, ea_hi, ea_lo, eb_hi,
                                 eb_lo, ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw, stride_sp, stride_sw,
-                                stride_pb, stride_ps, ROPE, PAIRED_TABLE, COS_EXACT, F32_DOT)
+                                stride_pb, stride_ps, ROPE, PAIRED_TABLE, COS_EXACT, F32_DOT, ROT_FP16)
     if HAS_REST:
         w = w + c3[None, :]
     scores = tl.sum(z * w, axis=1)[None, :] * qk_scale  # (1, BLOCK_N), log2 units
@@ -1321,6 +1354,7 @@ def _latent_scores_heads_kernel(
     REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, ROPE: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
     WORDS: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_BLOCK: tl.constexpr, PAGE: tl.constexpr = 0,
+    ROT_FP16: tl.constexpr = False,
 ):
     """The key pass (two-pass form, one query head per KV head) for a GROUP of KV heads: scores of every slot of
     one context split, for ``heads_per_group`` KV heads at once. Grid (n_split, B * n_groups, S).
@@ -1379,7 +1413,7 @@ def _latent_scores_heads_kernel(
         q1 = tl.load(q_col[None, :] + (i1 * stride_qd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
         q2 = tl.load(q_col[None, :] + (i2 * stride_qd)[:, None], mask=r_ok, other=0.0).to(tl.float32)
         ea_hi, ea_lo, eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo = _rotated_coefficients(p1, p2, q1, q2, ROPE,
-                                                                                       PAIRED_TABLE)
+                                                                                       PAIRED_TABLE, ROT_FP16)
     c3 = tl.zeros((NCOLS,), tl.float32)
     if HAS_REST:
         x_ok = rest_ok[:, None] & col_ok[None, :]
@@ -1417,7 +1451,8 @@ def _latent_scores_heads_kernel(
         if HAS_ROT:
             w = _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, c1, c2, ea_hi, ea_lo,
                                     eb_hi, eb_lo, ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw, stride_sp,
-                                    stride_sw, stride_pb, stride_ps, ROPE, PAIRED_TABLE, COS_EXACT, F32_DOT)
+                                    stride_sw, stride_pb, stride_ps, ROPE, PAIRED_TABLE, COS_EXACT, F32_DOT,
+                                    ROT_FP16)
         if HAS_REST:
             w = w + c3[None, :]
         # the group's window of each row, read once (contiguous: vector loads)
@@ -2030,7 +2065,8 @@ def _launch(
     rot_basis = (cfg.rotate_basis and g == 1 and cfg.hoist_basis and not key_codes and not kf.mixed
                  and rk_pad <= MAX_ROTATED_RANK and fma_k and (cfg.two_pass or fma_v))
     if rot_basis:
-        common.update(COS_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16)
+        common.update(COS_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16,
+                      ROT_FP16=cfg.rotate_fp16)
     g_small = _np2(g, 1)
     d_pad, block_d = _np2(d), min(32, _np2(d))
     nb = 16 if n_exact <= 16 else 32
@@ -2081,7 +2117,8 @@ def _launch(
                 PAIRED_TABLE=common["PAIRED_TABLE"],
                 COS_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16, MASK=mask_kind,
                 F32_DOT=f32_dot, WORDS=common["K_WORDS"], BLOCK_N=cfg.block_n, SLOT_BLOCK=16,
-                PAGE=common["PAGE"], num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
+                PAGE=common["PAGE"], ROT_FP16=cfg.rotate_fp16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **_reg_cap(cfg.maxnreg))
         else:
             if cfg.key_tiles:
                 k_per = max(1, int(cfg.key_tiles))

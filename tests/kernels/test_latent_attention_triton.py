@@ -163,8 +163,9 @@ def _check(p: dict, config=None) -> float:
     assert torch.isfinite(out).all(), p
     err = float((out.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6))
     # softmax weights rounded to bf16 for the value product (FlashAttention-2's practice) add up to ~2^-9 per
-    # weight; at these few-token contexts that does not average out, so that option gets a looser bound
-    tol = P_BF16_TOL if config is not None and config.p_bf16 else TOL
+    # weight; at these few-token contexts that does not average out, so that option gets a looser bound; so do
+    # fp16 RoPE-table products (rotate_fp16: 2^-11 relative per coefficient, 1.4e-3 here at large logits)
+    tol = P_BF16_TOL if config is not None and (config.p_bf16 or config.rotate_fp16) else TOL
     assert err <= tol, (p, err, config)
     return err
 
@@ -205,7 +206,8 @@ def _check_property(n_examples: int) -> None:
                            reduce_split_d=draw(st.booleans()), r_loop=draw(st.booleans()),
                            key_tiles=draw(st.sampled_from((None, 1, 2))), fma_values=draw(st.booleans()),
                            fma_values_2d=draw(st.booleans()), fuse_merge=draw(st.booleans()),
-                           rotate_basis=draw(st.booleans()), head_group=draw(st.sampled_from((0, 0, 2, 3))))
+                           rotate_basis=draw(st.booleans()), head_group=draw(st.sampled_from((0, 0, 2, 3))),
+                           rotate_fp16=draw(st.booleans()))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -367,8 +369,9 @@ def _check_fixed() -> None:
                                  ("complex", 32, False, torch.float32), ("none", 0, False, torch.bfloat16)):
         case = dict(base, ratio=1, rk=[12, 5], rv=[7, 9], rope=rope, rd=rd, paired=paired, dtype=dt, mask="bool",
                     mask_shape="b1sk", s=2)
-        for two_pass in (True, False):
-            _check(case, dataclasses.replace(rot_cfg, two_pass=two_pass, paired_tables=paired))
+        for two_pass, fp16 in ((True, False), (False, False), (True, True), (False, True)):
+            # rotate_fp16: one fp16 product per table (a lossy option: the looser bound of _check)
+            _check(case, dataclasses.replace(rot_cfg, two_pass=two_pass, paired_tables=paired, rotate_fp16=fp16))
             assert lat_mod._LAST_LAUNCH["rot_basis"] is True
     # tables declared paired by their owner (the store, from a graph proof): a launch without a config reads half of
     # each and, at one query head per KV head, rotates the basis; withdrawn or copied tables run unpaired
@@ -493,6 +496,9 @@ def _check_fixed() -> None:
         hcfg = dataclasses.replace(gcfg, head_group=hg, paired_tables=bool(extra.get("paired")))
         _check(case, hcfg)
         assert lat_mod._LAST_LAUNCH["head_group"] == hg, (case, lat_mod._LAST_LAUNCH)
+        if extra.get("rope") != "none" and hg == 2:  # fp16 table products (rotate_fp16) in the grouped kernel
+            _check(case, dataclasses.replace(hcfg, rotate_fp16=True))
+            assert lat_mod._LAST_LAUNCH["head_group"] == hg
         if not case.get("page"):
             (q, lk, lv, bk, bv, ko, vo, cos, sin, sp, rf, rd, nk, nv, sl, mk, sc_, kv, kf, vf) = _inputs(case)
             sc = latent_scores_triton(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf, config=hcfg)
