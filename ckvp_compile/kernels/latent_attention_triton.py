@@ -597,6 +597,26 @@ def _rotated_coefficients(p1, p2, q1, q2, ROPE: tl.constexpr, PAIRED_TABLE: tl.c
 
 
 @triton.jit
+def _table_pair(w, cos_ptr, sin_ptr, pos, cols, tab_ok, e_cos_hi, e_cos_lo, e_sin_hi, e_sin_lo, stride_cp, stride_cw,
+                stride_sp, stride_sw, COS_EXACT: tl.constexpr, F32_DOT: tl.constexpr, FP16: tl.constexpr):
+    """``w`` plus the cos and sin table columns ``cols`` at positions ``pos`` times their coefficient blocks (see
+    :func:`_table_coefficients`): bf16 tables as loaded against hi + lo parts, or FP16: both in fp16, one product
+    each."""
+    cos = tl.load(cos_ptr + pos[:, None] * stride_cp + (cols * stride_cw)[None, :], mask=tab_ok, other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * stride_sp + (cols * stride_sw)[None, :], mask=tab_ok, other=0.0)
+    if FP16:
+        w = _mm16(cos.to(tl.float32).to(tl.float16), e_cos_hi, w, F32_DOT)
+        w = _mm16(sin.to(tl.float32).to(tl.float16), e_sin_hi, w, F32_DOT)
+    else:
+        if not COS_EXACT:  # exact (bf16) tables go to the tensor cores as loaded
+            cos = cos.to(tl.float32)
+            sin = sin.to(tl.float32)
+        w = _dot_presplit(cos, e_cos_hi, e_cos_lo, w, COS_EXACT, F32_DOT)
+        w = _dot_presplit(sin, e_sin_hi, e_sin_lo, w, COS_EXACT, F32_DOT)
+    return w
+
+
+@triton.jit
 def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, c1, c2, ea_hi, ea_lo, eb_hi, eb_lo,
                         ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps,
                         ROPE: tl.constexpr, PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr,
@@ -608,29 +628,11 @@ def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, 
     values of magnitude >= 2^-14): one product per table instead of two or four."""
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=slot_ok, other=0).to(tl.int64)
     tab_ok = slot_ok[:, None] & rot_ok[None, :]
-    cos1 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c1 * stride_cw)[None, :], mask=tab_ok, other=0.0)
-    sin1 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c1 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-    if FP16:
-        w = _mm16(cos1.to(tl.float32).to(tl.float16), ea_hi, w, F32_DOT)
-        w = _mm16(sin1.to(tl.float32).to(tl.float16), eb_hi, w, F32_DOT)
-    else:
-        if not COS_EXACT:  # exact (bf16) tables go to the tensor cores as loaded
-            cos1 = cos1.to(tl.float32)
-            sin1 = sin1.to(tl.float32)
-        w = _dot_presplit(cos1, ea_hi, ea_lo, w, COS_EXACT, F32_DOT)
-        w = _dot_presplit(sin1, eb_hi, eb_lo, w, COS_EXACT, F32_DOT)
+    w = _table_pair(w, cos_ptr, sin_ptr, pos, c1, tab_ok, ea_hi, ea_lo, eb_hi, eb_lo, stride_cp, stride_cw, stride_sp,
+                    stride_sw, COS_EXACT, F32_DOT, FP16)
     if not (ROPE == 3 or PAIRED_TABLE):
-        cos2 = tl.load(cos_ptr + pos[:, None] * stride_cp + (c2 * stride_cw)[None, :], mask=tab_ok, other=0.0)
-        sin2 = tl.load(sin_ptr + pos[:, None] * stride_sp + (c2 * stride_sw)[None, :], mask=tab_ok, other=0.0)
-        if FP16:
-            w = _mm16(cos2.to(tl.float32).to(tl.float16), ec_hi, w, F32_DOT)
-            w = _mm16(sin2.to(tl.float32).to(tl.float16), ed_hi, w, F32_DOT)
-        else:
-            if not COS_EXACT:
-                cos2 = cos2.to(tl.float32)
-                sin2 = sin2.to(tl.float32)
-            w = _dot_presplit(cos2, ec_hi, ec_lo, w, COS_EXACT, F32_DOT)
-            w = _dot_presplit(sin2, ed_hi, ed_lo, w, COS_EXACT, F32_DOT)
+        w = _table_pair(w, cos_ptr, sin_ptr, pos, c2, tab_ok, ec_hi, ec_lo, ed_hi, ed_lo, stride_cp, stride_cw,
+                        stride_sp, stride_sw, COS_EXACT, F32_DOT, FP16)
     return w
 
 
