@@ -184,7 +184,7 @@ class DecodeConfig:
     is relative to the logits: at large logits it passes 1e-3 (1.4e-3 in an interpreter case, bf16, head_dim 32),
     so it is a lossy option like ``key_fp16``; coefficients (query x basis) beyond fp16's 65504 would overflow.
     Off; not yet timed on a GPU (ptxas for sm_90a at rank 104: the per-head key pass's 104-byte spill and half of
-    its 100 KB of shared memory go away)."""
+    its 100 KB of shared memory go away; benchmarks/results/2026-12-01-rotate-fp16-cpu)."""
 
     block_n: int = 64
     block_r: int = 64
