@@ -276,7 +276,8 @@ class _Runner:
             self.clean()
         return bases_for_byte_ratio(self.moments, ratio, self.args.latent_format, batch_size=batch,
                                     max_cache_len=max_len, dense_dtype=self.dtype, latent_dtype=self.dtype,
-                                    recent_window=self.args.recent_window)
+                                    recent_window=self.args.recent_window,
+                                    rank_block=getattr(self.args, "rank_block", None))
 
     def step_fn(self, system: System) -> Callable:
         fwd = self.model.forward
@@ -488,7 +489,7 @@ class _Runner:
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("shape", "systems", "batches", "contexts", "layers", "steps", "warmup", "latent_format", "group_size",
-            "calib_tokens", "bases",
+            "calib_tokens", "bases", "rank_block",
             "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
@@ -561,6 +562,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON (rewritten after every row)")
     p.add_argument("--out", type=Path, default=None, help="write a markdown summary of this run")
+    p.add_argument("--rank-block", type=int, default=None,
+                   help="ckvp: keep ranks in whole blocks of this many latent coordinates (1: any rank; default: the "
+                        "quantization block of a uniform quantized --latent-format unless that lands more than 5%% "
+                        "above the ratio; see ckvp_compile.latent.budget.bases_for_byte_ratio)")
     g = p.add_argument_group("fixture (--shape fixture)")
     g.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bundled fixture)")
     g.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0], help="KV byte ratios")

@@ -214,7 +214,8 @@ def run_fixture(args: argparse.Namespace) -> int:
             else:
                 bases = bases_for_byte_ratio(decomposed, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
                                              dense_dtype=kv_dtype, latent_dtype=kv_dtype,
-                                             recent_window=args.recent_window)
+                                             recent_window=args.recent_window,
+                                             rank_block=getattr(args, "rank_block", None))
             store_fmt = "auto" if fmt == "planned" else fmt
             cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
                                     dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,

@@ -298,7 +298,8 @@ class DecomposedMoments:
         return cls(m.groups, m.num_kv_heads, m.head_dim, m.group_size, [dec(x) for x in m.k], [dec(x) for x in m.v],
                    m.model_fingerprint, m.num_tokens)
 
-    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca") -> Any:
+    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca",
+              rank_block: int = 1) -> Any:
         """:class:`~ckvp_compile.latent.LatentBases` at ``kv_ratio`` (elements), as ``KVMoments.bases``.
 
         Raises:
@@ -315,7 +316,7 @@ class DecomposedMoments:
         dense = sum(len(g) for g in self.groups) * hkv * self.head_dim * 2
         check_target_ratio(kv_ratio, dense, 2 * ng * hkv)
         spectra = [d[0][h] for d in (*self.k, *self.v) for h in range(hkv)]
-        flat = iter(allocate_ranks(spectra, rank_budget(dense, kv_ratio), rank_allocation))
+        flat = iter(allocate_ranks(spectra, rank_budget(dense, kv_ratio), rank_allocation, rank_block=rank_block))
         out: dict[str, Any] = {}
         for kind, dec in (("k", self.k), ("v", self.v)):
             ranks = [tuple(next(flat) for _ in range(hkv)) for _ in self.groups]

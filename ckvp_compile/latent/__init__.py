@@ -21,7 +21,7 @@ from __future__ import annotations
 from .bases import FORMAT_VERSION, LatentBases, build_latent_bases, model_fingerprint
 from .calibrate import KVMoments, calibrate, collect_kv_moments
 from .online import online_bases
-from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_budget
+from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_budget, rank_steps
 
 __all__ = [
     "FORMAT_VERSION",
@@ -35,4 +35,5 @@ __all__ = [
     "model_fingerprint",
     "online_bases",
     "rank_budget",
+    "rank_steps",
 ]

@@ -386,7 +386,7 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
                        group_size: int, target_ratio: float, rank_allocation: str,
                        model_fingerprint: dict[str, Any], k_weights: Sequence[torch.Tensor] | None = None,
                        v_weights: Sequence[torch.Tensor] | None = None,
-                       head_entropy: Sequence[torch.Tensor] | None = None) -> LatentBases:
+                       head_entropy: Sequence[torch.Tensor] | None = None, rank_block: int = 1) -> LatentBases:
     """Eigen-decompose per-group second moments, allocate ranks under the budget, and assemble the bases.
 
     Args:
@@ -402,6 +402,7 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
             The stored eigenvalues stay those of C.
         head_entropy: per group, (Hkv,) mean normalised attention entropy of each KV head's query heads over the
             group's layers, in [0, 1]; needed by ``rank_allocation='entropy'`` (K and V of a head share it).
+        rank_block: ranks in whole blocks of this many coordinates (:func:`~.ranks.allocate_ranks`); 1: any.
     Returns:
         :class:`LatentBases`, bases float32 on the moments' device.
     Raises:
@@ -423,7 +424,7 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
         weights_u = [max(float(head_entropy[g][h]), 1e-3) for _ in ("k", "v") for g in range(len(groups))
                      for h in range(num_kv_heads)]
     flat = iter(allocate_ranks(spectra, rank_budget(dense, target_ratio), rank_allocation,  # type: ignore[arg-type]
-                               weights_u))
+                               weights_u, rank_block=rank_block))
     out: dict[str, Any] = {}
     for kind in ("k", "v"):
         ranks = [tuple(next(flat) for _ in range(num_kv_heads)) for _ in groups]

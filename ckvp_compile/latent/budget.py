@@ -18,7 +18,8 @@ import torch
 from ..errors import CKVPConfigError
 from ..kernels.latent_format import parse_latent_format
 
-__all__ = ["bases_for_byte_ratio", "dense_kv_bytes", "fit_byte_ratio", "store_bytes", "window_bytes"]
+__all__ = ["bases_for_byte_ratio", "default_rank_block", "dense_kv_bytes", "fit_byte_ratio", "store_bytes",
+           "window_bytes"]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -140,7 +141,8 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
                          max_cache_len: int = 4096, rank_allocation: str = "energy", basis: str = "pca",
                          dense_dtype: torch.dtype = torch.bfloat16,
                          latent_dtype: torch.dtype = torch.bfloat16, basis_dtype: torch.dtype | None = None,
-                         rotate: bool = False, residual_format: str = "", recent_window: int = 0) -> Any:
+                         rotate: bool = False, residual_format: str = "", recent_window: int = 0,
+                         rank_block: int | None = None) -> Any:
     """Bases from collected moments whose store meets ``kv_ratio`` in bytes (see :func:`store_bytes`).
 
     Args:
@@ -160,36 +162,78 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
             same subspace); recorded as ``rotation="hadamard/<block>"``. Needs a quantized format.
         residual_format: '' or the ALR-KVD residual's format (e.g. ``"int2/64"``), whose bytes count.
         recent_window: the store's dense recent window (tokens), whose bytes count (:func:`window_bytes`).
+        rank_block: ranks in whole blocks of this many coordinates (:func:`~ckvp_compile.latent.allocate_ranks`);
+            None (default): the format's quantization block for a uniform quantized format (each head's codes
+            fill whole blocks and start aligned in the latent row: the decode kernel loads them as vectors)
+            unless those coarser steps overshoot ``kv_ratio`` by more than :data:`AUTO_RANK_BLOCK_SLACK` (small
+            models, where one step is a large share of the budget), then 1 (any rank), as for other formats.
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
         ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
     Raises:
-        CKVPConfigError: an unknown format, or a ratio no rank reaches.
+        CKVPConfigError: an unknown format, a ratio no rank reaches, or a ``rank_block`` that is not an int >= 1.
     """
     try:
-        fmt = parse_latent_format(latent_format).name
+        parsed = parse_latent_format(latent_format)
     except ValueError as e:
         raise CKVPConfigError(str(e)) from None
+    fmt = parsed.name
+    if rank_block is None:
+        block = default_rank_block(fmt)
+        if block > 1:
+            kw = dict(batch_size=batch_size, max_cache_len=max_cache_len, rank_allocation=rank_allocation,
+                      basis=basis, dense_dtype=dense_dtype, latent_dtype=latent_dtype, basis_dtype=basis_dtype,
+                      rotate=rotate, residual_format=residual_format, recent_window=recent_window)
+            out = bases_for_byte_ratio(moments, kv_ratio, fmt, rank_block=block, **kw)
+            if kv_ratio == 1.0 or _byte_ratio(out, fmt, **kw) <= kv_ratio * (1 + AUTO_RANK_BLOCK_SLACK):
+                return out
+        rank_block = 1
+    if isinstance(rank_block, bool) or not isinstance(rank_block, int) or rank_block < 1:
+        raise CKVPConfigError(f"rank_block must be an int >= 1 (1: any rank; None: the format's block), "
+                              f"got {rank_block!r}")
     _check_window(recent_window)
     if rotate and not parse_latent_format(fmt).quantized:
         raise CKVPConfigError("rotate=True needs a quantized latent format (its blocks are what is rotated)")
     if kv_ratio == 1.0:
-        full = moments.bases(1.0, rank_allocation, basis)
+        full = moments.bases(1.0, rank_allocation, basis, rank_block=rank_block)
         out = dataclasses.replace(full, k_formats=(fmt,) * len(full.groups), v_formats=(fmt,) * len(full.groups))
         return _rotated(out, fmt) if rotate else out
 
     def byte_ratio(b: Any) -> float:
-        return (dense_kv_bytes(b, batch_size, max_cache_len, dense_dtype)
-                / store_bytes(b, batch_size, max_cache_len, fmt, fmt, latent_dtype, basis_dtype=basis_dtype,
-                              residual_format=residual_format, recent_window=recent_window))
+        return _byte_ratio(b, fmt, batch_size=batch_size, max_cache_len=max_cache_len, dense_dtype=dense_dtype,
+                           latent_dtype=latent_dtype, basis_dtype=basis_dtype, residual_format=residual_format,
+                           recent_window=recent_window)
 
     layers = sum(len(g) for g in moments.groups)
     top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere
-    pca = fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca"), kv_ratio, top, byte_ratio)
-    out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis)
+    pca = fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca", rank_block=rank_block), kv_ratio, top,
+                         byte_ratio)
+    out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis, rank_block=rank_block)
     n = len(out.groups)  # the format the ranks were fitted for: a cache with latent_format="auto" uses it
     out = dataclasses.replace(out, k_formats=(fmt,) * n, v_formats=(fmt,) * n)
     return _rotated(out, fmt) if rotate else out
+
+
+#: How far above the requested byte ratio the default whole-block ranks of :func:`bases_for_byte_ratio` may land
+#: before it falls back to any rank (a fraction: 0.05 = 5% fewer bytes than asked for, i.e. rank left unspent).
+AUTO_RANK_BLOCK_SLACK = 0.05
+
+
+def _byte_ratio(b: Any, fmt: str, *, batch_size: int, max_cache_len: int, dense_dtype: torch.dtype,
+                latent_dtype: torch.dtype, basis_dtype: torch.dtype | None, residual_format: str, recent_window: int,
+                **_: Any) -> float:
+    """Dense bytes / store bytes of bases ``b`` stored in ``fmt`` (see :func:`store_bytes`)."""
+    return (dense_kv_bytes(b, batch_size, max_cache_len, dense_dtype)
+            / store_bytes(b, batch_size, max_cache_len, fmt, fmt, latent_dtype, basis_dtype=basis_dtype,
+                          residual_format=residual_format, recent_window=recent_window))
+
+
+def default_rank_block(latent_format: str) -> int:
+    """The ``rank_block`` :func:`bases_for_byte_ratio` uses by default for ``latent_format``: the quantization block
+    of a uniform quantized format (``"int4"`` -> 32, ``"int2/16"`` -> 16), else 1. Raises ValueError for an
+    unknown format."""
+    f = parse_latent_format(latent_format)
+    return int(f.block) if f.quantized and not f.mixed and f.block > 1 else 1
 
 
 def _rotated(bases: Any, fmt: str) -> Any:

@@ -118,9 +118,11 @@ class KVMoments:
             out.append(torch.stack([torch.block_diag(*[b[h].cpu() for b in blocks]) for h in range(hkv)]))
         return out
 
-    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca") -> LatentBases:
+    def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca",
+              rank_block: int = 1) -> LatentBases:
         """Build :class:`LatentBases` at ``kv_ratio`` (see :func:`calibrate`); cheap for ``basis='pca'``, so several
-        ratios can share one collection ('weighted' runs a small manifold optimisation per unit)."""
+        ratios can share one collection ('weighted' runs a small manifold optimisation per unit). ``rank_block``:
+        ranks in whole blocks of that many coordinates (:func:`~.ranks.allocate_ranks`)."""
         if basis not in BASES:
             raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
         weights = {}
@@ -129,7 +131,7 @@ class KVMoments:
         return build_latent_bases(self.groups, self.k, self.v, self.num_tokens, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, group_size=self.group_size, target_ratio=kv_ratio,
                                   rank_allocation=rank_allocation, model_fingerprint=self.model_fingerprint,
-                                  head_entropy=self.head_entropy(), **weights)
+                                  head_entropy=self.head_entropy(), rank_block=rank_block, **weights)
 
     def regroup(self, group_size: int) -> "KVMoments":
         """Return the moments for a smaller group size that divides this one, without recollecting.
@@ -170,7 +172,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
               basis: str = "pca", max_cache_len: int | None = None, progress: bool = True,
               latent_format: str | None = None, batch_size: int = 1, cache_len: int = 4096,
               dense_dtype: torch.dtype = torch.bfloat16, latent_dtype: torch.dtype = torch.bfloat16,
-              recent_window: int = 0) -> LatentBases:
+              recent_window: int = 0, rank_block: int | None = None) -> LatentBases:
     """Fit cross-layer latent bases and per-head ranks for ``model`` on ``samples``.
 
     Args:
@@ -201,6 +203,9 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         recent_window: with ``latent_format``, the dense recent window the cache will keep
             (``CKVPStaticCache(recent_window=...)``): its bytes come off the budget first (an error without
             ``latent_format``).
+        rank_block: keep ranks in whole blocks of this many coordinates (:func:`~.ranks.allocate_ranks`); default
+            (None): the quantization block of a uniform quantized ``latent_format`` (aligned, whole-block heads:
+            faster decode attention at the same bytes), else 1 (any rank).
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
@@ -237,8 +242,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
 
         return bases_for_byte_ratio(moments, kv_ratio, latent_format, batch_size=batch_size, max_cache_len=cache_len,
                                     rank_allocation=rank_allocation, basis=basis, dense_dtype=dense_dtype,
-                                    latent_dtype=latent_dtype, recent_window=recent_window)
-    return moments.bases(kv_ratio, rank_allocation, basis)
+                                    latent_dtype=latent_dtype, recent_window=recent_window, rank_block=rank_block)
+    return moments.bases(kv_ratio, rank_allocation, basis, rank_block=rank_block or 1)
 
 
 def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int = 4,

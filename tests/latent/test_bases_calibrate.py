@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from ckvp_compile import CKVPConfig, CKVPConfigError, LatentBases, calibrate
 from ckvp_compile.latent import KVMoments, allocate_ranks, collect_kv_moments, rank_budget
+from ckvp_compile.latent.ranks import rank_steps
 from ckvp_compile.testing import FIXTURE_MODEL_DIR, HF_FAMILIES, GptFastConfig, GptFastMoE, build_hf_moe, \
     load_fixture_model
 
@@ -145,6 +146,48 @@ def test_energy_allocation_is_optimal(data):
     assert score(ranks) >= best - 1e-12
     uniform = allocate_ranks(spectra, budget, "uniform")
     assert sum(uniform) <= budget and score(uniform) <= score(ranks) + 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_block_ranks_fill_whole_blocks_within_the_budget(data):
+    """With ``rank_block`` b every rank is 1, a multiple of min(8, b) up to b, a multiple of b, or the unit's full
+    size; the ranks fit the budget, and every unit short of full rank stops at a step larger than what is left
+    (the greedy never leaves a step unspent that fits). b = 1 is the exact 'energy' allocation."""
+    units = data.draw(st.integers(1, 5))
+    block = data.draw(st.sampled_from([1, 2, 8, 16, 32]))
+    mode = data.draw(st.sampled_from(["energy", "uniform", "entropy"]))
+    spectra = []
+    for _ in range(units):
+        n = data.draw(st.integers(1, 80))
+        vals = data.draw(st.lists(st.floats(0, 10), min_size=n, max_size=n))
+        spectra.append(torch.tensor(sorted(vals, reverse=True), dtype=torch.float64))
+    caps = [s.numel() for s in spectra]
+    budget = data.draw(st.integers(units, sum(caps)))
+    weights = [data.draw(st.floats(0.01, 1.0)) for _ in spectra] if mode == "entropy" else None
+    ranks = allocate_ranks(spectra, budget, mode, weights, rank_block=block)
+    assert sum(ranks) <= budget
+    for r, n in zip(ranks, caps):
+        assert r in rank_steps(n, block)
+        small = min(8, block)
+        assert r in (1, n) or (r <= block and r % small == 0) or r % block == 0
+    if block == 1:
+        assert ranks == allocate_ranks(spectra, budget, mode, weights)
+    elif mode != "uniform":
+        left = budget - sum(ranks)
+        for r, n in zip(ranks, caps):
+            if r < n:
+                st_ = rank_steps(n, block)
+                assert st_[st_.index(r) + 1] - r > left
+
+
+def test_rank_steps_and_bad_rank_block():
+    assert rank_steps(256, 32)[:9] == [1, 8, 16, 24, 32, 64, 96, 128, 160] and rank_steps(256, 32)[-1] == 256
+    assert rank_steps(20, 32) == [1, 8, 16, 20] and rank_steps(5, 1) == [1, 2, 3, 4, 5]
+    assert rank_steps(64, 16) == [1, 8, 16, 32, 48, 64]
+    for bad in (0, -8, 2.0, True):
+        with pytest.raises(ValueError, match="rank_block"):
+            allocate_ranks([torch.ones(8, dtype=torch.float64)], 4, rank_block=bad)
 
 
 def test_rank_budget_never_undershoots_ratio():
@@ -297,6 +340,39 @@ def test_calibrate_to_a_byte_ratio_meets_it_on_the_store(fmt):
     assert nb.ratio_vs(torch.bfloat16) >= 3.0
     assert store_bytes(bases, 2, 256, fmt, fmt, torch.bfloat16) == nb.per_sequence_state + nb.bases
     assert bases.ratio() < 3.0 or fmt == "float"  # quantized latents buy rank beyond the element ratio
+
+
+def test_byte_ratio_ranks_fill_whole_quantization_blocks_by_default():
+    """bases_for_byte_ratio with rank_block = the format's block keeps whole quantization blocks (aligned heads in
+    the latent row), with 1 any rank, and both meet the byte ratio; the default takes the blocks unless they land
+    more than AUTO_RANK_BLOCK_SLACK above the ratio. A bad rank_block is a CKVPConfigError that names the fix."""
+    from ckvp_compile.latent.budget import AUTO_RANK_BLOCK_SLACK, bases_for_byte_ratio, default_rank_block, store_bytes
+    from ckvp_compile.testing import build_hf_moe
+
+    torch.manual_seed(0)
+    model = build_hf_moe("mixtral", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+    moments = collect_kv_moments(model, [torch.randint(0, 256, (1, 96))], group_size=2, progress=False)
+    assert default_rank_block("int4/16") == 16 and default_rank_block("float") == 1
+    dense = 2 * 4 * 2 * 2 * 256 * 32 * 2  # K and V, layers, batch, KV heads, slots, head_dim, bf16 bytes
+    kinds = set()
+    for fmt, block in (("int4/16", 16), ("int8", 32)):
+        def ratio(b):
+            return dense / store_bytes(b, 2, 256, fmt, fmt, torch.bfloat16)
+
+        blocked = bases_for_byte_ratio(moments, 3.0, fmt, batch_size=2, max_cache_len=256, rank_block=block)
+        free = bases_for_byte_ratio(moments, 3.0, fmt, batch_size=2, max_cache_len=256, rank_block=1)
+        auto = bases_for_byte_ratio(moments, 3.0, fmt, batch_size=2, max_cache_len=256)
+        # coarser steps leave part of the budget unspent (at most about a step per unit: 20% at these tiny shapes)
+        assert 3.0 <= min(ratio(blocked), ratio(free)) and max(ratio(blocked), ratio(free)) < 3.0 * 1.2
+        ranks = [r for rs in (*blocked.k_ranks, *blocked.v_ranks) for r in rs]
+        assert all(r in rank_steps(64, block) for r in ranks), ranks
+        assert any(r not in rank_steps(64, block) for rs in (*free.k_ranks, *free.v_ranks) for r in rs)
+        want = blocked if ratio(blocked) <= 3.0 * (1 + AUTO_RANK_BLOCK_SLACK) else free
+        assert (auto.k_ranks, auto.v_ranks) == (want.k_ranks, want.v_ranks)
+        kinds.add(want is blocked)
+    assert kinds == {True, False}  # this case covers both branches (int4/16 lands 5.3% above, int8 0.4%)
+    with pytest.raises(CKVPConfigError, match="rank_block"):
+        bases_for_byte_ratio(moments, 3.0, "int4", rank_block=0)
 
 
 def test_entropy_allocation_follows_the_measured_attention_entropy():
