@@ -21,10 +21,14 @@ long prefill whose one sequence exceeds it), per-sequence (online)
 bases, latent formats other than uniform ``int*`` / ``mxint*`` / ``float``, heads of unequal rank, or a mask that
 is not bool / float; these keep the op as an extern call, which still runs the Triton kernels on CUDA.
 
-Where the template is used the call always runs in two passes, also with GQA up to rank 128, where the plain
-kernel's default is the one-pass form (``default_config``): that default was measured faster on calibrated plans
-(unequal ranks, so extern calls here) at key ranks 95-101, while at rank 12 the two-pass template was the faster
-(benchmarks/results/2026-11-30-subbyte-h200); equal ranks near 100 with GQA are not measured yet.
+Without max-autotune (one template config, nothing timed) ``ckvp::latent_attention`` also stays one extern call
+where the plain kernel's default has a form the template lacks (:func:`plain_kernel_preferred`): one query head per
+KV head (the rotated and grouped key passes) and GQA up to rank 128 (the one-pass kernel). On the H200 a
+Qwen1.5-MoE-shaped decode step at batch 8, 32k whose plan gave 12 layers equal ranks took 34.5 ms with the
+template's key pass in those layers against 22.1 ms with the plain kernel in every layer
+(benchmarks/results/2026-12-01-rank-blocks-h200). With max-autotune the template's configs compete with the extern
+``ckvp::latent_scores`` (the plain key pass, in its rotated / grouped forms where they apply), and the call runs in
+two passes.
 
 Registered by :func:`ckvp_compile.lowering.register_all`. Inductor internals through ``_compat`` only. Source: the
 template / extern-choice pattern of ``torch/_inductor/kernel/mm.py`` and ``flex_attention.py`` (read in torch 2.13).
@@ -46,8 +50,8 @@ from .moe import _helper_source, _static_ints
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTERN_NAME", "TEMPLATE_CONFIGS", "TEMPLATE_NAME", "register", "template_refusal", "tuned_latent_attention",
-           "tuned_latent_scores"]
+__all__ = ["EXTERN_NAME", "TEMPLATE_CONFIGS", "TEMPLATE_NAME", "plain_kernel_preferred", "register", "template_refusal",
+           "tuned_latent_attention", "tuned_latent_scores"]
 
 _api = _compat.inductor_template_api()
 aten = torch.ops.aten
@@ -190,6 +194,28 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
     return None
 
 
+def _autotuning() -> bool:
+    cfg = _api.config
+    return bool(cfg.max_autotune or cfg.max_autotune_gemm)
+
+
+def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int) -> str | None:
+    """Why the plain kernel's default config should run the whole call instead of the template's first config when
+    nothing is autotuned, or None. ``heads`` query heads over ``kv_heads`` KV heads, ``rank_max`` the widest key
+    rank. The template has neither the rotated / grouped key passes (one query head per KV head) nor the one-pass
+    form (GQA up to rank 128), both measured faster than its rebuild in those cases on the H200
+    (:func:`~ckvp_compile.kernels.latent_attention_triton.default_config`). Judged for RoPE tables declared paired,
+    as the store declares those of the HF models whose graphs prove it: the lowering cannot see the declaration,
+    which is made at run time."""
+    g = heads // max(kv_heads, 1)
+    cfg = lat.default_config(g, lat._np2(rank_max), paired=True)
+    if g == 1 and (cfg.rotate_basis or cfg.head_group):
+        return "one query head per KV head: the plain kernel's rotated / grouped key pass"
+    if not cfg.two_pass:
+        return f"{g} query heads per KV head at rank {rank_max}: the plain kernel's one-pass form"
+    return None
+
+
 def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
     strides, acc = [], 1
     for n in reversed(sizes):
@@ -263,8 +289,7 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
     layout = _api.FixedLayout(q_.get_device(), torch.float32, [b * hkv * s * g, kv_len], [kv_len, 1])
     extern = scores_extern.bind(ins, layout, k_offsets=list(k_offsets), rope_form=rope_form, rotary_dim=rotary_dim,
                                 scale=scale, kv_len=kv_len, k_fmt=k_fmt, has_mask=has_mask)
-    cfg = _api.config
-    autotune = bool(cfg.max_autotune or cfg.max_autotune_gemm)
+    autotune = _autotuning()
     meta_common = dict(
         HKV=hkv, G=g, G_PAD=lat._np2(g), G_LOOP=lat._np2(g, 1), S_Q=s, N_EXACT=int(ins[6].get_size()[0]),
         BH=b * hkv, KV_LEN=kv_len, D=d,
@@ -299,6 +324,9 @@ def tuned_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, 
     one extern call."""
     reason = "paged latents" if page_table is not None else template_refusal(
         q, latent_k, basis_k_block, k_offsets, rope_form, attn_mask, kv_len, k_fmt)
+    if reason is None and not _autotuning():
+        reason = plain_kernel_preferred(int(q.get_size()[1]), int(basis_k_block.get_size()[0]),
+                                        int(basis_k_block.get_size()[2]))
     if reason is not None:
         logger.debug("ckvp::latent_attention: one extern call (%s)", reason)
         return _api.fallback_handler(torch.ops.ckvp.latent_attention.default, add_to_fallback_set=False)(
