@@ -143,7 +143,9 @@ class DecodeConfig:
     overflow); key_codes: rebuild keys from a uniform ``int`` latent in the code domain, exactly, one quantization
     block per chunk: integer codes times the basis on the tensor cores (e4m3 operands for <= 4-bit codes and e4m3
     bases: twice the bf16 rate), then each row's block scale, plus its min times the basis columns' sums; one dot
-    instead of the hi/lo split's two (no hoisted basis; not yet timed on a GPU); reduce_split_d: the merge kernel
+    instead of the hi/lo split's two (no hoisted basis; off: on the H200 it spilled 228-318 bytes and ran 1.2-2.4x
+    slower than the default at 32:8 heads, ranks 100-128, batch 1-64; benchmarks/results/2026-12-01-checks-h200);
+    reduce_split_d: the merge kernel
     runs one program per 32-channel slice of the output as well (at batch 1 the merge has only B*Hkv*S programs,
     16 for a 16-KV-head model; H200, benchmarks/results/2026-11-30-latent-attention-v2-h200: 6% faster calls at
     batch 1, 4k, neutral at batch 8, 32k); r_loop: rebuild keys over the rank chunks in a runtime loop
@@ -183,8 +185,10 @@ class DecodeConfig:
     puts its added output error at 6e-5 (rank 12) to 1.8e-4 (rank 104), against ~1e-6 for the split, but the error
     is relative to the logits: at large logits it passes 1e-3 (1.4e-3 in an interpreter case, bf16, head_dim 32),
     so it is a lossy option like ``key_fp16``; coefficients (query x basis) beyond fp16's 65504 would overflow.
-    Off; not yet timed on a GPU (ptxas for sm_90a at rank 104: the per-head key pass's 104-byte spill and half of
-    its 100 KB of shared memory go away; benchmarks/results/2026-12-01-rotate-fp16-cpu)."""
+    Off: on the H200 (benchmarks/results/2026-12-01-checks-h200) one call at rank 12 ran 30% faster (0.53 -> 0.37
+    ms, batch 8, 32k) but ranks 32-104 gained nothing, and the Qwen1.5-MoE decode step did not change (22.13 ->
+    22.09 ms), at 5e-4 to 9e-4 output error against ~1e-4 (ptxas for sm_90a at rank 104: the per-head key pass's
+    104-byte spill and half of its 100 KB of shared memory go away; benchmarks/results/2026-12-01-rotate-fp16-cpu)."""
 
     block_n: int = 64
     block_r: int = 64

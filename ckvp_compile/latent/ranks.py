@@ -19,7 +19,7 @@ discards ``sum(lambda_u[r_u:])`` of energy.
   (or its full G_g*D). For a quantized latent whose block is b, a head's codes then fill whole quantization
   blocks and start on an aligned byte of the latent row, so the decode kernel loads them as vectors: on the H200
   a batch-8, 32k call at int4/32 took 1.46 ms at rank 100 against 1.20 at rank 96 (32:8 heads), and 1.17 ms at
-  rank 63 against 0.77 at rank 64 (16:16; benchmarks/results/2026-12-01-rank-alignment-h200). The greedy then
+  rank 63 against 0.77 at rank 64 (16:16; benchmarks/results/2026-12-01-rank-blocks-h200). The greedy then
   takes steps between allowed ranks by their energy per coordinate and may leave fewer than b elements of the
   budget unspent.
 

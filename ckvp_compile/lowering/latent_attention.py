@@ -24,7 +24,7 @@ is not bool / float; these keep the op as an extern call, which still runs the T
 Without max-autotune (one template config, nothing timed) ``ckvp::latent_attention`` also stays one extern call
 where the plain kernel's default has a form the template lacks (:func:`plain_kernel_preferred`): one query head per
 KV head (the rotated and grouped key passes) and GQA up to rank 128 (the one-pass kernel). On the H200 a
-Qwen1.5-MoE-shaped decode step at batch 8, 32k whose plan gave 12 layers equal ranks took 34.5 ms with the
+Qwen1.5-MoE-shaped decode step at batch 8, 32k whose plan gave 16 layers equal ranks took 34.5 ms with the
 template's key pass in those layers against 22.1 ms with the plain kernel in every layer
 (benchmarks/results/2026-12-01-rank-blocks-h200). With max-autotune the template's configs compete with the extern
 ``ckvp::latent_scores`` (the plain key pass, in its rotated / grouped forms where they apply), and the call runs in
