@@ -143,8 +143,8 @@ class DecodeConfig:
     overflow); key_codes: rebuild keys from a uniform ``int`` latent in the code domain, exactly, one quantization
     block per chunk: integer codes times the basis on the tensor cores (e4m3 operands for <= 4-bit codes and e4m3
     bases: twice the bf16 rate), then each row's block scale, plus its min times the basis columns' sums; one dot
-    instead of the hi/lo split's two (no hoisted basis; off: on the H200 it spilled 228-318 bytes and ran 1.2-2.4x
-    slower than the default at 32:8 heads, ranks 100-128, batch 1-64; benchmarks/results/2026-12-01-checks-h200);
+    instead of the hi/lo split's two (no hoisted basis; off: on the H200 it spilled 84-318 bytes and took 1.2-3.4x
+    the one-pass default's time at 32:8 heads, ranks 100-128, batch 1-64; benchmarks/results/2026-12-01-checks-h200);
     reduce_split_d: the merge kernel
     runs one program per 32-channel slice of the output as well (at batch 1 the merge has only B*Hkv*S programs,
     16 for a 16-KV-head model; H200, benchmarks/results/2026-11-30-latent-attention-v2-h200: 6% faster calls at

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import CKVPConfigError, CKVPShapeError
 from .weighting import weighted_projection_basis
-from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_budget, retained_fraction
+from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_block_error, rank_budget, retained_fraction
 
 __all__ = ["BASES", "FORMAT_NAME", "FORMAT_VERSION", "LatentBases", "build_latent_bases", "check_target_ratio",
            "model_fingerprint"]
@@ -406,10 +406,13 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
     Returns:
         :class:`LatentBases`, bases float32 on the moments' device.
     Raises:
-        CKVPConfigError: unknown rank_allocation, or target_ratio out of the achievable range.
+        CKVPConfigError: unknown rank_allocation, a rank_block that is not an int >= 1, or target_ratio out of the
+            achievable range.
     """
     if rank_allocation not in RANK_ALLOCATIONS:
         raise CKVPConfigError(f"rank_allocation must be one of {list(RANK_ALLOCATIONS)}, got {rank_allocation!r}")
+    if rank_block_error(rank_block):
+        raise CKVPConfigError(rank_block_error(rank_block))
     dense = sum(len(layers) for layers in groups) * num_kv_heads * head_dim * 2
     check_target_ratio(target_ratio, dense, 2 * len(groups) * num_kv_heads)
     decomposed = {kind: [_eigh_desc(m / num_tokens) for m in moments]

@@ -17,9 +17,10 @@ import torch
 
 from ..errors import CKVPConfigError
 from ..kernels.latent_format import parse_latent_format
+from .ranks import rank_block_error
 
-__all__ = ["bases_for_byte_ratio", "default_rank_block", "dense_kv_bytes", "fit_byte_ratio", "store_bytes",
-           "window_bytes"]
+__all__ = ["AUTO_RANK_BLOCK_SLACK", "bases_for_byte_ratio", "default_rank_block", "dense_kv_bytes", "fit_byte_ratio",
+           "store_bytes", "window_bytes"]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -178,19 +179,11 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
     except ValueError as e:
         raise CKVPConfigError(str(e)) from None
     fmt = parsed.name
-    if rank_block is None:
-        block = default_rank_block(fmt)
-        if block > 1:
-            kw = dict(batch_size=batch_size, max_cache_len=max_cache_len, rank_allocation=rank_allocation,
-                      basis=basis, dense_dtype=dense_dtype, latent_dtype=latent_dtype, basis_dtype=basis_dtype,
-                      rotate=rotate, residual_format=residual_format, recent_window=recent_window)
-            out = bases_for_byte_ratio(moments, kv_ratio, fmt, rank_block=block, **kw)
-            if kv_ratio == 1.0 or _byte_ratio(out, fmt, **kw) <= kv_ratio * (1 + AUTO_RANK_BLOCK_SLACK):
-                return out
-        rank_block = 1
-    if isinstance(rank_block, bool) or not isinstance(rank_block, int) or rank_block < 1:
-        raise CKVPConfigError(f"rank_block must be an int >= 1 (1: any rank; None: the format's block), "
-                              f"got {rank_block!r}")
+    auto = rank_block is None
+    if auto:
+        rank_block = default_rank_block(fmt)
+    if rank_block_error(rank_block):
+        raise CKVPConfigError(rank_block_error(rank_block) + " (or None: the format's block)")
     _check_window(recent_window)
     if rotate and not parse_latent_format(fmt).quantized:
         raise CKVPConfigError("rotate=True needs a quantized latent format (its blocks are what is rotated)")
@@ -206,8 +199,16 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
 
     layers = sum(len(g) for g in moments.groups)
     top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere
-    pca = fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca", rank_block=rank_block), kv_ratio, top,
-                         byte_ratio)
+    def fit(block: int) -> Any:
+        return fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca", rank_block=block), kv_ratio, top,
+                              byte_ratio)
+
+    pca = fit(rank_block)
+    if auto and rank_block > 1 and byte_ratio(pca) > kv_ratio * (1 + AUTO_RANK_BLOCK_SLACK):
+        free = fit(1)  # whole blocks would leave too much of the budget unspent (a small model): any rank, if closer
+        if byte_ratio(free) < byte_ratio(pca):
+            rank_block, pca = 1, free
+    # 'weighted' bases keep the ranks of the 'pca' fit, hence its bytes
     out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis, rank_block=rank_block)
     n = len(out.groups)  # the format the ranks were fitted for: a cache with latent_format="auto" uses it
     out = dataclasses.replace(out, k_formats=(fmt,) * n, v_formats=(fmt,) * n)

@@ -37,7 +37,7 @@ from ..errors import CKVPConfigError, CKVPError
 from ..plan import make_layer_groups
 from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, model_fingerprint
 from .capture import prefill
-from .ranks import RANK_ALLOCATIONS
+from .ranks import RANK_ALLOCATIONS, rank_block_error
 
 __all__ = ["KVMoments", "calibrate", "collect_kv_moments"]
 
@@ -122,7 +122,8 @@ class KVMoments:
               rank_block: int = 1) -> LatentBases:
         """Build :class:`LatentBases` at ``kv_ratio`` (see :func:`calibrate`); cheap for ``basis='pca'``, so several
         ratios can share one collection ('weighted' runs a small manifold optimisation per unit). ``rank_block``:
-        ranks in whole blocks of that many coordinates (:func:`~.ranks.allocate_ranks`)."""
+        ranks in whole blocks of that many coordinates (:func:`~.ranks.allocate_ranks`). Raises CKVPConfigError for
+        an unknown basis or rank_allocation, a rank_block that is not an int >= 1, or a ratio out of range."""
         if basis not in BASES:
             raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
         weights = {}
@@ -209,8 +210,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
-        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / samples (kv_ratio's message names the
-            achievable range), no attention layer with a usable KV-cache write (the reason is given), or an
+        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / samples (kv_ratio's message
+            names the achievable range), no attention layer with a usable KV-cache write (the reason is given), or an
             encoder-decoder model (``config.is_encoder_decoder``).
     Notes:
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
@@ -228,6 +229,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         raise CKVPConfigError(f"kv_ratio must be a number >= 1 (dense / latent elements per token), got {kv_ratio!r}")
     if basis not in BASES:
         raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
+    if rank_block is not None and rank_block_error(rank_block):
+        raise CKVPConfigError(rank_block_error(rank_block))
     if recent_window and latent_format is None:
         raise CKVPConfigError("recent_window is counted in bytes: give latent_format too (the format the cache "
                               "will store), so that the ranks leave room for the window")
@@ -243,7 +246,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         return bases_for_byte_ratio(moments, kv_ratio, latent_format, batch_size=batch_size, max_cache_len=cache_len,
                                     rank_allocation=rank_allocation, basis=basis, dense_dtype=dense_dtype,
                                     latent_dtype=latent_dtype, recent_window=recent_window, rank_block=rank_block)
-    return moments.bases(kv_ratio, rank_allocation, basis, rank_block=rank_block or 1)
+    return moments.bases(kv_ratio, rank_allocation, basis, rank_block=1 if rank_block is None else rank_block)
 
 
 def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int = 4,

@@ -16,8 +16,9 @@ discards ``sum(lambda_u[r_u:])`` of energy.
   normalised attention entropy of the unit's heads (``H / log(context)``, in [0, 1]) measured at calibration:
   heads that attend sharply to a few tokens get low rank, broad heads high (the ALR-KVD heuristic).
 * ``rank_block`` b > 1 (any mode): a unit keeps rank 1, a multiple of ``min(8, b)`` up to b, or a multiple of b
-  (or its full G_g*D). For a quantized latent whose block is b, a head's codes then fill whole quantization
-  blocks and start on an aligned byte of the latent row, so the decode kernel loads them as vectors: on the H200
+  (or its full G_g*D). For a quantized latent whose block is b, a head past rank b then fills whole quantization
+  blocks, and the heads' codes start on aligned bytes of the latent row (4-byte steps at int4 below the block),
+  so the decode kernel loads them as vectors: on the H200
   a batch-8, 32k call at int4/32 took 1.46 ms at rank 100 against 1.20 at rank 96 (32:8 heads), and 1.17 ms at
   rank 63 against 0.77 at rank 64 (16:16; benchmarks/results/2026-12-01-rank-blocks-h200). The greedy then
   takes steps between allowed ranks by their energy per coordinate and may leave fewer than b elements of the
@@ -30,13 +31,15 @@ searches ranks per layer group by Fisher information. The trace-normalised greed
 
 from __future__ import annotations
 
+import bisect
 import math
 from fractions import Fraction
 from typing import Literal, Sequence
 
 import torch
 
-__all__ = ["RANK_ALLOCATIONS", "RankAllocation", "allocate_ranks", "rank_budget", "rank_steps", "retained_fraction"]
+__all__ = ["RANK_ALLOCATIONS", "RankAllocation", "allocate_ranks", "rank_block_error", "rank_budget", "rank_steps",
+           "retained_fraction"]
 
 RankAllocation = Literal["energy", "uniform", "entropy"]
 #: Valid values of ``rank_allocation``.
@@ -66,15 +69,25 @@ def retained_fraction(eigenvalues: torch.Tensor, rank: int) -> float:
     return float(eigenvalues[:rank].sum()) / total if total > 0 else 1.0
 
 
+def rank_block_error(rank_block: object) -> str | None:
+    """Why ``rank_block`` is not a valid block of ranks (an int >= 1), naming the fix, or None."""
+    if isinstance(rank_block, bool) or not isinstance(rank_block, int) or rank_block < 1:
+        return (f"rank_block must be an int >= 1 (1: any rank; e.g. 32, the int4 format's quantization block), "
+                f"got {rank_block!r}")
+    return None
+
+
 def rank_steps(n: int, rank_block: int = 1) -> list[int]:
     """The ranks a unit of ``n`` coordinates may keep under ``rank_block`` b (see the module docstring), ascending:
     1, the multiples of ``min(8, b)`` up to b, then the multiples of b, and n; every rank 1..n when b = 1.
 
     Raises:
         ValueError: ``n < 1`` or ``rank_block`` not an int >= 1.
+    Source: ours (DESIGN.md, "Whole-block ranks"), from the H200 timings of misaligned and partial blocks.
     """
-    if isinstance(rank_block, bool) or not isinstance(rank_block, int) or rank_block < 1:
-        raise ValueError(f"rank_block must be an int >= 1 (1: any rank), got {rank_block!r}")
+    err = rank_block_error(rank_block)
+    if err:
+        raise ValueError(err)
     if n < 1:
         raise ValueError(f"a unit needs at least one coordinate, got {n}")
     small = min(8, rank_block)
@@ -112,12 +125,16 @@ def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAlloc
         return _allocate_in_steps(spectra, budget, steps, mode, unit_weights)
     if mode == "uniform":
         if rank_block > 1:
+            def kept(r: int) -> list[int]:  # each unit's largest allowed rank <= r
+                return [st[bisect.bisect_right(st, r) - 1] for st in steps]
+
             allowed = sorted({r for st in steps for r in st})
             best = 1
-            for r in allowed:
-                if sum(max(x for x in st if x <= r) for st in steps) <= budget:
-                    best = r
-            return [max(x for x in st if x <= best) for st in steps]
+            for r in allowed:  # the total kept grows with r: stop at the first that does not fit
+                if sum(kept(r)) > budget:
+                    break
+                best = r
+            return kept(best)
         r = 1
         while r < max(caps) and sum(min(r + 1, c) for c in caps) <= budget:
             r += 1
@@ -144,9 +161,11 @@ def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAlloc
 def _allocate_in_steps(spectra: Sequence[torch.Tensor], budget: int, steps: Sequence[Sequence[int]], mode: str,
                        unit_weights: Sequence[float] | None) -> list[int]:
     """The "energy" / "entropy" greedy over steps between allowed ranks: every unit starts at rank 1; steps are
-    taken in descending energy per coordinate (a unit's steps come in order: its spectrum is sorted, so their
-    means do not increase; ties go to the earlier unit, lower rank first) while they fit in the budget. A unit
-    whose next step does not fit stops there (its later steps are no smaller)."""
+    taken in descending energy per coordinate while they fit in the budget. A unit's steps must come in order: its
+    spectrum is sorted, so their means do not increase, but rounding in the normalised cumulative sums can make a
+    later step of a flat stretch look denser, so each step's density is capped by the ones before it (ties go to
+    the earlier unit, lower rank first). A unit whose next step does not fit stays where it is: its later steps
+    start beyond it."""
     if mode not in ("energy", "entropy"):
         raise ValueError(f"rank_allocation must be one of {RANK_ALLOCATIONS}, but got {mode!r}")
     if mode == "entropy" and (unit_weights is None or len(unit_weights) != len(spectra)):
@@ -158,17 +177,14 @@ def _allocate_in_steps(spectra: Sequence[torch.Tensor], budget: int, steps: Sequ
         w = float(unit_weights[u]) if mode == "entropy" else 1.0
         csum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(s, 0)]) / total * w if total > 0 \
             else torch.zeros(s.numel() + 1, dtype=torch.float64)
+        density = math.inf
         for lo, hi in zip(st[:-1], st[1:]):
-            items.append((-float(csum[hi] - csum[lo]) / (hi - lo), u, lo, hi))
-    items.sort()  # stable on (density, unit, lo): a unit's steps in order among equal densities
+            density = min(density, float(csum[hi] - csum[lo]) / (hi - lo))  # non-increasing along the unit
+            items.append((-density, u, lo, hi))
+    items.sort()  # on (density, unit, lo): a unit's steps in order, also among equal densities
     ranks = [1] * len(spectra)
-    stopped = [False] * len(spectra)
     left = budget - len(spectra)
     for _, u, lo, hi in items:
-        if stopped[u] or ranks[u] != lo:
-            continue
-        if hi - lo > left:
-            stopped[u] = True
-            continue
-        ranks[u], left = hi, left - (hi - lo)
+        if ranks[u] == lo and hi - lo <= left:
+            ranks[u], left = hi, left - (hi - lo)
     return ranks

@@ -206,11 +206,20 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int) -> str | No
     form (GQA up to rank 128), both measured faster than its rebuild in those cases on the H200
     (:func:`~ckvp_compile.kernels.latent_attention_triton.default_config`). Judged for RoPE tables declared paired,
     as the store declares those of the HF models whose graphs prove it: the lowering cannot see the declaration,
-    which is made at run time."""
+    which is made at run time; with tables not proven paired the plain kernel rotates only up to rank 32, and at
+    ranks 33-128 it is not measured against the template. At GQA rank 12 an autotuned template was 4% faster than
+    the one-pass kernel (benchmarks/results/2026-12-01-checks-h200); without autotuning the template's first config
+    is not measured there. The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG`` as it is
+    then.
+
+    Raises:
+        ValueError: ``CKVP_DECODE_CONFIG`` is set but not a JSON object of DecodeConfig fields.
+    Source: the H200 decode steps of benchmarks/results/2026-12-01-rank-blocks-h200."""
     g = heads // max(kv_heads, 1)
     cfg = lat.default_config(g, lat._np2(rank_max), paired=True)
     if g == 1 and (cfg.rotate_basis or cfg.head_group):
-        return "one query head per KV head: the plain kernel's rotated / grouped key pass"
+        return ("one query head per KV head: the plain kernel's rotated / grouped key pass (rotated up to rank 128 "
+                "with RoPE tables proven paired, else 32)")
     if not cfg.two_pass:
         return f"{g} query heads per KV head at rank {rank_max}: the plain kernel's one-pass form"
     return None

@@ -181,6 +181,38 @@ def test_block_ranks_fill_whole_blocks_within_the_budget(data):
                 assert st_[st_.index(r) + 1] - r > left
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_block_ranks_spend_the_budget_on_flat_spectra(data):
+    """Flat stretches of a spectrum (equal eigenvalues, whose normalised step means differ only by rounding) never
+    stop a unit early: the ranks still fit, and every unit short of full rank stops at a step larger than what is
+    left."""
+    units = data.draw(st.integers(1, 4))
+    block = data.draw(st.sampled_from([2, 8, 16, 32]))
+    spectra = []
+    for _ in range(units):
+        levels = data.draw(st.lists(st.sampled_from([0.0, 1e-15, 1e-13, 0.1, 1.0, 3.0]), min_size=1, max_size=3))
+        lens = data.draw(st.lists(st.integers(1, 40), min_size=len(levels), max_size=len(levels)))
+        vals = sorted((v for v, n in zip(levels, lens) for _ in range(n)), reverse=True)
+        spectra.append(torch.tensor(vals, dtype=torch.float64))
+    caps = [s.numel() for s in spectra]
+    budget = data.draw(st.integers(units, sum(caps)))
+    ranks = allocate_ranks(spectra, budget, rank_block=block)
+    left = budget - sum(ranks)
+    assert left >= 0
+    for r, n in zip(ranks, caps):
+        if r < n:
+            st_ = rank_steps(n, block)
+            assert st_[st_.index(r) + 1] - r > left, (ranks, budget)
+
+
+def test_block_ranks_regressions():
+    """Cases the first version of the step greedy stopped early on (found by review and hypothesis)."""
+    assert allocate_ranks([torch.ones(100, dtype=torch.float64)] * 3, 300, rank_block=32) == [100, 100, 100]
+    spectra = [torch.tensor(x, dtype=torch.float64) for x in ([0.0], [2.0, 1.0, 1.0, 1.0], [0.0], [0.0])]
+    assert allocate_ranks(spectra, 7, rank_block=2) == [1, 4, 1, 1]
+
+
 def test_rank_steps_and_bad_rank_block():
     assert rank_steps(256, 32)[:9] == [1, 8, 16, 24, 32, 64, 96, 128, 160] and rank_steps(256, 32)[-1] == 256
     assert rank_steps(20, 32) == [1, 8, 16, 20] and rank_steps(5, 1) == [1, 2, 3, 4, 5]
@@ -371,8 +403,13 @@ def test_byte_ratio_ranks_fill_whole_quantization_blocks_by_default():
         assert (auto.k_ranks, auto.v_ranks) == (want.k_ranks, want.v_ranks)
         kinds.add(want is blocked)
     assert kinds == {True, False}  # this case covers both branches (int4/16 lands 5.3% above, int8 0.4%)
-    with pytest.raises(CKVPConfigError, match="rank_block"):
-        bases_for_byte_ratio(moments, 3.0, "int4", rank_block=0)
+    for bad in (0, -8, 2.0, True, "32"):
+        with pytest.raises(CKVPConfigError, match="rank_block must be an int >= 1"):
+            bases_for_byte_ratio(moments, 3.0, "int4", rank_block=bad)
+        with pytest.raises(CKVPConfigError, match="rank_block must be an int >= 1"):
+            moments.bases(3.0, rank_block=bad)
+    with pytest.raises(CKVPConfigError, match="rank_block"):  # checked before the calibration passes
+        calibrate(model, [torch.randint(0, 256, (1, 8))], kv_ratio=3.0, progress=False, rank_block=0)
 
 
 def test_entropy_allocation_follows_the_measured_attention_entropy():
