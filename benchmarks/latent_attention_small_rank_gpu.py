@@ -84,6 +84,7 @@ def group_variants(rank_pad: int) -> dict:
     return {"one head per program (head_group 0)": r(paired, head_group=0, target_programs=396),
             "default, paired tables": paired,
             "key 8 heads": r(paired, head_group=8),
+            "key 16 heads (whole rows up to 128 columns)": r(paired, head_group=16),
             "key 2 heads": r(paired, head_group=2),
             "key programs 396": r(paired, target_programs=396),
             "key block_n 128, 8 warps": r(paired, block_n=128, num_warps=8)}
