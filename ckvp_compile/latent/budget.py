@@ -199,6 +199,7 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
 
     layers = sum(len(g) for g in moments.groups)
     top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere
+
     def fit(block: int) -> Any:
         return fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca", rank_block=block), kv_ratio, top,
                               byte_ratio)
