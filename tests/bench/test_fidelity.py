@@ -33,10 +33,10 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     rc = bench_cli(["fidelity", "--model", str(tmp_path / "model"), "--text", str(text), "--window", str(WINDOW),
                "--calib-windows", "2", "--eval-windows", "1", "--chunk", "8", "--batch", "1", "--tokenizer", "bytes",
                "--group-sizes", "2", "--kv-ratio", "1", "4", "--extra", "uniform:2:4:int8", "--json", str(out), "--no-progress",
-               "--latent-dtype", "float32", "--dense-dtype", "float32"])
+               "--latent-dtype", "float32", "--dense-dtype", "float32", "--rank-block", "1"])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["settings"]["eval_window_indices"] == [2, 2]
+    assert data["settings"]["eval_window_indices"] == [2, 2] and data["settings"]["rank_block"] == 1
     full, four, four_int8 = data["results"]
     assert (full["kv_ratio"], four["kv_ratio"]) == (1.0, 4.0)
     # full rank: the latent store is exact, so the compiled chunked run equals the dense full forward
