@@ -3,13 +3,15 @@
 No GPU needed: Triton compiles ahead of time for a target (``triton.compile(..., target=GPUTarget("cuda", 90, 32))``)
 and its bundled ``ptxas -v`` reports each kernel's registers per thread, spill stores / loads and shared memory.
 The launcher (``kernels.latent_attention_triton._launch``) runs as usual on CPU tensors of the real shapes, with
-every kernel launch replaced by a compile-only warm-up against a stand-in CUDA driver. Use it to iterate on register
+every kernel launch replaced by a compile-only warm-up against a stand-in CUDA driver
+(``ckvp_compile.testing.sm90``, which the tests use to compile the kernels too). Use it to iterate on register
 pressure between GPU sessions (H200 run 8: 255 registers and spills at 2 programs per SM made the kernel
 latency-bound). The local Triton may differ from the GPU machine's (3.9 here, 3.6 there): compare variants, not
 absolute numbers.
 
     python3 benchmarks/latent_attention_aot.py [--heads 16:16] [--format int4/32:256] [--configs "default;generic"]
         [--keep DIR]   # also write each kernel's TTGIR and PTX there
+        [--sass N]     # also print each kernel's N most frequent static SASS opcodes (cuobjdump)
 """
 
 from __future__ import annotations
@@ -19,115 +21,28 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-class _FakeCudaDriver:
-    """Just enough of a Triton driver for compile-only warm-ups: an sm_90 target, device 0, stream 0."""
-
-    def __init__(self) -> None:
-        from triton.backends.compiler import GPUTarget
-
-        self.target = GPUTarget("cuda", 90, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def map_python_to_cpp_type(self, ty):  # pragma: no cover - only for launchers, never built here
-        return ty
-
-
-class _CompileOnly:
-    """Stands in for a ``@triton.jit`` kernel: ``k[grid](*args, **kw)`` compiles (warm-up) and records the result."""
-
-    def __init__(self, fn, sink: list, tag: str):
-        self.fn, self.sink, self.tag = fn, sink, tag
-
-    def __getitem__(self, grid):
-        def call(*args, **kwargs):
-            compiled = self.fn.warmup(*args, grid=grid, **kwargs)
-            self.sink.append((self.tag, kwargs.get("PHASE", None), grid, compiled))
-            return compiled
-        return call
-
-
-def ptxas_stats(ptx: str, arch: str = "sm_90a") -> dict:
-    """Registers, spill stores/loads (bytes) and shared memory from Triton's bundled ``ptxas -v`` (the newest one
-    that reads this PTX version: ``ptxas-blackwell`` first)."""
-    import triton
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    text = ""
-    for exe in ("ptxas-blackwell", "ptxas"):
-        path = os.path.join(bin_dir, exe)
-        if not os.path.exists(path):
-            continue
-        with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            out = subprocess.run([path, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True)
-        text = out.stdout + out.stderr
-        if out.returncode == 0:
-            break
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return {"registers": int(regs.group(1)) if regs else None,
-            "spill_store_bytes": int(spill.group(1)) if spill else None,
-            "spill_load_bytes": int(spill.group(2)) if spill else None,
-            "ptxas": text.strip().splitlines()[-3:]}
-
-
 def compile_call(args: tuple, cfg, keep: str | None = None, label: str = "", page_table=None) -> list[dict]:
     """Compile (never run) every kernel one ``latent_attention_triton(*args, config=cfg, page_table=...)`` call
-    launches."""
-    from triton.runtime import driver as triton_driver  # the DriverConfig instance
+    launches (:func:`ckvp_compile.testing.sm90.compile_latent_attention`) and read each one's ptxas statistics."""
+    from ckvp_compile.testing.sm90 import compile_latent_attention, ptxas_stats
 
-    from ckvp_compile.kernels import latent_attention_triton as lat
-
-    sink: list = []
-    saved = (lat._latent_attention_split_kernel, lat._latent_attention_reduce_kernel, lat._interpreting,
-             lat.unsupported_reason, lat._latent_scores_heads_kernel)
-    saved_driver = getattr(triton_driver, "_active", None)
-    triton_driver.set_active(_FakeCudaDriver())
-    lat._latent_attention_split_kernel = _CompileOnly(saved[0], sink, "split")
-    lat._latent_attention_reduce_kernel = _CompileOnly(saved[1], sink, "reduce")
-    lat._interpreting = lambda: False
-    lat.unsupported_reason = lambda *a, **k: None
-    lat._latent_scores_heads_kernel = _CompileOnly(saved[4], sink, "grouped key pass")
-    try:
-        lat.latent_attention_triton(*args, config=cfg, page_table=page_table)
-    finally:
-        (lat._latent_attention_split_kernel, lat._latent_attention_reduce_kernel, lat._interpreting,
-         lat.unsupported_reason, lat._latent_scores_heads_kernel) = saved
-        triton_driver._active = saved_driver  # reset_active() would build the default driver (none on CPU)
     rows = []
-    for i, (tag, phase, grid, compiled) in enumerate(sink):
-        name = {None: tag, 0: "one-pass", 1: "key pass", 2: "value pass"}.get(phase, tag) if tag == "split" else tag
-        st = ptxas_stats(compiled.asm["ptx"])
-        st.update(kernel=name, grid=list(grid), shared_bytes=compiled.metadata.shared,
-                  num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages)
+    for i, k in enumerate(compile_latent_attention(args, cfg, page_table=page_table)):
+        st = ptxas_stats(k.compiled.asm["ptx"])
+        st.update(kernel=k.name, grid=list(k.grid), shared_bytes=k.compiled.metadata.shared,
+                  num_warps=k.compiled.metadata.num_warps, num_stages=k.compiled.metadata.num_stages)
         if keep:
             os.makedirs(keep, exist_ok=True)
             for ext in ("ttgir", "ptx"):
-                with open(os.path.join(keep, f"{label}_{i}_{name.replace(' ', '_')}.{ext}"), "w") as f:
-                    f.write(compiled.asm[ext])
+                with open(os.path.join(keep, f"{label}_{i}_{k.name.replace(' ', '_')}.{ext}"), "w") as f:
+                    f.write(k.compiled.asm[ext])
         rows.append(st)
     return rows
 
@@ -144,6 +59,7 @@ def main() -> int:
     ap.add_argument("--fp8-bases", action="store_true", help="bases in float8_e4m3fn (as the store's basis_dtype)")
     ap.add_argument("--page", type=int, default=0, help="paged latents: pools of pages of this many slots and a "
                     "page table (0: contiguous)")
+    ap.add_argument("--sass", type=int, default=0, help="also print the N most frequent static SASS opcodes")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import latent_attention_gpu as lag
@@ -209,7 +125,9 @@ def main() -> int:
             out.append(row)
             print(f"{name:<32} {row['kernel']:<11} regs {row['registers']:>3}  spill st/ld "
                   f"{row['spill_store_bytes']}/{row['spill_load_bytes']} B  smem {row['shared_bytes']} B  "
-                  f"warps {row['num_warps']} stages {row['num_stages']}", flush=True)
+                  f"warps {row['num_warps']} stages {row['num_stages']}  sass {row['sass_total']}", flush=True)
+            if a.sass:
+                print("    " + " ".join(f"{k}:{v}" for k, v in list(row["sass_ops"].items())[:a.sass]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"heads": a.heads, "format": a.format, "rows": out}, f, indent=1)

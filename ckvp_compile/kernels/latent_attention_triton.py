@@ -149,7 +149,8 @@ class DecodeConfig:
     runs one program per 32-channel slice of the output as well (at batch 1 the merge has only B*Hkv*S programs,
     16 for a 16-KV-head model; H200, benchmarks/results/2026-11-30-latent-attention-v2-h200: 6% faster calls at
     batch 1, 4k, neutral at batch 8, 32k); r_loop: rebuild keys over the rank chunks in a runtime loop
-    (one ``block_r`` chunk of latent and basis live at a time, its loads software-pipelined over ``num_stages``)
+    (one ``block_r`` chunk of latent and basis live at a time, its loads software-pipelined over ``num_stages``,
+    and only the chunks the KV head's rank reaches: rank 96 in chunks of 32 runs 3, not the padded 128's 4)
     instead of an unrolled one (no effect with a hoisted basis, which is one chunk); key_tiles: tiles per key-pass
     program (two-pass form; None: the value pass's split of the context); maxnreg: the register cap of each
     thread of the key pass (ptxas ``.maxnreg``: more programs per SM, spills past it; None: the compiler's choice);
@@ -1073,8 +1074,10 @@ def _tile_scores(
     x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x3 = tl.zeros((BLOCK_N, REST), tl.float32)
-    if R_LOOP:  # a runtime loop over the rank chunks: one chunk live at a time, its loads software-pipelined
-        for r0 in range(0, RK_PAD, BLOCK_R):
+    if R_LOOP:  # a runtime loop over the rank chunks: one chunk live at a time, its loads software-pipelined;
+        # it stops after the head's last chunk (rank 96 in chunks of 32: 3, not RK_PAD's 4; coordinates past the
+        # rank are zero in the latent load, so the chunks it skips would add nothing)
+        for r0 in range(0, tl.minimum(k_rank, RK_PAD), BLOCK_R):
             x1, x2, x3 = _rebuild_chunk(
                 lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, k_blk0, k_rank, kmix_row, k_scale_base,
                 k_min_base, rk_max, i1, i2, rot_ok, rest, rest_ok, stride_lkw, stride_bkd, stride_bkr, HAS_ROT,
@@ -2058,7 +2061,11 @@ def _launch(
         KEY_CODES=key_codes,
         KEY_FP8=key_codes and kf.bits <= 4 and basis_k_block.dtype == torch.float8_e4m3fn and not f32_dot,
         PAGE=0 if page_table is None else latent_k.shape[1], num_stages=cfg.num_stages,
-        R_LOOP=cfg.r_loop and not cfg.hoist_basis and rk_pad > block_r, FMA_VALUES_2D=cfg.fma_values_2d,
+        # (a runtime chunk start must be a quantization block's first coordinate: the sub-block tile forms
+        # decide their scale loads from it at compile time)
+        R_LOOP=(cfg.r_loop and not cfg.hoist_basis and rk_pad > block_r
+                and (not kf.quantized or block_r % max(kf.block, 1) == 0)),
+        FMA_VALUES_2D=cfg.fma_values_2d,
     )
     if page_table is not None:
         page_table = page_table.contiguous()  # the kernel steps along a row by 1

@@ -317,7 +317,8 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
         scores_template.maybe_append_choice(
             choices, input_nodes=ins, layout=layout, num_stages=c.num_stages, num_warps=c.num_warps,
             BLOCK_N=c.block_n, BLOCK_R=block_r, FMA_SCORES=c.fma_scores and g <= 8,
-            K_BLOCKWISE=lat._blockwise(kf, block_r), KEY_CODES=key_codes, R_LOOP=c.r_loop and rk_pad > block_r,
+            K_BLOCKWISE=lat._blockwise(kf, block_r), KEY_CODES=key_codes, R_LOOP=(c.r_loop and rk_pad > block_r
+                    and (not kf.quantized or block_r % max(kf.block, 1) == 0)),  # as the plain launcher
             **meta_common)
     if autotune or not choices:
         choices.append(extern)
