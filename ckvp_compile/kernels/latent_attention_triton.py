@@ -189,7 +189,13 @@ class DecodeConfig:
     Off: on the H200 (benchmarks/results/2026-12-01-checks-h200) one call at rank 12 ran 30% faster (0.53 -> 0.37
     ms, batch 8, 32k) but ranks 32-104 gained nothing, and the Qwen1.5-MoE decode step did not change (22.13 ->
     22.09 ms), at 5e-4 to 9e-4 output error against ~1e-4 (ptxas for sm_90a at rank 104: the per-head key pass's
-    104-byte spill and half of its 100 KB of shared memory go away; benchmarks/results/2026-12-01-rotate-fp16-cpu)."""
+    104-byte spill and half of its 100 KB of shared memory go away; benchmarks/results/2026-12-01-rotate-fp16-cpu).
+    loop_stages / loop_stages_v: software-pipeline the slot-tile loop of the key pass, one-pass and grouped kernels /
+    of the value pass this many stages deep (``tl.range(..., num_stages=N)``: Triton then prefetches every load of
+    the loop it can issue asynchronously, not only the loads that feed a tensor-core product; e.g. the value pass's
+    scores and code rows, which otherwise wait out a full memory latency per tile: compiled for sm_90a, the value
+    pass at rank 8 gains cp.async loads at the same 40 registers). None: Triton's default for the loop (the kernel's
+    ``num_stages`` for tensor-core operands only). Not yet timed on the GPU: off."""
 
     block_n: int = 64
     block_r: int = 64
@@ -222,6 +228,8 @@ class DecodeConfig:
     rotate_basis: bool = False
     head_group: int = 0
     rotate_fp16: bool = False
+    loop_stages: int | None = None
+    loop_stages_v: int | None = None
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False) -> DecodeConfig:
@@ -785,7 +793,7 @@ def _latent_attention_split_kernel(
     R_LOOP: tl.constexpr = False, FMA_VALUES_2D: tl.constexpr = True, FUSE_MERGE: tl.constexpr = False,
     D_PAD: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16, BV_EXACT: tl.constexpr = False, NB: tl.constexpr = 16,
     MERGE_G_PAD: tl.constexpr = 16, ROT_BASIS: tl.constexpr = False, COS_EXACT: tl.constexpr = False,
-    MERGE_SPLIT_BLOCK: tl.constexpr = 1, ROT_FP16: tl.constexpr = False,
+    MERGE_SPLIT_BLOCK: tl.constexpr = 1, ROT_FP16: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -884,7 +892,9 @@ def _latent_attention_split_kernel(
     t_start = c * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
     lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
-    for t in range(t_start, t_end):
+    # LOOP_STAGES (DecodeConfig.loop_stages / loop_stages_v): explicit software pipelining of every pipelineable
+    # load of the tile loop (None: Triton's default, which pipelines only the loads that feed a tensor-core product)
+    for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
         # the exact tokens' slots come from new_k / new_v
@@ -1363,7 +1373,7 @@ def _latent_scores_heads_kernel(
     REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, ROPE: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
     WORDS: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_BLOCK: tl.constexpr, PAGE: tl.constexpr = 0,
-    ROT_FP16: tl.constexpr = False,
+    ROT_FP16: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
 ):
     """The key pass (two-pass form, one query head per KV head) for a GROUP of KV heads: scores of every slot of
     one context split, for ``heads_per_group`` KV heads at once. Grid (n_split, B * n_groups, S).
@@ -1444,7 +1454,7 @@ def _latent_scores_heads_kernel(
     t_start = c * tiles_per_split
     t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
     lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
-    for t in range(t_start, t_end):
+    for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):  # see _latent_attention_split_kernel
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
         slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
@@ -2131,7 +2141,7 @@ def _launch(
                 COS_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16, MASK=mask_kind,
                 F32_DOT=f32_dot, WORDS=common["K_WORDS"], BLOCK_N=cfg.block_n, SLOT_BLOCK=16,
                 PAGE=common["PAGE"], ROT_FP16=cfg.rotate_fp16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **_reg_cap(cfg.maxnreg))
+                LOOP_STAGES=cfg.loop_stages, **_reg_cap(cfg.maxnreg))
         else:
             if cfg.key_tiles:
                 k_per = max(1, int(cfg.key_tiles))
@@ -2144,6 +2154,7 @@ def _launch(
                 hkv, s, n_exact, kv_len, k_per, k_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
                 rv_max, *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr,
                 *sstr, *pstr, *mstrides, *merge_strides, BLOCK_N=cfg.block_n, PHASE=1, num_warps=cfg.num_warps,
+                LOOP_STAGES=cfg.loop_stages,
                 **dict(common, G_PAD=g_small if fma_k else g_pad, ROT_BASIS=rot_basis and fma_k),
                 **_reg_cap(cfg.maxnreg))
         if mode == "scores":
@@ -2157,6 +2168,7 @@ def _launch(
         *mstrides, *merge_strides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one,
         PHASE=2 if cfg.two_pass else 0,
         num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
+        LOOP_STAGES=cfg.loop_stages_v if cfg.two_pass else cfg.loop_stages,
         **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
                ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
     if not fuse:

@@ -207,7 +207,8 @@ def _check_property(n_examples: int) -> None:
                            key_tiles=draw(st.sampled_from((None, 1, 2))), fma_values=draw(st.booleans()),
                            fma_values_2d=draw(st.booleans()), fuse_merge=draw(st.booleans()),
                            rotate_basis=draw(st.booleans()), head_group=draw(st.sampled_from((0, 0, 2, 3))),
-                           rotate_fp16=draw(st.booleans()))
+                           rotate_fp16=draw(st.booleans()), loop_stages=draw(st.sampled_from((None, 2))),
+                           loop_stages_v=draw(st.sampled_from((None, 3))))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)

@@ -98,7 +98,8 @@ def _run(n_examples: int) -> None:
             fuse_merge=draw(st.booleans()), rotate_basis=draw(st.booleans()),
             head_group=draw(st.sampled_from((0, 0, 2, 4))), rotate_fp16=draw(st.booleans()),
             key_codes=draw(st.booleans()), key_fp16=draw(st.booleans()), key_split=draw(st.booleans()),
-            paired_tables=draw(st.booleans()), reduce_split_d=draw(st.booleans()))
+            paired_tables=draw(st.booleans()), reduce_split_d=draw(st.booleans()),
+            loop_stages=draw(st.sampled_from((None, 2, 3))), loop_stages_v=draw(st.sampled_from((None, 2, 3))))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
