@@ -5,8 +5,9 @@ reference (H200 work between sessions: which knob moves a given layer shape).
         --configs 'default;default+{"block_n": 32};default+{"r_loop": true, "block_r": 32}' [--paired] [--format int4/32]
     ncu ... python3 benchmarks/config_sweep_gpu.py --out DIR --cases 32:8:8:32768:96 --configs default --ncu
 
-A case is heads:kv_heads:batch:context:rank (head_dim 128; keys and values of that rank; latents of
-``latent_attention_gpu.make_inputs``). A config is ``default`` (the launcher's default for the case's group and
+A case is heads:kv_heads:batch:context:rank, the rank either one number (keys and values) or key/value (e.g.
+``64/128``: at the same bytes as 96/96, half the key rebuild); head_dim 128; latents of
+``ckvp_compile.bench.attention.make_inputs``. A config is ``default`` (the launcher's default for the case's group and
 padded rank, with ``--paired`` as a compiled HF model declares its tables) or ``generic`` (``DecodeConfig()``),
 optionally followed by ``+`` and a JSON object of DecodeConfig fields replaced over it. Each row: ms (median of
 ``do_bench``), rel_err against ``latent_attention_ref``, and the last launch's registers / spills. ``--ncu`` runs
@@ -27,11 +28,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import latent_attention_gpu as lag  # noqa: E402
 
+from ckvp_compile.bench.attention import make_inputs  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, default_config, latent_attention_triton  # noqa: E402
 
 
 def parse_config(text: str, group: int, rank_pad: int, paired: bool) -> DecodeConfig:
-    """``default`` / ``generic`` [+ JSON of DecodeConfig fields] -> the DecodeConfig it names."""
+    """``default`` / ``generic`` [+ JSON of DecodeConfig fields] -> the DecodeConfig it names.
+
+    Raises:
+        KeyError: a name other than default / generic; json.JSONDecodeError: the part after ``+`` is not JSON;
+        TypeError: a field DecodeConfig does not have.
+    """
     name, _, extra = text.partition("+")
     base = {"default": lambda: default_config(group, rank_pad, paired=paired),
             "generic": lambda: dataclasses.replace(DecodeConfig(), paired_tables=paired)}[name.strip()]()
@@ -39,6 +46,7 @@ def parse_config(text: str, group: int, rank_pad: int, paired: bool) -> DecodeCo
 
 
 def main() -> None:
+    """Parse the command line, run every (case, config) and write DIR/config_sweep.json (see the module docstring)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", required=True, help="comma-separated heads:kv_heads:batch:context:rank")
@@ -54,13 +62,16 @@ def main() -> None:
            "head_dim": lag.D, "format": a.format, "paired": a.paired, "command": "python3 " + " ".join(sys.argv)}
     rows = []
     for case in a.cases.split(","):
-        h, hkv, b, t, rank = (int(x) for x in case.split(":"))
-        lag.H, lag.HKV = h, hkv
-        args = lag.make_inputs(b, t, a.format, rank, seed=11)
+        h, hkv, b, t, ranks = case.split(":")
+        h, hkv, b, t = int(h), int(hkv), int(b), int(t)
+        rank, _, rank_v = ranks.partition("/")
+        rank, rank_v = int(rank), int(rank_v or rank)
+        args = make_inputs(b, t, a.format, rank, seed=11, heads=(h, hkv), head_dim=lag.D, group=lag.GROUP,
+                           rank_v=rank_v)
         want = None if a.ncu else lag.ref_chunked(args, 2)
         rank_pad = max(16, 1 << (rank - 1).bit_length())
         for text in a.configs.split(";"):
-            row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "config": text}
+            row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text}
             try:
                 cfg = parse_config(text, h // hkv, rank_pad, a.paired)
                 out = latent_attention_triton(*args, config=cfg)

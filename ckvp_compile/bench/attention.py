@@ -123,12 +123,14 @@ def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator
 
 
 def make_inputs(b: int, t: int, fmt: str, rank: int, seed: int = 0, dev: str = "cuda",
-                heads: tuple[int, int] = MIXTRAL_HEADS, head_dim: int = HEAD_DIM, group: int = GROUP) -> tuple:
+                heads: tuple[int, int] = MIXTRAL_HEADS, head_dim: int = HEAD_DIM, group: int = GROUP,
+                rank_v: int | None = None) -> tuple:
     """The 20 arguments of ``latent_attention_triton`` / ``latent_attention_ref`` for one decode step.
 
     Args:
         b, t: batch and context (slots 0..t-1 attended; the new token is at slot t-1, position t-1).
-        fmt: the latent format of K and V; rank: latent coordinates per KV head (<= ``group * head_dim``).
+        fmt: the latent format of K and V; rank: latent coordinates per KV head (<= ``group * head_dim``) of K,
+            and of V unless ``rank_v`` is given.
         seed: seeds one generator on ``dev`` (same arguments, same inputs).
         heads: (query heads H, KV heads Hkv), H a multiple of Hkv.
         head_dim: D; group: layers per latent group (the basis block is D rows of a (group * D, rank) basis).
@@ -144,13 +146,14 @@ def make_inputs(b: int, t: int, fmt: str, rank: int, seed: int = 0, dev: str = "
     d = head_dim
     gen = torch.Generator(device=dev).manual_seed(seed)
     lk, ko = make_latent(b, t, [rank] * hkv, fmt, gen, dev)
-    lv, vo = make_latent(b, t, [rank] * hkv, fmt, gen, dev)
+    rank_v = rank if rank_v is None else rank_v
+    lv, vo = make_latent(b, t, [rank_v] * hkv, fmt, gen, dev)
 
-    def basis_block() -> torch.Tensor:
-        p = torch.linalg.qr(torch.randn(hkv, group * d, rank, device=dev, generator=gen)).Q  # orthonormal columns
+    def basis_block(r: int) -> torch.Tensor:
+        p = torch.linalg.qr(torch.randn(hkv, group * d, r, device=dev, generator=gen)).Q  # orthonormal columns
         return (p[:, :d] * math.sqrt(group / 2)).to(torch.bfloat16).contiguous()  # keys of std ~1
 
-    bk, bv = basis_block(), basis_block()
+    bk, bv = basis_block(rank), basis_block(rank_v)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=dev).float() / d))
     ang = torch.arange(t, device=dev).float()[:, None] * inv[None]
     ang = torch.cat((ang, ang), dim=-1)

@@ -194,7 +194,7 @@ class DecodeConfig:
     of the value pass this many stages deep (``tl.range(..., num_stages=N)``: Triton then prefetches every load of
     the loop it can issue asynchronously, not only the loads that feed a tensor-core product; e.g. the value pass's
     scores and code rows, which otherwise wait out a full memory latency per tile: compiled for sm_90a, the value
-    pass at rank 8 gains cp.async loads at the same 40 registers). None: Triton's default for the loop (the kernel's
+    pass at rank 8 gains cp.async loads at the same 40 registers, ``benchmarks/latent_attention_aot.py --sass``). None: Triton's default for the loop (the kernel's
     ``num_stages`` for tensor-core operands only). Not yet timed on the GPU: off."""
 
     block_n: int = 64
@@ -1086,8 +1086,13 @@ def _tile_scores(
     x3 = tl.zeros((BLOCK_N, REST), tl.float32)
     if R_LOOP:  # a runtime loop over the rank chunks: one chunk live at a time, its loads software-pipelined;
         # it stops after the head's last chunk (rank 96 in chunks of 32: 3, not RK_PAD's 4; coordinates past the
-        # rank are zero in the latent load, so the chunks it skips would add nothing)
-        for r0 in range(0, tl.minimum(k_rank, RK_PAD), BLOCK_R):
+        # rank are zero in the latent load, so the chunks it skips would add nothing). A mix plan (K_BITS 0) has
+        # no rank in its head table (it holds pieces): all of RK_PAD
+        if K_BITS == 0:
+            r_end = RK_PAD
+        else:
+            r_end = tl.minimum(k_rank, RK_PAD)
+        for r0 in range(0, r_end, BLOCK_R):
             x1, x2, x3 = _rebuild_chunk(
                 lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, k_blk0, k_rank, kmix_row, k_scale_base,
                 k_min_base, rk_max, i1, i2, rot_ok, rest, rest_ok, stride_lkw, stride_bkd, stride_bkr, HAS_ROT,

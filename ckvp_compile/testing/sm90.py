@@ -10,9 +10,14 @@ returns what Triton built (PTX and, through its bundled ``ptxas``, the cubin), s
 * benchmarks/latent_attention_aot.py reads registers, spills, shared memory and the static SASS mix of any config
   between GPU sessions (:func:`ptxas_stats`).
 
-Nothing runs: no result is computed, only code. The local Triton may differ from the GPU machine's; compare
-variants, not absolute numbers. Needs a Triton build with its NVIDIA backend (the standard wheels); the process
-must not run under ``TRITON_INTERPRET=1``.
+Nothing runs: no result is computed, only code, and what only a launch checks is not checked (shared memory
+beyond the device's limit: read ``compiled.metadata.shared``; see :data:`SM90_MAX_SHARED_BYTES`). The local Triton
+may differ from the GPU machine's; compare variants, not absolute numbers. Needs a Triton build with its NVIDIA
+backend (the standard wheels); the process must not run under ``TRITON_INTERPRET=1``. It patches module globals of
+``kernels.latent_attention_triton`` and Triton's active driver for the duration of a call (not thread-safe) and
+gives each kernel a private compile cache meanwhile, so a process that also launches on a real GPU keeps its own.
+Written against Triton 3.6-3.9 (``triton.runtime.driver.set_active``, ``JITFunction.warmup`` and
+``JITFunction.device_caches``).
 """
 
 from __future__ import annotations
@@ -21,12 +26,18 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CompiledKernel", "compile_latent_attention", "ptxas_stats", "sm90_compile_available"]
+__all__ = ["SM90_MAX_SHARED_BYTES", "CompiledKernel", "compile_latent_attention", "ptxas_stats",
+           "sm90_compile_available"]
+
+#: Shared memory one block may use on sm_90 (H100 / H200: 227 KiB), in bytes; a kernel compiled past it is refused at
+#: launch (Triton's ``OutOfResources``), which a compile-only warm-up never reaches.
+SM90_MAX_SHARED_BYTES = 232448
 
 
 class _FakeCudaDriver:
@@ -106,7 +117,10 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
     Returns:
         The kernels in launch order.
     Raises:
-        triton.compiler.errors.CompilationError: a kernel does not compile (the point of the tests that call this).
+        triton.compiler.errors.CompilationError: a kernel does not compile (the point of the tests that call this);
+            ``triton.runtime.errors.PTXASError`` where ptxas rejects the PTX.
+        NotImplementedError / ValueError: the launcher refuses the inputs (as it would on a GPU; only its device
+            check is bypassed).
         RuntimeError: :func:`sm90_compile_available` gives a reason.
     """
     why = sm90_compile_available()
@@ -120,18 +134,34 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
     names = ("_latent_attention_split_kernel", "_latent_attention_reduce_kernel", "_latent_scores_heads_kernel")
     tags = ("split", "reduce", "grouped key pass")
     saved = {n: getattr(lat, n) for n in names + ("_interpreting", "unsupported_reason")}
+    saved_caches = {n: saved[n].device_caches for n in names if hasattr(saved[n], "device_caches")}
     saved_driver = getattr(triton_driver, "_active", None)
-    triton_driver.set_active(_FakeCudaDriver())
-    for n, tag in zip(names, tags):
-        setattr(lat, n, _CompileOnly(saved[n], sink, tag))
-    lat._interpreting = lambda: False
-    lat.unsupported_reason = lambda *a, **k: None  # it refuses CPU tensors: the device is what is faked
+    saved_record = dict(lat._LAST_LAUNCH)
+    real_unsupported = saved["unsupported_reason"]
+
+    def unsupported(*a, **k):  # the launcher's own checks, with CPU tensors standing for the faked device
+        lat._interpreting = lambda: True
+        try:
+            return real_unsupported(*a, **k)
+        finally:
+            lat._interpreting = lambda: False
+
     try:
+        triton_driver.set_active(_FakeCudaDriver())
+        for n, tag in zip(names, tags):
+            if n in saved_caches:  # a private cache: device 0 here is the fake sm_90, not a real GPU's
+                saved[n].device_caches = defaultdict(saved[n].create_binder)
+            setattr(lat, n, _CompileOnly(saved[n], sink, tag))
+        lat._interpreting = lambda: False
+        lat.unsupported_reason = unsupported
         lat.latent_attention_triton(*args, config=config, page_table=page_table)
     finally:
         for n, fn in saved.items():
             setattr(lat, n, fn)
+        for n, caches in saved_caches.items():
+            saved[n].device_caches = caches
         lat._LAST_LAUNCH.clear()
+        lat._LAST_LAUNCH.update(saved_record)
         triton_driver._active = saved_driver  # reset_active() would build the default driver (none on CPU)
     out = []
     for tag, phase, grid, compiled in sink:
@@ -144,6 +174,9 @@ def ptxas_stats(ptx: str, arch: str = "sm_90a") -> dict:
     """Registers, spill stores / loads (bytes) and the static SASS opcode counts of one kernel's PTX, from Triton's
     bundled ``ptxas -v`` (the newest one that reads this PTX version: ``ptxas-blackwell`` first) and ``cuobjdump``.
 
+    Args:
+        ptx: the kernel's PTX (``compiled.asm["ptx"]`` of a :class:`CompiledKernel`).
+        arch: the ptxas target (default ``sm_90a``, the H100 / H200).
     Returns:
         dict with 'registers', 'spill_store_bytes', 'spill_load_bytes' (None where ptxas printed none),
         'sass_total' and 'sass_ops' (opcode -> count, most frequent first; predicates stripped; empty without

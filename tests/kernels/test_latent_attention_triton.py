@@ -429,6 +429,10 @@ def _check_fixed() -> None:
            dataclasses.replace(cfg, two_pass=False))
     _check(dict(mix, kfmt="mix/16:2x16+8x48,4x16+2x24", vfmt="int4/8"),
            DecodeConfig(block_n=16, block_r=64, num_warps=1, hoist_basis=True))
+    # the runtime rank-chunk loop over a mix plan: its head table holds pieces, not a rank (all of RK_PAD runs;
+    # reading a rank there stopped the loop at 0: zero keys, uniform attention)
+    _check(mix, dataclasses.replace(cfg, r_loop=True, hoist_basis=False))
+    _check(dict(base, rk=[12, 0], rv=[0, 9], kfmt="int4/8"), dataclasses.replace(cfg, r_loop=True, block_r=8))
     # a plan with two pieces of one width in a head is not read by the kernel: the op's reference path runs
     odd = _inputs(dict(mix, kfmt="mix/8:4x16+2x16+4x32,4x24+2x16"))
     assert "mix plan" in unsupported_reason(*(odd[i] for i in (0, 1, 2, 3, 4, 10, 15, 7, 12)), odd[18], odd[19])
