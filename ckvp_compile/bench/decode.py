@@ -277,7 +277,8 @@ class _Runner:
         return bases_for_byte_ratio(self.moments, ratio, self.args.latent_format, batch_size=batch,
                                     max_cache_len=max_len, dense_dtype=self.dtype, latent_dtype=self.dtype,
                                     recent_window=self.args.recent_window,
-                                    rank_block=getattr(self.args, "rank_block", None))
+                                    rank_block=getattr(self.args, "rank_block", None),
+                                    max_key_rank=getattr(self.args, "max_key_rank", None))
 
     def step_fn(self, system: System) -> Callable:
         fwd = self.model.forward
@@ -489,7 +490,7 @@ class _Runner:
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("shape", "systems", "batches", "contexts", "layers", "steps", "warmup", "latent_format", "group_size",
-            "calib_tokens", "bases", "rank_block",
+            "calib_tokens", "bases", "rank_block", "max_key_rank",
             "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
@@ -566,6 +567,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="ckvp: keep ranks in whole blocks of this many latent coordinates (1: any rank; default: the "
                         "quantization block of a uniform quantized --latent-format unless that lands more than 5%% "
                         "above the ratio; see ckvp_compile.latent.budget.bases_for_byte_ratio)")
+    p.add_argument("--max-key-rank", type=int, default=None,
+                   help="ckvp: cap every key unit's rank (per KV head and layer group) at this many coordinates and "
+                        "spend the bytes on values and other units (decode speed for fidelity at the same bytes; "
+                        "ckvp_compile.latent.ranks.key_rank_caps); default: no cap")
     g = p.add_argument_group("fixture (--shape fixture)")
     g.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bundled fixture)")
     g.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0], help="KV byte ratios")

@@ -215,7 +215,8 @@ def run_fixture(args: argparse.Namespace) -> int:
                 bases = bases_for_byte_ratio(decomposed, ratio, fmt, batch_size=1, max_cache_len=args.budget_len,
                                              dense_dtype=kv_dtype, latent_dtype=kv_dtype,
                                              recent_window=args.recent_window,
-                                             rank_block=getattr(args, "rank_block", None))
+                                             rank_block=getattr(args, "rank_block", None),
+                                             max_key_rank=getattr(args, "max_key_rank", None))
             store_fmt = "auto" if fmt == "planned" else fmt
             cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
                                     dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,

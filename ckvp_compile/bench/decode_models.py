@@ -299,7 +299,7 @@ class DecomposedMoments:
                    m.model_fingerprint, m.num_tokens)
 
     def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca",
-              rank_block: int = 1) -> Any:
+              rank_block: int = 1, max_key_rank: int | None = None) -> Any:
         """:class:`~ckvp_compile.latent.LatentBases` at ``kv_ratio`` (elements), as ``KVMoments.bases``.
 
         Raises:
@@ -307,6 +307,7 @@ class DecomposedMoments:
                 out of range.
         """
         from ..latent import LatentBases, allocate_ranks, rank_budget
+        from ..latent.ranks import key_rank_caps
         from ..latent.bases import check_target_ratio
 
         if basis != "pca" or rank_allocation not in ("energy", "uniform"):
@@ -316,7 +317,8 @@ class DecomposedMoments:
         dense = sum(len(g) for g in self.groups) * hkv * self.head_dim * 2
         check_target_ratio(kv_ratio, dense, 2 * ng * hkv)
         spectra = [d[0][h] for d in (*self.k, *self.v) for h in range(hkv)]
-        flat = iter(allocate_ranks(spectra, rank_budget(dense, kv_ratio), rank_allocation, rank_block=rank_block))
+        max_ranks, budget = key_rank_caps(spectra, ng * hkv, max_key_rank, rank_budget(dense, kv_ratio), rank_block)
+        flat = iter(allocate_ranks(spectra, budget, rank_allocation, rank_block=rank_block, max_ranks=max_ranks))
         out: dict[str, Any] = {}
         for kind, dec in (("k", self.k), ("v", self.v)):
             ranks = [tuple(next(flat) for _ in range(hkv)) for _ in self.groups]

@@ -315,7 +315,7 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
                  dense: DenseReference | None = None,
                  reset_check: str = "first", latent_dtype: torch.dtype = torch.bfloat16,
                  dense_dtype: torch.dtype = torch.bfloat16, measure_windows: int = 8,
-                 rank_block: int | None = None) -> list[FidelityResult]:
+                 rank_block: int | None = None, max_key_rank: int | None = None) -> list[FidelityResult]:
     """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config.
 
     ``reset_check``: 'first' (the first config only: reset is the same code for every config), 'all' or 'none'.
@@ -323,7 +323,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     counted against. ``measure_windows``: the first calibration windows the '+measured' planner measures its
     errors on (:func:`~ckvp_compile.bench.fidelity_layout.unit_kl_meter`; never evaluation windows). ``rank_block``:
     the non-planned configs' ranks in whole blocks of that many coordinates (None: the uniform quantized format's
-    block, see :func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`; 1: any rank).
+    block, see :func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`; 1: any rank). ``max_key_rank``: the
+    non-planned configs' key ranks capped there (:func:`~ckvp_compile.latent.ranks.key_rank_caps`).
 
     Raises:
         RuntimeError: a compiled graph was not rewritten into the latent store for every layer, or
@@ -354,7 +355,7 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
         t0 = time.perf_counter()
         built = config_bases(cfg, moments[cfg.group_size], batch_size=batch_size, window=window,
                              latent_dtype=latent_dtype, dense_dtype=dense_dtype, log=log,
-                             measure_errors=measure_errors, rank_block=rank_block)
+                             measure_errors=measure_errors, rank_block=rank_block, max_key_rank=max_key_rank)
         if built is None:
             continue
         bases, fmt, label, basis_dtype, residual = built
@@ -443,7 +444,8 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
                  latent_dtype: torch.dtype = torch.bfloat16, dense_dtype: torch.dtype = torch.bfloat16,
                  log: Callable[[str], None] | None = None,
                  measure_errors: Callable[..., Any] | None = None,
-                 recent_window: int = 0, rank_block: int | None = None) -> tuple[Any, str, str, torch.dtype, str] | None:
+                 recent_window: int = 0, rank_block: int | None = None,
+                 max_key_rank: int | None = None) -> tuple[Any, str, str, torch.dtype, str] | None:
     """The bases of one config, fitted to its byte ratio as :func:`run_fidelity` counts it.
 
     Args:
@@ -458,6 +460,8 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
         recent_window: the store's dense recent window (tokens): its bytes come off the budget.
         rank_block: for the configs that are not 'planned', as :func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`
             (None: the uniform quantized format's block, unless that overshoots the ratio by more than 5%).
+        max_key_rank: for the configs that are not 'planned': a cap on every key unit's rank, as
+            :func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`.
     Returns:
         ``(bases, cache latent_format, label of the format, basis dtype, ALR residual format or '')``, or None
         when the ratio cannot be met (logged).
@@ -499,7 +503,7 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
                          batch_size=batch_size, max_cache_len=window, rank_allocation=alloc,
                          basis=basis, dense_dtype=dense_dtype, latent_dtype=latent_dtype,
                          basis_dtype=basis_dtype, rotate=rotate, residual_format=residual,
-                         recent_window=recent_window, rank_block=rank_block)
+                         recent_window=recent_window, rank_block=rank_block, max_key_rank=max_key_rank)
     return None if bases is None else (bases, fmt, label, basis_dtype, residual)
 
 
@@ -633,6 +637,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks of the configs that are not 'planned' in whole blocks of this many latent coordinates "
                         "(1: any rank; default: the quantization block of a uniform quantized format unless that "
                         "lands more than 5%% above the ratio)")
+    p.add_argument("--max-key-rank", type=int, default=None,
+                   help="cap every key unit's rank (per KV head and layer group) of the configs that are not "
+                        "'planned' at this many coordinates, the bytes going to the other units (default: no cap)")
     p.add_argument("--latent-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of 'float' latents and of the bases (default bfloat16)")
     p.add_argument("--dense-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -784,7 +791,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run_fidelity(model, calib, evals, configs, chunk=args.chunk, batch_size=args.batch,
                            progress=not args.no_progress, reset_check=args.reset_check,
                            latent_dtype=getattr(torch, args.latent_dtype), dense_dtype=getattr(torch, args.dense_dtype),
-                           measure_windows=args.measure_windows, rank_block=args.rank_block)
+                           measure_windows=args.measure_windows, rank_block=args.rank_block,
+                           max_key_rank=args.max_key_rank)
     elapsed = time.perf_counter() - t_start
     table = markdown_table(results)
     print(table)
@@ -797,7 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "eval_windows": args.eval_windows, "eval_window_indices": [args.calib_windows, need - 1],
         "chunk": args.chunk, "batch": args.batch, "reset_check": args.reset_check, "dtype": args.dtype, "device": args.device,
         "latent_dtype": args.latent_dtype, "dense_dtype": args.dense_dtype, "measure_windows": args.measure_windows,
-        "rank_block": args.rank_block,
+        "rank_block": args.rank_block, "max_key_rank": args.max_key_rank,
         "compiler": "aot_eager", "fullgraph": True, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "machine": _cpu_name() if args.device == "cpu" else args.device,

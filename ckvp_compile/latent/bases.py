@@ -40,7 +40,15 @@ import torch
 
 from ..errors import CKVPConfigError, CKVPShapeError
 from .weighting import weighted_projection_basis
-from .ranks import RANK_ALLOCATIONS, allocate_ranks, rank_block_error, rank_budget, retained_fraction
+from .ranks import (
+    RANK_ALLOCATIONS,
+    allocate_ranks,
+    key_rank_caps,
+    max_key_rank_error,
+    rank_block_error,
+    rank_budget,
+    retained_fraction,
+)
 
 __all__ = ["BASES", "FORMAT_NAME", "FORMAT_VERSION", "LatentBases", "build_latent_bases", "check_target_ratio",
            "model_fingerprint"]
@@ -386,7 +394,8 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
                        group_size: int, target_ratio: float, rank_allocation: str,
                        model_fingerprint: dict[str, Any], k_weights: Sequence[torch.Tensor] | None = None,
                        v_weights: Sequence[torch.Tensor] | None = None,
-                       head_entropy: Sequence[torch.Tensor] | None = None, rank_block: int = 1) -> LatentBases:
+                       head_entropy: Sequence[torch.Tensor] | None = None, rank_block: int = 1,
+                       max_key_rank: int | None = None) -> LatentBases:
     """Eigen-decompose per-group second moments, allocate ranks under the budget, and assemble the bases.
 
     Args:
@@ -403,16 +412,20 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
         head_entropy: per group, (Hkv,) mean normalised attention entropy of each KV head's query heads over the
             group's layers, in [0, 1]; needed by ``rank_allocation='entropy'`` (K and V of a head share it).
         rank_block: ranks in whole blocks of this many coordinates (:func:`~.ranks.allocate_ranks`); 1: any.
+        max_key_rank: None, or the most coordinates a key unit (group, KV head) keeps; the budget goes to the
+            other units instead (:func:`~.ranks.key_rank_caps`: decode speed for fidelity at the same bytes).
     Returns:
         :class:`LatentBases`, bases float32 on the moments' device.
     Raises:
-        CKVPConfigError: unknown rank_allocation, a rank_block that is not an int >= 1, or target_ratio out of the
-            achievable range.
+        CKVPConfigError: unknown rank_allocation, a rank_block that is not an int >= 1, a max_key_rank that is not
+            None or an int >= 1, or target_ratio out of the achievable range.
     """
     if rank_allocation not in RANK_ALLOCATIONS:
         raise CKVPConfigError(f"rank_allocation must be one of {list(RANK_ALLOCATIONS)}, got {rank_allocation!r}")
     if rank_block_error(rank_block):
         raise CKVPConfigError(rank_block_error(rank_block))
+    if max_key_rank_error(max_key_rank):
+        raise CKVPConfigError(max_key_rank_error(max_key_rank))
     dense = sum(len(layers) for layers in groups) * num_kv_heads * head_dim * 2
     check_target_ratio(target_ratio, dense, 2 * len(groups) * num_kv_heads)
     decomposed = {kind: [_eigh_desc(m / num_tokens) for m in moments]
@@ -426,8 +439,10 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
                                   "calibration measures where it finds the queries; use 'energy' for this model")
         weights_u = [max(float(head_entropy[g][h]), 1e-3) for _ in ("k", "v") for g in range(len(groups))
                      for h in range(num_kv_heads)]
-    flat = iter(allocate_ranks(spectra, rank_budget(dense, target_ratio), rank_allocation,  # type: ignore[arg-type]
-                               weights_u, rank_block=rank_block))
+    max_ranks, budget = key_rank_caps(spectra, len(groups) * num_kv_heads, max_key_rank,
+                                      rank_budget(dense, target_ratio), rank_block)
+    flat = iter(allocate_ranks(spectra, budget, rank_allocation,  # type: ignore[arg-type]
+                               weights_u, rank_block=rank_block, max_ranks=max_ranks))
     out: dict[str, Any] = {}
     for kind in ("k", "v"):
         ranks = [tuple(next(flat) for _ in range(num_kv_heads)) for _ in groups]

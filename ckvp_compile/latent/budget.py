@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CKVPConfigError
 from ..kernels.latent_format import parse_latent_format
-from .ranks import rank_block_error
+from .ranks import max_key_rank_error, rank_block_error
 
 __all__ = ["AUTO_RANK_BLOCK_SLACK", "bases_for_byte_ratio", "default_rank_block", "dense_kv_bytes", "fit_byte_ratio",
            "store_bytes", "window_bytes"]
@@ -143,7 +143,7 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
                          dense_dtype: torch.dtype = torch.bfloat16,
                          latent_dtype: torch.dtype = torch.bfloat16, basis_dtype: torch.dtype | None = None,
                          rotate: bool = False, residual_format: str = "", recent_window: int = 0,
-                         rank_block: int | None = None) -> Any:
+                         rank_block: int | None = None, max_key_rank: int | None = None) -> Any:
     """Bases from collected moments whose store meets ``kv_ratio`` in bytes (see :func:`store_bytes`).
 
     Args:
@@ -168,11 +168,15 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
             fill whole blocks and start aligned in the latent row: the decode kernel loads them as vectors)
             unless those coarser steps overshoot ``kv_ratio`` by more than :data:`AUTO_RANK_BLOCK_SLACK` (small
             models, where one step is a large share of the budget), then 1 (any rank), as for other formats.
+        max_key_rank: None, or a cap on every key unit's rank, the bytes going to the other units
+            (:func:`~ckvp_compile.latent.ranks.key_rank_caps`); where the capped units cannot hold the budget
+            (a low ratio) the store lands above ``kv_ratio``.
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
         ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
     Raises:
-        CKVPConfigError: an unknown format, a ratio no rank reaches, or a ``rank_block`` that is not an int >= 1.
+        CKVPConfigError: an unknown format, a ratio no rank reaches, a ``rank_block`` that is not an int >= 1, or a
+            ``max_key_rank`` that is not None or an int >= 1.
     """
     try:
         parsed = parse_latent_format(latent_format)
@@ -184,11 +188,14 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         rank_block = default_rank_block(fmt)
     if rank_block_error(rank_block):
         raise CKVPConfigError(rank_block_error(rank_block) + " (or None: the format's block)")
+    if max_key_rank_error(max_key_rank):
+        raise CKVPConfigError(max_key_rank_error(max_key_rank))
+    cap = {"max_key_rank": max_key_rank} if max_key_rank is not None else {}  # moments without the option work
     _check_window(recent_window)
     if rotate and not parse_latent_format(fmt).quantized:
         raise CKVPConfigError("rotate=True needs a quantized latent format (its blocks are what is rotated)")
     if kv_ratio == 1.0:
-        full = moments.bases(1.0, rank_allocation, basis, rank_block=rank_block)
+        full = moments.bases(1.0, rank_allocation, basis, rank_block=rank_block, **cap)
         out = dataclasses.replace(full, k_formats=(fmt,) * len(full.groups), v_formats=(fmt,) * len(full.groups))
         return _rotated(out, fmt) if rotate else out
 
@@ -201,8 +208,8 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
     top = layers * moments.head_dim / len(moments.groups)  # the element ratio at rank 1 everywhere
 
     def fit(block: int) -> Any:
-        return fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca", rank_block=block), kv_ratio, top,
-                              byte_ratio)
+        return fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca", rank_block=block, **cap), kv_ratio,
+                              top, byte_ratio)
 
     pca = fit(rank_block)
     if auto and rank_block > 1 and byte_ratio(pca) > kv_ratio * (1 + AUTO_RANK_BLOCK_SLACK):
@@ -210,7 +217,8 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         if byte_ratio(free) < byte_ratio(pca):
             rank_block, pca = 1, free
     # 'weighted' bases keep the ranks of the 'pca' fit, hence its bytes
-    out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis, rank_block=rank_block)
+    out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis, rank_block=rank_block,
+                                                   **cap)
     n = len(out.groups)  # the format the ranks were fitted for: a cache with latent_format="auto" uses it
     out = dataclasses.replace(out, k_formats=(fmt,) * n, v_formats=(fmt,) * n)
     return _rotated(out, fmt) if rotate else out

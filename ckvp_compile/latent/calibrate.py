@@ -37,7 +37,7 @@ from ..errors import CKVPConfigError, CKVPError
 from ..plan import make_layer_groups
 from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, model_fingerprint
 from .capture import prefill
-from .ranks import RANK_ALLOCATIONS, rank_block_error
+from .ranks import RANK_ALLOCATIONS, max_key_rank_error, rank_block_error
 
 __all__ = ["KVMoments", "calibrate", "collect_kv_moments"]
 
@@ -119,11 +119,12 @@ class KVMoments:
         return out
 
     def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca",
-              rank_block: int = 1) -> LatentBases:
+              rank_block: int = 1, max_key_rank: int | None = None) -> LatentBases:
         """Build :class:`LatentBases` at ``kv_ratio`` (see :func:`calibrate`); cheap for ``basis='pca'``, so several
         ratios can share one collection ('weighted' runs a small manifold optimisation per unit). ``rank_block``:
-        ranks in whole blocks of that many coordinates (:func:`~.ranks.allocate_ranks`). Raises CKVPConfigError for
-        an unknown basis or rank_allocation, a rank_block that is not an int >= 1, or a ratio out of range."""
+        ranks in whole blocks of that many coordinates (:func:`~.ranks.allocate_ranks`); ``max_key_rank``: a cap
+        on every key unit's rank (:func:`~.ranks.key_rank_caps`). Raises CKVPConfigError for an unknown basis or
+        rank_allocation, a rank_block that is not an int >= 1, a bad max_key_rank, or a ratio out of range."""
         if basis not in BASES:
             raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
         weights = {}
@@ -132,7 +133,8 @@ class KVMoments:
         return build_latent_bases(self.groups, self.k, self.v, self.num_tokens, num_kv_heads=self.num_kv_heads,
                                   head_dim=self.head_dim, group_size=self.group_size, target_ratio=kv_ratio,
                                   rank_allocation=rank_allocation, model_fingerprint=self.model_fingerprint,
-                                  head_entropy=self.head_entropy(), rank_block=rank_block, **weights)
+                                  head_entropy=self.head_entropy(), rank_block=rank_block,
+                                  max_key_rank=max_key_rank, **weights)
 
     def regroup(self, group_size: int) -> "KVMoments":
         """Return the moments for a smaller group size that divides this one, without recollecting.
@@ -173,7 +175,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
               basis: str = "pca", max_cache_len: int | None = None, progress: bool = True,
               latent_format: str | None = None, batch_size: int = 1, cache_len: int = 4096,
               dense_dtype: torch.dtype = torch.bfloat16, latent_dtype: torch.dtype = torch.bfloat16,
-              recent_window: int = 0, rank_block: int | None = None) -> LatentBases:
+              recent_window: int = 0, rank_block: int | None = None,
+              max_key_rank: int | None = None) -> LatentBases:
     """Fit cross-layer latent bases and per-head ranks for ``model`` on ``samples``.
 
     Args:
@@ -207,10 +210,14 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         rank_block: keep ranks in whole blocks of this many coordinates (:func:`~.ranks.allocate_ranks`); default
             (None): the quantization block of a uniform quantized ``latent_format`` (aligned, whole-block heads:
             faster decode attention at the same bytes), else 1 (any rank).
+        max_key_rank: None (default), or the most coordinates any key unit (layer group, KV head) keeps, the
+            bytes going to values and other units instead: the decode attention's work grows with the key rank
+            padded to a power of two, so e.g. 64 instead of 96 trades fidelity for speed at the same bytes
+            (:func:`~.ranks.key_rank_caps`).
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
-        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / samples (kv_ratio's message
+        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / samples (kv_ratio's message
             names the achievable range), no attention layer with a usable KV-cache write (the reason is given), or an
             encoder-decoder model (``config.is_encoder_decoder``).
     Notes:
@@ -231,6 +238,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         raise CKVPConfigError(f"basis must be one of {list(BASES)}, got {basis!r}")
     if rank_block is not None and rank_block_error(rank_block):
         raise CKVPConfigError(rank_block_error(rank_block))
+    if max_key_rank_error(max_key_rank):
+        raise CKVPConfigError(max_key_rank_error(max_key_rank))
     if recent_window and latent_format is None:
         raise CKVPConfigError("recent_window is counted in bytes: give latent_format too (the format the cache "
                               "will store), so that the ranks leave room for the window")
@@ -245,8 +254,10 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
 
         return bases_for_byte_ratio(moments, kv_ratio, latent_format, batch_size=batch_size, max_cache_len=cache_len,
                                     rank_allocation=rank_allocation, basis=basis, dense_dtype=dense_dtype,
-                                    latent_dtype=latent_dtype, recent_window=recent_window, rank_block=rank_block)
-    return moments.bases(kv_ratio, rank_allocation, basis, rank_block=1 if rank_block is None else rank_block)
+                                    latent_dtype=latent_dtype, recent_window=recent_window, rank_block=rank_block,
+                                    max_key_rank=max_key_rank)
+    return moments.bases(kv_ratio, rank_allocation, basis, rank_block=1 if rank_block is None else rank_block,
+                         max_key_rank=max_key_rank)
 
 
 def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int = 4,

@@ -38,8 +38,8 @@ from typing import Literal, Sequence
 
 import torch
 
-__all__ = ["RANK_ALLOCATIONS", "RankAllocation", "allocate_ranks", "rank_block_error", "rank_budget", "rank_steps",
-           "retained_fraction"]
+__all__ = ["RANK_ALLOCATIONS", "RankAllocation", "allocate_ranks", "key_rank_caps", "max_key_rank_error",
+           "rank_block_error", "rank_budget", "rank_steps", "retained_fraction"]
 
 RankAllocation = Literal["energy", "uniform", "entropy"]
 #: Valid values of ``rank_allocation``.
@@ -77,6 +77,42 @@ def rank_block_error(rank_block: object) -> str | None:
     return None
 
 
+def max_key_rank_error(max_key_rank: object) -> str | None:
+    """Why ``max_key_rank`` is not a valid cap on the key ranks (None, or an int >= 1), naming the fix, or None."""
+    if max_key_rank is None:
+        return None
+    if isinstance(max_key_rank, bool) or not isinstance(max_key_rank, int) or max_key_rank < 1:
+        return (f"max_key_rank must be None (no cap) or an int >= 1, e.g. 64 (keys of at most 64 coordinates per KV "
+                f"head and layer group), got {max_key_rank!r}")
+    return None
+
+
+def key_rank_caps(spectra: Sequence[torch.Tensor], num_key_units: int, max_key_rank: int | None,
+                  budget: int, rank_block: int = 1) -> tuple[list[int] | None, int]:
+    """``allocate_ranks``' ``max_ranks`` for a cap on the first ``num_key_units`` units (the K units) at
+    ``max_key_rank`` (rounded down to a whole-block rank, :func:`rank_steps`, with ``rank_block``), and
+    ``budget`` lowered to what the capped units can hold in all (a cap can leave a low ratio's budget unspent).
+    ``max_key_rank`` None: ``(None, budget)``.
+
+    Why: the decode attention rebuilds (or rotates) keys at their rank padded to a power of two, per KV head,
+    several times the work per coordinate of the value pass; capping the key rank and letting
+    :func:`allocate_ranks` spend the bytes on values and other units trades fidelity for decode speed at the same
+    bytes (e.g. keys 64 and values 128 instead of 96 and 96).
+
+    Raises:
+        ValueError: ``max_key_rank`` is not None or an int >= 1.
+    Source: ours (DESIGN.md, "Compute floor").
+    """
+    err = max_key_rank_error(max_key_rank)
+    if err:
+        raise ValueError(err)
+    if max_key_rank is None:
+        return None, budget
+    caps = [max(r for r in rank_steps(int(s.numel()), rank_block) if r <= max_key_rank) if u < num_key_units
+            else int(s.numel()) for u, s in enumerate(spectra)]
+    return caps, min(budget, sum(caps))
+
+
 def rank_steps(n: int, rank_block: int = 1) -> list[int]:
     """The ranks a unit of ``n`` coordinates may keep under ``rank_block`` b (see the module docstring), ascending:
     1, the multiples of ``min(8, b)`` up to b, then the multiples of b, and n; every rank 1..n when b = 1.
@@ -98,7 +134,8 @@ def rank_steps(n: int, rank_block: int = 1) -> list[int]:
 
 
 def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAllocation = "energy",
-                   unit_weights: Sequence[float] | None = None, rank_block: int = 1) -> list[int]:
+                   unit_weights: Sequence[float] | None = None, rank_block: int = 1,
+                   max_ranks: Sequence[int] | None = None) -> list[int]:
     """Choose one rank per unit so that the ranks sum to at most ``budget`` (see the module docstring).
 
     Args:
@@ -110,17 +147,26 @@ def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAlloc
         unit_weights: per unit, > 0 (required for "entropy").
         rank_block: b >= 1; above 1 every rank is one of :func:`rank_steps` (whole quantization blocks of b
             coordinates, aligned in the latent row), and the budget may be under-spent by less than a step.
+        max_ranks: per unit, the largest rank it may keep (>= 1; :func:`key_rank_caps`); the units' energies stay
+            normalised by their whole spectra, so a cap removes options without reweighting the rest.
     Returns:
-        Ranks, one per unit, each in 1..N_u. Ties in "energy" go to the earlier unit, lower index first, so
+        Ranks, one per unit, each in 1..min(N_u, max_ranks[u]). Ties in "energy" go to the earlier unit, lower index first, so
         the result is deterministic.
     Raises:
-        ValueError: budget outside ``[len(spectra), sum(N_u)]``, an unknown mode or a bad ``rank_block``
-            (callers validate first and raise CKVPConfigError with the achievable range).
+        ValueError: budget outside ``[len(spectra), sum(min(N_u, max_ranks[u]))]``, an unknown mode, a bad
+            ``rank_block`` or ``max_ranks`` (callers validate first and raise CKVPConfigError with the achievable
+            range).
     """
-    caps = [int(s.numel()) for s in spectra]
+    if max_ranks is not None and (len(max_ranks) != len(spectra) or any(
+            isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in max_ranks)):
+        raise ValueError(f"max_ranks must hold one int >= 1 per unit ({len(spectra)}), got {max_ranks!r}")
+    # a unit's allowed ranks: its steps up to its cap (with whole blocks, the cap rounds down to a step)
+    steps = [rank_steps(int(s.numel()), rank_block) for s in spectra]  # validates rank_block
+    if max_ranks is not None:
+        steps = [[r for r in st if r <= m] for st, m in zip(steps, max_ranks)]
+    caps = [st[-1] for st in steps]
     if not len(spectra) <= budget <= sum(caps):
         raise ValueError(f"budget must be in [{len(spectra)}, {sum(caps)}], but got {budget}")
-    steps = [rank_steps(c, rank_block) for c in caps]  # validates rank_block
     if rank_block > 1 and mode != "uniform":
         return _allocate_in_steps(spectra, budget, steps, mode, unit_weights)
     if mode == "uniform":
@@ -149,6 +195,7 @@ def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAlloc
         s = s.detach().to("cpu", torch.float64)
         total = float(s.sum())
         tail = s[1:] / total * scale[u] if total > 0 else torch.zeros(s.numel() - 1, dtype=torch.float64)
+        tail = tail[: caps[u] - 1]  # normalised by the whole spectrum, then cut at the cap
         values.append(tail)
         owners.append(torch.full((tail.numel(),), u, dtype=torch.long))
     values_t, owners_t = torch.cat(values), torch.cat(owners)

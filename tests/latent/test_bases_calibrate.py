@@ -434,3 +434,68 @@ def test_entropy_allocation_follows_the_measured_attention_entropy():
     assert broad > sharp and sharp + broad == 12
     with pytest.raises(ValueError, match="entropy"):
         allocate_ranks(spectra, 12, "entropy")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_key_rank_cap_moves_the_budget_to_the_other_units(data):
+    """key_rank_caps + allocate_ranks(max_ranks=...): every key unit keeps at most the cap (a whole-block rank with
+    rank_block); with any rank the budget is spent exactly where the capped units can hold it (else all of them is),
+    and every other unit keeps at least its uncapped rank: the energies stay normalised by the whole spectra, so the
+    greedy's threshold can only drop when candidates are removed."""
+    from ckvp_compile.latent.ranks import key_rank_caps
+
+    n_k = data.draw(st.integers(1, 4))
+    n_v = data.draw(st.integers(1, 4))
+    sizes = data.draw(st.lists(st.integers(2, 40), min_size=n_k + n_v, max_size=n_k + n_v))
+    spectra = [torch.sort(torch.rand(n, dtype=torch.float64) ** 3, descending=True).values for n in sizes]
+    budget = data.draw(st.integers(len(sizes), sum(sizes)))
+    cap = data.draw(st.integers(1, 40))
+    caps, b2 = key_rank_caps(spectra, n_k, cap, budget)
+    assert caps == [min(n, cap) for n in sizes[:n_k]] + sizes[n_k:] and b2 == min(budget, sum(caps))
+    free = allocate_ranks(spectra, budget)
+    ranks = allocate_ranks(spectra, b2, max_ranks=caps)
+    assert all(r <= cap for r in ranks[:n_k]) and sum(ranks) == b2
+    assert all(r >= f for r, f in zip(ranks[n_k:], free[n_k:])), (ranks, free)
+    assert key_rank_caps(spectra, n_k, None, budget) == (None, budget)
+    block = data.draw(st.sampled_from((2, 8)))
+    caps_b, b3 = key_rank_caps(spectra, n_k, cap, budget, block)
+    ranks_b = allocate_ranks(spectra, b3, rank_block=block, max_ranks=caps_b)
+    assert all(r <= cap for r in ranks_b[:n_k]) and sum(ranks_b) <= b3
+    assert all(r in rank_steps(n, block) for r, n in zip(ranks_b, sizes))
+    with pytest.raises(ValueError, match="max_ranks"):
+        allocate_ranks(spectra, len(sizes), max_ranks=[0] * len(sizes))
+
+
+def test_byte_ratio_with_a_key_rank_cap():
+    """bases_for_byte_ratio(max_key_rank=c): key ranks <= c, the byte ratio met as without the cap, the freed bytes
+    in the value ranks; the decode bench's DecomposedMoments caps alike; a bad cap is a CKVPConfigError naming the
+    fix, checked before calibration runs."""
+    from ckvp_compile.bench.decode_models import DecomposedMoments
+    from ckvp_compile.latent.budget import bases_for_byte_ratio, store_bytes
+    from ckvp_compile.testing import build_hf_moe
+
+    torch.manual_seed(0)
+    model = build_hf_moe("mixtral", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+    moments = collect_kv_moments(model, [torch.randint(0, 256, (1, 96))], group_size=2, progress=False)
+    dense = 2 * 4 * 2 * 2 * 256 * 32 * 2
+
+    def ratio(b):
+        return dense / store_bytes(b, 2, 256, "int8", "int8", torch.bfloat16)
+
+    free = bases_for_byte_ratio(moments, 2.0, "int8", batch_size=2, max_cache_len=256, rank_block=1)
+    cap = max(r for rs in free.k_ranks for r in rs) // 2
+    capped = bases_for_byte_ratio(moments, 2.0, "int8", batch_size=2, max_cache_len=256, rank_block=1,
+                                  max_key_rank=cap)
+    assert max(r for rs in capped.k_ranks for r in rs) <= cap
+    assert 2.0 <= ratio(capped) < 2.0 * 1.05 and 2.0 <= ratio(free) < 2.0 * 1.05
+    assert sum(map(sum, capped.v_ranks)) > sum(map(sum, free.v_ranks))
+    dec = DecomposedMoments.from_moments(moments).bases(2.0, max_key_rank=cap)
+    assert max(r for rs in dec.k_ranks for r in rs) <= cap
+    for bad in (0, -1, 2.0, True, "64"):
+        with pytest.raises(CKVPConfigError, match="max_key_rank must be None"):
+            bases_for_byte_ratio(moments, 3.0, "int4", max_key_rank=bad)
+        with pytest.raises(CKVPConfigError, match="max_key_rank must be None"):
+            moments.bases(3.0, max_key_rank=bad)
+    with pytest.raises(CKVPConfigError, match="max_key_rank"):  # checked before the calibration passes
+        calibrate(model, [torch.randint(0, 256, (1, 8))], kv_ratio=3.0, progress=False, max_key_rank=0)
