@@ -10,9 +10,11 @@
 #            Mixtral's layers (32:8, rank 96 and 64/128; the one-pass kernel's rank-chunk loop, 32-slot tiles,
 #            pipelining) at batch 8 and 64, context 32k                                                 (~6 min)
 #   qwen     Qwen1.5-MoE decode, all 24 layers, --group-size 1, batch 8, 32k: Inductor and ckvp-16 with the
-#            default config, then ckvp-16 under CKVP_DECODE_CONFIG overrides (each row records its override)
+#            default config, then ckvp-16 under CKVP_DECODE_CONFIG overrides (each row records its override) and
+#            with key ranks capped at 64 (--max-key-rank: the bytes go to the values; rows "K<=64")
 #                                                                                                      (~7 min)
-#   mixtral  Mixtral-8x7B decode, 8 of 32 layers: ckvp-16 at batch 8, 32k, default and overrides       (~5 min)
+#   mixtral  Mixtral-8x7B decode, 8 of 32 layers: ckvp-16 at batch 8, 32k, default, an override, and key ranks
+#            capped at 64                                                                              (~6 min)
 #
 # Paired tables throughout (a compiled HF model declares them). Each step writes OUT_DIR/<step>*.json; the layer
 # sweep's rows are in OUT_DIR/layers-*/config_sweep.json.
@@ -34,11 +36,13 @@ case "$step" in
     CKVP_DECODE_CONFIG='{"block_n_v": 128, "num_warps_v": 8}' decode "${q[@]}" --systems ckvp-16:reduce-overhead \
         --json "$out/qwen-bnv128.json"
     CKVP_DECODE_CONFIG='{"loop_stages_v": 3}' decode "${q[@]}" --systems ckvp-16:reduce-overhead \
-        --json "$out/qwen-lsv3.json" ;;
+        --json "$out/qwen-lsv3.json"
+    decode "${q[@]}" --systems ckvp-16:reduce-overhead --max-key-rank 64 --json "$out/qwen-kcap64.json" ;;
   mixtral)
     m=(--shape mixtral-8x7b --layers 8 --batch 8 --context 32768 --steps 10 --budget-s 150)
     decode "${m[@]}" --systems inductor-reduce-overhead ckvp-16:reduce-overhead --json "$out/mixtral-default.json"
     CKVP_DECODE_CONFIG='{"r_loop": true, "block_r": 32}' decode "${m[@]}" --systems ckvp-16:reduce-overhead \
-        --json "$out/mixtral-rloop32.json" ;;
+        --json "$out/mixtral-rloop32.json"
+    decode "${m[@]}" --systems ckvp-16:reduce-overhead --max-key-rank 64 --json "$out/mixtral-kcap64.json" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -398,9 +398,12 @@ class _Runner:
         return [s.elapsed_time(e) for s, e in events]
 
     def row_name(self, system: System) -> str:
-        """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N."""
-        w = self.args.recent_window
-        return system.name + (f" w{w}" if system.kind == "ckvp" and w else "")
+        """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N and
+        `` K<=R`` with key ranks capped at R (``--max-key-rank``)."""
+        if system.kind != "ckvp":
+            return system.name
+        w, cap = self.args.recent_window, getattr(self.args, "max_key_rank", None)
+        return system.name + (f" w{w}" if w else "") + (f" K<={cap}" if cap else "")
 
     # -- largest batch
     def max_batch_row(self, system: System, context: int) -> DecodeRow:

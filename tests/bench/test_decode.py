@@ -272,3 +272,23 @@ def test_cli_recent_window_rows(tmp_path):
     meta, (dense, floor, four) = json.loads(fixture.read_text())["meta"], json.loads(fixture.read_text())["rows"]
     assert floor["latent_format"] == "dense, bf16 KV"
     assert meta["recent_window"] == 8 and four["status"] == "ok" and four["ratio_measured_at_budget"] >= 4.0, four
+
+
+def test_cli_key_rank_cap_rows(tmp_path):
+    """--max-key-rank R: ckvp rows named '<system> K<=R', every key rank at most R, the byte ratio still met (the
+    bytes went to the values), the setting recorded; a bad cap fails the row with the message naming the fix."""
+    out = tmp_path / "cap.json"
+    assert bench_cli(["decode", "--shape", "tiny", "--systems", "ckvp-4", "--batch", "2", "--context", "32",
+                      "--steps", "2", "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--bases",
+                      "synthetic", "--max-key-rank", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["system"] == "ckvp-4 K<=8" and row["status"] == "ok" and 4.0 <= row["kv_ratio_measured"] < 4.4, row
+    assert max(r for rs in row["ranks"]["k"] for r in rs) <= 8 < max(r for rs in row["ranks"]["v"] for r in rs)
+    assert data["meta"]["settings"]["max_key_rank"] == 8
+    bad = tmp_path / "bad.json"
+    bench_cli(["decode", "--shape", "tiny", "--systems", "ckvp-4", "--batch", "2", "--context", "32", "--steps", "2",
+               "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--bases", "synthetic",
+               "--max-key-rank", "0", "--json", str(bad)])
+    (row,) = json.loads(bad.read_text())["rows"]
+    assert row["status"] != "ok" and "max_key_rank must be None" in (row["error"] or ""), row
