@@ -611,6 +611,12 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but this torch has no CUDA device; use --device cpu")
     fmt, *opts = a.latent_format.split("+")
+    from ..latent.ranks import max_key_rank_error
+
+    if max_key_rank_error(a.max_key_rank):
+        p.error("--max-key-rank: " + max_key_rank_error(a.max_key_rank))
+    if a.max_key_rank is not None and fmt == "planned":
+        p.error("--max-key-rank caps the ranks fitted to a uniform format; a planned bit plan chooses its own ranks")
     if fmt == "planned":
         if a.shape != "fixture":
             p.error("--latent-format planned is for --shape fixture (the fused decode kernel reads uniform formats)")

@@ -256,7 +256,7 @@ def run_fixture(args: argparse.Namespace) -> int:
                group_size=args.group_size, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                calib_windows=args.calib_windows, prompt_starts=starts, recent_window=args.recent_window,
                measure_windows=measure_windows, planned_format=args.planned_format if fmt == "planned" else None,
-               wall_s=round(time.perf_counter() - t0, 1))
+               max_key_rank=getattr(args, "max_key_rank", None), wall_s=round(time.perf_counter() - t0, 1))
     data = {"kind": "fixture", "meta": env, "rows": [asdict(r) for r in rows]}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

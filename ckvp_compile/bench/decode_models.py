@@ -332,7 +332,8 @@ class DecomposedMoments:
                         f"{kind}_eigenvalues": tuple(e for e, _ in dec)})
         return LatentBases(groups=self.groups, num_kv_heads=hkv, head_dim=self.head_dim, group_size=self.group_size,
                            target_ratio=float(kv_ratio), rank_allocation=rank_allocation,
-                           model_fingerprint=dict(self.model_fingerprint), num_tokens=int(self.num_tokens), **out)
+                           model_fingerprint=dict(self.model_fingerprint), num_tokens=int(self.num_tokens),
+                           max_key_rank=max_key_rank, **out)
 
 
 def synthetic_moments(model: torch.nn.Module, group_size: int, seed: int = 0, decay: float = 1.0) -> DecomposedMoments:

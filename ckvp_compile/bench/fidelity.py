@@ -728,6 +728,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if not 1 <= args.measure_windows <= args.calib_windows:
         parser.error(f"--measure-windows must be in 1..--calib-windows ({args.calib_windows}), got "
                      f"{args.measure_windows}")
+    from ..latent.ranks import max_key_rank_error
+
+    if max_key_rank_error(args.max_key_rank):
+        parser.error("--max-key-rank: " + max_key_rank_error(args.max_key_rank))
     for name in ("window", "calib_windows", "eval_windows", "chunk", "batch"):
         if getattr(args, name) < (2 if name == "window" else 1):
             parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'window' else 1}, "

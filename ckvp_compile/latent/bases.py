@@ -114,6 +114,9 @@ class LatentBases:
     #: rotated in blocks of ``block`` (:mod:`~ckvp_compile.latent.rotation`; same subspace, equal-variance
     #: coordinates per quantization block). A record for inspection: every consumer just uses the columns.
     rotation: str = ""
+    #: None, or the cap the key ranks were allocated under (``max_key_rank``; the bytes went to the other units).
+    #: A record for inspection: every consumer just uses the ranks.
+    max_key_rank: int | None = None
 
     def __post_init__(self) -> None:
         hkv, d = self.num_kv_heads, self.head_dim
@@ -200,7 +203,7 @@ class LatentBases:
             "rank_allocation": self.rank_allocation, "k_ranks": [list(r) for r in self.k_ranks],
             "v_ranks": [list(r) for r in self.v_ranks], "model_fingerprint": self.model_fingerprint,
             "num_tokens": self.num_tokens, "online": self.online, "k_formats": list(self.k_formats),
-            "v_formats": list(self.v_formats), "rotation": self.rotation,
+            "v_formats": list(self.v_formats), "rotation": self.rotation, "max_key_rank": self.max_key_rank,
         }
 
     def save(self, path: str | Path) -> None:
@@ -269,6 +272,7 @@ class LatentBases:
                 model_fingerprint=dict(meta["model_fingerprint"]), num_tokens=int(meta["num_tokens"]),
                 online=bool(meta.get("online", False)), k_formats=tuple(meta.get("k_formats", ())),
                 v_formats=tuple(meta.get("v_formats", ())), rotation=str(meta.get("rotation", "")),
+                max_key_rank=None if meta.get("max_key_rank") is None else int(meta["max_key_rank"]),
             )
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
             raise CKVPConfigError(f"{str(path)!r} holds corrupt ckvp latent bases ({type(exc).__name__}: {exc}); "
@@ -298,7 +302,9 @@ class LatentBases:
         head = (f"LatentBases: {self.num_layers} layers in {len(self.groups)} groups of <= {self.group_size}, "
                 f"Hkv={self.num_kv_heads}, D={self.head_dim}; {self.dense_elements_per_token()} -> "
                 f"{self.latent_elements_per_token()} elements per token (ratio {self.ratio():.3f}, target "
-                f"{self.target_ratio:g}, '{self.rank_allocation}' allocation); {self.num_tokens} calibration tokens")
+                f"{self.target_ratio:g}, '{self.rank_allocation}' allocation"
+                + (f", key ranks capped at {self.max_key_rank}" if self.max_key_rank else "")
+                + f"); {self.num_tokens} calibration tokens")
         rows = [("group", "layers", "K ranks", "V ranks", "K retained %", "V retained %")]
         for g, layers in enumerate(self.groups):
             hs = range(self.num_kv_heads)
@@ -462,4 +468,4 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
     return LatentBases(groups=tuple(tuple(int(x) for x in layers) for layers in groups), num_kv_heads=num_kv_heads,
                        head_dim=head_dim, group_size=group_size, target_ratio=float(target_ratio),
                        rank_allocation=rank_allocation, model_fingerprint=dict(model_fingerprint),
-                       num_tokens=int(num_tokens), **out)
+                       num_tokens=int(num_tokens), max_key_rank=max_key_rank, **out)

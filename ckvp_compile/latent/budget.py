@@ -169,14 +169,15 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
             unless those coarser steps overshoot ``kv_ratio`` by more than :data:`AUTO_RANK_BLOCK_SLACK` (small
             models, where one step is a large share of the budget), then 1 (any rank), as for other formats.
         max_key_rank: None, or a cap on every key unit's rank, the bytes going to the other units
-            (:func:`~ckvp_compile.latent.ranks.key_rank_caps`); where the capped units cannot hold the budget
-            (a low ratio) the store lands above ``kv_ratio``.
+            (:func:`~ckvp_compile.latent.ranks.key_rank_caps`; with whole-block ranks the cap rounds down to a
+            block step); recorded in the bases.
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
         ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
     Raises:
-        CKVPConfigError: an unknown format, a ratio no rank reaches, a ``rank_block`` that is not an int >= 1, or a
-            ``max_key_rank`` that is not None or an int >= 1.
+        CKVPConfigError: an unknown format, a ratio no rank reaches, a ``rank_block`` that is not an int >= 1, a
+            ``max_key_rank`` that is not None or an int >= 1, or one that leaves too few coordinates for
+            ``kv_ratio`` (more than 5% above it with every unit at its cap; the message names the reachable ratio).
     """
     try:
         parsed = parse_latent_format(latent_format)
@@ -211,6 +212,13 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         return fit_byte_ratio(lambda r: moments.bases(r, rank_allocation, "pca", rank_block=block, **cap), kv_ratio,
                               top, byte_ratio)
 
+    if cap:  # the cap leaves enough coordinates for the ratio? (every unit at its cap: the smallest store)
+        floor = byte_ratio(moments.bases(1.0, rank_allocation, "pca", rank_block=1, **cap))
+        if floor > kv_ratio * (1 + AUTO_RANK_BLOCK_SLACK):
+            raise CKVPConfigError(
+                f"max_key_rank={max_key_rank} leaves too few latent coordinates for kv_ratio={kv_ratio:g}: with every "
+                f"unit at its cap the store is already {floor:.2f}x smaller than the dense cache; raise "
+                f"max_key_rank, or ask for kv_ratio >= {floor:.2f}")
     pca = fit(rank_block)
     if auto and rank_block > 1 and byte_ratio(pca) > kv_ratio * (1 + AUTO_RANK_BLOCK_SLACK):
         free = fit(1)  # whole blocks would leave too much of the budget unspent (a small model): any rank, if closer

@@ -217,8 +217,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
-        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / samples (kv_ratio's message
-            names the achievable range), no attention layer with a usable KV-cache write (the reason is given), or an
+        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / samples
+            (kv_ratio's message names the achievable range), no attention layer with a usable KV-cache write (the reason is given), or an
             encoder-decoder model (``config.is_encoder_decoder``).
     Notes:
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on

@@ -89,7 +89,8 @@ def max_key_rank_error(max_key_rank: object) -> str | None:
 
 def key_rank_caps(spectra: Sequence[torch.Tensor], num_key_units: int, max_key_rank: int | None,
                   budget: int, rank_block: int = 1) -> tuple[list[int] | None, int]:
-    """``allocate_ranks``' ``max_ranks`` for a cap on the first ``num_key_units`` units (the K units) at
+    """``allocate_ranks``' ``max_ranks`` for ``spectra`` ((N_u,) eigenvalues each, descending, the K units first) and
+    a cap on the first ``num_key_units`` units (the K units) at
     ``max_key_rank`` (rounded down to a whole-block rank, :func:`rank_steps`, with ``rank_block``), and
     ``budget`` lowered to what the capped units can hold in all (a cap can leave a low ratio's budget unspent).
     ``max_key_rank`` None: ``(None, budget)``.
@@ -150,12 +151,12 @@ def allocate_ranks(spectra: Sequence[torch.Tensor], budget: int, mode: RankAlloc
         max_ranks: per unit, the largest rank it may keep (>= 1; :func:`key_rank_caps`); the units' energies stay
             normalised by their whole spectra, so a cap removes options without reweighting the rest.
     Returns:
-        Ranks, one per unit, each in 1..min(N_u, max_ranks[u]). Ties in "energy" go to the earlier unit, lower index first, so
-        the result is deterministic.
+        Ranks, one per unit, each in 1..min(N_u, max_ranks[u]). Ties in "energy" go to the earlier unit, lower
+        index first, so the result is deterministic.
     Raises:
-        ValueError: budget outside ``[len(spectra), sum(min(N_u, max_ranks[u]))]``, an unknown mode, a bad
-            ``rank_block`` or ``max_ranks`` (callers validate first and raise CKVPConfigError with the achievable
-            range).
+        ValueError: budget outside ``[len(spectra), sum(c_u)]`` (c_u: the unit's largest allowed rank, at most
+            ``max_ranks[u]``), an unknown mode, a bad ``rank_block`` or ``max_ranks`` (callers validate first and
+            raise CKVPConfigError with the achievable range).
     """
     if max_ranks is not None and (len(max_ranks) != len(spectra) or any(
             isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in max_ranks)):

@@ -499,3 +499,23 @@ def test_byte_ratio_with_a_key_rank_cap():
             moments.bases(3.0, max_key_rank=bad)
     with pytest.raises(CKVPConfigError, match="max_key_rank"):  # checked before the calibration passes
         calibrate(model, [torch.randint(0, 256, (1, 8))], kv_ratio=3.0, progress=False, max_key_rank=0)
+
+
+def test_key_rank_cap_too_tight_for_the_ratio_is_refused_and_recorded():
+    """A cap that leaves too few coordinates for the ratio (every unit at its cap still lands more than 5% above it)
+    is a CKVPConfigError naming the reachable ratio; a cap that fits is recorded in the bases and survives
+    save / load."""
+    import tempfile
+
+    from ckvp_compile.latent.budget import bases_for_byte_ratio
+
+    torch.manual_seed(0)
+    model = build_hf_moe("mixtral", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+    moments = collect_kv_moments(model, [torch.randint(0, 256, (1, 96))], group_size=4, progress=False)
+    with pytest.raises(CKVPConfigError, match=r"max_key_rank=1 leaves too few .* kv_ratio >= "):
+        bases_for_byte_ratio(moments, 1.5, "int4", batch_size=2, max_cache_len=256, max_key_rank=1)
+    b = bases_for_byte_ratio(moments, 4.0, "int4", batch_size=2, max_cache_len=256, max_key_rank=16)
+    assert b.max_key_rank == 16 and "key ranks capped at 16" in b.summary()
+    with tempfile.TemporaryDirectory() as d:
+        b.save(f"{d}/b.safetensors")
+        assert LatentBases.load(f"{d}/b.safetensors").max_key_rank == 16
