@@ -2,7 +2,8 @@
 reference (H200 work between sessions: which knob moves a given layer shape).
 
     python3 benchmarks/config_sweep_gpu.py --out DIR --cases 32:8:8:32768:96,32:8:64:32768:96 \
-        --configs 'default;default+{"block_n": 32};default+{"r_loop": true, "block_r": 32}' [--paired] [--format int4/32]
+        --configs 'default;default+{"block_n": 32};default+{"r_loop": true, "block_r": 32}' [--paired] \
+        [--format int4/32]
     ncu ... python3 benchmarks/config_sweep_gpu.py --out DIR --cases 32:8:8:32768:96 --configs default --ncu
 
 A case is heads:kv_heads:batch:context:rank, the rank either one number (keys and values) or key/value (e.g.
@@ -12,7 +13,8 @@ padded rank, with ``--paired`` as a compiled HF model declares its tables) or ``
 optionally followed by ``+`` and a JSON object of DecodeConfig fields replaced over it. Each row: ms (median of
 ``do_bench``), rel_err against ``latent_attention_ref``, and the last launch's registers / spills. ``--ncu`` runs
 each config twice without timing (profile the second launch). Writes DIR/config_sweep.json with the GPU, torch and
-Triton versions and this command.
+Triton versions and this command. ``python3 benchmarks/config_sweep_gpu.py --summarize DIR/config_sweep.json ...``
+prints a markdown table of such files (ratios to each case's default), on any machine.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import latent_attention_gpu as lag  # noqa: E402
 
 from ckvp_compile.bench.attention import make_inputs  # noqa: E402
-from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, default_config, latent_attention_triton  # noqa: E402
+from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
+    DecodeConfig,
+    default_config,
+    latent_attention_triton,
+)
 
 
 def parse_config(text: str, group: int, rank_pad: int, paired: bool) -> DecodeConfig:
@@ -45,8 +51,39 @@ def parse_config(text: str, group: int, rank_pad: int, paired: bool) -> DecodeCo
     return dataclasses.replace(base, **json.loads(extra)) if extra.strip() else base
 
 
+def summarize(paths: list[str]) -> str:
+    """A markdown table of config_sweep.json files: per case, each config's ms, its ratio to the case's 'default'
+    row (below 1: faster), rel_err and registers / spills; rows that failed show their error. No GPU needed."""
+    lines = ["| case | config | ms | vs default | rel err | regs / spill B | note |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for path in paths:
+        with open(path) as fh:
+            rows = json.load(fh)["rows"]
+        base = {}
+        for r in rows:
+            case = f"{r['heads']} B{r['batch']} {r['context']} r{r['rank']}" + (
+                f"/{r['rank_v']}" if r.get("rank_v", r["rank"]) != r["rank"] else "")
+            r["case"] = case
+            if r["config"] == "default" and "ms" in r:
+                base[case] = r["ms"]
+        for r in rows:
+            ms, b = r.get("ms"), base.get(r["case"])
+            ratio = f"{ms / b:.2f}" if ms and b else "-"
+            err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
+            regs = f"{r.get('n_regs', '-')} / {r.get('n_spills', '-')}"
+            over = r.get("rel_err") is not None and r["rel_err"] > 1e-3
+            note = (r.get("error") or "")[:80] + (" **over 1e-3**" if over else "")
+            lines.append(f"| {r['case']} | `{r['config']}` | {ms if ms is not None else '-'} | {ratio} | {err} | "
+                         f"{regs} | {note} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    """Parse the command line, run every (case, config) and write DIR/config_sweep.json (see the module docstring)."""
+    """Parse the command line, run every (case, config) and write DIR/config_sweep.json (see the module docstring);
+    with ``--summarize FILE...``, print the markdown table of earlier runs instead (:func:`summarize`)."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--summarize":
+        print(summarize(sys.argv[2:]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", required=True, help="comma-separated heads:kv_heads:batch:context:rank")
