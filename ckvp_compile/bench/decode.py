@@ -141,6 +141,9 @@ class DecodeRow:
     wall_s: float | None = None
     output_finite: bool | None = None
     profile_top: list[dict[str, Any]] | None = None  # --profile-steps: kernels by device time per step (us)
+    #: --profile-steps: the latent attention kernels of the first profiled step in launch order, [name, us] each
+    #: (layer by layer: which rank class costs what; :func:`kernel_sequence`)
+    profile_calls: list[list[Any]] | None = None
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -182,13 +185,33 @@ def _run(cmd: list[str]) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ speed rows
-def profile_kernels(fn: Callable, kwargs: Sequence[dict], top: int = 25) -> list[dict[str, Any]]:
+def kernel_sequence(events: Sequence[Any], steps: int, match: str = "_latent") -> list[list[Any]]:
+    """The device kernels of the first of ``steps`` profiled steps whose name contains ``match``, in launch order:
+    ``[[name, us], ...]``. ``events``: ``torch.profiler`` FunctionEvents (``prof.events()``); device kernels are
+    those with a CUDA ``device_type``; the first step is the first ``1 / steps`` of the matching kernels by start
+    time (every step launches the same kernels). Raises nothing: events it cannot read are skipped."""
+    seq = []
+    for ev in events:
+        try:
+            if "CUDA" not in str(ev.device_type) or match not in ev.name:
+                continue
+            seq.append((ev.time_range.start, ev.name[:80], round(ev.time_range.elapsed_us(), 2)))
+        except AttributeError:
+            continue
+    seq.sort()
+    per_step = len(seq) // max(steps, 1)
+    return [[name, us] for _, name, us in seq[:per_step]]
+
+
+def profile_kernels(fn: Callable, kwargs: Sequence[dict], top: int = 25,
+                    sequence: list | None = None) -> list[dict[str, Any]]:
     """Device time per decode step of each kernel, from ``torch.profiler`` (CUPTI) over ``len(kwargs)`` calls.
 
     ``kwargs`` are the decode steps after the timed ones (fresh positions: caches may count their writes). Kernels inside
     CUDA-graph replays are reported by CUPTI like any other launch. Returns at most ``top`` entries
     ``{"name", "us_per_step", "calls_per_step", "share"}`` sorted by device time (``share``: of all kernels' time);
-    the last entry is ``"(all kernels)"``. Raises nothing the profiler does not.
+    the last entry is ``"(all kernels)"``. ``sequence``: a list that receives :func:`kernel_sequence` of the run
+    (the latent attention kernels of one step, in launch order). Raises nothing the profiler does not.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -198,6 +221,8 @@ def profile_kernels(fn: Callable, kwargs: Sequence[dict], top: int = 25) -> list
             fn(**kw)
         torch.cuda.synchronize()
     n = max(len(kwargs), 1)
+    if sequence is not None:
+        sequence.extend(kernel_sequence(prof.events(), n))
     rows = []
     for ev in prof.key_averages():
         t = getattr(ev, "self_device_time_total", None)
@@ -362,7 +387,8 @@ class _Runner:
                 # random weights: NaN / inf logits would mean NaN routing, i.e. unrepresentative expert loads
                 row.output_finite = bool(torch.isfinite(fn(**kwargs[check]).logits).all())
                 if a.profile_steps and self.cuda():
-                    row.profile_top = profile_kernels(fn, kwargs[check + 1:])
+                    row.profile_calls = []
+                    row.profile_top = profile_kernels(fn, kwargs[check + 1:], sequence=row.profile_calls)
             row.ms_median = statistics.median(times)
             q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
             row.ms_p10, row.ms_p90 = q[0], q[-1]

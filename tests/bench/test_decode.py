@@ -289,3 +289,27 @@ def test_cli_key_rank_cap_rows(tmp_path):
     for argv in (["--shape", "tiny", "--max-key-rank", "0"],  # refused before any model is built
                  ["--shape", "fixture", "--latent-format", "planned", "--max-key-rank", "64"]):
         assert bench_cli(["decode", *argv, "--device", "cpu"]) == 2
+
+
+def test_kernel_sequence_keeps_one_step_of_attention_kernels_in_launch_order():
+    """kernel_sequence: the matching device kernels of the first of N steps, by start time, [name, us] each; host
+    events, other kernels and unreadable events are skipped."""
+    from types import SimpleNamespace
+
+    from ckvp_compile.bench.decode import kernel_sequence
+
+    class Range:
+        def __init__(self, start, us):
+            self.start, self.us = start, us
+
+        def elapsed_us(self):
+            return self.us
+
+    def ev(name, start, us, dev="DeviceType.CUDA"):
+        return SimpleNamespace(name=name, device_type=dev, time_range=Range(start, us))
+
+    events = [ev("_latent_scores_heads_kernel", 30, 5.0), ev("_latent_attention_split_kernel", 10, 7.5),
+              ev("aten::mm", 5, 1.0, "DeviceType.CPU"), ev("nvjet_gemm", 12, 3.0), object(),
+              ev("_latent_attention_split_kernel", 110, 7.0), ev("_latent_scores_heads_kernel", 130, 5.5)]
+    assert kernel_sequence(events, 2) == [["_latent_attention_split_kernel", 7.5], ["_latent_scores_heads_kernel", 5.0]]
+    assert kernel_sequence([], 2) == []
