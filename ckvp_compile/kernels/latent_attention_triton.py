@@ -194,8 +194,9 @@ class DecodeConfig:
     of the value pass this many stages deep (``tl.range(..., num_stages=N)``: Triton then prefetches every load of
     the loop it can issue asynchronously, not only the loads that feed a tensor-core product; e.g. the value pass's
     scores and code rows, which otherwise wait out a full memory latency per tile: compiled for sm_90a, the value
-    pass at rank 8 gains cp.async loads at the same 40 registers, ``benchmarks/latent_attention_aot.py --sass``). None: Triton's default for the loop (the kernel's
-    ``num_stages`` for tensor-core operands only). Not yet timed on the GPU: off."""
+    pass at rank 8 gains cp.async loads at the same 40 registers, ``benchmarks/latent_attention_aot.py --sass``).
+    None: Triton's default for the loop (the kernel's ``num_stages`` for tensor-core operands only). Not yet timed
+    on the GPU: off."""
 
     block_n: int = 64
     block_r: int = 64
