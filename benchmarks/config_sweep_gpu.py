@@ -124,10 +124,10 @@ def main() -> None:
                 row["error"] = repr(e)[:300]
             rows.append(row)
             print(json.dumps(row), flush=True)
+            with open(os.path.join(a.out, "config_sweep.json"), "w") as fh:  # after every row: a cut run keeps them
+                json.dump({"env": env, "rows": rows}, fh, indent=1)
         del args, want
         torch.cuda.empty_cache()
-    with open(os.path.join(a.out, "config_sweep.json"), "w") as fh:
-        json.dump({"env": env, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
