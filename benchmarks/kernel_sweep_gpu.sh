@@ -23,13 +23,17 @@ out=${1:?usage: kernel_sweep_gpu.sh OUT_DIR STEP}
 step=${2:?usage: kernel_sweep_gpu.sh OUT_DIR STEP}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/$step.gpu.txt" || true
-sweep() { python3 benchmarks/config_sweep_gpu.py --paired --out "$out/layers-$1" --cases "$2" --configs "$3"; }
+# each sweep has its own time limit ($4 s; together within the device's 600 s per command); its JSON keeps the rows
+# done when the limit cuts it
+sweep() {
+  timeout "$4" python3 benchmarks/config_sweep_gpu.py --paired --out "$out/layers-$1" --cases "$2" --configs "$3"
+}
 decode() { python3 -m ckvp_compile.bench.cli decode "$@"; }
 case "$step" in
   layers)
-    sweep qwen-narrow 16:16:8:32768:8,16:16:8:32768:16 'default;default+{"block_n_v": 64};default+{"block_n_v": 128, "num_warps_v": 8};default+{"loop_stages_v": 3};default+{"block_n_v": 128, "num_warps_v": 8, "loop_stages_v": 3};default+{"head_group": 8};default+{"head_group": 16};default+{"loop_stages": 3}'
-    sweep qwen-wide 16:16:8:32768:96,16:16:8:32768:64/128 'default;default+{"loop_stages_v": 2};default+{"loop_stages": 3};default+{"block_n_v": 64}'
-    sweep mixtral 32:8:8:32768:96,32:8:8:32768:64/128,32:8:64:32768:96 'default;default+{"r_loop": true, "block_r": 32};default+{"block_n": 32, "r_loop": true, "block_r": 32};default+{"loop_stages": 3};default+{"r_loop": true, "block_r": 32, "loop_stages": 3};default+{"num_stages": 1};default+{"num_warps": 8, "r_loop": true, "block_r": 32}' ;;
+    sweep qwen-narrow 16:16:8:32768:8,16:16:8:32768:16 'default;default+{"block_n_v": 64};default+{"block_n_v": 128, "num_warps_v": 8};default+{"loop_stages_v": 3};default+{"block_n_v": 128, "num_warps_v": 8, "loop_stages_v": 3};default+{"head_group": 8};default+{"head_group": 16};default+{"loop_stages": 3}' 230
+    sweep qwen-wide 16:16:8:32768:96,16:16:8:32768:64/128 'default;default+{"loop_stages_v": 2};default+{"loop_stages": 3};default+{"block_n_v": 64}' 130
+    sweep mixtral 32:8:8:32768:96,32:8:8:32768:64/128,32:8:64:32768:96 'default;default+{"r_loop": true, "block_r": 32};default+{"block_n": 32, "r_loop": true, "block_r": 32};default+{"loop_stages": 3};default+{"r_loop": true, "block_r": 32, "loop_stages": 3};default+{"num_stages": 1};default+{"num_warps": 8, "r_loop": true, "block_r": 32}' 210 ;;
   qwen)
     q=(--shape qwen-moe-a2.7b --group-size 1 --batch 8 --context 32768 --steps 20 --profile-steps 2 --budget-s 150)
     decode "${q[@]}" --systems inductor-reduce-overhead ckvp-16:reduce-overhead --json "$out/qwen-default.json"
