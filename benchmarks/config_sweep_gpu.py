@@ -11,10 +11,13 @@ A case is heads:kv_heads:batch:context:rank, the rank either one number (keys an
 ``ckvp_compile.bench.attention.make_inputs``. A config is ``default`` (the launcher's default for the case's group and
 padded rank, with ``--paired`` as a compiled HF model declares its tables) or ``generic`` (``DecodeConfig()``),
 optionally followed by ``+`` and a JSON object of DecodeConfig fields replaced over it. Each row: ms (median of
-``do_bench``), rel_err against ``latent_attention_ref``, and the last launch's registers / spills. ``--ncu`` runs
+CUDA-graph replays, the device time a decode step under reduce-overhead sees; ``--launches``: median of
+``do_bench`` over launches, which adds the launcher's host overhead), rel_err against ``latent_attention_ref``, and
+the last launch's registers / spills. ``--rounds N`` times every config of a case N times, interleaved (round 1 of
+all configs, then round 2, ...), so that drift and noise show as the spread between rounds. ``--ncu`` runs
 each config twice without timing (profile the second launch). Writes DIR/config_sweep.json with the GPU, torch and
 Triton versions and this command. ``python3 benchmarks/config_sweep_gpu.py --summarize DIR/config_sweep.json ...``
-prints a markdown table of such files (ratios to each case's default), on any machine.
+prints a markdown table of such files (median over rounds, ratios to each case's default), on any machine.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -54,28 +58,31 @@ def parse_config(text: str, group: int, rank_pad: int, paired: bool) -> DecodeCo
 def summarize(paths: list[str]) -> str:
     """A markdown table of config_sweep.json files: per case, each config's ms, its ratio to the case's 'default'
     row (below 1: faster), rel_err and registers / spills; rows that failed show their error. No GPU needed."""
-    lines = ["| case | config | ms | vs default | rel err | regs / spill B | note |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| case | config | ms | vs default | rounds (ms) | timing | rel err | regs / spill B | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for path in paths:
         with open(path) as fh:
             rows = json.load(fh)["rows"]
-        base = {}
+        groups: dict[tuple, list] = {}  # (case, config) -> its rows, one per round, in order
         for r in rows:
             case = f"{r['heads']} B{r['batch']} {r['context']} r{r['rank']}" + (
                 f"/{r['rank_v']}" if r.get("rank_v", r["rank"]) != r["rank"] else "")
-            r["case"] = case
-            if r["config"] == "default" and "ms" in r:
-                base[case] = r["ms"]
-        for r in rows:
-            ms, b = r.get("ms"), base.get(r["case"])
+            groups.setdefault((case, r["config"]), []).append(r)
+        med = {key: statistics.median(x["ms"] for x in rs if x.get("ms") is not None)
+               for key, rs in groups.items() if any(x.get("ms") is not None for x in rs)}
+        for (case, config), rs in groups.items():
+            ms, b = med.get((case, config)), med.get((case, "default"))
             ratio = f"{ms / b:.2f}" if ms and b else "-"
-            err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
+            errs = [x["rel_err"] for x in rs if x.get("rel_err") is not None]
+            err = f"{max(errs):.1e}" if errs else "-"
+            r = rs[-1]
             regs = f"{r.get('n_regs', '-')} / {r.get('n_spills', '-')}"
-            over = r.get("rel_err") is not None and r["rel_err"] > 1e-3
-            note = (r.get("error") or "")[:80] + (" **over 1e-3**" if over else "")
+            over = bool(errs) and max(errs) > 1e-3
+            note = (next((x["error"] for x in rs if x.get("error")), ""))[:80] + (" **over 1e-3**" if over else "")
             shown = f"{ms:.4g}" if ms is not None else "-"
-            lines.append(f"| {r['case']} | `{r['config']}` | {shown} | {ratio} | {err} | "
-                         f"{regs} | {note} |")
+            each = " / ".join(f"{x['ms']:.3g}" for x in rs if x.get("ms") is not None) if len(rs) > 1 else ""
+            lines.append(f"| {case} | `{config}` | {shown} | {ratio} | {each} | {r.get('timing', 'launches')} | "
+                         f"{err} | {regs} | {note} |")
     return "\n".join(lines)
 
 
@@ -92,6 +99,9 @@ def main() -> None:
     ap.add_argument("--format", default="int4/32")
     ap.add_argument("--paired", action="store_true", help="tables declared paired (as in a compiled HF model)")
     ap.add_argument("--ncu", action="store_true", help="two untimed launches per config, for Nsight Compute")
+    ap.add_argument("--launches", action="store_true",
+                    help="time launches (do_bench, host overhead included) instead of CUDA-graph replays")
+    ap.add_argument("--rounds", type=int, default=1, help="time every config of a case this many times, interleaved")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     import triton
@@ -108,8 +118,9 @@ def main() -> None:
                            rank_v=rank_v)
         want = None if a.ncu else lag.ref_chunked(args, 2)
         rank_pad = max(16, 1 << (rank - 1).bit_length())
-        for text in a.configs.split(";"):
-            row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text}
+        for rnd, text in [(i, c) for i in range(max(1, a.rounds)) for c in a.configs.split(";")]:
+            row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text,
+                   "round": rnd}
             try:
                 cfg = parse_config(text, h // hkv, rank_pad, a.paired)
                 if a.ncu:  # two launches, the second one profiled
@@ -117,7 +128,7 @@ def main() -> None:
                     latent_attention_triton(*args, config=cfg)
                     torch.cuda.synchronize()
                 else:  # the error, median ms and kernel stats, as latent_attention_gpu.try_config measures them
-                    row.update({k: v for k, v in lag.try_config(args, want, cfg).items() if k != "config"})
+                    row.update({k: v for k, v in lag.try_config(args, want, cfg, graph=not a.launches).items() if k != "config"})
             except Exception as e:  # noqa: BLE001 - reported, the others still run
                 row["error"] = repr(e)[:300]
             rows.append(row)

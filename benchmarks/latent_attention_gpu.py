@@ -32,7 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ckvp_compile.bench.attention import bench, dense_times, kernel_bytes, kernel_stats, ref_chunked, rel_err
+from ckvp_compile.bench.attention import (LAST_TIMING, bench, dense_times, graph_bench, kernel_bytes, kernel_stats,
+                                         ref_chunked, rel_err)
 from ckvp_compile.bench.attention import copy_bandwidth as copy_bandwidth_on
 from ckvp_compile.bench.attention import make_inputs as make_inputs_for
 from ckvp_compile.kernels import reference as ref
@@ -63,13 +64,22 @@ def to64(args: tuple) -> tuple:
                  (t.detach().cpu() if torch.is_tensor(t) else t) for t in args)
 
 
-def try_config(args: tuple, want: torch.Tensor, cfg: DecodeConfig, rep: int = 30) -> dict:
-    """Run one config: relative error against ``want`` and median ms (or the error it raised)."""
+def try_config(args: tuple, want: torch.Tensor, cfg: DecodeConfig, rep: int = 30, graph: bool = False) -> dict:
+    """Run one config: relative error against ``want`` and median ms (or the error it raised).
+
+    ``graph``: time CUDA-graph replays (``bench.attention.graph_bench``: device time, as a decode step under
+    reduce-overhead sees it) instead of launches, whose host overhead (the launcher's Python, several kernels per
+    call) dominates sub-millisecond calls; the row's ``timing`` says which was used."""
     try:
         out = latent_attention_triton(*args, config=cfg)
         err = rel_err(out, want)
-        ms = bench(lambda: latent_attention_triton(*args, config=cfg), warmup=10, rep=rep)
-        return {"config": dataclasses.asdict(cfg), "rel_err": err, "ms": ms, **kernel_stats()}
+        call = lambda: latent_attention_triton(*args, config=cfg)  # noqa: E731
+        if graph:
+            ms = graph_bench(call, rep=rep)
+            timing = LAST_TIMING.get("how", "cuda-graph replay")
+        else:
+            ms, timing = bench(call, warmup=10, rep=rep), "launches"
+        return {"config": dataclasses.asdict(cfg), "rel_err": err, "ms": ms, "timing": timing, **kernel_stats()}
     except Exception as e:  # a config that does not compile or fit: reported, skipped
         return {"config": dataclasses.asdict(cfg), "error": repr(e)[:400]}
 

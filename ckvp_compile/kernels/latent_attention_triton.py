@@ -195,8 +195,10 @@ class DecodeConfig:
     the loop it can issue asynchronously, not only the loads that feed a tensor-core product; e.g. the value pass's
     scores and code rows, which otherwise wait out a full memory latency per tile: compiled for sm_90a, the value
     pass at rank 8 gains cp.async loads at the same 40 registers, ``benchmarks/latent_attention_aot.py --sass``).
-    None: Triton's default for the loop (the kernel's ``num_stages`` for tensor-core operands only). Not yet timed
-    on the GPU: off."""
+    None: Triton's default for the loop (the kernel's ``num_stages`` for tensor-core operands only). Off here;
+    :func:`default_config` turns them on where the H200 measured them faster (CUDA-graph replays of one call,
+    benchmarks/results/2026-12-01-defaults-h200): the key pass at 3 stages up to rank 32 (0.86-0.96x) and GQA's one
+    pass (0.97x), the value pass at 2 stages at ranks 65-128 (rank 96: 0.92x)."""
 
     block_n: int = 64
     block_r: int = 64
@@ -233,22 +235,27 @@ class DecodeConfig:
     loop_stages_v: int | None = None
 
 
-def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False) -> DecodeConfig:
+def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
+                   rank: int | None = None) -> DecodeConfig:
     """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
 
     ``paired``: the call's cos / sin tables are declared paired (:func:`declare_paired_tables`): ``paired_tables``
-    on, and the rotated basis up to :data:`MAX_ROTATED_RANK` instead of 32.
+    on, and the rotated basis up to :data:`MAX_ROTATED_RANK` instead of 32. ``rank``: the call's largest key rank
+    before padding (None: ``rank_pad``); it sizes the grouped key pass's head groups.
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
     latent on the tensor cores, and 5.87 ms for the generic config; int4/32 rank 256, batch 8, 32k), the value
     pass on 8x the programs (``target_programs_v``) and, up to rank 32, RoPE moved onto the basis
     (``rotate_basis``; benchmarks/results/2026-11-30-small-rank-h200); with paired tables up to rank 32, the key pass
-    over groups of 4 KV heads (``head_group``; benchmarks/results/2026-11-30-head-groups-h200). Otherwise
+    over groups of KV heads (``head_group``; benchmarks/results/2026-11-30-head-groups-h200): 4 to 16 heads, as many
+    as keep the group within 128 columns (:func:`_head_group`); up to rank 32 also 64-slot value tiles and a 3-stage
+    key-pass loop, at ranks 65-128 a 2-stage value loop (benchmarks/results/2026-12-01-defaults-h200: Qwen1.5-MoE
+    decode, batch 8, 32k, 18.43 -> 16.45 ms per step). Otherwise
     (e.g. Mixtral's G = 4) the generic config (the fastest of run 5), up to rank 128 in its one-pass form, which the
     decode of Mixtral-8x7B at 32k (key ranks 95-101) measured 1.36-1.9x faster than the two-pass one at batch 8-195
-    (benchmarks/results/2026-11-30-batch-slices-h200).
+    (benchmarks/results/2026-11-30-batch-slices-h200), its loop pipelined 3 stages deep.
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
     :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}``, read by every call without an
@@ -270,9 +277,16 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # up to rank 32 with paired tables, the key pass takes 4 KV heads per program on 264 programs (H200, batch
         # 8, 32k, int4/32: key pass rank 12 0.377 -> 0.211 ms, rank 16 0.370 -> 0.219, rank 32 0.410 -> 0.362,
         # against one head per program on 396; benchmarks/results/2026-11-30-head-groups-h200)
-        group = 4 if paired and rank_pad <= 32 else 0
+        group = _head_group(rank or rank_pad) if paired and rank_pad <= 32 else 0
         cfg = DecodeConfig(hoist_basis=True, fma_scores=True, fma_values=True, target_programs_v=2112,
                            rotate_basis=rotate, head_group=group)
+        # CUDA-graph replays of one call, batch 8, 32k, int4/32 (benchmarks/results/2026-12-01-defaults-h200):
+        # up to rank 32, 64-slot value tiles (0.90-0.92x) and a 3-stage pipelined key-pass loop (0.86-0.96x);
+        # at ranks 65-128 a 2-stage value loop (rank 96: 0.92x; rank 64 lost 6% with it, so not below 65)
+        if rank_pad <= 32:
+            cfg = dataclasses.replace(cfg, block_n_v=64, loop_stages=3)
+        elif rank_pad == 128:
+            cfg = dataclasses.replace(cfg, loop_stages_v=2)
     else:
         # G > 1 up to rank 128 (Mixtral's 32:8 at ckvp-16: key ranks 95-101): the one-pass kernel. Mixtral-8x7B
         # decode at 32k on the H200, 8 layers, ms per step one-pass against two-pass: batch 8 19.4 / 26.3, 16
@@ -282,11 +296,22 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # (measured at key and value ranks 95-101; a much wider value rank would make the one-pass kernel's
         # registers the limit, untested)
         gqa = group is not None and group > 1
-        cfg = DecodeConfig(two_pass=not (gqa and rank_pad is not None and rank_pad <= 128))
+        one_pass = gqa and rank_pad is not None and rank_pad <= 128
+        # the one-pass loop pipelined 3 deep: 32:8 rank 96 batch 8, 32k 1.21 -> 1.18 ms per call, Mixtral-8x7B
+        # decode (8 layers, batch 8, 32k) 17.10 -> 16.81 ms per step (benchmarks/results/2026-12-01-defaults-h200)
+        cfg = DecodeConfig(two_pass=not one_pass, loop_stages=3 if one_pass else None)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
     return dataclasses.replace(cfg, **override) if override else cfg
+
+
+def _head_group(rank: int) -> int:
+    """KV heads per program of the grouped key pass at largest key rank ``rank``: the most (4 to 16, a power of
+    two) whose columns stay within 128. H200, 16:16 heads, batch 8, 32k, one call in CUDA-graph replay: rank 8
+    with 16 heads 0.84x the 4-head time, 8 heads 0.83x; rank 16 with 8 heads 0.96x, 16 heads (256 columns) 1.87x;
+    rank 32 with 8 heads 1.43x (benchmarks/results/2026-12-01-defaults-h200)."""
+    return max(4, min(16, 1 << max(0, (128 // max(rank, 1)).bit_length() - 1)))
 
 
 #: The environment variable of :func:`default_config`'s tuning override.
@@ -1978,7 +2003,8 @@ def _launch(
         # the complex form's tables hold one angle per pair by layout; the others only when declared so
         paired = rope_form == "complex" or (rope_form in ("rotate_half", "interleaved")
                                             and paired_tables_declared(cos_table, sin_table))
-        config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired)
+        config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired,
+                                rank=basis_k_block.shape[-1])
     cfg = config
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)

@@ -216,7 +216,7 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int) -> str | No
         ValueError: ``CKVP_DECODE_CONFIG`` is set but not a JSON object of DecodeConfig fields.
     Source: the H200 decode steps of benchmarks/results/2026-12-01-rank-blocks-h200."""
     g = heads // max(kv_heads, 1)
-    cfg = lat.default_config(g, lat._np2(rank_max), paired=True)
+    cfg = lat.default_config(g, lat._np2(rank_max), paired=True, rank=rank_max)
     if g == 1 and (cfg.rotate_basis or cfg.head_group):
         return ("one query head per KV head: the plain kernel's rotated / grouped key pass (rotated up to rank 128 "
                 "with RoPE tables proven paired, else 32)")

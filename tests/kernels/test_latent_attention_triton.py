@@ -627,6 +627,26 @@ def test_default_config_rotates_the_basis_where_measured_faster():
     assert all(lat.default_config(1, r).two_pass for r in (16, 128, 256))
 
 
+def test_default_config_tiles_and_pipelining_follow_the_graph_replay_sweep():
+    """benchmarks/results/2026-12-01-defaults-h200: G = 1 up to rank 32 takes 64-slot value tiles and a 3-stage key
+    loop, and the grouped key pass as many KV heads (4-16) as keep its columns within 128; G = 1 at ranks 65-128 a
+    2-stage value loop; GQA's one-pass kernel a 3-stage loop. Overrides still win."""
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    small = lat.default_config(1, 16, paired=True, rank=8)
+    assert (small.block_n_v, small.loop_stages, small.head_group) == (64, 3, 16)
+    assert lat.default_config(1, 16, paired=True, rank=16).head_group == 8
+    assert lat.default_config(1, 16, paired=True, rank=12).head_group == 8
+    assert lat.default_config(1, 32, paired=True, rank=24).head_group == 4
+    assert lat.default_config(1, 32, paired=True).head_group == 4  # rank unknown: the padded rank sizes it
+    assert lat.default_config(1, 16, paired=False, rank=8).head_group == 0  # grouping needs paired tables
+    assert all(lat._head_group(r) * r <= 128 or lat._head_group(r) == 4 for r in range(1, 33))
+    wide = lat.default_config(1, 128, paired=True)
+    assert (wide.block_n_v, wide.loop_stages, wide.loop_stages_v) == (32, None, 2)
+    assert lat.default_config(1, 64, paired=True).loop_stages_v is None
+    assert lat.default_config(4, 128).loop_stages == 3 and lat.default_config(4, 256).loop_stages is None
+
+
 def test_head_group_window_covers_each_group_and_refuses_wide_heads():
     """The grouped key pass's row window: every group's bytes (elements) fit in it from the group's first byte
     rounded down to the returned alignment, the alignment never widens the window, and formats or ranks the kernel

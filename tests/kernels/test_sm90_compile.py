@@ -88,7 +88,7 @@ def _run(n_examples: int) -> None:
             for paired in (False, True):
                 rp = max(16, 1 << (r - 1).bit_length())
                 case = dict(fixed, heads=heads, k_ranks=[r] * heads[1], v_ranks=[r] * heads[1])
-                _compile(case, default_config(heads[0] // heads[1], rp, paired=paired), fits=True)
+                _compile(case, default_config(heads[0] // heads[1], rp, paired=paired, rank=r), fits=True)
     # rank-0 heads and mix bit plans (whose head table holds pieces, not ranks), with the rank-chunk loop
     mix = dict(b=2, t=256, heads=(4, 2), d=128, k_ranks=[64, 40], v_ranks=[7, 9],
                kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1", page=0, seed=1)
@@ -116,7 +116,7 @@ def _run(n_examples: int) -> None:
             two_pass=draw(st.booleans()), block_n_v=draw(st.sampled_from((None, 16, 32, 64))),
             r_loop=draw(st.booleans()), fma_values=draw(st.booleans()), fma_values_2d=draw(st.booleans()),
             fuse_merge=draw(st.booleans()), rotate_basis=draw(st.booleans()),
-            head_group=draw(st.sampled_from((0, 0, 2, 4))), rotate_fp16=draw(st.booleans()),
+            head_group=draw(st.sampled_from((0, 0, 2, 4, 8, 16))), rotate_fp16=draw(st.booleans()),
             key_codes=draw(st.booleans()), key_fp16=draw(st.booleans()), key_split=draw(st.booleans()),
             paired_tables=draw(st.booleans()), reduce_split_d=draw(st.booleans()),
             loop_stages=draw(st.sampled_from((None, 2, 3))), loop_stages_v=draw(st.sampled_from((None, 2, 3))))
