@@ -6,8 +6,10 @@ reference (H200 work between sessions: which knob moves a given layer shape).
         [--format int4/32]
     ncu ... python3 benchmarks/config_sweep_gpu.py --out DIR --cases 32:8:8:32768:96 --configs default --ncu
 
-A case is heads:kv_heads:batch:context:rank, the rank either one number (keys and values) or key/value (e.g.
-``64/128``: at the same bytes as 96/96, half the key rebuild); head_dim 128; latents of
+A case is heads:kv_heads:batch:context:rank[:u], the rank either one number (keys and values) or key/value (e.g.
+``64/128``: at the same bytes as 96/96, half the key rebuild), ``:u`` storing the latents unit-major (each byte
+column of the rows contiguous over the slots: ``kernels.latent_layout``, as a store built with
+``latent_layout="unit-major"`` holds them); head_dim 128; latents of
 ``ckvp_compile.bench.attention.make_inputs``. A config is ``default`` (the launcher's default for the case's group and
 padded rank, with ``--paired`` as a compiled HF model declares its tables) or ``generic`` (``DecodeConfig()``),
 optionally followed by ``+`` and a JSON object of DecodeConfig fields replaced over it. Each row: ms (median of
@@ -35,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import latent_attention_gpu as lag  # noqa: E402
 
 from ckvp_compile.bench.attention import make_inputs  # noqa: E402
+from ckvp_compile.kernels.latent_layout import to_layout  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
     DecodeConfig,
     default_config,
@@ -66,7 +69,8 @@ def summarize(paths: list[str]) -> str:
         groups: dict[tuple, list] = {}  # (case, config) -> its rows, one per round, in order
         for r in rows:
             case = f"{r['heads']} B{r['batch']} {r['context']} r{r['rank']}" + (
-                f"/{r['rank_v']}" if r.get("rank_v", r["rank"]) != r["rank"] else "")
+                f"/{r['rank_v']}" if r.get("rank_v", r["rank"]) != r["rank"] else "") + (
+                " unit-major" if r.get("layout") == "unit-major" else "")
             groups.setdefault((case, r["config"]), []).append(r)
         med = {key: statistics.median(x["ms"] for x in rs if x.get("ms") is not None)
                for key, rs in groups.items() if any(x.get("ms") is not None for x in rs)}
@@ -110,17 +114,22 @@ def main() -> None:
            "head_dim": lag.D, "format": a.format, "paired": a.paired, "command": "python3 " + " ".join(sys.argv)}
     rows = []
     for case in a.cases.split(","):
-        h, hkv, b, t, ranks = case.split(":")
+        h, hkv, b, t, ranks, *flags = case.split(":")
         h, hkv, b, t = int(h), int(hkv), int(b), int(t)
+        layout = "unit-major" if flags == ["u"] else "row-major"
+        if flags not in ([], ["u"]):
+            raise SystemExit(f"case {case!r}: the only flag after the rank is ':u' (unit-major latents)")
         rank, _, rank_v = ranks.partition("/")
         rank, rank_v = int(rank), int(rank_v or rank)
         args = make_inputs(b, t, a.format, rank, seed=11, heads=(h, hkv), head_dim=lag.D, group=lag.GROUP,
                            rank_v=rank_v)
+        if layout == "unit-major":  # same values, each byte column contiguous over the slots
+            args = (args[0], to_layout(args[1], layout), to_layout(args[2], layout), *args[3:])
         want = None if a.ncu else lag.ref_chunked(args, 2)
         rank_pad = max(16, 1 << (rank - 1).bit_length())
         for rnd, text in [(i, c) for i in range(max(1, a.rounds)) for c in a.configs.split(";")]:
             row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text,
-                   "round": rnd}
+                   "round": rnd, "layout": layout}
             try:
                 cfg = parse_config(text, h // hkv, rank_pad, a.paired)
                 if a.ncu:  # two launches, the second one profiled

@@ -350,7 +350,7 @@ class _Runner:
                 cache = dense_cache(self.config, batch, max_len, self.device, self.dtype)
             else:
                 cache = latent_cache(self.config, bases, batch, max_len, self.device, self.dtype, a.latent_format,
-                                     a.recent_window)
+                                     a.recent_window, getattr(a, "latent_layout", "row-major"))
                 row.ranks = {"k": [list(r) for r in bases.k_ranks], "v": [list(r) for r in bases.v_ranks],
                              "group_size": a.group_size}
             fill_cache_(cache, context, seed=a.seed)
@@ -424,12 +424,14 @@ class _Runner:
         return [s.elapsed_time(e) for s, e in events]
 
     def row_name(self, system: System) -> str:
-        """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N and
-        `` K<=R`` with key ranks capped at R (``--max-key-rank``)."""
+        """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N,
+        `` K<=R`` with key ranks capped at R (``--max-key-rank``) and `` unit-major`` for unit-major latents
+        (``--latent-layout``)."""
         if system.kind != "ckvp":
             return system.name
         w, cap = self.args.recent_window, getattr(self.args, "max_key_rank", None)
-        return system.name + (f" w{w}" if w else "") + (f" K<={cap}" if cap else "")
+        um = getattr(self.args, "latent_layout", "row-major") == "unit-major"
+        return system.name + (f" w{w}" if w else "") + (f" K<={cap}" if cap else "") + (" unit-major" if um else "")
 
     # -- largest batch
     def max_batch_row(self, system: System, context: int) -> DecodeRow:
@@ -519,7 +521,7 @@ class _Runner:
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("shape", "systems", "batches", "contexts", "layers", "steps", "warmup", "latent_format", "group_size",
-            "calib_tokens", "bases", "rank_block", "max_key_rank",
+            "calib_tokens", "bases", "rank_block", "max_key_rank", "latent_layout",
             "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
@@ -610,6 +612,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-len", type=int, default=4096,
                    help="cache length (one sequence) the byte ratio is met at, bases counted (as examples/generate.py)")
     g.add_argument("--fixture-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--latent-layout", default="row-major", choices=["row-major", "unit-major"],
+                   help="ckvp: how the latents lie in memory (CKVPStaticCache(latent_layout=...), "
+                        "kernels.latent_layout): each slot's row contiguous (default), or each byte column contiguous "
+                        "over the slots; ckvp rows are then named '<system> unit-major'")
     p.add_argument("--recent-window", type=int, default=0,
                    help="ckvp: keep the last N tokens' keys and values exact beside the latent (CKVPStaticCache("
                         "recent_window=N)), their bytes counted in the ratio (at --budget-len for the fixture); "

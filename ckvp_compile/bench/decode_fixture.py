@@ -220,7 +220,8 @@ def run_fixture(args: argparse.Namespace) -> int:
             store_fmt = "auto" if fmt == "planned" else fmt
             cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
                                     dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,
-                                    basis_dtype=basis_dtype, recent_window=args.recent_window)
+                                    basis_dtype=basis_dtype, recent_window=args.recent_window,
+                                    latent_layout=getattr(args, "latent_layout", "row-major"))
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
             got = [_decode(model, p, args.new_tokens, cache) for p in prompts]

@@ -214,9 +214,11 @@ def _check(fmt, device) -> LatentFormat:
 
 @triton.jit
 def _quant_block_store(x, j, base, byte0, nbytes, blk, n_code, NB,
-                       BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr):
+                       BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, stride_w=1):
     """Quantize one block ``x`` (BP,) fp32 (entries past the block's real coordinates already 0.0, the reference's
-    padding; ``j`` = arange(BP)) and store its code bytes, fp16 scale and fp16 min into the row at ``base``."""
+    padding; ``j`` = arange(BP)) and store its code bytes, fp16 scale and fp16 min into the row at ``base``, byte i
+    of the row at ``base + i * stride_w`` (1: row-major; the slot count of a unit-major latent,
+    :mod:`~ckvp_compile.kernels.latent_layout`)."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     PER: tl.constexpr = 8 // BITS
     inblk = j < BLOCK
@@ -249,11 +251,11 @@ def _quant_block_store(x, j, base, byte0, nbytes, blk, n_code, NB,
     shifts = tl.arange(0, PER) * BITS
     packed = tl.sum(c2 << shifts[None, :], axis=1)
     k = tl.arange(0, BP // PER)
-    tl.store(base + byte0 + k, packed.to(tl.uint8), mask=k < nbytes)
+    tl.store(base + (byte0 + k) * stride_w, packed.to(tl.uint8), mask=k < nbytes)
 
     two = tl.arange(0, 2)
-    tl.store(base + n_code + 2 * blk + two, ((su >> (8 * two)) & 0xFF).to(tl.uint8))
-    tl.store(base + n_code + 2 * NB + 2 * blk + two, ((mu >> (8 * two)) & 0xFF).to(tl.uint8))
+    tl.store(base + (n_code + 2 * blk + two) * stride_w, ((su >> (8 * two)) & 0xFF).to(tl.uint8))
+    tl.store(base + (n_code + 2 * NB + 2 * blk + two) * stride_w, ((mu >> (8 * two)) & 0xFF).to(tl.uint8))
 
 
 @triton.jit
@@ -274,7 +276,7 @@ def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
 @triton.jit
 def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_ptr, n_code, NB, S, K, trash, n_slots,
                    stride_xb, stride_xh, stride_xs, stride_xk, stride_bb, stride_bh, stride_bk, stride_br,
-                   stride_ob, stride_os, stride_sl, stride_ptb, stride_ptp,
+                   stride_ob, stride_os, stride_ow, stride_sl, stride_ptb, stride_ptp,
                    BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
                    PAGE: tl.constexpr):
     """One (token, block): project the token's stacked keys (or values) of the block's head onto the block's basis
@@ -310,7 +312,7 @@ def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_p
             base = out_ptr + page * stride_ob + (slot % PAGE) * stride_os
         else:
             base = out_ptr + b * stride_ob + slot * stride_os
-        _quant_block_store(z, j, base, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP)
+        _quant_block_store(z, j, base, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP, stride_ow)
 
 
 @triton.jit
@@ -481,11 +483,12 @@ APPEND_BASIS_DTYPES = APPEND_X_DTYPES + (torch.float8_e5m2,)
 
 
 def append_fusable(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor) -> str:
-    """Why :func:`latent_append_triton` cannot take these tensors ('' when it can): the latent's last dim must be
-    contiguous (the kernel writes bytes at unit stride) and x / basis of a dtype it loads (:data:`APPEND_X_DTYPES`,
-    :data:`APPEND_BASIS_DTYPES`, e4m3fn bases on CUDA capability >= 8.9 or under the interpreter)."""
-    if latent.stride(-1) != 1:
-        return f"the latent's last dim is strided (stride {latent.stride(-1)})"
+    """Why :func:`latent_append_triton` cannot take these tensors ('' when it can): the latent's bytes at positive
+    strides (row-major or unit-major, :mod:`~ckvp_compile.kernels.latent_layout`) and x / basis of a dtype it loads
+    (:data:`APPEND_X_DTYPES`, :data:`APPEND_BASIS_DTYPES`, e4m3fn bases on CUDA capability >= 8.9 or under the
+    interpreter)."""
+    if latent.dim() != 3 or min(latent.stride()) < 1:
+        return f"the latent is not (rows..., W) at positive strides (strides {tuple(latent.stride())})"
     if x.dtype not in APPEND_X_DTYPES:
         return f"x is {x.dtype}"
     if basis.dtype == torch.float8_e4m3fn:
@@ -532,8 +535,8 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
         every step), so, unlike the reference's indexing, it raises nothing here; the op's host-tensor check and
         the RoPE table update of the same graph (``ckvp::rope_table_update``, device-side assert) report it.
     Raises:
-        ValueError: ``fmt`` is not an int or mix format, ``latent`` is not uint8 of the format's row width or its
-            last dim is strided, or x / basis have a dtype the kernel does not load (:func:`append_fusable`).
+        ValueError: ``fmt`` is not an int or mix format, ``latent`` is not uint8 of the format's row width or
+            not 3-d at positive strides, or x / basis have a dtype the kernel does not load (:func:`append_fusable`).
         NotImplementedError: a non-CUDA tensor without ``TRITON_INTERPRET=1``.
     Reference: kernels/reference.py::latent_append_ref
     """
@@ -564,7 +567,7 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
     for (bits, tab), head in zip(groups, heads):
         _append_kernel[(b * s, tab.shape[0])](
             x, basis, slots, latent, pt, tab, head, n_code, nb, s, k, trash, n_slots, *x.stride(), *bstr,
-            *latent.stride()[:2],
+            *latent.stride(),
             slots.stride(0), *pt_strides,
             BITS=bits, BLOCK=f.block, BP=bp, BK=bk, PAGE=page)
 

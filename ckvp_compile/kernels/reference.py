@@ -240,8 +240,9 @@ def latent_append_with(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     if page_table is None:
         latent[:, slots.long()] = packed.to(latent.dtype)
         return
-    rows = paged_rows(page_table, slots, latent.shape[1], latent.shape[0] - 1)  # (B, S)
-    latent.view(-1, latent.shape[2]).index_copy_(0, rows.reshape(-1), packed.to(latent.dtype).reshape(b * s, -1))
+    rows = paged_rows(page_table, slots, latent.shape[1], latent.shape[0] - 1).reshape(-1)  # (B * S,)
+    p = latent.shape[1]  # by (page, row in page): any layout of the pool (kernels.latent_layout)
+    latent.index_put_((rows // p, rows % p), packed.to(latent.dtype).reshape(b * s, -1))
 
 
 def online_basis_fit_ref(basis: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], slots: torch.Tensor) -> None:

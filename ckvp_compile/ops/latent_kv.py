@@ -44,6 +44,7 @@ import torch
 
 from ..errors import CKVPShapeError
 from ..kernels import reference as ref
+from ..kernels.latent_layout import layout_of
 from ..kernels.latent_format import parse_latent_format
 
 __all__ = ["OPS", "latent_append", "latent_attention", "latent_reconstruct", "online_basis_fit", "rope_table_update",
@@ -156,9 +157,11 @@ def _logical_dims(op: str, name: str, latent: torch.Tensor, page_table: torch.Te
     if latent.shape[0] < 2:
         _fail(op, f"a paged {name} is a page pool (N_pages + 1, P, W) with at least one page and the trash page, "
                   f"but got {_shape(latent)}")
-    if not latent.is_contiguous():  # pages are addressed as rows of the whole pool
-        _fail(op, f"a paged {name} must be a contiguous page pool (N_pages + 1, P, W), but got strides "
-                  f"{tuple(latent.stride())}; pass {name}.contiguous() (a copy) or allocate the pool contiguous")
+    if layout_of(latent) is None:  # pages are addressed as blocks of the whole pool
+        _fail(op, f"a paged {name} must be a page pool (N_pages + 1, P, W) stored row-major (contiguous) or "
+                  f"unit-major (kernels.latent_layout), but got strides {tuple(latent.stride())}; pass "
+                  f"kernels.latent_layout.to_layout({name}, 'row-major') (a copy) or allocate the pool with "
+                  f"kernels.latent_layout.empty_latent")
     _expect_same_device(op, **{name: latent, "page_table": page_table})
     return page_table.shape[0], page_table.shape[1] * latent.shape[1]
 

@@ -72,6 +72,8 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
         num_pages: pages in the pool (default: max_batch_size * max_cache_len / page_size, every slot mappable);
             fewer hold less memory and raise :class:`~ckvp_compile.errors.CKVPConfigError` when exhausted.
             ``self.store.release(b)`` gives sequence b's pages back, :meth:`reset` all of them.
+        latent_layout: ``"row-major"`` (default) or ``"unit-major"``: the latents' strides
+            (:mod:`ckvp_compile.kernels.latent_layout`; same results).
     Raises:
         CKVPConfigError: the bases do not match the model's layers, KV heads or head dim; an unknown format; a
             recent_window outside [0, max_cache_len); a bad page_size / num_pages, or paging with a
@@ -86,7 +88,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  latent_format: str | tuple[str, str] = "auto", latent_dtype: torch.dtype | None = None,
                  basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0,
-                 page_size: int = 0, num_pages: int | None = None) -> None:
+                 page_size: int = 0, num_pages: int | None = None, latent_layout: str = "row-major") -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -101,7 +103,8 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"(cache_implementation='static') with backend='ckvp', or a model without a sliding window.")
         k_format, v_format = _formats(latent_format)
         self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
-                                   latent_dtype, basis_dtype, residual_format, recent_window, page_size, num_pages)
+                                   latent_dtype, basis_dtype, residual_format, recent_window, page_size, num_pages,
+                                   latent_layout)
         for i, layer in enumerate(self.layers):
             # HF's lazy_initialization sets the layer's shapes, dtype and flags, and allocates the dense K/V from
             # the probe's device: a meta probe allocates nothing (a real one would need one layer's dense cache,

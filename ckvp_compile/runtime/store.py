@@ -64,6 +64,7 @@ from ..errors import CKVPConfigError, CKVPError, CKVPShapeError
 from ..kernels.device_cache import prepare_device_tables
 from ..kernels.latent_attention_triton import declare_paired_tables
 from ..kernels.latent_format import parse_latent_format
+from ..kernels.latent_layout import LAYOUTS, empty_latent
 
 _PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
 
@@ -153,24 +154,30 @@ class LatentKVStore:
         num_pages: physical pages in each pool, the trash page not counted, in [1, B * S_max / P] (default, and
             only with page_size > 0: B * S_max / P, every slot of every sequence mappable). Fewer pages hold less
             memory; running out raises when the pages are mapped.
+        latent_layout: how ``latent_k[g]`` / ``latent_v[g]`` lie in memory (:mod:`ckvp_compile.kernels.latent_layout`):
+            ``"row-major"`` (default: each slot's row contiguous) or ``"unit-major"`` (each byte column contiguous
+            over a sequence's slots, or a page's): the same logical tensors and results, fewer excess sectors for
+            the per-head attention passes. Not timed end to end yet: an option, not the default.
     Raises:
         CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, a non-float latent_dtype or
             basis_dtype, recent_window outside [0, max_cache_len); page_size < 0 or not dividing max_cache_len,
             num_pages outside [1, B * S_max / P] or given without page_size, or paging with a residual_format or
-            online bases (not supported yet).
+            online bases (not supported yet); a latent_layout not in ``kernels.latent_layout.LAYOUTS``.
     """
 
     def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
                  dtype: torch.dtype, k_format: str = "auto", v_format: str = "auto",
                  latent_dtype: torch.dtype | None = None, basis_dtype: torch.dtype | None = None,
                  residual_format: str = "", recent_window: int = 0, page_size: int = 0,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, latent_layout: str = "row-major"):
         if batch_size < 1 or max_cache_len < 1:
             raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
         if isinstance(recent_window, bool) or not isinstance(recent_window, int) \
                 or not 0 <= recent_window < max_cache_len:
             raise CKVPConfigError(f"recent_window must be an int in [0, max_cache_len = {max_cache_len}), got "
                                   f"{recent_window!r}; it counts the most recent tokens kept dense (0: none)")
+        if latent_layout not in LAYOUTS:
+            raise CKVPConfigError(f"latent_layout must be one of {LAYOUTS}, got {latent_layout!r}")
         num_pages = _check_paging(page_size, num_pages, batch_size, max_cache_len, residual_format,
                                   bool(getattr(bases, "online", False)))
         ngroups = len(bases.groups)
@@ -200,11 +207,13 @@ class LatentKVStore:
         #: P (0: not paged) and the pools' physical pages (None when not paged; the trash page not counted)
         self.page_size, self.num_pages = page_size, num_pages
         rows = (b, s) if not page_size else (num_pages + 1, page_size)  # a paged pool's last page: the trash page
+        #: "row-major" or "unit-major": the strides of the latents (kernels.latent_layout)
+        self.latent_layout = latent_layout
         try:
-            self.latent_k = [torch.zeros(*rows, f.row_width(o), device=self.device,
-                                         dtype=f.storage_dtype(latent_dtype)) for f, o in zip(kfs, self.k_offsets)]
-            self.latent_v = [torch.zeros(*rows, f.row_width(o), device=self.device,
-                                         dtype=f.storage_dtype(latent_dtype)) for f, o in zip(vfs, self.v_offsets)]
+            self.latent_k = [empty_latent(rows, f.row_width(o), latent_layout, f.storage_dtype(latent_dtype),
+                                          self.device) for f, o in zip(kfs, self.k_offsets)]
+            self.latent_v = [empty_latent(rows, f.row_width(o), latent_layout, f.storage_dtype(latent_dtype),
+                                          self.device) for f, o in zip(vfs, self.v_offsets)]
         except ValueError as e:  # a bit plan for other ranks
             raise CKVPConfigError(f"{e}; plan the formats for these bases (ckvp_compile.latent.planner)") from None
         self.residual_format, self.resid_k, self.resid_v = "", [], []
@@ -280,12 +289,12 @@ class LatentKVStore:
 
     def layout(self) -> tuple:
         """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats, dtypes and the paging
-        (page size and pool pages: the pools' shapes)."""
+        (page size and pool pages: the pools' shapes) and the latents' layout (their strides)."""
         return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
                 tuple(map(tuple, self.v_offsets)), tuple(self.k_formats), tuple(self.v_formats), self.latent_dtype,
                 self.dtype,
                 str(self.device), self.online, self.basis_dtype, self.residual_format, self.recent_window,
-                self.page_size, self.num_pages)
+                self.page_size, self.num_pages, self.latent_layout)
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""

@@ -5,6 +5,7 @@ unpaged cache, bit for bit (within 1e-6), through prefill and decode, for float 
 ``aot_eager`` and with Inductor. Pages are mapped on demand before each call (from the call's slots, which the
 pass reads from the graph's inputs), so a pool just large enough for the tokens run works; one page fewer raises
 a CKVPConfigError naming num_pages and leaves the table as it was; ``reset()`` and ``release(b)`` give pages back.
+Unit-major latents (``latent_layout="unit-major"``) are checked here the same way: strides never change results.
 """
 
 from __future__ import annotations
@@ -98,6 +99,24 @@ def test_paged_equals_unpaged_and_maps_pages_on_demand(model_and_bases, page_siz
         calls = re.findall(r"torch\.ops\.ckvp\.latent_(?:append|attention|reconstruct)\.default\((.*)\)", g.dynamo_after)
         assert calls and all(c.rstrip().endswith("ckvp_page_table") for c in calls), calls
         assert g.dynamo_after.count("ckvp_page_table = ") == 1
+
+
+@pytest.mark.parametrize("compiler,page_size,fmt", [("aot_eager", 0, "int4"), ("aot_eager", 4, "float"),
+                                                     ("aot_eager", 8, "int4"), ("inductor", 0, "int4"),
+                                                     ("inductor", 4, "int4")])
+def test_unit_major_latents_equal_row_major(model_and_bases, compiler, page_size, fmt):
+    """``latent_layout="unit-major"`` (kernels.latent_layout) changes the latents' strides only: the logits of the
+    row-major unpaged cache, paged or not, and the compiled graphs copy no latent (the ops write it in place)."""
+    model, bases = model_and_bases
+    ids = _ids()
+    want = _reference(model, bases, ids, fmt, compiler)
+    rec = CompileRecorder()
+    cache = _cache(model, bases, fmt, page_size=page_size, latent_layout="unit-major")
+    assert all(t.transpose(-1, -2).is_contiguous() and not t.is_contiguous()
+               for t in (*cache.store.latent_k, *cache.store.latent_v))
+    _assert_equal(_run(model, ids, cache, compiler, rec=rec), want)
+    for g in rec.graphs:
+        assert not g.fell_back, g.fell_back
 
 
 @pytest.mark.parametrize("page_size,fmt", [(4, "int4"), (8, "float")])

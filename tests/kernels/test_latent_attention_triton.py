@@ -150,14 +150,19 @@ def _check(p: dict, config=None) -> float:
 
     from ckvp_compile.kernels.latent_attention_triton import latent_attention_triton
 
+    from ckvp_compile.kernels.latent_layout import to_layout
+
     args = _inputs(p)
+    layout = p.get("layout", "row-major")  # the same latent values, stored row- or unit-major (strides only)
     if p.get("page"):  # the kernel walks the page table; the reference reads the contiguous latents
         lk, lv, table = _paged(p, args)
         paged = list(args)
-        paged[1], paged[2] = lk, lv
+        paged[1], paged[2] = to_layout(lk, layout), to_layout(lv, layout)
         out = latent_attention_triton(*paged, config=config, page_table=table)
     else:
-        out = latent_attention_triton(*args, config=config)
+        laid = list(args)
+        laid[1], laid[2] = to_layout(args[1], layout), to_layout(args[2], layout)
+        out = latent_attention_triton(*laid, config=config)
     want = _expected(args)
     assert out.shape == want.shape and out.dtype == want.dtype and out.is_contiguous()
     assert torch.isfinite(out).all(), p
@@ -197,7 +202,8 @@ def _check_property(n_examples: int) -> None:
                  dtype=draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16))),
                  pos_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
                  win=draw(st.sampled_from((0, 0, 3, 17))), unused=draw(st.sampled_from((0, 0, 1, 2))),
-                 page=draw(st.sampled_from((0, 0, 4, 8))))
+                 page=draw(st.sampled_from((0, 0, 4, 8))),
+                 layout=draw(st.sampled_from(("row-major", "row-major", "unit-major"))))
         cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=draw(st.sampled_from((16, 32))),
                            num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
                            hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
@@ -234,6 +240,15 @@ def _check_fixed() -> None:
                 dtype=torch.float32, pos_dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
     _check(base, cfg)  # a rank-0 head on each side
+    # unit-major latents (kernels.latent_layout): the grouped key pass, per-head passes and one pass, paged or not
+    # (paired_tables needs tables with one angle per pair: the complex form's, by layout)
+    ucfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=2, hoist_basis=True, fma_scores=True,
+                        fma_values=True, rotate_basis=True, head_group=2, paired_tables=True, block_n_v=16)
+    for case, c in ((dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="unit-major"), ucfg),
+                    (dict(base, rk=[12, 5], rv=[7, 9], layout="unit-major", page=4, seed=3), cfg),
+                    (dict(base, ratio=1, rk=[8, 8], rv=[8, 8], rope="complex", layout="unit-major"), ucfg),
+                    (dict(base, layout="unit-major"), dataclasses.replace(cfg, two_pass=False))):
+        _check(case, c)
     # paged latents: pages scattered over a pool, a strided page table (odd seed), one- and two-pass
     for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
         _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)

@@ -202,7 +202,7 @@ def _check_latent_append_path() -> None:
 def _check_fused_append(n_examples: int) -> None:
     """latent_append_triton (projection, quantization and store in one launch per bit width) against the reference
     op on random shapes: ranks 0-13 per head (ragged blocks, empty heads), G*D up to 136 (more than one chunk of
-    the projection), shared and per-sequence (online) bases, contiguous and paged latents, int and mix formats.
+    the projection), shared and per-sequence (online) bases, contiguous and paged latents, row- and unit-major, int and mix formats.
     Every decoded coordinate is within one code step of the reference's (the fp32 projections differ in summation
     order), untouched rows stay untouched, and over all examples at least 99% of the coordinates decode
     bit-equal."""
@@ -212,6 +212,7 @@ def _check_fused_append(n_examples: int) -> None:
 
     from ckvp_compile.kernels import reference as ref
     from ckvp_compile.kernels.latent_format import parse_latent_format
+    from ckvp_compile.kernels.latent_layout import to_layout
     from ckvp_compile.kernels.latent_quant_triton import latent_append_triton
 
     stats = {"coords": 0, "equal": 0}
@@ -225,7 +226,8 @@ def _check_fused_append(n_examples: int) -> None:
             fmt = "mix/8:" + ",".join(f"8x{r // 2}+4x{r - r // 2}" if r > 1 else f"4x{r}" for r in ranks)
         return dict(seed=draw(st.integers(0, 2**16)), b=draw(st.integers(1, 2)), hkv=hkv, ranks=ranks,
                     s=draw(st.integers(1, 3)), gd=draw(st.sampled_from((8, 24, 136))), fmt=fmt,
-                    online=draw(st.booleans()), page=draw(st.sampled_from((0, 0, 4))))
+                    online=draw(st.booleans()), page=draw(st.sampled_from((0, 0, 4))),
+                    layout=draw(st.sampled_from(("row-major", "unit-major"))))
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
     @given(cases())
@@ -254,6 +256,7 @@ def _check_fused_append(n_examples: int) -> None:
         else:
             got = torch.full((b, s_max, width), 7, dtype=torch.uint8)
         want = got.clone()
+        got = to_layout(got, p["layout"])  # the kernel writes at the latent's strides (kernels.latent_layout)
         latent_append_triton(got, x, basis, off, slots, p["fmt"], table)
         ref.latent_append_ref(want, x, basis, off, slots, p["fmt"], table)
         flat = lambda t: t.reshape(-1, width)  # noqa: E731
@@ -274,8 +277,9 @@ def _check_fused_append(n_examples: int) -> None:
 def _check_append_guards() -> None:
     """The fused append never writes where the reference would not: a slot outside the cache (contiguous: rows
     [0, S_max); paged: the page table's slots) is skipped, not written into another sequence's row or past the
-    latent; tensors it cannot load (a strided latent row, fp64 x) are refused by latent_append_triton and sent to
-    the unfused path by the op's CUDA function, which then writes the reference's bytes."""
+    latent; a strided latent row is written at its strides; tensors it cannot load (a zero-stride latent, fp64 x)
+    are refused by latent_append_triton and sent to the unfused path by the op's CUDA function, which then writes
+    the reference's bytes."""
     import torch
 
     from ckvp_compile.kernels import latent_quant_triton as lq
@@ -304,24 +308,34 @@ def _check_append_guards() -> None:
     want = torch.full_like(pool, 7)
     ref.latent_append_ref(want, x[:, :, 1:], basis, off, torch.tensor([3]), fmt, table)  # the valid token only
     assert torch.equal(pool, want), "the paged append wrote outside the valid slot's row"
-    # a strided latent row: refused by the kernel, the unfused path for the op
+    # a strided latent row: written by the kernel at its strides, the bytes between untouched; a latent with a
+    # zero stride (an expanded view) is refused, for the unfused path of the op
     wide = torch.full((b, s_max, 2 * width), 7, dtype=torch.uint8)
-    assert "strided" in lq.append_fusable(wide[..., ::2], x, basis)
+    assert lq.append_fusable(wide[..., ::2], x, basis) == ""
+    got = wide.clone()
+    lq.latent_append_triton(got[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
+    exp = wide.clone()
+    ref.latent_append_ref(exp[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
+    assert torch.equal(got[..., 1::2], wide[..., 1::2]), "bytes between the strided view's were written"
+    d_got = ref.unpack_latent_ref(got[..., ::2].contiguous(), off, 13, fmt)
+    d_exp = ref.unpack_latent_ref(exp[..., ::2].contiguous(), off, 13, fmt)
+    assert float((d_got - d_exp).abs().max()) <= float(d_exp.abs().amax()) / 3  # at most one rounding step
+    assert "positive strides" in lq.append_fusable(wide[:1, :, :width].expand(b, -1, -1), x, basis)
     assert "float64" in lq.append_fusable(wide[..., :width], x.double(), basis)
     try:
-        lq.latent_append_triton(wide[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
-        raise AssertionError("a strided latent was accepted")
+        lq.latent_append_triton(wide[:1, :, :width].expand(b, -1, -1), x, basis, off, torch.tensor([1, 4]), fmt)
+        raise AssertionError("an expanded latent was accepted")
     except ValueError as e:
         assert "unfused" in str(e)
     saved = lq.APPEND_GPU_CHECKED
     lq.APPEND_GPU_CHECKED = True
-    try:
+    try:  # fp64 x: the op's unfused path, the reference's bytes
         got = wide.clone()
-        latent_append_cuda(got[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
+        latent_append_cuda(got[..., ::2], x.double(), basis, off, torch.tensor([1, 4]), fmt)
     finally:
         lq.APPEND_GPU_CHECKED = saved
     exp = wide.clone()
-    ref.latent_append_ref(exp[..., ::2], x, basis, off, torch.tensor([1, 4]), fmt)
+    ref.latent_append_ref(exp[..., ::2], x.double(), basis, off, torch.tensor([1, 4]), fmt)
     assert torch.equal(ref.unpack_latent_ref(got[..., ::2], off, 13, fmt), ref.unpack_latent_ref(exp[..., ::2], off, 13, fmt))
     assert torch.equal(got[..., 1::2], wide[..., 1::2]), "bytes between the strided view's were written"
 

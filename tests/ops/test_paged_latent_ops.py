@@ -1,5 +1,6 @@
 """Paged latents (a page pool and a page table, vLLM's PagedAttention layout) through the ckvp ops: the same
-results as the contiguous latent, bit for bit, on random shapes, page sizes, page placements and formats.
+results as the contiguous latent, bit for bit, on random shapes, page sizes, page placements, formats and
+layouts (row- or unit-major storage of either).
 
 ``latent_append`` / ``latent_reconstruct`` / ``latent_attention`` take an optional ``page_table`` (B, S_max / P):
 the latent is then a pool (N_pages + 1, P, W) whose last page is the trash page (writes to unmapped slots), and
@@ -17,6 +18,7 @@ from ckvp_compile import ops as ckvp_ops
 from ckvp_compile.errors import CKVPShapeError
 from ckvp_compile.kernels import reference as ref
 from ckvp_compile.kernels.latent_format import parse_latent_format
+from ckvp_compile.kernels.latent_layout import LAYOUTS, to_layout
 
 ckvp_ops.register_all()
 OPS = torch.ops.ckvp
@@ -66,6 +68,9 @@ def test_paged_ops_equal_contiguous(data):
     fmt = data.draw(st.sampled_from(("float", "int8/8", "int4/32", "mxint4/8", "int2/4")))
     lat, pool, table, basis, offsets = _state(b, hkv, g, d, s_max, page, ranks, fmt,
                                               data.draw(st.integers(0, 3)), data.draw(st.integers(0, 2**16)))
+    # either may be stored unit-major (kernels.latent_layout): the same values through every op
+    lat = to_layout(lat, data.draw(st.sampled_from(LAYOUTS)))
+    pool = to_layout(pool, data.draw(st.sampled_from(LAYOUTS)))
     pool_before = pool.clone()
     # a prefill then decode steps through latent_append, on both layouts
     written = 0
@@ -80,7 +85,7 @@ def test_paged_ops_equal_contiguous(data):
     mapped = torch.zeros(pool.shape[0], dtype=torch.bool)
     mapped[table.long().flatten()] = True
     # spare and trash pages untouched (NaN stays NaN: compare as bytes)
-    assert torch.equal(pool[~mapped].view(torch.uint8), pool_before[~mapped].view(torch.uint8))
+    assert torch.equal(pool[~mapped].contiguous().view(torch.uint8), pool_before[~mapped].contiguous().view(torch.uint8))
 
     # reads: reconstruct and attention agree exactly with the contiguous latent
     form = data.draw(st.sampled_from(("none", "rotate_half", "complex")))
@@ -184,6 +189,9 @@ def test_page_table_values_are_checked_on_host_tensors(edit, expect):
 def test_non_contiguous_pools_are_refused_with_the_fix():
     lat, pool, table, basis, offsets = _state(1, 1, 1, 8, 8, 4, [4], "float", 0, 5)
     wide = torch.zeros(pool.shape[0] * 2, *pool.shape[1:])[::2]
-    with pytest.raises(CKVPShapeError, match=r"contiguous\(\)"):
+    with pytest.raises(CKVPShapeError, match=r"to_layout\(latent, 'row-major'\)"):
         OPS.latent_append(wide, torch.randn(1, 1, 1, 8), basis, offsets, torch.tensor([0]), "float", table)
+    # a unit-major pool is a layout the ops take (kernels.latent_layout)
+    OPS.latent_append(to_layout(pool, "unit-major"), torch.randn(1, 1, 1, 8), basis, offsets, torch.tensor([0]),
+                      "float", table)
 

@@ -1,0 +1,81 @@
+"""How a latent cache's bytes are laid out in device memory: row-major or unit-major.
+
+A latent cache is logically ``(B, S_max, W)`` (or a page pool ``(N_pages + 1, P, W)``): one row of W units (bytes
+of a quantized format, elements of ``float``) per cached slot, head h's codes, then every block's scales and mins
+(:mod:`~ckvp_compile.kernels.latent_format`). The layout only chooses the strides of that same logical tensor:
+
+- ``row-major`` (the default): strides ``(S_max * W, W, 1)``; each slot's row is contiguous.
+- ``unit-major``: strides ``(S_max * W, 1, S_max)``; each unit (byte column) is contiguous over the slots of a
+  sequence (of a page). A per-head pass reads a few units of every row (rank 8 at int4/32: 4 code bytes and a
+  4-byte scale and min out of a row of 96 bytes for 16 heads): row-major, each slot's few bytes sit in their own
+  32-byte sector, unit-major, a tile of 64 slots reads 64 contiguous bytes per unit. Nsight Compute on the H200
+  put 72% (key pass) and 95% (value pass) of the sectors the row-major kernels fetch as excess
+  (benchmarks/results/2026-11-30-small-rank-ncu-h200); this layout is the structural fix to time against it.
+
+Every kernel and reference addresses the latent through its strides, so both layouts give the same results
+(tests/kernels/test_latent_layout.py); a write of one slot's row touches W sectors unit-major instead of one or
+two, which the decode step's single new token makes cheap. Source: the sector arithmetic above; the layout is the
+usual structure-of-arrays transposition of a row store.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["LAYOUTS", "empty_latent", "layout_of", "to_layout"]
+
+#: The layouts a latent store can hold (``CKVPStaticCache(latent_layout=...)``).
+LAYOUTS = ("row-major", "unit-major")
+
+
+def _check(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"latent layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def empty_latent(rows: Sequence[int], width: int, layout: str, dtype: torch.dtype,
+                 device: torch.device | str) -> torch.Tensor:
+    """A zeroed latent cache of logical shape ``(*rows, width)`` in ``layout``.
+
+    Args:
+        rows: the leading dims, (B, S_max) or a page pool's (N_pages + 1, P). width: W, units per row.
+        layout: one of :data:`LAYOUTS`. dtype, device: as ``torch.zeros``.
+    Returns:
+        (*rows, width) ``dtype`` zeros; unit-major: a transposed view of contiguous (*rows[:-1], width, rows[-1])
+        storage (``x.transpose(-1, -2).is_contiguous()``).
+    Raises:
+        ValueError: an unknown layout, or fewer than one leading dim.
+    """
+    _check(layout)
+    rows = tuple(int(r) for r in rows)
+    if not rows:
+        raise ValueError("a latent cache has at least one leading dim (the slots)")
+    if layout == "row-major":
+        return torch.zeros(*rows, width, dtype=dtype, device=device)
+    return torch.zeros(*rows[:-1], width, rows[-1], dtype=dtype, device=device).transpose(-1, -2)
+
+
+def to_layout(latent: torch.Tensor, layout: str) -> torch.Tensor:
+    """A copy of ``latent`` (..., rows, W) with the same values stored in ``layout``.
+
+    Raises:
+        ValueError: an unknown layout or a tensor of fewer than 2 dims.
+    """
+    _check(layout)
+    if latent.dim() < 2:
+        raise ValueError(f"a latent cache is (..., rows, W), got shape {tuple(latent.shape)}")
+    if layout == "row-major":
+        return latent.contiguous()
+    return latent.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def layout_of(latent: torch.Tensor) -> str | None:
+    """The layout of ``latent`` (..., rows, W): 'row-major' when contiguous, 'unit-major' when its last two dims'
+    transpose is, None otherwise (a size-1 rows or W dim is both: reported 'row-major')."""
+    if latent.is_contiguous():
+        return "row-major"
+    if latent.dim() >= 2 and latent.transpose(-1, -2).is_contiguous():
+        return "unit-major"
+    return None

@@ -1,0 +1,65 @@
+"""kernels.latent_layout: row- and unit-major storage of one logical latent cache.
+
+The layout is strides only: the helpers keep every value, report the layout they made, and refuse unknown names
+with the list of known ones; a store built unit-major holds its latents so (the ops and kernels are checked on
+both layouts in tests/ops/test_paged_latent_ops.py, tests/kernels/test_latent_*_triton.py and
+tests/e2e/test_paged_latent_kv.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckvp_compile.errors import CKVPConfigError
+from ckvp_compile.kernels.latent_layout import LAYOUTS, empty_latent, layout_of, to_layout
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), rows=st.integers(2, 9), width=st.integers(2, 9),
+       layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from((torch.uint8, torch.float32, torch.bfloat16)))
+def test_layouts_keep_values_and_report_themselves(lead, rows, width, layout, dtype):
+    x = (torch.arange(int(torch.tensor(lead).prod()) * rows * width) % 251).to(dtype).reshape(*lead, rows, width)
+    y = to_layout(x, layout)
+    assert torch.equal(y, x) and y.shape == x.shape and y.dtype == x.dtype
+    assert layout_of(y) == layout
+    assert torch.equal(to_layout(y, "row-major"), x) and to_layout(y, "row-major").is_contiguous()
+    z = empty_latent((*lead, rows), width, layout, dtype, "cpu")
+    assert z.shape == (*lead, rows, width) and layout_of(z) == layout and not z.any()
+    if layout == "unit-major":  # each unit (column) is contiguous over the slots
+        assert z.stride(-2) == 1 and z.stride(-1) == rows
+
+
+def test_unknown_layouts_and_shapes_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match="row-major"):
+        to_layout(torch.zeros(2, 3), "column-major")
+    with pytest.raises(ValueError, match="unit-major"):
+        empty_latent((2, 3), 4, "col", torch.uint8, "cpu")
+    with pytest.raises(ValueError, match="leading dim"):
+        empty_latent((), 4, "row-major", torch.uint8, "cpu")
+    with pytest.raises(ValueError, match=r"\(\.\.\., rows, W\)"):
+        to_layout(torch.zeros(3), "unit-major")
+    assert layout_of(torch.zeros(4, 6)[:, ::2]) is None
+
+
+def test_a_unit_major_store_holds_unit_major_latents_and_refuses_unknown_layouts():
+    from ckvp_compile.latent.bases import LatentBases
+    from ckvp_compile.runtime.store import LatentKVStore
+
+    gen = torch.Generator().manual_seed(0)
+    basis = (torch.linalg.qr(torch.randn(2, 16, 4, generator=gen))[0],)  # one group of 2 layers, 2 KV heads, D 8
+    eig = (torch.ones(2, 16, dtype=torch.float64),)
+    bases = LatentBases(groups=((0, 1),), num_kv_heads=2, head_dim=8, group_size=2, target_ratio=2.0,
+                        rank_allocation="uniform", k_basis=basis, v_basis=basis, k_ranks=((4, 4),), v_ranks=((4, 4),),
+                        k_eigenvalues=eig, v_eigenvalues=eig, model_fingerprint={}, num_tokens=1)
+    for page_size in (0, 4):
+        store = LatentKVStore(bases, 2, 16, "cpu", torch.float32, "int4", "int4", page_size=page_size,
+                              latent_layout="unit-major")
+        assert all(layout_of(t) == "unit-major" for t in (*store.latent_k, *store.latent_v))
+        assert store.layout()[-1] == "unit-major"
+        assert store.layout() != LatentKVStore(bases, 2, 16, "cpu", torch.float32, "int4", "int4",
+                                               page_size=page_size).layout()  # graphs compiled per layout
+    with pytest.raises(CKVPConfigError, match="latent_layout must be one of"):
+        LatentKVStore(bases, 2, 16, "cpu", torch.float32, latent_layout="columns")
