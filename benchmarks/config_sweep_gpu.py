@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import latent_attention_gpu as lag  # noqa: E402
 
 from ckvp_compile.bench.attention import make_inputs  # noqa: E402
+from ckvp_compile.kernels import latent_attention_triton as lat_mod  # noqa: E402
 from ckvp_compile.kernels.latent_layout import to_layout  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
     DecodeConfig,
@@ -45,7 +46,8 @@ from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
 )
 
 
-def parse_config(text: str, group: int, rank_pad: int, paired: bool) -> DecodeConfig:
+def parse_config(text: str, group: int, rank_pad: int, paired: bool, rank: int | None = None,
+                 rank_v: int | None = None) -> DecodeConfig:
     """``default`` / ``generic`` [+ JSON of DecodeConfig fields] -> the DecodeConfig it names.
 
     Raises:
@@ -53,14 +55,15 @@ def parse_config(text: str, group: int, rank_pad: int, paired: bool) -> DecodeCo
         TypeError: a field DecodeConfig does not have.
     """
     name, _, extra = text.partition("+")
-    base = {"default": lambda: default_config(group, rank_pad, paired=paired),
+    base = {"default": lambda: default_config(group, rank_pad, paired=paired, rank=rank, rank_v=rank_v),
             "generic": lambda: dataclasses.replace(DecodeConfig(), paired_tables=paired)}[name.strip()]()
     return dataclasses.replace(base, **json.loads(extra)) if extra.strip() else base
 
 
 def summarize(paths: list[str]) -> str:
-    """A markdown table of config_sweep.json files: per case, each config's ms, its ratio to the case's 'default'
-    row (below 1: faster), rel_err and registers / spills; rows that failed show their error. No GPU needed."""
+    """A markdown table of config_sweep.json files: per case, each config's ms (median over rounds), its ratio to
+    the case's 'default' row (below 1: faster; unit-major cases: to the row-major case's default when the file has
+    it), rel_err and registers / spills; rows that failed show their error. No GPU needed."""
     lines = ["| case | config | ms | vs default | rounds (ms) | timing | rel err | regs / spill B | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for path in paths:
@@ -75,7 +78,9 @@ def summarize(paths: list[str]) -> str:
         med = {key: statistics.median(x["ms"] for x in rs if x.get("ms") is not None)
                for key, rs in groups.items() if any(x.get("ms") is not None for x in rs)}
         for (case, config), rs in groups.items():
-            ms, b = med.get((case, config)), med.get((case, "default"))
+            # unit-major rows against the row-major default of the same shape (the layout's effect), when present
+            ms = med.get((case, config))
+            b = med.get((case.replace(" unit-major", ""), "default")) or med.get((case, "default"))
             ratio = f"{ms / b:.2f}" if ms and b else "-"
             errs = [x["rel_err"] for x in rs if x.get("rel_err") is not None]
             err = f"{max(errs):.1e}" if errs else "-"
@@ -125,13 +130,15 @@ def main() -> None:
                            rank_v=rank_v)
         if layout == "unit-major":  # same values, each byte column contiguous over the slots
             args = (args[0], to_layout(args[1], layout), to_layout(args[2], layout), *args[3:])
+            # this run is the GPU check of strided latents: every row's rel_err against the reference
+            lat_mod.STRIDED_LATENTS_GPU_CHECKED = True
         want = None if a.ncu else lag.ref_chunked(args, 2)
         rank_pad = max(16, 1 << (rank - 1).bit_length())
         for rnd, text in [(i, c) for i in range(max(1, a.rounds)) for c in a.configs.split(";")]:
             row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text,
                    "round": rnd, "layout": layout}
             try:
-                cfg = parse_config(text, h // hkv, rank_pad, a.paired)
+                cfg = parse_config(text, h // hkv, rank_pad, a.paired, rank, rank_v)  # as the launcher chooses
                 if a.ncu:  # two launches, the second one profiled
                     latent_attention_triton(*args, config=cfg)
                     latent_attention_triton(*args, config=cfg)

@@ -29,7 +29,8 @@ Triton versions and this command. A case passes when all of these hold:
 - nothing else was written.
 
 Flip a flag (``APPEND_GPU_CHECKED``, ``APPEND_PAGED_GPU_CHECKED``, ``APPEND_ONLINE_GPU_CHECKED``,
-``APPEND_FP8_GPU_CHECKED``) only after all its cases pass.
+``APPEND_FP8_GPU_CHECKED``, ``APPEND_STRIDED_GPU_CHECKED``: the unit-major cases write into a unit-major latent,
+``kernels.latent_layout``) only after all its cases pass.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ CASES = (
     ("online bases, paged", 4, 8, 128, torch.bfloat16, "online", 16, "APPEND_ONLINE_GPU_CHECKED"),
     ("fp8 e4m3 bases", 8, 1, 128, torch.bfloat16, "e4m3", 0, "APPEND_FP8_GPU_CHECKED"),
     ("fp8 e5m2 bases", 8, 1, 128, torch.bfloat16, "e5m2", 0, "APPEND_FP8_GPU_CHECKED"),
+    ("unit-major latent", 8, 1, 128, torch.bfloat16, "shared", 0, "APPEND_STRIDED_GPU_CHECKED"),
+    ("unit-major latent, prefill chunk", 1, 512, 128, torch.bfloat16, "shared", 0, "APPEND_STRIDED_GPU_CHECKED"),
+    ("unit-major paged pool", 8, 1, 128, torch.bfloat16, "shared", 16, "APPEND_STRIDED_GPU_CHECKED"),
 )
 
 
@@ -70,6 +74,7 @@ def main() -> None:
     from ckvp_compile.kernels import latent_quant_triton as lq
     from ckvp_compile.kernels import reference as ref
     from ckvp_compile.kernels.latent_format import parse_latent_format
+    from ckvp_compile.kernels.latent_layout import to_layout
     from ckvp_compile.ops import register_all
     from ckvp_compile.ops.latent_attention_cuda import latent_append_cuda
 
@@ -119,6 +124,8 @@ def main() -> None:
                 want = torch.full(shape, 7, dtype=torch.uint8, device=dev)
                 ref.latent_append_ref(want, x, basis, off, slots, fmt, table)  # the unfused path's math
                 got = torch.full_like(want, 7)
+                if flag == "APPEND_STRIDED_GPU_CHECKED":  # the same values, stored unit-major
+                    got = to_layout(got, "unit-major")
                 lq.latent_append_triton(got, x, basis, off, slots, fmt, table)
                 if not a.small:
                     torch.cuda.synchronize()

@@ -101,6 +101,10 @@ _BASIS_DTYPES = _FLOATS + BASIS_BF16_EXACT[1:]
 #: them go to the reference; a new input kind gets its own flag, False until a GPU run checks it.
 FP8_BASES_GPU_CHECKED = True
 MIX_GPU_CHECKED = True
+#: Latents whose row units are strided (the unit-major layout, :mod:`.latent_layout`): equal to the row-major results
+#: under the interpreter (tests/kernels); not yet checked on a GPU (``benchmarks/config_sweep_gpu.py`` cases ending
+#: in ``:u`` compare each call with the reference there), so CUDA calls with them go to the reference.
+STRIDED_LATENTS_GPU_CHECKED = False
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
 #: MAX_ROTATED_RANK: widest padded key rank DecodeConfig.rotate_basis applies to (its (rank, D/2) coefficient
 #: blocks stay on chip across the tile loop; at 128, paired, the key pass spills 54 registers and is still 1.4x
@@ -236,13 +240,14 @@ class DecodeConfig:
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
-                   rank: int | None = None) -> DecodeConfig:
+                   rank: int | None = None, rank_v: int | None = None) -> DecodeConfig:
     """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
 
     ``paired``: the call's cos / sin tables are declared paired (:func:`declare_paired_tables`): ``paired_tables``
     on, and the rotated basis up to :data:`MAX_ROTATED_RANK` instead of 32. ``rank``: the call's largest key rank
-    before padding (None: ``rank_pad``); it sizes the grouped key pass's head groups.
+    before padding (None: ``rank_pad``); it sizes the grouped key pass's head groups. ``rank_v``: the largest value
+    rank (None: as the keys); the value pass's tiles and pipelining follow it.
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
@@ -283,9 +288,12 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # CUDA-graph replays of one call, batch 8, 32k, int4/32 (benchmarks/results/2026-12-01-defaults-h200):
         # up to rank 32, 64-slot value tiles (0.90-0.92x) and a 3-stage pipelined key-pass loop (0.86-0.96x);
         # at ranks 65-128 a 2-stage value loop (rank 96: 0.92x; rank 64 lost 6% with it, so not below 65)
+        v_pad = rank_pad if rank_v is None else max(16, _np2(rank_v))  # measured at equal key and value ranks
         if rank_pad <= 32:
-            cfg = dataclasses.replace(cfg, block_n_v=64, loop_stages=3)
-        elif rank_pad == 128:
+            cfg = dataclasses.replace(cfg, loop_stages=3)
+        if v_pad <= 32:
+            cfg = dataclasses.replace(cfg, block_n_v=64)
+        elif v_pad == 128:
             cfg = dataclasses.replace(cfg, loop_stages_v=2)
     else:
         # G > 1 up to rank 128 (Mixtral's 32:8 at ckvp-16: key ranks 95-101): the one-pass kernel. Mixtral-8x7B
@@ -1613,6 +1621,12 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
             return f"{name} {fmt!r} (uniform int8/int4/int2, mxint8/mxint4 and mix formats only)"
         if not f.quantized and lat.dtype not in _FLOATS:
             return f"{name} 'float' with latent dtype {lat.dtype}"
+        if lat.stride(-1) != 1:
+            if q.is_cuda and not STRIDED_LATENTS_GPU_CHECKED:
+                return (f"{name[0]} latent with strided row units {tuple(lat.stride())} (e.g. unit-major; not yet "
+                        "checked on a GPU: STRIDED_LATENTS_GPU_CHECKED)")
+            if (lat.shape[-1] - 1) * lat.stride(-1) >= 2**31:  # unit offsets are int32 in the kernels
+                return f"{name[0]} latent whose unit offsets pass 2**31 (strides {tuple(lat.stride())})"
     for name, t in (("q", q), ("new_k", new_k)):
         if t.dtype not in _FLOATS:
             return f"{name} dtype {t.dtype}"
@@ -2004,7 +2018,7 @@ def _launch(
         paired = rope_form == "complex" or (rope_form in ("rotate_half", "interleaved")
                                             and paired_tables_declared(cos_table, sin_table))
         config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired,
-                                rank=basis_k_block.shape[-1])
+                                rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1])
     cfg = config
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)

@@ -58,7 +58,8 @@ def empty_latent(rows: Sequence[int], width: int, layout: str, dtype: torch.dtyp
 
 
 def to_layout(latent: torch.Tensor, layout: str) -> torch.Tensor:
-    """A copy of ``latent`` (..., rows, W) with the same values stored in ``layout``.
+    """A copy of ``latent`` (..., rows, W) with the same values stored in ``layout`` (always a new tensor: writes to
+    it never reach ``latent``).
 
     Raises:
         ValueError: an unknown layout or a tensor of fewer than 2 dims.
@@ -67,8 +68,8 @@ def to_layout(latent: torch.Tensor, layout: str) -> torch.Tensor:
     if latent.dim() < 2:
         raise ValueError(f"a latent cache is (..., rows, W), got shape {tuple(latent.shape)}")
     if layout == "row-major":
-        return latent.contiguous()
-    return latent.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return latent.clone(memory_format=torch.contiguous_format)
+    return latent.transpose(-1, -2).clone(memory_format=torch.contiguous_format).transpose(-1, -2)
 
 
 def layout_of(latent: torch.Tensor) -> str | None:

@@ -99,6 +99,7 @@ from .device_cache import check_not_capturing
 from .latent_format import LatentFormat, parse_latent_format
 
 __all__ = ["APPEND_FP8_GPU_CHECKED", "APPEND_GPU_CHECKED", "APPEND_ONLINE_GPU_CHECKED", "APPEND_PAGED_GPU_CHECKED",
+           "APPEND_STRIDED_GPU_CHECKED",
            "GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "append_fusable", "append_gpu_checked",
            "dequantize_latent_triton", "format_family", "latent_append_triton", "quantize_latent_triton",
            "unsupported_reason", "use_triton"]
@@ -124,6 +125,10 @@ APPEND_GPU_CHECKED = True
 APPEND_PAGED_GPU_CHECKED = True
 APPEND_ONLINE_GPU_CHECKED = True
 APPEND_FP8_GPU_CHECKED = True
+#: Latents whose units are not contiguous within a row (the unit-major layout, :mod:`.latent_layout`): the fused
+#: append writes them at their strides, bit-equal to the reference under the interpreter; not yet run on a GPU
+#: (``benchmarks/latent_append_gpu.py``'s unit-major cases decide), so CUDA takes the unfused path for them.
+APPEND_STRIDED_GPU_CHECKED = False
 #: Code bytes per ``_tern_pack_kernel`` program (power of two; 64 bytes = 320 coordinates covers a head of rank
 #: <= 320 in one program; raise it for larger heads to launch fewer programs, at more registers per program).
 TERN_TILE_BYTES = 64
@@ -489,6 +494,8 @@ def append_fusable(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor) -
     interpreter)."""
     if latent.dim() != 3 or min(latent.stride()) < 1:
         return f"the latent is not (rows..., W) at positive strides (strides {tuple(latent.stride())})"
+    if (latent.shape[-1] - 1) * latent.stride(-1) >= 2**31:  # the kernel's unit offsets are int32
+        return f"the latent's unit offsets pass 2**31 (strides {tuple(latent.stride())})"
     if x.dtype not in APPEND_X_DTYPES:
         return f"x is {x.dtype}"
     if basis.dtype == torch.float8_e4m3fn:
@@ -499,11 +506,15 @@ def append_fusable(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor) -
     return ""
 
 
-def append_gpu_checked(basis: torch.Tensor, page_table: torch.Tensor | None) -> bool:
+def append_gpu_checked(basis: torch.Tensor, page_table: torch.Tensor | None,
+                       latent: torch.Tensor | None = None) -> bool:
     """Whether a CUDA ``ckvp::latent_append`` of these inputs may take :func:`latent_append_triton`: the kinds a
     GPU run has checked (:data:`APPEND_GPU_CHECKED`, :data:`APPEND_PAGED_GPU_CHECKED`,
-    :data:`APPEND_ONLINE_GPU_CHECKED`, :data:`APPEND_FP8_GPU_CHECKED`)."""
+    :data:`APPEND_ONLINE_GPU_CHECKED`, :data:`APPEND_FP8_GPU_CHECKED`, and for a ``latent`` whose row units are
+    strided, e.g. unit-major, :data:`APPEND_STRIDED_GPU_CHECKED`)."""
     if not APPEND_GPU_CHECKED:
+        return False
+    if latent is not None and latent.stride(-1) != 1 and not APPEND_STRIDED_GPU_CHECKED:
         return False
     if page_table is not None and not APPEND_PAGED_GPU_CHECKED:
         return False

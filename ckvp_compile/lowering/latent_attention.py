@@ -191,6 +191,10 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
         return f"attn_mask dtype {attn_mask.get_dtype()}"
     if rope_form not in lat._ROPE_CODE:
         return f"rope_form {rope_form!r}"
+    strides = _static_ints(*latent_k.get_stride())
+    if strides is None or strides[-1] != 1:  # the template's inputs are made contiguous: a full copy per call
+        return ("latent_k is not row-major (e.g. unit-major, kernels.latent_layout): the plain kernel reads it at its "
+                "strides, the template would copy it")
     return None
 
 

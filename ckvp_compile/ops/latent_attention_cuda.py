@@ -135,8 +135,8 @@ def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     formats take :func:`~ckvp_compile.kernels.latent_quant_triton.latent_append_triton` instead (projection,
     quantization and store fused in one launch) for the input kinds a GPU run checked
     (:func:`~ckvp_compile.kernels.latent_quant_triton.append_gpu_checked`) where it loads the tensors
-    (:func:`~ckvp_compile.kernels.latent_quant_triton.append_fusable`: a unit-stride latent row, fp16 / bf16 / fp32
-    x, and a basis dtype it reads). On a GPU a slot outside the cache is not written by the fused kernel (the
+    (:func:`~ckvp_compile.kernels.latent_quant_triton.append_fusable`: a latent at positive strides, fp16 / bf16 /
+    fp32 x, and a basis dtype it reads). On a GPU a slot outside the cache is not written by the fused kernel (the
     unfused path's indexing raised a device-side assert); the RoPE table update of the same graph still reports it.
 
     Raises:
@@ -145,7 +145,7 @@ def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     """
     latent_kv._check_latent_append(latent, x, basis, offsets, slots, fmt, page_table)
     use = lq.use_triton(fmt, latent.device)
-    if (use and lq.format_family(fmt) in ("int", "mix") and lq.append_gpu_checked(basis, page_table)
+    if (use and lq.format_family(fmt) in ("int", "mix") and lq.append_gpu_checked(basis, page_table, latent)
             and not lq.append_fusable(latent, x, basis)):  # one fused launch per bit width
         lq.latent_append_triton(latent, x, basis, offsets, slots, fmt, page_table)
         return

@@ -159,9 +159,9 @@ def _logical_dims(op: str, name: str, latent: torch.Tensor, page_table: torch.Te
                   f"but got {_shape(latent)}")
     if layout_of(latent) is None:  # pages are addressed as blocks of the whole pool
         _fail(op, f"a paged {name} must be a page pool (N_pages + 1, P, W) stored row-major (contiguous) or "
-                  f"unit-major (kernels.latent_layout), but got strides {tuple(latent.stride())}; pass "
-                  f"kernels.latent_layout.to_layout({name}, 'row-major') (a copy) or allocate the pool with "
-                  f"kernels.latent_layout.empty_latent")
+                  f"unit-major, but got strides {tuple(latent.stride())}; allocate the pool with "
+                  f"kernels.latent_layout.empty_latent (a copy made by to_layout serves reads only: writes to it "
+                  f"do not reach the original)")
     _expect_same_device(op, **{name: latent, "page_table": page_table})
     return page_table.shape[0], page_table.shape[1] * latent.shape[1]
 
@@ -357,7 +357,8 @@ def latent_append(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tensor, of
         slots: (S,) int32|int64, distinct cache slots < S_max.
         fmt: the latent's storage format ('float', 'int8/32', 'int4/32', 'int2/32', ...).
         page_table: None, or (B, S_max / P) int32|int64 for a paged latent: ``latent`` is then a page pool
-            (N_pages + 1, P, W), contiguous, and slot t of sequence b is row ``t % P`` of page
+            (N_pages + 1, P, W), row- or unit-major (:mod:`~ckvp_compile.kernels.latent_layout`), and slot t of
+            sequence b is row ``t % P`` of page
             ``page_table[b, t // P]`` (-1: unmapped); entries are distinct pages below the last one (the trash
             page). Writing an unmapped slot is an error: raised for host tensors; on a GPU (no check without a
             sync) the write lands in the trash page and is lost. See kernels/reference.py.

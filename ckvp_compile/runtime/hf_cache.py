@@ -164,7 +164,7 @@ def _formats(latent_format: str | tuple[str, str]) -> tuple[str, str]:
 def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tuple[str, str] = "auto",
                      latent_dtype: torch.dtype | None = None,
                      basis_dtype: torch.dtype | None = None, recent_window: int = 0, page_size: int = 0,
-                     num_pages: int | None = None) -> LatentKVStore:
+                     num_pages: int | None = None, latent_layout: str = "row-major") -> LatentKVStore:
     """Replace a gpt-fast-style model's per-layer ``k_cache`` / ``v_cache`` buffers by latent-store phantoms.
 
     Call after the model's ``setup_caches(max_batch_size, max_seq_length)``. Buffers are found as pairs of
@@ -174,7 +174,7 @@ def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tu
     Args:
         model: the model (its caches already set up).
         bases: :class:`~ckvp_compile.latent.LatentBases` calibrated for it.
-        latent_format, latent_dtype, basis_dtype, recent_window, page_size, num_pages: as for
+        latent_format, latent_dtype, basis_dtype, recent_window, page_size, num_pages, latent_layout: as for
             :class:`CKVPStaticCache` (a paged store's pages are mapped by the backend before each call, from the
             model's ``input_pos``).
     Returns:
@@ -192,7 +192,7 @@ def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tu
     _check_bases(bases, len(caches), hkv, d)
     store = LatentKVStore(bases, b, s, caches[0].k_cache.device, caches[0].k_cache.dtype, *_formats(latent_format),
                           latent_dtype, basis_dtype, recent_window=recent_window, page_size=page_size,
-                          num_pages=num_pages)
+                          num_pages=num_pages, latent_layout=latent_layout)
     for i, m in enumerate(caches):
         m.k_cache = store.phantom(i, "k")
         m.v_cache = store.phantom(i, "v")

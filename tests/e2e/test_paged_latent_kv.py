@@ -106,7 +106,7 @@ def test_paged_equals_unpaged_and_maps_pages_on_demand(model_and_bases, page_siz
                                                      ("inductor", 4, "int4")])
 def test_unit_major_latents_equal_row_major(model_and_bases, compiler, page_size, fmt):
     """``latent_layout="unit-major"`` (kernels.latent_layout) changes the latents' strides only: the logits of the
-    row-major unpaged cache, paged or not, and the compiled graphs copy no latent (the ops write it in place)."""
+    row-major unpaged cache, paged or not, with aot_eager and Inductor, and no graph falls back."""
     model, bases = model_and_bases
     ids = _ids()
     want = _reference(model, bases, ids, fmt, compiler)
@@ -215,10 +215,11 @@ def test_gpt_fast_paged_equals_unpaged():
     ids = torch.randint(0, 256, (1, PROMPT))
     stores = []
 
-    def compile_latent(page_size):
+    def compile_latent(page_size, layout="row-major"):
         def fn(m):
             torch._dynamo.reset()
-            stores.append(use_latent_cache(m, bases, latent_format="int4", page_size=page_size))
+            stores.append(use_latent_cache(m, bases, latent_format="int4", page_size=page_size,
+                                           latent_layout=layout))
             return torch.compile(m, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
         return fn
 
@@ -226,6 +227,11 @@ def test_gpt_fast_paged_equals_unpaged():
     got = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE, compile_fn=compile_latent(4))
     _assert_equal(got, want)
     assert stores[-1].mapped_pages == -(-(PROMPT + N_DECODE) // 4)  # from input_pos, on demand
+    # unit-major latents (kernels.latent_layout), paged: the same logits
+    got = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE,
+                                compile_fn=compile_latent(4, "unit-major"))
+    assert stores[-1].latent_layout == "unit-major"
+    _assert_equal(got, want)
 
 
 def test_generate_with_prompts_of_several_lengths_maps_pages_on_demand(model_and_bases):

@@ -660,6 +660,12 @@ def test_default_config_tiles_and_pipelining_follow_the_graph_replay_sweep():
     assert (wide.block_n_v, wide.loop_stages, wide.loop_stages_v) == (32, None, 2)
     assert lat.default_config(1, 64, paired=True).loop_stages_v is None
     assert lat.default_config(4, 128).loop_stages == 3 and lat.default_config(4, 256).loop_stages is None
+    # the value pass follows the value rank: keys 32 / values 96 keep 32-slot value tiles, keys 64 / values 128
+    # take the 2-stage value loop, keys 128 / values 8 the 64-slot tiles
+    assert lat.default_config(1, 32, paired=True, rank=32, rank_v=96).block_n_v == 32
+    assert lat.default_config(1, 64, paired=True, rank=64, rank_v=128).loop_stages_v == 2
+    wide_k = lat.default_config(1, 128, paired=True, rank=96, rank_v=8)
+    assert (wide_k.block_n_v, wide_k.loop_stages_v) == (64, None)
 
 
 def test_head_group_window_covers_each_group_and_refuses_wide_heads():

@@ -63,3 +63,29 @@ def test_a_unit_major_store_holds_unit_major_latents_and_refuses_unknown_layouts
                                                page_size=page_size).layout()  # graphs compiled per layout
     with pytest.raises(CKVPConfigError, match="latent_layout must be one of"):
         LatentKVStore(bases, 2, 16, "cpu", torch.float32, latent_layout="columns")
+
+
+def test_kernels_refuse_strided_latents_whose_offsets_pass_int32(monkeypatch):
+    """The kernels index a row's units with int32 offsets: a strided latent (unit-major) whose last unit lies at
+    2**31 elements or more is refused (attention: the reference serves it; append: the unfused path), a smaller one
+    is accepted. Meta tensors stand in for the huge latents (only shapes and strides are read)."""
+    pytest.importorskip("triton")
+    from ckvp_compile.bench.attention import make_inputs
+    from ckvp_compile.kernels import latent_attention_triton as lat
+    from ckvp_compile.kernels import latent_quant_triton as lq
+
+    monkeypatch.setattr(lat, "_interpreting", lambda: True)
+    args = list(make_inputs(1, 16, "int4/32", 8, heads=(2, 2), head_dim=16, group=1, dev="cpu"))
+    width = args[1].shape[-1]
+    big = torch.empty_strided((1, 16, width), (1, 1, 2**31 // (width - 1) + 1), dtype=torch.uint8, device="meta")
+    ok = torch.empty_strided((1, 16, width), (16 * width, 1, 16), dtype=torch.uint8, device="meta")
+
+    def reason(lk):
+        return lat.unsupported_reason(args[0], lk, args[2], args[3], args[4], args[10], None, args[7], args[12],
+                                      "int4/32", "int4/32")
+
+    assert reason(ok) is None
+    assert "2**31" in reason(big)
+    x, basis = torch.zeros(1, 2, 1, 16), torch.zeros(2, 16, 8)
+    assert lq.append_fusable(ok, x, basis) == ""
+    assert "2**31" in lq.append_fusable(big, x, basis)

@@ -385,7 +385,8 @@ if __name__ == "__main__":
 
 def test_fused_append_takes_only_gpu_checked_input_kinds(monkeypatch):
     """CUDA's ckvp::latent_append fuses only the input kinds a GPU run checked, each behind its own flag: paged
-    pools, per-sequence bases and fp8 bases (all checked on the H200), and the fused append as a whole."""
+    pools, per-sequence bases and fp8 bases (all checked on the H200), unit-major latents (not yet), and the fused
+    append as a whole."""
     pytest.importorskip("triton")
     import torch
 
@@ -401,5 +402,13 @@ def test_fused_append_takes_only_gpu_checked_input_kinds(monkeypatch):
         assert not lq.append_gpu_checked(*args), flag
         assert lq.append_gpu_checked(shared, None), flag
         monkeypatch.setattr(lq, flag, True)
+    # a unit-major latent (strided row units): not yet run on a GPU, so the unfused path until its flag is set
+    from ckvp_compile.kernels.latent_layout import empty_latent
+
+    unit, row = (empty_latent((2, 8), 12, lay, torch.uint8, "cpu") for lay in ("unit-major", "row-major"))
+    assert lq.append_gpu_checked(shared, None, row)
+    assert lq.append_gpu_checked(shared, None, unit) == lq.APPEND_STRIDED_GPU_CHECKED
+    monkeypatch.setattr(lq, "APPEND_STRIDED_GPU_CHECKED", True)
+    assert lq.append_gpu_checked(shared, table, unit)
     monkeypatch.setattr(lq, "APPEND_GPU_CHECKED", False)
     assert not lq.append_gpu_checked(shared, None)

@@ -87,8 +87,12 @@ def _run(n_examples: int) -> None:
         for r in ranks:
             for paired in (False, True):
                 rp = max(16, 1 << (r - 1).bit_length())
-                case = dict(fixed, heads=heads, k_ranks=[r] * heads[1], v_ranks=[r] * heads[1])
-                _compile(case, default_config(heads[0] // heads[1], rp, paired=paired, rank=r), fits=True)
+                # batch 8 at 16k slots: enough programs that the grouped key pass launches (as at batch 8, 32k)
+                case = dict(fixed, b=8, t=16384, heads=heads, k_ranks=[r] * heads[1], v_ranks=[r] * heads[1])
+                names = [k.name for k in _compile(case, default_config(heads[0] // heads[1], rp, paired=paired,
+                                                                       rank=r), fits=True)]
+                grouped = heads[0] == heads[1] and paired and r <= 32
+                assert ("grouped key pass" in names) == grouped, (heads, r, paired, names)
     # rank-0 heads and mix bit plans (whose head table holds pieces, not ranks), with the rank-chunk loop
     mix = dict(b=2, t=256, heads=(4, 2), d=128, k_ranks=[64, 40], v_ranks=[7, 9],
                kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1", page=0, seed=1)

@@ -61,6 +61,38 @@ def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(
     assert plain_kernel_preferred(32, 8, 96) is None
 
 
+def test_the_template_refuses_latents_it_would_copy():
+    """The template's inputs are made contiguous, so a unit-major latent (kernels.latent_layout) would be copied
+    whole on every call: it is refused (the plain kernel reads the latent at its strides); a row-major one is not.
+    Stand-in IR nodes: the refusal reads only devices, sizes, strides and dtypes."""
+    pytest.importorskip("triton")
+    from ckvp_compile.lowering.latent_attention import template_refusal
+
+    class Node:
+        def __init__(self, size, stride=None, dtype=torch.bfloat16):
+            self.size, self.stride, self.dtype = size, stride, dtype
+
+        def get_device(self):
+            return torch.device("cuda", 0)
+
+        def get_size(self):
+            return self.size
+
+        def get_stride(self):
+            return self.stride
+
+        def get_dtype(self):
+            return self.dtype
+
+    b, s_max, width, hkv, d, r = 2, 64, 20, 2, 16, 8
+    q, basis = Node((b, 4, 1, d)), Node((hkv, d, r))
+    offsets, args = [0, r, 2 * r], ("rotate_half", None, s_max, "int4/32")
+    row = Node((b, s_max, width), (s_max * width, width, 1), torch.uint8)
+    unit = Node((b, s_max, width), (s_max * width, 1, s_max), torch.uint8)
+    assert template_refusal(q, row, basis, offsets, *args) is None
+    assert "unit-major" in template_refusal(q, unit, basis, offsets, *args)
+
+
 @pytest.mark.parametrize("mask", [None, "bool", "add"])
 def test_cpu_inductor_keeps_the_ops_as_exact_extern_calls(mask):
     pytest.importorskip("triton")
