@@ -4,10 +4,12 @@
 #   bash benchmarks/kernel_sweep_gpu.sh OUT_DIR STEP
 #
 # STEP (expected wall time on an H200, compile included):
-#   layout   one call per (layer shape, latent layout), default config, CUDA-graph replays in 2 interleaved rounds
-#            (config_sweep_gpu.py), each checked against the reference: row-major against unit-major latents
-#            (kernels.latent_layout; case suffix ':u') at Qwen1.5-MoE's narrow (rank 8, 16, 32) and wide (96)
-#            16:16 layers and Mixtral's 32:8 rank-96 layer, batch 8, 32k                               (~2 min)
+#   layout   the GPU checks of unit-major latents (kernels.latent_layout): latent_append_gpu.py (the fused append,
+#            flag APPEND_STRIDED_GPU_CHECKED) and one call per (layer shape, layout), default config, CUDA-graph
+#            replays in 2 interleaved rounds (config_sweep_gpu.py; case suffix ':u'), each checked against the
+#            reference (flag STRIDED_LATENTS_GPU_CHECKED), at Qwen1.5-MoE's narrow (rank 8, 16, 32) and wide (96)
+#            16:16 layers and Mixtral's 32:8 rank-96 layer, batch 8, 32k. Set the two flags in the tree if they
+#            pass; the qwen / mixtral steps' unit-major rows run only then                              (~3 min)
 #   qwen     Qwen1.5-MoE decode, all 24 layers, --group-size 1, batch 8, 32k: Inductor and ckvp-16 row-major, then
 #            ckvp-16 with --latent-layout unit-major (rows "ckvp-16:reduce-overhead unit-major")       (~5 min)
 #   mixtral  Mixtral-8x7B decode, 8 of 32 layers, batch 8, 32k: Inductor, ckvp-16 both layouts      (~3 min)
@@ -28,17 +30,28 @@ sweep() {
   timeout "$4" python3 benchmarks/config_sweep_gpu.py --paired --rounds 2 --out "$out/$step-$1" --cases "$2" --configs "$3"
 }
 decode() { python3 -m ckvp_compile.bench.cli decode "$@"; }
+# unit-major decode rows only once the layout step's checks passed and their flags are set in the tree (until then
+# CUDA would send those latents to the reference path)
+checked() {
+  python3 -c "import ckvp_compile.kernels.latent_attention_triton as a, ckvp_compile.kernels.latent_quant_triton as q
+raise SystemExit(0 if a.STRIDED_LATENTS_GPU_CHECKED and q.APPEND_STRIDED_GPU_CHECKED else 1)" \
+    || { echo "unit-major rows skipped: set STRIDED_LATENTS_GPU_CHECKED / APPEND_STRIDED_GPU_CHECKED after the layout step"; false; }
+}
 case "$step" in
   layout)
+    # the GPU checks of unit-major latents: the fused append (its unit-major cases) and every sweep row's rel_err
+    timeout 150 python3 benchmarks/latent_append_gpu.py --out "$out/layout-append" | tail -n 7
     sweep layout 16:16:8:32768:8,16:16:8:32768:8:u,16:16:8:32768:16,16:16:8:32768:16:u,16:16:8:32768:32,16:16:8:32768:32:u,16:16:8:32768:96,16:16:8:32768:96:u,32:8:8:32768:96,32:8:8:32768:96:u default 280 ;;
   qwen)
     q=(--shape qwen-moe-a2.7b --group-size 1 --batch 8 --context 32768 --steps 20 --profile-steps 2 --budget-s 150)
     decode "${q[@]}" --systems inductor-reduce-overhead ckvp-16:reduce-overhead --json "$out/qwen-b8-32k.json"
-    decode "${q[@]}" --systems ckvp-16:reduce-overhead --latent-layout unit-major --json "$out/qwen-b8-32k-um.json" ;;
+    checked && decode "${q[@]}" --systems ckvp-16:reduce-overhead --latent-layout unit-major \
+        --json "$out/qwen-b8-32k-um.json" ;;
   mixtral)
     m=(--shape mixtral-8x7b --layers 8 --batch 8 --context 32768 --steps 10 --budget-s 150)
     decode "${m[@]}" --systems inductor-reduce-overhead ckvp-16:reduce-overhead --json "$out/mixtral-b8-32k.json"
-    decode "${m[@]}" --systems ckvp-16:reduce-overhead --latent-layout unit-major --json "$out/mixtral-b8-32k-um.json" ;;
+    checked && decode "${m[@]}" --systems ckvp-16:reduce-overhead --latent-layout unit-major \
+        --json "$out/mixtral-b8-32k-um.json" ;;
   maxbatch)
     l=(--latent-layout "${LAYOUT:-row-major}" --systems ckvp-16:reduce-overhead --batch max --context 32768
        --max-batch-tries 2 --steps 10)
