@@ -41,7 +41,29 @@ case "$step" in
   layout)
     # the GPU checks of unit-major latents: the fused append (its unit-major cases) and every sweep row's rel_err
     timeout 150 python3 benchmarks/latent_append_gpu.py --out "$out/layout-append" | tail -n 7
-    sweep layout 16:16:8:32768:8,16:16:8:32768:8:u,16:16:8:32768:16,16:16:8:32768:16:u,16:16:8:32768:32,16:16:8:32768:32:u,16:16:8:32768:96,16:16:8:32768:96:u,32:8:8:32768:96,32:8:8:32768:96:u default 280 ;;
+    sweep layout 16:16:8:32768:8,16:16:8:32768:8:u,16:16:8:32768:16,16:16:8:32768:16:u,16:16:8:32768:32,16:16:8:32768:32:u,16:16:8:32768:96,16:16:8:32768:96:u,32:8:8:32768:96,32:8:8:32768:96:u default 280
+    # the verdict: LAYOUT_PASS written when the append's unit-major cases passed and every unit-major row ran with
+    # the row-major row's error (same arithmetic, other strides) within 1e-3
+    python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+ok = json.load(open(f"{out}/layout-append/latent_append.json"))["flags_passed"].get("APPEND_STRIDED_GPU_CHECKED", False)
+rows = json.load(open(f"{out}/layout-layout/config_sweep.json"))["rows"]
+key = lambda r: (r["heads"], r["rank"], r["rank_v"], r["round"])
+rm = {key(r): r for r in rows if r["layout"] == "row-major"}
+um = [r for r in rows if r["layout"] == "unit-major"]
+for r in um:
+    base = rm.get(key(r), {})
+    good = "error" not in r and r.get("rel_err") is not None and r["rel_err"] <= 1e-3 \
+        and r["rel_err"] <= 1.05 * base.get("rel_err", 1.0) + 1e-6
+    print("unit-major", key(r), r.get("rel_err"), "row-major", base.get("rel_err"), "ok" if good else "FAILED")
+    ok = ok and good
+ok = ok and len(um) == 10
+print("LAYOUT_PASS" if ok else "layout checks failed")
+if ok:
+    open(f"{out}/LAYOUT_PASS", "w").write("1\n")
+PY
+    ;;
   qwen)
     q=(--shape qwen-moe-a2.7b --group-size 1 --batch 8 --context 32768 --steps 20 --profile-steps 2 --budget-s 150)
     decode "${q[@]}" --systems inductor-reduce-overhead ckvp-16:reduce-overhead --json "$out/qwen-b8-32k.json"
