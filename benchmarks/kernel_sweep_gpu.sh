@@ -15,6 +15,8 @@
 #   mixtral  Mixtral-8x7B decode, 8 of 32 layers, batch 8, 32k: Inductor, ckvp-16 both layouts      (~3 min)
 #   maxbatch the largest batch at 32k, ckvp-16 with the current defaults, both shapes ($LAYOUT: row-major
 #            unless set)                                                                               (~5 min)
+#   largebatch  knobs at batch 64 (fp16 rebuilds, warps), Mixtral's largest batch with the pick          (~3 min)
+#   programs the key pass's grid size (target_programs) at Qwen's layer shapes, Qwen batch 8, 32k     (~8 min)
 #   layers-2026-12-01  the 2026-12-01 per-call knob sweep that chose today's defaults (launch-timed then; now graph replays)
 #
 # Paired tables throughout (a compiled HF model declares them). Each step writes OUT_DIR/<step>*.json; a sweep's
@@ -109,6 +111,34 @@ PY
       CKVP_DECODE_CONFIG="$pick" timeout 200 python3 -m ckvp_compile.bench.cli decode --shape mixtral-8x7b \
         --layers 8 --systems ckvp-16:reduce-overhead --batch max --context 32768 --max-batch-tries 2 --steps 10 \
         --json "$out/mixtral-max-picked.json"
+    fi ;;
+  programs)
+    # the key pass's grid: target_programs (264 = 2 programs per SM, sized for the per-head pass's 137 registers)
+    # against more, for Qwen1.5-MoE's layer shapes at batch 8 (and the narrow one at 64); then the Qwen decode step,
+    # batch 8, 32k: Inductor, ckvp-16 default and ckvp-16 with the pick (CKVP_DECODE_CONFIG)
+    sweep tp 16:16:8:32768:8,16:16:8:32768:16,16:16:8:32768:32,16:16:8:32768:128,16:16:64:32768:16 'default;default+{"target_programs": 528};default+{"target_programs": 792};default+{"target_programs": 1056}' 240
+    python3 - "$out" <<'PY' > "$out/tp-pick.txt"
+import json, statistics, sys
+rows = json.load(open(f"{sys.argv[1]}/programs-tp/config_sweep.json"))["rows"]
+weight = {8: 8, 16: 9, 32: 3, 128: 4}  # Qwen1.5-MoE's layers at ckvp-16, G = 1, by padded key rank
+ms = {}
+for r in rows:
+    if r["batch"] == 8 and "error" not in r and r.get("ms") and (r.get("rel_err") or 1) <= 1e-3:
+        ms.setdefault(r["config"], {}).setdefault(r["rank"], []).append(r["ms"])
+tot = {c: sum(weight[k] * statistics.median(v) for k, v in d.items()) for c, d in ms.items() if len(d) == 4}
+best = min(tot, key=tot.get)
+gain = tot[best] / tot["default"]
+fields = json.dumps(json.loads(best.partition("+")[2] or "{}"), separators=(",", ":"))
+print(fields if gain < 0.97 and fields != "{}" else "default", round(gain, 3), best)
+PY
+    cat "$out/tp-pick.txt"
+    pick=$(awk '{print $1}' "$out/tp-pick.txt")
+    q=(--shape qwen-moe-a2.7b --group-size 1 --batch 8 --context 32768 --steps 20 --budget-s 150)
+    timeout 200 python3 -m ckvp_compile.bench.cli decode "${q[@]}" --systems inductor-reduce-overhead \
+        ckvp-16:reduce-overhead --json "$out/qwen-b8-32k.json"
+    if [ -n "$pick" ] && [ "$pick" != default ]; then
+      CKVP_DECODE_CONFIG="$pick" timeout 120 python3 -m ckvp_compile.bench.cli decode "${q[@]}" \
+        --systems ckvp-16:reduce-overhead --json "$out/qwen-b8-32k-picked.json"
     fi ;;
   layers-2026-12-01)
     sweep qwen-narrow 16:16:8:32768:8,16:16:8:32768:16 'default;default+{"block_n_v": 64};default+{"block_n_v": 128, "num_warps_v": 8};default+{"loop_stages_v": 3};default+{"block_n_v": 128, "num_warps_v": 8, "loop_stages_v": 3};default+{"head_group": 8};default+{"head_group": 16};default+{"loop_stages": 3}' 230

@@ -102,9 +102,10 @@ _BASIS_DTYPES = _FLOATS + BASIS_BF16_EXACT[1:]
 FP8_BASES_GPU_CHECKED = True
 MIX_GPU_CHECKED = True
 #: Latents whose row units are strided (the unit-major layout, :mod:`.latent_layout`): equal to the row-major results
-#: under the interpreter (tests/kernels); not yet checked on a GPU (``benchmarks/config_sweep_gpu.py`` cases ending
-#: in ``:u`` compare each call with the reference there), so CUDA calls with them go to the reference.
-STRIDED_LATENTS_GPU_CHECKED = False
+#: under the interpreter (tests/kernels) and on the H200 (``benchmarks/config_sweep_gpu.py`` cases ending in ``:u``,
+#: 16:16 ranks 8-96 and 32:8 rank 96 at batch 8, 32k, each call's error that of the row-major call;
+#: benchmarks/results/2026-12-01-largebatch-h200), though 1.14-1.94x slower there.
+STRIDED_LATENTS_GPU_CHECKED = True
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
 #: MAX_ROTATED_RANK: widest padded key rank DecodeConfig.rotate_basis applies to (its (rank, D/2) coefficient
 #: blocks stay on chip across the tile loop; at 128, paired, the key pass spills 54 registers and is still 1.4x
@@ -240,14 +241,17 @@ class DecodeConfig:
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
-                   rank: int | None = None, rank_v: int | None = None) -> DecodeConfig:
+                   rank: int | None = None, rank_v: int | None = None,
+                   quantized_keys: bool = False) -> DecodeConfig:
     """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
 
     ``paired``: the call's cos / sin tables are declared paired (:func:`declare_paired_tables`): ``paired_tables``
     on, and the rotated basis up to :data:`MAX_ROTATED_RANK` instead of 32. ``rank``: the call's largest key rank
     before padding (None: ``rank_pad``); it sizes the grouped key pass's head groups. ``rank_v``: the largest value
-    rank (None: as the keys); the value pass's tiles and pipelining follow it.
+    rank (None: as the keys); the value pass's tiles and pipelining follow it. ``quantized_keys``: the key latent is
+    a uniform or mixed ``int`` format (not MX, not float), whose dequantized values fp16 holds; GQA's one pass then
+    rebuilds keys with one fp16 dot (``key_fp16``).
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
@@ -260,7 +264,10 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     decode, batch 8, 32k, 18.43 -> 16.45 ms per step). Otherwise
     (e.g. Mixtral's G = 4) the generic config (the fastest of run 5), up to rank 128 in its one-pass form, which the
     decode of Mixtral-8x7B at 32k (key ranks 95-101) measured 1.36-1.9x faster than the two-pass one at batch 8-195
-    (benchmarks/results/2026-11-30-batch-slices-h200), its loop pipelined 3 stages deep.
+    (benchmarks/results/2026-11-30-batch-slices-h200), its loop pipelined 3 stages deep, and with quantized keys
+    the rebuild as one fp16 dot (``key_fp16``: the dequantized latent rounded once to fp16, 2^-11 relative, far below
+    the int codes' own step; a 32:8 rank-96 call at batch 64, 32k 9.14 -> 8.24 ms at rel err 7.6e-4 -> 9.2e-4,
+    Mixtral-8x7B's largest batch at 32k 757 -> 856 tokens/s; benchmarks/results/2026-12-01-largebatch-h200).
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
     :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}``, read by every call without an
@@ -307,7 +314,9 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         one_pass = gqa and rank_pad is not None and rank_pad <= 128
         # the one-pass loop pipelined 3 deep: 32:8 rank 96 batch 8, 32k 1.21 -> 1.18 ms per call, Mixtral-8x7B
         # decode (8 layers, batch 8, 32k) 17.10 -> 16.81 ms per step (benchmarks/results/2026-12-01-defaults-h200)
-        cfg = DecodeConfig(two_pass=not one_pass, loop_stages=3 if one_pass else None)
+        # (the fp16 rebuild: benchmarks/results/2026-12-01-largebatch-h200)
+        cfg = DecodeConfig(two_pass=not one_pass, loop_stages=3 if one_pass else None,
+                           key_fp16=one_pass and quantized_keys)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
@@ -2017,8 +2026,10 @@ def _launch(
         # the complex form's tables hold one angle per pair by layout; the others only when declared so
         paired = rope_form == "complex" or (rope_form in ("rotate_half", "interleaved")
                                             and paired_tables_declared(cos_table, sin_table))
+        kf = parse_latent_format(k_fmt)
         config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired,
-                                rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1])
+                                rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],
+                                quantized_keys=kf.quantized and not kf.pow2)
     cfg = config
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
@@ -2157,6 +2168,7 @@ def _launch(
     _LAST_LAUNCH["batch_slices"] = 1
     _LAST_LAUNCH["rot_basis"] = rot_basis
     _LAST_LAUNCH["paired_tables"] = common["PAIRED_TABLE"]
+    _LAST_LAUNCH["key_fp16"] = common["KEY_FP16"]
     _LAST_LAUNCH["n_split"] = n_split
     _LAST_LAUNCH["merge_split_block"] = split_block
     if cfg.two_pass and mode != "from_scores":

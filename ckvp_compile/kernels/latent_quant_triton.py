@@ -126,9 +126,9 @@ APPEND_PAGED_GPU_CHECKED = True
 APPEND_ONLINE_GPU_CHECKED = True
 APPEND_FP8_GPU_CHECKED = True
 #: Latents whose units are not contiguous within a row (the unit-major layout, :mod:`.latent_layout`): the fused
-#: append writes them at their strides, bit-equal to the reference under the interpreter; not yet run on a GPU
-#: (``benchmarks/latent_append_gpu.py``'s unit-major cases decide), so CUDA takes the unfused path for them.
-APPEND_STRIDED_GPU_CHECKED = False
+#: append writes them at their strides, bit-equal to the reference under the interpreter; on the H200
+#: ``benchmarks/latent_append_gpu.py``'s unit-major cases pass (benchmarks/results/2026-12-01-largebatch-h200).
+APPEND_STRIDED_GPU_CHECKED = True
 #: Code bytes per ``_tern_pack_kernel`` program (power of two; 64 bytes = 320 coordinates covers a head of rank
 #: <= 320 in one program; raise it for larger heads to launch fewer programs, at more registers per program).
 TERN_TILE_BYTES = 64
