@@ -116,7 +116,7 @@ PY
     # the key pass's grid: target_programs (264 = 2 programs per SM, sized for the per-head pass's 137 registers)
     # against more, for Qwen1.5-MoE's layer shapes at batch 8 (and the narrow one at 64); then the Qwen decode step,
     # batch 8, 32k: Inductor, ckvp-16 default and ckvp-16 with the pick (CKVP_DECODE_CONFIG)
-    sweep tp 16:16:8:32768:8,16:16:8:32768:16,16:16:8:32768:32,16:16:8:32768:128,16:16:64:32768:16 'default;default+{"target_programs": 528};default+{"target_programs": 792};default+{"target_programs": 1056}' 200
+    sweep tp 16:16:8:32768:8,16:16:8:32768:16,16:16:8:32768:32,16:16:8:32768:128,16:16:64:32768:16 'default;default+{"target_programs": 528};default+{"target_programs": 792};default+{"target_programs": 1056}' 180
     python3 - "$out" <<'PY' > "$out/tp-pick.txt"
 import json, statistics, sys
 rows = json.load(open(f"{sys.argv[1]}/programs-tp/config_sweep.json"))["rows"]
@@ -134,7 +134,7 @@ PY
     cat "$out/tp-pick.txt"
     pick=$(awk '{print $1}' "$out/tp-pick.txt")
     q=(--shape qwen-moe-a2.7b --group-size 1 --batch 8 --context 32768 --steps 20 --budget-s 150)
-    timeout 170 python3 -m ckvp_compile.bench.cli decode "${q[@]}" --systems inductor-reduce-overhead \
+    timeout 200 python3 -m ckvp_compile.bench.cli decode "${q[@]}" --systems inductor-reduce-overhead \
         ckvp-16:reduce-overhead --json "$out/qwen-b8-32k.json"
     if [ -n "$pick" ] && [ "$pick" != default ]; then
       CKVP_DECODE_CONFIG="$pick" timeout 110 python3 -m ckvp_compile.bench.cli decode "${q[@]}" \
