@@ -63,8 +63,10 @@ def parse_config(text: str, group: int, rank_pad: int, paired: bool, rank: int |
 def summarize(paths: list[str]) -> str:
     """A markdown table of config_sweep.json files: per case, each config's ms (median over rounds), its ratio to
     the case's 'default' row (below 1: faster; unit-major cases: to the row-major case's default when the file has
-    it), rel_err and registers / spills; rows that failed show their error. No GPU needed."""
-    lines = ["| case | config | ms | vs default | rounds (ms) | timing | rel err | regs / spill B | note |",
+    it), rel_err, and registers (spilled registers) of the two-pass form's key pass and of the split kernel (the
+    value pass, or the one pass); rows that failed show their error. No GPU needed."""
+    lines = ["| case | config | ms | vs default | rounds (ms) | timing | rel err | regs (spilled): key pass / split "
+             "kernel | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for path in paths:
         with open(path) as fh:
@@ -85,7 +87,9 @@ def summarize(paths: list[str]) -> str:
             errs = [x["rel_err"] for x in rs if x.get("rel_err") is not None]
             err = f"{max(errs):.1e}" if errs else "-"
             r = rs[-1]
-            regs = f"{r.get('n_regs', '-')} / {r.get('n_spills', '-')}"
+            regs = f"{r.get('n_regs', '-')} ({r.get('n_spills', '-')})"
+            if "scores_n_regs" in r:  # two-pass: the key pass (grouped or per head), then the value pass
+                regs = f"{r['scores_n_regs']} ({r.get('scores_n_spills', '-')}) / " + regs
             over = bool(errs) and max(errs) > 1e-3
             note = (next((x["error"] for x in rs if x.get("error")), ""))[:80] + (" **over 1e-3**" if over else "")
             shown = f"{ms:.4g}" if ms is not None else "-"

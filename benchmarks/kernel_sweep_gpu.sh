@@ -17,6 +17,7 @@
 #            unless set)                                                                               (~5 min)
 #   largebatch  knobs at batch 64 (fp16 rebuilds, warps), Mixtral's largest batch with the pick          (~3 min)
 #   programs the key pass's grid size (target_programs) at Qwen's layer shapes, Qwen batch 8, 32k     (~8 min)
+#   ncu      Nsight Compute of the default call at 16:16 ranks $RANKS (16 128), batch 8, 32k          (~1 min)
 #   layers-2026-12-01  the 2026-12-01 per-call knob sweep that chose today's defaults (launch-timed then; now graph replays)
 #
 # Paired tables throughout (a compiled HF model declares them). Each step writes OUT_DIR/<step>*.json; a sweep's
@@ -140,6 +141,16 @@ PY
       CKVP_DECODE_CONFIG="$pick" timeout 110 python3 -m ckvp_compile.bench.cli decode "${q[@]}" \
         --systems ckvp-16:reduce-overhead --json "$out/qwen-b8-32k-picked.json"
     fi ;;
+  ncu)
+    # Nsight Compute of one default call per rank (16: grouped key pass; 128: per-head rotated key pass) and its value
+    # pass, batch 8, 32k: occupancy, registers, spills, throughputs (benchmarks/results/2026-12-01-grid-ncu-h200)
+    for r in ${RANKS:-16 128}; do
+      timeout 150 ncu --target-processes all -k regex:"_latent_scores_heads_kernel|_latent_attention_split_kernel" \
+        --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 benchmarks/config_sweep_gpu.py --paired --out "$out/ncu-n$r" --cases "16:16:8:32768:$r" \
+        --configs default --ncu > "$out/ncu_r$r.txt" 2>&1
+    done ;;
   layers-2026-12-01)
     sweep qwen-narrow 16:16:8:32768:8,16:16:8:32768:16 'default;default+{"block_n_v": 64};default+{"block_n_v": 128, "num_warps_v": 8};default+{"loop_stages_v": 3};default+{"block_n_v": 128, "num_warps_v": 8, "loop_stages_v": 3};default+{"head_group": 8};default+{"head_group": 16};default+{"loop_stages": 3}' 230
     sweep qwen-wide 16:16:8:32768:96,16:16:8:32768:64/128 'default;default+{"loop_stages_v": 2};default+{"loop_stages": 3};default+{"block_n_v": 64}' 130

@@ -7,9 +7,15 @@ every kernel launch replaced by a compile-only warm-up against a stand-in CUDA d
 (``ckvp_compile.testing.sm90``, which the tests use to compile the kernels too). Use it to iterate on register
 pressure between GPU sessions (H200 run 8: 255 registers and spills at 2 programs per SM made the kernel
 latency-bound). The local Triton may differ from the GPU machine's (3.9 here, 3.6 there): compare variants, not
-absolute numbers.
+absolute numbers, or run it under the GPU's Triton: in a separate virtual environment with ``torch==2.13.0`` and
+``pip install --no-deps triton==3.6.0``, the grouped key pass at 16:16 heads, int4/32 rank 16, batch 8, 32k compiles
+to what the H200 ran (255 registers, 152 spilled bytes, 110848 bytes of shared memory against Nsight Compute's 255
+registers and 110.85 KB; benchmarks/results/2026-12-01-grid-ncu-h200), where Triton 3.9 gives 92 registers.
+Batch and context matter: the launcher picks the grouped key pass only where its programs fill the grid (at the
+old defaults of batch 2, 1024 slots the per-head pass was compiled instead).
 
     python3 benchmarks/latent_attention_aot.py [--heads 16:16] [--format int4/32:256] [--configs "default;generic"]
+        [--batch 8] [--context 32768] [--paired]
         [--keep DIR]   # also write each kernel's TTGIR and PTX there
         [--sass N]     # also print each kernel's N most frequent static SASS opcodes (cuobjdump)
 """
@@ -51,8 +57,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="16:16")
     ap.add_argument("--format", default="int4/32:256")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--context", type=int, default=1024, help="slots (the shapes' sizes do not change the code)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768,
+                    help="slots; with --batch they decide which kernels run (the grouped key pass only where its "
+                         "programs fill the grid), not the code of a kernel")
+    ap.add_argument("--paired", action="store_true",
+                    help="'default' as a compiled HF model gets it: RoPE tables declared paired (rotated and grouped "
+                         "key passes at G = 1)")
     ap.add_argument("--configs", default="default;generic",
                     help='names separated by ;, each optionally NAME+{JSON DecodeConfig fields}, e.g. default+{"block_n": 32}')
     ap.add_argument("--keep", default=None, help="write each kernel's TTGIR and PTX here")
@@ -65,6 +76,7 @@ def main() -> int:
     import latent_attention_gpu as lag
 
     from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, default_config
+    from ckvp_compile.kernels.latent_format import parse_latent_format
 
     lag.H, lag.HKV = (int(x) for x in a.heads.split(":"))
     fmt, rank = a.format.rsplit(":", 1)
@@ -82,7 +94,9 @@ def main() -> int:
             return torch.cat((rows, rows[:1]))
 
         args = (args[0], pool(lk), pool(lv)) + args[3:]
-    default = default_config(lag.H // lag.HKV, max(16, 1 << (int(rank) - 1).bit_length()))
+    kf = parse_latent_format(fmt)
+    default = default_config(lag.H // lag.HKV, max(16, 1 << (int(rank) - 1).bit_length()), paired=a.paired,
+                             rank=int(rank), quantized_keys=kf.quantized and not kf.pow2)
     r = dataclasses.replace
     named = {"default": default, "generic": DecodeConfig(),
              "default, key_split=False": r(default, key_split=False),
