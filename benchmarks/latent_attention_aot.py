@@ -10,9 +10,10 @@ latency-bound). The local Triton may differ from the GPU machine's (3.9 here, 3.
 absolute numbers, or run it under the GPU's Triton: in a separate virtual environment with ``torch==2.13.0`` and
 ``pip install --no-deps triton==3.6.0``, the grouped key pass at 16:16 heads, int4/32 rank 16, batch 8, 32k compiles
 to what the H200 ran (255 registers, 152 spilled bytes, 110848 bytes of shared memory against Nsight Compute's 255
-registers and 110.85 KB; benchmarks/results/2026-12-01-grid-ncu-h200), where Triton 3.9 gives 92 registers.
-Batch and context matter: the launcher picks the grouped key pass only where its programs fill the grid (at the
-old defaults of batch 2, 1024 slots the per-head pass was compiled instead).
+registers and 110.85 KB; benchmarks/results/2026-12-01-grid-ncu-h200); Triton 3.9 gives the same registers and
+shared memory but spills 4 bytes. Batch and context matter more: the launcher picks the grouped key pass only where
+its programs fill the grid (at the old defaults of batch 2, 1024 slots it compiled the per-head pass instead, 92
+registers).
 
     python3 benchmarks/latent_attention_aot.py [--heads 16:16] [--format int4/32:256] [--configs "default;generic"]
         [--batch 8] [--context 32768] [--paired]
