@@ -6,10 +6,11 @@ reference (H200 work between sessions: which knob moves a given layer shape).
         [--format int4/32]
     ncu ... python3 benchmarks/config_sweep_gpu.py --out DIR --cases 32:8:8:32768:96 --configs default --ncu
 
-A case is heads:kv_heads:batch:context:rank[:u], the rank either one number (keys and values) or key/value (e.g.
+A case is heads:kv_heads:batch:context:rank[:u|:v], the rank either one number (keys and values) or key/value (e.g.
 ``64/128``: at the same bytes as 96/96, half the key rebuild), ``:u`` storing the latents unit-major (each byte
 column of the rows contiguous over the slots: ``kernels.latent_layout``, as a store built with
-``latent_layout="unit-major"`` holds them); head_dim 128; latents of
+``latent_layout="unit-major"`` holds them), ``:v`` the value latents alone so (``"row-major/unit-major"``);
+head_dim 128; latents of
 ``ckvp_compile.bench.attention.make_inputs``. A config is ``default`` (the launcher's default for the case's group and
 padded rank, with ``--paired`` as a compiled HF model declares its tables) or ``generic`` (``DecodeConfig()``),
 optionally followed by ``+`` and a JSON object of DecodeConfig fields replaced over it. Each row: ms (median of
@@ -28,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -38,7 +40,7 @@ import latent_attention_gpu as lag  # noqa: E402
 
 from ckvp_compile.bench.attention import make_inputs  # noqa: E402
 from ckvp_compile.kernels import latent_attention_triton as lat_mod  # noqa: E402
-from ckvp_compile.kernels.latent_layout import to_layout  # noqa: E402
+from ckvp_compile.kernels.latent_layout import key_value_layouts, to_layout  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
     DecodeConfig,
     default_config,
@@ -75,14 +77,14 @@ def summarize(paths: list[str]) -> str:
         for r in rows:
             case = f"{r['heads']} B{r['batch']} {r['context']} r{r['rank']}" + (
                 f"/{r['rank_v']}" if r.get("rank_v", r["rank"]) != r["rank"] else "") + (
-                " unit-major" if r.get("layout") == "unit-major" else "")
+                f" {r['layout']}" if r.get("layout", "row-major") != "row-major" else "")
             groups.setdefault((case, r["config"]), []).append(r)
         med = {key: statistics.median(x["ms"] for x in rs if x.get("ms") is not None)
                for key, rs in groups.items() if any(x.get("ms") is not None for x in rs)}
         for (case, config), rs in groups.items():
             # unit-major rows against the row-major default of the same shape (the layout's effect), when present
             ms = med.get((case, config))
-            b = med.get((case.replace(" unit-major", ""), "default")) or med.get((case, "default"))
+            b = med.get((re.sub(r" (row|unit)-major.*$", "", case), "default")) or med.get((case, "default"))
             ratio = f"{ms / b:.2f}" if ms and b else "-"
             errs = [x["rel_err"] for x in rs if x.get("rel_err") is not None]
             err = f"{max(errs):.1e}" if errs else "-"
@@ -125,15 +127,17 @@ def main() -> None:
     for case in a.cases.split(","):
         h, hkv, b, t, ranks, *flags = case.split(":")
         h, hkv, b, t = int(h), int(hkv), int(b), int(t)
-        layout = "unit-major" if flags == ["u"] else "row-major"
-        if flags not in ([], ["u"]):
-            raise SystemExit(f"case {case!r}: the only flag after the rank is ':u' (unit-major latents)")
+        layout = {"u": "unit-major", "v": "row-major/unit-major"}.get(flags[0]) if flags else "row-major"
+        if flags not in ([], ["u"], ["v"]):
+            raise SystemExit(f"case {case!r}: the only flags after the rank are ':u' (unit-major latents) and ':v' "
+                             "(unit-major value latents, row-major keys)")
         rank, _, rank_v = ranks.partition("/")
         rank, rank_v = int(rank), int(rank_v or rank)
         args = make_inputs(b, t, a.format, rank, seed=11, heads=(h, hkv), head_dim=lag.D, group=lag.GROUP,
                            rank_v=rank_v)
-        if layout == "unit-major":  # same values, each byte column contiguous over the slots
-            args = (args[0], to_layout(args[1], layout), to_layout(args[2], layout), *args[3:])
+        if layout != "row-major":  # same values, each byte column contiguous over the slots (keys too, or not)
+            k_layout, v_layout = key_value_layouts(layout)
+            args = (args[0], to_layout(args[1], k_layout), to_layout(args[2], v_layout), *args[3:])
             # this run is the GPU check of strided latents: every row's rel_err against the reference
             lat_mod.STRIDED_LATENTS_GPU_CHECKED = True
         want = None if a.ncu else lag.ref_chunked(args, 2)

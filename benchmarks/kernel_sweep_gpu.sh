@@ -17,6 +17,7 @@
 #            unless set)                                                                               (~5 min)
 #   largebatch  knobs at batch 64 (fp16 rebuilds, warps), Mixtral's largest batch with the pick          (~3 min)
 #   programs the key pass's grid size (target_programs) at Qwen's layer shapes, Qwen batch 8, 32k     (~8 min)
+#   vlayout  the value latents alone unit-major: per call at Qwen's ranks, then Qwen batch 8, 32k     (~8 min)
 #   ncu      Nsight Compute of the default call at 16:16 ranks $RANKS (16 128), batch 8, 32k          (~1 min)
 #   layers-2026-12-01  the 2026-12-01 per-call knob sweep that chose today's defaults (launch-timed then; now graph replays)
 #
@@ -141,6 +142,16 @@ PY
       CKVP_DECODE_CONFIG="$pick" timeout 110 python3 -m ckvp_compile.bench.cli decode "${q[@]}" \
         --systems ckvp-16:reduce-overhead --json "$out/qwen-b8-32k-picked.json"
     fi ;;
+  vlayout)
+    # the value latents alone unit-major (the rank-16 value pass is L1-bound on row-major rows: 2026-12-01-grid-ncu-h200)
+    # per call at Qwen's ranks, then the Qwen decode step, batch 8, 32k: Inductor, ckvp-16 row-major and
+    # row-major/unit-major
+    sweep vl 16:16:8:32768:8,16:16:8:32768:8:v,16:16:8:32768:16,16:16:8:32768:16:v,16:16:8:32768:32,16:16:8:32768:32:v,16:16:8:32768:128,16:16:8:32768:128:v default 150
+    q=(--shape qwen-moe-a2.7b --group-size 1 --batch 8 --context 32768 --steps 20 --budget-s 150)
+    timeout 200 python3 -m ckvp_compile.bench.cli decode "${q[@]}" --systems inductor-reduce-overhead \
+        ckvp-16:reduce-overhead --json "$out/qwen-b8-32k.json"
+    timeout 110 python3 -m ckvp_compile.bench.cli decode "${q[@]}" --systems ckvp-16:reduce-overhead \
+        --latent-layout row-major/unit-major --json "$out/qwen-b8-32k-vum.json" ;;
   ncu)
     # Nsight Compute of one default call per rank (16: grouped key pass; 128: per-head rotated key pass) and its value
     # pass, batch 8, 32k: occupancy, registers, spills, throughputs (benchmarks/results/2026-12-01-grid-ncu-h200)

@@ -62,6 +62,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..kernels.latent_layout import STORE_LAYOUTS
 from .output import with_config_override
 
 __all__ = ["DecodeRow", "System", "main", "parse_system"]
@@ -425,13 +426,14 @@ class _Runner:
 
     def row_name(self, system: System) -> str:
         """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N,
-        `` K<=R`` with key ranks capped at R (``--max-key-rank``) and `` unit-major`` for unit-major latents
-        (``--latent-layout``)."""
+        `` K<=R`` with key ranks capped at R (``--max-key-rank``) and the latent layout unless row-major
+        (``--latent-layout``: `` unit-major``, `` row-major/unit-major``, ...)."""
         if system.kind != "ckvp":
             return system.name
         w, cap = self.args.recent_window, getattr(self.args, "max_key_rank", None)
-        um = getattr(self.args, "latent_layout", "row-major") == "unit-major"
-        return system.name + (f" w{w}" if w else "") + (f" K<={cap}" if cap else "") + (" unit-major" if um else "")
+        lay = getattr(self.args, "latent_layout", "row-major")
+        return (system.name + (f" w{w}" if w else "") + (f" K<={cap}" if cap else "")
+                + (f" {lay}" if lay != "row-major" else ""))
 
     # -- largest batch
     def max_batch_row(self, system: System, context: int) -> DecodeRow:
@@ -612,10 +614,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-len", type=int, default=4096,
                    help="cache length (one sequence) the byte ratio is met at, bases counted (as examples/generate.py)")
     g.add_argument("--fixture-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--latent-layout", default="row-major", choices=["row-major", "unit-major"],
+    p.add_argument("--latent-layout", default="row-major", choices=list(STORE_LAYOUTS),
                    help="ckvp: how the latents lie in memory (CKVPStaticCache(latent_layout=...), "
                         "kernels.latent_layout): each slot's row contiguous (default), or each byte column contiguous "
-                        "over the slots; ckvp rows are then named '<system> unit-major'")
+                        "over the slots (unit-major), for both or as KEYS/VALUES (row-major/unit-major: the value "
+                        "latents only); ckvp rows are then named '<system> <layout>'")
     p.add_argument("--recent-window", type=int, default=0,
                    help="ckvp: keep the last N tokens' keys and values exact beside the latent (CKVPStaticCache("
                         "recent_window=N)), their bytes counted in the ratio (at --budget-len for the fixture); "

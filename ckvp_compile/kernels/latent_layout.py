@@ -10,7 +10,10 @@ of a quantized format, elements of ``float``) per cached slot, head h's codes, t
   4-byte scale and min out of a row of 96 bytes for 16 heads): row-major, each slot's few bytes sit in their own
   32-byte sector, unit-major, a tile of 64 slots reads 64 contiguous bytes per unit. Nsight Compute on the H200
   put 72% (key pass) and 95% (value pass) of the sectors the row-major kernels fetch as excess
-  (benchmarks/results/2026-11-30-small-rank-ncu-h200); this layout is the structural fix to time against it.
+  (benchmarks/results/2026-11-30-small-rank-ncu-h200); this layout was the structural fix to time against it.
+  On the H200 the kernels run slower on it (1.14-1.94x per call, benchmarks/results/2026-12-01-largebatch-h200):
+  they load rows, and an fp16 scale becomes two byte columns. Whole calls were timed with both latents unit-major;
+  a store may hold the value latents alone so (``"row-major/unit-major"``, :func:`key_value_layouts`).
 
 Every kernel and reference addresses the latent through its strides, so both layouts give the same results
 (tests/kernels/test_latent_layout.py); a write of one slot's row touches W sectors unit-major instead of one or
@@ -24,15 +27,32 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["LAYOUTS", "empty_latent", "layout_of", "to_layout"]
+__all__ = ["LAYOUTS", "STORE_LAYOUTS", "empty_latent", "key_value_layouts", "layout_of", "to_layout"]
 
-#: The layouts a latent store can hold (``CKVPStaticCache(latent_layout=...)``).
+#: The layouts of one latent tensor.
 LAYOUTS = ("row-major", "unit-major")
+
+#: What a store's ``latent_layout`` may be (``CKVPStaticCache(latent_layout=...)``): one of :data:`LAYOUTS` for the key
+#: and value latents alike, or ``"KEYS/VALUES"`` for each its own (e.g. ``"row-major/unit-major"``: only the value
+#: latents unit-major, whose per-head value pass reads a few bytes of every row).
+STORE_LAYOUTS = LAYOUTS + tuple(f"{k}/{v}" for k in LAYOUTS for v in LAYOUTS)
 
 
 def _check(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"latent layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def key_value_layouts(latent_layout: str) -> tuple[str, str]:
+    """The (key latents', value latents') layouts of a store's ``latent_layout`` (:data:`STORE_LAYOUTS`).
+
+    Raises:
+        ValueError: not one of :data:`STORE_LAYOUTS` (the message lists them).
+    """
+    if latent_layout not in STORE_LAYOUTS:
+        raise ValueError(f"latent_layout must be one of {STORE_LAYOUTS}, got {latent_layout!r}")
+    k, _, v = latent_layout.partition("/")
+    return k, v or k
 
 
 def empty_latent(rows: Sequence[int], width: int, layout: str, dtype: torch.dtype,

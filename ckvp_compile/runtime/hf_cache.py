@@ -72,8 +72,9 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
         num_pages: pages in the pool (default: max_batch_size * max_cache_len / page_size, every slot mappable);
             fewer hold less memory and raise :class:`~ckvp_compile.errors.CKVPConfigError` when exhausted.
             ``self.store.release(b)`` gives sequence b's pages back, :meth:`reset` all of them.
-        latent_layout: ``"row-major"`` (default) or ``"unit-major"``: the latents' strides
-            (:mod:`ckvp_compile.kernels.latent_layout`; same results).
+        latent_layout: ``"row-major"`` (default) or ``"unit-major"``, or ``"KEYS/VALUES"`` for each its own (e.g.
+            ``"row-major/unit-major"``): the latents' strides (:mod:`ckvp_compile.kernels.latent_layout`; same
+            results; unit-major is slower on the H200).
     Raises:
         CKVPConfigError: the bases do not match the model's layers, KV heads or head dim; an unknown format; a
             recent_window outside [0, max_cache_len); a bad page_size / num_pages, or paging with a

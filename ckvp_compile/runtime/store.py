@@ -64,7 +64,7 @@ from ..errors import CKVPConfigError, CKVPError, CKVPShapeError
 from ..kernels.device_cache import prepare_device_tables
 from ..kernels.latent_attention_triton import declare_paired_tables
 from ..kernels.latent_format import parse_latent_format
-from ..kernels.latent_layout import LAYOUTS, empty_latent
+from ..kernels.latent_layout import empty_latent, key_value_layouts
 
 _PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
 
@@ -156,13 +156,15 @@ class LatentKVStore:
             memory; running out raises when the pages are mapped.
         latent_layout: how ``latent_k[g]`` / ``latent_v[g]`` lie in memory (:mod:`ckvp_compile.kernels.latent_layout`):
             ``"row-major"`` (default: each slot's row contiguous) or ``"unit-major"`` (each byte column contiguous
-            over a sequence's slots, or a page's): the same logical tensors and results, fewer excess sectors for
-            the per-head attention passes. Not timed end to end yet: an option, not the default.
+            over a sequence's slots, or a page's), or ``"KEYS/VALUES"`` for each its own (e.g.
+            ``"row-major/unit-major"``): the same logical tensors and results. Unit-major latents cost the fused
+            kernels more on the H200 (1.14-1.94x per call, benchmarks/results/2026-12-01-largebatch-h200): an option,
+            not the default.
     Raises:
         CKVPConfigError: batch_size or max_cache_len < 1, an unknown format, a non-float latent_dtype or
             basis_dtype, recent_window outside [0, max_cache_len); page_size < 0 or not dividing max_cache_len,
             num_pages outside [1, B * S_max / P] or given without page_size, or paging with a residual_format or
-            online bases (not supported yet); a latent_layout not in ``kernels.latent_layout.LAYOUTS``.
+            online bases (not supported yet); a latent_layout not in ``kernels.latent_layout.STORE_LAYOUTS``.
     """
 
     def __init__(self, bases: Any, batch_size: int, max_cache_len: int, device: torch.device | str,
@@ -176,8 +178,10 @@ class LatentKVStore:
                 or not 0 <= recent_window < max_cache_len:
             raise CKVPConfigError(f"recent_window must be an int in [0, max_cache_len = {max_cache_len}), got "
                                   f"{recent_window!r}; it counts the most recent tokens kept dense (0: none)")
-        if latent_layout not in LAYOUTS:
-            raise CKVPConfigError(f"latent_layout must be one of {LAYOUTS}, got {latent_layout!r}")
+        try:
+            k_layout, v_layout = key_value_layouts(latent_layout)
+        except ValueError as e:
+            raise CKVPConfigError(str(e)) from None
         num_pages = _check_paging(page_size, num_pages, batch_size, max_cache_len, residual_format,
                                   bool(getattr(bases, "online", False)))
         ngroups = len(bases.groups)
@@ -207,12 +211,12 @@ class LatentKVStore:
         #: P (0: not paged) and the pools' physical pages (None when not paged; the trash page not counted)
         self.page_size, self.num_pages = page_size, num_pages
         rows = (b, s) if not page_size else (num_pages + 1, page_size)  # a paged pool's last page: the trash page
-        #: "row-major" or "unit-major": the strides of the latents (kernels.latent_layout)
+        #: the strides of the latents (kernels.latent_layout.STORE_LAYOUTS: both, or "KEYS/VALUES")
         self.latent_layout = latent_layout
         try:
-            self.latent_k = [empty_latent(rows, f.row_width(o), latent_layout, f.storage_dtype(latent_dtype),
+            self.latent_k = [empty_latent(rows, f.row_width(o), k_layout, f.storage_dtype(latent_dtype),
                                           self.device) for f, o in zip(kfs, self.k_offsets)]
-            self.latent_v = [empty_latent(rows, f.row_width(o), latent_layout, f.storage_dtype(latent_dtype),
+            self.latent_v = [empty_latent(rows, f.row_width(o), v_layout, f.storage_dtype(latent_dtype),
                                           self.device) for f, o in zip(vfs, self.v_offsets)]
         except ValueError as e:  # a bit plan for other ranks
             raise CKVPConfigError(f"{e}; plan the formats for these bases (ckvp_compile.latent.planner)") from None

@@ -101,19 +101,22 @@ def test_paged_equals_unpaged_and_maps_pages_on_demand(model_and_bases, page_siz
         assert g.dynamo_after.count("ckvp_page_table = ") == 1
 
 
-@pytest.mark.parametrize("compiler,page_size,fmt", [("aot_eager", 0, "int4"), ("aot_eager", 4, "float"),
-                                                     ("aot_eager", 8, "int4"), ("inductor", 0, "int4"),
-                                                     ("inductor", 4, "int4")])
-def test_unit_major_latents_equal_row_major(model_and_bases, compiler, page_size, fmt):
+@pytest.mark.parametrize("compiler,page_size,fmt,layout", [
+    ("aot_eager", 0, "int4", "unit-major"), ("aot_eager", 4, "float", "unit-major"),
+    ("aot_eager", 8, "int4", "unit-major"), ("inductor", 0, "int4", "unit-major"), ("inductor", 4, "int4", "unit-major"),
+    ("inductor", 0, "int4", "row-major/unit-major"), ("aot_eager", 4, "int4", "row-major/unit-major")])
+def test_unit_major_latents_equal_row_major(model_and_bases, compiler, page_size, fmt, layout):
     """``latent_layout="unit-major"`` (kernels.latent_layout) changes the latents' strides only: the logits of the
-    row-major unpaged cache, paged or not, with aot_eager and Inductor, and no graph falls back."""
+    row-major unpaged cache, paged or not, with aot_eager and Inductor, and no graph falls back; likewise with the
+    value latents alone unit-major (``"row-major/unit-major"``)."""
     model, bases = model_and_bases
     ids = _ids()
     want = _reference(model, bases, ids, fmt, compiler)
     rec = CompileRecorder()
-    cache = _cache(model, bases, fmt, page_size=page_size, latent_layout="unit-major")
-    assert all(t.transpose(-1, -2).is_contiguous() and not t.is_contiguous()
-               for t in (*cache.store.latent_k, *cache.store.latent_v))
+    cache = _cache(model, bases, fmt, page_size=page_size, latent_layout=layout)
+    keys_unit = layout == "unit-major"
+    assert all(t.transpose(-1, -2).is_contiguous() and not t.is_contiguous() for t in cache.store.latent_v)
+    assert all(t.is_contiguous() != keys_unit for t in cache.store.latent_k)
     _assert_equal(_run(model, ids, cache, compiler, rec=rec), want)
     for g in rec.graphs:
         assert not g.fell_back, g.fell_back

@@ -14,7 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckvp_compile.errors import CKVPConfigError
-from ckvp_compile.kernels.latent_layout import LAYOUTS, empty_latent, layout_of, to_layout
+from ckvp_compile.kernels.latent_layout import (
+    LAYOUTS,
+    STORE_LAYOUTS,
+    empty_latent,
+    key_value_layouts,
+    layout_of,
+    to_layout,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -61,8 +68,22 @@ def test_a_unit_major_store_holds_unit_major_latents_and_refuses_unknown_layouts
         assert store.layout()[-1] == "unit-major"
         assert store.layout() != LatentKVStore(bases, 2, 16, "cpu", torch.float32, "int4", "int4",
                                                page_size=page_size).layout()  # graphs compiled per layout
-    with pytest.raises(CKVPConfigError, match="latent_layout must be one of"):
-        LatentKVStore(bases, 2, 16, "cpu", torch.float32, latent_layout="columns")
+    # keys and values each their own layout ("KEYS/VALUES")
+    store = LatentKVStore(bases, 2, 16, "cpu", torch.float32, "int4", "int4", latent_layout="row-major/unit-major")
+    assert all(layout_of(t) == "row-major" for t in store.latent_k)
+    assert all(layout_of(t) == "unit-major" for t in store.latent_v)
+    assert store.layout()[-1] == "row-major/unit-major"
+    for bad in ("columns", "unit-major/", "row-major/unit-major/row-major"):
+        with pytest.raises(CKVPConfigError, match="latent_layout must be one of"):
+            LatentKVStore(bases, 2, 16, "cpu", torch.float32, latent_layout=bad)
+
+
+def test_a_store_layout_names_the_key_and_value_layouts():
+    assert key_value_layouts("unit-major") == ("unit-major", "unit-major")
+    assert key_value_layouts("row-major/unit-major") == ("row-major", "unit-major")
+    assert {key_value_layouts(x) for x in STORE_LAYOUTS} == {(k, v) for k in LAYOUTS for v in LAYOUTS}
+    with pytest.raises(ValueError, match="row-major/unit-major"):  # the message lists the choices
+        key_value_layouts("values-unit-major")
 
 
 def test_kernels_refuse_strided_latents_whose_offsets_pass_int32(monkeypatch):
