@@ -682,7 +682,9 @@ def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, 
     blocks on the tensor cores (tables exact in bf16, COS_EXACT: as loaded; else split hi / lo). FP16: the
     coefficient blocks are fp16 (:func:`_rotated_coefficients`) and each table is rounded to fp16 (exact for bf16
     values of magnitude >= 2^-14): one product per table instead of two or four."""
-    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=slot_ok, other=0).to(tl.int64)
+    # int32 positions (the launcher refuses tables whose offsets pass 2**31): 64-bit table offsets cost the grouped
+    # key pass spilled registers (ptxas for sm_90a, Triton 3.6, rank 16: 152 -> 60 bytes)
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=slot_ok, other=0).to(tl.int32)
     tab_ok = slot_ok[:, None] & rot_ok[None, :]
     w = _table_pair(w, cos_ptr, sin_ptr, pos, c1, tab_ok, ea_hi, ea_lo, eb_hi, eb_lo, stride_cp, stride_cw, stride_sp,
                     stride_sw, COS_EXACT, F32_DOT, FP16)
@@ -1646,6 +1648,8 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
             return f"{name} dtype {t.dtype} (fp8 bases are not yet checked on a GPU: FP8_BASES_GPU_CHECKED)"
     if rope_form != "none" and cos_table.dtype not in _FLOATS:
         return f"cos/sin table dtype {cos_table.dtype}"
+    if rope_form != "none" and sum((n - 1) * st for n, st in zip(cos_table.shape, cos_table.stride())) >= 2**31:
+        return f"cos/sin tables whose element offsets pass 2**31 (shape {tuple(cos_table.shape)})"  # int32 in kernels
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
         return f"attn_mask dtype {attn_mask.dtype}"
     if page_table is not None and page_table.dtype not in (torch.int32, torch.int64):

@@ -35,7 +35,7 @@ LAYOUTS = ("row-major", "unit-major")
 #: What a store's ``latent_layout`` may be (``CKVPStaticCache(latent_layout=...)``): one of :data:`LAYOUTS` for the key
 #: and value latents alike, or ``"KEYS/VALUES"`` for each its own (e.g. ``"row-major/unit-major"``: only the value
 #: latents unit-major, whose per-head value pass reads a few bytes of every row).
-STORE_LAYOUTS = LAYOUTS + tuple(f"{k}/{v}" for k in LAYOUTS for v in LAYOUTS)
+STORE_LAYOUTS = LAYOUTS + tuple(f"{k}/{v}" for k in LAYOUTS for v in LAYOUTS if k != v)
 
 
 def _check(layout: str) -> None:

@@ -89,7 +89,7 @@ def test_a_store_layout_names_the_key_and_value_layouts():
 def test_kernels_refuse_strided_latents_whose_offsets_pass_int32(monkeypatch):
     """The kernels index a row's units with int32 offsets: a strided latent (unit-major) whose last unit lies at
     2**31 elements or more is refused (attention: the reference serves it; append: the unfused path), a smaller one
-    is accepted. Meta tensors stand in for the huge latents (only shapes and strides are read)."""
+    is accepted; so are RoPE tables whose last element lies past 2**31. Meta tensors stand in for the huge latents (only shapes and strides are read)."""
     pytest.importorskip("triton")
     from ckvp_compile.bench.attention import make_inputs
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -107,6 +107,10 @@ def test_kernels_refuse_strided_latents_whose_offsets_pass_int32(monkeypatch):
 
     assert reason(ok) is None
     assert "2**31" in reason(big)
+    # the RoPE tables are indexed with int32 offsets too (positions times the row stride)
+    huge_table = torch.empty_strided((2**20, 16), (2**11 + 16, 1), dtype=args[7].dtype, device="meta")
+    assert "2**31" in lat.unsupported_reason(args[0], args[1], args[2], args[3], args[4], args[10], None, huge_table,
+                                             args[12], "int4/32", "int4/32")
     x, basis = torch.zeros(1, 2, 1, 16), torch.zeros(2, 16, 8)
     assert lq.append_fusable(ok, x, basis) == ""
     assert "2**31" in lq.append_fusable(big, x, basis)
