@@ -7,9 +7,12 @@ reference (H200 work between sessions: which knob moves a given layer shape).
     ncu ... python3 benchmarks/config_sweep_gpu.py --out DIR --cases 32:8:8:32768:96 --configs default --ncu
 
 A case is heads:kv_heads:batch:context:rank[:u|:v], the rank either one number (keys and values) or key/value (e.g.
-``64/128``: at the same bytes as 96/96, half the key rebuild), ``:u`` storing the latents unit-major (each byte
+``64/128``: at the same bytes as 96/96, half the key rebuild), each of them one rank for every KV head or ranks
+joined by ``_`` that the heads take in turn (``32_64``: unequal ranks within a layer, as calibrated plans have), ``:u`` storing the latents unit-major (each byte
 column of the rows contiguous over the slots: ``kernels.latent_layout``, as a store built with
-``latent_layout="unit-major"`` holds them), ``:v`` the value latents alone so (``"row-major/unit-major"``);
+``latent_layout="unit-major"`` holds them), ``:v`` the value latents alone so (``"row-major/unit-major"``), ``:p``
+row-major rows padded to 16 bytes as a store allocates them (``kernels.latent_layout.empty_latent``; without it
+the rows are packed, as before 2026-12-01's step-calls results);
 head_dim 128; latents of
 ``ckvp_compile.bench.attention.make_inputs``. A config is ``default`` (the launcher's default for the case's group and
 padded rank, with ``--paired`` as a compiled HF model declares its tables) or ``generic`` (``DecodeConfig()``),
@@ -40,7 +43,7 @@ import latent_attention_gpu as lag  # noqa: E402
 
 from ckvp_compile.bench.attention import make_inputs  # noqa: E402
 from ckvp_compile.kernels import latent_attention_triton as lat_mod  # noqa: E402
-from ckvp_compile.kernels.latent_layout import key_value_layouts, to_layout  # noqa: E402
+from ckvp_compile.kernels.latent_layout import empty_latent, key_value_layouts, to_layout  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
     DecodeConfig,
     default_config,
@@ -127,26 +130,38 @@ def main() -> None:
     for case in a.cases.split(","):
         h, hkv, b, t, ranks, *flags = case.split(":")
         h, hkv, b, t = int(h), int(hkv), int(b), int(t)
-        layout = {"u": "unit-major", "v": "row-major/unit-major"}.get(flags[0]) if flags else "row-major"
-        if flags not in ([], ["u"], ["v"]):
-            raise SystemExit(f"case {case!r}: the only flags after the rank are ':u' (unit-major latents) and ':v' "
-                             "(unit-major value latents, row-major keys)")
-        rank, _, rank_v = ranks.partition("/")
-        rank, rank_v = int(rank), int(rank_v or rank)
-        args = make_inputs(b, t, a.format, rank, seed=11, heads=(h, hkv), head_dim=lag.D, group=lag.GROUP,
-                           rank_v=rank_v)
-        if layout != "row-major":  # same values, each byte column contiguous over the slots (keys too, or not)
+        layout = {"u": "unit-major", "v": "row-major/unit-major", "p": "row-major padded"}.get(flags[0]) \
+            if flags else "row-major"
+        if flags not in ([], ["u"], ["v"], ["p"]):
+            raise SystemExit(f"case {case!r}: the only flags after the rank are ':u' (unit-major latents), ':v' "
+                             "(unit-major value latents, row-major keys) and ':p' (rows padded as a store pads them)")
+        rank_text, _, rank_v_text = ranks.partition("/")
+        k_list = [int(r) for r in rank_text.split("_")]  # 32_64: the KV heads' ranks in turn
+        v_list = [int(r) for r in (rank_v_text or rank_text).split("_")]
+        args = make_inputs(b, t, a.format, k_list, seed=11, heads=(h, hkv), head_dim=lag.D, group=lag.GROUP,
+                           rank_v=v_list)
+        # the rows name a case's ranks as given (an int when the heads share one)
+        rank = k_list[0] if len(k_list) == 1 else rank_text
+        rank_v = v_list[0] if len(v_list) == 1 else (rank_v_text or rank_text)
+        if layout == "row-major padded":  # the same rows, each starting every ROW_ALIGN bytes (empty_latent)
+            padded = []
+            for lat in args[1:3]:
+                x = empty_latent(lat.shape[:-1], lat.shape[-1], "row-major", lat.dtype, lat.device)
+                x.copy_(lat)
+                padded.append(x)
+            args = (args[0], *padded, *args[3:])
+        elif layout != "row-major":  # same values, each byte column contiguous over the slots (keys too, or not)
             k_layout, v_layout = key_value_layouts(layout)
             args = (args[0], to_layout(args[1], k_layout), to_layout(args[2], v_layout), *args[3:])
             # this run is the GPU check of strided latents: every row's rel_err against the reference
             lat_mod.STRIDED_LATENTS_GPU_CHECKED = True
         want = None if a.ncu else lag.ref_chunked(args, 2)
-        rank_pad = max(16, 1 << (rank - 1).bit_length())
+        rank_pad = max(16, 1 << (max(k_list) - 1).bit_length())
         for rnd, text in [(i, c) for i in range(max(1, a.rounds)) for c in a.configs.split(";")]:
             row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text,
                    "round": rnd, "layout": layout}
             try:
-                cfg = parse_config(text, h // hkv, rank_pad, a.paired, rank, rank_v)  # as the launcher chooses
+                cfg = parse_config(text, h // hkv, rank_pad, a.paired, max(k_list), max(v_list))  # as the launcher
                 if a.ncu:  # two launches, the second one profiled
                     latent_attention_triton(*args, config=cfg)
                     latent_attention_triton(*args, config=cfg)

@@ -18,6 +18,8 @@
 #   largebatch  knobs at batch 64 (fp16 rebuilds, warps), Mixtral's largest batch with the pick          (~3 min)
 #   programs the key pass's grid size (target_programs) at Qwen's layer shapes, Qwen batch 8, 32k     (~8 min)
 #   vlayout  the value latents alone unit-major: per call at Qwen's ranks, then Qwen batch 8, 32k     (~8 min)
+#   rowpad   rows padded to 16 bytes: per call at three Qwen layers' unequal ranks, packed and padded, then Qwen
+#            batch 8, 32k (Inductor, ckvp-16)                                                            (~5 min)
 #   ncu      Nsight Compute of the default call at 16:16 ranks $RANKS (16 128), batch 8, 32k          (~1 min)
 #   layers-2026-12-01  the 2026-12-01 per-call knob sweep that chose today's defaults (launch-timed then; now graph replays)
 #
@@ -152,6 +154,14 @@ PY
         ckvp-16:reduce-overhead --json "$out/qwen-b8-32k.json"
     timeout 110 python3 -m ckvp_compile.bench.cli decode "${q[@]}" --systems ckvp-16:reduce-overhead \
         --latent-layout row-major/unit-major --json "$out/qwen-b8-32k-vum.json" ;;
+  rowpad)
+    # rows padded to 16 bytes (kernels.latent_layout.ROW_ALIGN): the ranks of Qwen1.5-MoE's layers 3, 4 and 9 at
+    # batch 8, 32k (rows of 500/420, 312/308 and 152/168 bytes), packed and padded; then the decode step, whose
+    # store now pads its rows (benchmarks/results/2026-12-01-step-calls-h200)
+    sweep rowpad 16:16:8:32768:64_32_32_64_64_64_32_32_64_32_64_64_32_32_64_64/32_32_64_64_32_64_32_64_32_32_32_32_32_32_32_64,16:16:8:32768:64_32_32_64_64_64_32_32_64_32_64_64_32_32_64_64/32_32_64_64_32_64_32_64_32_32_32_32_32_32_32_64:p,16:16:8:32768:32_32_32_32_32_32_24_32_32_32_24_32_32_32_32_32/32_32_32_32_32_24_32_32_32_24_32_32_24_32_32_32,16:16:8:32768:32_32_32_32_32_32_24_32_32_32_24_32_32_32_32_32/32_32_32_32_32_24_32_32_32_24_32_32_24_32_32_32:p,16:16:8:32768:8_8_8_16_8_8_8_16_16_8_16_8_16_8_16_8/16_8_8_8_16_16_16_8_8_16_16_16_16_8_16_16,16:16:8:32768:8_8_8_16_8_8_8_16_16_8_16_8_16_8_16_8/16_8_8_8_16_16_16_8_8_16_16_16_16_8_16_16:p default 200
+    q=(--shape qwen-moe-a2.7b --group-size 1 --batch 8 --context 32768 --steps 20 --budget-s 150)
+    timeout 220 python3 -m ckvp_compile.bench.cli decode "${q[@]}" --systems inductor-reduce-overhead \
+        ckvp-16:reduce-overhead --json "$out/qwen-b8-32k.json" ;;
   ncu)
     # Nsight Compute of one default call per rank (16: grouped key pass; 128: per-head rotated key pass) and its value
     # pass, batch 8, 32k: occupancy, registers, spills, throughputs (benchmarks/results/2026-12-01-grid-ncu-h200)

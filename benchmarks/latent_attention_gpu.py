@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ckvp_compile.bench.attention import (LAST_TIMING, bench, dense_times, graph_bench, kernel_bytes, kernel_stats,
-                                         ref_chunked, rel_err)
+                                          kernel_times, ref_chunked, rel_err)
 from ckvp_compile.bench.attention import copy_bandwidth as copy_bandwidth_on
 from ckvp_compile.bench.attention import make_inputs as make_inputs_for
 from ckvp_compile.kernels import reference as ref
@@ -79,7 +79,10 @@ def try_config(args: tuple, want: torch.Tensor, cfg: DecodeConfig, rep: int = 30
             timing = LAST_TIMING.get("how", "cuda-graph replay")
         else:
             ms, timing = bench(call, warmup=10, rep=rep), "launches"
-        return {"config": dataclasses.asdict(cfg), "rel_err": err, "ms": ms, "timing": timing, **kernel_stats()}
+        stats = kernel_stats()  # of the last launch, before the profiled calls below
+        kernels = kernel_times(call) if graph else None  # each kernel's device time (us per call)
+        return {"config": dataclasses.asdict(cfg), "rel_err": err, "ms": ms, "timing": timing, **stats,
+                "kernels_us": kernels}
     except Exception as e:  # a config that does not compile or fit: reported, skipped
         return {"config": dataclasses.asdict(cfg), "error": repr(e)[:400]}
 

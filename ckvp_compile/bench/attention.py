@@ -122,15 +122,17 @@ def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator
     return rows, off
 
 
-def make_inputs(b: int, t: int, fmt: str, rank: int, seed: int = 0, dev: str = "cuda",
+def make_inputs(b: int, t: int, fmt: str, rank: "int | Sequence[int]", seed: int = 0, dev: str = "cuda",
                 heads: tuple[int, int] = MIXTRAL_HEADS, head_dim: int = HEAD_DIM, group: int = GROUP,
-                rank_v: int | None = None) -> tuple:
+                rank_v: "int | Sequence[int] | None" = None) -> tuple:
     """The 20 arguments of ``latent_attention_triton`` / ``latent_attention_ref`` for one decode step.
 
     Args:
         b, t: batch and context (slots 0..t-1 attended; the new token is at slot t-1, position t-1).
         fmt: the latent format of K and V; rank: latent coordinates per KV head (<= ``group * head_dim``) of K,
-            and of V unless ``rank_v`` is given.
+            and of V unless ``rank_v`` is given; a sequence gives the heads' ranks in turn, repeated over the KV
+            heads (``[32, 64]``: unequal ranks within a layer, as calibrated plans have them; the bases are as wide
+            as the largest).
         seed: seeds one generator on ``dev`` (same arguments, same inputs).
         heads: (query heads H, KV heads Hkv), H a multiple of Hkv.
         head_dim: D; group: layers per latent group (the basis block is D rows of a (group * D, rank) basis).
@@ -145,15 +147,16 @@ def make_inputs(b: int, t: int, fmt: str, rank: int, seed: int = 0, dev: str = "
     h, hkv = heads
     d = head_dim
     gen = torch.Generator(device=dev).manual_seed(seed)
-    lk, ko = make_latent(b, t, [rank] * hkv, fmt, gen, dev)
-    rank_v = rank if rank_v is None else rank_v
-    lv, vo = make_latent(b, t, [rank_v] * hkv, fmt, gen, dev)
+    k_ranks = [int(r) for r in (rank if isinstance(rank, Sequence) else [rank])]
+    v_ranks = k_ranks if rank_v is None else [int(r) for r in (rank_v if isinstance(rank_v, Sequence) else [rank_v])]
+    lk, ko = make_latent(b, t, [k_ranks[i % len(k_ranks)] for i in range(hkv)], fmt, gen, dev)
+    lv, vo = make_latent(b, t, [v_ranks[i % len(v_ranks)] for i in range(hkv)], fmt, gen, dev)
 
     def basis_block(r: int) -> torch.Tensor:
         p = torch.linalg.qr(torch.randn(hkv, group * d, r, device=dev, generator=gen)).Q  # orthonormal columns
         return (p[:, :d] * math.sqrt(group / 2)).to(torch.bfloat16).contiguous()  # keys of std ~1
 
-    bk, bv = basis_block(rank), basis_block(rank_v)
+    bk, bv = basis_block(max(k_ranks)), basis_block(max(v_ranks))
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=dev).float() / d))
     ang = torch.arange(t, device=dev).float()[:, None] * inv[None]
     ang = torch.cat((ang, ang), dim=-1)
@@ -232,6 +235,33 @@ def graph_bench(fn: Callable[[], Any], rep: int = 60) -> float:
         torch.cuda.synchronize()
         LAST_TIMING["how"] = f"launches ({type(e).__name__}: {str(e)[:120]})"
         return bench(fn)
+
+
+def kernel_times(fn: Callable[[], Any], n: int = 10) -> dict[str, float]:
+    """Device microseconds of each kernel launch of ``fn()``, in launch order: ``{"<i>:<name>": us}`` (mean over
+    ``n`` profiled calls after one untimed call; ``torch.profiler``, CUPTI; names cut to 60 characters). Launch
+    order tells apart the launches of one kernel (the two passes of the per-head path are both
+    ``_latent_attention_split_kernel``).
+
+    Raises:
+        RuntimeError: no CUDA device, or calls that did not launch the same number of kernels.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernel_times profiles CUDA kernels only")
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    seq = sorted((ev.time_range.start, ev.name[:60], ev.time_range.elapsed_us()) for ev in prof.events()
+                 if "CUDA" in str(getattr(ev, "device_type", "")))
+    if len(seq) % n:
+        raise RuntimeError(f"{len(seq)} kernel launches over {n} calls: not the same kernels per call")
+    per = len(seq) // n
+    return {f"{i}:{seq[i][1]}": round(sum(seq[c * per + i][2] for c in range(n)) / n, 2) for i in range(per)}
 
 
 def copy_bandwidth(device: str = "cuda", gib: float = 2.0) -> float:

@@ -4,7 +4,8 @@ A latent cache is logically ``(B, S_max, W)`` (or a page pool ``(N_pages + 1, P,
 of a quantized format, elements of ``float``) per cached slot, head h's codes, then every block's scales and mins
 (:mod:`~ckvp_compile.kernels.latent_format`). The layout only chooses the strides of that same logical tensor:
 
-- ``row-major`` (the default): strides ``(S_max * W, W, 1)``; each slot's row is contiguous.
+- ``row-major`` (the default): strides ``(S_max * W', W', 1)``; each slot's row is contiguous, and starts every
+  :data:`ROW_ALIGN` bytes (``W'`` = W rounded up to them by :func:`empty_latent`; the padding is never read).
 - ``unit-major``: strides ``(S_max * W, 1, S_max)``; each unit (byte column) is contiguous over the slots of a
   sequence (of a page). A per-head pass reads a few units of every row (rank 8 at int4/32: 4 code bytes and a
   4-byte scale and min out of a row of 96 bytes for 16 heads): row-major, each slot's few bytes sit in their own
@@ -27,7 +28,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["LAYOUTS", "STORE_LAYOUTS", "empty_latent", "key_value_layouts", "layout_of", "to_layout"]
+__all__ = ["LAYOUTS", "ROW_ALIGN", "STORE_LAYOUTS", "empty_latent", "key_value_layouts", "layout_of", "padded_units",
+           "to_layout"]
 
 #: The layouts of one latent tensor.
 LAYOUTS = ("row-major", "unit-major")
@@ -36,6 +38,30 @@ LAYOUTS = ("row-major", "unit-major")
 #: and value latents alike, or ``"KEYS/VALUES"`` for each its own (e.g. ``"row-major/unit-major"``: only the value
 #: latents unit-major, whose per-head value pass reads a few bytes of every row).
 STORE_LAYOUTS = LAYOUTS + tuple(f"{k}/{v}" for k in LAYOUTS for v in LAYOUTS if k != v)
+
+
+#: Bytes a row-major latent's row stride is a multiple of (:func:`empty_latent` pads each row to it). The kernels
+#: take the row stride as an argument, and Triton vectorises row loads only when it is divisible by 16 (it
+#: specialises integer arguments on that): calibrated plans give a layer unequal per-head ranks, so rows of 420 or
+#: 500 bytes, which the H200 read 1.5-2.3x slower than 16-byte-aligned rows at the same ranks
+#: (benchmarks/results/2026-12-01-step-calls-h200). The padding bytes are never read or written.
+ROW_ALIGN = 16
+
+
+def padded_units(width: int, elem_bytes: int, align: int = ROW_ALIGN) -> int:
+    """The row stride (in units of ``elem_bytes``) of a row-major latent of ``width`` units per row: ``width``
+    rounded up so that a row spans a multiple of ``align`` bytes (``width`` itself where ``elem_bytes`` does not
+    divide ``align``).
+
+    Raises:
+        ValueError: a negative width or a non-positive element size.
+    """
+    if width < 0 or elem_bytes < 1:
+        raise ValueError(f"width must be >= 0 and elem_bytes >= 1, got {width} and {elem_bytes}")
+    if align % elem_bytes:
+        return width
+    per = align // elem_bytes
+    return -(-width // per) * per
 
 
 def _check(layout: str) -> None:
@@ -63,8 +89,9 @@ def empty_latent(rows: Sequence[int], width: int, layout: str, dtype: torch.dtyp
         rows: the leading dims, (B, S_max) or a page pool's (N_pages + 1, P). width: W, units per row.
         layout: one of :data:`LAYOUTS`. dtype, device: as ``torch.zeros``.
     Returns:
-        (*rows, width) ``dtype`` zeros; unit-major: a transposed view of contiguous (*rows[:-1], width, rows[-1])
-        storage (``x.transpose(-1, -2).is_contiguous()``).
+        (*rows, width) ``dtype`` zeros; row-major: a view of (*rows, :func:`padded_units`) storage whose rows start
+        every :data:`ROW_ALIGN` bytes (contiguous when ``width`` fills them); unit-major: a transposed view of
+        contiguous (*rows[:-1], width, rows[-1]) storage (``x.transpose(-1, -2).is_contiguous()``).
     Raises:
         ValueError: an unknown layout, or fewer than one leading dim.
     """
@@ -73,7 +100,8 @@ def empty_latent(rows: Sequence[int], width: int, layout: str, dtype: torch.dtyp
     if not rows:
         raise ValueError("a latent cache has at least one leading dim (the slots)")
     if layout == "row-major":
-        return torch.zeros(*rows, width, dtype=dtype, device=device)
+        stride = padded_units(width, torch.empty((), dtype=dtype).element_size())
+        return torch.zeros(*rows, stride, dtype=dtype, device=device)[..., :width]
     return torch.zeros(*rows[:-1], width, rows[-1], dtype=dtype, device=device).transpose(-1, -2)
 
 
@@ -93,10 +121,15 @@ def to_layout(latent: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def layout_of(latent: torch.Tensor) -> str | None:
-    """The layout of ``latent`` (..., rows, W): 'row-major' when contiguous, 'unit-major' when its last two dims'
-    transpose is, None otherwise (a size-1 rows or W dim is both: reported 'row-major')."""
+    """The layout of ``latent`` (..., rows, W): 'row-major' when contiguous or contiguous but for padded rows (as
+    :func:`empty_latent` allocates them: unit stride 1, a row stride >= W, each leading dim spanning the next one
+    whole), 'unit-major' when its last two dims' transpose is contiguous, None otherwise (a size-1 rows or W dim is
+    both: reported 'row-major')."""
     if latent.is_contiguous():
         return "row-major"
     if latent.dim() >= 2 and latent.transpose(-1, -2).is_contiguous():
         return "unit-major"
+    if latent.dim() >= 2 and latent.stride(-1) == 1 and latent.stride(-2) >= latent.shape[-1] and all(
+            latent.stride(i) == latent.shape[i + 1] * latent.stride(i + 1) for i in range(latent.dim() - 2)):
+        return "row-major"
     return None

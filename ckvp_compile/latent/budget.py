@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CKVPConfigError
 from ..kernels.latent_format import parse_latent_format
+from ..kernels.latent_layout import padded_units
 from .ranks import max_key_rank_error, rank_block_error
 
 __all__ = ["AUTO_RANK_BLOCK_SLACK", "bases_for_byte_ratio", "default_rank_block", "dense_kv_bytes", "fit_byte_ratio",
@@ -55,7 +56,8 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
                 basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0,
                 page_size: int = 0, num_pages: int | None = None) -> int:
     """Bytes a :class:`~ckvp_compile.runtime.store.LatentKVStore` of these bases holds for B sequences of S_max
-    slots: latent rows, int32 slot positions and (``with_bases``) the bases in ``basis_dtype`` (default
+    slots: latent rows (each padded to :data:`~ckvp_compile.kernels.latent_layout.ROW_ALIGN` bytes, as a
+    row-major store allocates them; a unit-major one holds up to 15 bytes a row less), int32 slot positions and (``with_bases``) the bases in ``basis_dtype`` (default
     ``latent_dtype``, as the store), plus the ALR-KVD residual rows of keys and values when ``residual_format``
     is given (:mod:`ckvp_compile.kernels.residual`) and the dense recent window of ``recent_window`` tokens
     (:func:`window_bytes`). A format of
@@ -86,7 +88,8 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
             offsets = [0]
             for r in ranks:
                 offsets.append(offsets[-1] + int(r))
-            latent_row += f.bytes_per_token(offsets, item)
+            unit = 1 if f.quantized else item  # row-major rows padded to ROW_ALIGN bytes (empty_latent)
+            latent_row += padded_units(f.row_width(offsets), unit) * unit
     per_token = 4  # slot_pos
     if residual_format:
         from ..kernels.residual import residual_offsets

@@ -74,7 +74,7 @@ class StoreBytes:
     """Bytes held by a :class:`LatentKVStore`.
 
     Attributes:
-        latent: key and value latents (per sequence). slot_positions: ``slot_pos`` (per sequence).
+        latent: key and value latents (per sequence; their storage, row padding included). slot_positions: ``slot_pos`` (per sequence).
         bases: the bases on the device (model constant). rope_tables: cos / sin tables (model constant).
         dense_equivalent: what the model's dense K and V caches of the same B and S_max would take.
         dense_elements: their element count (for :meth:`ratio_vs` another dense dtype).
@@ -538,10 +538,13 @@ class LatentKVStore:
         def size(ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+        def held(ts):  # latents: their storage, the rows' alignment padding included (empty_latent)
+            return sum(t.untyped_storage().nbytes() for t in ts if t is not None)
+
         layers = sum(len(g) for g in self.groups)
         dense = 2 * layers * self.batch_size * self.num_kv_heads * self.max_cache_len * self.head_dim
         return StoreBytes(
-            latent=size(self.latent_k) + size(self.latent_v),
+            latent=held(self.latent_k) + held(self.latent_v),
             slot_positions=size([self.slot_pos]),
             bases=size(self.basis_k) + size(self.basis_v),
             rope_tables=size([self.rope_cos, self.rope_sin]),

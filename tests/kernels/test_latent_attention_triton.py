@@ -152,9 +152,15 @@ def _check(p: dict, config=None) -> float:
 
     from ckvp_compile.kernels.latent_attention_triton import latent_attention_triton
 
-    from ckvp_compile.kernels.latent_layout import to_layout
+    from ckvp_compile.kernels.latent_layout import empty_latent, to_layout
 
     from ckvp_compile.kernels import latent_attention_triton as lat_mod
+
+    def laid_out(t, layout):  # "padded": row-major rows starting every 16 bytes, as a store allocates them
+        if layout != "padded":
+            return to_layout(t, layout)
+        z = empty_latent(t.shape[:-1], t.shape[-1], "row-major", t.dtype, t.device)
+        return z.copy_(t)
 
     lat_mod._LAST_LAUNCH.pop("key_fp16", None)  # set by this call's launch
     args = _inputs(p)
@@ -162,11 +168,11 @@ def _check(p: dict, config=None) -> float:
     if p.get("page"):  # the kernel walks the page table; the reference reads the contiguous latents
         lk, lv, table = _paged(p, args)
         paged = list(args)
-        paged[1], paged[2] = to_layout(lk, layout), to_layout(lv, layout)
+        paged[1], paged[2] = laid_out(lk, layout), laid_out(lv, layout)
         out = latent_attention_triton(*paged, config=config, page_table=table)
     else:
         laid = list(args)
-        laid[1], laid[2] = to_layout(args[1], layout), to_layout(args[2], layout)
+        laid[1], laid[2] = laid_out(args[1], layout), laid_out(args[2], layout)
         out = latent_attention_triton(*laid, config=config)
     want = _expected(args)
     assert out.shape == want.shape and out.dtype == want.dtype and out.is_contiguous()
@@ -210,7 +216,7 @@ def _check_property(n_examples: int) -> None:
                  pos_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
                  win=draw(st.sampled_from((0, 0, 3, 17))), unused=draw(st.sampled_from((0, 0, 1, 2))),
                  page=draw(st.sampled_from((0, 0, 4, 8))),
-                 layout=draw(st.sampled_from(("row-major", "row-major", "unit-major"))))
+                 layout=draw(st.sampled_from(("row-major", "padded", "unit-major"))))
         cfg = DecodeConfig(block_n=draw(st.sampled_from((16, 32))), block_r=draw(st.sampled_from((16, 32))),
                            num_warps=1, split=draw(st.sampled_from((None, 1, 2, 3))), min_tiles=1, target_programs=8,
                            hoist_basis=draw(st.booleans()), align_hint=draw(st.booleans()),
@@ -254,7 +260,10 @@ def _check_fixed() -> None:
     for case, c in ((dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="unit-major"), ucfg),
                     (dict(base, rk=[12, 5], rv=[7, 9], layout="unit-major", page=4, seed=3), cfg),
                     (dict(base, ratio=1, rk=[8, 8], rv=[8, 8], rope="complex", layout="unit-major"), ucfg),
-                    (dict(base, layout="unit-major"), dataclasses.replace(cfg, two_pass=False))):
+                    (dict(base, layout="unit-major"), dataclasses.replace(cfg, two_pass=False)),
+                    # rows padded to 16 bytes (a store's row-major latents): grouped and per-head passes, paged
+                    (dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="padded"), ucfg),
+                    (dict(base, rk=[12, 5], rv=[7, 9], layout="padded", page=4, seed=3), cfg)):
         _check(case, c)
     # paged latents: pages scattered over a pool, a strided page table (odd seed), one- and two-pass
     for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):

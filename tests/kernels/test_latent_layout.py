@@ -16,10 +16,12 @@ from hypothesis import strategies as st
 from ckvp_compile.errors import CKVPConfigError
 from ckvp_compile.kernels.latent_layout import (
     LAYOUTS,
+    ROW_ALIGN,
     STORE_LAYOUTS,
     empty_latent,
     key_value_layouts,
     layout_of,
+    padded_units,
     to_layout,
 )
 
@@ -37,6 +39,23 @@ def test_layouts_keep_values_and_report_themselves(lead, rows, width, layout, dt
     assert z.shape == (*lead, rows, width) and layout_of(z) == layout and not z.any()
     if layout == "unit-major":  # each unit (column) is contiguous over the slots
         assert z.stride(-2) == 1 and z.stride(-1) == rows
+    else:  # rows start every ROW_ALIGN bytes (the kernels' row loads vectorise), the padding never shows
+        assert z.stride(-1) == 1 and width <= z.stride(-2) < width + ROW_ALIGN
+        assert (z.stride(-2) * z.element_size()) % ROW_ALIGN == 0
+        z.fill_(1)
+        assert z.untyped_storage().nbytes() == z.stride(-2) * z.element_size() * z.numel() // width
+        assert torch.equal(to_layout(z, "row-major"), torch.ones_like(x)) and layout_of(z) == "row-major"
+
+
+def test_padded_units_round_rows_up_to_the_alignment():
+    assert [padded_units(w, 1) for w in (0, 1, 16, 17, 420, 500)] == [0, 16, 16, 32, 432, 512]
+    assert [padded_units(w, 2) for w in (1, 8, 9, 210)] == [8, 8, 16, 216]
+    assert padded_units(5, 4) == 8 and padded_units(5, 3) == 5  # an element size that does not divide 16
+    for bad in ((-1, 1), (4, 0)):
+        with pytest.raises(ValueError, match="width must be >= 0"):
+            padded_units(*bad)
+    # a sliced-off column is no padded row-major layout: its rows do not span the leading dims' strides whole
+    assert layout_of(torch.zeros(2, 4, 6)[:, 1:, :4]) is None
 
 
 def test_unknown_layouts_and_shapes_are_refused_with_the_choices():

@@ -155,7 +155,7 @@ def test_a_smaller_pool_holds_fewer_bytes(fmt):
             assert pool.shape == (rows, p, ref.shape[-1]) and pool.dtype == ref.dtype
             assert pool.nbytes == rows * p * ref.nbytes // (b * s)  # the pools really are this size
         nb = store.nbytes()
-        assert nb.latent == sum(t.nbytes for t in (*store.latent_k, *store.latent_v))
+        assert nb.latent == sum(t.untyped_storage().nbytes() for t in (*store.latent_k, *store.latent_v))
         assert nb.page_table == b * (s // p) * 4 == store.page_table.nbytes
         assert nb.per_sequence_state == nb.latent + nb.slot_positions + nb.page_table
         assert nb.dense_equivalent == full.nbytes().dense_equivalent  # the dense cache it stands for
