@@ -74,8 +74,8 @@ def record_calls(decode_argv: list[str]) -> tuple[list[tuple], dict]:
         row = runner.run_row(system, int(a.batches[0]), a.contexts[0])
     finally:
         cuda_op.latent_attention_triton = inner
-    n = len(row.ranks["k"]) if row.ranks else 0
-    return list(calls)[-n:] if n else [], {
+    n = runner.layers  # one call per decoder layer (a latent group of G layers serves G calls)
+    return list(calls)[-n:] if row.status == "ok" else [], {
         "row_status": row.status, "row_error": row.error, "ms_per_step": row.ms_median, "ranks": row.ranks,
         "system": row.system, "batch": row.batch, "context": row.context, "calls_seen": len(calls),
         "env": runner.env}
