@@ -6,9 +6,10 @@ reference (H200 work between sessions: which knob moves a given layer shape).
         [--format int4/32]
     ncu ... python3 benchmarks/config_sweep_gpu.py --out DIR --cases 32:8:8:32768:96 --configs default --ncu
 
-A case is heads:kv_heads:batch:context:rank[:u|:v], the rank either one number (keys and values) or key/value (e.g.
-``64/128``: at the same bytes as 96/96, half the key rebuild), each of them one rank for every KV head or ranks
-joined by ``_`` that the heads take in turn (``32_64``: unequal ranks within a layer, as calibrated plans have), ``:u`` storing the latents unit-major (each byte
+A case is heads:kv_heads:batch:context:rank[:u|:v|:p], the rank either one number (keys and values) or key/value
+(e.g. ``64/128``: at the same bytes as 96/96, half the key rebuild), each of them one rank for every KV head or
+ranks joined by ``_`` that the heads take in turn (``32_64``: unequal ranks within a layer, as calibrated plans
+have), ``:u`` storing the latents unit-major (each byte
 column of the rows contiguous over the slots: ``kernels.latent_layout``, as a store built with
 ``latent_layout="unit-major"`` holds them), ``:v`` the value latents alone so (``"row-major/unit-major"``), ``:p``
 row-major rows padded to 16 bytes as a store allocates them (``kernels.latent_layout.empty_latent``; without it

@@ -191,10 +191,12 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
         return f"attn_mask dtype {attn_mask.get_dtype()}"
     if rope_form not in lat._ROPE_CODE:
         return f"rope_form {rope_form!r}"
-    strides = _static_ints(*latent_k.get_stride())
-    if strides is None or strides[-1] != 1:  # the template's inputs are made contiguous: a full copy per call
-        return ("latent_k is not row-major (e.g. unit-major, kernels.latent_layout): the plain kernel reads it at its "
-                "strides, the template would copy it")
+    strides, lk_sizes = _static_ints(*latent_k.get_stride()), _static_ints(*latent_k.get_size())
+    if strides is None or lk_sizes is None or any(
+            n > 1 and st != want for n, st, want in zip(lk_sizes, strides, _contiguous_strides(lk_sizes))):
+        # the template's inputs are made contiguous: a full copy per call
+        return ("latent_k is not contiguous (unit-major, or row-major rows padded to 16 bytes: "
+                "kernels.latent_layout): the plain kernel reads it at its strides, the template would copy it")
     return None
 
 

@@ -62,8 +62,9 @@ def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(
 
 
 def test_the_template_refuses_latents_it_would_copy():
-    """The template's inputs are made contiguous, so a unit-major latent (kernels.latent_layout) would be copied
-    whole on every call: it is refused (the plain kernel reads the latent at its strides); a row-major one is not.
+    """The template's inputs are made contiguous, so a unit-major latent or one with padded rows
+    (kernels.latent_layout) would be copied whole on every call: they are refused (the plain kernel reads the latent
+    at its strides); a contiguous one is not (a size-1 dim's stride does not matter).
     Stand-in IR nodes: the refusal reads only devices, sizes, strides and dtypes."""
     pytest.importorskip("triton")
     from ckvp_compile.lowering.latent_attention import template_refusal
@@ -89,8 +90,11 @@ def test_the_template_refuses_latents_it_would_copy():
     offsets, args = [0, r, 2 * r], ("rotate_half", None, s_max, "int4/32")
     row = Node((b, s_max, width), (s_max * width, width, 1), torch.uint8)
     unit = Node((b, s_max, width), (s_max * width, 1, s_max), torch.uint8)
+    padded = Node((b, s_max, width), (s_max * 32, 32, 1), torch.uint8)  # rows padded to 16 bytes (empty_latent)
     assert template_refusal(q, row, basis, offsets, *args) is None
     assert "unit-major" in template_refusal(q, unit, basis, offsets, *args)
+    assert "padded" in template_refusal(q, padded, basis, offsets, *args)
+    assert template_refusal(q, Node((1, s_max, width), (7, width, 1), torch.uint8), basis, offsets, *args) is None
 
 
 @pytest.mark.parametrize("mask", [None, "bool", "add"])
