@@ -202,15 +202,11 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
     dense = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention)
     planned = dense
     if binding is not None and latent_groups:
-        from .kernels.latent_format import parse_latent_format
-
         store = binding.store
-        itemsize = torch.empty((), dtype=store.latent_dtype).element_size()
         saved_layers = {layer for g in latent_groups for layer in store.groups[g]}
         planned = sum(_dense_kv_bytes_per_token(s) for s in analysis.attention if s.layer not in saved_layers)
-        planned += sum(parse_latent_format(store.k_formats[g]).bytes_per_token(store.k_offsets[g], itemsize)
-                       + parse_latent_format(store.v_formats[g]).bytes_per_token(store.v_offsets[g], itemsize)
-                       for g in latent_groups)  # latent rows in their storage format (codes + scales)
+        # latent rows as the store holds them (codes + scales, and the row-major rows' alignment padding)
+        planned += sum(sum(store.latent_row_bytes(g)) for g in latent_groups)
         planned += 4  # slot position (int32) per token
     groups = make_layer_groups(analysis.attention, config.group_size)
     if binding is not None:  # the store's calibrated grouping is the one in force

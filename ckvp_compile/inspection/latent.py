@@ -224,7 +224,8 @@ class LatentGroupRow:
         k_ranks, v_ranks: rank of each KV head (Hkv entries), from the store's offsets.
         k_retained, v_retained: share of each head's calibration energy the rank keeps, in [0, 1].
         k_format, v_format: canonical storage formats ('float', 'int8/32' ...).
-        k_bytes_per_token, v_bytes_per_token: bytes of one token's K (V) latent row in that format.
+        k_bytes_per_token, v_bytes_per_token: bytes one token's K (V) latent row takes in the store: the format's
+            row bytes plus the row-major rows' alignment padding (``LatentKVStore.latent_row_bytes``).
     """
 
     index: int
@@ -296,7 +297,6 @@ class LatentReport:
         from ..kernels.latent_format import parse_latent_format
 
         bases = store.bases
-        item = torch.empty((), dtype=store.latent_dtype).element_size()
         rows = []
         for g, layers in enumerate(store.groups):
             ko, vo = store.k_offsets[g], store.v_offsets[g]
@@ -307,7 +307,7 @@ class LatentReport:
                 tuple(b - a for a, b in zip(ko, ko[1:])), tuple(b - a for a, b in zip(vo, vo[1:])),
                 tuple(bases.retained_fraction(g, h, "k") for h in hs),
                 tuple(bases.retained_fraction(g, h, "v") for h in hs),
-                kf.name, vf.name, kf.bytes_per_token(ko, item), vf.bytes_per_token(vo, item),
+                kf.name, vf.name, *store.latent_row_bytes(g),
             ))
         nb = store.nbytes()
         num_layers = sum(len(g) for g in store.groups)

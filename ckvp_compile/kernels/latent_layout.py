@@ -5,7 +5,8 @@ of a quantized format, elements of ``float``) per cached slot, head h's codes, t
 (:mod:`~ckvp_compile.kernels.latent_format`). The layout only chooses the strides of that same logical tensor:
 
 - ``row-major`` (the default): strides ``(S_max * W', W', 1)``; each slot's row is contiguous, and starts every
-  :data:`ROW_ALIGN` bytes (``W'`` = W rounded up to them by :func:`empty_latent`; the padding is never read).
+  :data:`ROW_ALIGN` units (``W'`` = W rounded up to them by :func:`empty_latent` from :data:`MIN_PADDED_ROW` units
+  on; the padding is never read).
 - ``unit-major``: strides ``(S_max * W, 1, S_max)``; each unit (byte column) is contiguous over the slots of a
   sequence (of a page). A per-head pass reads a few units of every row (rank 8 at int4/32: 4 code bytes and a
   4-byte scale and min out of a row of 96 bytes for 16 heads): row-major, each slot's few bytes sit in their own
@@ -28,8 +29,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["LAYOUTS", "ROW_ALIGN", "STORE_LAYOUTS", "empty_latent", "key_value_layouts", "layout_of", "padded_units",
-           "to_layout"]
+__all__ = ["LAYOUTS", "MIN_PADDED_ROW", "ROW_ALIGN", "STORE_LAYOUTS", "empty_latent", "held_units_per_row",
+           "key_value_layouts", "layout_of", "padded_units", "to_layout"]
 
 #: The layouts of one latent tensor.
 LAYOUTS = ("row-major", "unit-major")
@@ -40,28 +41,38 @@ LAYOUTS = ("row-major", "unit-major")
 STORE_LAYOUTS = LAYOUTS + tuple(f"{k}/{v}" for k in LAYOUTS for v in LAYOUTS if k != v)
 
 
-#: Bytes a row-major latent's row stride is a multiple of (:func:`empty_latent` pads each row to it). The kernels
-#: take the row stride as an argument, and Triton vectorises row loads only when it is divisible by 16 (it
-#: specialises integer arguments on that): calibrated plans give a layer unequal per-head ranks, so rows of 420 or
-#: 500 bytes, which the H200 read 1.5-2.3x slower than 16-byte-aligned rows at the same ranks
-#: (benchmarks/results/2026-12-01-step-calls-h200). The padding bytes are never read or written.
+#: Units (bytes of a quantized latent, elements of a float one) that a row-major latent's row stride is a multiple
+#: of (:func:`empty_latent` pads each row to it). The kernels take the row stride in units, and Triton vectorises row
+#: loads only when that integer is divisible by 16 (it specialises integer arguments on it): calibrated plans give
+#: a layer unequal per-head ranks, so rows of 420 or 500 bytes, which the H200 read 1.3-1.6x slower than the same
+#: ranks in 16-byte rows (benchmarks/results/2026-12-01-step-calls-h200). The padding is never read or written.
 ROW_ALIGN = 16
 
+#: Rows narrower than this many units stay packed: their padding would cost more than 1/8 of the row (a toy model's
+#: 8-byte rows would double, and a byte ratio the planner reached would no longer be reachable).
+MIN_PADDED_ROW = 128
 
-def padded_units(width: int, elem_bytes: int, align: int = ROW_ALIGN) -> int:
-    """The row stride (in units of ``elem_bytes``) of a row-major latent of ``width`` units per row: ``width``
-    rounded up so that a row spans a multiple of ``align`` bytes (``width`` itself where ``elem_bytes`` does not
-    divide ``align``).
+
+def padded_units(width: int, align: int = ROW_ALIGN, min_width: int = MIN_PADDED_ROW) -> int:
+    """The row stride, in units, of a row-major latent of ``width`` units per row: ``width`` rounded up to a
+    multiple of ``align``, or ``width`` itself below ``min_width``.
 
     Raises:
-        ValueError: a negative width or a non-positive element size.
+        ValueError: a negative width or a non-positive alignment.
     """
-    if width < 0 or elem_bytes < 1:
-        raise ValueError(f"width must be >= 0 and elem_bytes >= 1, got {width} and {elem_bytes}")
-    if align % elem_bytes:
+    if width < 0 or align < 1:
+        raise ValueError(f"width must be >= 0 and align >= 1, got {width} and {align}")
+    if width < min_width:
         return width
-    per = align // elem_bytes
-    return -(-width // per) * per
+    return -(-width // align) * align
+
+
+def held_units_per_row(latent: torch.Tensor) -> int:
+    """Units one slot's row of ``latent`` (..., rows, W) holds in storage: its row stride when row-major (padding
+    included), W when unit-major (whose slots are not padded)."""
+    if latent.dim() >= 2 and latent.stride(-1) == 1 and latent.shape[-2] > 1:
+        return int(latent.stride(-2))
+    return int(latent.shape[-1])
 
 
 def _check(layout: str) -> None:
@@ -90,7 +101,8 @@ def empty_latent(rows: Sequence[int], width: int, layout: str, dtype: torch.dtyp
         layout: one of :data:`LAYOUTS`. dtype, device: as ``torch.zeros``.
     Returns:
         (*rows, width) ``dtype`` zeros; row-major: a view of (*rows, :func:`padded_units`) storage whose rows start
-        every :data:`ROW_ALIGN` bytes (contiguous when ``width`` fills them); unit-major: a transposed view of
+        every :data:`ROW_ALIGN` units (contiguous when ``width`` fills them or is below :data:`MIN_PADDED_ROW`);
+        unit-major: a transposed view of
         contiguous (*rows[:-1], width, rows[-1]) storage (``x.transpose(-1, -2).is_contiguous()``).
     Raises:
         ValueError: an unknown layout, or fewer than one leading dim.
@@ -100,8 +112,7 @@ def empty_latent(rows: Sequence[int], width: int, layout: str, dtype: torch.dtyp
     if not rows:
         raise ValueError("a latent cache has at least one leading dim (the slots)")
     if layout == "row-major":
-        stride = padded_units(width, torch.empty((), dtype=dtype).element_size())
-        return torch.zeros(*rows, stride, dtype=dtype, device=device)[..., :width]
+        return torch.zeros(*rows, padded_units(width), dtype=dtype, device=device)[..., :width]
     return torch.zeros(*rows[:-1], width, rows[-1], dtype=dtype, device=device).transpose(-1, -2)
 
 

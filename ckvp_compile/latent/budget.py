@@ -56,12 +56,13 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
                 basis_dtype: torch.dtype | None = None, residual_format: str = "", recent_window: int = 0,
                 page_size: int = 0, num_pages: int | None = None) -> int:
     """Bytes a :class:`~ckvp_compile.runtime.store.LatentKVStore` of these bases holds for B sequences of S_max
-    slots: latent rows (each padded to :data:`~ckvp_compile.kernels.latent_layout.ROW_ALIGN` bytes, as a
-    row-major store allocates them; a unit-major one holds up to 15 bytes a row less), int32 slot positions and (``with_bases``) the bases in ``basis_dtype`` (default
-    ``latent_dtype``, as the store), plus the ALR-KVD residual rows of keys and values when ``residual_format``
-    is given (:mod:`ckvp_compile.kernels.residual`) and the dense recent window of ``recent_window`` tokens
-    (:func:`window_bytes`). A format of
-    ``"auto"`` takes the bases' planned per-group formats (``k_formats`` / ``v_formats``), else ``"float"``.
+    slots: latent rows (from :data:`~ckvp_compile.kernels.latent_layout.MIN_PADDED_ROW` units on, each padded to
+    :data:`~ckvp_compile.kernels.latent_layout.ROW_ALIGN` units, as a row-major store allocates them; a unit-major
+    one holds up to 15 units a row less), int32 slot positions and (``with_bases``) the bases in ``basis_dtype``
+    (default ``latent_dtype``, as the store), plus the ALR-KVD residual rows of keys and values when
+    ``residual_format`` is given (:mod:`ckvp_compile.kernels.residual`) and the dense recent window of
+    ``recent_window`` tokens (:func:`window_bytes`). A format of ``"auto"`` takes the bases' planned per-group
+    formats (``k_formats`` / ``v_formats``), else ``"float"``.
     A paged store (``page_size`` P > 0) holds ``num_pages + 1`` pages of P latent rows (default num_pages:
     B * S_max / P; the last page is the trash page) instead of B x S_max rows, plus its (B, S_max / P) int32
     page table.
@@ -88,8 +89,8 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
             offsets = [0]
             for r in ranks:
                 offsets.append(offsets[-1] + int(r))
-            unit = 1 if f.quantized else item  # row-major rows padded to ROW_ALIGN bytes (empty_latent)
-            latent_row += padded_units(f.row_width(offsets), unit) * unit
+            unit = 1 if f.quantized else item  # row-major rows padded to ROW_ALIGN units (empty_latent)
+            latent_row += padded_units(f.row_width(offsets)) * unit
     per_token = 4  # slot_pos
     if residual_format:
         from ..kernels.residual import residual_offsets

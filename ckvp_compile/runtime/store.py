@@ -64,7 +64,7 @@ from ..errors import CKVPConfigError, CKVPError, CKVPShapeError
 from ..kernels.device_cache import prepare_device_tables
 from ..kernels.latent_attention_triton import declare_paired_tables
 from ..kernels.latent_format import parse_latent_format
-from ..kernels.latent_layout import empty_latent, key_value_layouts
+from ..kernels.latent_layout import empty_latent, held_units_per_row, key_value_layouts
 
 _PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
 
@@ -74,7 +74,8 @@ class StoreBytes:
     """Bytes held by a :class:`LatentKVStore`.
 
     Attributes:
-        latent: key and value latents (per sequence; their storage, row padding included). slot_positions: ``slot_pos`` (per sequence).
+        latent: key and value latents (per sequence; their storage, row padding included). slot_positions:
+        ``slot_pos`` (per sequence).
         bases: the bases on the device (model constant). rope_tables: cos / sin tables (model constant).
         dense_equivalent: what the model's dense K and V caches of the same B and S_max would take.
         dense_elements: their element count (for :meth:`ratio_vs` another dense dtype).
@@ -532,6 +533,11 @@ class LatentKVStore:
         self._upload(0, self.batch_size)
 
     # ------------------------------------------------------------------ accounting
+    def latent_row_bytes(self, g: int) -> tuple[int, int]:
+        """(key, value) bytes one slot of group ``g`` holds in the latents' storage: the formats' row bytes, plus
+        the row-major rows' alignment padding (:func:`~ckvp_compile.kernels.latent_layout.empty_latent`)."""
+        return tuple(held_units_per_row(t) * t.element_size() for t in (self.latent_k[g], self.latent_v[g]))
+
     def nbytes(self) -> StoreBytes:
         """Bytes held, split into per-sequence state and model constants; see :class:`StoreBytes`."""
 

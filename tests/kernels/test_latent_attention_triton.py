@@ -152,15 +152,16 @@ def _check(p: dict, config=None) -> float:
 
     from ckvp_compile.kernels.latent_attention_triton import latent_attention_triton
 
-    from ckvp_compile.kernels.latent_layout import empty_latent, to_layout
+    from ckvp_compile.kernels.latent_layout import padded_units, to_layout
 
     from ckvp_compile.kernels import latent_attention_triton as lat_mod
 
-    def laid_out(t, layout):  # "padded": row-major rows starting every 16 bytes, as a store allocates them
+    def laid_out(t, layout):  # "padded": row-major rows starting every 16 units, as a store allocates wide rows
         if layout != "padded":
             return to_layout(t, layout)
-        z = empty_latent(t.shape[:-1], t.shape[-1], "row-major", t.dtype, t.device)
-        return z.copy_(t)
+        w = t.shape[-1]
+        z = torch.zeros(*t.shape[:-1], padded_units(w, min_width=0) + 16, dtype=t.dtype, device=t.device)
+        return z[..., :w].copy_(t)
 
     lat_mod._LAST_LAUNCH.pop("key_fp16", None)  # set by this call's launch
     args = _inputs(p)

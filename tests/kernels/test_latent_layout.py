@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from ckvp_compile.errors import CKVPConfigError
 from ckvp_compile.kernels.latent_layout import (
     LAYOUTS,
+    MIN_PADDED_ROW,
     ROW_ALIGN,
     STORE_LAYOUTS,
     empty_latent,
+    held_units_per_row,
     key_value_layouts,
     layout_of,
     padded_units,
@@ -39,19 +41,31 @@ def test_layouts_keep_values_and_report_themselves(lead, rows, width, layout, dt
     assert z.shape == (*lead, rows, width) and layout_of(z) == layout and not z.any()
     if layout == "unit-major":  # each unit (column) is contiguous over the slots
         assert z.stride(-2) == 1 and z.stride(-1) == rows
-    else:  # rows start every ROW_ALIGN bytes (the kernels' row loads vectorise), the padding never shows
-        assert z.stride(-1) == 1 and width <= z.stride(-2) < width + ROW_ALIGN
-        assert (z.stride(-2) * z.element_size()) % ROW_ALIGN == 0
-        z.fill_(1)
-        assert z.untyped_storage().nbytes() == z.stride(-2) * z.element_size() * z.numel() // width
-        assert torch.equal(to_layout(z, "row-major"), torch.ones_like(x)) and layout_of(z) == "row-major"
+    else:  # wide rows start every ROW_ALIGN units (the kernels' row loads vectorise), the padding never shows
+        assert z.stride(-1) == 1 and z.stride(-2) == padded_units(width) == held_units_per_row(z)
 
 
-def test_padded_units_round_rows_up_to_the_alignment():
-    assert [padded_units(w, 1) for w in (0, 1, 16, 17, 420, 500)] == [0, 16, 16, 32, 432, 512]
-    assert [padded_units(w, 2) for w in (1, 8, 9, 210)] == [8, 8, 16, 216]
-    assert padded_units(5, 4) == 8 and padded_units(5, 3) == 5  # an element size that does not divide 16
-    for bad in ((-1, 1), (4, 0)):
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(2, 5), width=st.integers(MIN_PADDED_ROW - 20, MIN_PADDED_ROW + 40),
+       dtype=st.sampled_from((torch.uint8, torch.bfloat16, torch.float32)))
+def test_wide_row_major_rows_are_padded_and_keep_their_values(rows, width, dtype):
+    z = empty_latent((2, rows), width, "row-major", dtype, "cpu")
+    assert z.shape == (2, rows, width) and layout_of(z) == "row-major" and not z.any()
+    if width < MIN_PADDED_ROW:  # narrow rows stay packed
+        assert z.is_contiguous()
+    else:  # the row stride is a multiple of ROW_ALIGN units (Triton's divisibility hint), less than a unit more
+        assert z.stride(-2) % ROW_ALIGN == 0 and width <= z.stride(-2) < width + ROW_ALIGN
+    assert z.untyped_storage().nbytes() == 2 * rows * held_units_per_row(z) * z.element_size()
+    x = (torch.arange(2 * rows * width) % 251).to(dtype).reshape(2, rows, width)
+    z.copy_(x)
+    assert torch.equal(z, x) and torch.equal(to_layout(z, "row-major"), x)
+    assert held_units_per_row(to_layout(x, "unit-major")) == width  # unit-major slots are not padded
+
+
+def test_padded_units_round_wide_rows_up_to_the_alignment():
+    assert [padded_units(w) for w in (0, 1, 17, 127, 128, 129, 420, 500)] == [0, 1, 17, 127, 128, 144, 432, 512]
+    assert padded_units(17, min_width=0) == 32 and padded_units(130, align=8) == 136
+    for bad in ((-1,), (4, 0)):
         with pytest.raises(ValueError, match="width must be >= 0"):
             padded_units(*bad)
     # a sliced-off column is no padded row-major layout: its rows do not span the leading dims' strides whole
