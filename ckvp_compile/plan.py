@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from .analysis.sites import AttentionSite, GraphAnalysis, UnsupportedSite
 from .config import CKVPConfig
 

@@ -70,8 +70,11 @@ def padded_units(width: int, align: int = ROW_ALIGN, min_width: int = MIN_PADDED
 def held_units_per_row(latent: torch.Tensor) -> int:
     """Units one slot's row of ``latent`` (..., rows, W) holds in storage: its row stride when row-major (padding
     included), W when unit-major (whose slots are not padded)."""
-    if latent.dim() >= 2 and latent.stride(-1) == 1 and latent.shape[-2] > 1:
-        return int(latent.stride(-2))
+    if latent.dim() >= 2 and latent.stride(-1) == 1:
+        if latent.shape[-2] > 1:
+            return int(latent.stride(-2))
+        if latent.dim() >= 3 and latent.shape[-3] > 1:  # one slot per sequence: the next dim's stride is its row
+            return int(latent.stride(-3))
     return int(latent.shape[-1])
 
 

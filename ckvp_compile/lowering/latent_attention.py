@@ -195,8 +195,8 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
     if strides is None or lk_sizes is None or any(
             n > 1 and st != want for n, st, want in zip(lk_sizes, strides, _contiguous_strides(lk_sizes))):
         # the template's inputs are made contiguous: a full copy per call
-        return ("latent_k is not contiguous (unit-major, or row-major rows padded to 16 bytes: "
-                "kernels.latent_layout): the plain kernel reads it at its strides, the template would copy it")
+        return ("latent_k is not contiguous (unit-major, or row-major with padded rows: kernels.latent_layout): "
+                "the plain kernel reads it at its strides, the template would copy it")
     return None
 
 
