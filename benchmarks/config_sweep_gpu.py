@@ -12,8 +12,8 @@ ranks joined by ``_`` that the heads take in turn (``32_64``: unequal ranks with
 have), ``:u`` storing the latents unit-major (each byte
 column of the rows contiguous over the slots: ``kernels.latent_layout``, as a store built with
 ``latent_layout="unit-major"`` holds them), ``:v`` the value latents alone so (``"row-major/unit-major"``), ``:p``
-row-major rows padded to 16 bytes as a store allocates them (``kernels.latent_layout.empty_latent``; without it
-the rows are packed, as before 2026-12-01's step-calls results);
+row-major rows padded as a store allocates them (``kernels.latent_layout.empty_latent``: 16-unit rows from 128
+units on; without it the rows are packed, as before 2026-12-01's step-calls results);
 head_dim 128; latents of
 ``ckvp_compile.bench.attention.make_inputs``. A config is ``default`` (the launcher's default for the case's group and
 padded rank, with ``--paired`` as a compiled HF model declares its tables) or ``generic`` (``DecodeConfig()``),
@@ -144,7 +144,7 @@ def main() -> None:
         # the rows name a case's ranks as given (an int when the heads share one)
         rank = k_list[0] if len(k_list) == 1 else rank_text
         rank_v = v_list[0] if len(v_list) == 1 else (rank_v_text or rank_text)
-        if layout == "row-major padded":  # the same rows, each starting every ROW_ALIGN bytes (empty_latent)
+        if layout == "row-major padded":  # the same rows, as the store allocates them (empty_latent)
             padded = []
             for lat in args[1:3]:
                 x = empty_latent(lat.shape[:-1], lat.shape[-1], "row-major", lat.dtype, lat.device)

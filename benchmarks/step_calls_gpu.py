@@ -163,8 +163,8 @@ def main() -> int:
                 diff = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                 ms = graph_bench(call, rep=a.rep)
                 kt = kernel_times(call)
-                row = {"call": i, "variant": name, "ms": ms, "args": describe(v), "kernels_us": kt, "rel_diff_to_recorded": diff,
-                       "kv_len": v[KV_LEN], "mask": None if v[MASK] is None else
+                row = {"call": i, "variant": name, "ms": ms, "args": describe(v), "kernels_us": kt,
+                       "rel_diff_to_recorded": diff, "kv_len": v[KV_LEN], "mask": None if v[MASK] is None else
                        f"{tuple(v[MASK].shape)} {v[MASK].dtype}", "k_ranks": k_ranks, "v_ranks": v_ranks,
                        "k_fmt": v[18], "v_fmt": v[19], "batch": int(v[0].shape[0]), "launch": launch}
             except Exception as e:  # noqa: BLE001 - reported in the row

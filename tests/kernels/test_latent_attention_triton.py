@@ -262,7 +262,7 @@ def _check_fixed() -> None:
                     (dict(base, rk=[12, 5], rv=[7, 9], layout="unit-major", page=4, seed=3), cfg),
                     (dict(base, ratio=1, rk=[8, 8], rv=[8, 8], rope="complex", layout="unit-major"), ucfg),
                     (dict(base, layout="unit-major"), dataclasses.replace(cfg, two_pass=False)),
-                    # rows padded to 16 bytes (a store's row-major latents): grouped and per-head passes, paged
+                    # padded rows (a store's wide row-major latents): grouped and per-head passes, paged
                     (dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="padded"), ucfg),
                     (dict(base, rk=[12, 5], rv=[7, 9], layout="padded", page=4, seed=3), cfg)):
         _check(case, c)

@@ -111,6 +111,33 @@ def test_a_unit_major_store_holds_unit_major_latents_and_refuses_unknown_layouts
             LatentKVStore(bases, 2, 16, "cpu", torch.float32, latent_layout=bad)
 
 
+@pytest.mark.parametrize("fmt,page_size", [("float", 0), ("int4/32", 0), ("int4/32", 4), ("int8/32", 0)])
+def test_a_store_pads_wide_rows_and_its_byte_budget_counts_the_padding(fmt, page_size):
+    """Wide row-major latent rows (>= MIN_PADDED_ROW units) are padded to ROW_ALIGN units in the store; the
+    planner's byte count (store_bytes), StoreBytes and latent_row_bytes all include the padding, so the ratio the
+    planner meets is the one the device holds."""
+    from ckvp_compile.latent.bases import LatentBases
+    from ckvp_compile.latent.budget import store_bytes
+    from ckvp_compile.runtime.store import LatentKVStore
+
+    gen = torch.Generator().manual_seed(0)
+    ranks = ((70, 65),) if fmt == "float" else ((128, 121),)  # 135 elements; int4 157 / int8 281 bytes
+    # one group of 2 layers, 2 KV heads, D 64: bases (Hkv, 2 * D, largest rank)
+    basis = (torch.linalg.qr(torch.randn(2, 128, max(ranks[0]), generator=gen))[0],)
+    eig = (torch.ones(2, 128, dtype=torch.float64),)
+    bases = LatentBases(groups=((0, 1),), num_kv_heads=2, head_dim=64, group_size=2, target_ratio=2.0,
+                        rank_allocation="uniform", k_basis=basis, v_basis=basis, k_ranks=ranks, v_ranks=ranks,
+                        k_eigenvalues=eig, v_eigenvalues=eig, model_fingerprint={}, num_tokens=1)
+    store = LatentKVStore(bases, 2, 16, "cpu", torch.float32, fmt, fmt, page_size=page_size)
+    for t in (*store.latent_k, *store.latent_v):
+        assert layout_of(t) == "row-major" and not t.is_contiguous()  # these widths are not multiples of 16
+        assert t.stride(-2) % ROW_ALIGN == 0 and t.shape[-1] < t.stride(-2) < t.shape[-1] + ROW_ALIGN
+    k_bytes, v_bytes = store.latent_row_bytes(0)
+    assert k_bytes == store.latent_k[0].stride(-2) * store.latent_k[0].element_size() and v_bytes == k_bytes
+    nb = store.nbytes()
+    assert store_bytes(bases, 2, 16, fmt, fmt, torch.float32, page_size=page_size) == nb.per_sequence_state + nb.bases
+
+
 def test_a_store_layout_names_the_key_and_value_layouts():
     assert key_value_layouts("unit-major") == ("unit-major", "unit-major")
     assert key_value_layouts("row-major/unit-major") == ("row-major", "unit-major")

@@ -90,7 +90,7 @@ def test_the_template_refuses_latents_it_would_copy():
     offsets, args = [0, r, 2 * r], ("rotate_half", None, s_max, "int4/32")
     row = Node((b, s_max, width), (s_max * width, width, 1), torch.uint8)
     unit = Node((b, s_max, width), (s_max * width, 1, s_max), torch.uint8)
-    padded = Node((b, s_max, width), (s_max * 32, 32, 1), torch.uint8)  # rows padded to 16 bytes (empty_latent)
+    padded = Node((b, s_max, width), (s_max * 32, 32, 1), torch.uint8)  # padded rows (empty_latent)
     assert template_refusal(q, row, basis, offsets, *args) is None
     assert "unit-major" in template_refusal(q, unit, basis, offsets, *args)
     assert "padded" in template_refusal(q, padded, basis, offsets, *args)
