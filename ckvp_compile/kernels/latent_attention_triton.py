@@ -203,7 +203,17 @@ class DecodeConfig:
     None: Triton's default for the loop (the kernel's ``num_stages`` for tensor-core operands only). Off here;
     :func:`default_config` turns them on where the H200 measured them faster (CUDA-graph replays of one call,
     benchmarks/results/2026-12-01-defaults-h200): the key pass at 3 stages up to rank 32 (0.86-0.96x) and GQA's one
-    pass (0.97x), the value pass at 2 stages at ranks 65-128 (rank 96: 0.92x)."""
+    pass (0.97x), the value pass at 2 stages at ranks 65-128 (rank 96: 0.92x).
+    head_chunks: with one query head per KV head and uniform ``int`` key and value latents, run the whole call as
+    one pass over chunks of KV heads (:mod:`.latent_attention_chunks`: each program folds the query into the basis
+    for every head of its chunk, multiplies each table tile once for all of them, and keeps each head's online
+    softmax and value latent) whose padded key ranks fill about this many columns; 0: off. ``rotate_fp16`` then
+    makes the table product one fp16 dot instead of the bf16 hi / lo pair; ``block_n_c`` (slots per tile),
+    ``loop_stages_c`` (its tile loop's pipeline depth), ``num_warps``, ``num_stages`` and ``target_programs``
+    apply to it. Like ``head_group``, only where its programs still fill ``target_programs``. H200, 16:16 heads,
+    int4/32, batch 8, 32k, one call in CUDA-graph replay (benchmarks/results/2026-12-02-head-chunks-h200): rank 8
+    0.186 ms against 0.228 for the two-pass default (0.82x); rank 16 0.289 against 0.273; rank 96 1.61 against
+    1.18; so :func:`default_config` turns it on only at key and value ranks <= 8."""
 
     block_n: int = 64
     block_r: int = 64
@@ -238,6 +248,9 @@ class DecodeConfig:
     rotate_fp16: bool = False
     loop_stages: int | None = None
     loop_stages_v: int | None = None
+    head_chunks: int = 0
+    block_n_c: int = 32
+    loop_stages_c: int | None = 2
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -261,7 +274,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     over groups of KV heads (``head_group``; benchmarks/results/2026-11-30-head-groups-h200): 4 to 16 heads, as many
     as keep the group within 128 columns (:func:`_head_group`); up to rank 32 also 64-slot value tiles and a 3-stage
     key-pass loop, at ranks 65-128 a 2-stage value loop (benchmarks/results/2026-12-01-defaults-h200: Qwen1.5-MoE
-    decode, batch 8, 32k, 18.43 -> 16.45 ms per step). Otherwise
+    decode, batch 8, 32k, 18.43 -> 16.45 ms per step); at key and value ranks <= 8 the one pass over chunks of KV
+    heads (``head_chunks``; rank 8: 0.82x the two-pass call, benchmarks/results/2026-12-02-head-chunks-h200). Otherwise
     (e.g. Mixtral's G = 4) the generic config (the fastest of run 5), up to rank 128 in its one-pass form, which the
     decode of Mixtral-8x7B at 32k (key ranks 95-101) measured 1.36-1.9x faster than the two-pass one at batch 8-195
     (benchmarks/results/2026-11-30-batch-slices-h200), its loop pipelined 3 stages deep, and with quantized keys
@@ -298,6 +312,10 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         v_pad = rank_pad if rank_v is None else max(16, _np2(rank_v))  # measured at equal key and value ranks
         if rank_pad <= 32:
             cfg = dataclasses.replace(cfg, loop_stages=3)
+        if paired and max(rank or rank_pad, rank_v or rank or rank_pad) <= 8:
+            # one pass over chunks of 16 heads (latent_attention_chunks): rank 8 0.228 -> 0.186 ms per call at
+            # batch 8, 32k (benchmarks/results/2026-12-02-head-chunks-h200); wider ranks measured slower
+            cfg = dataclasses.replace(cfg, head_chunks=128)
         if v_pad <= 32:
             cfg = dataclasses.replace(cfg, block_n_v=64)
         elif v_pad == 128:
@@ -2035,9 +2053,21 @@ def _launch(
                                 rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],
                                 quantized_keys=kf.quantized and not kf.pow2)
     cfg = config
+    chunks = None
+    if mode == "all" and cfg.head_chunks > 0 and not cfg.fuse_merge:
+        from .latent_attention_chunks import chunk_layout  # (that module imports this one's jit helpers)
+
+        chunks = chunk_layout(cfg.head_chunks, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
+                              parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
+                              basis_v_block.shape[-1], basis_k_block.shape[-3], latent_k.stride(-1),
+                              latent_v.stride(-1))
+        # only where the chunks' programs fill the target (batch 1, 4k: 32 programs against 256 per head)
+        if chunks is not None and q.shape[0] * chunks["n_chunks"] * q.shape[2] * max(
+                1, triton.cdiv(kv_len, cfg.block_n_c) // max(cfg.min_tiles, 1)) < cfg.target_programs:
+            chunks = None
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
-    elif mode == "all" and cfg.two_pass and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES:
+    elif mode == "all" and chunks is None and cfg.two_pass and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES:
         slices = score_batch_slices(q.shape[0], q.shape[1], q.shape[2], kv_len)
         if slices is None:
             cfg = dataclasses.replace(cfg, two_pass=False)  # a long prefill: the scores would not fit; one pass
@@ -2080,7 +2110,11 @@ def _launch(
     block_n_v = cfg.block_n_v or cfg.block_n
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
-    n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else block_n_one, target_v)
+    if chunks is not None:  # one pass over chunks of KV heads: its own split of the context
+        n_split, tiles_per_split = context_splits(cfg, kv_len, cfg.block_n_c, b * chunks["n_chunks"] * s,
+                                                  cfg.target_programs)
+    else:
+        n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else block_n_one, target_v)
     if attn_mask is None:
         mask_kind, mask, mstrides = 0, q, (0, 0, 0, 0)
     else:
@@ -2105,7 +2139,7 @@ def _launch(
     if mode == "from_scores":
         sc_ws = scores.contiguous()
         t_pad = kv_len
-    elif cfg.two_pass:  # the scores: (B, Hkv, S, G, kv_len) fp32, rows of kv_len
+    elif cfg.two_pass and chunks is None:  # the scores: (B, Hkv, S, G, kv_len) fp32, rows of kv_len
         t_pad = kv_len
         sc_ws = torch.empty(b, hkv, s, g, kv_len, dtype=torch.float32, device=q.device)
     else:
@@ -2175,7 +2209,44 @@ def _launch(
     _LAST_LAUNCH["key_fp16"] = common["KEY_FP16"]
     _LAST_LAUNCH["n_split"] = n_split
     _LAST_LAUNCH["merge_split_block"] = split_block
-    if cfg.two_pass and mode != "from_scores":
+    _LAST_LAUNCH["head_chunks"] = 0 if chunks is None else chunks["NH"]
+    if chunks is not None:
+        from . import latent_attention_chunks as lac
+
+        nck = chunks["NH"] * chunks["RKP"]
+        kt = (2 if common["PAIRED_TABLE"] or rope == 3 else 4) * common["HALF"]
+        e_rows = b * chunks["n_chunks"] * s
+        e_split = not cfg.rotate_fp16
+        e_dtype = torch.bfloat16 if e_split else torch.float16
+        e_hi = torch.empty(e_rows * kt * nck if rope != 0 else 1, dtype=e_dtype, device=q.device)
+        e_lo = torch.empty_like(e_hi) if e_split and rope != 0 else e_hi
+        c3 = torch.empty(e_rows * nck if d > rd else 1, dtype=torch.float32, device=q.device)
+        fold_rows = 16
+        kw, vw = _words(kf, latent_k, k_sb, k_mb), _words(vf, latent_v, v_sb, v_mb)  # (scale bases in words)
+        _LAST_LAUNCH["fold"] = lac._fold_query_kernel[(e_rows, triton.cdiv(kt, fold_rows))](
+            e_hi, e_lo, c3, q, basis_k_block, kmeta, hkv, s, chunks["n_chunks"], d, half,
+            *q.stride(), *_basis_strides(basis_k_block),
+            NH=chunks["NH"], RKP=chunks["RKP"], HALF=common["HALF"], REST=common["REST"], HAS_ROT=rope != 0,
+            HAS_REST=d > rd, ROPE=rope, PAIRED_TABLE=common["PAIRED_TABLE"], E_SPLIT=e_split, FB=fold_rows,
+            num_warps=4)
+        _LAST_LAUNCH["chunks"] = lac._latent_attention_chunks_kernel[(n_split, b * chunks["n_chunks"], s)](
+            e_hi, e_lo, c3, q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
+            m_ws, l_ws, acc_ws, pt, pt_stride,
+            hkv, s, chunks["n_chunks"], n_exact, kv_len, tiles_per_split, n_split, qk_scale, d, half,
+            *(x // 2 if kw else x for x in (k_sb, k_mb)), *(x // 2 if vw else x for x in (v_sb, v_mb)),
+            *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr,
+            *pstr, *mstrides,
+            NH=chunks["NH"], RKP=chunks["RKP"], RVP=chunks["RVP"], RV_PAD=rv_pad, K_BITS=kf.bits, K_QBLOCK=kf.block, V_BITS=vf.bits,
+            V_QBLOCK=vf.block, K_CONTIG=chunks["K_CONTIG"], V_CONTIG=chunks["V_CONTIG"],
+            K_WORDS=kw, V_WORDS=vw, K_BLK_ALIGN=chunks["K_BLK_ALIGN"], V_BLK_ALIGN=chunks["V_BLK_ALIGN"],
+            MASK_HEADS=mask_kind != 0 and mstrides[1] != 0,
+            K_ALIGN=chunks["K_ALIGN"], V_ALIGN=chunks["V_ALIGN"], HALF=common["HALF"], REST=common["REST"],
+            HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope, PAIRED_TABLE=common["PAIRED_TABLE"],
+            T_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16, E_SPLIT=e_split,
+            MASK=mask_kind, F32_DOT=f32_dot, BLOCK_N=cfg.block_n_c, SLOT_BLOCK=16, PAGE=common["PAGE"],
+            LOOP_STAGES=cfg.loop_stages_c, VALUES_2D=cfg.fma_values_2d, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
+    elif cfg.two_pass and mode != "from_scores":
         window = None
         per_group = min(int(cfg.head_group), hkv)
         n_groups = triton.cdiv(hkv, max(per_group, 1))
@@ -2221,18 +2292,19 @@ def _launch(
                 **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
-    _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
-        q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
-        m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,
-        hkv, s, n_exact, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
-        rv_max,
-        *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
-        *mstrides, *merge_strides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one,
-        PHASE=2 if cfg.two_pass else 0,
-        num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
-        LOOP_STAGES=cfg.loop_stages_v if cfg.two_pass else cfg.loop_stages,
-        **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
-               ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
+    if chunks is None:
+        _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
+            q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
+            m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,
+            hkv, s, n_exact, kv_len, tiles_per_split, n_split, qk_scale, g, d, half, rk_max, k_sb, k_mb, v_sb, v_mb,
+            rv_max,
+            *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr, *pstr,
+            *mstrides, *merge_strides, BLOCK_N=block_n_v if cfg.two_pass else block_n_one,
+            PHASE=2 if cfg.two_pass else 0,
+            num_warps=(cfg.num_warps_v or cfg.num_warps) if cfg.two_pass else cfg.num_warps,
+            LOOP_STAGES=cfg.loop_stages_v if cfg.two_pass else cfg.loop_stages,
+            **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
+                   ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
     if not fuse:
         _LAST_LAUNCH["reduce"] = _latent_attention_reduce_kernel[
             (b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](

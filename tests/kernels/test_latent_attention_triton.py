@@ -10,6 +10,7 @@ blocks), the four RoPE forms with partial rotary_dim, bool / additive masks of s
 masked rows included), fp32 / bf16 / fp16 inputs, non-contiguous q and new_k, tile sizes, rebuild chunks,
 the hoisted basis, alignment hints, context splits, one- and two-pass forms.
 Fixed cases: a rank-0 head, per-sequence (online, 4-D) bases, fp8 bases, planned mix formats, every row masked,
+the one pass over chunks of KV heads (equal, unequal and ragged ranks, every RoPE form, shared and per-head masks),
 the merge's tiles of partials (split counts below and above SPLIT_BLOCK, G = 1-4, fused or not), the op's CUDA
 kernel function (dispatch to Triton, and to the reference for an unsupported dtype). Bound: relative error
 (Frobenius) <= 1e-3.
@@ -228,7 +229,8 @@ def _check_property(n_examples: int) -> None:
                            fma_values_2d=draw(st.booleans()), fuse_merge=draw(st.booleans()),
                            rotate_basis=draw(st.booleans()), head_group=draw(st.sampled_from((0, 0, 2, 3))),
                            rotate_fp16=draw(st.booleans()), loop_stages=draw(st.sampled_from((None, 2))),
-                           loop_stages_v=draw(st.sampled_from((None, 3))))
+                           loop_stages_v=draw(st.sampled_from((None, 3))),
+                           head_chunks=draw(st.sampled_from((0, 0, 16, 64))), block_n_c=draw(st.sampled_from((16, 32))))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
@@ -266,7 +268,27 @@ def _check_fixed() -> None:
                     (dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="padded"), ucfg),
                     (dict(base, rk=[12, 5], rv=[7, 9], layout="padded", page=4, seed=3), cfg)):
         _check(case, c)
-    # paged latents: pages scattered over a pool, a strided page table (odd seed), one- and two-pass
+    # the one pass over chunks of KV heads (latent_attention_chunks): equal ranks (one contiguous window per row),
+    # unequal and ragged ranks (gathered columns), several blocks per head, paired and unpaired tables of every
+    # form, a mask shared by the heads or per head, window tokens, paged and padded rows, the fp16 table product
+    from ckvp_compile.kernels import latent_attention_triton as chunk_mod
+
+    ccfg = DecodeConfig(block_n=16, num_warps=1, split=2, min_tiles=1, target_programs=2, head_chunks=32,
+                        block_n_c=16)
+    eq = dict(base, hkv=4, ratio=1, rk=[8] * 4, rv=[8] * 4, kfmt="int4/32", vfmt="int4/32")
+    for case, c in ((eq, ccfg),
+                    (dict(eq, rope="complex", mask="bool", mask_shape="b1sk", win=3), ccfg),
+                    (dict(eq, paired=True, mask="add", mask_shape="bhsk"), dataclasses.replace(ccfg, paired_tables=True)),
+                    (dict(eq, rope="interleaved", rd=16, paired=True, layout="padded"),
+                     dataclasses.replace(ccfg, paired_tables=True, block_n_c=32)),
+                    (dict(eq, rk=[12, 3, 0, 5], rv=[7, 8, 1, 0], s=2, win=17, unused=4, page=4, seed=3), ccfg),
+                    (dict(eq, hkv=3, rk=[20, 3, 17], rv=[7, 24, 1], kfmt="int4/8", vfmt="int8/16", rope="none",
+                          rd=0), dataclasses.replace(ccfg, head_chunks=64)),
+                    (dict(eq, d=64, rd=32, rk=[40, 33, 9, 2], rv=[33, 9, 40, 1], kfmt="int2/16", vfmt="int4/32",
+                          mask="bool", mask_p=1.1), dataclasses.replace(ccfg, head_chunks=64)),
+                    (dict(eq, paired=True), dataclasses.replace(ccfg, paired_tables=True, rotate_fp16=True))):
+        _check(case, c)
+        assert chunk_mod._LAST_LAUNCH["head_chunks"] > 0, (case, c)  # the chunk kernel ran, not a fallback
     for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
         _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
     # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens

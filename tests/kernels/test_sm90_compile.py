@@ -91,8 +91,10 @@ def _run(n_examples: int) -> None:
                 case = dict(fixed, b=8, t=16384, heads=heads, k_ranks=[r] * heads[1], v_ranks=[r] * heads[1])
                 names = [k.name for k in _compile(case, default_config(heads[0] // heads[1], rp, paired=paired,
                                                                        rank=r), fits=True)]
-                grouped = heads[0] == heads[1] and paired and r <= 32
+                chunked = heads[0] == heads[1] and paired and r <= 8  # the one pass over head chunks
+                grouped = heads[0] == heads[1] and paired and r <= 32 and not chunked
                 assert ("grouped key pass" in names) == grouped, (heads, r, paired, names)
+                assert ("one pass over head chunks" in names) == chunked, (heads, r, paired, names)
     # rank-0 heads and mix bit plans (whose head table holds pieces, not ranks), with the rank-chunk loop
     mix = dict(b=2, t=256, heads=(4, 2), d=128, k_ranks=[64, 40], v_ranks=[7, 9],
                kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1", page=0, seed=1)
@@ -123,7 +125,9 @@ def _run(n_examples: int) -> None:
             head_group=draw(st.sampled_from((0, 0, 2, 4, 8, 16))), rotate_fp16=draw(st.booleans()),
             key_codes=draw(st.booleans()), key_fp16=draw(st.booleans()), key_split=draw(st.booleans()),
             paired_tables=draw(st.booleans()), reduce_split_d=draw(st.booleans()),
-            loop_stages=draw(st.sampled_from((None, 2, 3))), loop_stages_v=draw(st.sampled_from((None, 2, 3))))
+            loop_stages=draw(st.sampled_from((None, 2, 3))), loop_stages_v=draw(st.sampled_from((None, 2, 3))),
+            head_chunks=draw(st.sampled_from((0, 0, 32, 128))), block_n_c=draw(st.sampled_from((16, 32, 64))),
+            loop_stages_c=draw(st.sampled_from((None, 2))))
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
