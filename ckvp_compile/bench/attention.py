@@ -318,14 +318,15 @@ def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False)
 
 
 def kernel_stats() -> dict:
-    """Registers per thread, spilled registers and shared memory of the last launched split (and, two-pass, key
-    pass: ``scores_`` keys; the merge kernel, unless the merge is fused: ``reduce_`` keys) kernel, as Triton reports
+    """Registers per thread, spilled registers and shared memory of the last launched split or head-chunk (and,
+    two-pass, key pass: ``scores_`` keys; the merge kernel, unless the merge is fused: ``reduce_`` keys) kernel, as
+    Triton reports
     them for a compiled CUDA kernel, and ``batch_slices``: how many slices of the batch the two passes ran on
     (:func:`~ckvp_compile.kernels.latent_attention_triton.score_batch_slices`); clears the record."""
     from ckvp_compile.kernels import latent_attention_triton as lat
 
     out = {}
-    for kind, prefix in (("split", ""), ("scores", "scores_"), ("reduce", "reduce_")):
+    for kind, prefix in (("split", ""), ("chunks", ""), ("scores", "scores_"), ("reduce", "reduce_")):
         k = lat._LAST_LAUNCH.get(kind)
         for name in ("n_regs", "n_spills", "shared"):
             v = getattr(k, name, None)

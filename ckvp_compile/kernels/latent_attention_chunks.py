@@ -11,8 +11,9 @@ sequence and one context split, and does the whole flash-decoding split for all 
   ``z`` and the basis rows of the rotated pairs' halves ``P1``, ``P2``, the score of slot ``t`` is
   ``sum_n z_tn W_tn`` with ``W = T_t @ E``: ``T_t`` (KT,) the cos / sin table entries at the slot's position
   (paired tables: ``[cos | sin]`` of the HALF angles, KT = 2 HALF; else ``[cos1 | sin1 | cos2 | sin2]``), and ``E``
-  (KT, NCK) the query folded into the basis once per program (``Ea = P1 q1 + P2 q2``, ``Eb = P1 q2 - P2 q1``
-  when paired; four blocks otherwise; plus ``c3 = P3 q3`` for channels past the rotary dimension). ``W`` is one
+  (KT, NCK) the query folded into the basis (``Ea = P1 q1 + P2 q2``, ``Eb = P1 q2 - P2 q1`` when paired; four
+  blocks otherwise; plus ``c3 = P3 q3`` for channels past the rotary dimension), built once per (sequence, chunk,
+  query token) by ``_fold_query_kernel``, a small launch before the attention kernel. ``W`` is one
   (BLOCK_N, KT) x (KT, NCK) tensor-core product per tile for every head of the chunk: ``E`` as bf16 hi + lo
   parts against the table as loaded (exact when the table is bf16; fp32 / fp16 tables are split too), or, with
   ``E_SPLIT`` off, one fp16 product (2^-11 relative per coefficient).
@@ -28,6 +29,13 @@ Why: at the Qwen1.5-MoE shape (16 KV heads of 128 channels, int4/32 latents) a p
 of each row and multiplies the tables with N = its own rank; the chunk reads whole row windows once, multiplies
 the table tile once for all its heads, and skips the scores' round trip through memory of the two-pass form.
 
+Measured (H200, 16:16 heads, int4/32, batch 8, 32k, CUDA-graph replays of one call;
+benchmarks/results/2026-12-02-head-chunks-h200): rank 8, 32-slot tiles, 0.186 ms against 0.228 for the two-pass
+default (the Qwen1.5-MoE decode step at batch 8, 32k: 15.62 -> 14.70 ms with it in the rank-8 layers); rank 16
+1.06x, rank 96 1.37x, unequal ranks 32 / 64 1.78x the default's time, so it is the default at ranks <= 8 only.
+Nsight Compute (rank 8, before the vector scale loads): 255 registers (2 programs per SM), L1 / shared memory 82%
+busy (spills, the per-slot scale gathers, the layout conversions of the reshaped segment sums), DRAM 6%.
+
 Sources (read, not copied): FlashDecoding (split-KV + reduction), FlashAttention-2 (online softmax), DeepSeek-V2
 (arXiv:2405.04434: value absorption), RoFormer (arXiv:2104.09864: the rotation written as cos / sin products).
 """
@@ -39,7 +47,7 @@ import triton.language as tl
 
 from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _fp16_at, _mm, _unpack_codes
 
-__all__ = ["chunk_heads"]
+__all__ = ["chunk_heads", "chunk_layout"]
 
 
 def chunk_heads(rank_pad: int, columns: int, hkv: int) -> int:
@@ -205,7 +213,8 @@ def _fold_query_kernel(
 
 @triton.jit
 def _latent_attention_chunks_kernel(
-    ehi_ptr, elo_ptr, c3_ptr, q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr,
+    ehi_ptr, elo_ptr, c3_ptr, q_ptr, lk_ptr, lv_ptr, bk_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, mask_ptr,
+    kmeta_ptr, vmeta_ptr,
     m_ptr, l_ptr, acc_ptr, pt_ptr, stride_ptb,
     Hkv, S, n_chunks, n_exact, kv_len, tiles_per_split, n_split, qk_scale, D, half,
     k_scale_base, k_min_base, v_scale_base, v_min_base,
@@ -216,7 +225,8 @@ def _latent_attention_chunks_kernel(
     stride_cp, stride_cw, stride_sp, stride_sw,
     stride_pb, stride_ps,
     stride_mb, stride_mh, stride_ms, stride_mt,
-    NH: tl.constexpr, RKP: tl.constexpr, RVP: tl.constexpr, RV_PAD: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr,
+    NH: tl.constexpr, RKP: tl.constexpr, RVP: tl.constexpr, RV_PAD: tl.constexpr, K_BITS: tl.constexpr,
+    K_QBLOCK: tl.constexpr,
     V_BITS: tl.constexpr, V_QBLOCK: tl.constexpr, K_CONTIG: tl.constexpr, V_CONTIG: tl.constexpr,
     K_WORDS: tl.constexpr, V_WORDS: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
     HALF: tl.constexpr, REST: tl.constexpr, HAS_ROT: tl.constexpr,
@@ -233,9 +243,11 @@ def _latent_attention_chunks_kernel(
     rows of a uniform ``int`` format (PAGE > 0: page pools and the (B, S_max / PAGE) page table ``pt``);
     basis_k (Hkv, D, Rk_max) or (B, Hkv, D, Rk_max) by strides; cos / sin (P_max, W_t); slot_pos (B, S_max); slots
     (n_exact,) exact tokens' slots (-1 unused), skipped here; mask (B, H, S, kv_len) by strides; kmeta / vmeta
-    (Hkv, 3) int32 (first code byte, first block, rank). Stores m, l (rows, n_split) and acc (rows, n_split, RVP)
-    fp32, rows = B*Hkv*S, log2 units (acc rows RV_PAD wide, zero past RVP). RKP / RVP: padded ranks (powers of
-    two)."""
+    (Hkv, 3) int32 (first code byte, first block, rank); ehi / elo (B*n_chunks*S, KT, NCK) and c3 (B*n_chunks*S,
+    NCK) from ``_fold_query_kernel``; scale / min bases in bytes, or in fp16 words with K_WORDS / V_WORDS. Stores m,
+    l (rows, n_split) and acc (rows, n_split, RV_PAD) fp32, rows = B*Hkv*S, log2 units (acc zero past RVP). RKP /
+    RVP: padded ranks (powers of two). MASK_HEADS: the mask differs per head (else one row, loaded once per
+    slot)."""
     c = tl.program_id(0)
     bc = tl.program_id(1)
     s = tl.program_id(2)
@@ -258,7 +270,7 @@ def _latent_attention_chunks_kernel(
     KT: tl.constexpr = PARTS * HALF
     f = tl.arange(0, KT)
     tcol, is_sin, f_ok = _table_columns(f, half, HALF, ROPE)
-    e_row = ((b * n_chunks + bc % n_chunks) * S + s).to(tl.int64)
+    e_row = (bc * S + s).to(tl.int64)
     e_off = e_row * KT * NCK + f[:, None] * NCK + n[None, :]
     if HAS_ROT:
         e_hi = tl.load(ehi_ptr + e_off)

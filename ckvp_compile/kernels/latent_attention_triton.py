@@ -2230,13 +2230,15 @@ def _launch(
             HAS_REST=d > rd, ROPE=rope, PAIRED_TABLE=common["PAIRED_TABLE"], E_SPLIT=e_split, FB=fold_rows,
             num_warps=4)
         _LAST_LAUNCH["chunks"] = lac._latent_attention_chunks_kernel[(n_split, b * chunks["n_chunks"], s)](
-            e_hi, e_lo, c3, q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
+            e_hi, e_lo, c3, q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta,
+            vmeta,
             m_ws, l_ws, acc_ws, pt, pt_stride,
             hkv, s, chunks["n_chunks"], n_exact, kv_len, tiles_per_split, n_split, qk_scale, d, half,
             *(x // 2 if kw else x for x in (k_sb, k_mb)), *(x // 2 if vw else x for x in (v_sb, v_mb)),
             *q.stride(), *latent_k.stride(), *latent_v.stride(), *_basis_strides(basis_k_block), *cstr, *sstr,
             *pstr, *mstrides,
-            NH=chunks["NH"], RKP=chunks["RKP"], RVP=chunks["RVP"], RV_PAD=rv_pad, K_BITS=kf.bits, K_QBLOCK=kf.block, V_BITS=vf.bits,
+            NH=chunks["NH"], RKP=chunks["RKP"], RVP=chunks["RVP"], RV_PAD=rv_pad, K_BITS=kf.bits, K_QBLOCK=kf.block,
+            V_BITS=vf.bits,
             V_QBLOCK=vf.block, K_CONTIG=chunks["K_CONTIG"], V_CONTIG=chunks["V_CONTIG"],
             K_WORDS=kw, V_WORDS=vw, K_BLK_ALIGN=chunks["K_BLK_ALIGN"], V_BLK_ALIGN=chunks["V_BLK_ALIGN"],
             MASK_HEADS=mask_kind != 0 and mstrides[1] != 0,

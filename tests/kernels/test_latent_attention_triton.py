@@ -278,7 +278,8 @@ def _check_fixed() -> None:
     eq = dict(base, hkv=4, ratio=1, rk=[8] * 4, rv=[8] * 4, kfmt="int4/32", vfmt="int4/32")
     for case, c in ((eq, ccfg),
                     (dict(eq, rope="complex", mask="bool", mask_shape="b1sk", win=3), ccfg),
-                    (dict(eq, paired=True, mask="add", mask_shape="bhsk"), dataclasses.replace(ccfg, paired_tables=True)),
+                    (dict(eq, paired=True, mask="add", mask_shape="bhsk"),
+                     dataclasses.replace(ccfg, paired_tables=True)),
                     (dict(eq, rope="interleaved", rd=16, paired=True, layout="padded"),
                      dataclasses.replace(ccfg, paired_tables=True, block_n_c=32)),
                     (dict(eq, rk=[12, 3, 0, 5], rv=[7, 8, 1, 0], s=2, win=17, unused=4, page=4, seed=3), ccfg),
