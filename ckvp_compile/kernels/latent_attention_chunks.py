@@ -88,9 +88,13 @@ def _chunk_codes(rows, ld_ok, meta_ptr, h0, Hkv, stride_w, NH: tl.constexpr, RP:
         col = tl.load(meta_ptr + 3 * head, mask=h_ok, other=0) + ub
     raw = tl.load(rows[:, None] + (col * stride_w)[None, :], mask=ld_ok[:, None] & u_ok[None, :], other=0)
     raw = raw.to(tl.int32)
+    # one return: Triton compiles the statements after a returning constexpr branch too (an early return at
+    # BITS 8 still built the sub-byte unpack and failed to compile; the interpreter does not)
     if BITS == 8:
-        return raw
-    return _unpack_codes(raw, BLOCK_N, NH * RP, BITS)
+        code = raw
+    else:
+        code = _unpack_codes(raw, BLOCK_N, NH * RP, BITS)
+    return code
 
 
 @triton.jit
@@ -421,7 +425,9 @@ def chunk_layout(head_chunks: int, group: int, k_fmt, v_fmt, k_offsets, v_offset
     for f in (k_fmt, v_fmt):
         if not f.quantized or f.mixed or f.pow2 or f.ternary or f.bits not in (8, 4, 2) or not _pow2(f.block):
             return None
-    rkp, rvp = triton.next_power_of_2(max(rk_max, 1)), triton.next_power_of_2(max(rv_max, 1))
+    # each padded head holds whole code bytes (8 / bits coordinates at least: an int4 rank-1 head is one byte)
+    rkp = triton.next_power_of_2(max(rk_max, 8 // k_fmt.bits, 1))
+    rvp = triton.next_power_of_2(max(rv_max, 8 // v_fmt.bits, 1))
     nh = chunk_heads(max(rkp, rvp), head_chunks, hkv)
     rkp = max(rkp, 16 // nh)  # the table product's N (NH * RKP) is at least 16
     out = dict(NH=nh, n_chunks=-(-hkv // nh), RKP=rkp, RVP=rvp)

@@ -208,9 +208,10 @@ class DecodeConfig:
     one pass over chunks of KV heads (:mod:`.latent_attention_chunks`: each program folds the query into the basis
     for every head of its chunk, multiplies each table tile once for all of them, and keeps each head's online
     softmax and value latent) whose padded key ranks fill about this many columns; 0: off. ``rotate_fp16`` then
-    makes the table product one fp16 dot instead of the bf16 hi / lo pair; ``block_n_c`` (slots per tile),
-    ``loop_stages_c`` (its tile loop's pipeline depth), ``num_warps``, ``num_stages`` and ``target_programs``
-    apply to it. Like ``head_group``, only where its programs still fill ``target_programs``. H200, 16:16 heads,
+    makes the table product one fp16 dot instead of the bf16 hi / lo pair; ``block_n_c`` (slots per tile, rounded
+    up to a power of two >= 16, the tensor cores' M), ``loop_stages_c`` (its tile loop's pipeline depth),
+    ``num_warps``, ``num_stages`` and ``target_programs`` apply to it. Like ``head_group``, only where its programs
+    still fill ``target_programs``, and while the folded query fits ``MAX_SCORES_BYTES``. H200, 16:16 heads,
     int4/32, batch 8, 32k, one call in CUDA-graph replay (benchmarks/results/2026-12-02-head-chunks-h200): rank 8
     0.186 ms against 0.228 for the two-pass default (0.82x); rank 16 0.289 against 0.273; rank 96 1.61 against
     1.18; so :func:`default_config` turns it on only at key and value ranks <= 8."""
@@ -2061,9 +2062,13 @@ def _launch(
                               parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
                               basis_v_block.shape[-1], basis_k_block.shape[-3], latent_k.stride(-1),
                               latent_v.stride(-1))
-        # only where the chunks' programs fill the target (batch 1, 4k: 32 programs against 256 per head)
-        if chunks is not None and q.shape[0] * chunks["n_chunks"] * q.shape[2] * max(
-                1, triton.cdiv(kv_len, cfg.block_n_c) // max(cfg.min_tiles, 1)) < cfg.target_programs:
+        # only where the chunks' programs fill the target (batch 1, 4k: 32 programs against 256 per head), and
+        # while the folded query (two (KT, NCK) bf16 blocks per sequence, chunk and query token: 64 KiB per token
+        # at the Qwen shape) fits the scores' cap: a long prefill takes the other passes
+        rows_c = 0 if chunks is None else q.shape[0] * chunks["n_chunks"] * q.shape[2]
+        fold_bytes = 0 if chunks is None else rows_c * 2 * 4 * _np2(q.shape[-1] // 2) * chunks["NH"] * chunks["RKP"] * 2
+        if chunks is not None and (fold_bytes > MAX_SCORES_BYTES or rows_c * max(
+                1, triton.cdiv(kv_len, _np2(cfg.block_n_c)) // max(cfg.min_tiles, 1)) < cfg.target_programs):
             chunks = None
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
@@ -2111,7 +2116,7 @@ def _launch(
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
     if chunks is not None:  # one pass over chunks of KV heads: its own split of the context
-        n_split, tiles_per_split = context_splits(cfg, kv_len, cfg.block_n_c, b * chunks["n_chunks"] * s,
+        n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_c), b * chunks["n_chunks"] * s,
                                                   cfg.target_programs)
     else:
         n_split, tiles_per_split = splits(block_n_v if cfg.two_pass else block_n_one, target_v)
@@ -2245,7 +2250,7 @@ def _launch(
             K_ALIGN=chunks["K_ALIGN"], V_ALIGN=chunks["V_ALIGN"], HALF=common["HALF"], REST=common["REST"],
             HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope, PAIRED_TABLE=common["PAIRED_TABLE"],
             T_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16, E_SPLIT=e_split,
-            MASK=mask_kind, F32_DOT=f32_dot, BLOCK_N=cfg.block_n_c, SLOT_BLOCK=16, PAGE=common["PAGE"],
+            MASK=mask_kind, F32_DOT=f32_dot, BLOCK_N=_np2(cfg.block_n_c), SLOT_BLOCK=16, PAGE=common["PAGE"],
             LOOP_STAGES=cfg.loop_stages_c, VALUES_2D=cfg.fma_values_2d, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
     elif cfg.two_pass and mode != "from_scores":

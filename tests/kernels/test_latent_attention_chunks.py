@@ -40,6 +40,7 @@ def test_chunk_layout_claims_hold(ranks, vranks, kfmt, vfmt, columns, equal):
     nh = lay["NH"]
     assert nh & (nh - 1) == 0 and lay["n_chunks"] * nh >= hkv > (lay["n_chunks"] - 1) * nh
     assert lay["RKP"] >= rk and lay["RVP"] >= rv and nh * lay["RKP"] >= 16  # the table product's N
+    assert lay["RKP"] * kf.bits >= 8 and lay["RVP"] * vf.bits >= 8  # whole code bytes per padded head
     assert nh == 1 or nh * max(lay["RKP"], lay["RVP"]) <= columns
     for tag, f, off, rp in (("K", kf, ko, lay["RKP"]), ("V", vf, vo, lay["RVP"])):
         rr = [b - a for a, b in zip(off, off[1:])]

@@ -287,7 +287,11 @@ def _check_fixed() -> None:
                           rd=0), dataclasses.replace(ccfg, head_chunks=64)),
                     (dict(eq, d=64, rd=32, rk=[40, 33, 9, 2], rv=[33, 9, 40, 1], kfmt="int2/16", vfmt="int4/32",
                           mask="bool", mask_p=1.1), dataclasses.replace(ccfg, head_chunks=64)),
-                    (dict(eq, paired=True), dataclasses.replace(ccfg, paired_tables=True, rotate_fp16=True))):
+                    (dict(eq, paired=True), dataclasses.replace(ccfg, paired_tables=True, rotate_fp16=True)),
+                    # heads of one code byte (value rank 1 at int4; key rank 2 at int2 in chunks of 16 heads)
+                    (dict(eq, rv=[1] * 4), ccfg),
+                    (dict(eq, hkv=16, rk=[2] * 16, rv=[8] * 16, b=1, kfmt="int2/4"),
+                     dataclasses.replace(ccfg, head_chunks=128))):
         _check(case, c)
         assert chunk_mod._LAST_LAUNCH["head_chunks"] > 0, (case, c)  # the chunk kernel ran, not a fallback
     for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):

@@ -41,7 +41,7 @@ def _inputs(b: int, t: int, heads: tuple[int, int], d: int, k_ranks: list[int], 
         table = torch.arange(b * n_log, dtype=torch.int32).view(b, n_log)
 
         def pool(x):
-            rows = x[:, : n_log * page].reshape(-1, page, x.shape[2])
+            rows = x[:, : n_log * page].reshape(b * n_log, page, x.shape[2])  # (explicit: rows of 0 units too)
             return torch.cat((rows, rows[:1]))
 
         lk, lv = pool(lk), pool(lv)
@@ -95,6 +95,14 @@ def _run(n_examples: int) -> None:
                 grouped = heads[0] == heads[1] and paired and r <= 32 and not chunked
                 assert ("grouped key pass" in names) == grouped, (heads, r, paired, names)
                 assert ("one pass over head chunks" in names) == chunked, (heads, r, paired, names)
+    # the head-chunk pass with every code width (int8 once failed to compile here while the interpreter passed: an
+    # early return in a constexpr branch) and heads of one code byte (rank 1 at int4, 1-2 at int2)
+    ccfg = DecodeConfig(head_chunks=128, target_programs=2, min_tiles=1, paired_tables=True)
+    for kfmt, vfmt, rk, rv in (("int8/32", "int4/32", 8, 8), ("int4/32", "int8/32", 8, 8),
+                               ("int2/16", "int8/8", 8, 3), ("int4/32", "int4/32", 1, 1), ("int2/4", "int2/8", 2, 1)):
+        case = dict(fixed, heads=(16, 16), k_ranks=[rk] * 16, v_ranks=[rv] * 16, kfmt=kfmt, vfmt=vfmt)
+        names = [k.name for k in _compile(case, ccfg)]
+        assert "one pass over head chunks" in names, (kfmt, vfmt, rk, rv, names)
     # rank-0 heads and mix bit plans (whose head table holds pieces, not ranks), with the rank-chunk loop
     mix = dict(b=2, t=256, heads=(4, 2), d=128, k_ranks=[64, 40], v_ranks=[7, 9],
                kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1", page=0, seed=1)
@@ -127,7 +135,8 @@ def _run(n_examples: int) -> None:
             paired_tables=draw(st.booleans()), reduce_split_d=draw(st.booleans()),
             loop_stages=draw(st.sampled_from((None, 2, 3))), loop_stages_v=draw(st.sampled_from((None, 2, 3))),
             head_chunks=draw(st.sampled_from((0, 0, 32, 128))), block_n_c=draw(st.sampled_from((16, 32, 64))),
-            loop_stages_c=draw(st.sampled_from((None, 2))))
+            loop_stages_c=draw(st.sampled_from((None, 2))),
+            target_programs=draw(st.sampled_from((264, 2))))  # 2: the chunk pass launches at these small shapes
         return p, cfg
 
     @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None)
