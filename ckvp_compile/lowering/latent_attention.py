@@ -208,8 +208,9 @@ def _autotuning() -> bool:
 def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int) -> str | None:
     """Why the plain kernel's default config should run the whole call instead of the template's first config when
     nothing is autotuned, or None. ``heads`` query heads over ``kv_heads`` KV heads, ``rank_max`` the widest key
-    rank. The template has neither the rotated / grouped key passes (one query head per KV head) nor the one-pass
-    form (GQA up to rank 128), both measured faster than its rebuild in those cases on the H200
+    rank. The template has neither the rotated / grouped key passes nor the one pass over chunks of KV heads (one
+    query head per KV head) nor the one-pass form (GQA up to rank 128), all measured faster than its rebuild in
+    those cases on the H200
     (:func:`~ckvp_compile.kernels.latent_attention_triton.default_config`). Judged for RoPE tables declared paired,
     as the store declares those of the HF models whose graphs prove it: the lowering cannot see the declaration,
     which is made at run time; with tables not proven paired the plain kernel rotates only up to rank 32, and at
@@ -223,6 +224,8 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int) -> str | No
     Source: the H200 decode steps of benchmarks/results/2026-12-01-rank-blocks-h200."""
     g = heads // max(kv_heads, 1)
     cfg = lat.default_config(g, lat._np2(rank_max), paired=True, rank=rank_max)
+    if g == 1 and cfg.head_chunks:
+        return f"one query head per KV head at rank {rank_max}: the plain kernel's one pass over chunks of KV heads"
     if g == 1 and (cfg.rotate_basis or cfg.head_group):
         return ("one query head per KV head: the plain kernel's rotated / grouped key pass (rotated up to rank 128 "
                 "with RoPE tables proven paired, else 32)")

@@ -44,16 +44,18 @@ def test_register_all_lowers_the_latent_attention_ops():
 
 def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(monkeypatch):
     """Without max-autotune the whole op stays the plain kernel where its default has a form the template lacks:
-    one query head per KV head up to MAX_ROTATED_RANK (rotated / grouped key passes), GQA up to rank 128 (one
-    pass); wider GQA ranks (two passes either way) and G = 1 past the rotated limit leave the template eligible.
+    one query head per KV head up to MAX_ROTATED_RANK (the head-chunk pass up to rank 8, then the rotated / grouped
+    key passes), GQA up to rank 128 (one pass); wider GQA ranks (two passes either way) and G = 1 past the rotated
+    limit leave the template eligible.
     The tuning override reaches the decision (a forced two-pass GQA config makes the template eligible)."""
     pytest.importorskip("triton")
     from ckvp_compile.kernels import latent_attention_triton as lat
     from ckvp_compile.lowering.latent_attention import plain_kernel_preferred
 
     monkeypatch.delenv(lat.CONFIG_ENV, raising=False)
-    for rank in (1, 12, 16, 33, 96, 100, lat.MAX_ROTATED_RANK):
-        assert "rotated / grouped" in plain_kernel_preferred(16, 16, rank)
+    for rank in (1, 8, 12, 16, 33, 96, 100, lat.MAX_ROTATED_RANK):
+        form = "chunks of KV heads" if rank <= 8 else "rotated / grouped"  # the head-chunk pass up to rank 8
+        assert form in plain_kernel_preferred(16, 16, rank)
         assert "one-pass" in plain_kernel_preferred(32, 8, rank)
     assert plain_kernel_preferred(16, 16, lat.MAX_ROTATED_RANK + 1) is None
     assert plain_kernel_preferred(32, 8, 129) is None and plain_kernel_preferred(32, 8, 256) is None
