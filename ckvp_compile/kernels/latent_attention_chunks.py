@@ -57,7 +57,7 @@ def chunk_heads(rank_pad: int, columns: int, hkv: int) -> int:
     Args:
         rank_pad: padded key rank per head (power of two); columns: the chunk's target width; hkv: KV heads.
     Returns:
-        int >= 1.
+        int >= 1. Raises nothing.
     """
     nh = 1
     while nh * 2 * rank_pad <= columns and nh < hkv:
@@ -418,7 +418,10 @@ def chunk_layout(head_chunks: int, group: int, k_fmt, v_fmt, k_offsets, v_offset
             coordinate offsets; rk_max / rv_max: the basis blocks' widths; hkv: KV heads; *_unit_stride: the
             latents' last strides.
     Returns:
-        dict(NH heads per chunk, n_chunks, RKP, RVP, K_CONTIG, V_CONTIG, K_ALIGN, V_ALIGN) or None.
+        dict(NH heads per chunk, n_chunks, RKP, RVP (padded ranks), K_CONTIG, V_CONTIG, K_ALIGN, V_ALIGN (bytes),
+        K_BLK_ALIGN, V_BLK_ALIGN (blocks)) or None. Raises nothing: inputs it does not read give None, and the
+        launcher then runs the per-head passes. Source: the row layout of
+        :func:`~ckvp_compile.kernels.latent_attention_triton._head_meta` (first code byte and block per head).
     """
     if head_chunks <= 0 or group != 1 or k_unit_stride != 1 or v_unit_stride != 1:
         return None
