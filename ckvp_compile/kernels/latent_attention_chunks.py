@@ -42,10 +42,12 @@ Sources (read, not copied): FlashDecoding (split-KV + reduction), FlashAttention
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
-from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _fp16_at, _mm, _unpack_codes
+from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _fp16_at, _mm, _slot_rows, _unpack_codes
 
 __all__ = ["chunk_heads", "chunk_layout"]
 
@@ -304,16 +306,9 @@ def _latent_attention_chunks_kernel(
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
         slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
-        if PAGE > 0:
-            page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
-            ld_ok = slot_ok & (page >= 0)
-            slot_row = (offs % PAGE).to(tl.int64)
-            k_rows = lk_ptr + page * stride_lkb + slot_row * stride_lks
-            v_rows = lv_ptr + page * stride_lvb + slot_row * stride_lvs
-        else:
-            ld_ok = slot_ok
-            k_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
-            v_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
+        row_idx, slot_row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, slot_ok, PAGE)
+        k_rows = lk_ptr + row_idx * stride_lkb + slot_row * stride_lks
+        v_rows = lv_ptr + row_idx * stride_lvb + slot_row * stride_lvs
         # W (BLOCK_N, NCK): each column's coefficient at each slot's position
         w = tl.zeros((BLOCK_N, NCK), tl.float32)
         if HAS_ROT:
@@ -423,6 +418,16 @@ def chunk_layout(head_chunks: int, group: int, k_fmt, v_fmt, k_offsets, v_offset
         launcher then runs the per-head passes. Source: the row layout of
         :func:`~ckvp_compile.kernels.latent_attention_triton._head_meta` (first code byte and block per head).
     """
+    layout = _chunk_layout(int(head_chunks), int(group), k_fmt, v_fmt, tuple(int(o) for o in k_offsets),
+                           tuple(int(o) for o in v_offsets), int(rk_max), int(rv_max), int(hkv), int(k_unit_stride),
+                           int(v_unit_stride))
+    return None if layout is None else dict(layout)  # a copy: the cached one stays as computed
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_layout(head_chunks: int, group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk_max: int,
+                  rv_max: int, hkv: int, k_unit_stride: int, v_unit_stride: int) -> dict | None:
+    """:func:`chunk_layout`, cached per call shape (host work of every eager decode call otherwise)."""
     if head_chunks <= 0 or group != 1 or k_unit_stride != 1 or v_unit_stride != 1:
         return None
     for f in (k_fmt, v_fmt):

@@ -727,6 +727,27 @@ def _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, slot_ok, PAGE: tl.constexpr):
+    """Where the slots ``offs`` (BLOCK_N,) of sequence ``b`` live in a latent: ``(index, row, ld_ok)``, so that slot
+    t's row starts at ``base + index * stride_b + row * stride_s`` (int64 offsets; ``stride_b`` and ``stride_s`` are
+    the latent's first two strides) and loads only where ``ld_ok``.
+
+    PAGE > 0 (page pools (N_pages + 1, PAGE, W) and the (B, S_max / PAGE) int32 page table ``pt``, row stride
+    ``stride_ptb``; vLLM's PagedAttention layout): index is page table[b, t // PAGE] (-1: unmapped, not loaded,
+    read as zero rows), row is t % PAGE. Otherwise (a static cache (B, S_max, W)): index is b (a scalar), row is t.
+    ``row_ok`` bounds the page-table read; ``slot_ok`` (subset of it) the slots whose rows are wanted."""
+    if PAGE > 0:
+        index = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
+        row = (offs % PAGE).to(tl.int64)
+        ld_ok = slot_ok & (index >= 0)
+    else:
+        index = b.to(tl.int64)
+        row = offs.to(tl.int64)
+        ld_ok = slot_ok
+    return index, row, ld_ok
+
+
+@triton.jit
 def _exact_in_tile(offs, tile_end, lo_exact, slots_ptr, n_exact, SLOT_BLOCK: tl.constexpr):
     """(BLOCK_N,) bool: which slots ``offs`` of a tile ending at ``tile_end`` hold an exact token (their keys and
     values come from new_k / new_v, not the latent); checked only if the tile reaches ``lo_exact``."""
@@ -964,16 +985,10 @@ def _latent_attention_split_kernel(
         # the exact tokens' slots come from new_k / new_v
         is_new = _exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
         col_ok = row_ok & ~is_new
-        if PAGE > 0:  # walk the page table: each slot's page, then its row inside the page
-            page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
-            ld_ok = col_ok & (page >= 0)
-            in_page = (offs % PAGE).to(tl.int64)
-            lk_rows = lk_ptr + page * stride_lkb + in_page * stride_lks
-            lv_rows = lv_ptr + page * stride_lvb + in_page * stride_lvs
-        else:
-            ld_ok = col_ok
-            lk_rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
-            lv_rows = lv_ptr + b.to(tl.int64) * stride_lvb + offs.to(tl.int64) * stride_lvs
+        # each slot's row: its page's row when the latents are page pools (PAGE > 0), else the sequence's
+        row_idx, slot_row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, col_ok, PAGE)
+        lk_rows = lk_ptr + row_idx * stride_lkb + slot_row * stride_lks
+        lv_rows = lv_ptr + row_idx * stride_lvb + slot_row * stride_lvs
         sc_rows = sc_ptr + ((bh * S + s) * G + tl.arange(0, G_PAD)).to(tl.int64) * stride_scr  # (G_PAD,)
         if PHASE == 2:
             scores = tl.load(sc_rows[:, None] + offs[None, :], mask=head_ok[:, None] & row_ok[None, :],
@@ -1527,13 +1542,8 @@ def _latent_scores_heads_kernel(
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs < kv_len
         slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
-        if PAGE > 0:
-            page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + offs // PAGE, mask=row_ok, other=-1).to(tl.int64)
-            ld_ok = slot_ok & (page >= 0)
-            rows = lk_ptr + page * stride_lkb + (offs % PAGE).to(tl.int64) * stride_lks
-        else:
-            ld_ok = slot_ok
-            rows = lk_ptr + b.to(tl.int64) * stride_lkb + offs.to(tl.int64) * stride_lks
+        row_idx, slot_row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, slot_ok, PAGE)
+        rows = lk_ptr + row_idx * stride_lkb + slot_row * stride_lks
         # the coefficients of every column at each slot's position
         w = tl.zeros((BLOCK_N, NCOLS), tl.float32)
         if HAS_ROT:
@@ -2227,6 +2237,7 @@ def _launch(
         e_lo = torch.empty_like(e_hi) if e_split and rope != 0 else e_hi
         c3 = torch.empty(e_rows * nck if d > rd else 1, dtype=torch.float32, device=q.device)
         fold_rows = 16
+        t_exact = rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16
         kw, vw = _words(kf, latent_k, k_sb, k_mb), _words(vf, latent_v, v_sb, v_mb)  # (scale bases in words)
         _LAST_LAUNCH["fold"] = lac._fold_query_kernel[(e_rows, triton.cdiv(kt, fold_rows))](
             e_hi, e_lo, c3, q, basis_k_block, kmeta, hkv, s, chunks["n_chunks"], d, half,
@@ -2249,7 +2260,7 @@ def _launch(
             MASK_HEADS=mask_kind != 0 and mstrides[1] != 0,
             K_ALIGN=chunks["K_ALIGN"], V_ALIGN=chunks["V_ALIGN"], HALF=common["HALF"], REST=common["REST"],
             HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope, PAIRED_TABLE=common["PAIRED_TABLE"],
-            T_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16, E_SPLIT=e_split,
+            T_EXACT=t_exact, E_SPLIT=e_split,
             MASK=mask_kind, F32_DOT=f32_dot, BLOCK_N=_np2(cfg.block_n_c), SLOT_BLOCK=16, PAGE=common["PAGE"],
             LOOP_STAGES=cfg.loop_stages_c, VALUES_2D=cfg.fma_values_2d, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
