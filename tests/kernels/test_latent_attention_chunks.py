@@ -84,3 +84,13 @@ def test_default_config_chunks_only_where_measured_faster():
     assert default_config(1, 16, paired=True, rank=12).head_chunks == 0
     assert default_config(1, 16, paired=False, rank=8).head_chunks == 0  # measured with paired tables only
     assert default_config(4, 16, paired=True, rank=8).head_chunks == 0
+
+
+def test_chunk_layout_is_cached_per_call_shape_and_returns_copies():
+    i4 = parse_latent_format("int4/32")
+    off = [0, 8, 16, 24, 32]
+    first = chunk_layout(128, 1, i4, i4, off, off, 8, 8, 4, 1, 1)
+    first["NH"] = -1  # a caller's edit must not reach the cache
+    again = chunk_layout(128, 1, i4, i4, tuple(off), tuple(off), 8, 8, 4, 1, 1)  # list or tuple: the same entry
+    assert again["NH"] == 4 and again is not first
+    assert chunk_layout(128, 1, i4, i4, [0, 16, 32, 48, 64], [0, 8, 16, 24, 32], 16, 8, 4, 1, 1)["RKP"] == 16
