@@ -34,8 +34,9 @@ is the bytes of the cache's tensors per sequence and slot (latents, scales, slot
 over the row (weights, and ballast for omitted layers, included). ckvp bases are calibrated on the random-weight
 model's own activations (random token ids): their ranks set cost and memory, fidelity is measured on the fixture.
 A system name ending in `G=1` (or another G) ran with that many layers per latent group (`--group-size`; the
-default is 4): one latent per layer decodes faster at the same bytes, but on the fixture at ratio 16 it raised
-perplexity +43% against +10.8% for G = 4 (benchmarks/results/2026-12-02-mixtral-group1-h200/fidelity).
+default is 4): fewer layers per latent decode faster at the same bytes, but on the fixture at ratio 16 perplexity
+rose +43% with G = 1 and +14.9% with G = 2, against +10.8% with G = 4
+(benchmarks/results/2026-12-02-mixtral-group1-h200/fidelity).
 """
 
 
