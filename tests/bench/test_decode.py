@@ -313,3 +313,21 @@ def test_kernel_sequence_keeps_one_step_of_attention_kernels_in_launch_order():
               ev("_latent_attention_split_kernel", 110, 7.0), ev("_latent_scores_heads_kernel", 130, 5.5)]
     assert kernel_sequence(events, 2) == [["_latent_attention_split_kernel", 7.5], ["_latent_scores_heads_kernel", 5.0]]
     assert kernel_sequence([], 2) == []
+
+
+def test_acceptance_names_the_default_group_size_when_the_best_row_uses_another():
+    from ckvp_compile.bench.decode_report import _acceptance
+
+    def row(system, kind, tok_s, batch, ratio=None):
+        return dict(system=system, kind=kind, shape="mixtral-8x7b", layers=8, layers_full=32, batch=batch,
+                    context=32768, max_batch=True, status="ok", ms_median=batch / tok_s * 1e3, tokens_per_s=tok_s,
+                    kv_ratio_requested=ratio, kv_bytes_allocated=None, peak_bytes=None)
+
+    rows = [row("inductor-reduce-overhead", "inductor", 290.0, 10), row("ckvp-16 G=1", "ckvp", 1585.0, 195, 16.0),
+            row("ckvp-16", "ckvp", 923.0, 195, 16.0)]
+    line = next(x for x in _acceptance(rows, []) if x.startswith("2. mixtral"))
+    assert "ckvp-16 G=1 1585 tok/s" in line and "5.47x" in line and "**met**" in line
+    assert "non-default latent group size" in line and "with the default G = 4: 923 tok/s (B=195), 3.18x" in line
+    # the default's own row best: no note
+    line = next(x for x in _acceptance(rows[::2], []) if x.startswith("2. mixtral"))
+    assert "3.18x" in line and "**not met**" in line and "non-default" not in line
