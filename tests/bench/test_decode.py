@@ -331,3 +331,8 @@ def test_acceptance_names_the_default_group_size_when_the_best_row_uses_another(
     # the default's own row best: no note
     line = next(x for x in _acceptance(rows[::2], []) if x.startswith("2. mixtral"))
     assert "3.18x" in line and "**not met**" in line and "non-default" not in line
+    # check 1 (Qwen, B=8, 32k, all layers) likewise
+    q = [dict(r, shape="qwen-moe-a2.7b", layers=24, layers_full=24, batch=8, max_batch=False) for r in rows]
+    q[0]["ms_median"], q[1]["ms_median"], q[2]["ms_median"] = 18.0, 14.0, 70.0
+    line = next(x for x in _acceptance(q, []) if x.startswith("1. Qwen"))
+    assert "ckvp-16 G=1 14.00 ms" in line and "0.78x" in line and "with the default G = 4: 70.00 ms, 3.89x" in line
