@@ -34,7 +34,11 @@ benchmarks/results/2026-12-02-head-chunks-h200): rank 8, 32-slot tiles, 0.186 ms
 default (the Qwen1.5-MoE decode step at batch 8, 32k: 15.62 -> 14.70 ms with it in the rank-8 layers); rank 16
 1.06x, rank 96 1.37x, unequal ranks 32 / 64 1.78x the default's time, so it is the default at ranks <= 8 only.
 Nsight Compute (rank 8, before the vector scale loads): 255 registers (2 programs per SM), L1 / shared memory 82%
-busy (spills, the per-slot scale gathers, the layout conversions of the reshaped segment sums), DRAM 6%.
+busy (spills, the per-slot scale gathers, the layout conversions of the reshaped segment sums), DRAM 6%. As
+committed (benchmarks/results/2026-12-02-mixtral-group1-h200/ncu): 174 us, 2 programs per SM, no eligible warp in
+68% of cycles, 1.22 M local-memory spill requests: latency-bound. Timed there and slower: the table product with
+swapped operands (E^T as a warpgroup product's A operand; 1.05x), 16-slot tiles (no spills; 1.04x), a 168-register
+cap (3 programs per SM; 1.17x), 8 warps (no spills; 1.2x).
 
 Sources (read, not copied): FlashDecoding (split-KV + reduction), FlashAttention-2 (online softmax), DeepSeek-V2
 (arXiv:2405.04434: value absorption), RoFormer (arXiv:2104.09864: the rotation written as cos / sin products).
