@@ -139,11 +139,13 @@ def _row_line(r: dict[str, Any]) -> str:
 
 
 def _fixture_label(meta: dict[str, Any], row: dict[str, Any]) -> str:
-    """A fixture row's latent format, with the run's dense recent window and key-rank cap when it had them."""
-    w, cap = meta.get("recent_window") or 0, meta.get("max_key_rank")
+    """A fixture row's latent format, with the run's dense recent window, key-rank cap and non-default latent group
+    size (``G=1``) when it had them."""
+    w, cap, g = meta.get("recent_window") or 0, meta.get("max_key_rank"), meta.get("group_size")
     latent = row["latent_format"] and row["ratio_requested"] is not None  # not dense, nor its bf16-KV floor
     return ((row["latent_format"] or "-") + (f", window {w}" if w and latent else "")
-            + (f", K<={cap}" if cap and latent else ""))
+            + (f", K<={cap}" if cap and latent else "")
+            + (f", G={g}" if latent and g not in (None, DEFAULT_GROUP_SIZE) else ""))
 
 
 def _fixture_section(datas: Sequence[dict[str, Any]], plots: dict[str, str]) -> list[str]:

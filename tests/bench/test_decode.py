@@ -146,6 +146,14 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     assert bench_cli(["decode", "--report", str(speed), str(g1), "--markdown", str(md)]) == 0
     text = md.read_text()
     assert "| ckvp-4 | 2 | 16 |" in text and "| ckvp-4 G=1 | 2 | 16 |" in text and text.count("| eager | 2 | 16 |") == 1
+    # a fixture run with another group size is labelled too (its latent rows only)
+    fx = json.loads(fixture.read_text())
+    fx["meta"]["group_size"] = 1
+    fx_g1 = tmp_path / "fixture_g1.json"
+    fx_g1.write_text(json.dumps(fx))
+    assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "| 4x | int4, G=1 |" in text and "| 4x | int4 |" in text and "| dense | dense, bf16 KV |" in text
 
 
 def test_fixture_planned_rotated_fp8_bases(tmp_path):
