@@ -179,6 +179,18 @@ def _best(rows: list[dict[str, Any]], **where: Any) -> dict[str, Any] | None:
     return min(pred, key=lambda r: r["ms_median"]) if pred else None
 
 
+def _other_group(row: dict[str, Any]) -> bool:
+    """The row ran with a non-default latent group size (its system name carries ``G=N``, see :func:`_load`)."""
+    return " G=" in row["system"]
+
+
+def _default_group_note(default_figure: str | None) -> str:
+    """The sentence an acceptance line gets when its best ckvp row used a non-default group size: what the default
+    reached on the same check (``default_figure``, None when no such row exists)."""
+    return (" That row uses a non-default latent group size (see its fidelity cost above)" +
+            (f"; with the default G = {DEFAULT_GROUP_SIZE}: {default_figure}." if default_figure else "."))
+
+
 def _acceptance(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]]) -> list[str]:
     """The issue-9 acceptance checks, evaluated on the rows present (all layers only for 1-3). Rows with capped key
     ranks (``K<=R``: fidelity traded for speed at the same bytes) do not count for the speed checks 1-3."""
@@ -202,12 +214,10 @@ def _acceptance(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]]) -> 
         q = c["ms_median"] / a["ms_median"]
         line = (f"1. Qwen-MoE, B=8, 32k: {c['system']} {c['ms_median']:.2f} ms vs best Inductor ({a['system']}) "
                 f"{a['ms_median']:.2f} ms: {q:.2f}x the time (goal <= 0.5): {verdict(q <= 0.5)}.")
-        if " G=" in c["system"]:  # a non-default group size: say what the default reaches too
-            cd = _best([r for r in full if " G=" not in r["system"]], shape="qwen-moe-a2.7b", batch=8, context=32768,
+        if _other_group(c):
+            cd = _best([r for r in full if not _other_group(r)], shape="qwen-moe-a2.7b", batch=8, context=32768,
                        kind=("ckvp",), kv_ratio_requested=16.0, max_batch=False)
-            line += (" That row uses a non-default latent group size (see its fidelity cost above)" +
-                     (f"; with the default G = {DEFAULT_GROUP_SIZE}: {cd['ms_median']:.2f} ms, "
-                      f"{cd['ms_median'] / a['ms_median']:.2f}x." if cd else "."))
+            line += _default_group_note(cd and f"{cd['ms_median']:.2f} ms, {cd['ms_median'] / a['ms_median']:.2f}x")
         out.append(line)
     else:
         missing.append("1 (Qwen-MoE B=8 at 32k, all layers: Inductor and ckvp-16)")
@@ -224,12 +234,11 @@ def _acceptance(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]]) -> 
                     f"(B={bc['batch']})"
                     f" vs best Inductor {bi['tokens_per_s']:.0f} tok/s (B={bi['batch']}, {bi['system']}): {q:.2f}x "
                     f"(goal >= 4): {verdict(q >= 4)}.")
-            if " G=" in bc["system"]:  # a non-default group size: say what the default reaches too
+            if _other_group(bc):
                 bd = max((r for r in rs if r["kind"] == "ckvp" and r["kv_ratio_requested"] == 16.0
-                          and " G=" not in r["system"]), key=lambda r: r["tokens_per_s"], default=None)
-                line += (f" That row uses a non-default latent group size (see its fidelity cost above)" +
-                         (f"; with the default G = {DEFAULT_GROUP_SIZE}: {bd['tokens_per_s']:.0f} tok/s "
-                          f"(B={bd['batch']}), {bd['tokens_per_s'] / bi['tokens_per_s']:.2f}x." if bd else "."))
+                          and not _other_group(r)), key=lambda r: r["tokens_per_s"], default=None)
+                line += _default_group_note(bd and f"{bd['tokens_per_s']:.0f} tok/s (B={bd['batch']}), "
+                                                   f"{bd['tokens_per_s'] / bi['tokens_per_s']:.2f}x")
             out.append(line)
         else:
             missing.append(f"2 ({shape}: largest batch at 32k, Inductor and ckvp-16)")

@@ -87,10 +87,14 @@ def test_default_config_chunks_only_where_measured_faster():
 
 
 def test_chunk_layout_is_cached_per_call_shape_and_returns_copies():
+    from ckvp_compile.kernels.latent_attention_chunks import _chunk_layout
+
     i4 = parse_latent_format("int4/32")
     off = [0, 8, 16, 24, 32]
     first = chunk_layout(128, 1, i4, i4, off, off, 8, 8, 4, 1, 1)
     first["NH"] = -1  # a caller's edit must not reach the cache
+    hits = _chunk_layout.cache_info().hits
     again = chunk_layout(128, 1, i4, i4, tuple(off), tuple(off), 8, 8, 4, 1, 1)  # list or tuple: the same entry
     assert again["NH"] == 4 and again is not first
+    assert _chunk_layout.cache_info().hits == hits + 1
     assert chunk_layout(128, 1, i4, i4, [0, 16, 32, 48, 64], [0, 8, 16, 24, 32], 16, 8, 4, 1, 1)["RKP"] == 16
