@@ -381,6 +381,28 @@ def users_through_views(
             yield u
 
 
+def _nearest(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]], pred: Callable[[fx.Node], bool],
+             max_depth: int, through: Callable[[fx.Node], bool] | None) -> fx.Node | None:
+    """Breadth-first search from ``start`` along ``step`` (inputs or users) for the nearest node satisfying
+    ``pred``, walking on only through nodes ``through`` accepts (all when None), at most ``max_depth`` hops."""
+    frontier = list(start)
+    seen: set[fx.Node] = set(frontier)
+    for _ in range(max_depth):
+        nxt: list[fx.Node] = []
+        for n in frontier:
+            if pred(n):
+                return n
+            if through is None or through(n):
+                for m in step(n):
+                    if m not in seen:
+                        seen.add(m)
+                        nxt.append(m)
+        if not nxt:
+            return None
+        frontier = nxt
+    return None
+
+
 def find_upstream(
     node: fx.Node, pred: Callable[[fx.Node], bool], max_depth: int = 32, through: Callable[[fx.Node], bool] | None = None
 ) -> fx.Node | None:
@@ -394,44 +416,15 @@ def find_upstream(
     Returns:
         The nearest matching node, or None.
     """
-    frontier = list(node.all_input_nodes)
-    seen: set[fx.Node] = set(frontier)
-    for _ in range(max_depth):
-        nxt: list[fx.Node] = []
-        for n in frontier:
-            if pred(n):
-                return n
-            if through is None or through(n):
-                for i in n.all_input_nodes:
-                    if i not in seen:
-                        seen.add(i)
-                        nxt.append(i)
-        if not nxt:
-            return None
-        frontier = nxt
-    return None
+    return _nearest(node.all_input_nodes, lambda n: n.all_input_nodes, pred, max_depth, through)
 
 
 def find_downstream(
     node: fx.Node, pred: Callable[[fx.Node], bool], max_depth: int = 32, through: Callable[[fx.Node], bool] | None = None
 ) -> fx.Node | None:
-    """Breadth-first search over the users of ``node`` for the nearest node satisfying ``pred``."""
-    frontier = list(node.users)
-    seen: set[fx.Node] = set(frontier)
-    for _ in range(max_depth):
-        nxt: list[fx.Node] = []
-        for n in frontier:
-            if pred(n):
-                return n
-            if through is None or through(n):
-                for u in n.users:
-                    if u not in seen:
-                        seen.add(u)
-                        nxt.append(u)
-        if not nxt:
-            return None
-        frontier = nxt
-    return None
+    """Breadth-first search over the users of ``node`` for the nearest node satisfying ``pred`` (arguments and
+    result as :func:`find_upstream`)."""
+    return _nearest(node.users, lambda n: n.users, pred, max_depth, through)
 
 
 def ancestors(node: fx.Node, max_depth: int = 10_000) -> set[fx.Node]:
