@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CKVPModelLoadError
+from ..latent.capture import is_hf_causal_lm
 
 #: Seed of the random prompt, so two inspections of one model see the same tokens.
 PROMPT_SEED = 0
@@ -63,12 +64,6 @@ def load_model_dir(path: str | Path) -> torch.nn.Module:
         raise CKVPModelLoadError(f"cannot load a causal LM from {str(path)!r}: {type(exc).__name__}: {first}; "
                                  "check that config.json and the weights belong to a causal LM") from None
     return model.eval()
-
-
-def is_hf_causal_lm(model: torch.nn.Module) -> bool:
-    """True for a Hugging Face ``PreTrainedModel`` (checked without importing transformers)."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(model).__mro__)
 
 
 def is_gpt_fast(model: torch.nn.Module) -> bool:

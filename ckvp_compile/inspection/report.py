@@ -31,6 +31,7 @@ from ..config import CKVPConfig
 from ..errors import CKVPWarning
 from ..passes import CKVPPass, PassResult
 from ..plan import LayerGroup, Plan
+from ..latent.capture import uncompiled_forward
 from .capture import LatentCaches, is_gpt_fast, is_hf_causal_lm, load_model_dir, run_phases
 from .latent import LatentInspectOptions, LatentReport, format_pair, resolve_bases
 
@@ -470,7 +471,7 @@ def inspect_model(
         warnings.simplefilter("always")
         try:
             compiled = torch.compile(model, backend=backend, fullgraph=False, dynamic=dynamic)
-            with torch.no_grad():
+            with torch.no_grad(), uncompiled_forward(model):
                 for phase, call in run_phases(model, compiled, example_inputs, decode=decode,
                                               max_cache_len=max_cache_len, prompt_len=prompt_len, latent=caches):
                     call()

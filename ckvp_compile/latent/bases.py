@@ -301,8 +301,9 @@ class LatentBases:
         """Return a text table: group, layers, ranks per head (K / V), retained energy per head (%)."""
         head = (f"LatentBases: {self.num_layers} layers in {len(self.groups)} groups of <= {self.group_size}, "
                 f"Hkv={self.num_kv_heads}, D={self.head_dim}; {self.dense_elements_per_token()} -> "
-                f"{self.latent_elements_per_token()} elements per token (ratio {self.ratio():.3f}, target "
-                f"{self.target_ratio:g}, '{self.rank_allocation}' allocation"
+                f"{self.latent_elements_per_token()} elements per token ({self.ratio():.3f}x fewer elements, element "
+                f"target {self.target_ratio:g}; a byte ratio also counts the latent format's bits and scales, "
+                f"LatentKVStore.nbytes(); '{self.rank_allocation}' allocation"
                 + (f", key ranks capped at {self.max_key_rank}" if self.max_key_rank else "")
                 + f"); {self.num_tokens} calibration tokens")
         rows = [("group", "layers", "K ranks", "V ranks", "K retained %", "V retained %")]

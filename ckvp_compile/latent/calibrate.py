@@ -36,7 +36,7 @@ from ..config import GROUP_SIZES, CKVPConfig
 from ..errors import CKVPConfigError, CKVPError
 from ..plan import make_layer_groups
 from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, model_fingerprint
-from .capture import prefill
+from .capture import prefill, uncompiled_forward
 from .ranks import RANK_ALLOCATIONS, max_key_rank_error, rank_block_error
 
 __all__ = ["KVMoments", "calibrate", "collect_kv_moments"]
@@ -222,7 +222,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             encoder-decoder model (``config.is_encoder_decoder``).
     Notes:
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
-        their next call. Memory: one sample's K and V of every layer in float64, plus 2 * Hkv * (G*D)^2 float64
+        their next call. A ``model.forward`` already replaced by ``torch.compile(model.forward, ...)`` is set aside
+        while the samples run (its original forward is traced) and put back after. Memory: one sample's K and V of every layer in float64, plus 2 * Hkv * (G*D)^2 float64
         per group. Runs under ``torch.no_grad()``.
     Source: xKV (Chang et al. 2025, arXiv:2503.18893), cross-layer SVD; DESIGN.md "CKVP in numbers".
     """
@@ -495,7 +496,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
         total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
-        with torch.no_grad():
+        with torch.no_grad(), uncompiled_forward(model):
             for sample in tqdm(samples, total=total, desc="ckvp calibrate", unit="sample", disable=not progress):
                 ids = _as_batch(sample, device)
                 cache_len = ids.shape[1] if max_cache_len is None else max_cache_len

@@ -17,12 +17,33 @@ from here (library code never imports ``ckvp_compile.testing``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["hf_step_kwargs", "is_gpt_fast", "is_hf_causal_lm", "make_static_cache", "prefill"]
+__all__ = ["hf_step_kwargs", "is_gpt_fast", "is_hf_causal_lm", "make_static_cache", "prefill", "uncompiled_forward"]
+
+
+@contextlib.contextmanager
+def uncompiled_forward(model: Any) -> Iterator[None]:
+    """Inside the block, ``model`` runs its own ``forward`` even where the user replaced it with
+    ``torch.compile(model.forward, ...)`` (the README's generate() recipe); the compiled one is put back after.
+
+    A compiled forward would run as a compiled function of its own inside an outer ``torch.compile(model, ...)``,
+    so the outer (recording) backend would see no graph. Raises nothing; a model without such a forward is left as
+    it is.
+    """
+    compiled = getattr(model, "__dict__", {}).get("forward")
+    if not hasattr(compiled, "_torchdynamo_orig_callable"):
+        yield
+        return
+    del model.forward
+    try:
+        yield
+    finally:
+        model.forward = compiled
 
 
 def is_hf_causal_lm(model: torch.nn.Module) -> bool:

@@ -299,6 +299,18 @@ def test_diff_shows_rewrites_and_replaced_counts():
     torch.testing.assert_close(model(x), expected)  # still runs eagerly, unchanged
 
 
+def test_inspect_a_model_whose_forward_is_already_compiled():
+    """model.forward = torch.compile(model.forward, ...) before inspection: the graph is still captured and
+    rewritten in the report, and the user's compiled forward is back in place afterwards."""
+    model = SinModel()
+    x = torch.randn(2, 4)
+    compiled = torch.compile(model.forward, backend="eager")
+    model.forward = compiled
+    report = inspect_model(model, (x,), extra_passes=[SinToCosPass()])
+    assert [g.phase for g in report.graphs] == ["call"] and report.graphs[0].replaced == {"sin": 1}
+    assert model.forward is compiled
+
+
 def test_text_diffs_truncate_unless_full():
     class ManySin(torch.nn.Module):
         def forward(self, x):

@@ -273,6 +273,20 @@ def test_calibrate_matches_moments_and_regroup():
         moments.regroup(4)
 
 
+def test_calibrate_through_an_already_compiled_forward():
+    """The README's order: model.forward = torch.compile(model.forward, backend="ckvp") first, then calibrate():
+    the same bases as on the plain model, and the compiled forward is back in place afterwards."""
+    model, samples = build_hf_moe("mixtral", num_layers=2, hidden=32, head_dim=8), _samples(2, (1, 12))
+    plain = calibrate(model, samples, group_size=2, kv_ratio=2.0, progress=False)
+    compiled = torch.compile(model.forward, backend="ckvp", options={"compiler": "eager"})
+    model.forward = compiled
+    bases = calibrate(model, samples, group_size=2, kv_ratio=2.0, progress=False)
+    assert model.forward is compiled
+    assert bases.k_ranks == plain.k_ranks and bases.v_ranks == plain.v_ranks
+    for a, b in zip(bases.k_basis + bases.v_basis, plain.k_basis + plain.v_basis):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_save_load_round_trip_and_fingerprint(tmp_path):
     model = _gpt_fast()
     bases = calibrate(model, _samples(2, (1, 16)), group_size=2, kv_ratio=2.0, progress=False)
