@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .analysis.sites import AttentionSite, GraphAnalysis, UnsupportedSite
+from .analysis.sites import ATTENTION_UNSUPPORTED_KINDS, AttentionSite, GraphAnalysis, UnsupportedSite
 from .config import CKVPConfig
 
 
@@ -134,7 +134,12 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
     Returns:
         A frozen :class:`Plan`.
     """
-    unsupported_layers = {u.layer for u in analysis.unsupported if u.layer is not None}
+    # an unsupported pattern blocks the rewrites of its own kind in its layer (a router the expert rewrite cannot
+    # read leaves the layer's attention free to use a latent cache, and the other way round)
+    unsupported_attention = {u.layer for u in analysis.unsupported
+                             if u.layer is not None and u.kind in ATTENTION_UNSUPPORTED_KINDS}
+    unsupported_moe = {u.layer for u in analysis.unsupported
+                       if u.layer is not None and u.kind not in ATTENTION_UNSUPPORTED_KINDS}
     sites = analysis.attention_by_layer()
     latent_groups: list[int] = []
     layer_reason: dict[int, str] = {}
@@ -155,8 +160,8 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
                     reason = f"layer {layer}: {binding.problems[layer]}"
                 elif layer not in binding.layers:
                     reason = f"layer {layer}'s cache is not the store's"
-                elif layer in unsupported_layers:
-                    reason = f"layer {layer} has an unsupported pattern"
+                elif layer in unsupported_attention:
+                    reason = f"layer {layer}'s attention has an unsupported pattern (see the warnings)"
                 elif site.k_cache.position_node is None or site.v_cache.position_node is None:
                     reason = f"layer {layer}: cache write positions not identified"
                 elif site.rope is not None and (site.rope.k_in is None or site.rope.cos is None):
@@ -182,17 +187,17 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
             continue
         if s.k_cache is None or s.v_cache is None:
             reason = "no KV-cache write found (a forward without a static cache): nothing to compress"
-        elif s.layer in unsupported_layers:
-            reason = "an unsupported pattern was found in this layer (see the warnings)"
+        elif s.layer in unsupported_attention:
+            reason = "an unsupported attention pattern was found in this layer (see the warnings)"
         else:
             reason = "dense cache: give the model a ckvp latent cache to compress it (README, 'Latent KV cache')"
         decisions.append(SiteDecision("attention", s.layer, False, reason))
     for m in analysis.moe:
         if not config.enable_expert_gemm:
             decisions.append(SiteDecision("moe", m.layer, False, "enable_expert_gemm is off"))
-        elif m.layer in unsupported_layers:
+        elif m.layer in unsupported_moe:
             decisions.append(SiteDecision("moe", m.layer, False,
-                                          "an unsupported pattern was found in this layer (see the warnings)"))
+                                          "an unsupported MoE pattern was found in this layer (see the warnings)"))
         else:
             decisions.append(SiteDecision("moe", m.layer, True,
                                           f"grouped expert GEMM (ckvp::moe_experts, from {m.experts_form})"))

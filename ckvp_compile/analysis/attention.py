@@ -54,7 +54,7 @@ from .graph import (
 )
 from .kv_cache import ALLOC_OPS, KVTrace, cache_write_site, grown_cache, mla_evidence, trace_kv
 from .masks import sliding_window
-from .rope import RopeMatch, match_rope, tables_paired
+from .rope import RopeMatch, match_rope, rope_residue, tables_paired
 from .sites import AttentionSite, RopeSite, UnsupportedSite
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,10 @@ _DYNAMIC_FIX = (
     "as the model's cache argument (past_key_values; named cache in transformers >= 5.24)."
 )
 _MLA_FIX = "nothing to do, ckvp leaves MLA as is."
+_POST_ROPE_FIX = (
+    "NYI: keys changed after RoPE (a norm or scale, e.g. HunYuan-MoE's key_layernorm) stay dense; use a dense cache "
+    "for this model."
+)
 _SLIDING_FIX = (
     "NYI: sliding-window layers stay dense; keep them out of ckvp, or run the model without a sliding "
     "window if it allows (sliding_window=None / use_sliding_window=False)."
@@ -150,6 +154,13 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
     rope_k = match_rope(strip_views(new_k))
     if rope_k is not None and (shape_of(rope_k.x_in) or (0,))[-1] != d:
         return None, []  # RoPE on part of the head whose pass-through part was not found: not understood
+    residue = rope_residue(rope_k) if rope_k is not None and k_cache is not None else None
+    if residue is not None:  # (without a cache write there is nothing a latent would rebuild)
+        return None, [UnsupportedSite(
+            kind="post_rope_key", layer=layer,
+            reason=f"the cached key is not exactly RoPE of the projected key: {residue}; a latent of the pre-RoPE key "
+                   "would rebuild keys without it.",
+            fix=_POST_ROPE_FIX, nodes=(c.node.name, rope_k.out.name))]
     k_in = rope_k.x_in if rope_k is not None else new_k
     k_proj = _projection_upstream(k_in)
     if rope_k is None and (k_proj is None or _has_table_input(k_proj, new_k)):

@@ -300,6 +300,86 @@ def _match_rope(out: fx.Node) -> RopeMatch | None:
     return RopeMatch(form, rotary_dim, partial, out, x_in, cos, sin)
 
 
+#: Ops a table operand may pass through between the table and its multiply (shape, dtype and selection only).
+_TABLE_VIEW_OPS = _DTYPE_OPS | frozenset({"getitem", "unsqueeze", "squeeze", "expand", "view", "reshape", "flatten",
+                                          "unflatten", "select", "chunk", "split", "unbind", "detach"})
+
+
+def _table_root(node: fx.Node) -> fx.Node:
+    """``node`` with shape, dtype and selection ops stripped (the table it views)."""
+    for _ in range(_MAX_REGION_DEPTH):
+        if op_name(node) not in _TABLE_VIEW_OPS or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def rope_residue(m: RopeMatch) -> str | None:
+    """Why ``m.out`` is not exactly the rotation of ``m.x_in``, or None when it is.
+
+    The region :func:`match_rope` walks also takes in multiplies and adds applied after the rotation (a key
+    scaled, normalised or offset after RoPE, e.g. HunYuan-MoE's ``key_layernorm``). A latent cache of the pre-RoPE
+    key that rebuilds ``RoPE(x_in)`` would then drop them. Checked on the nodes between ``x_in`` and ``out``:
+    every multiply takes one of them and a cos / sin table (a view of the identified tables, not depending on
+    ``x_in``) or the scalar -1 / 1; every add or subtract takes two of them; every other input is a table or a
+    shape / index argument. Returns a one-line reason naming the first offending node, or None. Never raises.
+    """
+    try:
+        return _rope_residue(m)
+    except Exception:  # analysis never raises on unknown patterns
+        return "the RoPE region could not be checked"
+
+
+def _rope_residue(m: RopeMatch) -> str | None:
+    region = set(_region(m.out))
+    start = strip_dtype(m.x_in)
+    path: set[fx.Node] = {m.x_in, start}
+    for n in sorted(region):  # graph order: producers first
+        if any(i in path for i in n.all_input_nodes):
+            path.add(n)
+    if m.out not in path:
+        return f"{m.out.name} does not depend on the rotated input {start.name}"
+    roots = {_table_root(t) for t in (m.cos, m.sin) if t is not None}
+    if not roots:
+        return "no cos / sin table was identified"
+
+    def is_table(i: fx.Node) -> bool:
+        if _table_root(i) not in roots:
+            return False
+        return not (path & ancestors_within(i, region))
+
+    for n in sorted(path - {m.x_in, start}):
+        kind = op_name(n)
+        inside = [a for a in n.args if isinstance(a, fx.Node) and a in path]
+        outside = [a for a in n.all_input_nodes if a not in path]
+        if kind == "mul":
+            scalars = [a for a in n.args if not isinstance(a, fx.Node)]
+            if len(inside) != 1 or any(a not in (1, -1, 1.0, -1.0) for a in scalars) \
+                    or not all(is_table(a) for a in outside):
+                return (f"{n.name} multiplies the rotation by something other than a cos / sin table (e.g. a scale "
+                        "or norm applied after RoPE)")
+        elif kind in ("add", "sub"):
+            if len(inside) != 2 or outside:
+                return f"{n.name} adds a term that is not part of the rotation (e.g. a bias applied after RoPE)"
+        elif outside and not all(is_table(a) for a in outside):
+            return f"{n.name} combines the rotation with {outside[0].name}, which is not a cos / sin table"
+    return None
+
+
+def ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
+    """``node``'s producers reachable through ``region`` (``node`` excluded unless it is its own producer)."""
+    out: set[fx.Node] = set()
+    frontier = list(node.all_input_nodes)
+    while frontier:
+        n = frontier.pop()
+        if n in out:
+            continue
+        out.add(n)
+        if n in region:
+            frontier.extend(n.all_input_nodes)
+    return out
+
+
 def _partial_source(x: fx.Node, out: fx.Node) -> fx.Node | None:
     """If ``x`` is ``y[..., :rd]`` and ``out`` concatenates the pass-through ``y[..., rd:]``, return ``y``."""
     sel = last_dim_selection(x)

@@ -200,6 +200,11 @@ class UnsupportedSite:
         return f"ckvp: {where}{self.reason} Left untouched. Fix: {self.fix}"
 
 
+#: The :class:`UnsupportedSite` kinds the attention analysis reports: they block a layer's KV-cache rewrite only.
+#: Every other kind (router, experts form, combine, analysis errors of a MoE) blocks the layer's expert rewrite only.
+ATTENTION_UNSUPPORTED_KINDS = frozenset({"mla_attention", "dynamic_cache", "sliding_window", "post_rope_key"})
+
+
 @dataclass(frozen=True)
 class GraphAnalysis:
     """Everything the analysis found in one graph. Never raises on 'not found': lists are just empty.

@@ -57,7 +57,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis import moe as moe_analysis
-from ..analysis.graph import ancestors, node_map, op_name, shape_of, strip_views
+from ..analysis.graph import ancestors, arg, node_map, op_name, shape_of, strip_views, tensor_args
 from ..analysis.sites import MoESite
 from ..errors import UnsupportedPatternWarning
 from .base import CKVPPass
@@ -218,6 +218,7 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
         if extra:
             raise _Skip(f"{', '.join(sorted(extra))} between the down GEMM {g.node.name} and the combine (an expert "
                         "bias or output norm: NYI in the fused op)")
+    _check_body(gemms, ups, downs, gate, up, x_root, ids, e, i == dm or 2 * i == dm)
     weights = _routing_weights(combine[0][1], topk, t, t_shape[1])
     routed = moe_analysis._routed_output(combine[0][0])
     r_shape = shape_of(routed)
@@ -227,6 +228,252 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
         raise _Skip(f"the routed output {routed.name} has another shape than the router input and dynamic sizes "
                     "(a symbolic reshape is NYI); compile with dynamic=False")
     return _Rewrite(x, ids, weights, gate, up, down, routed, i)
+
+
+# ------------------------------------------------------------------------------------------------ the exact body
+# The op computes down(silu(x W_gate^T) * (x W_up^T)) per routed (token, expert) with the top-k's own ids. The checks
+# below prove the graph computes that and nothing else: each factor's producer, the experts' input, the gather
+# indices and the contracted weight dimension (the shape checks above cannot tell a transposed layout when I == Dm).
+
+#: Ops a value passes through unchanged in the expert body: views, dtype casts, token gathers / permutations, the
+#: halves of a chunk / split, and transformers 5.17's zero ``masked_fill`` of expert-parallel sentinel rows.
+_SAME_VALUES = _VIEWS | {"getitem", "chunk", "split", "index", "index_select", "masked_fill", "repeat_interleave"}
+
+
+def _producer(node: object, stop: set[fx.Node] = frozenset()) -> fx.Node | None:
+    """The first node at or above ``node`` (following each op's data input, ``args[0]``) that is not a value-
+    preserving op of :data:`_SAME_VALUES`, or is in ``stop``."""
+    n = node
+    for _ in range(24):
+        if not isinstance(n, fx.Node):
+            return None
+        name = op_name(n)
+        if n in stop or name not in _SAME_VALUES or not n.args or not isinstance(n.args[0], fx.Node):
+            return n
+        if name == "masked_fill" and not _fills_zero(n):
+            return n
+        n = n.args[0]
+    return None
+
+
+def _half(node: object) -> int | None:
+    """Which chunk ``node`` takes (``getitem(chunk(.., 2), k)`` through value-preserving ops), or None."""
+    n = node
+    for _ in range(24):
+        if not isinstance(n, fx.Node) or op_name(n) not in _SAME_VALUES or not n.args:
+            return None
+        if op_name(n) == "getitem" and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in ("chunk", "split") \
+                and isinstance(n.args[1], int):
+            return n.args[1]
+        n = n.args[0]
+    return None
+
+
+def _data_operand(g) -> fx.Node | None:
+    """The activation operand of expert GEMM ``g`` (not its weight, not grouped_mm's offsets), or None."""
+    name = op_name(g.node)
+    if name in moe_analysis._GROUPED or name == "linear":
+        a = arg(g.node, 0, "mat_a" if name == "grouped_mm" else "input")
+        return a if isinstance(a, fx.Node) else None
+    data = [a for a in tensor_args(g.node) if _weight_path(a, g.weight) is None]
+    return data[0] if len(data) == 1 else None
+
+
+def _weight_path(node: object, weight: fx.Node) -> list[fx.Node] | None:
+    """The nodes from ``weight`` to ``node`` (weight first) when ``node`` is the weight through views, selections
+    and gathers, else None."""
+    path, n = [], node
+    for _ in range(24):
+        if not isinstance(n, fx.Node):
+            return None
+        path.append(n)
+        if n is weight:
+            return path[::-1]
+        if op_name(n) == "embedding" and len(n.args) > 1:  # F.embedding(idx, W)
+            n = n.args[1]
+        elif op_name(n) in _VIEWS | {"getitem", "index", "index_select", "select", "t", "mT", "swapaxes"} and n.args:
+            n = n.args[0]
+        else:
+            return None
+    return None
+
+
+def _check_body(gemms, ups, downs, gate, up, x_root: fx.Node, ids: fx.Node, e: int, ambiguous: bool) -> None:
+    """Raise _Skip unless the experts compute exactly ``down(silu(gate(x)) * up(x))`` with the top-k's ids.
+
+    ``ambiguous``: the weights' shapes cannot tell their layout (I == Dm, or 2I == Dm for a fused gate_up), so an
+    unknown contraction is refused too.
+    """
+    up_gemms = {g.node: g for g in ups}
+    for g in ups:
+        src = _producer(_data_operand(g))
+        if src is None or strip_views(src, moe_analysis._EXTRA_VIEWS) is not x_root:
+            raise _Skip(f"expert GEMM {g.node.name} reads {src.name if src is not None else 'an unknown input'}, not the "
+                        f"router's input {x_root.name} (through views and token gathers only)")
+    for g in gemms:
+        _check_ids(g, ids, e)
+        _check_contraction(g, ambiguous)
+    for d in downs:
+        m = _producer(_data_operand(d))
+        if m is None or op_name(m) != "mul" or len(m.args) != 2 or m.kwargs or \
+                not all(isinstance(a, fx.Node) for a in m.args):
+            raise _Skip(f"the down GEMM {d.node.name} does not read a product of two tensors (silu(gate) * up); "
+                        f"found {m.name if m is not None else 'an unknown input'}")
+        a, b = (_producer(x) for x in m.args)
+        silus = [x for x in (a, b) if x is not None and op_name(x) == "silu"]
+        if len(silus) != 1:
+            raise _Skip(f"{m.name} multiplies {len(silus)} silu outputs; only silu(gate) * up is fused")
+        s = silus[0]
+        other = b if s is a else a
+        if other not in up_gemms:
+            raise _Skip(f"{m.name}'s factor beside the silu is {other.name if other is not None else 'unknown'}, not an "
+                        "up GEMM's output (another factor or op in the expert body is NYI)")
+        if len(s.args) != 1 or s.kwargs.get("inplace"):
+            raise _Skip(f"{s.name}: a silu with extra arguments")
+        g_src = _producer(s.args[0])
+        if g_src not in up_gemms or up_gemms[g_src].weight is not gate[0] or up_gemms[other].weight is not up[0] \
+                or _selected_expert(up_gemms[g_src]) != _selected_expert(up_gemms[other]):
+            raise _Skip(f"{m.name} is not silu(gate GEMM) * up GEMM of one expert")
+        if gate[1] is not None and (_half(s.args[0]) != gate[1] or _half(m.args[1 if s is a else 0]) != up[1]):
+            raise _Skip(f"{m.name} does not take the gate and up halves of the fused gate_up GEMM once each")
+
+
+def _selected_expert(g) -> int | None:
+    """The constant expert index an eager loop's GEMM selects its weight with (``W[e]``), or None."""
+    a = _data_operand(g)
+    for w in (tensor_args(g.node)):
+        if w is a:
+            continue
+        n = strip_views(w, moe_analysis._EXTRA_VIEWS)
+        if op_name(n) == "getitem" and len(n.args) > 1:
+            index = n.args[1]
+            lead = index[0] if isinstance(index, tuple) and index else index
+            if isinstance(lead, int):
+                return lead
+        if op_name(n) == "select" and isinstance(arg(n, 2, "index"), int):
+            return arg(n, 2, "index")
+    return None
+
+
+def _ids_root(node: fx.Node, e: int) -> fx.Node:
+    """``node`` through views and clamps to a range holding every expert id 0..E-1 (no-ops on top-k ids;
+    transformers' ``batched_mm`` clamps expert-parallel sentinels that way)."""
+    for _ in range(16):
+        node = strip_views(node, moe_analysis._EXTRA_VIEWS)
+        if op_name(node) not in ("clamp", "clip", "clamp_", "clip_") or not node.args:
+            return node
+        lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+        if not ((lo is None or (isinstance(lo, int) and lo <= 0)) and (hi is None or (isinstance(hi, int) and hi >= e - 1))):
+            return node
+        node = node.args[0]
+    return node
+
+
+def _check_ids(g, ids: fx.Node, e: int) -> None:
+    """Raise _Skip when ``g``'s weight is gathered with indices other than the top-k's own (views and no-op clamps
+    allowed)."""
+    path = _weight_path(g.node.args[1] if op_name(g.node) in moe_analysis._GROUPED else None, g.weight) \
+        if op_name(g.node) in moe_analysis._GROUPED else next(
+            (p for p in (_weight_path(a, g.weight) for a in tensor_args(g.node)) if p is not None), None)
+    for n in path or ():
+        name = op_name(n)
+        index = (n.args[0] if name == "embedding" else arg(n, 2, "index") if name == "index_select"
+                 else n.args[1] if name in ("getitem", "index") and len(n.args) > 1 else None)
+        nodes = moe_analysis._index_nodes(index)
+        if nodes and any(_ids_root(i, e) is not _ids_root(ids, e) for i in nodes):
+            raise _Skip(f"the expert weights of {g.node.name} are gathered with {nodes[0].name}, not the top-k's "
+                        f"indices {ids.name} (remapped expert ids are NYI)")
+
+
+def _check_contraction(g, ambiguous: bool) -> None:
+    """Raise _Skip unless ``g`` contracts its stored weight's last dimension (the (E, out, in) layout every
+    accepted form stores); an unknown contraction is refused only when ``ambiguous``."""
+    name = op_name(g.node)
+    if name in moe_analysis._GROUPED:
+        operand = arg(g.node, 1, "mat_b")
+        operand = operand if operand is not None else arg(g.node, 1, "weight")
+        want = -2
+    elif name == "linear":
+        operand, want = arg(g.node, 1, "weight"), -1
+    else:
+        operands = tensor_args(g.node)
+        k = next((j for j, a in enumerate(operands) if _weight_path(a, g.weight) is not None), None)
+        operand = operands[k] if k is not None else None
+        want = None if name == "einsum" else (-2 if k == 1 else -1)
+    path = _weight_path(operand, g.weight) if isinstance(operand, fx.Node) else None
+    pos = _last_dim_position(path) if path else None
+    why = None
+    if pos is None:
+        why = "its weight reaches the GEMM through reshapes this check cannot follow"
+    elif name == "einsum":
+        spec = g.node.args[0] if g.node.args and isinstance(g.node.args[0], str) else None
+        letters = _einsum_letters(spec, len(tensor_args(g.node)), k) if spec else None
+        if letters is None:
+            why = f"einsum {spec!r} is not a plain explicit equation"
+        elif not letters[1].get(letters[0][pos], False):
+            raise _Skip(f"einsum {spec!r} of {g.node.name} does not contract the last dimension of its stored weight "
+                        f"{g.weight.name} (a transposed experts layout is NYI)")
+    elif pos != want:
+        raise _Skip(f"{g.node.name} contracts dimension {want} of its weight operand, which holds dimension {pos} of "
+                    f"the stored weight {g.weight.name}, not the last (a transposed experts layout is NYI)")
+    if why is not None and ambiguous:
+        raise _Skip(f"cannot tell the weight layout of {g.node.name} from shapes (I == Dm): {why}")
+
+
+def _last_dim_position(path: list[fx.Node]) -> int | None:
+    """Where (a negative index) the stored weight's last dimension sits after ``path`` (weight first), or None."""
+    shape = _shape(path[0])
+    if not shape:
+        return None
+    pos = -1
+    for prev, n in zip(path, path[1:]):
+        name, nd = op_name(n), len(_shape(n) or ())
+        before = _shape(prev)
+        if name in ("transpose", "swapaxes"):
+            a, b = (arg(n, 1, "dim0"), arg(n, 2, "dim1"))
+            nd_prev = len(before or ())
+            if not isinstance(a, int) or not isinstance(b, int) or not nd_prev:
+                return None
+            a, b = a % nd_prev - nd_prev, b % nd_prev - nd_prev
+            pos = b if pos == a else a if pos == b else pos
+        elif name in ("t", "mT"):
+            pos = -2 if pos == -1 else -1 if pos == -2 else pos
+        elif name == "permute":
+            dims = n.args[1:] if len(n.args) > 2 else n.args[1] if len(n.args) > 1 else None
+            nd_prev = len(before or ())
+            if not isinstance(dims, (list, tuple)) or len(dims) != nd_prev:
+                return None
+            src = [d % nd_prev - nd_prev for d in dims]
+            if pos not in src:
+                return None
+            pos = src.index(pos) - nd_prev
+        elif name in ("getitem", "index", "index_select", "select", "embedding") or name in _DTYPE_KEEPING:
+            pass  # gathers and selections act on the leading (expert) dimension; casts keep every dimension
+        else:  # a view: safe only while it keeps the trailing dimensions as they were
+            after = _shape(n)
+            if before is None or after is None or before[pos:] != after[pos:] or len(after) < -pos:
+                return None
+        if not nd:
+            return None
+    return pos
+
+
+_DTYPE_KEEPING = frozenset({"to", "float", "half", "bfloat16", "type_as", "contiguous", "clone", "_to_copy", "alias",
+                            "detach", "type", "double"})
+
+
+def _einsum_letters(spec: str, n_operands: int, k: int) -> tuple[str, dict[str, bool]] | None:
+    """For an explicit ``einsum`` equation: the weight operand's (``k``) subscript letters and, per letter, whether
+    the equation contracts it (absent from the output, present in another operand); None otherwise."""
+    spec = spec.replace(" ", "")
+    if "->" not in spec or "." in spec:
+        return None
+    lhs, out = spec.split("->")
+    terms = lhs.split(",")
+    if len(terms) != n_operands or not 0 <= k < len(terms):
+        return None
+    others = "".join(t for j, t in enumerate(terms) if j != k)
+    return terms[k], {c: c not in out and c in others for c in terms[k]}
 
 
 def _ops_between(start: fx.Node, end: fx.Node) -> set[str]:

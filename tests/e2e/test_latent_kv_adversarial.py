@@ -174,3 +174,65 @@ def test_a_graph_break_between_layers_still_runs_the_latent_cache_at_g1():
     eager = prefill_decode_logits(model, ids, 1, max_cache_len=16)
     step = torch.compile(model, backend=_aot_eager())
     _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), n=1), eager)
+
+
+@pytest.mark.parametrize("after", ["scale", "rmsnorm", "bias"])
+def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(after, monkeypatch):
+    """A key scaled, normalised or offset after RoPE (HunYuan-MoE's key_layernorm is the real case) is not RoPE of
+    the projected key: a latent of the pre-RoPE key would rebuild it without the change, so every decode step
+    would be wrong. The analysis refuses the site and calibrate() names why (once, the region walk took the
+    post-RoPE multiply in as part of the RoPE, and decode logits were off by 0.3-2.5 with no warning)."""
+    import ckvp_compile.testing.gpt_fast as gf
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    rope = gf.apply_rope_rotate_half
+
+    def rope_then(x, cos, sin):
+        y = rope(x, cos, sin)
+        if after == "scale":
+            return y * 0.5
+        if after == "rmsnorm":
+            return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y + 0.25
+
+    monkeypatch.setattr(gf, "apply_rope_rotate_half", rope_then)
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, rope_form="rotate_half")).eval()
+    with pytest.raises(CKVPConfigError, match="not exactly RoPE of the projected key"):
+        calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
+
+
+def test_hunyuan_moe_post_rope_key_norm_is_refused():
+    """HF HunYuan-V1-MoE applies key_layernorm after RoPE: calibrate() refuses it with the reason."""
+    pytest.importorskip("transformers.models.hunyuan_v1_moe")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "hunyuan_v1_moe", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
+        max_position_embeddings=128, initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(CKVPConfigError, match="key_layernorm|not exactly RoPE"):
+        calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
+
+
+def test_a_router_the_expert_rewrite_cannot_read_leaves_the_latent_cache_usable():
+    """An unsupported MoE router (HF dots1's DeepSeek-V3-style score-correction bias) blocks only the expert
+    rewrite of its layer: the attention still runs on the latent cache, equal to eager at full rank (once, any
+    unsupported pattern blocked the whole layer and the compiled call raised)."""
+    pytest.importorskip("transformers.models.dots1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "dots1", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=48, moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=0, max_position_embeddings=256, initializer_range=0.1,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    bases = calibrate(model, [torch.randint(0, 128, (1, 20)) for _ in range(2)], group_size=2, kv_ratio=1.0,
+                      progress=False)
+    ids = torch.randint(0, 128, (1, 5))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=2)))
+    _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)

@@ -259,6 +259,67 @@ def test_module_list_experts_left_untouched_with_warning():
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
 
+class _EinsumMoE(torch.nn.Module):
+    """A gpt-fast-style einsum MoE layer (weights gathered by the top-k ids) with one change to its expert body or
+    wiring, by ``variant``; 'swiglu' is the form the op computes. Weights (E, I, Dm) gate / up and (E, Dm, I) down,
+    or transposed where the variant says so (I == Dm, so the shapes cannot tell)."""
+
+    def __init__(self, variant: str, dim: int = 24, num_experts: int = 5, ffn: int = 24) -> None:
+        super().__init__()
+        self.variant = variant
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(num_experts, ffn, dim) * 0.2)
+        self.w2 = torch.nn.Parameter(torch.randn(num_experts, dim, ffn) * 0.2)
+        self.w3 = torch.nn.Parameter(torch.randn(num_experts, ffn, dim) * 0.2)
+        self.scale = torch.nn.Parameter(torch.rand(ffn) + 0.5)
+        self.perm = torch.nn.Parameter(torch.randperm(num_experts), requires_grad=False)
+
+    def forward(self, x):
+        v, e = self.variant, self.w1.shape[0]
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), 2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        xe = x * 2 if v == "input_scaled" else x
+        gidx = {"ids_perm": self.perm[idx], "ids_shift": (idx + 1) % e}.get(v, idx)
+        gate = torch.einsum("ti,taio->tao" if v == "gate_transposed" else "ti,taoi->tao", xe, self.w1[gidx])
+        up = torch.einsum("ti,taoi->tao", xe, self.w3[gidx])
+        h = F.silu(gate) * (F.silu(up) if v == "silu_both" else up)
+        h = {"times_const": h * 0.5, "times_param": h * self.scale}.get(v, h)
+        eq = "tao,taoi->tai" if v == "down_transposed" else "tao,taio->tai"
+        return torch.einsum("tai,ta->ti", torch.einsum(eq, h, self.w2[gidx]), w)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("times_const", "product of two tensors"),
+    ("times_param", "silu outputs"),
+    ("silu_both", "2 silu outputs"),
+    ("input_scaled", "not the router's input"),
+    ("ids_perm", "not the top-k's indices"),
+    ("ids_shift", "not the top-k's indices"),
+    ("gate_transposed", "does not contract the last dimension"),
+    ("down_transposed", "does not contract the last dimension"),
+])
+def test_expert_body_other_than_swiglu_left_untouched(variant, reason):
+    """Anything but down(silu(x W_gate) * (x W_up)) with the top-k's own ids and (E, out, in) weights is left as the
+    model computes it, with the reason (each of these was once rewritten as plain SwiGLU: wrong logits)."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 24)
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    model = _EinsumMoE("swiglu").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend, fullgraph=True)(x), model(x),
+                                   rtol=1e-5, atol=1e-5)
+    assert [len(OP_CALL.findall(g.dynamo_after)) for g in rec.graphs] == [1]  # the plain form is rewritten
+    torch._dynamo.reset()
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    model = _EinsumMoE(variant).eval()
+    with pytest.warns(UnsupportedPatternWarning, match=reason), torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    assert all(not OP_CALL.findall(g.dynamo_after) for g in rec.graphs)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_dynamic_token_count_and_inner_compilers(compiler):
     """dynamic=True (one graph for every prompt length) and both cheap inner compilers: rewritten, equal to eager."""
