@@ -39,7 +39,11 @@ and the reason in the pass's ``notes`` (:class:`~ckvp_compile.passes.base.PassRe
 A site is left untouched, with an :class:`~ckvp_compile.errors.UnsupportedPatternWarning` giving the reason,
 when any of these is not found exactly: the weights' roles and layouts ((E, I, Dm) gate / up or (E, 2I, Dm)
 fused, (E, Dm, I) down), a ``silu(gate) * up`` activation (no other activation, no biases), the routing-weight
-tensor, the routed output, or experts fed by the router's input.
+tensor, the routed output, or experts fed by the router's input. :func:`_check_body` then proves the body is
+exactly that: the down GEMM reads ``mul(silu(gate GEMM), up GEMM)`` of one expert and nothing else, the up GEMMs
+read the router's input through views and token gathers only, weights are gathered with the top-k's own ids
+(through views and no-op clamps), and each GEMM contracts its stored weight's last dimension (which shapes alone
+cannot tell when I == Dm).
 
 Prior art: vLLM ``FusedMoE`` (one op for the experts of a layer); the pattern-docstring form of vLLM's compilation
 passes. Shared-expert fusion in SGLang (sgl-project/sglang PR 4918, after vllm-project/vllm PR 15502) appends the

@@ -94,14 +94,14 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         num_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        _check_bases(bases, len(self.layers), num_kv, head_dim)
         sliding = [i for i, layer in enumerate(self.layers) if getattr(layer, "is_sliding", False)]
-        if sliding:
+        if sliding:  # first: calibrate() covers only the full-attention layers of such a model
             raise CKVPConfigError(
                 f"this model uses sliding-window attention (layers {sliding[:8]}{'...' if len(sliding) > 8 else ''}; "
                 f"config sliding_window={getattr(text, 'sliding_window', None)}), whose cache keeps only a window of "
                 f"recent tokens; the ckvp latent cache does not support it yet. Fix: use a dense cache "
                 f"(cache_implementation='static') with backend='ckvp', or a model without a sliding window.")
+        _check_bases(bases, len(self.layers), num_kv, head_dim)
         k_format, v_format = _formats(latent_format)
         self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
                                    latent_dtype, basis_dtype, residual_format, recent_window, page_size, num_pages,

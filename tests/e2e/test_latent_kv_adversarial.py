@@ -236,3 +236,13 @@ def test_a_router_the_expert_rewrite_cannot_read_leaves_the_latent_cache_usable(
     eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
     step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=2)))
     _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
+
+
+def test_a_model_with_some_sliding_window_layers_gets_the_sliding_window_error():
+    """Qwen2-MoE with sliding windows in its first layers: calibrate() covers the full-attention layers only, and
+    the cache names the sliding window as the reason (it said "calibrate bases for this model", which the user
+    had just done)."""
+    model = build_hf_moe("qwen2_moe", num_layers=4, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    bases = calibrate(model, [torch.randint(0, 256, (1, 20))], group_size=2, kv_ratio=1.0, progress=False)
+    with pytest.raises(CKVPConfigError, match="sliding-window attention"):
+        CKVPStaticCache(model.config, bases, max_cache_len=32)

@@ -396,7 +396,7 @@ def test_text_report_table_and_summary():
     assert "KV bytes/token: 384 -> 384 (unchanged)" in text  # 3 layers * 2 Hkv * 16 D * (2 + 2) bytes
     assert "layer 2 [sliding_window]: a <b>sliding</b> window & mask was found. Fix: set sliding_window=None." in text
     assert "attention [0-1]: kept: dense cache: give the model a ckvp latent cache" in text
-    assert "attention [2]: kept: an unsupported pattern" in text
+    assert "attention [2]: kept: an unsupported attention pattern" in text
     assert "+1 -1 lines" in text and "not recorded" in text
 
 
