@@ -72,8 +72,8 @@ _DYNAMIC_FIX = (
 )
 _MLA_FIX = "nothing to do, ckvp leaves MLA as is."
 _POST_ROPE_FIX = (
-    "NYI: keys changed after RoPE (a norm or scale, e.g. HunYuan-MoE's key_layernorm) stay dense; use a dense cache "
-    "for this model."
+    "NYI: keys changed after RoPE (a norm or scale, e.g. HunYuan-MoE's key_layernorm) cannot use the latent cache; "
+    "with a dense cache the model compiles and runs as before."
 )
 _SLIDING_FIX = (
     "NYI: sliding-window layers stay dense; keep them out of ckvp, or run the model without a sliding "
