@@ -334,8 +334,12 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # the one-pass loop pipelined 3 deep: 32:8 rank 96 batch 8, 32k 1.21 -> 1.18 ms per call, Mixtral-8x7B
         # decode (8 layers, batch 8, 32k) 17.10 -> 16.81 ms per step (benchmarks/results/2026-12-01-defaults-h200)
         # (the fp16 rebuild: benchmarks/results/2026-12-01-largebatch-h200)
+        # past rank 256 (Mixtral at ratio 4 with G = 4: key ranks 384-416, padded to 512) the unrolled rebuild's
+        # basis and latent tiles need 316 KB of shared memory on sm_90a, past the H200's 227 KB, and the launch
+        # failed; the rank loop keeps one 64-wide chunk live: 46 KB (Triton 3.6 offline compile,
+        # benchmarks/latent_attention_aot.py --heads 32:8 --format int4/32:416)
         cfg = DecodeConfig(two_pass=not one_pass, loop_stages=3 if one_pass else None,
-                           key_fp16=one_pass and quantized_keys)
+                           key_fp16=one_pass and quantized_keys, r_loop=rank_pad is not None and rank_pad > 256)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
