@@ -175,6 +175,8 @@ class CKVPConfig:
             options = options.to_dict(include_version=False)
         if not isinstance(options, Mapping):
             raise CKVPConfigError(f"options must be a dict of CKVPConfig fields, got {type(options).__name__}")
+        if "version" in options:  # what to_dict() adds by default: a record, not an option
+            options = {k: v for k, v in options.items() if k != "version"}
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(k for k in options if k not in valid)
         if unknown:

@@ -152,3 +152,11 @@ def test_bad_inductor_option_surfaces_through_torch_compile():
 
     with pytest.raises(CKVPConfigError, match="max_autotune"):
         torch.compile(lambda x: x + 1, backend="ckvp", options={"inductor": {"max_autotun": True}})(torch.ones(2))
+
+
+def test_to_dict_round_trips_through_from_options():
+    """from_options() takes what to_dict() writes, its 'version' record included."""
+    from ckvp_compile import CKVPConfig
+
+    c = CKVPConfig(group_size=2, enable_expert_gemm=True, inductor={"max_autotune": True})
+    assert CKVPConfig.from_options(c.to_dict()) == c

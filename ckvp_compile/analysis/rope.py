@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .graph import arg, op_name, shape_of
@@ -361,9 +362,17 @@ def _rope_residue(m: RopeMatch) -> str | None:
         elif kind in ("add", "sub"):
             if len(inside) != 2 or outside:
                 return f"{n.name} adds a term that is not part of the rotation (e.g. a bias applied after RoPE)"
-        elif outside and not all(is_table(a) for a in outside):
-            return f"{n.name} combines the rotation with {outside[0].name}, which is not a cos / sin table"
+        else:
+            tensors = [a for a in outside if _is_tensor(a)]  # sizes (SymInts of a dynamic shape) are shape arguments
+            if tensors and not all(is_table(a) for a in tensors):
+                return f"{n.name} combines the rotation with {tensors[0].name}, which is not a cos / sin table"
     return None
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    """True unless the node's recorded value is a (symbolic) number: a size, not data."""
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val is None or isinstance(val, torch.Tensor)
 
 
 def ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:

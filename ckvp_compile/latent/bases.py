@@ -258,6 +258,9 @@ class LatentBases:
         try:
             meta = json.loads(header["meta"])
             n = len(meta["groups"])
+            flat = [int(x) for layers in meta["groups"] for x in layers]
+            if flat != list(range(len(flat))) or not all(meta["groups"]):
+                raise ValueError(f"groups {meta['groups']} are not consecutive layers 0..L-1 in ascending order")
             bases = cls(
                 groups=tuple(tuple(int(x) for x in layers) for layers in meta["groups"]),
                 num_kv_heads=int(meta["num_kv_heads"]), head_dim=int(meta["head_dim"]),
@@ -270,7 +273,7 @@ class LatentBases:
                 k_eigenvalues=tuple(tensors[f"k_eigenvalues.{g}"] for g in range(n)),
                 v_eigenvalues=tuple(tensors[f"v_eigenvalues.{g}"] for g in range(n)),
                 model_fingerprint=dict(meta["model_fingerprint"]), num_tokens=int(meta["num_tokens"]),
-                online=bool(meta.get("online", False)), k_formats=tuple(meta.get("k_formats", ())),
+                online=meta.get("online", False) in (True, "true", "True", 1), k_formats=tuple(meta.get("k_formats", ())),
                 v_formats=tuple(meta.get("v_formats", ())), rotation=str(meta.get("rotation", "")),
                 max_key_rank=None if meta.get("max_key_rank") is None else int(meta["max_key_rank"]),
             )

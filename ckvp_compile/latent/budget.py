@@ -11,6 +11,7 @@ allocates them, and :func:`fit_byte_ratio` searches the element ratio whose base
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import torch
@@ -110,6 +111,12 @@ def store_bytes(bases: Any, batch_size: int, max_cache_len: int, k_format: str =
     return total
 
 
+def _check_target(target: Any) -> None:
+    """Raise CKVPConfigError unless ``target`` is a finite number >= 1 (a NaN would end the search at rank 1)."""
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not math.isfinite(target) or target < 1:
+        raise CKVPConfigError(f"kv_ratio must be a finite number >= 1 (dense bytes / latent bytes), got {target!r}")
+
+
 def fit_byte_ratio(build: Callable[[float], Any], target: float, max_elements_ratio: float,
                    bytes_ratio: Callable[[Any], float], iterations: int = 40) -> Any:
     """Return the bases with the most latent elements whose byte ratio is >= ``target``.
@@ -122,8 +129,9 @@ def fit_byte_ratio(build: Callable[[float], Any], target: float, max_elements_ra
         bytes_ratio: LatentBases -> dense bytes / held bytes (e.g. via :func:`store_bytes`).
         iterations: bisection steps over the element ratio.
     Raises:
-        CKVPConfigError: the target is not reachable even at the largest element ratio.
+        CKVPConfigError: the target is not a finite number >= 1, or not reachable even at the largest element ratio.
     """
+    _check_target(target)
     lo, hi = 1.0, float(max_elements_ratio)
     best = build(hi)
     if bytes_ratio(best) < target:
@@ -183,6 +191,7 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
             ``max_key_rank`` that is not None or an int >= 1, or one that leaves too few coordinates for
             ``kv_ratio`` (more than 5% above it with every unit at its cap; the message names the reachable ratio).
     """
+    _check_target(kv_ratio)
     try:
         parsed = parse_latent_format(latent_format)
     except ValueError as e:

@@ -404,11 +404,18 @@ def rope_table_update(cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos
         None; ``cos_table[position_ids] = cos``, ``sin_table[position_ids] = sin``,
         ``slot_pos[:, slots] = position_ids``.
     Raises:
-        CKVPShapeError: a shape, dtype or device does not match the layout above.
+        CKVPShapeError: a shape, dtype or device does not match the layout above; a slot or (on the CPU) a position
+            outside the cache.
     Reference: kernels/reference.py::rope_table_update_ref
     """
     _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
     _check_slot_values("rope_table_update", slots, slot_pos.shape[1])
+    if position_ids.device.type == "cpu" and position_ids.numel() and \
+            not 0 <= int(position_ids.min()) <= int(position_ids.max()) < cos_table.shape[0]:
+        raise CKVPShapeError(
+            f"ckvp::rope_table_update: RoPE position {int(position_ids.max())} is outside the latent cache's "
+            f"{cos_table.shape[0]} positions (its RoPE tables hold max_cache_len rows). Build the cache with "
+            "CKVPStaticCache(max_cache_len=...) above the largest position id, or pass positions from 0")
     ref.rope_table_update_ref(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
 
 

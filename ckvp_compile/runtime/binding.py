@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
-from ..analysis.sites import GraphAnalysis
+from ..analysis.sites import ATTENTION_UNSUPPORTED_KINDS, GraphAnalysis
 from .store import LatentKVStore, lookup_phantom
 
 
@@ -74,4 +74,16 @@ def bind_latent_store(graph: fx.Graph, example_inputs: Sequence[Any], analysis: 
             )
         else:
             binding.layers.add(site.layer)
+    refused = {u.layer: u for u in analysis.unsupported
+               if u.layer is not None and u.kind in ATTENTION_UNSUPPORTED_KINDS}
+    if binding is None and refused:  # phantoms, but every attention site refused (e.g. post_rope_key): the refused
+        # layers' writes into the phantoms stay in the graph, so the plan must report them as blocking
+        for i in range(min(len(placeholders), len(example_inputs))):
+            hit = lookup_phantom(example_inputs[i])
+            if hit is not None:
+                binding = LatentBinding(hit[0], i)
+                break
+    if binding is not None:
+        for layer, u in refused.items():
+            binding.problems.setdefault(layer, f"its attention was refused ({u.kind}): {u.reason}")
     return binding

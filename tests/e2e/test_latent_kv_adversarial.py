@@ -246,3 +246,68 @@ def test_a_model_with_some_sliding_window_layers_gets_the_sliding_window_error()
     bases = calibrate(model, [torch.randint(0, 256, (1, 20))], group_size=2, kv_ratio=1.0, progress=False)
     with pytest.raises(CKVPConfigError, match="sliding-window attention"):
         CKVPStaticCache(model.config, bases, max_cache_len=32)
+
+
+@pytest.mark.parametrize("rope_form", ["complex", "rotate_half"])
+def test_a_new_prompt_length_recompiles_a_gpt_fast_latent_cache_exactly(rope_form):
+    """A gpt-fast model with a latent cache, a 5-token prompt then a 9-token one (Dynamo's dynamic-shape recompile):
+    the symbolic size in the complex form's reshape is a shape argument, not a post-RoPE change (it once read as
+    post_rope_key and the compile died on the write into the phantom)."""
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, rope_form=rope_form)).eval()
+    bases = calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.arange(9)[None] + 3
+    with torch.no_grad():
+        model.setup_caches(1, 32)
+        want = model(ids, torch.arange(9))
+        model.setup_caches(1, 32)
+        store = use_latent_cache(model, bases, latent_format="float")
+        step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+        step(ids[:, :5], torch.arange(5))
+        store.reset()
+        got = step(ids, torch.arange(9))
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_a_refused_attention_with_online_bases_is_the_backends_clear_error():
+    """online_bases() reads only the config, so a model whose keys change after RoPE gets a cache; the backend then
+    reports the refused layers (UnsupportedGraphError with the reason), not an internal error from the phantom."""
+    pytest.importorskip("transformers.models.hunyuan_v1_moe")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ckvp_compile.errors import UnsupportedGraphError
+    from ckvp_compile.latent import online_bases
+
+    config = AutoConfig.for_model(
+        "hunyuan_v1_moe", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
+        max_position_embeddings=128, initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    cache = CKVPStaticCache(model.config, online_bases(model, group_size=2, kv_ratio=1), max_cache_len=16,
+                            latent_format="float")
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")))
+    with pytest.raises(UnsupportedGraphError, match="post_rope_key"), torch.no_grad():
+        step(**hf_step_kwargs(model, torch.randint(0, 256, (1, 6)), cache, 0))
+
+
+def test_positions_past_the_cache_and_bad_byte_ratios_are_clear_errors():
+    """RoPE positions >= max_cache_len: a CKVPShapeError (was an IndexError); a byte-ratio target that is not a
+    finite number >= 1: a CKVPConfigError (0, 0.5 and NaN gave full-rank or rank-1 bases)."""
+    from ckvp_compile.errors import CKVPShapeError
+    from ckvp_compile.latent import collect_kv_moments
+    from ckvp_compile.latent.budget import bases_for_byte_ratio
+
+    model, bases = _model_and_bases()
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=16)
+    step = torch.compile(model, backend=_aot_eager(), fullgraph=True)
+    kwargs = hf_step_kwargs(model, torch.randint(0, 256, (1, 4)), cache, 0)
+    kwargs["position_ids"] = torch.arange(40, 44)[None]
+    with pytest.raises(CKVPShapeError, match="RoPE position 43"), torch.no_grad():
+        step(**kwargs)
+    moments = collect_kv_moments(model, [torch.randint(0, 256, (1, 20))], group_size=1, progress=False)
+    for bad in (0, 0.5, float("nan"), float("inf")):
+        with pytest.raises(CKVPConfigError, match="finite number >= 1"):
+            bases_for_byte_ratio(moments, bad, "int4")

@@ -533,3 +533,27 @@ def test_key_rank_cap_too_tight_for_the_ratio_is_refused_and_recorded():
     with tempfile.TemporaryDirectory() as d:
         b.save(f"{d}/b.safetensors")
         assert LatentBases.load(f"{d}/b.safetensors").max_key_rank == 16
+
+
+def test_load_refuses_edited_groups_and_reads_the_online_flag(tmp_path):
+    """A bases file whose groups are not layers 0..L-1 in order is refused as corrupt; 'online' in the metadata is
+    read as a flag ("false" once loaded as True)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model, samples = _gpt_fast(n_layer=2), _samples(2, (1, 16))
+    path = tmp_path / "b.safetensors"
+    calibrate(model, samples, group_size=1, kv_ratio=2.0, progress=False).save(path)
+    with safe_open(str(path), "pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta = json.loads(header["meta"])
+    for change, check in ((dict(groups=[[1], [0]]), "not consecutive"), (dict(online="false"), None)):
+        edited = dict(header, meta=json.dumps({**meta, **change}))
+        save_file(tensors, str(tmp_path / "e.safetensors"), metadata=edited)
+        if check:
+            with pytest.raises(CKVPConfigError, match=check):
+                LatentBases.load(tmp_path / "e.safetensors")
+        else:
+            assert LatentBases.load(tmp_path / "e.safetensors").online is False
