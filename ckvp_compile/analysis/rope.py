@@ -324,6 +324,8 @@ def rope_residue(m: RopeMatch) -> str | None:
     every multiply takes one of them and a cos / sin table (a view of the identified tables, not depending on
     ``x_in``) or the scalar -1 / 1; every add or subtract takes two of them; every other input is a table or a
     shape / index argument. Returns a one-line reason naming the first offending node, or None. Never raises.
+    Not detected (no known model does either): a sign flip of the whole rotated key (``neg`` is a rotation op), and
+    ``torch.add(a, b, alpha=c)``'s ``alpha``.
     """
     try:
         return _rope_residue(m)

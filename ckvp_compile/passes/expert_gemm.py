@@ -376,9 +376,11 @@ def _ids_root(node: fx.Node, e: int) -> fx.Node:
 def _check_ids(g, ids: fx.Node, e: int) -> None:
     """Raise _Skip when ``g``'s weight is gathered with indices other than the top-k's own (views and no-op clamps
     allowed)."""
-    path = _weight_path(g.node.args[1] if op_name(g.node) in moe_analysis._GROUPED else None, g.weight) \
-        if op_name(g.node) in moe_analysis._GROUPED else next(
-            (p for p in (_weight_path(a, g.weight) for a in tensor_args(g.node)) if p is not None), None)
+    if op_name(g.node) in moe_analysis._GROUPED:
+        b = arg(g.node, 1, "mat_b")
+        path = _weight_path(b if b is not None else arg(g.node, 1, "weight"), g.weight)
+    else:
+        path = next((p for p in (_weight_path(a, g.weight) for a in tensor_args(g.node)) if p is not None), None)
     for n in path or ():
         name = op_name(n)
         index = (n.args[0] if name == "embedding" else arg(n, 2, "index") if name == "index_select"
