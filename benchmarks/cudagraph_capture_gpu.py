@@ -71,8 +71,8 @@ if ARGS.device.startswith("cuda") and not ARGS.no_launch_blocking:
 import torch  # noqa: E402
 
 T0 = time.perf_counter()
-#: host-only branches (CPU smoke run only): the slot range check and the quantizers' value checks
-HOST_ONLY = ("latent_kv.py:_check_slot_values", "latent_format.py:quantize_latent_ref",
+#: host-only branches (CPU smoke run only): the slot and position range checks and the quantizers' value checks
+HOST_ONLY = ("latent_kv.py:_check_slot_values", "latent_kv.py:_check_position_values", "latent_format.py:quantize_latent_ref",
              "latent_quant_triton.py:quantize_latent_triton")
 
 

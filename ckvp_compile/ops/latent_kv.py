@@ -215,6 +215,19 @@ def _check_slot_values(op: str, slots: torch.Tensor, s_max: int, unused_ok: bool
                              f"least as long as prompt + new tokens, or call cache.reset() before a new sequence")
 
 
+def _check_position_values(position_ids: torch.Tensor, p_max: int) -> None:
+    """RoPE positions outside the cache's tables: a clear error on host tensors (like :func:`_check_slot_values`,
+    not checked on a GPU, where it would synchronise every step)."""
+    if position_ids.device.type != "cpu" or position_ids.numel() == 0:
+        return
+    lo, hi = int(position_ids.min()), int(position_ids.max())
+    if lo < 0 or hi >= p_max:
+        raise CKVPShapeError(
+            f"ckvp::rope_table_update: RoPE position {hi if hi >= p_max else lo} is outside the latent cache's {p_max} "
+            "positions (its RoPE tables hold max_cache_len rows). Build the cache with CKVPStaticCache(max_cache_len="
+            "...) above the largest position id, or pass positions from 0")
+
+
 def _basis_dims(op: str, name: str, basis: torch.Tensor, b: Any, layout: str) -> tuple[Any, Any, Any]:
     """(Hkv, N, R_max) of a shared (Hkv, N, R_max) basis or a per-sequence (B, Hkv, N, R_max) one."""
     if basis.dim() == 4:
@@ -410,12 +423,7 @@ def rope_table_update(cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos
     """
     _check_rope_table_update(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
     _check_slot_values("rope_table_update", slots, slot_pos.shape[1])
-    if position_ids.device.type == "cpu" and position_ids.numel() and \
-            not 0 <= int(position_ids.min()) <= int(position_ids.max()) < cos_table.shape[0]:
-        raise CKVPShapeError(
-            f"ckvp::rope_table_update: RoPE position {int(position_ids.max())} is outside the latent cache's "
-            f"{cos_table.shape[0]} positions (its RoPE tables hold max_cache_len rows). Build the cache with "
-            "CKVPStaticCache(max_cache_len=...) above the largest position id, or pass positions from 0")
+    _check_position_values(position_ids, cos_table.shape[0])
     ref.rope_table_update_ref(cos_table, sin_table, slot_pos, cos, sin, position_ids, slots)
 
 
