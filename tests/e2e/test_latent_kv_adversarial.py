@@ -202,8 +202,8 @@ def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(afte
         calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
 
 
-def test_hunyuan_moe_post_rope_key_norm_is_refused():
-    """HF HunYuan-V1-MoE applies key_layernorm after RoPE: calibrate() refuses it with the reason."""
+def _tiny_hunyuan(**kwargs):
+    """A 2-layer random HF HunYuan-V1-MoE (key_layernorm after RoPE); skips where transformers lacks it."""
     pytest.importorskip("transformers.models.hunyuan_v1_moe")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -211,7 +211,12 @@ def test_hunyuan_moe_post_rope_key_norm_is_refused():
         "hunyuan_v1_moe", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
         max_position_embeddings=128, initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config, **kwargs).eval()
+
+
+def test_hunyuan_moe_post_rope_key_norm_is_refused():
+    """HF HunYuan-V1-MoE applies key_layernorm after RoPE: calibrate() refuses it with the reason."""
+    model = _tiny_hunyuan()
     with pytest.raises(CKVPConfigError, match="key_layernorm|not exactly RoPE"):
         calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
 
@@ -275,17 +280,10 @@ def test_a_new_prompt_length_recompiles_a_gpt_fast_latent_cache_exactly(rope_for
 def test_a_refused_attention_with_online_bases_is_the_backends_clear_error():
     """online_bases() reads only the config, so a model whose keys change after RoPE gets a cache; the backend then
     reports the refused layers (UnsupportedGraphError with the reason), not an internal error from the phantom."""
-    pytest.importorskip("transformers.models.hunyuan_v1_moe")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from ckvp_compile.errors import UnsupportedGraphError
     from ckvp_compile.latent import online_bases
 
-    config = AutoConfig.for_model(
-        "hunyuan_v1_moe", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=32, num_experts=4, moe_topk=2,
-        max_position_embeddings=128, initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = _tiny_hunyuan(attn_implementation="sdpa")
     cache = CKVPStaticCache(model.config, online_bases(model, group_size=2, kv_ratio=1), max_cache_len=16,
                             latent_format="float")
     step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")))
