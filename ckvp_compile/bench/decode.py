@@ -65,7 +65,7 @@ import torch
 from ..kernels.latent_layout import STORE_LAYOUTS
 from .output import with_config_override
 
-__all__ = ["DecodeRow", "System", "main", "parse_system"]
+__all__ = ["DecodeRow", "System", "main", "parse_cell", "parse_system"]
 
 REPO = Path(__file__).resolve().parents[2]
 _MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -100,6 +100,21 @@ def parse_system(spec: str) -> System:
         return System(spec, "eager")
     raise ValueError(f"unknown system {spec!r}: use eager, inductor, inductor-max-autotune, inductor-reduce-overhead, "
                      f"ckvp-R (R >= 1, e.g. ckvp-16), optionally with :MODE, MODE one of {list(_MODES)}")
+
+
+def parse_cell(spec: str) -> tuple[str, int | str, int]:
+    """Parse ``SYSTEM@BATCH@CONTEXT`` (``--cells``): the system spec (see :func:`parse_system`), the batch (an int
+    >= 1 or ``'max'``) and the context (cached tokens, int >= 1).
+
+    Raises:
+        ValueError: another form (the message shows the expected one).
+    """
+    parts = spec.split("@")
+    if (len(parts) != 3 or not (parts[1] == "max" or parts[1].isdigit() and int(parts[1]) >= 1)
+            or not (parts[2].isdigit() and int(parts[2]) >= 1)):
+        raise ValueError(f"--cells takes SYSTEM@BATCH@CONTEXT (BATCH an integer >= 1 or 'max', CONTEXT an integer "
+                         f">= 1), e.g. ckvp-16:reduce-overhead@8@32768; got {spec!r}")
+    return parts[0], parts[1] if parts[1] == "max" else int(parts[1]), int(parts[2])
 
 
 @dataclass
@@ -522,8 +537,8 @@ class _Runner:
 
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
-    keep = ("shape", "systems", "batches", "contexts", "layers", "steps", "warmup", "latent_format", "group_size",
-            "calib_tokens", "bases", "rank_block", "max_key_rank", "latent_layout",
+    keep = ("shape", "systems", "batches", "contexts", "cells", "layers", "steps", "warmup", "latent_format",
+            "group_size", "calib_tokens", "bases", "rank_block", "max_key_rank", "latent_layout",
             "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
@@ -535,6 +550,14 @@ def run_speed(args: argparse.Namespace) -> int:
           f"(built on {args.device} in {runner.build_s:.1f} s)" +
           (f"; ballast {runner.missing_weights / 1e9:.1f} GB for the other layers' weights" if runner.missing_weights
            else ""), flush=True)
+    if args.cells:
+        for spec, batch, context in (parse_cell(c) for c in args.cells):
+            system = parse_system(spec)
+            runner.add(runner.max_batch_row(system, context) if batch == "max"
+                       else runner.run_row(system, batch, context))
+        runner.save()
+        print(f"done in {runner.elapsed():.0f} s" + (f"; JSON {args.json}" if args.json else ""))
+        return 0 if any(r.status == "ok" for r in runner.rows) else 1
     fixed = [b for b in args.batches if b != "max"]
     for context in args.contexts:
         for batch in fixed:
@@ -561,6 +584,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="batch sizes; 'max' = the largest that fits, per system and context (CUDA)")
     p.add_argument("--context", dest="contexts", nargs="+", type=int, default=[4096, 32768],
                    help="cached tokens per sequence at the first timed step")
+    p.add_argument("--cells", nargs="+", default=None, metavar="SYSTEM@BATCH@CONTEXT",
+                   help="run exactly these rows, in this order, instead of the --systems x --batch x --context grid "
+                        "(BATCH an integer or 'max'), e.g. inductor-max-autotune@8@32768 "
+                        "ckvp-16:reduce-overhead@max@32768")
     p.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all; labelled)")
     p.add_argument("--no-ballast", dest="ballast", action="store_false",
                    help="with --layers: do not allocate the omitted layers' weights and KV as ballast")
@@ -683,8 +710,14 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--recent-window must be >= 0")
     try:
         [parse_system(s) for s in a.systems]
+        cells = [parse_cell(c) for c in a.cells or ()]
+        [parse_system(c[0]) for c in cells]
     except ValueError as e:
         p.error(str(e))
+    if cells:  # the grid options then describe the cells (the model is built for the longest context)
+        a.systems = list(dict.fromkeys(c[0] for c in cells))
+        a.batches = list(dict.fromkeys(str(c[1]) for c in cells))
+        a.contexts = list(dict.fromkeys(c[2] for c in cells))
     for b in a.batches:
         if b != "max" and not (b.isdigit() and int(b) >= 1):
             p.error(f"--batch takes positive integers or 'max', got {b!r}")

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckvp_compile.bench.cli import main as bench_cli
-from ckvp_compile.bench.decode import parse_system
+from ckvp_compile.bench.decode import parse_cell, parse_system
 from ckvp_compile.bench.decode_models import (build_random_model, dense_cache, dense_kv_bytes_per_token, fill_cache_,
                                               kv_bytes_held, latent_cache, make_config, random_bases,
                                               synthetic_moments)
@@ -32,6 +32,29 @@ def test_parse_system():
     for bad in ("ckvp", "ckvp-0.5", "inductor-max-autotune:default", "eager:max-autotune", "dense", "ckvp-4:fast"):
         with pytest.raises(ValueError, match="unknown system"):
             parse_system(bad)
+
+
+def test_parse_cell():
+    assert parse_cell("ckvp-16:reduce-overhead@8@32768") == ("ckvp-16:reduce-overhead", 8, 32768)
+    assert parse_cell("eager@max@4096") == ("eager", "max", 4096)
+    for bad in ("eager@8", "eager@0@16", "eager@8@0", "eager@x@16", "eager@8@16@1", "eager@-1@16"):
+        with pytest.raises(ValueError, match="SYSTEM@BATCH@CONTEXT"):
+            parse_cell(bad)
+
+
+def test_cli_cells_run_exactly_the_listed_rows(tmp_path):
+    """--cells runs the listed (system, batch, context) rows in order, not the grid; a bad cell is a usage error."""
+    out = tmp_path / "cells.json"
+    rc = bench_cli(["decode", "--shape", "tiny", "--cells", "ckvp-4@1@16", "eager@2@8", "--steps", "1", "--warmup",
+                    "1", "--compiler", "eager", "--device", "cpu", "--bases", "synthetic", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [(r["system"], r["batch"], r["context"], r["status"]) for r in data["rows"]] == [
+        ("ckvp-4", 1, 16, "ok"), ("eager", 2, 8, "ok")]
+    settings_ = data["meta"]["settings"]
+    assert settings_["cells"] == ["ckvp-4@1@16", "eager@2@8"] and settings_["contexts"] == [16, 8]
+    assert bench_cli(["decode", "--shape", "tiny", "--cells", "eager@2"]) == 2
+    assert bench_cli(["decode", "--shape", "tiny", "--cells", "fast@2@8"]) == 2
 
 
 def test_shapes_match_the_issue():
