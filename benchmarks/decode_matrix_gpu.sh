@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The decode rows issue 9 asks for that earlier runs did not measure: eager and Inductor's default and
-# max-autotune modes, batch 32, context 128k, and ckvp at ratios 4 and 8 at batch 1, 4k (2026-12-02).
+# max-autotune modes, batch 32, context 128k, ckvp at ratios 4 and 8 at batch 1, 4k, and the largest batch at 4k
+# (2026-12-02). Rows are in priority order.
 #
 #   benchmarks/decode_matrix_gpu.sh qwen-dense|qwen-g1|mixtral OUT_DIR [BUDGET_S]
 #
@@ -16,11 +17,12 @@ case $part in
 qwen-dense)  # baselines, G = 4 (the default) for the ckvp rows
     bench --shape qwen-moe-a2.7b --json "$out/qwen_dense.json" --cells \
         eager@1@4096 eager@8@32768 inductor@8@32768 inductor-reduce-overhead@32@4096 \
-        inductor-reduce-overhead@1@131072 inductor-max-autotune@1@4096 inductor-max-autotune@8@32768 ;;
+        inductor-reduce-overhead@1@131072 inductor-max-autotune@1@4096 inductor-max-autotune@8@32768 \
+        inductor-reduce-overhead@max@4096 ;;
 qwen-g1)  # ckvp with one latent per layer (the faster setting at the same bytes)
     bench --shape qwen-moe-a2.7b --group-size 1 --json "$out/qwen_g1.json" --cells \
         ckvp-16:reduce-overhead@32@4096 ckvp-16:reduce-overhead@32@32768 ckvp-16:reduce-overhead@1@131072 \
-        ckvp-4:reduce-overhead@1@4096 ckvp-8:reduce-overhead@1@4096 ;;
+        ckvp-4:reduce-overhead@1@4096 ckvp-8:reduce-overhead@1@4096 ckvp-16:reduce-overhead@max@4096 ;;
 mixtral)  # 8 of 32 layers computed, the others' weights and KV held as ballast
     bench --shape mixtral-8x7b --layers 8 --json "$out/mixtral.json" --cells \
         eager@1@4096 eager@8@32768 inductor-reduce-overhead@32@4096 ckvp-16:reduce-overhead@32@4096 \
