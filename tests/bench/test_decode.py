@@ -171,12 +171,20 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     assert "| ckvp-4 | 2 | 16 |" in text and "| ckvp-4 G=1 | 2 | 16 |" in text and text.count("| eager | 2 | 16 |") == 1
     # a fixture run with another group size is labelled too (its latent rows only)
     fx = json.loads(fixture.read_text())
+    assert fx["meta"]["calib_windows"] == 1
+    fx["meta"]["calib_windows"] = 16  # the default: not labelled
+    fixture.write_text(json.dumps(fx))
     fx["meta"]["group_size"] = 1
     fx_g1 = tmp_path / "fixture_g1.json"
     fx_g1.write_text(json.dumps(fx))
-    assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), "--markdown", str(md)]) == 0
+    # ... and so is one with other calibration windows, which also take its prompts from other text
+    fx["meta"].update(group_size=4, calib_windows=64)
+    fx_c64 = tmp_path / "fixture_c64.json"
+    fx_c64.write_text(json.dumps(fx))
+    assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), str(fx_c64), "--markdown", str(md)]) == 0
     text = md.read_text()
     assert "| 4x | int4, G=1 |" in text and "| 4x | int4 |" in text and "| dense | dense, bf16 KV |" in text
+    assert "| 4x | int4, 64 calibration windows (other prompts) |" in text
 
 
 def test_fixture_planned_rotated_fp8_bases(tmp_path):
