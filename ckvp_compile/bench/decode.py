@@ -3,6 +3,8 @@ ckvp backend on real MoE shapes with random weights, and greedy agreement with d
 
     ckvp-bench decode --shape qwen-moe-a2.7b --systems inductor ckvp-16 --batch 1 8 max --context 4096 32768 \\
         --json out/qwen.json --out out/qwen.md --budget-s 240
+    ckvp-bench decode --shape qwen-moe-a2.7b --cells eager@1@4096 inductor-max-autotune@8@32768 \\
+        ckvp-16:reduce-overhead@max@32768 --json out/cells.json          # these rows only, in this order
     ckvp-bench decode --shape fixture --ratios 4 8 16 --json out/fixture.json      # greedy agreement (CPU or GPU)
     ckvp-bench decode --report out/*.json --markdown BENCHMARKS.md --plots benchmarks/plots
 
