@@ -264,9 +264,15 @@ def _acceptance(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]]) -> 
     mem = [r for r in rows if r["kind"] == "ckvp" and r["status"] == "ok" and r["kv_bytes_allocated"]]
     if mem:
         errs = [abs(r["kv_ratio_measured"] / r["kv_ratio_requested"] - 1) for r in mem]
+        w = mem[max(range(len(mem)), key=errs.__getitem__)]
+        extra = (w["kv_bytes_allocated"] or 0) - (w["kv_bytes_held"] or 0)  # device bytes beyond the store's tensors
         peak = _peak_ratios(rows)
         out.append(f"4. KV device bytes vs requested ratio over {len(mem)} ckvp rows: worst deviation "
-                   f"{max(errs):.1%} (goal <= 10%): {verdict(max(errs) <= 0.10)}." +
+                   f"{max(errs):.1%} (goal <= 10%): {verdict(max(errs) <= 0.10)}. Worst row: {w['shape']} "
+                   f"{w['system']} B={w['batch']} C={w['context']}, {w['kv_ratio_measured']:.2f}x for "
+                   f"{w['kv_ratio_requested']:g}x, a cache of {w['kv_bytes_allocated'] / 2**20:.1f} MiB on the "
+                   f"device of which {extra / 2**20:.1f} MiB is allocated beside the cache's own tensors "
+                   f"({w['kv_bytes_held'] / 2**20:.1f} MiB)." +
                    (f" Peak memory above the weights, dense / ckvp at the same batch and context: {peak}." if peak
                     else ""))
     else:

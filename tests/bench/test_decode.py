@@ -375,3 +375,22 @@ def test_acceptance_names_the_default_group_size_when_the_best_row_uses_another(
     q[0]["ms_median"], q[1]["ms_median"], q[2]["ms_median"] = 18.0, 14.0, 70.0
     line = next(x for x in _acceptance(q, []) if x.startswith("1. Qwen"))
     assert "ckvp-16 G=1 14.00 ms" in line and "0.78x" in line and "with the default G = 4: 70.00 ms, 3.89x" in line
+
+
+def test_acceptance_memory_check_names_its_worst_row():
+    """Check 4 names the row furthest from its requested ratio and the device bytes allocated beside the cache's
+    own tensors (per-layout tables and the like, which weigh only in small caches)."""
+    from ckvp_compile.bench.decode_report import _acceptance
+
+    def row(ratio_measured, allocated, held, batch):
+        return dict(system="ckvp-8", kind="ckvp", shape="mixtral-8x7b", layers=8, layers_full=32, batch=batch,
+                    context=4096, max_batch=False, status="ok", ms_median=1.0, tokens_per_s=1.0,
+                    kv_ratio_requested=8.0, kv_ratio_measured=ratio_measured, kv_bytes_allocated=allocated,
+                    kv_bytes_held=held, peak_bytes=None)
+
+    line = next(x for x in _acceptance([row(7.98, 2**30, 2**30 - 2**20, 64), row(7.0, 18 * 2**20, 16 * 2**20, 1)],
+                                       []) if x.startswith("4. "))
+    assert "worst deviation 12.5%" in line and "**not met**" in line and "B=1 C=4096, 7.00x for 8x" in line
+    assert "18.0 MiB on the device of which 2.0 MiB is allocated beside the cache's own tensors (16.0 MiB)" in line
+    line = next(x for x in _acceptance([row(7.98, 2**30, 2**30 - 2**20, 64)], []) if x.startswith("4. "))
+    assert "worst deviation 0.2%" in line and "**met**" in line
