@@ -552,23 +552,15 @@ def run_speed(args: argparse.Namespace) -> int:
           f"(built on {args.device} in {runner.build_s:.1f} s)" +
           (f"; ballast {runner.missing_weights / 1e9:.1f} GB for the other layers' weights" if runner.missing_weights
            else ""), flush=True)
-    if args.cells:
-        for spec, batch, context in (parse_cell(c) for c in args.cells):
-            system = parse_system(spec)
-            runner.add(runner.max_batch_row(system, context) if batch == "max"
-                       else runner.run_row(system, batch, context))
-        runner.save()
-        print(f"done in {runner.elapsed():.0f} s" + (f"; JSON {args.json}" if args.json else ""))
-        return 0 if any(r.status == "ok" for r in runner.rows) else 1
-    fixed = [b for b in args.batches if b != "max"]
-    for context in args.contexts:
-        for batch in fixed:
-            for system in systems:
-                runner.add(runner.run_row(system, int(batch), context))
-    if "max" in args.batches:
-        for context in args.contexts:
-            for system in systems:
-                runner.add(runner.max_batch_row(system, context))
+    if args.cells:  # these rows, in this order
+        plan = [(parse_system(spec), batch, context) for spec, batch, context in map(parse_cell, args.cells)]
+    else:  # the grid: every fixed batch, then the largest batch that fits, per context
+        fixed = [int(b) for b in args.batches if b != "max"]
+        plan = [(system, batch, context) for context in args.contexts for batch in fixed for system in systems]
+        if "max" in args.batches:
+            plan += [(system, "max", context) for context in args.contexts for system in systems]
+    for system, batch, context in plan:
+        runner.add(runner.max_batch_row(system, context) if batch == "max" else runner.run_row(system, batch, context))
     runner.save()
     print(f"done in {runner.elapsed():.0f} s" + (f"; JSON {args.json}" if args.json else ""))
     return 0 if any(r.status == "ok" for r in runner.rows) else 1
