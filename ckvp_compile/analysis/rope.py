@@ -322,10 +322,10 @@ def rope_residue(m: RopeMatch) -> str | None:
     scaled, normalised or offset after RoPE, e.g. HunYuan-MoE's ``key_layernorm``). A latent cache of the pre-RoPE
     key that rebuilds ``RoPE(x_in)`` would then drop them. Checked on the nodes between ``x_in`` and ``out``:
     every multiply takes one of them and a cos / sin table (a view of the identified tables, not depending on
-    ``x_in``) or the scalar -1 / 1; every add or subtract takes two of them; every other input is a table or a
-    shape / index argument. Returns a one-line reason naming the first offending node, or None. Never raises.
-    Not detected (no known model does either): a sign flip of the whole rotated key (``neg`` is a rotation op), and
-    ``torch.add(a, b, alpha=c)``'s ``alpha``.
+    ``x_in``) or the scalar -1 / 1; every add or subtract takes two of them, with no ``alpha`` other than 1; no
+    sign change (``neg``, a multiply by -1) follows an add or subtract, which would flip rotated terms already
+    combined (rotate-half's ``neg`` comes before the table multiplies); every other input is a table or a shape /
+    index argument. Returns a one-line reason naming the first offending node, or None. Never raises.
     """
     try:
         return _rope_residue(m)
@@ -351,19 +351,29 @@ def _rope_residue(m: RopeMatch) -> str | None:
             return False
         return not (path & ancestors_within(i, region))
 
+    combined: set[fx.Node] = set()  # nodes at or after an add / subtract of rotation terms
     for n in sorted(path - {m.x_in, start}):
         kind = op_name(n)
         inside = [a for a in n.args if isinstance(a, fx.Node) and a in path]
         outside = [a for a in n.all_input_nodes if a not in path]
+        if any(a in combined for a in n.all_input_nodes):
+            combined.add(n)
         if kind == "mul":
             scalars = [a for a in n.args if not isinstance(a, fx.Node)]
             if len(inside) != 1 or any(a not in (1, -1, 1.0, -1.0) for a in scalars) \
                     or not all(is_table(a) for a in outside):
                 return (f"{n.name} multiplies the rotation by something other than a cos / sin table (e.g. a scale "
                         "or norm applied after RoPE)")
+            if n in combined and any(a in (-1, -1.0) for a in scalars):
+                return f"{n.name} flips the sign of the combined rotation terms (a change applied after RoPE)"
         elif kind in ("add", "sub"):
             if len(inside) != 2 or outside:
                 return f"{n.name} adds a term that is not part of the rotation (e.g. a bias applied after RoPE)"
+            if n.kwargs.get("alpha", 1) != 1 or len(n.args) > 2:
+                return f"{n.name} scales a rotation term by its alpha (a change applied after RoPE)"
+            combined.add(n)
+        elif kind == "neg" and n in combined:
+            return f"{n.name} flips the sign of the combined rotation terms (a change applied after RoPE)"
         else:
             tensors = [a for a in outside if _is_tensor(a)]  # sizes (SymInts of a dynamic shape) are shape arguments
             if tensors and not all(is_table(a) for a in tensors):

@@ -176,11 +176,11 @@ def test_a_graph_break_between_layers_still_runs_the_latent_cache_at_g1():
     _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), n=1), eager)
 
 
-@pytest.mark.parametrize("after", ["scale", "rmsnorm", "bias"])
+@pytest.mark.parametrize("after", ["scale", "rmsnorm", "bias", "negate", "times_minus_one", "alpha"])
 def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(after, monkeypatch):
-    """A key scaled, normalised or offset after RoPE (HunYuan-MoE's key_layernorm is the real case) is not RoPE of
-    the projected key: a latent of the pre-RoPE key would rebuild it without the change, so every decode step
-    would be wrong. The analysis refuses the site and calibrate() names why (once, the region walk took the
+    """A key scaled, normalised, offset or negated after RoPE, or its terms added with an ``alpha`` (HunYuan-MoE's
+    key_layernorm is the real case), is not RoPE of the projected key: a latent of the pre-RoPE key would rebuild it
+    without the change, so every decode step would be wrong. The analysis refuses the site and calibrate() names why (once, the region walk took the
     post-RoPE multiply in as part of the RoPE, and decode logits were off by 0.3-2.5 with no warning)."""
     import ckvp_compile.testing.gpt_fast as gf
     from ckvp_compile.testing import GptFastConfig, GptFastMoE
@@ -188,7 +188,16 @@ def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(afte
     rope = gf.apply_rope_rotate_half
 
     def rope_then(x, cos, sin):
+        if after == "alpha":  # the rotation's own add, its sin term scaled by alpha
+            half = x.shape[-1] // 2
+            rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+            c, s = cos[None, :, None, :], sin[None, :, None, :]
+            return torch.add(x.float() * c, rotated.float() * s, alpha=2.0).type_as(x)
         y = rope(x, cos, sin)
+        if after == "negate":
+            return -y
+        if after == "times_minus_one":
+            return y * -1
         if after == "scale":
             return y * 0.5
         if after == "rmsnorm":
