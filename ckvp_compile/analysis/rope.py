@@ -324,8 +324,13 @@ def rope_residue(m: RopeMatch) -> str | None:
     every multiply takes one of them and a cos / sin table (a view of the identified tables, not depending on
     ``x_in``) or the scalar -1 / 1; every add or subtract takes two of them, with no ``alpha`` other than 1; no
     sign change (``neg``, a multiply by -1) follows an add or subtract, which would flip rotated terms already
-    combined (rotate-half's ``neg`` comes before the table multiplies); every other input is a table or a shape /
-    index argument. Returns a one-line reason naming the first offending node, or None. Never raises.
+    combined (rotate-half's ``neg`` comes before the table multiplies); every other input is a table, a shape /
+    index argument, an empty tensor (a full-rotary model's empty pass-through, HF Phi-3) or the dtype reference of
+    ``type_as`` / ``to`` (Gemma3's key norm). Returns a one-line reason naming the first offending node, or None.
+    Never raises. A structural check, not a proof by evaluation; not detected (no known model writes them): a sign
+    flip of the complex form or one placed before the combining add, the inverse rotation (``x*cos - rh(x)*sin``),
+    swapped or repeated table factors, extra rotation terms, and a permutation after RoPE. Refused although exact
+    (also unseen in models): a sign flip written around a subtraction, ``-(x2*s - x1*c)``.
     """
     try:
         return _rope_residue(m)
@@ -355,7 +360,10 @@ def _rope_residue(m: RopeMatch) -> str | None:
     for n in sorted(path - {m.x_in, start}):
         kind = op_name(n)
         inside = [a for a in n.args if isinstance(a, fx.Node) and a in path]
-        outside = [a for a in n.all_input_nodes if a not in path]
+        # not data: the dtype reference of type_as / to(tensor), and empty tensors (a partial RoPE's pass-through
+        # when the rotary dim is the head dim, e.g. HF Phi-3's cat((k_embed, k[..., D:])))
+        refs = n.args[1:2] if kind in ("type_as", "to") else ()
+        outside = [a for a in n.all_input_nodes if a not in path and a not in refs and not _is_empty(a)]
         if any(a in combined for a in n.all_input_nodes):
             combined.add(n)
         if kind == "mul":
@@ -379,6 +387,15 @@ def _rope_residue(m: RopeMatch) -> str | None:
             if tensors and not all(is_table(a) for a in tensors):
                 return f"{n.name} combines the rotation with {tensors[0].name}, which is not a cos / sin table"
     return None
+
+
+def _is_empty(node: fx.Node) -> bool:
+    """True when the node's recorded value is a tensor of no elements (statically known)."""
+    val = node.meta.get("example_value", node.meta.get("val"))
+    try:
+        return isinstance(val, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in val.shape)
+    except Exception:  # a symbolic size that cannot be decided: not known empty
+        return False
 
 
 def _is_tensor(node: fx.Node) -> bool:

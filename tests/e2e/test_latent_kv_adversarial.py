@@ -318,3 +318,26 @@ def test_positions_past_the_cache_and_bad_byte_ratios_are_clear_errors():
     for bad in (0, 0.5, float("nan"), float("inf")):
         with pytest.raises(CKVPConfigError, match="finite number >= 1"):
             bases_for_byte_ratio(moments, bad, "int4")
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text"])
+def test_rope_written_with_an_empty_pass_through_or_a_type_as_norm_keeps_the_latent_cache(family):
+    """HF Phi-3 at its default full rotary concatenates an empty pass-through (``k[..., D:]``) to the rotated key,
+    and Gemma3's key norm ends in ``.type_as(raw_key)``: neither changes the key, so both keep the latent cache,
+    equal to eager at full rank (the RoPE proof once counted the empty slice and type_as's dtype reference as data
+    combined with the rotation, and refused both as post_rope_key)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"sliding_window": 512, "layer_types": ["full_attention"] * 2} if family == "gemma3_text" else {}
+    config = AutoConfig.for_model(
+        family, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=32, max_position_embeddings=128, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    bases = calibrate(model, [torch.randint(0, 128, (1, 20)) for _ in range(2)], group_size=1, kv_ratio=1.0,
+                      progress=False)
+    ids = torch.randint(0, 128, (1, 5))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=1)))
+    _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
