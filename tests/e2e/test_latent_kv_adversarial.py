@@ -211,6 +211,16 @@ def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(afte
         calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
 
 
+def _assert_full_rank_latent_equals_eager(model, group_size, vocab=128):
+    """Calibrate full-rank bases, then compiled prefill + decode with a latent cache must equal eager's logits."""
+    bases = calibrate(model, [torch.randint(0, vocab, (1, 20)) for _ in range(2)], group_size=group_size,
+                      kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, vocab, (1, 5))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=group_size)))
+    _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
+
+
 def _tiny_hunyuan(**kwargs):
     """A 2-layer random HF HunYuan-V1-MoE (key_layernorm after RoPE); skips where transformers lacks it."""
     pytest.importorskip("transformers.models.hunyuan_v1_moe")
@@ -244,12 +254,7 @@ def test_a_router_the_expert_rewrite_cannot_read_leaves_the_latent_cache_usable(
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    bases = calibrate(model, [torch.randint(0, 128, (1, 20)) for _ in range(2)], group_size=2, kv_ratio=1.0,
-                      progress=False)
-    ids = torch.randint(0, 128, (1, 5))
-    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
-    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=2)))
-    _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
+    _assert_full_rank_latent_equals_eager(model, group_size=2)
 
 
 def test_a_model_with_some_sliding_window_layers_gets_the_sliding_window_error():
@@ -335,9 +340,4 @@ def test_rope_written_with_an_empty_pass_through_or_a_type_as_norm_keeps_the_lat
         eos_token_id=None, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    bases = calibrate(model, [torch.randint(0, 128, (1, 20)) for _ in range(2)], group_size=1, kv_ratio=1.0,
-                      progress=False)
-    ids = torch.randint(0, 128, (1, 5))
-    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
-    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=1)))
-    _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
+    _assert_full_rank_latent_equals_eager(model, group_size=1)
