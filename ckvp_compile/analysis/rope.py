@@ -18,9 +18,11 @@ Partial rotary (Phi, GLM, Qwen3-Next): only the first ``rotary_dim`` channels ar
 through, ``cat(rope(x[..., :rd]), x[..., rd:])`` (or through ``split([rd, D - rd], -1)``); then
 ``k_in`` is the whole ``x`` and ``partial`` is True.
 
-A rotation is recognised by its sign: one of the two selections of the rotated tensor reaches a ``neg``,
-or the right-hand side of a ``sub``. Every function here is read-only and returns None when it does not
-recognise the pattern; none raises on unknown graphs.
+A rotation is recognised by its sign: one of the two selections of the rotated tensor enters the output with a
+minus sign (an odd number of ``neg``, ``sub`` subtrahends and multiplies by -1 on its way). :func:`rope_residue`
+then checks that the output is exactly that rotation of the pre-RoPE tensor (what a latent cache rebuilds), by
+structure and by running the region on random inputs. Every function here is read-only and returns None when it
+does not recognise the pattern; none raises on unknown graphs.
 """
 
 from __future__ import annotations
@@ -165,21 +167,37 @@ def _region(top: fx.Node) -> list[fx.Node]:
     return out
 
 
+#: Ops that carry a whole term on, with its sign (walked by :func:`_is_negated`; a selection picks a part instead).
+_SIGN_CARRIERS = _DTYPE_OPS | frozenset({"mul", "neg", "add", "sub", "cat", "stack", "flatten", "view", "reshape",
+                                         "unsqueeze", "squeeze", "unflatten", "expand"})
+
+
 def _is_negated(sel: fx.Node, region: set[fx.Node]) -> bool:
-    """True when ``sel`` (or ``sel * table``) reaches a ``neg`` or the subtrahend of a ``sub`` in ``region``."""
-    frontier = [sel]
-    for _ in range(4):
-        nxt = []
-        for n in frontier:
-            for u in n.users:
-                if u not in region:
-                    continue
-                kind = op_name(u)
-                if kind == "neg" or (kind == "sub" and len(u.args) > 1 and u.args[1] is n):
-                    return True
-                if kind in _DTYPE_OPS or kind == "mul":
-                    nxt.append(u)
-        frontier = nxt
+    """True when a term of ``sel`` leaves the sign-carrying ops of ``region`` (at the region's output, or at a
+    selection or other op) with a minus sign: along some path of users in ``region`` through
+    :data:`_SIGN_CARRIERS`, an odd number of ``neg``, subtrahends of ``sub`` and multiplies by the scalar -1.
+
+    Counting the signs (not stopping at the first one) keeps the rotated half right when a sign is written around
+    the subtraction: in ``-(x2*s - x1*c)`` it is ``x2`` that is negated, not ``x1`` (the tables :func:`_tables`
+    reads off the negated half would swap).
+    """
+    seen: set[tuple[fx.Node, int]] = set()
+    stack = [(sel, 1)]
+    while stack:
+        n, sign = stack.pop()
+        if (n, sign) in seen:
+            continue
+        seen.add((n, sign))
+        users = [u for u in n.users if u in region]
+        if sign < 0 and (not users or any(op_name(u) not in _SIGN_CARRIERS for u in users)):
+            return True
+        for u in users:
+            kind = op_name(u)
+            if kind not in _SIGN_CARRIERS:
+                continue
+            flip = kind == "neg" or (kind == "sub" and len(u.args) > 1 and u.args[1] is n and u.args[0] is not n) \
+                or (kind == "mul" and any(a in (-1, -1.0) for a in u.args if not isinstance(a, fx.Node)))
+            stack.append((u, -sign if flip else sign))
     return False
 
 
@@ -320,22 +338,66 @@ def rope_residue(m: RopeMatch) -> str | None:
 
     The region :func:`match_rope` walks also takes in multiplies and adds applied after the rotation (a key
     scaled, normalised or offset after RoPE, e.g. HunYuan-MoE's ``key_layernorm``). A latent cache of the pre-RoPE
-    key that rebuilds ``RoPE(x_in)`` would then drop them. Checked on the nodes between ``x_in`` and ``out``:
-    every multiply takes one of them and a cos / sin table (a view of the identified tables, not depending on
-    ``x_in``) or the scalar -1 / 1; every add or subtract takes two of them, with no ``alpha`` other than 1; no
-    sign change (``neg``, a multiply by -1) follows an add or subtract, which would flip rotated terms already
-    combined (rotate-half's ``neg`` comes before the table multiplies); every other input is a table, a shape /
-    index argument, an empty tensor (a full-rotary model's empty pass-through, HF Phi-3) or the dtype reference of
-    ``type_as`` / ``to`` (Gemma3's key norm). Returns a one-line reason naming the first offending node, or None.
-    Never raises. A structural check, not a proof by evaluation; not detected (no known model writes them): a sign
-    flip of the complex form or one placed before the combining add, the inverse rotation (``x*cos - rh(x)*sin``),
-    swapped or repeated table factors, extra rotation terms, and a permutation after RoPE. Refused although exact
-    (also unseen in models): a sign flip written around a subtraction, ``-(x2*s - x1*c)``.
+    key that rebuilds ``RoPE(x_in)`` would then drop them. Two checks, on the nodes between ``x_in`` (the pre-RoPE
+    key, (..., D), e.g. (B, Hkv, S, D) or gpt-fast's (B, S, Hkv, D)) and ``out``:
+
+    * structure: every multiply takes one of them and a cos / sin table (a view of the identified tables, not
+      depending on ``x_in``) or the scalar -1 / 1; every add or subtract takes two of them, with no ``alpha`` other
+      than 1; no sign change (``neg``, a multiply by -1) follows an add or subtract, which would flip rotated terms
+      already combined (rotate-half's ``neg`` comes before the table multiplies); every other input is a table, a
+      shape / index argument, an empty tensor (a full-rotary model's empty pass-through, HF Phi-3) or the dtype
+      reference of ``type_as`` / ``to`` (Gemma3's key norm);
+    * evaluation (:func:`_rope_proof`): the nodes ``out``, ``m.cos`` and ``m.sin`` are computed by within the
+      region are copied out of the graph and run on the CPU, twice (once when ``x_in`` has more than
+      ``_EVAL_ONE_DRAW`` elements), on random float64 inputs of the shapes recorded in ``meta['example_value']``
+      (symbolic sizes at their hints, never guarded): ``x_in`` uniform in [-1, 1); each table root
+      (:func:`_table_root`) the cosine (cos root) or sine (sin root) of its own uniform random angles, so no identity
+      between the two tables is assumed (complex roots ``r * e^(i*angle)``, ``r`` in [0.5, 1.5]; angles paired along
+      the last dim, ``cat((a, a))`` / ``repeat_interleave(a, 2)``, only where :func:`tables_paired` proves the
+      model's root is); any other float input random; an integer input, allowed only as a ``getitem`` index (e.g.
+      ``rope_cos[input_pos]``), random in range; numbers as recorded. ``out`` (or its pairs, (..., D/2, 2),
+      flattened) must equal :func:`_rotation` of ``x_in`` with the values the region gives ``m.cos`` / ``m.sin``,
+      the keys the latent cache rebuilds (``kernels/reference.py`` ``apply_rope_ref``, with the tables
+      ``passes/latent_kv_cache.py`` records), to a relative ``_EVAL_TOL``. Dtype casts run as float64 / complex128
+      identities (exactness is up to rounding). Equal regions (every layer of a model) share one run (memoised).
+
+    The evaluation decides whenever it can be set up: it refuses what the structure missed (a sign flip of the
+    complex form or one before the combining add, the inverse rotation ``x*cos - rh(x)*sin``, a table factor
+    swapped or repeated, an extra rotation term, a permutation after RoPE) and accepts exact forms the structure
+    refused (a sign flip written around a subtraction, ``-(x2*s - x1*c)``). It is not set up, and the structural
+    answer stands, when ``m.cos`` (or, but for the complex form, ``m.sin``) is missing, a size has no hint, an
+    input is not a float / complex tensor, a number or an index of a ``getitem``, a region node or input is written
+    in place, ``x_in`` is empty or over ``_EVAL_MAX_ELEMENTS`` elements, ``out`` is not shaped like ``x_in`` (or as
+    its pairs, (..., D/2, 2)), or the run raises. Still not proven: exactness at sizes other than the hints of a
+    dynamic shape; changes the region walk does not reach (ops outside ``_ROPE_OPS``, views between ``m.out`` and
+    the cache write); that the rebuild can take the tables as they are (a table of width rotary_dim / 2, one angle
+    per pair as written-out forms use, is widened here, while the latent ops want width rotary_dim and fail loudly
+    on it); and, by nature, with vanishing probability, a wrong form that agrees on every random draw. Tables
+    swapped wholesale (``x*sin + rh(x)*cos``) count as exact: the rebuild takes each table by its role in the
+    formula.
+
+    Args:
+        m: a :func:`match_rope` result for a key (``form``, ``rotary_dim``, ``x_in``, ``out``, ``cos``, ``sin``).
+    Returns:
+        A one-line reason naming the first offending node (the structural reason when both checks refuse), or None.
+        Never raises: an unexpected error in the structural check is a refusal, in the evaluation a fallback.
     """
     try:
-        return _rope_residue(m)
+        structural = _rope_residue(m)
     except Exception:  # analysis never raises on unknown patterns
-        return "the RoPE region could not be checked"
+        structural = "the RoPE region could not be checked"
+    proof = _rope_proof(m)
+    if proof is None:  # not evaluable: the structural answer stands
+        return structural
+    if proof <= _EVAL_TOL:
+        return None
+    if structural is not None:
+        return structural
+    cos = m.cos.name if m.cos is not None else "?"
+    tables = cos if m.sin is None else f"{cos} / {m.sin.name}"
+    return (f"{m.out.name} is not the rotation of {m.x_in.name} by the tables {tables}: run on random inputs it "
+            f"differs from it by up to {proof:.3g} (e.g. a sign flip, the inverse rotation, a swapped or repeated "
+            "table, an extra term or a permutation after RoPE)")
 
 
 def _rope_residue(m: RopeMatch) -> str | None:
@@ -416,6 +478,400 @@ def ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
         if n in region:
             frontier.extend(n.all_input_nodes)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the proof by evaluation (rope_residue's second check)
+
+#: Largest error of the region's output against the rotation, relative to max(1, the rotation's largest value),
+#: still counted exact. Inputs are O(1) and all arithmetic is float64, so an exact form is off by ~1e-15 and a wrong
+#: one by ~0.1 or more.
+_EVAL_TOL = 1e-9
+#: Random draws per region; a single one when ``x_in`` has more than ``_EVAL_ONE_DRAW`` elements (a draw then
+#: already holds that many independent samples, and the proof runs at compile time on every attention site).
+_EVAL_DRAWS = 2
+_EVAL_ONE_DRAW = 1 << 16
+#: Above this many elements of ``x_in`` (or of any other input) the region is not evaluated and the structural answer
+#: stands. A draw costs ~50 ns per element of ``x_in`` on 2 CPU cores (measured: 0.1 s at the limit, once per graph
+#: thanks to the memo) and 16 MiB per float64 intermediate; at the limit: a prefill graph of 2048 tokens with 8 KV
+#: heads of 128 channels (its decode graph, S = 1, is always proven).
+_EVAL_MAX_ELEMENTS = 1 << 21
+#: Seed of the evaluation's own generator (the global RNG is left alone, so compiling does not shift the model's
+#: random stream).
+_EVAL_SEED = 20240607
+#: Ops run as a float64 / complex128 identity in the evaluation (a cast only rounds; the region may cast to half).
+_EVAL_CASTS = frozenset({"float", "to", "type_as", "half", "bfloat16", "_to_copy"})
+#: Proofs already run: the evaluation program (pure data, see _rope_program) -> its error or None. Every layer of a
+#: model has the same program, so a graph evaluates it once. Bounded: cleared when full.
+_PROOFS: dict[Any, float | None] = {}
+_MAX_PROOFS = 256
+
+
+class _NotEvaluable(Exception):
+    """The region cannot be run on concrete inputs (an op, a value or a size the evaluation does not model)."""
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """The value of an evaluation slot, standing for an FX node in a copied node's arguments."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A RoPE region copied out of its graph, as pure data (hashable once frozen, so equal regions share a proof).
+
+    Attributes:
+        leaves: ``(slot, kind, spec)`` per input: kind 'x' (the pre-RoPE key, spec its shape), 'table' (spec:
+            shape, complex, role 'cos' / 'sin', pairing form or None), 'randn' (shape, complex), 'index' (shape,
+            dtype, exclusive bound), 'const' (a number).
+        steps: ``(slot, kind, target, args, kwargs)`` in graph order; kind 'call_function', 'call_method' or 'cast'
+            (target: True for a complex result), arguments with nodes replaced by :class:`_Ref`.
+        x, out, cos, sin: the slots of ``x_in``, ``out`` and the tables (``sin`` -1 for the complex form).
+        form, rotary_dim: as :class:`RopeMatch`.
+    """
+
+    leaves: tuple
+    steps: tuple
+    x: int
+    out: int
+    cos: int
+    sin: int
+    form: str
+    rotary_dim: int
+
+
+def _rope_proof(m: RopeMatch) -> float | None:
+    """Run the region of ``m`` on random inputs (see :func:`rope_residue`): the largest error of ``m.out`` against
+    :func:`_rotation` of ``m.x_in`` over the draws, relative to max(1, the rotation's largest magnitude) (0.0 when
+    exact, ``inf`` for NaN), or None when the evaluation cannot be set up or raises. Never raises; memoised per
+    program in ``_PROOFS``."""
+    try:
+        program = _rope_program(m)
+    except Exception:  # _NotEvaluable, or anything unexpected in a graph we do not know
+        return None
+    try:
+        key: Any = _freeze(program)
+        if key in _PROOFS:
+            return _PROOFS[key]
+    except Exception:  # an argument that cannot be hashed or compared: evaluate without the memo
+        key = None
+    try:
+        err = _run_program(program)
+    except Exception:
+        err = None
+    if key is not None:
+        if len(_PROOFS) >= _MAX_PROOFS:
+            _PROOFS.clear()
+        _PROOFS[key] = err
+    return err
+
+
+def _rope_program(m: RopeMatch) -> _Program:
+    """Copy the nodes ``m.out``, ``m.cos`` and ``m.sin`` are computed by within the RoPE region into a
+    :class:`_Program`; the inputs are ``x_in`` (and the node it is a dtype cast of), the table roots and every node
+    outside the region. Raises _NotEvaluable (or anything) when that is not possible."""
+    if m.cos is None or (m.form != "complex" and m.sin is None):
+        raise _NotEvaluable("tables not identified")
+    region = set(_region(m.out))
+    x_nodes = {m.x_in, strip_dtype(m.x_in)}
+    paired: dict[fx.Node, bool] = {}
+    roles: dict[fx.Node, str] = {}
+    for table, role in ((m.cos, "cos"), (m.sin, "sin")):
+        if table is None:
+            continue
+        root = _table_root(table)  # its angles are paired when the root's are (the values are drawn there)
+        paired[root] = paired.get(root, True) and m.form != "complex" and tables_paired(root, m.form)
+        roles.setdefault(root, role)
+    if x_nodes & set(roles):
+        raise _NotEvaluable("a table is the pre-RoPE key")
+
+    copied: set[fx.Node] = set()
+    inputs: set[fx.Node] = set()
+    stack = [t for t in (m.out, m.cos, m.sin) if t is not None]
+    while stack:
+        n = stack.pop()
+        if n in copied or n in inputs:
+            continue
+        if n in x_nodes or n in roles or n not in region:
+            inputs.add(n)
+            continue
+        copied.add(n)
+        stack.extend(n.all_input_nodes)
+    if any(_mutated(n) for n in copied | inputs | x_nodes):
+        raise _NotEvaluable("written in place")
+
+    slots = dict.fromkeys(x_nodes, 0)  # slot 0: x_in (a dtype cast runs as the identity)
+    x_val = _example(m.x_in)
+    if not isinstance(x_val, torch.Tensor) or not x_val.dtype.is_floating_point:
+        raise _NotEvaluable("x_in is not a float tensor")
+    x_shape = _hinted_shape(x_val)
+    if not 0 < _numel(x_shape) <= _EVAL_MAX_ELEMENTS:
+        raise _NotEvaluable("x_in is empty or too large")
+    leaves: list[tuple] = [(0, "x", x_shape)]
+    for i, n in enumerate(sorted(inputs - x_nodes), start=1):
+        slots[n] = i
+        leaves.append((i, *_leaf_spec(n, roles, m.form if paired.get(n) else None, copied)))
+    steps: list[tuple] = []
+    for i, n in enumerate(sorted(copied), start=len(leaves)):  # graph order: producers first
+        slots[n] = i
+        steps.append((i, *_step(n, slots)))
+    sin = slots[m.sin] if m.sin is not None else -1
+    return _Program(tuple(leaves), tuple(steps), 0, slots[m.out], slots[m.cos], sin, m.form, m.rotary_dim)
+
+
+def _example(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _hint(v: Any) -> Any:
+    """A concrete int / float / bool for ``v``, symbolic values at their hint (never guarding); raises
+    _NotEvaluable for a symbolic value without a hint."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        h = getattr(v.node, "hint", None)
+        if h is None and isinstance(v, torch.SymInt):
+            try:
+                from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+                h = optimization_hint(v)
+            except Exception:
+                h = None
+        if not isinstance(h, (bool, int, float)):
+            raise _NotEvaluable(f"no hint for {v}")
+        return h
+    return v
+
+
+def _hinted_shape(val: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(_hint(d)) for d in val.shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _leaf_spec(n: fx.Node, roles: dict[fx.Node, str], pairing: str | None, copied: set[fx.Node]) -> tuple:
+    """``(kind, spec)`` of an input ``n`` of the program (see :class:`_Program`); ``pairing``: the RoPE form whose
+    angle pairs a table root holds (proven by :func:`tables_paired`), or None."""
+    val = _example(n)
+    if isinstance(val, (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return "const", _hint(val)
+    if not isinstance(val, torch.Tensor):
+        raise _NotEvaluable(f"input {n.name} is not a tensor or a number")
+    shape, cplx = _hinted_shape(val), val.dtype.is_complex
+    if _numel(shape) > _EVAL_MAX_ELEMENTS:  # (the hinted shape: val.numel() of a symbolic shape would guard)
+        raise _NotEvaluable(f"input {n.name} is too large")
+    if n in roles:
+        if not (cplx or val.dtype.is_floating_point):
+            raise _NotEvaluable(f"table {n.name} is not float")
+        pair = pairing if pairing is not None and shape and shape[-1] % 2 == 0 else None
+        return "table", (shape, cplx, roles[n], pair)
+    if cplx or val.dtype.is_floating_point:
+        return "randn", (shape, cplx)
+    if val.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        return "index", (shape, val.dtype, _index_bound(n, copied))
+    raise _NotEvaluable(f"input {n.name} of dtype {val.dtype}")
+
+
+def _index_bound(n: fx.Node, copied: set[fx.Node]) -> int:
+    """The exclusive bound of random values for an integer input used only as an index of ``getitem`` (the
+    smallest size of a dim it indexes, e.g. gpt-fast's ``rope_cos[input_pos]``); raises _NotEvaluable for any
+    other use."""
+    bound: int | None = None
+    for u in n.users:
+        if u not in copied:
+            continue
+        base = u.args[0] if u.args else None
+        idx = u.args[1] if len(u.args) > 1 else None
+        if op_name(u) != "getitem" or base is n or not isinstance(base, fx.Node):
+            raise _NotEvaluable(f"integer input {n.name} is not only an index")
+        items = idx if isinstance(idx, tuple) else (idx,)
+        dims = [d for d, i in enumerate(items) if i is n]
+        if not dims or any(isinstance(i, bool) or not isinstance(i, (slice, int)) for i in items[:max(dims)]
+                           if i is not n):
+            raise _NotEvaluable(f"integer input {n.name} indexes {u.name} in a way not modelled")
+        base_val = _example(base)
+        if not isinstance(base_val, torch.Tensor):
+            raise _NotEvaluable(f"{base.name} has no recorded shape")
+        shape = _hinted_shape(base_val)
+        for d in dims:
+            if d >= len(shape):
+                raise _NotEvaluable(f"integer input {n.name} indexes past {base.name}'s dims")
+            bound = shape[d] if bound is None else min(bound, shape[d])
+    if not bound:
+        raise _NotEvaluable(f"integer input {n.name} indexes nothing")
+    return bound
+
+
+def _mutated(node: fx.Node, depth: int = 0) -> bool:
+    """Whether a user writes ``node`` (or a view of it) in place: ``setitem`` on it, an in-place op (name ending in
+    ``_``) with it as ``self``, or ``out=`` it. Unlike :func:`_written_in_place`, a cache write that only reads
+    ``node`` (``index_copy_(cache, 2, pos, node)``) does not count."""
+    if depth > 8:
+        return True  # too deep to follow: assume written
+    for user in node.users:
+        name = op_name(user)
+        first = user.args[0] if user.args else None
+        if first is node and (name == "setitem" or (name.endswith("_") and not name.endswith("__"))):
+            return True
+        out = user.kwargs.get("out")
+        if out is node or (isinstance(out, (tuple, list)) and node in out):
+            return True
+        if name in _VIEW_OPS and first is node and _mutated(user, depth + 1):
+            return True
+    return False
+
+
+def _step(n: fx.Node, slots: dict[fx.Node, int]) -> tuple:
+    """``(kind, target, args, kwargs)`` of a copied node (see :class:`_Program`)."""
+    if n.op not in ("call_function", "call_method"):
+        raise _NotEvaluable(f"{n.name} is a {n.op}")
+    if op_name(n) in _EVAL_CASTS:
+        val, src = _example(n), n.args[0] if n.args else None
+        if not isinstance(val, torch.Tensor) or not isinstance(src, fx.Node) or not (
+                val.dtype.is_floating_point or val.dtype.is_complex):
+            raise _NotEvaluable(f"{n.name} is not a cast between float types")
+        return "cast", val.dtype.is_complex, (_Ref(slots[src]),), {}
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return _Ref(slots[a])
+        return _hint(a)
+
+    return n.op, n.target, fx.node.map_aggregate(n.args, ref), fx.node.map_aggregate(dict(n.kwargs), ref)
+
+
+def _freeze(a: Any) -> Any:
+    """A hashable image of a program or argument: containers become tagged tuples, slices too (not hashable before
+    Python 3.12), and each constant keeps its type (``x[..., True]`` is not ``x[..., 1]``)."""
+    if isinstance(a, _Program):
+        return ("program", _freeze(a.leaves), _freeze(a.steps), a.x, a.out, a.cos, a.sin, a.form, a.rotary_dim)
+    if isinstance(a, (tuple, list)):
+        return (type(a).__name__, *(_freeze(v) for v in a))
+    if isinstance(a, dict):
+        return ("dict", *((k, _freeze(v)) for k, v in sorted(a.items(), key=lambda kv: str(kv[0]))))
+    if isinstance(a, slice):
+        return ("slice", _freeze(a.start), _freeze(a.stop), _freeze(a.step))
+    return (type(a), a)
+
+
+def _run_program(p: _Program) -> float:
+    """The largest relative error of ``p``'s output against :func:`_rotation` over the draws (see
+    :func:`_rope_proof`). Runs on the CPU in float64 under ``torch.no_grad()``, with its own seeded generator."""
+    gen = torch.Generator().manual_seed(_EVAL_SEED)
+    worst = 0.0
+
+    def value(a: Any, env: dict[int, Any]) -> Any:
+        return fx.node.map_aggregate(a, lambda v: env[v.slot] if isinstance(v, _Ref) else v)
+
+    with torch.no_grad():
+        for _ in range(_EVAL_DRAWS if _numel(p.leaves[0][2]) <= _EVAL_ONE_DRAW else 1):
+            env: dict[int, Any] = {slot: _leaf_value(kind, spec, gen) for slot, kind, spec in p.leaves}
+            for slot, kind, target, args, kwargs in p.steps:
+                if kind == "cast":
+                    env[slot] = _widen(env[args[0].slot], target)
+                elif kind == "call_method":
+                    self_, *rest = value(args, env)
+                    env[slot] = getattr(self_, target)(*rest, **value(kwargs, env))
+                else:
+                    env[slot] = target(*value(args, env), **value(kwargs, env))
+            got, x, cos = env[p.out], env[p.x], env[p.cos]
+            sin = env[p.sin] if p.sin >= 0 else None
+            if not all(type(t) is torch.Tensor for t in (got, x, cos) + ((sin,) if sin is not None else ())):
+                raise _NotEvaluable("not plain tensors (a fake or traced mode is active)")
+            want = _rotation(x, cos, sin, p.form, p.rotary_dim)
+            if got.shape != want.shape and got.dim() >= 2 and got.shape[:-2] == want.shape[:-1] \
+                    and got.shape[-2] * got.shape[-1] == want.shape[-1]:
+                got = got.flatten(-2)  # the pairs (..., D/2, 2) of the complex / real-pairs forms
+            if got.shape != want.shape or got.is_complex() or got.numel() == 0:
+                raise _NotEvaluable("the output is not shaped like x_in")
+            err = (torch.sub(got, want).abs_().max() / want.abs().max().clamp(min=1.0)).item()
+            worst = max(worst, err) if err == err else float("inf")
+    return worst
+
+
+def _leaf_value(kind: str, spec: Any, gen: torch.Generator) -> Any:
+    """A random value of a program input (see :class:`_Program` and :func:`rope_residue`)."""
+    f64 = torch.float64
+    if kind == "const":
+        return spec
+    if kind == "x":  # uniform in [-1, 1): as good a random point as a normal one, and 3x faster to draw
+        return torch.rand(spec, dtype=f64, generator=gen).mul_(2).sub_(1)
+    if kind == "randn":
+        shape, cplx = spec
+        return torch.randn(shape, dtype=torch.complex128 if cplx else f64, generator=gen)
+    if kind == "index":
+        shape, dtype, bound = spec
+        return torch.randint(0, bound, shape, dtype=dtype, generator=gen)
+    shape, cplx, role, pairing = spec  # a table root
+    if pairing is None:
+        angle = (torch.rand(shape, dtype=f64, generator=gen) * 2 - 1) * torch.pi
+    else:  # one angle per rotated pair, laid out as the model's tables are (proven by tables_paired)
+        half = (torch.rand((*shape[:-1], shape[-1] // 2), dtype=f64, generator=gen) * 2 - 1) * torch.pi
+        angle = torch.cat((half, half), -1) if pairing == "rotate_half" else half.repeat_interleave(2, -1)
+    if cplx:
+        radius = torch.rand(shape, dtype=f64, generator=gen) + 0.5
+        return torch.polar(radius, angle)
+    return angle.cos() if role == "cos" else angle.sin()
+
+
+def _widen(t: Any, cplx: bool) -> torch.Tensor:
+    """A dtype cast of the region, run in the evaluation's precision: float64, or complex128 for a complex result."""
+    if not isinstance(t, torch.Tensor) or t.is_complex() != cplx:
+        raise _NotEvaluable("a cast between real and complex, or of a non-tensor")
+    return t.to(torch.complex128 if cplx else torch.float64)
+
+
+def _rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None, form: str, rotary_dim: int) -> torch.Tensor:
+    """RoPE of the first ``rotary_dim`` channels of ``x``, the rest passing through: the keys the latent cache
+    rebuilds.
+
+    The formula of ``kernels/reference.py`` ``apply_rope_ref`` (which the Triton / CUDA latent-attention kernels
+    follow), restated because analysis does not import kernels; the tables are what ``passes/latent_kv_cache.py``
+    ``_rope_tables`` records from :attr:`RopeMatch.cos` / ``.sin`` per position (complex form: the real and
+    imaginary parts of ``cos``).
+
+    Args:
+        x: (..., D) float64, D >= rotary_dim.
+        cos, sin: broadcastable to (..., W) float64, W = rotary_dim (rotate_half / interleaved; a table of width
+            rotary_dim / 2, one angle per pair as the written-out forms use, is widened as the model's pairing:
+            ``cat((t, t))`` / ``repeat_interleave(t, 2)``); complex: ``cos`` (..., rotary_dim / 2) complex128,
+            ``sin`` None.
+        form: 'rotate_half', 'interleaved' or 'complex'.
+    Returns:
+        (..., D) float64, broadcast over the tables' leading dims. Raises (ValueError, RuntimeError) on shapes that
+        do not broadcast.
+    """
+    rd = rotary_dim
+    rot, rest = x[..., :rd], x[..., rd:]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    if form == "complex":
+        if not cos.is_complex():
+            raise _NotEvaluable("complex form with a real table")
+        c, s = cos.real, cos.imag
+        out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    else:
+        if sin is None or cos.is_complex() or sin.is_complex():
+            raise _NotEvaluable("real form without real tables")
+        tables = []
+        for t in (cos, sin):
+            if t.shape[-1] * 2 == rd:
+                t = torch.cat((t, t), -1) if form == "rotate_half" else t.repeat_interleave(2, -1)
+            tables.append(t)
+        c, s = tables
+        if form == "rotate_half":
+            x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
+            out = rot * c + torch.cat((-x2, x1), dim=-1) * s
+        elif form == "interleaved":
+            out = rot * c + torch.stack((-odd, even), dim=-1).flatten(-2) * s
+        else:
+            raise _NotEvaluable(f"RoPE form {form!r}")
+    rest = rest.expand(*out.shape[:-1], rest.shape[-1])
+    return torch.cat((out, rest), dim=-1)
 
 
 def _partial_source(x: fx.Node, out: fx.Node) -> fx.Node | None:

@@ -211,6 +211,89 @@ def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(afte
         calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
 
 
+def _gpt_fast_rope(form):
+    """gpt-fast's rotate-half RoPE (x (B, S, H, D), cos / sin (S, D)) written as ``form``: the formerly undetected
+    wrong forms (each passes the structural check alone) and the exact forms written around a subtraction."""
+
+    def rope(x, cos, sin):
+        h = x.shape[-1] // 2
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        xf = x.float()
+        x1, x2 = xf[..., :h], xf[..., h:]
+        rh = torch.cat([-x2, x1], dim=-1)
+        y = {
+            "inverse": lambda: xf * c - rh * s,
+            "neg_before_add": lambda: -(xf * c) + rh * s,
+            "swapped_factors": lambda: torch.cat([x1 * c[..., :h] - x2 * s[..., :h],
+                                                  x2 * s[..., h:] + x1 * c[..., h:]], dim=-1),
+            "repeated_table": lambda: xf * c * c + rh * s,
+            "extra_term": lambda: xf * c + rh * s + xf * s,
+            "permuted": lambda: (lambda r: torch.cat([r[..., h:], r[..., :h]], dim=-1))(xf * c + rh * s),
+            "neg_around_sub": lambda: -(torch.cat([x2, -x1], dim=-1) * s - xf * c),
+            "times_minus_one_around_sub": lambda: (torch.cat([x2, -x1], dim=-1) * s - xf * c) * -1,
+        }[form]()
+        return y.type_as(x)
+
+    return rope
+
+
+def _negated_complex_rope(x, freqs_cis):
+    """gpt-fast's complex RoPE with the product's sign flipped (not RoPE; passed the structural check alone)."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    fc = torch.view_as_complex(freqs_cis.float())
+    return torch.view_as_real(-(xc * fc[None, :, None, :])).flatten(3).type_as(x)
+
+
+@pytest.mark.parametrize("form", ["inverse", "neg_before_add", "swapped_factors", "repeated_table", "extra_term",
+                                  "permuted", "complex_negated"])
+def test_a_key_that_is_not_exactly_rope_is_refused(form, monkeypatch):
+    """Keys written with a wrong rotation that only looks like RoPE: the inverse rotation, a sign flip before the
+    combining add or of the complex product, a swapped or repeated table factor, an extra term, a permutation after
+    RoPE. The structural check passed them all (a latent would have rebuilt other keys at every decode step); the
+    proof by evaluation refuses them, and calibrate() names why."""
+    import ckvp_compile.testing.gpt_fast as gf
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    if form == "complex_negated":
+        monkeypatch.setattr(gf, "apply_rope_complex", _negated_complex_rope)
+    else:
+        monkeypatch.setattr(gf, "apply_rope_rotate_half", _gpt_fast_rope(form))
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, rope_form="complex" if form == "complex_negated" else "rotate_half"))
+    with pytest.raises(CKVPConfigError, match="not exactly RoPE of the projected key.*is not the rotation of"):
+        calibrate(model.eval(), [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
+
+
+@pytest.mark.parametrize("form", ["neg_around_sub", "times_minus_one_around_sub"])
+def test_rope_written_with_a_sign_around_the_subtraction_keeps_the_latent_cache(form, monkeypatch):
+    """``-(rh'(x)*sin - x*cos)`` (``rh'(x) = cat(x2, -x1)``) is exactly RoPE: the structural check refused it (a sign
+    flip after the terms are combined), the proof by evaluation accepts it, and the latent cache (full rank) gives
+    eager's logits at prefill and at decode steps, whose past keys are rebuilt from the latent."""
+    import ckvp_compile.testing.gpt_fast as gf
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    monkeypatch.setattr(gf, "apply_rope_rotate_half", _gpt_fast_rope(form))
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, rope_form="rotate_half")).eval()
+    bases = calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.arange(6)[None] + 3
+
+    def run(fn):
+        outs = [fn(ids, torch.arange(6))]
+        for i in range(N_DECODE):
+            outs.append(fn(outs[-1][:, -1:].argmax(-1), torch.tensor([6 + i])))
+        return outs
+
+    with torch.no_grad():
+        model.setup_caches(1, 32)
+        want = run(model)
+        model.setup_caches(1, 32)
+        use_latent_cache(model, bases, latent_format="float")
+        got = run(torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True))
+    _assert_close_all(got, want)
+
+
 def _assert_full_rank_latent_equals_eager(model, group_size, vocab=128):
     """Calibrate full-rank bases, then compiled prefill + decode with a latent cache must equal eager's logits."""
     bases = calibrate(model, [torch.randint(0, vocab, (1, 20)) for _ in range(2)], group_size=group_size,
