@@ -48,11 +48,14 @@ the recent window are not paged.
 
 Memory accounting (:meth:`LatentKVStore.nbytes`) separates per-sequence state (latents, slot positions),
 which is what the KV compression ratio counts, from model constants (bases, RoPE tables), which do not grow
-with batch or context and are reported beside it.
+with batch or context and are reported beside it. On CUDA the store's tensors come from a private memory pool
+(``torch.cuda.MemPool``), so the device bytes they take are their own bytes, not the caching allocator's rounding
+into holes of the model's pool (:func:`_private_pool`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import weakref
 from dataclasses import dataclass
@@ -214,38 +217,70 @@ class LatentKVStore:
         rows = (b, s) if not page_size else (num_pages + 1, page_size)  # a paged pool's last page: the trash page
         #: the strides of the latents (kernels.latent_layout.STORE_LAYOUTS: both, or "KEYS/VALUES")
         self.latent_layout = latent_layout
-        try:
-            self.latent_k = [empty_latent(rows, f.row_width(o), k_layout, f.storage_dtype(latent_dtype),
-                                          self.device) for f, o in zip(kfs, self.k_offsets)]
-            self.latent_v = [empty_latent(rows, f.row_width(o), v_layout, f.storage_dtype(latent_dtype),
-                                          self.device) for f, o in zip(vfs, self.v_offsets)]
-        except ValueError as e:  # a bit plan for other ranks
-            raise CKVPConfigError(f"{e}; plan the formats for these bases (ckvp_compile.latent.planner)") from None
-        self.residual_format, self.resid_k, self.resid_v = "", [], []
-        if residual_format:
-            from ..kernels.residual import residual_offsets
-
+        # the store's state comes from a private memory pool (see _private_pool); the kernels' index tables below,
+        # cached beyond this store, do not
+        with _private_pool(self.device) as pool:
             try:
-                rf = parse_latent_format(residual_format)
-            except ValueError as e:
-                raise CKVPConfigError(f"residual_format: {e}") from None
-            if not rf.quantized:
-                raise CKVPConfigError(f"residual_format must be a quantized format such as 'int2/64', got "
-                                      f"{residual_format!r}")
-            self.residual_format = rf.name
-            widths = [rf.row_width(residual_offsets(len(g), self.num_kv_heads, self.head_dim)) for g in self.groups]
-            self.resid_k = [torch.zeros(b, s, w, device=self.device, dtype=torch.uint8) for w in widths]
-            self.resid_v = [torch.zeros(b, s, w, device=self.device, dtype=torch.uint8) for w in widths]
-        self.online = bool(getattr(bases, "online", False))
-        if self.online:  # per-sequence bases, fitted at each sequence's prefill (ckvp::online_basis_fit)
-            self.basis_k = [torch.zeros(b, *p.shape, device=self.device, dtype=basis_dtype) for p in bases.k_basis]
-            self.basis_v = [torch.zeros(b, *p.shape, device=self.device, dtype=basis_dtype) for p in bases.v_basis]
-        else:
-            self.basis_k = [p.to(self.device, basis_dtype).contiguous() for p in bases.k_basis]
-            self.basis_v = [p.to(self.device, basis_dtype).contiguous() for p in bases.v_basis]
-        #: host-side: whether the online bases were fitted by a prefill since the last reset (no device sync)
-        self.online_fitted = False
-        self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
+                self.latent_k = [empty_latent(rows, f.row_width(o), k_layout, f.storage_dtype(latent_dtype),
+                                              self.device) for f, o in zip(kfs, self.k_offsets)]
+                self.latent_v = [empty_latent(rows, f.row_width(o), v_layout, f.storage_dtype(latent_dtype),
+                                              self.device) for f, o in zip(vfs, self.v_offsets)]
+            except ValueError as e:  # a bit plan for other ranks
+                raise CKVPConfigError(f"{e}; plan the formats for these bases (ckvp_compile.latent.planner)") from None
+            self.residual_format, self.resid_k, self.resid_v = "", [], []
+            if residual_format:
+                from ..kernels.residual import residual_offsets
+
+                try:
+                    rf = parse_latent_format(residual_format)
+                except ValueError as e:
+                    raise CKVPConfigError(f"residual_format: {e}") from None
+                if not rf.quantized:
+                    raise CKVPConfigError(f"residual_format must be a quantized format such as 'int2/64', got "
+                                          f"{residual_format!r}")
+                self.residual_format = rf.name
+                widths = [rf.row_width(residual_offsets(len(g), self.num_kv_heads, self.head_dim)) for g in self.groups]
+                self.resid_k = [torch.zeros(b, s, w, device=self.device, dtype=torch.uint8) for w in widths]
+                self.resid_v = [torch.zeros(b, s, w, device=self.device, dtype=torch.uint8) for w in widths]
+            self.online = bool(getattr(bases, "online", False))
+            if self.online:  # per-sequence bases, fitted at each sequence's prefill (ckvp::online_basis_fit)
+                self.basis_k = [torch.zeros(b, *p.shape, device=self.device, dtype=basis_dtype) for p in bases.k_basis]
+                self.basis_v = [torch.zeros(b, *p.shape, device=self.device, dtype=basis_dtype) for p in bases.v_basis]
+            else:
+                self.basis_k = [p.to(self.device, basis_dtype).contiguous() for p in bases.k_basis]
+                self.basis_v = [p.to(self.device, basis_dtype).contiguous() for p in bases.v_basis]
+            #: host-side: whether the online bases were fitted by a prefill since the last reset (no device sync)
+            self.online_fitted = False
+            self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
+            self.recent_window = recent_window
+            #: per layer: the dense recent window's ring (see the module docstring); empty dicts without a window
+            self.window_k: dict[int, torch.Tensor] = {}
+            self.window_v: dict[int, torch.Tensor] = {}
+            self.window_slots: dict[int, torch.Tensor] = {}
+            if recent_window:
+                for layer in (layer for g in self.groups for layer in g):
+                    shape = (b, self.num_kv_heads, recent_window, self.head_dim)
+                    self.window_k[layer] = torch.zeros(shape, device=self.device, dtype=latent_dtype)
+                    self.window_v[layer] = torch.zeros(shape, device=self.device, dtype=latent_dtype)
+                    self.window_slots[layer] = torch.full((recent_window,), -1, device=self.device, dtype=torch.int64)
+            self.rope_cos: torch.Tensor | None = None
+            self.rope_sin: torch.Tensor | None = None
+            #: whether every graph writing the RoPE tables builds them with one angle per rotated pair (None: no writer
+            #: yet); see :meth:`note_rope_writer`
+            self.rope_paired: bool | None = None
+            self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
+            #: a paged store's (B, S_max / P) int32 page table on the device (-1: unmapped); None when not paged
+            self.page_table: torch.Tensor | None = None
+            if page_size:
+                self.page_table = torch.full((b, s // page_size), -1, device=self.device, dtype=torch.int32)
+        #: the private CUDA memory pool the tensors above were allocated from (None off CUDA); see _private_pool
+        self.mem_pool = pool
+        if page_size:
+            # the allocator, host-side only (no device sync): the table's host copy, the free physical pages (a
+            # min-heap: the lowest free page first, deterministic) and each sequence's count of mapped pages
+            self._host_table = torch.full((b, s // page_size), -1, dtype=torch.int32)
+            self._free = list(range(num_pages))
+            self._mapped = [0] * b
         for offs, fmts, bases_ in ((self.k_offsets, self.k_formats, self.basis_k),
                                    (self.v_offsets, self.v_formats, self.basis_v)):
             for o, f, p in zip(offs, fmts, bases_):  # the kernels' index tables, outside any CUDA-graph pool
@@ -254,32 +289,6 @@ class LatentKVStore:
             for g in self.groups:
                 prepare_device_tables(residual_offsets(len(g), self.num_kv_heads, self.head_dim),
                                       self.residual_format, self.head_dim, self.device)
-        self.recent_window = recent_window
-        #: per layer: the dense recent window's ring (see the module docstring); empty dicts without a window
-        self.window_k: dict[int, torch.Tensor] = {}
-        self.window_v: dict[int, torch.Tensor] = {}
-        self.window_slots: dict[int, torch.Tensor] = {}
-        if recent_window:
-            for layer in (layer for g in self.groups for layer in g):
-                shape = (b, self.num_kv_heads, recent_window, self.head_dim)
-                self.window_k[layer] = torch.zeros(shape, device=self.device, dtype=latent_dtype)
-                self.window_v[layer] = torch.zeros(shape, device=self.device, dtype=latent_dtype)
-                self.window_slots[layer] = torch.full((recent_window,), -1, device=self.device, dtype=torch.int64)
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
-        #: whether every graph writing the RoPE tables builds them with one angle per rotated pair (None: no writer
-        #: yet); see :meth:`note_rope_writer`
-        self.rope_paired: bool | None = None
-        self._phantoms: dict[tuple[int, str], torch.Tensor] = {}
-        #: a paged store's (B, S_max / P) int32 page table on the device (-1: unmapped); None when not paged
-        self.page_table: torch.Tensor | None = None
-        if page_size:
-            self.page_table = torch.full((b, s // page_size), -1, device=self.device, dtype=torch.int32)
-            # the allocator, host-side only (no device sync): the table's host copy, the free physical pages (a
-            # min-heap: the lowest free page first, deterministic) and each sequence's count of mapped pages
-            self._host_table = torch.full((b, s // page_size), -1, dtype=torch.int32)
-            self._free = list(range(num_pages))
-            self._mapped = [0] * b
 
     # ------------------------------------------------------------------ layout
     @property
@@ -559,6 +568,33 @@ class LatentKVStore:
             window=size(self.window_k.values()) + size(self.window_v.values()) + size(self.window_slots.values()),
             page_table=size([self.page_table]),
         )
+
+
+@contextlib.contextmanager
+def _private_pool(device: torch.device):
+    """Route this thread's CUDA allocations to a new private memory pool (``torch.cuda.MemPool``) for the duration;
+    yields the pool (None off CUDA, where nothing changes).
+
+    Why: PyTorch's caching allocator places a tensor in the best-fitting free block of its pool and splits a large
+    block only when more than 1 MiB would remain (``kSmallSize``, ``should_split`` in
+    c10/cuda/CUDACachingAllocator.cpp); a tensor that lands in a free block up to 1 MiB larger holds all of it, and
+    ``torch.cuda.memory_allocated`` counts it. The general pool is full of such holes once a model is loaded, so a
+    store built there, one tensor per layer group and kind, held 1-16 MiB beyond its tensors' bytes (2.3 MiB on a
+    15.8 MiB Mixtral store: 7.1x for 8x; benchmarks/results/2026-12-02-decode-matrix-h200). In a pool of its own the
+    store's tensors fill fresh segments one after the other. The pool's memory returns to the device once the store's
+    tensors are freed and the pool object is gone (then ``torch.cuda.empty_cache()``), as for CUDA-graph pools.
+
+    One allocation carved into views (vLLM-style) was tried first and dropped: graph inputs with storage offsets
+    broke Inductor's functional clone of a store write (``as_strided`` with the absolute offset applied to the
+    view's own pointer: an illegal address on the H200, 2026-12-02), and views of one storage in different dtypes
+    look overlapping to AOTAutograd's alias check.
+    """
+    if device.type != "cuda" or not hasattr(torch.cuda, "MemPool"):
+        yield None
+        return
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device if device.index is not None else torch.cuda.current_device()):
+        yield pool
 
 
 def _check_paging(page_size: Any, num_pages: Any, batch_size: int, max_cache_len: int, residual_format: str,
