@@ -54,7 +54,7 @@ from .graph import (
 )
 from .kv_cache import ALLOC_OPS, KVTrace, cache_write_site, grown_cache, mla_evidence, trace_kv
 from .masks import sliding_window
-from .rope import RopeMatch, match_rope, rope_residue, tables_paired
+from .rope import RopeMatch, cached_key_layout, match_rope, rope_residue, tables_paired
 from .sites import AttentionSite, RopeSite, UnsupportedSite
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,9 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
     if rope_k is not None and (shape_of(rope_k.x_in) or (0,))[-1] != d:
         return None, []  # RoPE on part of the head whose pass-through part was not found: not understood
     residue = rope_residue(rope_k) if rope_k is not None and k_cache is not None else None
+    k_in_perm = None
+    if residue is None and rope_k is not None and k_cache is not None:  # the views / casts from RoPE to the cache
+        k_in_perm, residue = cached_key_layout(rope_k, new_k)
     if residue is not None:  # (without a cache write there is nothing a latent would rebuild)
         return None, [UnsupportedSite(
             kind="post_rope_key", layer=layer,
@@ -181,7 +184,7 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
         head_dim=d,
         gqa_ratio=h // hkv,
         gqa_form=_gqa_form(c, kt, h, hkv),  # type: ignore[arg-type]
-        rope=_rope_site(rope_k, rope_q, d),
+        rope=_rope_site(rope_k, rope_q, d, k_in_perm),
         k_cache=k_cache,
         v_cache=v_cache,
         is_causal=c.is_causal,
@@ -225,7 +228,8 @@ def _gqa_form(c: AttentionOp, kt: KVTrace, h: int, hkv: int) -> str:
     return "repeat_kv" if kt.expanded else "broadcast"
 
 
-def _rope_site(rope_k: RopeMatch | None, rope_q: RopeMatch | None, head_dim: int) -> RopeSite | None:
+def _rope_site(rope_k: RopeMatch | None, rope_q: RopeMatch | None, head_dim: int,
+               k_in_perm: tuple[int, ...] | None = None) -> RopeSite | None:
     if rope_k is None:
         return None
     return RopeSite(
@@ -238,6 +242,7 @@ def _rope_site(rope_k: RopeMatch | None, rope_q: RopeMatch | None, head_dim: int
         cos=_name(rope_k.cos),
         sin=_name(rope_k.sin),
         tables_paired=tables_paired(rope_k.cos, rope_k.form) and tables_paired(rope_k.sin, rope_k.form),
+        k_in_perm=k_in_perm,
     )
 
 

@@ -21,7 +21,8 @@ through, ``cat(rope(x[..., :rd]), x[..., rd:])`` (or through ``split([rd, D - rd
 A rotation is recognised by its sign: one of the two selections of the rotated tensor enters the output with a
 minus sign (an odd number of ``neg``, ``sub`` subtrahends and multiplies by -1 on its way). :func:`rope_residue`
 then checks that the output is exactly that rotation of the pre-RoPE tensor (what a latent cache rebuilds), by
-structure and by running the region on random inputs. Every function here is read-only and returns None when it
+structure and by running the region on random inputs; :func:`cached_key_layout` checks the views and casts from there
+to the tensor written to the cache, and reads its layout. Every function here is read-only and returns None when it
 does not recognise the pattern; none raises on unknown graphs.
 """
 
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph import arg, op_name, shape_of
+from .graph import VIEW_LIKE, arg, op_name, shape_of
 
 #: Ops a RoPE computation is written with (walked through when collecting its region).
 _ROPE_OPS = frozenset(
@@ -361,16 +362,22 @@ def rope_residue(m: RopeMatch) -> str | None:
       ``passes/latent_kv_cache.py`` records), to a relative ``_EVAL_TOL``. Dtype casts run as float64 / complex128
       identities (exactness is up to rounding). Equal regions (every layer of a model) share one run (memoised).
 
+    Two refusals come first and stand whatever the evaluation says, because values of the dataflow cannot show them:
+    an in-place write of a node of the rotation, or, after the rotation started, of what it reads (``x_in``, the
+    tensors it views, the tables; :func:`_in_place_reason`); and an ``out`` not shaped like the rotation of ``x_in``
+    (part of its heads or positions kept; :func:`_shape_reason`).
+
     The evaluation decides whenever it can be set up: it refuses what the structure missed (a sign flip of the
     complex form or one before the combining add, the inverse rotation ``x*cos - rh(x)*sin``, a table factor
     swapped or repeated, an extra rotation term, a permutation after RoPE) and accepts exact forms the structure
     refused (a sign flip written around a subtraction, ``-(x2*s - x1*c)``). It is not set up, and the structural
     answer stands, when ``m.cos`` (or, but for the complex form, ``m.sin``) is missing, a size has no hint, an
     input is not a float / complex tensor, a number or an index of a ``getitem``, a region node or input is written
-    in place, ``x_in`` is empty or over ``_EVAL_MAX_ELEMENTS`` elements, ``out`` is not shaped like ``x_in`` (or as
-    its pairs, (..., D/2, 2)), or the run raises. Still not proven: exactness at sizes other than the hints of a
-    dynamic shape; changes the region walk does not reach (ops outside ``_ROPE_OPS``, views between ``m.out`` and
-    the cache write); that the rebuild can take the tables as they are (a table of width rotary_dim / 2, one angle
+    in place (refused above when it matters), ``x_in`` is empty or over ``_EVAL_MAX_ELEMENTS`` elements, ``out`` is
+    complex or empty, or the run raises (an ``out`` shaped otherwise than the rotation is refused). Still not proven:
+    exactness at sizes other than the hints of a dynamic shape; changes the region walk does not reach (ops outside
+    ``_ROPE_OPS``; the views and casts between ``m.out`` and the cache write are :func:`cached_key_layout`'s); that
+    the rebuild can take the tables as they are (a table of width rotary_dim / 2, one angle
     per pair as written-out forms use, is widened here, while the latent ops want width rotary_dim and fail loudly
     on it); and, by nature, with vanishing probability, a wrong form that agrees on every random draw. Tables
     swapped wholesale (``x*sin + rh(x)*cos``) count as exact: the rebuild takes each table by its role in the
@@ -382,6 +389,12 @@ def rope_residue(m: RopeMatch) -> str | None:
         A one-line reason naming the first offending node (the structural reason when both checks refuse), or None.
         Never raises: an unexpected error in the structural check is a refusal, in the evaluation a fallback.
     """
+    try:
+        hard = _in_place_reason(m) or _shape_reason(m)
+    except Exception:  # analysis never raises on unknown patterns
+        hard = "the RoPE region could not be checked"
+    if hard is not None:  # not a question of values: the evaluation cannot overrule it
+        return hard
     try:
         structural = _rope_residue(m)
     except Exception:  # analysis never raises on unknown patterns
@@ -400,13 +413,89 @@ def rope_residue(m: RopeMatch) -> str | None:
             "table, an extra term or a permutation after RoPE)")
 
 
-def _rope_residue(m: RopeMatch) -> str | None:
-    region = set(_region(m.out))
-    start = strip_dtype(m.x_in)
-    path: set[fx.Node] = {m.x_in, start}
+def _path(m: RopeMatch, region: set[fx.Node]) -> set[fx.Node]:
+    """``x_in`` (and the node it is a dtype cast of) and the region's nodes that depend on it."""
+    path: set[fx.Node] = {m.x_in, strip_dtype(m.x_in)}
     for n in sorted(region):  # graph order: producers first
         if any(i in path for i in n.all_input_nodes):
             path.add(n)
+    return path
+
+
+def _in_place_reason(m: RopeMatch) -> str | None:
+    """Why in-place writes make the region's dataflow differ from the values the cache and a latent get, or None.
+
+    The structural check and the evaluation read producers only; a write in place is invisible to both. Refused:
+
+    * any write of a node that depends on the pre-RoPE key (the rotated key or a term of it: ``k.mul_(s)``,
+      ``k[..., 0] = 0``, ``k.clamp_()`` after RoPE; through views too): the cache gets the change, a latent rebuild
+      would not;
+    * a write, after the rotation has started (graph order), of what it reads: ``x_in``, the tensors it is a view of,
+      the cos / sin tables and the region's other nodes. A latent (or the tables the rewrite records, views of the
+      model's) would hold the new values, the cached key was rotated from the old ones. A write before the rotation
+      (an in-place scale of the pre-RoPE key) is seen by RoPE and by the latent alike, and stands.
+    """
+    region = set(_region(m.out))
+    path = _path(m, region)
+    start = strip_dtype(m.x_in)
+    rotation = sorted(path - {m.x_in, start})
+    for n in rotation:
+        writers = _writers(n)
+        if writers:
+            return (f"{writers[0].name} writes {n.name}, a node of the rotation, in place (a change of the rotated "
+                    "key that a latent of the pre-RoPE key would rebuild without)")
+    if not rotation:
+        return None
+    first = rotation[0]
+    read: list[fx.Node] = [m.x_in, start]
+    node = start
+    for _ in range(_MAX_REGION_DEPTH):  # the tensors x_in is a view of (written through them, it changes too)
+        if op_name(node) not in _VIEW_OPS or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+        read.append(node)
+    for table in (m.cos, m.sin):
+        node = table
+        for _ in range(_MAX_REGION_DEPTH):  # each table, down to its root (what the evaluation draws)
+            if not isinstance(node, fx.Node):
+                break
+            read.append(node)
+            if op_name(node) not in _TABLE_VIEW_OPS or not node.args:
+                break
+            node = node.args[0]
+    read.extend(sorted(region - path))
+    for n in dict.fromkeys(read):
+        late = [w for w in _writers(n) if w > first]
+        if late:
+            return (f"{late[0].name} writes {n.name} in place after RoPE read it (a latent, or the tables recorded "
+                    "for the rebuild, would hold values the cached key was not rotated from)")
+    return None
+
+
+def _shape_reason(m: RopeMatch) -> str | None:
+    """Why ``m.out`` is not shaped like the rotation of ``m.x_in``, or None (also when a size has no hint).
+
+    The rotation has ``x_in``'s shape (its pairs, (..., D/2, 2), for the complex and stacked forms), broadcast only
+    where ``x_in`` has size 1 (tables with more leading dims). Anything else keeps part of the heads or positions
+    (``k[:, :1]``, ``k[:, :, :3]``), which a rebuild of the whole pre-RoPE key cannot give."""
+    x_val, out_val = _example(m.x_in), _example(m.out)
+    if not isinstance(x_val, torch.Tensor) or not isinstance(out_val, torch.Tensor):
+        return None
+    try:
+        hx, ho = _hinted_shape(x_val), _hinted_shape(out_val)
+    except _NotEvaluable:
+        return None
+    flat = ho[:-2] + (2 * ho[-2],) if len(ho) == len(hx) + 1 and len(ho) >= 2 and ho[-1] == 2 else ho
+    if len(flat) == len(hx) and flat[-1:] == hx[-1:] and all(o == x or x == 1 for o, x in zip(flat, hx)):
+        return None
+    return (f"{m.out.name} is shaped {tuple(ho)}, not as the rotation of {m.x_in.name} {tuple(hx)} (part of its "
+            "heads or positions kept after RoPE)")
+
+
+def _rope_residue(m: RopeMatch) -> str | None:
+    region = set(_region(m.out))
+    start = strip_dtype(m.x_in)
+    path = _path(m, region)
     if m.out not in path:
         return f"{m.out.name} does not depend on the rotated input {start.name}"
     roots = {_table_root(t) for t in (m.cos, m.sin) if t is not None}
@@ -478,6 +567,124 @@ def ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
         if n in region:
             frontier.extend(n.all_input_nodes)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# from the rotated key to the tensor written to the cache
+
+
+def cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] | None, str | None]:
+    """How the tensor written to the cache is laid out from the rotation of ``m.x_in``, or why it is not that.
+
+    :func:`match_rope` is given ``cached`` with its views and dtype casts stripped (``graph.VIEW_LIKE``: gpt-fast's
+    ``.type_as(x).transpose(1, 2)`` after RoPE on (B, S, Hkv, D)); :func:`rope_residue` judges the region above
+    ``m.out`` only. The rewrite projects ``x_in`` and rebuilds its rotation in the cache's (B, Hkv, S, D) layout, so
+    the ops from ``m.out`` to ``cached`` must be that layout change and nothing more. They are run on a tensor of
+    distinct values shaped like ``m.out`` (symbolic sizes at their hints): the result must be the tensor itself or
+    its transpose of dims 1 and 2 (pairs (..., D/2, 2) of the complex / stacked forms flattened first). Dtype casts
+    between float types count as the identity (exact up to rounding, as in the proof).
+
+    Args:
+        m: a :func:`match_rope` result for ``strip_views(cached)``.
+        cached: the (B, Hkv, S, D) tensor written to the cache.
+    Returns:
+        ``(perm, None)``: ``cached == rotation(x_in).permute(perm)``, perm ``(0, 1, 2, 3)`` (Hugging Face) or
+        ``(0, 2, 1, 3)`` (gpt-fast); read off values, so a prompt as long as the KV heads are many is no question.
+        ``(None, reason)``: the ops change the key (a reordering of its channels, heads or positions through views,
+        a cast to an integer type, or a write in place of one of them). ``(None, None)``: not decided (``cached``
+        not reached through views from ``m.out``, a size without a hint, a tensor over ``_EVAL_MAX_ELEMENTS``
+        elements, a rank other than 4, anything raising). Never raises.
+    """
+    try:
+        return _cached_key_layout(m, cached)
+    except Exception:  # analysis never raises on unknown patterns
+        return None, None
+
+
+#: Layouts already read: the chain (pure data) -> the result. Bounded: cleared when full.
+_LAYOUTS: dict[Any, tuple[int, ...] | str | None] = {}
+
+
+def _cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] | None, str | None]:
+    chain: list[fx.Node] = []
+    node = cached
+    while node is not m.out:
+        if not (isinstance(node, fx.Node) and op_name(node) in VIEW_LIKE and node.args
+                and isinstance(node.args[0], fx.Node)) or len(chain) > 64:
+            return None, None
+        chain.append(node)
+        node = node.args[0]
+    for n in chain:
+        writers = _writers(n)
+        if writers:
+            return None, (f"{writers[0].name} writes {n.name} in place between RoPE and the cache write (a change "
+                          "of the rotated key that a latent of the pre-RoPE key would rebuild without)")
+    out_val, x_val = _example(m.out), _example(m.x_in)
+    if not isinstance(out_val, torch.Tensor) or not isinstance(x_val, torch.Tensor):
+        return None, None
+    shape, x_rank = _hinted_shape(out_val), x_val.dim()
+    steps: list[tuple] = []
+    for n in reversed(chain):  # producers first
+        kind = op_name(n)
+        if kind in _EVAL_CASTS:
+            val = _example(n)
+            if not isinstance(val, torch.Tensor):
+                return None, None
+            if not (val.dtype.is_floating_point or val.dtype.is_complex):
+                return None, f"{n.name} casts the rotated key to {val.dtype} (its values change, a rebuild's would not)"
+            steps.append(("cast",))
+            continue
+        if n.op not in ("call_function", "call_method"):
+            return None, None
+        rest = fx.node.map_aggregate((n.args[1:], dict(n.kwargs)), _layout_arg)
+        steps.append((n.op, n.target, rest))
+    key = (tuple(shape), x_rank, _freeze(steps))
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= _MAX_PROOFS:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = _run_layout(shape, x_rank, steps)
+    perm = _LAYOUTS[key]
+    if perm != "reordered":
+        return perm, None
+    names = ", ".join(n.name for n in reversed(chain))
+    return None, (f"the key written to the cache, {cached.name}, is {m.out.name} reordered or broadcast by {names}, "
+                  "not laid out as the (B, Hkv, S, D) rotation of the pre-RoPE key that a latent rebuilds (e.g. its "
+                  "channels permuted through views after RoPE)")
+
+
+def _layout_arg(a: Any) -> Any:
+    if isinstance(a, fx.Node):  # a size (a symbolic int of a dynamic shape) at its hint; a tensor is not modelled
+        val = _example(a)
+        if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return _hint(val)
+        raise _NotEvaluable(f"{a.name} is not a size")
+    return _hint(a)
+
+
+def _run_layout(shape: tuple[int, ...], x_rank: int, steps: list[tuple]) -> tuple[int, ...] | str | None:
+    """:func:`cached_key_layout`'s evaluation (memoised by the caller): the permutation, 'reordered', or None when
+    not decided."""
+    if not 0 < _numel(shape) <= _EVAL_MAX_ELEMENTS:
+        return None
+    try:
+        with torch.no_grad():
+            t = torch.arange(_numel(shape), dtype=torch.float64).reshape(shape)
+            got = t
+            for step in steps:
+                if step[0] == "cast":
+                    continue
+                op, target, (args, kwargs) = step
+                got = getattr(got, target)(*args, **kwargs) if op == "call_method" else target(got, *args, **kwargs)
+    except Exception:
+        return None
+    base = t.flatten(-2) if t.dim() == x_rank + 1 and t.shape[-1] == 2 else t  # the pairs of a complex / stacked form
+    if not isinstance(got, torch.Tensor) or got.dim() != 4 or base.dim() != 4:
+        return None
+    for perm in ((0, 1, 2, 3), (0, 2, 1, 3)):
+        view = base.permute(perm)
+        if view.shape == got.shape and torch.equal(view, got):
+            return perm
+    return "reordered"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -707,23 +914,30 @@ def _index_bound(n: fx.Node, copied: set[fx.Node]) -> int:
     return bound
 
 
-def _mutated(node: fx.Node, depth: int = 0) -> bool:
-    """Whether a user writes ``node`` (or a view of it) in place: ``setitem`` on it, an in-place op (name ending in
+def _mutated(node: fx.Node) -> bool:
+    """Whether a user writes ``node`` (or a view of it) in place (see :func:`_writers`)."""
+    return bool(_writers(node))
+
+
+def _writers(node: fx.Node, depth: int = 0) -> list[fx.Node]:
+    """The users that write ``node`` (or a view of it) in place: ``setitem`` on it, an in-place op (name ending in
     ``_``) with it as ``self``, or ``out=`` it. Unlike :func:`_written_in_place`, a cache write that only reads
-    ``node`` (``index_copy_(cache, 2, pos, node)``) does not count."""
-    if depth > 8:
-        return True  # too deep to follow: assume written
+    ``node`` (``index_copy_(cache, 2, pos, node)``) does not count. A chain of views too deep to follow counts as
+    written (its first view is returned)."""
+    found: list[fx.Node] = []
     for user in node.users:
-        name = op_name(user)
-        first = user.args[0] if user.args else None
-        if first is node and (name == "setitem" or (name.endswith("_") and not name.endswith("__"))):
-            return True
         out = user.kwargs.get("out")
         if out is node or (isinstance(out, (tuple, list)) and node in out):
-            return True
-        if name in _VIEW_OPS and first is node and _mutated(user, depth + 1):
-            return True
-    return False
+            found.append(user)
+            continue
+        if not user.args or user.args[0] is not node:  # (checked first: op_name is the costly part)
+            continue
+        name = op_name(user)
+        if name == "setitem" or (name.endswith("_") and not name.endswith("__")):
+            found.append(user)
+        elif name in _ALIASING_OPS:
+            found.extend([user] if depth >= 8 else _writers(user, depth + 1))
+    return found
 
 
 def _step(n: fx.Node, slots: dict[fx.Node, int]) -> tuple:
@@ -787,8 +1001,10 @@ def _run_program(p: _Program) -> float:
             if got.shape != want.shape and got.dim() >= 2 and got.shape[:-2] == want.shape[:-1] \
                     and got.shape[-2] * got.shape[-1] == want.shape[-1]:
                 got = got.flatten(-2)  # the pairs (..., D/2, 2) of the complex / real-pairs forms
-            if got.shape != want.shape or got.is_complex() or got.numel() == 0:
-                raise _NotEvaluable("the output is not shaped like x_in")
+            if got.is_complex() or got.numel() == 0:
+                raise _NotEvaluable("the output is complex or empty")
+            if got.shape != want.shape:  # (caught by _shape_reason first, where the recorded shapes have hints)
+                return float("inf")
             err = (torch.sub(got, want).abs_().max() / want.abs().max().clamp(min=1.0)).item()
             worst = max(worst, err) if err == err else float("inf")
     return worst
@@ -972,6 +1188,11 @@ def _written_in_place(node: fx.Node, depth: int = 0) -> bool:
         if name in _VIEW_OPS and _written_in_place(user, depth + 1):
             return True
     return False
+
+
+#: Ops whose result may share its input's storage: views, and casts that return the input when the dtype is already
+#: the one asked for (``to``, ``type_as``, ``float``...).
+_ALIASING_OPS = _VIEW_OPS | frozenset({"to", "type_as", "float", "half", "bfloat16", "double"})
 
 
 def _by_number(node: fx.Node) -> bool:

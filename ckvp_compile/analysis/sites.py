@@ -39,6 +39,10 @@ class RopeSite:
         sin: node name of the sine table, None for the complex form.
         tables_paired: the graph builds both tables with one angle per rotated pair (HF's
             ``cat((freqs, freqs), -1)``; :func:`~.rope.tables_paired`), so a kernel may read half of each.
+        k_in_perm: the permutation ``p`` with the tensor written to the cache equal to ``rotation(k_in).permute(p)``:
+            ``(0, 1, 2, 3)`` (Hugging Face: (B, Hkv, S, D) before RoPE) or ``(0, 2, 1, 3)`` (gpt-fast: RoPE on
+            (B, S, Hkv, D), transposed after), read off values by :func:`~.rope.cached_key_layout`; None when not
+            decided (the rewrite then goes by sizes).
     """
 
     form: RopeForm
@@ -50,6 +54,7 @@ class RopeSite:
     cos: str | None = None
     sin: str | None = None
     tables_paired: bool = False
+    k_in_perm: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

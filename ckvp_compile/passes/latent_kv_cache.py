@@ -596,7 +596,16 @@ class _StoreInputs:
 
 
 def _as_bhsd(graph: fx.Graph, x: fx.Node, site: AttentionSite, after: fx.Node) -> fx.Node:
-    """Return ``x`` as (B, Hkv, S, D): transpose (B, S, Hkv, D) layouts (gpt-fast's pre-RoPE view)."""
+    """Return ``x`` as (B, Hkv, S, D): transpose (B, S, Hkv, D) layouts (gpt-fast's pre-RoPE view).
+
+    The pre-RoPE key is laid out as the analysis read off the graph (``site.rope.k_in_perm``); only where it was not
+    decided do the sizes tell (which they cannot when S equals Hkv: a prompt as long as the KV heads are many)."""
+    perm = site.rope.k_in_perm if site.rope is not None and x.name == site.rope.k_in else None
+    if perm is not None:
+        if tuple(perm) == (0, 1, 2, 3):
+            return x
+        with graph.inserting_after(after):
+            return graph.call_method("permute", (x, *perm))
     shape = shape_of(x)
     if shape is not None and len(shape) == 4 and shape[1] != site.num_kv_heads and shape[2] == site.num_kv_heads:
         with graph.inserting_after(after):

@@ -267,3 +267,144 @@ def test_partial_rotary_forms(form, pairs, extra, seq, wrong):
     assert m.form == form and m.rotary_dim == rd and m.partial is bool(extra)
     residue = rope_residue(m)
     assert (residue is None) is not wrong, residue
+
+
+def _hf_then(change):
+    """HF's rotate-half RoPE of ``x`` with paired tables, then ``change(x, y, cos, sin)`` (in place), returning y."""
+
+    def fn(x, ang):
+        c, s = _paired(ang)
+        y = _hf(x, c, s)
+        change(x, y, c, s)
+        return y
+
+    return fn
+
+
+IN_PLACE = {
+    # the rotated key written in place after RoPE: the cache gets the change, a latent rebuild would not
+    "mul_": lambda x, y, c, s: y.mul_(0.5),
+    "setitem": lambda x, y, c, s: y.__setitem__((..., 0), 0.0),
+    "clamp_": lambda x, y, c, s: y.clamp_(-0.5, 0.5),
+    "through_a_view": lambda x, y, c, s: y.view(-1)[:3].zero_(),
+    "through_a_cast": lambda x, y, c, s: y.float().mul_(0.5),  # float() of a float tensor is the tensor itself
+    # the pre-RoPE key or a table written after RoPE read it: the latent (or the recorded tables) would hold the
+    # new values, the cached key was rotated from the old ones
+    "x_after_read": lambda x, y, c, s: x.mul_(2.0),
+    "table_after_read": lambda x, y, c, s: s.mul_(2.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_a_key_written_in_place_after_rope_is_refused(name):
+    """An in-place write the region's dataflow does not show (the structural check looked only at producers, and the
+    evaluation gave up on in-place writes, so the structural 'exact' stood): refused, naming the write."""
+    m = _match(_hf_then(IN_PLACE[name]), X.clone(), ANG)
+    residue = rope_residue(m)
+    assert residue is not None and "in place" in residue, residue
+
+
+def test_a_term_written_in_place_before_the_combining_add_is_refused():
+    def fn(x, ang):
+        c, s = _paired(ang)
+        a = x * c
+        a.add_(1.0)
+        return a + _rh(x) * s
+
+    residue = rope_residue(_match(fn, X.clone(), ANG))
+    assert residue is not None and "in place" in residue, residue
+
+
+def test_the_pre_rope_key_written_in_place_before_rope_reads_it_is_fine():
+    """A write before RoPE reads the key (a pre-RoPE scale done in place) is seen by RoPE and by the latent alike."""
+
+    def fn(x, ang):
+        x.mul_(2.0)
+        return _hf(x, *_paired(ang))
+
+    assert rope_residue(_match(fn, X.clone(), ANG)) is None
+
+
+@pytest.mark.parametrize("select", ["one_head_expanded", "positions_dropped"])
+def test_a_key_not_shaped_like_the_pre_rope_key_is_refused(select):
+    """A rotated key reduced to part of its heads or positions (then broadcast back, or not) is not the rotation of
+    the pre-RoPE key: it was accepted (the evaluation gave up on the shape, the structure saw a plain getitem)."""
+
+    def fn(x, ang):
+        y = _hf(x, *_paired(ang))
+        return y[:, :1].expand(-1, 2, -1, -1) if select == "one_head_expanded" else y[:, :, :3]
+
+    m = _match(fn, X, ANG)
+    residue = rope_residue(m)
+    assert residue is not None and m.out.name in residue, residue
+
+
+def _cached(fn, *args):
+    """(RopeMatch of ``strip_views(cached)``, cached) for the tensor ``fn`` returns, as the analysis sees a cache
+    write's value: RoPE then views and casts."""
+    (gm,) = capture_dynamo_graphs(fn, *args)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    cached = out[0] if isinstance(out, (tuple, list)) else out
+    m = match_rope(strip_views(cached))
+    assert m is not None and rope_residue(m) is None
+    return m, cached
+
+
+XS = torch.randn(1, 2, 2, D, generator=torch.Generator().manual_seed(4))  # (B, S, Hkv, D) with S == Hkv == 2
+ANG2 = ANG[:2]
+
+
+def _rope_bshd(x, ang):
+    """gpt-fast's rotate-half RoPE on (B, S, Hkv, D), tables (S, D)."""
+    c, s = _paired(ang)
+    return _hf(x, c[:, None], s[:, None])
+
+
+@pytest.mark.parametrize("name, perm", [
+    ("hf", (0, 1, 2, 3)),  # RoPE on (B, Hkv, S, D), written as is
+    ("gpt_fast", (0, 2, 1, 3)),  # RoPE on (B, S, Hkv, D), .type_as(x).transpose(1, 2): S == Hkv, sizes cannot tell
+    ("gpt_fast_complex", (0, 2, 1, 3)),  # the pairs (B, S, Hkv, D/2, 2) flattened, then transposed
+])
+def test_the_cached_keys_layout_is_read_off_values(name, perm):
+    if name == "hf":
+        m, cached = _cached(lambda x, ang: _hf(x, *_paired(ang)).contiguous(), X, ANG)
+    elif name == "gpt_fast":
+        m, cached = _cached(lambda x, ang: _rope_bshd(x.float(), ang).type_as(x).transpose(1, 2), XS, ANG2)
+    else:
+        m, cached = _cached(lambda x, ang: _complex(x, ang[:, None]).flatten(3).transpose(1, 2), XS, ANG2)
+    assert rope_mod.cached_key_layout(m, cached) == (perm, None)
+
+
+CHAINS = {
+    # channels reordered through views (rotate-half halves interleaved): every op is a view, stripped before RoPE
+    # was matched, and the proof of the region above them passed
+    "channels_permuted": lambda y: y.view(1, 2, 5, 2, H).transpose(-1, -2).reshape(1, 2, 5, D),
+    "heads_and_positions_scrambled": lambda y: y.reshape(1, 5, 2, D),
+    "integer_cast": lambda y: y.to(torch.int32).to(torch.float32),
+    "written_in_place_after_a_clone": lambda y: y.clone(),  # (then z.mul_(0.5) below)
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_a_key_changed_between_rope_and_the_cache_is_refused(name):
+    """The views and casts between RoPE and the cache write are outside the region rope_residue judges: they were
+    not checked at all, so a latent rebuilt keys without them (silently wrong decode)."""
+
+    def fn(x, ang):
+        z = CHAINS[name](_hf(x, *_paired(ang)))
+        if name == "written_in_place_after_a_clone":
+            z.mul_(0.5)
+        return z
+
+    m, cached = _cached(fn, X.clone(), ANG)
+    perm, reason = rope_mod.cached_key_layout(m, cached)
+    assert perm is None and reason is not None, (perm, reason)
+
+
+def test_an_undecided_layout_is_none_and_nothing_raises(monkeypatch):
+    m, cached = _cached(lambda x, ang: _hf(x, *_paired(ang)).transpose(1, 2), X, ANG)
+    monkeypatch.setattr(rope_mod, "_EVAL_MAX_ELEMENTS", X.numel() - 1)
+    rope_mod._LAYOUTS.clear()
+    assert rope_mod.cached_key_layout(m, cached) == (None, None)
+    assert rope_mod.cached_key_layout(m, m.x_in) == (None, None)  # not reached from m.out through views
+    rope_mod._LAYOUTS.clear()

@@ -176,12 +176,14 @@ def test_a_graph_break_between_layers_still_runs_the_latent_cache_at_g1():
     _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), n=1), eager)
 
 
-@pytest.mark.parametrize("after", ["scale", "rmsnorm", "bias", "negate", "times_minus_one", "alpha"])
+@pytest.mark.parametrize("after", ["scale", "rmsnorm", "bias", "negate", "times_minus_one", "alpha", "in_place_scale",
+                                   "in_place_clamp"])
 def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(after, monkeypatch):
     """A key scaled, normalised, offset or negated after RoPE, or its terms added with an ``alpha`` (HunYuan-MoE's
     key_layernorm is the real case), is not RoPE of the projected key: a latent of the pre-RoPE key would rebuild it
     without the change, so every decode step would be wrong. The analysis refuses the site and calibrate() names why (once, the region walk took the
-    post-RoPE multiply in as part of the RoPE, and decode logits were off by 0.3-2.5 with no warning)."""
+    post-RoPE multiply in as part of the RoPE, and decode logits were off by 0.3-2.5 with no warning). The same
+    changes written in place (``k.mul_(s)``, ``k.clamp_()``) were accepted: neither check saw the write."""
     import ckvp_compile.testing.gpt_fast as gf
     from ckvp_compile.testing import GptFastConfig, GptFastMoE
 
@@ -194,6 +196,9 @@ def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(afte
             c, s = cos[None, :, None, :], sin[None, :, None, :]
             return torch.add(x.float() * c, rotated.float() * s, alpha=2.0).type_as(x)
         y = rope(x, cos, sin)
+        if after in ("in_place_scale", "in_place_clamp"):  # the rotated key itself, written after RoPE
+            y.mul_(0.5) if after == "in_place_scale" else y.clamp_(-0.05, 0.05)
+            return y
         if after == "negate":
             return -y
         if after == "times_minus_one":
@@ -424,3 +429,94 @@ def test_rope_written_with_an_empty_pass_through_or_a_type_as_norm_keeps_the_lat
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     _assert_full_rank_latent_equals_eager(model, group_size=1)
+
+
+def _gpt_fast_latent_vs_eager(model, s, n=N_DECODE):
+    """(latent cache logits, eager logits) of a gpt-fast model: full-rank bases, an ``s``-token prompt, ``n`` decode
+    steps."""
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+
+    bases = calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.arange(s)[None] + 3
+
+    def run(fn):
+        outs = [fn(ids, torch.arange(s))]
+        for i in range(n):
+            outs.append(fn(outs[-1][:, -1:].argmax(-1), torch.tensor([s + i])))
+        return outs
+
+    with torch.no_grad():
+        model.setup_caches(1, 32)
+        want = run(model)
+        model.setup_caches(1, 32)
+        use_latent_cache(model, bases, latent_format="float")
+        return run(torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)), want
+
+
+@pytest.mark.parametrize("rope_form", ["complex", "rotate_half"])
+def test_a_gpt_fast_prompt_as_long_as_the_kv_heads_are_many_is_exact(rope_form):
+    """gpt-fast applies RoPE on (B, S, Hkv, D) and transposes after. The rewrite told that layout from the sizes
+    (dim 1 not Hkv, dim 2 Hkv), so a prompt of S == Hkv tokens was projected with heads and positions swapped:
+    decode logits off by 0.5-1.4 with full-rank bases, no warning. The analysis now reads the layout off values."""
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, n_local_heads=2, rope_form=rope_form)).eval()
+    got, want = _gpt_fast_latent_vs_eager(model, s=2)
+    _assert_close_all(got, want)
+
+
+def test_a_key_whose_channels_are_permuted_through_views_after_rope_is_refused(monkeypatch):
+    """RoPE, then the rotated key's halves interleaved by view / transpose / reshape (for q and k alike, so eager
+    attention is unchanged): the views are stripped before RoPE is matched, so nothing checked them. With
+    online_bases the latent rebuilt the unpermuted key against the permuted query (decode logits off by 0.8, no
+    warning; calibrate() failed on the recorded key's shape). Both now refuse the layer and name the views."""
+    import ckvp_compile.testing.gpt_fast as gf
+    from ckvp_compile.errors import UnsupportedGraphError
+    from ckvp_compile.latent import online_bases
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    rope = gf.apply_rope_rotate_half
+
+    def rope_then_permute(x, cos, sin):
+        y = rope(x, cos, sin)
+        return y.view(*y.shape[:-1], 2, -1).transpose(-1, -2).reshape(y.shape)
+
+    monkeypatch.setattr(gf, "apply_rope_rotate_half", rope_then_permute)
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, rope_form="rotate_half")).eval()
+    with pytest.raises(CKVPConfigError, match="not exactly RoPE of the projected key.*reordered"):
+        calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
+    model.setup_caches(1, 32)
+    use_latent_cache(model, online_bases(model, group_size=2, kv_ratio=1), latent_format="float")
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+    with pytest.raises(UnsupportedGraphError, match="post_rope_key.*reordered"), torch.no_grad():
+        step(torch.arange(5)[None] + 3, torch.arange(5))
+
+
+@pytest.mark.parametrize("family", ["gptj", "llama4_text"])
+def test_hf_rope_on_b_s_h_d_with_a_prompt_as_long_as_the_kv_heads_are_many_is_exact(family):
+    """HF GPT-J and Llama-4 rotate keys as (B, S, Hkv, D) and transpose after, as gpt-fast does: a prompt of Hkv
+    tokens was projected with heads and positions swapped (decode logits off by 0.3-1.2 at full rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                  pad_token_id=None, bos_token_id=None, eos_token_id=None, initializer_range=0.1,
+                  tie_word_embeddings=False)
+    if family == "gptj":
+        config = AutoConfig.for_model("gptj", hidden_size=64, rotary_dim=8, **common)  # MHA: Hkv = 4
+    else:
+        config = AutoConfig.for_model(
+            "llama4_text", hidden_size=64, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+            intermediate_size_mlp=32, num_local_experts=4, num_experts_per_tok=1, use_qk_norm=False,
+            no_rope_layers=[1, 1], layer_types=["full_attention"] * 2, attention_chunk_size=512, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    hkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    bases = calibrate(model, [torch.randint(0, 128, (1, 20)) for _ in range(2)], group_size=1, kv_ratio=1.0,
+                      progress=False)
+    ids = torch.randint(0, 128, (1, hkv))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=1)))
+    _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
