@@ -334,6 +334,69 @@ def _table_root(node: fx.Node) -> fx.Node:
     return node
 
 
+def table_key(node: fx.Node | None, by_value: bool = False, _memo: dict[fx.Node, Any] | None = None,
+              _depth: int = 0) -> Any:
+    """A hashable description of how a RoPE table node is computed: the node itself for a graph input, a constant or
+    anything past ``_MAX_PAIR_DEPTH`` producer hops; else its op, target and arguments, each node argument described
+    the same way. Two tables of one graph with equal keys hold the same values: every layer's own
+    ``cos[..., :rd // 2].repeat_interleave(2, -1)`` of HF's shared cos (GLM, GPT-J), or its ``cos.unsqueeze(1)``,
+    while tables computed apart (a per-layer theta) differ.
+
+    With ``by_value``, a graph input that is a module buffer or parameter whose value Dynamo recorded
+    (``meta['grapharg'].example``, a real tensor of at most ``_TABLE_VALUE_ELEMENTS`` elements) is described by its
+    dtype, shape and bytes instead: per-layer copies of one table (a rotary module per layer) then compare equal.
+    Buffers hold the same values at every call unless the model rewrites them. None for None; never raises (the
+    node itself when its arguments cannot be described)."""
+    if node is None:
+        return None
+    memo: dict[fx.Node, Any] = {} if _memo is None else _memo
+    if node in memo:
+        return memo[node]
+    key: Any = node
+    if node.op == "placeholder" and by_value:
+        key = _buffer_value_key(node)
+    elif node.op in ("call_function", "call_method") and _depth < _MAX_PAIR_DEPTH and not _impure(node):
+        try:
+            args = fx.node.map_aggregate((node.args, dict(node.kwargs)), lambda a: (
+                table_key(a, by_value, memo, _depth + 1) if isinstance(a, fx.Node) else a))
+            key = (node.op, node.target, _freeze(args))
+            hash(key)
+        except Exception:  # analysis never raises on unknown patterns
+            key = node
+    memo[node] = key
+    return key
+
+
+#: Largest module buffer :func:`table_key` compares by value (elements).
+_TABLE_VALUE_ELEMENTS = 1 << 24
+
+
+def _buffer_value_key(node: fx.Node) -> Any:
+    """``('value', dtype, shape, digest)`` of a placeholder that is a module buffer or parameter with a recorded real
+    value (see :func:`table_key`), else the node itself."""
+    try:
+        grapharg = node.meta.get("grapharg")
+        name = grapharg.source.name  # a property (a method in older torch)
+        source = name() if callable(name) else str(name)
+        value = grapharg.example
+        if ("._buffers[" not in source and "._parameters[" not in source) or type(value) not in (
+                torch.Tensor, torch.nn.Parameter) or value.numel() > _TABLE_VALUE_ELEMENTS:
+            return node
+        import hashlib
+
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return "value", str(value.dtype), tuple(value.shape), hashlib.sha1(data).hexdigest()
+    except Exception:  # no recorded value (a fake, a user input, an older Dynamo): the node itself
+        return node
+
+
+def _impure(node: fx.Node) -> bool:
+    """Random ops, and ops that write in place: equal arguments do not give equal values."""
+    name = op_name(node)
+    return name.startswith(("rand", "normal", "bernoulli", "dropout", "multinomial")) or (
+        name.endswith("_") and not name.endswith("__")) or name == "setitem"
+
+
 def rope_residue(m: RopeMatch) -> str | None:
     """Why ``m.out`` is not exactly the rotation of ``m.x_in``, or None when it is.
 

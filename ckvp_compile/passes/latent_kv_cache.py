@@ -76,6 +76,7 @@ from torch.fx.node import map_arg
 
 from .. import _compat
 from ..analysis.graph import dtype_of, find_upstream, node_map, op_name, shape_of
+from ..analysis.rope import table_key
 from ..analysis.sites import AttentionSite
 from .base import CKVPPass
 
@@ -152,11 +153,13 @@ class LatentKVCachePass(CKVPPass):
             probe, slot_inputs, note = _slot_probe(graph, list(dict.fromkeys(slot_nodes)))
             self.plan.slot_probe, self.plan.slot_inputs, self.plan.slot_probe_note = probe, slot_inputs, note
         inputs = _StoreInputs(graph)
-        first = self.plan.groups[0].sites[0]
+        sites = [site for gr in self.plan.groups for site in gr.sites]
+        first = next((site for site in sites if site.rope is not None), sites[0])  # (a no-RoPE layer has no tables)
+        _check_one_rope_table(nodes, first, sites)
         cos_n, sin_n, pos_n, width = _rope_tables(nodes, first, graph)
         if first.rope is not None:
             store.ensure_rope_tables(width)
-            if cos_n is not None:  # this graph writes the tables, from the first site's cos / sin
+            if cos_n is not None:  # this graph writes the tables, from the first RoPE site's cos / sin
                 self.plan.rope_writer = bool(first.rope.tables_paired)
                 store.note_rope_writer(self.plan.rope_writer)
         rope_cos = inputs.add("ckvp_rope_cos")
@@ -611,6 +614,24 @@ def _as_bhsd(graph: fx.Graph, x: fx.Node, site: AttentionSite, after: fx.Node) -
         with graph.inserting_after(after):
             return graph.call_method("transpose", (x, 1, 2))
     return x
+
+
+def _check_one_rope_table(nodes: dict[str, fx.Node], first: AttentionSite, sites: list[AttentionSite]) -> None:
+    """Raise RuntimeError when a RoPE site's cos / sin are not ``first``'s (:func:`~..analysis.rope.table_key`): the
+    store holds one set of tables per graph, and every layer's keys are rebuilt with it."""
+    if first.rope is None:
+        return
+
+    def key(site: AttentionSite, by_value: bool) -> tuple:
+        rope = site.rope
+        return tuple(table_key(nodes[t], by_value) if t is not None else None for t in (rope.cos, rope.sin))
+
+    want = key(first, False)
+    for site in sites:  # (by value only where the graphs differ: per-layer copies of one buffer are the same tables)
+        if site.rope is not None and key(site, False) != want and key(site, True) != key(first, True):
+            raise RuntimeError(f"layer {site.layer} rotates its keys by other RoPE tables than layer {first.layer} "
+                               f"({site.rope.cos} / {site.rope.sin}, not {first.rope.cos} / {first.rope.sin}); "
+                               "the latent store holds one set of tables per graph")
 
 
 def _rope_tables(nodes: dict[str, fx.Node], site: AttentionSite, graph: fx.Graph):

@@ -408,3 +408,26 @@ def test_an_undecided_layout_is_none_and_nothing_raises(monkeypatch):
     assert rope_mod.cached_key_layout(m, cached) == (None, None)
     assert rope_mod.cached_key_layout(m, m.x_in) == (None, None)  # not reached from m.out through views
     rope_mod._LAYOUTS.clear()
+
+
+def test_table_keys_tell_the_same_computation_from_another():
+    """Two layers each deriving their tables from one shared cos / sin (GLM's per-layer repeat_interleave of half the
+    table) have equal keys; tables at doubled angles (a per-layer theta) do not."""
+
+    def fn(x, ang):
+        c, s = _paired(ang)
+        outs = []
+        for layer in range(3):
+            cl = c[..., :H].repeat_interleave(2, -1) if layer < 2 else c * c - s * s
+            sl = s[..., :H].repeat_interleave(2, -1) if layer < 2 else 2 * s * c
+            outs.append(x * cl + _inter(x) * sl)
+        return tuple(outs)
+
+    (gm,) = capture_dynamo_graphs(fn, X, ANG)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    ms = [match_rope(strip_views(o)) for o in out]
+    assert all(m is not None and rope_residue(m) is None for m in ms)
+    keys = [(rope_mod.table_key(m.cos), rope_mod.table_key(m.sin)) for m in ms]
+    assert ms[0].cos is not ms[1].cos and keys[0] == keys[1]
+    assert keys[2] != keys[0]
+    assert rope_mod.table_key(None) is None

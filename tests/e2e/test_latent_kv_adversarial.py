@@ -520,3 +520,68 @@ def test_hf_rope_on_b_s_h_d_with_a_prompt_as_long_as_the_kv_heads_are_many_is_ex
     eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
     step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=1)))
     _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
+
+
+def _per_layer_rope_gpt_fast(scale):
+    """A gpt-fast model whose layers own their RoPE tables (a rotary module per layer, as older Llama code had);
+    every second layer's angles are multiplied by ``scale`` (another theta when not 1)."""
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    class PerLayerRope(GptFastMoE):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            angles = torch.atan2(self.rope_sin, self.rope_cos)
+            for i, layer in enumerate(self.layers):
+                layer.register_buffer("rope_cos", (angles * (scale if i % 2 else 1.0)).cos(), persistent=False)
+                layer.register_buffer("rope_sin", (angles * (scale if i % 2 else 1.0)).sin(), persistent=False)
+
+        def forward(self, idx, input_pos):
+            mask = self.causal_mask[None, None, input_pos, :self.max_seq_length]
+            x = self.tok_embeddings(idx)
+            for layer in self.layers:
+                x = layer(x, (layer.rope_cos[input_pos], layer.rope_sin[input_pos]), mask, input_pos, True)
+            return self.output(self.norm(x))
+
+    torch.manual_seed(0)
+    model = PerLayerRope(GptFastConfig(n_layer=2, rope_form="rotate_half")).eval()
+    model.setup_caches(1, 32)
+    return model
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_layers_rotating_by_their_own_tables(scale):
+    """The store holds one set of RoPE tables per graph, written from the first site's cos / sin, and every layer's
+    keys were rebuilt with them: layers rotating by other tables (a per-layer theta) decoded with wrong logits (off
+    by 0.06-0.18 at full rank), no warning. The rewrite now refuses such a graph, naming the layers; per-layer copies
+    of one table (equal buffers) keep the latent cache, equal to eager."""
+    from ckvp_compile.errors import UnsupportedGraphError
+
+    model = _per_layer_rope_gpt_fast(scale)
+    if scale == 1.0:
+        got, want = _gpt_fast_latent_vs_eager(model, s=5)
+        _assert_close_all(got, want)
+        return
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+
+    bases = calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
+    model.setup_caches(1, 32)
+    use_latent_cache(model, bases, latent_format="float")
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+    with pytest.raises(UnsupportedGraphError, match="other RoPE tables"), torch.no_grad():
+        step(torch.arange(5)[None] + 3, torch.arange(5))
+
+
+def test_a_first_layer_without_rope_keeps_the_other_layers_tables():
+    """Llama-4 skips RoPE in some layers (no_rope_layers); with the first layer one of them, the rewrite took its
+    (absent) tables for the graph and the latent attention failed on (1, 1) tables (CKVPShapeError)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama4_text", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=32, num_local_experts=4,
+        num_experts_per_tok=1, use_qk_norm=False, no_rope_layers=[0, 1], layer_types=["full_attention"] * 2,
+        attention_chunk_size=512, max_position_embeddings=128, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None, initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    _assert_full_rank_latent_equals_eager(model, group_size=1)
