@@ -9,6 +9,7 @@ Modules:
     gpt_fast: :class:`GptFastMoE`, a gpt-fast style Mixtral-MoE with ``setitem`` KV caches and einsum experts.
     decoding: :func:`prefill_decode_logits`, :func:`capture_dynamo_graphs`, :func:`capture_prefill_decode_graphs`.
     strategies: Hypothesis strategies for model shapes.
+    bases: :func:`random_orthonormal_bases`, latent bases for store and kernel tests.
 """
 
 from .models import (

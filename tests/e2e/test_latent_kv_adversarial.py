@@ -275,27 +275,12 @@ def test_rope_written_with_a_sign_around_the_subtraction_keeps_the_latent_cache(
     flip after the terms are combined), the proof by evaluation accepts it, and the latent cache (full rank) gives
     eager's logits at prefill and at decode steps, whose past keys are rebuilt from the latent."""
     import ckvp_compile.testing.gpt_fast as gf
-    from ckvp_compile.runtime.hf_cache import use_latent_cache
     from ckvp_compile.testing import GptFastConfig, GptFastMoE
 
     monkeypatch.setattr(gf, "apply_rope_rotate_half", _gpt_fast_rope(form))
     torch.manual_seed(0)
     model = GptFastMoE(GptFastConfig(n_layer=2, rope_form="rotate_half")).eval()
-    bases = calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
-    ids = torch.arange(6)[None] + 3
-
-    def run(fn):
-        outs = [fn(ids, torch.arange(6))]
-        for i in range(N_DECODE):
-            outs.append(fn(outs[-1][:, -1:].argmax(-1), torch.tensor([6 + i])))
-        return outs
-
-    with torch.no_grad():
-        model.setup_caches(1, 32)
-        want = run(model)
-        model.setup_caches(1, 32)
-        use_latent_cache(model, bases, latent_format="float")
-        got = run(torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True))
+    got, want = _gpt_fast_latent_vs_eager(model, s=6)
     _assert_close_all(got, want)
 
 

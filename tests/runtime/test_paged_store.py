@@ -22,21 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckvp_compile.errors import CKVPConfigError, CKVPShapeError
-from ckvp_compile.latent.bases import LatentBases
 from ckvp_compile.latent.budget import store_bytes
 from ckvp_compile.runtime.store import LatentKVStore
+from ckvp_compile.testing.bases import random_orthonormal_bases
 
 
-def _bases(layers: int = 2, group: int = 2, hkv: int = 2, d: int = 8, rank: int = 4, online: bool = False):
-    """Tiny bases: random orthonormal columns, ``rank`` per head."""
-    gen = torch.Generator().manual_seed(0)
-    groups = tuple(tuple(range(i, min(i + group, layers))) for i in range(0, layers, group))
-    basis = tuple(torch.linalg.qr(torch.randn(hkv, len(g) * d, rank, generator=gen))[0] for g in groups)
-    ranks = tuple((rank,) * hkv for _ in groups)
-    eig = tuple(torch.ones(hkv, len(g) * d, dtype=torch.float64) for g in groups)
-    return LatentBases(groups=groups, num_kv_heads=hkv, head_dim=d, group_size=group, target_ratio=2.0,
-                       rank_allocation="uniform", k_basis=basis, v_basis=basis, k_ranks=ranks, v_ranks=ranks,
-                       k_eigenvalues=eig, v_eigenvalues=eig, model_fingerprint={}, num_tokens=1, online=online)
+def _bases(online: bool = False):
+    """Tiny bases: 2 layers in one group, 2 KV heads of 8, rank 4."""
+    return random_orthonormal_bases(2, 2, 2, 8, 4, online=online)
 
 
 BASES = _bases()

@@ -9,21 +9,14 @@ import gc
 import pytest
 import torch
 
-from ckvp_compile.latent.bases import LatentBases
 from ckvp_compile.runtime.store import LatentKVStore
+from ckvp_compile.testing.bases import random_orthonormal_bases
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _bases(layers=8, group=4, hkv=8, d=128, rank=160):
-    gen = torch.Generator().manual_seed(0)
-    groups = tuple(tuple(range(i, min(i + group, layers))) for i in range(0, layers, group))
-    basis = tuple(torch.linalg.qr(torch.randn(hkv, len(g) * d, rank, generator=gen))[0] for g in groups)
-    ranks = tuple((rank,) * hkv for _ in groups)
-    eig = tuple(torch.ones(hkv, len(g) * d, dtype=torch.float64) for g in groups)
-    return LatentBases(groups=groups, num_kv_heads=hkv, head_dim=d, group_size=group, target_ratio=8.0,
-                       rank_allocation="uniform", k_basis=basis, v_basis=basis, k_ranks=ranks, v_ranks=ranks,
-                       k_eigenvalues=eig, v_eigenvalues=eig, model_fingerprint={}, num_tokens=1)
+def _bases():  # Mixtral-like: 8 layers in groups of 4, 8 KV heads of 128, rank 160
+    return random_orthonormal_bases(8, 4, 8, 128, 160, target_ratio=8.0)
 
 
 def _held(store):  # the store's tensors: per-sequence state (latents, slot positions, recent window) and bases
