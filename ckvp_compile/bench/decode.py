@@ -627,7 +627,12 @@ def _parser() -> argparse.ArgumentParser:
                         "ckvp_compile.latent.ranks.key_rank_caps); default: no cap")
     g = p.add_argument_group("fixture (--shape fixture)")
     g.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bundled fixture)")
-    g.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0], help="KV byte ratios")
+    g.add_argument("--ratios", nargs="*", type=float, default=[4.0, 8.0, 16.0],
+                   help="KV byte ratios (none: only dense, its bf16-KV floor and the --baseline rows)")
+    g.add_argument("--baseline", dest="baselines", nargs="+", default=None, metavar="kivi:BITS:GROUP:RESIDUAL",
+                   help="baseline rows: KIVI (arXiv:2402.02750) over the dense cache, fake-quantized: keys per "
+                        "channel, values per token, GROUP elements per fp16 scale and zero point, the RESIDUAL "
+                        "newest tokens in bf16 (ckvp_compile.bench.kivi)")
     g.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per prompt")
     g.add_argument("--prompts", type=int, default=4, help="prompts (held-out text after the calibration part)")
     g.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
@@ -694,9 +699,20 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error("--measure-windows is for --latent-format planned+measured")
         if not 1 <= a.measure_windows <= a.calib_windows:
             p.error(f"--measure-windows must be in 1..--calib-windows ({a.calib_windows}), got {a.measure_windows}")
+    if a.baselines and a.shape != "fixture":
+        p.error("--baseline is for --shape fixture")
     if a.shape == "fixture":
         if any(r < 1 for r in a.ratios):
             p.error("--ratios must be >= 1")
+        if not a.ratios and not a.baselines:
+            p.error("--ratios without a value runs no ckvp row: give --baseline kivi:BITS:GROUP:RESIDUAL")
+        from .kivi import KIVIConfig
+
+        for spec in a.baselines or ():
+            try:
+                KIVIConfig.parse(spec)
+            except ValueError as e:
+                p.error(f"--{e}")
         if not 0 <= a.recent_window < a.prompt_len + a.new_tokens:
             p.error(f"--recent-window must be in [0, --prompt-len + --new-tokens = {a.prompt_len + a.new_tokens})")
         return

@@ -21,7 +21,9 @@ as ``ckvp-bench fidelity``'s 'planned' allocations are (:func:`~ckvp_compile.ben
 calibration windows, :func:`~ckvp_compile.bench.fidelity.measured_errors_cache`; never on a prompt), blocks of the
 bit plan from ``--planned-format mix/<block>[v<value block>]``. Reported per ratio: the share of generated positions
 whose token equals dense (``agreement``), the mean length of the agreeing prefix (and per prompt, ``prefixes``), the
-greedy tokens (``generated``), and the measured byte ratios.
+greedy tokens (``generated``), and the measured byte ratios. ``--baseline kivi:BITS:GROUP:RESIDUAL`` adds rows of
+KIVI (arXiv:2402.02750; :mod:`ckvp_compile.bench.kivi`): the eager model over a dense cache fake-quantized as KIVI
+stores it, its ratios computed from its format; ``--ratios`` with no value runs only dense, the floor and these.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class FixtureRow:
     planned_format: str | None = None  # 'planned' formats: the bit plan's blocks, mix/<block>[v<value block>]
     k_formats: list | None = None  # per group: the stored latent format of K (a planned row's bit plan)
     v_formats: list | None = None
+    baseline: str | None = None  # a --baseline row (kivi:BITS:GROUP:RESIDUAL): a dense cache fake-quantized
+    ratio_format: float | None = None  # a baseline's ratio from its format alone (residual left out)
 
 
 def default_model_dir() -> Path:
@@ -121,16 +125,40 @@ def bf16_kv_cache(model: torch.nn.Module, max_len: int) -> Any:
 def _bf16_kv_floor(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, max_len: int) -> FixtureRow:
     """Greedy agreement of the dense decode with itself over a bf16-rounded KV cache: the fixture's numerical noise
     floor (a near-tie that flips under bf16 rounding flips under any compression too)."""
+    return _dense_cache_row(model, prompts, dense, new_tokens, lambda: bf16_kv_cache(model, max_len), BF16_KV_FLOOR)
+
+
+def _dense_cache_row(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, make_cache: Any,
+                     label: str, **fields: Any) -> FixtureRow:
+    """Free-running and along-dense agreement of the eager model over ``make_cache()`` (a fresh dense cache whose
+    contents are perturbed, one per decode) with dense's tokens ``dense``; ``fields`` go to the row as they are."""
     t = time.perf_counter()
-    got = [_decode(model, p, new_tokens, bf16_kv_cache(model, max_len)) for p in prompts]
-    forced = [_decode(model, p, new_tokens, bf16_kv_cache(model, max_len), feed=d) for p, d in zip(prompts, dense)]
+    got = [_decode(model, p, new_tokens, make_cache()) for p in prompts]
+    forced = [_decode(model, p, new_tokens, make_cache(), feed=d) for p, d in zip(prompts, dense)]
     n_tok = sum(map(len, dense))
     forced_each = [sum(x == y for x, y in zip(d, g)) for d, g in zip(dense, forced)]
-    return FixtureRow(None, BF16_KV_FLOOR, sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g)) / n_tok,
+    return FixtureRow(None, label, sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g)) / n_tok,
                       sum(map(_prefix, dense, got)) / len(prompts), n_tok, len(prompts),
                       wall_s=round(time.perf_counter() - t, 2), forced_agreement=sum(forced_each) / n_tok,
                       prefixes=list(map(_prefix, dense, got)),
-                      forced_per_prompt=[n / len(d) for n, d in zip(forced_each, dense)], generated=got)
+                      forced_per_prompt=[n / len(d) for n, d in zip(forced_each, dense)], generated=got, **fields)
+
+
+def _kivi_row(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, max_len: int, spec: str,
+              budget_len: int) -> FixtureRow:
+    """The KIVI baseline ``spec`` (``kivi:BITS:GROUP:RESIDUAL``, :mod:`ckvp_compile.bench.kivi`): agreement over a
+    fake-quantized dense cache; its ratios computed from the format, at ``budget_len`` tokens
+    (``ratio_measured_at_budget``, as the ckvp rows count theirs), at the run's ``max_len`` (``ratio_state_only``)
+    and without the residual (``ratio_format``)."""
+    from .kivi import KIVIConfig, kivi_cache, kivi_ratio
+
+    cfg = KIVIConfig.parse(spec)
+    c = model.config
+    hkv, d = c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    ratios = dict(ratio_measured_at_budget=round(kivi_ratio(cfg, budget_len, hkv, d), 3),  # first: checks groups
+                  ratio_state_only=round(kivi_ratio(cfg, max_len, hkv, d), 3), ratio_format=round(cfg.format_ratio, 3))
+    return _dense_cache_row(model, prompts, dense, new_tokens, lambda: kivi_cache(model, max_len, cfg),
+                            f"{cfg.label} (baseline)", baseline=cfg.spec, budget_len=budget_len, **ratios)
 
 
 def _line_end(text: bytes, start: int, length: int) -> int:
@@ -187,13 +215,21 @@ def run_fixture(args: argparse.Namespace) -> int:
                        generated=dense)]
     if dtype != torch.bfloat16:  # the noise floor: dense with its KV cache rounded to bf16, as a bf16 deployment
         rows.append(_bf16_kv_floor(model, prompts, dense, args.new_tokens, max_len))
-    moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
-    decomposed = DecomposedMoments.from_moments(moments)  # one eigh; the byte-ratio fit builds bases ~40 times
+    for spec in getattr(args, "baselines", None) or ():  # eager over a fake-quantized dense cache (bench.kivi)
+        r = _kivi_row(model, prompts, dense, args.new_tokens, max_len, spec, args.budget_len)
+        rows.append(r)
+        print(f"baseline {r.latent_format}: agreement {r.agreement:.1%} (along the dense tokens "
+              f"{r.forced_agreement:.1%}), ratio {r.ratio_format}x from the format, {r.ratio_measured_at_budget}x at "
+              f"{args.budget_len} tokens, {r.ratio_state_only}x at {max_len}", flush=True)
+    if args.ratios:  # the ckvp rows' calibration (a baseline-only run, --ratios with no value, skips it)
+        moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
+        decomposed = DecomposedMoments.from_moments(moments)  # one eigh; the byte-ratio fit builds bases ~40 times
     fmt, *opts = args.latent_format.split("+")  # planned[+rot][+fp8][+measured]: ckvp-bench fidelity's allocations
     basis_dtype = torch.float8_e4m3fn if "fp8" in opts else kv_dtype
     # '+measured': the planner's block errors measured as KL to dense on the first --measure-windows calibration
     # windows (never a prompt), once, shared by every ratio (bench.fidelity.measured_errors_cache)
-    measure_windows = min(args.measure_windows or 8, args.calib_windows) if "measured" in opts else None
+    measure_windows = (min(args.measure_windows or 8, args.calib_windows) if "measured" in opts and args.ratios
+                       else None)
     measure_errors = None
     if measure_windows:
         measure_errors = measured_errors_cache(model, torch.cat(samples[:measure_windows]).to(args.device))
@@ -257,7 +293,8 @@ def run_fixture(args: argparse.Namespace) -> int:
                group_size=args.group_size, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                calib_windows=args.calib_windows, prompt_starts=starts, recent_window=args.recent_window,
                measure_windows=measure_windows, planned_format=args.planned_format if fmt == "planned" else None,
-               max_key_rank=getattr(args, "max_key_rank", None), wall_s=round(time.perf_counter() - t0, 1))
+               max_key_rank=getattr(args, "max_key_rank", None), baselines=getattr(args, "baselines", None),
+               wall_s=round(time.perf_counter() - t0, 1))
     data = {"kind": "fixture", "meta": env, "rows": [asdict(r) for r in rows]}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

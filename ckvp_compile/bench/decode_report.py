@@ -169,6 +169,8 @@ def _fixture_section(datas: Sequence[dict[str, Any]], plots: dict[str, str]) -> 
         dev = m.get("gpu") or "CPU"
         for r in d["rows"]:
             ratio = "dense" if r["ratio_requested"] is None else f"{r['ratio_requested']:g}x"
+            if r.get("baseline"):  # bench.kivi: its ratio follows from its format
+                ratio = f"{r['ratio_format']:.2f}x (format)"
             out.append(f"| {ratio} | {_fixture_label(m, r)} | {_fmt(r['agreement'], '.1%')} | "
                        f"{_fmt(r.get('forced_agreement'), '.1%')} | "
                        f"{_fmt(r['prefix_mean'], '.1f')} / {m.get('new_tokens')} | {r['tokens']} | "
