@@ -114,6 +114,7 @@ _TO_COMBINE = _PASS | {"getitem", "add_", "masked_fill"}
 #: Reductions over the k slots; the in-place ones accumulate into their first argument.
 _REDUCE = {"sum", "index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_", "index_put"}
 _INPLACE_ACCUMULATE = {"index_add_", "scatter_add_", "index_put_"}
+_OUT_OF_PLACE_ACCUMULATE = {"index_add", "scatter_add", "index_put"}
 _LINEARS = {"linear", "matmul"}
 _ROUTER_OP_HINTS = {
     "add": "a bias added to the scores before selection (e.g. DeepSeek-V3's e_score_correction_bias)",
@@ -486,7 +487,9 @@ def _find_combine(down: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 def _routed_output(combine: fx.Node) -> fx.Node:
     """The routed experts' output: the weighted sum over the k slots after ``combine`` (the accumulator of an
-    in-place ``index_add_``), or ``combine`` itself when it already sums (``einsum('tai,ta->ti')``)."""
+    in-place ``index_add_``; the last link of a chain of out-of-place ones, ``acc = acc.index_add(...)`` per
+    expert), or ``combine`` itself when it already sums (``einsum('tai,ta->ti')``). What the accumulations start
+    from and add is checked by the rewrite (``passes.expert_gemm._check_accumulation``)."""
     reduce = find_downstream(combine, lambda n: op_name(n) in _REDUCE, max_depth=8,
                              through=lambda n: op_name(n) in _PASS | {"getitem"})
     if op_name(combine) == "einsum" and (reduce is None or len(shape_of(combine) or ()) == 2):
@@ -495,7 +498,18 @@ def _routed_output(combine: fx.Node) -> fx.Node:
         return combine
     if op_name(reduce) in _INPLACE_ACCUMULATE and isinstance(reduce.args[0], fx.Node):
         return reduce.args[0]
-    return reduce
+    return _accumulation_chain_end(reduce)
+
+
+def _accumulation_chain_end(node: fx.Node) -> fx.Node:
+    """Follow out-of-place accumulations (``acc = acc.index_add(...)``, each link the only reader of the one
+    before) from ``node`` to the last one; ``node`` itself when nothing accumulates into it that way."""
+    for _ in range(4096):
+        nxt = [u for u in node.users if op_name(u) in _OUT_OF_PLACE_ACCUMULATE and u.args and u.args[0] is node]
+        if len(nxt) != 1 or len(node.users) != 1:
+            return node
+        node = nxt[0]
+    return node
 
 
 def _consumers(node: fx.Node) -> list[fx.Node]:

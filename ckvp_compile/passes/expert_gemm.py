@@ -43,7 +43,10 @@ tensor, the routed output, or experts fed by the router's input. :func:`_check_b
 exactly that: the down GEMM reads ``mul(silu(gate GEMM), up GEMM)`` of one expert and nothing else, the up GEMMs
 read the router's input through views and token gathers only, weights are gathered with the top-k's own ids
 (through views and no-op clamps), and each GEMM contracts its stored weight's last dimension (which shapes alone
-cannot tell when I == Dm).
+cannot tell when I == Dm). Where the expert outputs are accumulated (an eager loop's ``acc.index_add_`` per
+expert, or a chain of ``acc = acc.index_add(...)``), :func:`_check_accumulation` proves the accumulator is a fresh
+zero tensor that receives each weighted expert output once, by a plain sum at its tokens, and nothing else before
+the last one (the op's output replaces it).
 
 Prior art: vLLM ``FusedMoE`` (one op for the experts of a layer); the pattern-docstring form of vLLM's compilation
 passes. Shared-expert fusion in SGLang (sgl-project/sglang PR 4918, after vllm-project/vllm PR 15502) appends the
@@ -223,8 +226,15 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
             raise _Skip(f"{', '.join(sorted(extra))} between the down GEMM {g.node.name} and the combine (an expert "
                         "bias or output norm: NYI in the fused op)")
     _check_body(gemms, ups, downs, gate, up, x_root, ids, e, i == dm or 2 * i == dm)
+    if len(combine) != len(downs):
+        raise _Skip(f"{len(downs) - len(combine)} of the {len(downs)} down GEMMs are not multiplied by routing weights")
     weights = _routing_weights(combine[0][1], topk, t, t_shape[1])
+    for c, operand in combine[1:]:
+        if _routing_weights(operand, topk, t, t_shape[1]) is not weights:
+            raise _Skip(f"the combine {c.name} multiplies by other routing weights than {combine[0][0].name} "
+                        f"({operand.name}, not from {weights.name})")
     routed = moe_analysis._routed_output(combine[0][0])
+    _check_accumulation(routed, [c for c, _ in combine], ups)
     r_shape = shape_of(routed)
     if r_shape is None or int(torch.Size(r_shape).numel()) != t * dm:
         raise _Skip(f"the routed output {routed.name} has shape {r_shape}, expected T*Dm = {t * dm} elements")
@@ -340,6 +350,127 @@ def _check_body(gemms, ups, downs, gate, up, x_root: fx.Node, ids: fx.Node, e: i
             raise _Skip(f"{m.name} is not silu(gate GEMM) * up GEMM of one expert")
         if gate[1] is not None and (_half(s.args[0]) != gate[1] or _half(m.args[1 if s is a else 0]) != up[1]):
             raise _Skip(f"{m.name} does not take the gate and up halves of the fused gate_up GEMM once each")
+
+
+#: Accumulations that add a source into their first argument (in place or not): op -> (source position, keyword).
+_ACCUMULATIONS = {"index_add_": (3, "source"), "index_add": (3, "source"), "scatter_add_": (3, "src"),
+                  "scatter_add": (3, "src"), "index_put_": (2, "values"), "index_put": (2, "values")}
+#: Ops that make a fresh tensor of zeros (``full`` ones only with a fill value of 0).
+_ZEROS = {"zeros", "zeros_like", "new_zeros"}
+_FULLS = {"full": (1, "fill_value"), "full_like": (1, "fill_value"), "new_full": (2, "fill_value")}
+
+
+def _check_accumulation(routed: fx.Node, combines: list[fx.Node], ups) -> None:
+    """Raise _Skip unless ``routed``, when the experts' outputs are accumulated into it (an eager loop's
+    ``acc.index_add_(0, token, out * w)`` per expert, or ``acc = acc.index_add(...)``), is exactly the sum of the
+    combines: a fresh zero tensor, and one plain accumulation (``index_add`` with alpha 1 over dim 0,
+    ``index_put`` with ``accumulate=True``, ``scatter_add`` over dim 0 with a token index broadcast over the
+    features) of each combine, at the token indices its expert's input was gathered with; in place, nothing else
+    reads or writes the accumulator before the last accumulation. The op's output replaces ``routed``, so an initial
+    value, a scale or a write in between would be lost. Forms that sum without accumulating are not checked here.
+    """
+    inplace = [u for u in routed.users if op_name(u) in _ACCUMULATIONS and op_name(u).endswith("_")
+               and u.args and u.args[0] is routed]
+    if inplace:
+        start, links = routed, inplace
+    elif op_name(routed) in _ACCUMULATIONS and not op_name(routed).endswith("_"):
+        links, start = [], routed
+        while op_name(start) in _ACCUMULATIONS and not op_name(start).endswith("_") and start.args \
+                and isinstance(start.args[0], fx.Node):
+            links.append(start)
+            start = start.args[0]
+        links.reverse()
+    else:
+        return
+    if not _is_zeros(start):
+        raise _Skip(f"the experts' outputs are accumulated into {start.name} ({op_name(start)}), not a fresh zero "
+                    "tensor (its initial value would be lost)")
+    token_indices = {_unsqueezed(i) for g in ups for i in _token_indices(_data_operand(g))}
+    added = []
+    for link in links:
+        name = op_name(link)
+        pos, key = _ACCUMULATIONS[name]
+        source = link.args[pos] if len(link.args) > pos else link.kwargs.get(key)
+        src = strip_views(source, moe_analysis._EXTRA_VIEWS) if isinstance(source, fx.Node) else None
+        if src not in combines:
+            raise _Skip(f"{link.name} ({name}) accumulates {getattr(source, 'name', source)}, not an expert output "
+                        "times its routing weight")
+        if name.startswith("index_put"):
+            index = link.args[1] if len(link.args) > 1 else link.kwargs.get("indices")
+            index = index[0] if isinstance(index, (tuple, list)) and len(index) == 1 else None
+            plain = (link.args[3] if len(link.args) > 3 else link.kwargs.get("accumulate", False)) is True
+        else:
+            dim = arg(link, 1, "dim")
+            index = arg(link, 2, "index")
+            plain = dim == 0
+            if name.startswith("index_add"):
+                alpha = link.args[4] if len(link.args) > 4 else link.kwargs.get("alpha", 1)
+                plain = plain and alpha == 1
+            elif isinstance(index, fx.Node) and op_name(index) in ("expand", "expand_as"):
+                column = index.args[0] if isinstance(index.args[0], fx.Node) else None
+                plain = plain and column is not None and (_shape(column) or (0,))[-1] == 1
+                index = column
+            else:
+                plain = False
+        if not plain:
+            raise _Skip(f"{link.name} ({name}) is not a plain sum over tokens (index_add with alpha 1 over dim 0, "
+                        "index_put with accumulate=True, scatter_add over dim 0 with a token index broadcast over "
+                        "the features)")
+        if not isinstance(index, fx.Node) or _unsqueezed(index) not in token_indices:
+            raise _Skip(f"{link.name} ({name}) accumulates at indices {getattr(index, 'name', index)}, not the token "
+                        "indices the experts' inputs were gathered with")
+        added.append(src)
+    if sorted(c.name for c in added) != sorted(c.name for c in combines):
+        raise _Skip(f"the accumulations {[n.name for n in links]} do not add each expert output once "
+                    f"(they add {[c.name for c in added]}; the expert outputs are {[c.name for c in combines]})")
+    if inplace:
+        order = {n: k for k, n in enumerate(routed.graph.nodes)}
+        last = max(order[n] for n in links)
+        early = [u.name for u in routed.users if u not in links and order[u] < last]
+        if early:
+            raise _Skip(f"{early} read or write the accumulator {routed.name} between its accumulations")
+
+
+def _unsqueezed(node: fx.Node) -> fx.Node:
+    """``node`` through views and ``x[:, None]``-style indexing (full slices, None and Ellipsis only)."""
+    for _ in range(16):
+        node = strip_views(node, moe_analysis._EXTRA_VIEWS)
+        index = node.args[1] if op_name(node) == "getitem" and len(node.args) > 1 else 0
+        items = index if isinstance(index, tuple) else (index,)
+        if not isinstance(node.args[0] if node.args else None, fx.Node) or not all(
+                i is None or i is Ellipsis or i == slice(None) for i in items):
+            return node
+        node = node.args[0]
+    return node
+
+
+def _is_zeros(node: fx.Node) -> bool:
+    """``zeros`` / ``zeros_like`` / ``new_zeros``, or a ``full`` / ``full_like`` / ``new_full`` of 0."""
+    name = op_name(node)
+    if name in _ZEROS:
+        return True
+    if name in _FULLS:
+        pos, key = _FULLS[name]
+        value = node.args[pos] if len(node.args) > pos else node.kwargs.get(key)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+    return False
+
+
+def _token_indices(node: object) -> list[fx.Node]:
+    """The index tensors of the token gathers (``x[idx]``, ``index_select(x, 0, idx)``) on the value-preserving
+    path from an expert GEMM's input up to its producer."""
+    out, n = [], node
+    for _ in range(24):
+        if not isinstance(n, fx.Node) or op_name(n) not in _SAME_VALUES or not n.args:
+            return out
+        name = op_name(n)
+        if name == "index_select":
+            out += moe_analysis._index_nodes(arg(n, 2, "index"))
+        elif name in ("getitem", "index") and len(n.args) > 1 and isinstance(n.args[0], fx.Node) \
+                and op_name(n.args[0]) not in ("chunk", "split", "unbind"):
+            out += moe_analysis._index_nodes(n.args[1])
+        n = n.args[0]
+    return out
 
 
 def _selected_expert(g) -> int | None:

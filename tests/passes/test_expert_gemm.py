@@ -10,6 +10,8 @@
   rewritten into a second ``ckvp::moe_experts`` call with one expert, logits equal eager, the shared expert's
   nodes gone. A shared expert of another form (GELU, a biased gate) is left with a warning and a pass note.
 * A site the pass does not understand (a GELU expert) is left untouched with an UnsupportedPatternWarning.
+* Eager-loop accumulators: summed from zeros (in place, out-of-place chains, index_put / scatter_add) rewritten;
+  an initial value, an alpha, an overwriting index_put or a write between the accumulations left with the reason.
 * The plan marks MoE sites as rewritten only when the option is on; the pass manager's uuid follows the option.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import re
 import types
+import warnings
 
 import pytest
 import torch
@@ -318,6 +321,74 @@ def test_expert_body_other_than_swiglu_left_untouched(variant, reason):
         out = torch.compile(model, backend=backend, fullgraph=True)(x)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     assert all(not OP_CALL.findall(g.dynamo_after) for g in rec.graphs)
+
+
+class _AccumulatingLoopMoE(torch.nn.Module):
+    """A loop over range(E) (torch.where) whose expert outputs are summed into an accumulator in the way ``variant``
+    says; the first four sum from zeros (the op computes that), the others do something else with the accumulator."""
+
+    def __init__(self, variant: str, dim: int = 16, num_experts: int = 4, ffn: int = 8) -> None:
+        super().__init__()
+        self.variant = variant
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(num_experts, 2 * ffn, dim) * 0.3)
+        self.down = torch.nn.Parameter(torch.randn(num_experts, dim, ffn) * 0.3)
+
+    def forward(self, x):
+        v = self.variant
+        w, idx = torch.topk(F.softmax(self.gate(x), -1), 2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        acc = x.clone() if v == "init_clone" else torch.ones_like(x) if v == "init_ones" else torch.zeros_like(x)
+        mask = F.one_hot(idx, num_classes=self.gate_up.shape[0]).permute(2, 1, 0)  # (E, A, T)
+        for e in range(self.gate_up.shape[0]):
+            slot, token = torch.where(mask[e])
+            g, u = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            out = F.linear(F.silu(g) * u, self.down[e]) * w[token, slot, None]
+            if v == "index_add":
+                acc = acc.index_add(0, token, out)
+            elif v == "index_put_accumulate":
+                acc.index_put_((token,), out, accumulate=True)
+            elif v == "scatter_add_":
+                acc.scatter_add_(0, token[:, None].expand(-1, x.shape[1]), out)
+            elif v == "alpha":
+                acc.index_add_(0, token, out, alpha=2.0)
+            elif v == "index_put_overwrite":
+                acc.index_put_((token,), out)
+            else:
+                acc.index_add_(0, token, out)
+                if v == "scaled_between" and e == 1:
+                    acc.mul_(0.5)
+        return acc
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("index_add_", None), ("index_add", None), ("index_put_accumulate", None), ("scatter_add_", None),
+    ("init_clone", "not a fresh zero tensor"), ("init_ones", "not a fresh zero tensor"),
+    ("alpha", "not a plain sum"), ("index_put_overwrite", "not a plain sum"),
+    ("scaled_between", "between its accumulations"),
+])
+def test_eager_loop_accumulation_summed_from_zeros_or_left(variant, reason):
+    """An eager loop's accumulator is replaced by the op's output, so it must hold exactly the sum of the weighted
+    expert outputs: a fresh zero tensor with one plain accumulation per expert (in place or a chain of out-of-place
+    ones). An initial value, an alpha, an overwriting index_put or a write between the accumulations is refused
+    with the reason (each was once rewritten, with wrong outputs)."""
+    torch.manual_seed(0)
+    model = _AccumulatingLoopMoE(variant).eval()
+    x = torch.randn(7, 16)
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), torch.no_grad(), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UnsupportedPatternWarning)]
+    calls = [len(OP_CALL.findall(g.dynamo_after)) for g in rec.graphs]
+    if reason is None:
+        assert calls == [1] and not messages, messages
+    else:
+        assert calls == [0] and any(reason in m for m in messages), messages
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
