@@ -210,6 +210,7 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
         raise _Skip(f"down weight {down.name} is {_shape(down)}, expected (E, Dm, I) = {(e, dm, i)} (a transposed "
                     "experts layout is NYI)")
     gate, up = _gate_up_roles(ups, e, dm, i)
+    x = _experts_input(x, down)
     combine = [c for c in (moe_analysis._find_combine(g.node) for g in downs) if c is not None]
     if not combine:
         raise _Skip("the combine (expert outputs times routing weights) was not found")
@@ -241,7 +242,44 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
     if r_shape != _shape(x) and _symbolic(routed):
         raise _Skip(f"the routed output {routed.name} has another shape than the router input and dynamic sizes "
                     "(a symbolic reshape is NYI); compile with dynamic=False")
-    return _Rewrite(x, ids, weights, gate, up, down, routed, i)
+    rw = _Rewrite(x, ids, weights, gate, up, down, routed, i)
+    _check_op_inputs(rw)
+    return rw
+
+
+def _experts_input(x: fx.Node, down: fx.Node) -> fx.Node:
+    """The op's ``hidden``: the router's input ``x``, or the tensor it was cast from, whichever has the expert
+    weights' dtype and ``x``'s shape (a router computed in fp32 on a bf16 model reads ``x.float()``, its experts
+    read ``x``). Raise _Skip when neither has it."""
+    want, n = _dtype(down), x
+    for _ in range(8):
+        if _dtype(n) == want and _same_shape(n, x):
+            return n
+        if op_name(n) not in _VIEWS or not n.args or not isinstance(n.args[0], fx.Node):
+            break
+        n = n.args[0]
+    raise _Skip(f"the router's input {x.name} is {_dtype(x)} and was not cast from a tensor of the expert weights' "
+                f"dtype {want} (experts computed in another dtype than their weights are NYI)")
+
+
+def _check_op_inputs(rw: _Rewrite) -> None:
+    """Raise _Skip when the op would refuse its inputs (:func:`~ckvp_compile.ops.moe.check_moe_experts` on the
+    recorded fake values): a rewrite must not turn a model that runs into one that fails to compile."""
+    from ..errors import CKVPShapeError
+    from ..ops.moe import check_moe_experts
+
+    def value(spec):
+        w, half = spec if isinstance(spec, tuple) else (spec, None)
+        v = w.meta.get("example_value")
+        return v if half is None or v is None else v.narrow(1, half * rw.ffn, rw.ffn)
+
+    args = [value(n) for n in (rw.x, rw.ids, rw.weights, rw.gate, rw.up, rw.down)]
+    if not all(isinstance(a, torch.Tensor) for a in args):
+        return  # no recorded values to check (AOT tracing checks again)
+    try:
+        check_moe_experts(*args)
+    except CKVPShapeError as exc:
+        raise _Skip(str(exc)) from None
 
 
 # ------------------------------------------------------------------------------------------------ the exact body

@@ -323,6 +323,40 @@ def test_expert_body_other_than_swiglu_left_untouched(variant, reason):
     assert all(not OP_CALL.findall(g.dynamo_after) for g in rec.graphs)
 
 
+class _Fp32RouterMoE(torch.nn.Module):
+    """A bf16 einsum MoE layer whose router runs in fp32 (``F.linear(x.float(), W.float())``, as DeepSeek-V3 and
+    others compute router logits): the router's input is fp32, the experts' input and weights bf16."""
+
+    def __init__(self, dim: int = 16, num_experts: int = 4, ffn: int = 8) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False, dtype=torch.bfloat16)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(num_experts, ffn, dim, dtype=torch.bfloat16) * 0.3)
+                            for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(num_experts, dim, ffn, dtype=torch.bfloat16) * 0.3)
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1), 2, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        h = F.silu(torch.einsum("ti,taoi->tao", x, self.w1[idx])) * torch.einsum("ti,taoi->tao", x, self.w3[idx])
+        return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", h, self.w2[idx]), w)
+
+
+def test_fp32_router_on_bf16_experts_rewritten_with_the_experts_input():
+    """The op's input is the tensor the experts read in their weights' dtype, not the router's fp32 cast of it (the
+    op refused the fp32 input against bf16 weights, and the compile failed with a CKVPShapeError)."""
+    torch.manual_seed(0)
+    model = _Fp32RouterMoE().eval()
+    x = torch.randn(7, 16, dtype=torch.bfloat16)
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        ref = model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert [len(OP_CALL.findall(g.dynamo_after)) for g in rec.graphs] == [1]
+
+
 class _AccumulatingLoopMoE(torch.nn.Module):
     """A loop over range(E) (torch.where) whose expert outputs are summed into an accumulator in the way ``variant``
     says; the first four sum from zeros (the op computes that), the others do something else with the accumulator."""
