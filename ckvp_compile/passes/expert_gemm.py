@@ -64,7 +64,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis import moe as moe_analysis
-from ..analysis.graph import ancestors, arg, node_map, op_name, shape_of, strip_views, tensor_args
+from ..analysis.graph import ancestors, arg, dtype_of, node_map, op_name, shape_of, strip_views, tensor_args
 from ..analysis.sites import MoESite
 from ..errors import UnsupportedPatternWarning
 from .base import CKVPPass
@@ -220,12 +220,13 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
                 d.node in _descendants(g.node, 12) else set()
             if extra:
                 raise _Skip(f"{', '.join(sorted(extra))} between the expert GEMMs {g.node.name} and {d.node.name} "
-                            "(an expert bias or another activation: NYI in the fused op; only silu(gate) * up)")
+                            "(an expert bias, another activation, a feature gather or a mask: NYI in the fused op; only "
+                            "silu(gate) * up)")
     for g in downs:
         extra = _ops_between(g.node, combine[0][0])
         if extra:
             raise _Skip(f"{', '.join(sorted(extra))} between the down GEMM {g.node.name} and the combine (an expert "
-                        "bias or output norm: NYI in the fused op)")
+                        "bias, output norm, feature gather or mask: NYI in the fused op)")
     _check_body(gemms, ups, downs, gate, up, x_root, ids, e, i == dm or 2 * i == dm)
     if len(combine) != len(downs):
         raise _Skip(f"{len(downs) - len(combine)} of the {len(downs)} down GEMMs are not multiplied by routing weights")
@@ -288,8 +289,94 @@ def _check_op_inputs(rw: _Rewrite) -> None:
 # indices and the contracted weight dimension (the shape checks above cannot tell a transposed layout when I == Dm).
 
 #: Ops a value passes through unchanged in the expert body: views, dtype casts, token gathers / permutations, the
-#: halves of a chunk / split, and transformers 5.17's zero ``masked_fill`` of expert-parallel sentinel rows.
+#: halves of a chunk / split, and transformers 5.17's zero ``masked_fill`` of expert-parallel sentinel rows. The
+#: gathers and the mask only under the conditions of :func:`_keeps_values`.
 _SAME_VALUES = _VIEWS | {"getitem", "chunk", "split", "index", "index_select", "masked_fill", "repeat_interleave"}
+
+
+def _keeps_values(n: fx.Node) -> bool:
+    """For a gather or mask of :data:`_SAME_VALUES`: True when it only selects or repeats whole rows (tokens,
+    pairs) and leaves every row's features as they are; a ``masked_fill`` only when it fills 0 under a mask that is
+    all False (:func:`_is_sentinel_mask`). A feature permutation (``up[..., perm]``) or a padding mask
+    (``out.masked_fill(~keep[:, None], 0)``) changes values the op would not. Other ops: True."""
+    name = op_name(n)
+    if name == "masked_fill":
+        mask = n.args[1] if len(n.args) > 1 else n.kwargs.get("mask")
+        return _fills_zero(n) and _is_sentinel_mask(mask)
+    if name not in ("getitem", "index", "index_select", "repeat_interleave") or not n.args \
+            or not isinstance(n.args[0], fx.Node):
+        return True
+    base = n.args[0]
+    if name == "getitem" and op_name(base) in ("chunk", "split", "unbind", "split_with_sizes", "tensor_split"):
+        return True  # a piece of a tuple (which half of a chunk is checked by the roles)
+    nd = len(_shape(base) or ())
+    if not nd:
+        return False
+    if name in ("index_select", "repeat_interleave"):
+        dim = arg(n, 1 if name == "index_select" else 2, "dim")
+        return isinstance(dim, int) and dim % nd != nd - 1
+    index = n.args[1] if len(n.args) > 1 else n.kwargs.get("indices")
+    items = list(index) if isinstance(index, (tuple, list)) else [index]
+    if name == "index":  # aten.index: a list with None for a full slice, one entry per leading dim
+        items = [slice(None) if i is None else i for i in items]
+    return nd - 1 not in _indexed_dims(items, nd)
+
+
+def _indexed_dims(items: list, nd: int) -> set[int]:
+    """The dims of an ``nd``-dim tensor that a basic / advanced index (``x[items]``) selects in (anything but a full
+    slice or None), Ellipsis expanded; a bool mask selects in as many dims as it has."""
+    def width(i) -> int:
+        if i is None or i is Ellipsis:
+            return 0
+        if isinstance(i, fx.Node) and dtype_of(i) == torch.bool:
+            return len(shape_of(i) or (1,))
+        return 1
+
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        head, tail = items[:k], items[k + 1:]
+    else:
+        head, tail = items, []
+    out, dim = set(), 0
+    for i in head:
+        if not (i is None or i == slice(None)):
+            out.update(range(dim, dim + width(i)))
+        dim += width(i)
+    dim = nd
+    for i in reversed(tail):
+        dim -= width(i)
+        if not (i is None or i == slice(None)):
+            out.update(range(dim, dim + width(i)))
+    return out
+
+
+def _is_sentinel_mask(mask: object) -> bool:
+    """True for ``ids >= c`` (``ids > c - 1``) with ``ids`` a top-k's expert indices (through views, sorts and
+    clamps that keep them in [0, E)) and c >= E: all False (transformers' expert-parallel sentinel mask)."""
+    m = _unsqueezed(mask) if isinstance(mask, fx.Node) else None
+    if m is None or op_name(m) not in ("ge", "gt") or len(m.args) < 2 or not isinstance(m.args[1], int) \
+            or isinstance(m.args[1], bool):
+        return False
+    bound = m.args[1] if op_name(m) == "ge" else m.args[1] + 1
+    n = m.args[0]
+    for _ in range(16):
+        if not isinstance(n, fx.Node) or not n.args:
+            return False
+        name = op_name(n)
+        if name == "getitem" and op_name(n.args[0]) == "topk":
+            num_experts = (shape_of(n.args[0].args[0]) or (None,))[-1] if n.args[1] == 1 else None
+            return isinstance(num_experts, int) and bound >= num_experts
+        if name in ("clamp", "clip", "clamp_", "clip_"):
+            lo = arg(n, 1, "min")
+            if not (lo is None or (isinstance(lo, int) and lo <= 0)):
+                return False
+        elif name == "getitem" and op_name(n.args[0]) == "sort":
+            if n.args[1] != 0:
+                return False
+        elif name not in _VIEWS and name != "sort":
+            return False
+        n = n.args[0]
+    return False
 
 
 def _producer(node: object, stop: set[fx.Node] = frozenset()) -> fx.Node | None:
@@ -302,7 +389,7 @@ def _producer(node: object, stop: set[fx.Node] = frozenset()) -> fx.Node | None:
         name = op_name(n)
         if n in stop or name not in _SAME_VALUES or not n.args or not isinstance(n.args[0], fx.Node):
             return n
-        if name == "masked_fill" and not _fills_zero(n):
+        if not _keeps_values(n):
             return n
         n = n.args[0]
     return None
@@ -656,7 +743,7 @@ def _ops_between(start: fx.Node, end: fx.Node) -> set[str]:
     in-place ops that modify a tensor on those paths (``out.add_(bias)`` is not on the data path, but changes it)."""
     allowed = _VIEWS | {"getitem", "masked_fill", "index", "index_select"}
     path = {start} | {n for n in _descendants(start, 12) if n is not end and end in _descendants(n, 12)}
-    found = {op_name(n) for n in path if n is not start and op_name(n) not in allowed}
+    found = {op_name(n) for n in path if n is not start and (op_name(n) not in allowed or not _keeps_values(n))}
     for n in path:
         for u in n.users:
             name = op_name(u)

@@ -276,19 +276,25 @@ class _EinsumMoE(torch.nn.Module):
         self.w3 = torch.nn.Parameter(torch.randn(num_experts, ffn, dim) * 0.2)
         self.scale = torch.nn.Parameter(torch.rand(ffn) + 0.5)
         self.perm = torch.nn.Parameter(torch.randperm(num_experts), requires_grad=False)
+        self.register_buffer("feature_perm", torch.randperm(dim))
+        self.register_buffer("ffn_perm", torch.randperm(ffn))
+        self.register_buffer("keep", torch.tensor([True, False, True, True, False, True, True]))  # 7 tokens
 
     def forward(self, x):
         v, e = self.variant, self.w1.shape[0]
         w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), 2, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        xe = x * 2 if v == "input_scaled" else x
+        xe = x * 2 if v == "input_scaled" else x[:, self.feature_perm] if v == "input_perm" else x
         gidx = {"ids_perm": self.perm[idx], "ids_shift": (idx + 1) % e}.get(v, idx)
         gate = torch.einsum("ti,taio->tao" if v == "gate_transposed" else "ti,taoi->tao", xe, self.w1[gidx])
         up = torch.einsum("ti,taoi->tao", xe, self.w3[gidx])
+        up = up[..., self.ffn_perm] if v == "up_perm" else up
         h = F.silu(gate) * (F.silu(up) if v == "silu_both" else up)
         h = {"times_const": h * 0.5, "times_param": h * self.scale}.get(v, h)
         eq = "tao,taoi->tai" if v == "down_transposed" else "tao,taio->tai"
-        return torch.einsum("tai,ta->ti", torch.einsum(eq, h, self.w2[gidx]), w)
+        out = torch.einsum(eq, h, self.w2[gidx])
+        out = out.masked_fill(~self.keep[:, None, None], 0.0) if v == "out_masked" else out
+        return torch.einsum("tai,ta->ti", out, w)
 
 
 @pytest.mark.parametrize("variant, reason", [
@@ -300,10 +306,14 @@ class _EinsumMoE(torch.nn.Module):
     ("ids_shift", "not the top-k's indices"),
     ("gate_transposed", "does not contract the last dimension"),
     ("down_transposed", "does not contract the last dimension"),
+    ("input_perm", "not the router's input"),
+    ("up_perm", "getitem between the expert GEMMs"),
+    ("out_masked", "masked_fill between the down GEMM"),
 ])
 def test_expert_body_other_than_swiglu_left_untouched(variant, reason):
     """Anything but down(silu(x W_gate) * (x W_up)) with the top-k's own ids and (E, out, in) weights is left as the
-    model computes it, with the reason (each of these was once rewritten as plain SwiGLU: wrong logits)."""
+    model computes it, with the reason (each of these was once rewritten as plain SwiGLU: wrong logits; a feature
+    permutation by tensor indexing and a padding mask were taken for token gathers and the sentinel mask)."""
     torch.manual_seed(0)
     x = torch.randn(7, 24)
     rec = CompileRecorder()
