@@ -64,7 +64,8 @@ import torch
 import torch.fx as fx
 
 from ..analysis import moe as moe_analysis
-from ..analysis.graph import ancestors, arg, dtype_of, node_map, op_name, shape_of, strip_views, tensor_args
+from ..analysis.graph import (ancestors, arg, dtype_of, find_upstream, node_map, op_name, shape_of, strip_views,
+                              tensor_args)
 from ..analysis.sites import MoESite
 from ..errors import UnsupportedPatternWarning
 from .base import CKVPPass
@@ -866,6 +867,8 @@ def _routing_weights(operand: fx.Node, topk: fx.Node, t: int, a: int) -> fx.Node
             n = n.args[0]
             continue
         break
+    for m in path:
+        _check_routing_gather(m, topk)
     gathers = [k for k, m in enumerate(path) if _is_gather(m)]
     above = path[gathers[-1] + 1:] if gathers else path
     for m in above:
@@ -873,6 +876,30 @@ def _routing_weights(operand: fx.Node, topk: fx.Node, t: int, a: int) -> fx.Node
             return m
     raise _Skip(f"the routing weights multiplied into the expert outputs ({operand.name}) do not come from a "
                 f"(T, A) = {(t, a)} tensor through views and gathers")
+
+
+def _check_routing_gather(n: fx.Node, topk: fx.Node) -> None:
+    """Raise _Skip when ``n``, on the path from the routing weights to the combine, indexes them other than by the
+    routing itself: every tensor index must be computed from the top-k's indices (``w[perm]`` with ``perm`` from
+    sorting them, ``w[token, slot]`` from ``where(one_hot(ids))``), every other index item None or a full slice.
+    A fixed permutation (``w[:, perm]``) or a slot selection (``w[:, :1]``) would be undone by taking the weights
+    above it."""
+    name = op_name(n)
+    if name not in ("getitem", "index", "index_select"):
+        return
+    if name == "index_select":
+        items = [arg(n, 2, "index")]
+    else:
+        index = n.args[1] if len(n.args) > 1 else None
+        items = list(index) if isinstance(index, (tuple, list)) else [index]
+    for i in items:
+        if isinstance(i, fx.Node):
+            if find_upstream(i, lambda m: m is topk, 12) is None:
+                raise _Skip(f"the routing weights are indexed by {i.name} in {n.name}, which is not computed from the "
+                            "top-k's indices (a fixed permutation of the weights is NYI)")
+        elif not (i is None or i is Ellipsis or i == slice(None)):
+            raise _Skip(f"{n.name} indexes the routing weights with {i!r}; only the whole (token, slot) weights, "
+                        "gathered by the routing, are fused")
 
 
 def _is_gather(n: fx.Node) -> bool:

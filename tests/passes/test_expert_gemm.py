@@ -279,11 +279,13 @@ class _EinsumMoE(torch.nn.Module):
         self.register_buffer("feature_perm", torch.randperm(dim))
         self.register_buffer("ffn_perm", torch.randperm(ffn))
         self.register_buffer("keep", torch.tensor([True, False, True, True, False, True, True]))  # 7 tokens
+        self.register_buffer("slot_perm", torch.tensor([1, 0]))
 
     def forward(self, x):
         v, e = self.variant, self.w1.shape[0]
         w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), 2, dim=-1)
         w = w / w.sum(-1, keepdim=True)
+        w = w[:, self.slot_perm] if v == "weights_perm" else w
         xe = x * 2 if v == "input_scaled" else x[:, self.feature_perm] if v == "input_perm" else x
         gidx = {"ids_perm": self.perm[idx], "ids_shift": (idx + 1) % e}.get(v, idx)
         gate = torch.einsum("ti,taio->tao" if v == "gate_transposed" else "ti,taoi->tao", xe, self.w1[gidx])
@@ -309,11 +311,13 @@ class _EinsumMoE(torch.nn.Module):
     ("input_perm", "not the router's input"),
     ("up_perm", "getitem between the expert GEMMs"),
     ("out_masked", "masked_fill between the down GEMM"),
+    ("weights_perm", "not computed from the top-k's indices"),
 ])
 def test_expert_body_other_than_swiglu_left_untouched(variant, reason):
     """Anything but down(silu(x W_gate) * (x W_up)) with the top-k's own ids and (E, out, in) weights is left as the
     model computes it, with the reason (each of these was once rewritten as plain SwiGLU: wrong logits; a feature
-    permutation by tensor indexing and a padding mask were taken for token gathers and the sentinel mask)."""
+    permutation by tensor indexing and a padding mask were taken for token gathers and the sentinel mask, and the
+    routing weights were taken from above a fixed permutation of the slots)."""
     torch.manual_seed(0)
     x = torch.randn(7, 24)
     rec = CompileRecorder()
