@@ -887,6 +887,9 @@ def _check_routing_gather(n: fx.Node, topk: fx.Node) -> None:
     name = op_name(n)
     if name not in ("getitem", "index", "index_select"):
         return
+    base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if name == "getitem" and base is not None and op_name(base) in _FRESH_TUPLES | {"chunk", "split", "unbind"}:
+        return  # an output of a tuple op (the top-k's values), not an index into the weights
     if name == "index_select":
         items = [arg(n, 2, "index")]
     else:
