@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-ratio", type=float, default=None,
                    help="compress the KV cache into the CKVP latent at this ratio (calibrates on the model's "
                         "eval_text.txt first); default: dense cache")
-    p.add_argument("--group-size", type=int, default=4, help="layers sharing one latent (with --kv-ratio)")
+    p.add_argument("--group-size", type=int, default=4, choices=[1, 2, 4, 8],
+                   help="layers sharing one latent (with --kv-ratio; default 4)")
     p.add_argument("--latent-format", default="int8",
                    help="latent storage with --kv-ratio: float, int8 (default), int4, int2, optionally /block; "
                         "--kv-ratio then counts bytes (latents, scales, slot positions, bases) against a 16-bit "
@@ -75,7 +76,8 @@ def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
 
     text_file = model_dir / "eval_text.txt"
     if not text_file.is_file():
-        sys.exit(f"generate.py: error: --kv-ratio needs calibration text; {text_file} does not exist")
+        sys.exit(f"generate.py: error: --kv-ratio calibrates on the text beside the model, and {text_file} does not "
+                 "exist; put some text the model should handle there (4096 tokens or more)")
     ids = encode(text_file.read_text(encoding="utf-8", errors="replace")[-16 * 256:])
     samples = [torch.tensor([ids[i:i + 256]]) for i in range(0, len(ids) - 255, 256)][:16]
     start = time.perf_counter()
@@ -176,15 +178,18 @@ def main(argv: list[str] | None = None) -> int:
         dense_kv = dense_per_token // torch.empty((), dtype=dtype).element_size() * kv_dtype.itemsize
         per_token = nb.per_sequence_state / store.max_cache_len
         print(f"KV cache: CKVP latent ({store.k_format}), {per_token:.0f} bytes per token per sequence (dense "
-              f"{str(kv_dtype).removeprefix('torch.')} {dense_kv}); measured ratio with the bases counted "
-              f"{nb.ratio_vs(kv_dtype, with_bases=False):.2f}x smaller per token; the bases ({nb.bases} bytes) and "
-              f"RoPE tables ({nb.rope_tables} bytes) are per model, like weights: the ranks were fitted for "
-              f"{args.kv_ratio:g}x with them counted at {args.budget_len} slots (--budget-len), and at this run's "
-              f"{store.max_cache_len} slots they make the whole {nb.ratio_vs(kv_dtype):.2f}x)")
+              f"{str(kv_dtype).removeprefix('torch.')} {dense_kv}): {nb.ratio_vs(kv_dtype, with_bases=False):.2f}x "
+              f"smaller per token without the bases; the bases ({nb.bases} bytes) and RoPE tables "
+              f"({nb.rope_tables} bytes) are per model, like weights: the ranks were fitted for {args.kv_ratio:g}x "
+              f"with them counted at {args.budget_len} slots (--budget-len); counted at this run's "
+              f"{store.max_cache_len} slots they make the ratio {nb.ratio_vs(kv_dtype):.2f}x"
+              + (", below 1: a cache this short is larger than dense)" if nb.ratio_vs(kv_dtype) < 1 else ")"))
     n = len(ckvp_ids)
     print(f"eager:              {eager_s:7.2f} s  ({n / eager_s:7.1f} tokens/s; best of 2 after a warm-up)")
     print(f"ckvp first call:    {first_s:7.2f} s  (includes compilation with compiler={args.compiler!r})")
     print(f"ckvp steady state:  {steady_s:7.2f} s  ({n / steady_s:7.1f} tokens/s; best of 2)")
+    print(f"what the backend found, rewrote or kept per layer, and why: ckvp-inspect --model {args.model}"
+          + (" --kv-ratio R (R in elements there; README, 'The inspection tool')" if cache is not None else ""))
     if args.device == "cpu":
         print("(CPU timings are indicative only: a busy machine moves them, and on CPU the latent cache's ops run "
               "their PyTorch references; speed is measured on the GPU, see BENCHMARKS.md)")

@@ -679,7 +679,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="time the kernel and the dense baselines by CUDA-graph replay (no host launch overhead, as in "
                         "a decode step under CUDA graphs); default: launches (triton.testing.do_bench)")
     p.add_argument("--budget-s", type=float, default=900.0, help="record rows starting after this long as skipped")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"],
+                   help="default: cuda where available, else cpu; on CPU, without --tiny, the full shapes run the "
+                        "PyTorch reference only (minutes, GBs of memory, no timing): use --tiny")
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes (4:2 heads, head_dim 32): CPU smoke test; no timing on CPU, the kernel runs "
                         "only under TRITON_INTERPRET=1")

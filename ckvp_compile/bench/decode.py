@@ -573,7 +573,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=["mixtral-8x7b", "qwen-moe-a2.7b", "tiny", "fixture"],
                    help="model shape (random bf16 weights) or 'fixture' (greedy agreement on the trained fixture)")
     p.add_argument("--systems", nargs="+", default=["eager", "inductor", "inductor-max-autotune", "ckvp-4", "ckvp-8",
-                                                      "ckvp-16"], help="systems, in order (see the module docstring)")
+                                                      "ckvp-16"],
+                   help="systems, in order: eager, inductor, inductor-max-autotune, inductor-reduce-overhead, ckvp-R "
+                        "(a latent cache of R times fewer bytes than bf16 K/V); inductor and ckvp-R take :MODE (e.g. "
+                        "ckvp-16:reduce-overhead); python -m pydoc ckvp_compile.bench.decode has the details")
     p.add_argument("--batch", dest="batches", nargs="+", default=["1", "8", "32", "max"],
                    help="batch sizes; 'max' = the largest that fits, per system and context (CUDA)")
     p.add_argument("--context", dest="contexts", nargs="+", type=int, default=[4096, 32768],

@@ -610,7 +610,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="windows per call (default 4)")
     p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--kv-ratios", "--kv-ratio", type=float, nargs="+", default=[2.0, 4.0, 8.0],
-                   help="requested byte ratios (see the module docstring)")
+                   help="requested ratios in bytes: dense K/V in --dense-dtype over every byte the latent store holds "
+                        "(python -m pydoc ckvp_compile.bench.fidelity, 'Bytes')")
     p.add_argument("--tokenizer", default=None,
                    help="'bytes' or a local HF tokenizer directory (default: bytes when the vocabulary is 256, else "
                         "the model directory's tokenizer)")
