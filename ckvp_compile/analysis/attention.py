@@ -54,7 +54,7 @@ from .graph import (
 )
 from .kv_cache import ALLOC_OPS, KVTrace, cache_write_site, grown_cache, mla_evidence, trace_kv
 from .masks import sliding_window
-from .rope import RopeMatch, cached_key_layout, match_rope, rope_residue, tables_paired
+from .rope import RopeMatch, RowScale, cached_key_layout, match_rope, match_row_scale, rope_residue, tables_paired
 from .sites import AttentionSite, RopeSite, UnsupportedSite
 
 logger = logging.getLogger(__name__)
@@ -151,13 +151,18 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
     if min(h, hkv, d) <= 0 or h % hkv != 0:
         return None, []
 
-    rope_k = match_rope(strip_views(new_k))
+    # a factor constant along the head dim after RoPE (Llama-4's weightless qk_norm): RoPE(k) * s == RoPE(k * s)
+    row_scale = match_row_scale(strip_views(new_k)) if k_cache is not None else None
+    rope_k = match_rope(strip_views(row_scale.rotated if row_scale is not None else new_k))
     if rope_k is not None and (shape_of(rope_k.x_in) or (0,))[-1] != d:
         return None, []  # RoPE on part of the head whose pass-through part was not found: not understood
     residue = rope_residue(rope_k) if rope_k is not None and k_cache is not None else None
     k_in_perm = None
     if residue is None and rope_k is not None and k_cache is not None:  # the views / casts from RoPE to the cache
-        k_in_perm, residue = cached_key_layout(rope_k, new_k)
+        k_in_perm, residue = cached_key_layout(rope_k, new_k, row_scale)
+        if residue is None and row_scale is not None and k_in_perm is None:
+            residue = (f"{row_scale.mul.name} scales the rotated key after RoPE, and the layout in which it does could "
+                       "not be read off the graph")
     if residue is not None:  # (without a cache write there is nothing a latent would rebuild)
         return None, [UnsupportedSite(
             kind="post_rope_key", layer=layer,
@@ -184,7 +189,7 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
         head_dim=d,
         gqa_ratio=h // hkv,
         gqa_form=_gqa_form(c, kt, h, hkv),  # type: ignore[arg-type]
-        rope=_rope_site(rope_k, rope_q, d, k_in_perm),
+        rope=_rope_site(rope_k, rope_q, d, k_in_perm, row_scale if rope_k is not None else None),
         k_cache=k_cache,
         v_cache=v_cache,
         is_causal=c.is_causal,
@@ -229,7 +234,7 @@ def _gqa_form(c: AttentionOp, kt: KVTrace, h: int, hkv: int) -> str:
 
 
 def _rope_site(rope_k: RopeMatch | None, rope_q: RopeMatch | None, head_dim: int,
-               k_in_perm: tuple[int, ...] | None = None) -> RopeSite | None:
+               k_in_perm: tuple[int, ...] | None = None, row_scale: RowScale | None = None) -> RopeSite | None:
     if rope_k is None:
         return None
     return RopeSite(
@@ -243,6 +248,7 @@ def _rope_site(rope_k: RopeMatch | None, rope_q: RopeMatch | None, head_dim: int
         sin=_name(rope_k.sin),
         tables_paired=tables_paired(rope_k.cos, rope_k.form) and tables_paired(rope_k.sin, rope_k.form),
         k_in_perm=k_in_perm,
+        k_scale=row_scale.scale.name if row_scale is not None else None,
     )
 
 

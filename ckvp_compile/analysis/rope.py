@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph import VIEW_LIKE, arg, op_name, shape_of
+from .graph import VIEW_LIKE, arg, op_name, shape_of, strip_views
 
 #: Ops a RoPE computation is written with (walked through when collecting its region).
 _ROPE_OPS = frozenset(
@@ -248,6 +248,56 @@ def _pairs_base(node: fx.Node) -> fx.Node | None:
         src_shape = shape_of(src)
         if src_shape and src_shape[-1] == 2 * shape[-2]:
             return strip_dtype(src)
+    return None
+
+
+@dataclass(frozen=True)
+class RowScale:
+    """A rotated key multiplied, after RoPE, by a factor constant along the head dim (:func:`match_row_scale`).
+
+    RoPE is linear, so ``RoPE(k) * s == RoPE(k * s)`` for any ``s`` that is constant along the rotated (last) dim:
+    a latent of the scaled pre-RoPE key ``k * s`` rebuilds the scaled rotated key exactly. The case in practice is
+    a weightless RMS / L2 norm after RoPE, ``s = rsqrt(mean(RoPE(k)**2, -1, keepdim=True) + eps)`` (Llama-4's
+    ``qk_norm``, ``Llama4TextL2Norm``). A norm with a weight (HunYuan-MoE's ``key_layernorm``) scales each channel
+    differently and is not a row scale.
+
+    Attributes:
+        mul: the multiply, e.g. ``x.float() * rsqrt(...)``; (..., D).
+        rotated: its operand carrying the rotated key (views / casts of RoPE's output); (..., D).
+        scale: its other operand, the factor; (..., 1), broadcasting against ``rotated`` along the last dim only.
+    """
+
+    mul: fx.Node
+    rotated: fx.Node
+    scale: fx.Node
+
+
+def match_row_scale(node: fx.Node) -> RowScale | None:
+    """``node`` as a rotated key times a factor constant along its last dim, or None.
+
+    Args:
+        node: the tensor written to the cache with its views and dtype casts stripped, (..., D).
+    Returns:
+        A :class:`RowScale` when ``node`` is a ``mul`` of two tensors, one shaped (..., 1) (broadcasting against the
+        other, of last dim D > 1) and the other carrying a rotation (:func:`match_rope` finds one in it); else None.
+        Never raises. Source: RoFormer (arXiv:2104.09864), RoPE as a linear map per position.
+    """
+    try:
+        if op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
+            return None
+        a, b = node.args
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+            return None
+        for rot, scale in ((a, b), (b, a)):
+            rs, ss = shape_of(rot), shape_of(scale)
+            if not rs or not ss or len(ss) > len(rs) or ss[-1] != 1 or rs[-1] <= 1:
+                continue
+            if any(x not in (1, y) for x, y in zip(reversed(ss), reversed(rs))):
+                continue
+            if match_rope(strip_views(rot)) is not None:
+                return RowScale(node, rot, scale)
+    except Exception:  # analysis never raises on unknown patterns
+        return None
     return None
 
 
@@ -636,7 +686,8 @@ def ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
 # from the rotated key to the tensor written to the cache
 
 
-def cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] | None, str | None]:
+def cached_key_layout(m: RopeMatch, cached: fx.Node,
+                      row_scale: RowScale | None = None) -> tuple[tuple[int, ...] | None, str | None]:
     """How the tensor written to the cache is laid out from the rotation of ``m.x_in``, or why it is not that.
 
     :func:`match_rope` is given ``cached`` with its views and dtype casts stripped (``graph.VIEW_LIKE``: gpt-fast's
@@ -647,9 +698,14 @@ def cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] | 
     its transpose of dims 1 and 2 (pairs (..., D/2, 2) of the complex / stacked forms flattened first). Dtype casts
     between float types count as the identity (exact up to rounding, as in the proof).
 
+    With ``row_scale`` (:func:`match_row_scale`) the walk from ``cached`` goes through its multiply to the rotated
+    operand and on to ``m.out``; the factor must meet the rotation in the layout of ``m.x_in`` (the rewrite scales
+    the pre-RoPE key by it), which the same run checks.
+
     Args:
-        m: a :func:`match_rope` result for ``strip_views(cached)``.
+        m: a :func:`match_rope` result for ``strip_views(cached)`` (or for ``strip_views(row_scale.rotated)``).
         cached: the (B, Hkv, S, D) tensor written to the cache.
+        row_scale: the factor applied after RoPE, or None.
     Returns:
         ``(perm, None)``: ``cached == rotation(x_in).permute(perm)``, perm ``(0, 1, 2, 3)`` (Hugging Face) or
         ``(0, 2, 1, 3)`` (gpt-fast); read off values, so a prompt as long as the KV heads are many is no question.
@@ -659,7 +715,7 @@ def cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] | 
         elements, a rank other than 4, anything raising). Never raises.
     """
     try:
-        return _cached_key_layout(m, cached)
+        return _cached_key_layout(m, cached, row_scale)
     except Exception:  # analysis never raises on unknown patterns
         return None, None
 
@@ -668,15 +724,22 @@ def cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] | 
 _LAYOUTS: dict[Any, tuple[int, ...] | str | None] = {}
 
 
-def _cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] | None, str | None]:
+def _cached_key_layout(m: RopeMatch, cached: fx.Node,
+                       row_scale: RowScale | None = None) -> tuple[tuple[int, ...] | None, str | None]:
     chain: list[fx.Node] = []
     node = cached
     while node is not m.out:
+        if row_scale is not None and node is row_scale.mul:  # the factor: checked as a step of its own
+            chain.append(node)
+            node = row_scale.rotated
+            continue
         if not (isinstance(node, fx.Node) and op_name(node) in VIEW_LIKE and node.args
                 and isinstance(node.args[0], fx.Node)) or len(chain) > 64:
             return None, None
         chain.append(node)
         node = node.args[0]
+    if row_scale is not None and row_scale.mul not in chain:
+        return None, None
     for n in chain:
         writers = _writers(n)
         if writers:
@@ -689,6 +752,9 @@ def _cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] |
     steps: list[tuple] = []
     for n in reversed(chain):  # producers first
         kind = op_name(n)
+        if row_scale is not None and n is row_scale.mul:
+            steps.append(("rows",))
+            continue
         if kind in _EVAL_CASTS:
             val = _example(n)
             if not isinstance(val, torch.Tensor):
@@ -707,6 +773,9 @@ def _cached_key_layout(m: RopeMatch, cached: fx.Node) -> tuple[tuple[int, ...] |
             _LAYOUTS.clear()
         _LAYOUTS[key] = _run_layout(shape, x_rank, steps)
     perm = _LAYOUTS[key]
+    if perm == "scaled apart":
+        return None, (f"{row_scale.mul.name} scales the rotated key in another layout than the pre-RoPE key's "
+                      f"{m.x_in.name} (a permutation between RoPE and the scale), which the rewrite does not follow")
     if perm != "reordered":
         return perm, None
     names = ", ".join(n.name for n in reversed(chain))
@@ -725,16 +794,21 @@ def _layout_arg(a: Any) -> Any:
 
 
 def _run_layout(shape: tuple[int, ...], x_rank: int, steps: list[tuple]) -> tuple[int, ...] | str | None:
-    """:func:`cached_key_layout`'s evaluation (memoised by the caller): the permutation, 'reordered', or None when
-    not decided."""
+    """:func:`cached_key_layout`'s evaluation (memoised by the caller): the permutation, 'reordered', 'scaled apart'
+    (a ``("rows",)`` step met the rotation in another layout than the pre-RoPE key's), or None when not decided."""
     if not 0 < _numel(shape) <= _EVAL_MAX_ELEMENTS:
         return None
     try:
         with torch.no_grad():
             t = torch.arange(_numel(shape), dtype=torch.float64).reshape(shape)
             got = t
+            base = t.flatten(-2) if t.dim() == x_rank + 1 and t.shape[-1] == 2 else t
             for step in steps:
                 if step[0] == "cast":
+                    continue
+                if step[0] == "rows":  # a row scale meets the rotation here: in the pre-RoPE key's layout only
+                    if got.shape != base.shape or not torch.equal(got, base):
+                        return "scaled apart"
                     continue
                 op, target, (args, kwargs) = step
                 got = getattr(got, target)(*args, **kwargs) if op == "call_method" else target(got, *args, **kwargs)

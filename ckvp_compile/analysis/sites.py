@@ -43,6 +43,10 @@ class RopeSite:
             ``(0, 1, 2, 3)`` (Hugging Face: (B, Hkv, S, D) before RoPE) or ``(0, 2, 1, 3)`` (gpt-fast: RoPE on
             (B, S, Hkv, D), transposed after), read off values by :func:`~.rope.cached_key_layout`; None when not
             decided (the rewrite then goes by sizes).
+        k_scale: node name of a factor applied to the rotated key after RoPE, constant along the head dim, (..., 1)
+            in ``k_in``'s layout (:func:`~.rope.match_row_scale`; Llama-4's weightless ``qk_norm``): the cached key
+            is ``(rotation(k_in) * k_scale).permute(k_in_perm)``, so CKVP projects ``k_in * k_scale`` (RoPE is
+            linear); None when there is none.
     """
 
     form: RopeForm
@@ -55,6 +59,7 @@ class RopeSite:
     sin: str | None = None
     tables_paired: bool = False
     k_in_perm: tuple[int, ...] | None = None
+    k_scale: str | None = None
 
 
 @dataclass(frozen=True)

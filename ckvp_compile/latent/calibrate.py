@@ -8,7 +8,8 @@ graph is executed with a recording ``torch.fx.Interpreter`` that keeps
 * the pre-RoPE key, ``site.rope.k_in`` (or the key written to the cache, ``site.k_cache.value_node``, when the
   layer has no RoPE), brought to (B, Hkv, S, D): the permutation between RoPE's output and the tensor written to
   the cache is read off the graph (gpt-fast applies RoPE on (B, S, Hkv, D) and transposes afterwards; Hugging
-  Face transposes first), with a fallback on matching dims to Hkv and D;
+  Face transposes first), with a fallback on matching dims to Hkv and D; times ``site.rope.k_scale`` where the
+  model scales the rotated key by a factor constant along the head dim (Llama-4's weightless ``qk_norm``);
 * the value written to the cache, ``site.v_cache.value_node``, (B, Hkv, S, D).
 
 Per group g (layers from :func:`ckvp_compile.plan.make_layer_groups`) and KV head h the float64 sums
@@ -290,7 +291,8 @@ def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], 
 
 @dataclass(frozen=True)
 class _Probe:
-    """What to keep from one graph node: ('k' | 'v', layer, permutation to (B, Hkv, S, D) or None) or
+    """What to keep from one graph node: ('k' | 'v', layer, permutation to (B, Hkv, S, D) or None),
+    ('ks', layer, permutation): a factor applied after RoPE, multiplied into the layer's recorded key, or
     ('w', layer, None) for the layer's key-projection weight."""
 
     kind: str
@@ -330,6 +332,9 @@ class _RecordingBackend:
                 continue
             if s.rope is not None and s.rope.k_in is not None:
                 k_node, perm = s.rope.k_in, _layout_perm(nodes[s.k_cache.value_node], s.rope.k_out)
+                if s.rope.k_scale is not None:  # scaled after RoPE: the key CKVP projects is k_in * k_scale
+                    perm = s.rope.k_in_perm  # (the walk above stops at the multiply; the analysis read it)
+                    probes.setdefault(s.rope.k_scale, []).append(_Probe("ks", s.layer, perm))
                 if perm is None:
                     logger.debug("ckvp calibrate: layer %d: key layout not read off the graph; matching dims", s.layer)
             else:
@@ -355,6 +360,8 @@ class _RecordingBackend:
                 self.values[(probe.kind, probe.layer)] = value.detach()
             elif probe.kind == "q":
                 self.values[("q", probe.layer)] = value.detach().to(torch.float64).square()
+            elif probe.kind == "ks":  # runs after the layer's pre-RoPE key (the factor depends on its rotation)
+                self.values[("k", probe.layer)] = self.values[("k", probe.layer)] * _to_bhsd(value, probe)
             elif probe.kind in ("qa", "ka"):
                 if not value.is_complex():  # the complex RoPE form's product: entropy not measured there
                     self.values[(probe.kind, probe.layer)] = value.detach().float()

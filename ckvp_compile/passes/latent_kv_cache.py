@@ -45,7 +45,8 @@ host before the call (:attr:`LatentRewritePlan.slot_probe`), so that the backend
 
 ``k_pre`` is the layer's pre-RoPE key (the analysis' ``rope.k_in``): the latent is projected from pre-RoPE
 keys (DESIGN.md, "CKVP in numbers"), and RoPE is re-applied at each cached slot's own position when keys
-are rebuilt. Tokens of the current call are attended exactly (``k_rot``/``v`` overwrite their slots); past
+are rebuilt. A factor the model applies after RoPE that is constant along the head dim (``rope.k_scale``:
+Llama-4's weightless ``qk_norm``) scales ``k_pre`` instead, since RoPE is linear. Tokens of the current call are attended exactly (``k_rot``/``v`` overwrite their slots); past
 tokens come from the latent. Every view, mask and GQA expansion the model applies after reading its cache
 stays as it was, so the attention itself is untouched.
 
@@ -224,8 +225,7 @@ class LatentKVCachePass(CKVPPass):
                     recons[kind] = (recon, block, value, slots)
                     last_write = recon if last_write is None or order[recon] > order[last_write] else last_write
                     if kind == "k":
-                        k_pre_nodes.append(_as_bhsd(graph, nodes[site.rope.k_in] if site.rope else
-                                                    nodes[write.value_node], site, recon))
+                        k_pre_nodes.append(_pre_rope_key(graph, nodes, site, write, recon))
                     else:
                         v_nodes.append(nodes[write.value_node])
                 if ring is not None:
@@ -598,12 +598,30 @@ class _StoreInputs:
         return node
 
 
-def _as_bhsd(graph: fx.Graph, x: fx.Node, site: AttentionSite, after: fx.Node) -> fx.Node:
+def _pre_rope_key(graph: fx.Graph, nodes: dict[str, fx.Node], site: AttentionSite, write: Any,
+                  after: fx.Node) -> fx.Node:
+    """The (B, Hkv, S, D) key CKVP projects for ``site``: the pre-RoPE key (``site.rope.k_in``), times the factor
+    the model applies after RoPE (``site.rope.k_scale``, (..., 1) in ``k_in``'s layout; RoPE is linear, so the
+    rebuilt rotation of the product is the model's scaled key), or the key written to the cache without RoPE. New
+    nodes go after ``after``."""
+    if site.rope is None:
+        return _as_bhsd(graph, nodes[write.value_node], site, after)
+    x = nodes[site.rope.k_in]
+    if site.rope.k_scale is None:
+        return _as_bhsd(graph, x, site, after)
+    with graph.inserting_after(after):
+        scaled = graph.call_function(operator.mul, (x, nodes[site.rope.k_scale]))
+    return _as_bhsd(graph, scaled, site, scaled, perm=site.rope.k_in_perm)
+
+
+def _as_bhsd(graph: fx.Graph, x: fx.Node, site: AttentionSite, after: fx.Node,
+             perm: tuple[int, ...] | None = None) -> fx.Node:
     """Return ``x`` as (B, Hkv, S, D): transpose (B, S, Hkv, D) layouts (gpt-fast's pre-RoPE view).
 
     The pre-RoPE key is laid out as the analysis read off the graph (``site.rope.k_in_perm``); only where it was not
     decided do the sizes tell (which they cannot when S equals Hkv: a prompt as long as the KV heads are many)."""
-    perm = site.rope.k_in_perm if site.rope is not None and x.name == site.rope.k_in else None
+    if perm is None:
+        perm = site.rope.k_in_perm if site.rope is not None and x.name == site.rope.k_in else None
     if perm is not None:
         if tuple(perm) == (0, 1, 2, 3):
             return x

@@ -570,3 +570,117 @@ def test_a_first_layer_without_rope_keeps_the_other_layers_tables():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     _assert_full_rank_latent_equals_eager(model, group_size=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a factor after RoPE, constant along the head dim (Llama-4's qk_norm): RoPE(k) * s == RoPE(k * s)
+
+
+def _tiny_llama4(no_rope_layers, use_qk_norm=True):
+    """A 2-layer random HF Llama-4 text model; ``use_qk_norm`` normalises q and k after RoPE (L2 norm, no weight)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama4_text", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=32, num_local_experts=4,
+        num_experts_per_tok=1, use_qk_norm=use_qk_norm, no_rope_layers=no_rope_layers,
+        layer_types=["full_attention"] * 2, attention_chunk_size=512, max_position_embeddings=128, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None, initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("no_rope_layers", [[1, 1], [0, 1]])
+def test_llama4_qk_norm_after_rope_keeps_the_latent_cache(no_rope_layers):
+    """Llama-4 normalises keys after RoPE with a weightless L2 norm: a factor per token and head, which RoPE's
+    linearity moves before the rotation. It was refused as a change after RoPE (no latent cache for Llama-4 Scout);
+    now the analysis reports the factor, CKVP projects the scaled pre-RoPE key, and full-rank latents decode equal
+    to eager with the latent attention in every graph (a first layer without RoPE included)."""
+    from ckvp_compile import CompileRecorder
+
+    model = _tiny_llama4(no_rope_layers)
+    bases = calibrate(model, [torch.randint(0, 128, (1, 20)) for _ in range(2)], group_size=1, kv_ratio=1.0,
+                      progress=False)
+    ids = torch.randint(0, 128, (1, 5))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=16)
+    rec = CompileRecorder()
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=1), recorder=rec))
+    _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16)), eager)
+    assert len(rec.graphs) == 2  # prefill, decode
+    for g in rec.graphs:
+        assert [(r.name, r.matched) for r in g.pass_results if r.stage == "torch"] == [("latent_kv_cache", 2)]
+        assert g.dynamo_after.count("torch.ops.ckvp.latent_attention.default(") == 2
+        scaled = [s.layer for s in g.analysis.attention if s.rope is not None and s.rope.k_scale is not None]
+        assert scaled == [i for i, r in enumerate(no_rope_layers) if r]  # qk_norm runs in the RoPE layers only
+
+
+def test_llama4_qk_norm_quantized_latents_track_dense():
+    """The scaled key through int8 latents (full rank): the first decode step (same tokens as eager) stays within
+    5% of eager's logits (1.0% measured; a factor applied wrongly, or not at all, is off by O(1))."""
+    model = _tiny_llama4([1, 1])
+    bases = calibrate(model, [torch.randint(0, 128, (1, 24)) for _ in range(4)], group_size=2, kv_ratio=1.0,
+                      progress=False)
+    ids = torch.randint(0, 128, (1, 6))
+    eager = prefill_decode_logits(model, ids, 1, max_cache_len=16)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", group_size=2)))
+    got = _run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16, latent_format="int8"), n=1)
+    torch.testing.assert_close(got[0], eager[0], rtol=2e-4, atol=2e-4)  # the prompt: exact tokens only
+    err = (got[1] - eager[1]).abs().max() / eager[1].abs().max()
+    assert 0 < err < 0.05, err
+
+
+def _gpt_fast_rope_then(after):
+    """gpt-fast's rotate-half RoPE on (B, S, H, D) followed by ``after(rotated)`` (fp32)."""
+    import ckvp_compile.testing.gpt_fast as gf
+
+    rope = gf.apply_rope_rotate_half
+
+    def rope_then(x, cos, sin):
+        return after(rope(x, cos, sin).float()).type_as(x)
+
+    return rope_then
+
+
+def _rms(y, eps=1e-6):
+    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_gpt_fast_weightless_rms_norm_after_rope_is_exact(monkeypatch):
+    """A weightless RMS norm after RoPE in gpt-fast's layout (RoPE on (B, S, H, D), transposed after): the factor
+    meets the rotation in the pre-RoPE key's layout; full-rank latents decode equal to eager."""
+    import ckvp_compile.testing.gpt_fast as gf
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    monkeypatch.setattr(gf, "apply_rope_rotate_half", _gpt_fast_rope_then(_rms))
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, n_local_heads=2, rope_form="rotate_half")).eval()
+    got, want = _gpt_fast_latent_vs_eager(model, s=2)  # S == Hkv: the layout is read off values, not sizes
+    _assert_close_all(got, want)
+
+
+@pytest.mark.parametrize("after", ["weighted_norm", "norm_in_other_layout"])
+def test_a_factor_after_rope_that_is_not_a_row_scale_is_refused(after, monkeypatch):
+    """Not row scales of the pre-RoPE key's layout, so refused with the reason, never rebuilt wrong: a norm with a
+    per-channel weight (HunYuan-MoE's key_layernorm); a weightless norm taken after a transpose between RoPE and
+    the norm (its factor is laid out (B, H, S, 1) against the pre-RoPE key's (B, S, H, D); with S == H the product
+    would broadcast silently wrong)."""
+    import ckvp_compile.testing.gpt_fast as gf
+    from ckvp_compile.errors import UnsupportedGraphError
+    from ckvp_compile.latent import online_bases
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    weight = torch.linspace(0.5, 1.5, 16)
+    fn = {"weighted_norm": lambda y: _rms(y) * weight,
+          "norm_in_other_layout": lambda y: _rms(y.transpose(1, 2)).transpose(1, 2)}[after]
+    monkeypatch.setattr(gf, "apply_rope_rotate_half", _gpt_fast_rope_then(fn))
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2, n_local_heads=2, rope_form="rotate_half")).eval()
+    reason = "multiplies the rotation" if after == "weighted_norm" else "another layout"
+    with pytest.raises(CKVPConfigError, match=reason):
+        calibrate(model, [torch.randint(0, 256, (1, 12))], group_size=2, kv_ratio=1.0, progress=False)
+    model.setup_caches(1, 32)
+    use_latent_cache(model, online_bases(model, group_size=2, kv_ratio=1), latent_format="float")
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+    with pytest.raises(UnsupportedGraphError, match=f"post_rope_key.*{reason}"), torch.no_grad():
+        step(torch.arange(2)[None] + 3, torch.arange(2))
