@@ -176,7 +176,7 @@ def test_a_graph_break_between_layers_still_runs_the_latent_cache_at_g1():
     _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), n=1), eager)
 
 
-@pytest.mark.parametrize("after", ["scale", "rmsnorm", "bias", "negate", "times_minus_one", "alpha", "in_place_scale",
+@pytest.mark.parametrize("after", ["scale", "weighted_rmsnorm", "bias", "negate", "times_minus_one", "alpha", "in_place_scale",
                                    "in_place_clamp"])
 def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(after, monkeypatch):
     """A key scaled, normalised, offset or negated after RoPE, or its terms added with an ``alpha`` (HunYuan-MoE's
@@ -205,8 +205,8 @@ def test_a_key_changed_after_rope_is_refused_not_rebuilt_without_the_change(afte
             return y * -1
         if after == "scale":
             return y * 0.5
-        if after == "rmsnorm":
-            return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if after == "weighted_rmsnorm":  # (a weightless one is a factor per row, moved before RoPE: exact)
+            return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.linspace(0.5, 1.5, y.shape[-1])
         return y + 0.25
 
     monkeypatch.setattr(gf, "apply_rope_rotate_half", rope_then)
