@@ -46,8 +46,8 @@ host before the call (:attr:`LatentRewritePlan.slot_probe`), so that the backend
 ``k_pre`` is the layer's pre-RoPE key (the analysis' ``rope.k_in``): the latent is projected from pre-RoPE
 keys (DESIGN.md, "CKVP in numbers"), and RoPE is re-applied at each cached slot's own position when keys
 are rebuilt. A factor the model applies after RoPE that is constant along the head dim (``rope.k_scale``:
-Llama-4's weightless ``qk_norm``) scales ``k_pre`` instead, since RoPE is linear. Tokens of the current call are attended exactly (``k_rot``/``v`` overwrite their slots); past
-tokens come from the latent. Every view, mask and GQA expansion the model applies after reading its cache
+Llama-4's weightless ``qk_norm``) scales ``k_pre`` instead, since RoPE is linear. Tokens of the current call are
+attended exactly (``k_rot``/``v`` overwrite their slots); past tokens come from the latent. Every view, mask and GQA expansion the model applies after reading its cache
 stays as it was, so the attention itself is untouched.
 
 Attention over the cache (the default, ``absorb_attention=True``): where the layer's attention is one SDPA
