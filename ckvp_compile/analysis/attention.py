@@ -189,7 +189,7 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
         head_dim=d,
         gqa_ratio=h // hkv,
         gqa_form=_gqa_form(c, kt, h, hkv),  # type: ignore[arg-type]
-        rope=_rope_site(rope_k, rope_q, d, k_in_perm, row_scale if rope_k is not None else None),
+        rope=_rope_site(rope_k, rope_q, d, k_in_perm, row_scale),
         k_cache=k_cache,
         v_cache=v_cache,
         is_causal=c.is_causal,
