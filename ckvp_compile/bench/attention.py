@@ -42,6 +42,9 @@ recorded as skipped with the reason, as are rows after ``--budget-s`` seconds; n
 timed; the kernel runs only under the Triton interpreter, which must be switched on before ``triton`` is imported
 (``TRITON_INTERPRET=1 ckvp-bench attention --tiny --device cpu``; see
 :mod:`ckvp_compile.testing.interpreter`); without it each row runs the reference only and says so.
+``--device cpu`` requires ``--tiny`` (a usage error, exit status 2, otherwise): the full shapes would run the
+PyTorch reference for minutes in GBs of memory and time nothing. ``--batches``, ``--contexts``, ``--heads`` and
+``--formats`` still choose the rows under ``--tiny`` (head_dim stays 32).
 Source: the method of ``benchmarks/latent_attention_gpu.py`` (H200 runs in
 ``benchmarks/results/2026-11-29-latent-attention-h200``), which imports its helpers from here.
 """
@@ -680,8 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "a decode step under CUDA graphs); default: launches (triton.testing.do_bench)")
     p.add_argument("--budget-s", type=float, default=900.0, help="record rows starting after this long as skipped")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"],
-                   help="default: cuda where available, else cpu; on CPU, without --tiny, the full shapes run the "
-                        "PyTorch reference only (minutes, GBs of memory, no timing): use --tiny")
+                   help="default: cuda where available, else cpu; cpu requires --tiny (the full shapes would run "
+                        "the PyTorch reference only: minutes, GBs of memory, no timing); --batches/--contexts/"
+                        "--heads/--formats still choose the rows under --tiny")
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes (4:2 heads, head_dim 32): CPU smoke test; no timing on CPU, the kernel runs "
                         "only under TRITON_INTERPRET=1")
@@ -689,6 +693,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the full result as JSON here")
     p.add_argument("--out", type=Path, help="write the markdown report here")
     args = p.parse_args(list(argv) if argv is not None else None)
+    if args.device == "cpu" and not args.tiny:
+        p.error("--device cpu needs --tiny: on CPU nothing is timed and the full Mixtral shapes would run the PyTorch "
+                "reference for minutes in GBs of memory. Fix: add --tiny for the CPU smoke test (--batches/"
+                "--contexts/--heads/--formats still apply), or run with --device cuda on a GPU machine")
     heads = args.heads or (TINY["heads"] if args.tiny else MIXTRAL_HEADS)
     head_dim = TINY["head_dim"] if args.tiny else HEAD_DIM
     batches = args.batches or list(TINY["batches"] if args.tiny else (1, 8, 32))

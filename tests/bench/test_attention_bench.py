@@ -93,3 +93,20 @@ def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("extra", [[], ["--batches", "1", "--contexts", "40", "--heads", "4:2"]])
+def test_cpu_without_tiny_is_refused_before_any_work(extra, monkeypatch, capsys):
+    """On CPU the full Mixtral shapes would run the reference for minutes in GBs: a usage error naming the fix,
+    before anything runs (explicit small shapes too: they apply under --tiny)."""
+    import ckvp_compile.bench.attention as attention
+
+    def no_run(*a, **k):
+        raise AssertionError("run() was reached: the CPU run without --tiny was not refused")
+
+    monkeypatch.setattr(attention, "run", no_run)
+    with pytest.raises(SystemExit) as exc:
+        main(["attention", "--device", "cpu", *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device cpu needs --tiny" in err and "--device cuda on a GPU machine" in err, err
