@@ -39,7 +39,7 @@ from .config import CKVPConfig
 from .errors import CKVPConfigError, CKVPError, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
 from .passes.latent_kv_cache import LatentKVCachePass, LatentRewritePlan
-from .plan import Plan, make_plan
+from .plan import EXPERT_GEMM_OFF, Plan, make_plan
 from .runtime.binding import bind_latent_store
 from .runtime.store import LatentKVStore, lookup_phantom
 
@@ -79,6 +79,19 @@ class CompileRecorder:
     """
 
     graphs: list[GraphRecord] = field(default_factory=list)
+
+
+#: Why a MoE site is kept when ``enable_expert_gemm`` is on but the call needs gradients.
+EXPERT_GEMM_GRAD = ("this call needs gradients and ckvp::moe_experts is inference-only: run under torch.no_grad() "
+                    "or torch.inference_mode() to rewrite it")
+
+
+def _grad_skipped_experts(plan: Plan) -> Plan:
+    """``plan`` (made with the expert rewrite switched off for a call that needs gradients) with its MoE
+    decisions saying so, rather than advising to set ``enable_expert_gemm=True``, which the user did."""
+    return dataclasses.replace(plan, decisions=tuple(
+        dataclasses.replace(d, reason=EXPERT_GEMM_GRAD) if d.kind == "moe" and d.reason == EXPERT_GEMM_OFF else d
+        for d in plan.decisions))
 
 
 class CKVPBackend:
@@ -123,7 +136,7 @@ class CKVPBackend:
                               "are inference-only); run under torch.no_grad() or torch.inference_mode() to use it",
                               UnsupportedPatternWarning, stacklevel=2)
                 config = dataclasses.replace(config, enable_expert_gemm=False)
-                plan = make_plan(analysis, config, binding)
+                plan = _grad_skipped_experts(make_plan(analysis, config, binding))
         if plan.blocking:
             raise _compat.surface_through_dynamo(UnsupportedGraphError(
                 "ckvp: this graph reads a ckvp latent KV cache that cannot be rewritten, so it cannot run: "

@@ -14,6 +14,14 @@ from .analysis.sites import ATTENTION_UNSUPPORTED_KINDS, AttentionSite, GraphAna
 from .config import CKVPConfig
 
 
+#: Why a dense-cache attention site is kept when ``enable_latent_kv`` is off, and how to turn the rewrite on.
+LATENT_KV_OFF = ("enable_latent_kv is off: set enable_latent_kv=True and give the model a ckvp latent cache "
+                 "(CKVPStaticCache or use_latent_cache; README, 'Latent KV cache') to compress it")
+#: Why a MoE site is kept when ``enable_expert_gemm`` is off (the default), and how to turn the rewrite on.
+EXPERT_GEMM_OFF = ("enable_expert_gemm is off: set enable_expert_gemm=True to rewrite its routed experts into "
+                   "ckvp::moe_experts (grouped expert GEMM)")
+
+
 @dataclass(frozen=True)
 class LayerGroup:
     """Adjacent attention layers that share one latent KV cache (DESIGN.md: a group of G layers).
@@ -189,12 +197,14 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
             reason = "no KV-cache write found (a forward without a static cache): nothing to compress"
         elif s.layer in unsupported_attention:
             reason = "an unsupported attention pattern was found in this layer (see the warnings)"
+        elif not config.enable_latent_kv:
+            reason = LATENT_KV_OFF
         else:
             reason = "dense cache: give the model a ckvp latent cache to compress it (README, 'Latent KV cache')"
         decisions.append(SiteDecision("attention", s.layer, False, reason))
     for m in analysis.moe:
         if not config.enable_expert_gemm:
-            decisions.append(SiteDecision("moe", m.layer, False, "enable_expert_gemm is off"))
+            decisions.append(SiteDecision("moe", m.layer, False, EXPERT_GEMM_OFF))
         elif m.layer in unsupported_moe:
             decisions.append(SiteDecision("moe", m.layer, False,
                                           "an unsupported MoE pattern was found in this layer (see the warnings)"))

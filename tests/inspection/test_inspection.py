@@ -353,8 +353,10 @@ def test_inspect_model_argument_errors():
 # ---------------------------------------------------------------------------------------------- the renderers
 
 
-def _synthetic_report() -> InspectionReport:
-    """A report built from hand-made sites (independent of the detectors): 3 layers, one unsupported pattern."""
+def _synthetic_report(config: CKVPConfig | None = None) -> InspectionReport:
+    """A report built from hand-made sites (independent of the detectors): 3 layers, one unsupported pattern;
+    planned under ``config`` (default ``CKVPConfig(group_size=2)``)."""
+    config = config or CKVPConfig(group_size=2)
 
     def attn(layer: int, partial: bool = False) -> AttentionSite:
         cache = lambda kind: CacheWriteSite(kind, "index_copy_", f"w{kind}{layer}", f"c{kind}{layer}",  # noqa: E731
@@ -375,9 +377,9 @@ def _synthetic_report() -> InspectionReport:
                                      "set sliding_window=None."),),
         num_nodes=123,
     )
-    plan = make_plan(analysis, CKVPConfig(group_size=2))
+    plan = make_plan(analysis, config)
     graph = GraphReport(0, analysis, plan, "def f():\n    return x < 1\n", "def f():\n    return x < 2\n", phase="prefill")
-    return InspectionReport("synthetic <model>", CKVPConfig(group_size=2), [graph], ["ckvp: a <warning>"], 0.5)
+    return InspectionReport("synthetic <model>", config, [graph], ["ckvp: a <warning>"], 0.5)
 
 
 def test_text_report_table_and_summary():
@@ -398,6 +400,28 @@ def test_text_report_table_and_summary():
     assert "attention [0-1]: kept: dense cache: give the model a ckvp latent cache" in text
     assert "attention [2]: kept: an unsupported attention pattern" in text
     assert "+1 -1 lines" in text and "not recorded" in text
+
+
+def test_decisions_name_the_option_of_a_rewrite_that_is_off():
+    """Every site left as written because its feature is off has a decision saying so, with the option that turns
+    it on: dense-cache attention with enable_latent_kv off, MoE with enable_expert_gemm off (the default); a site
+    kept for another reason keeps that reason."""
+    report = _synthetic_report(CKVPConfig(group_size=2, enable_latent_kv=False))
+    lines = report.graphs[0].decision_lines()
+    assert ("attention [0-1]: kept: enable_latent_kv is off: set enable_latent_kv=True and give the model a ckvp "
+            "latent cache") in "\n".join(lines), lines
+    assert any(ln.startswith("attention [2]: kept: an unsupported attention pattern") for ln in lines), lines
+    assert any(ln.startswith("moe [0-1]: kept: enable_expert_gemm is off: set enable_expert_gemm=True") for ln in lines)
+    assert len(lines) == 3, lines  # one folded line per (kind, verdict, reason): every site has a decision
+    text = report.to_text()
+    assert all(ln in text for ln in lines)
+    decisions = report.to_dict()["graphs"][0]["plan"]["decisions"]
+    assert sorted((d["kind"], d["layer"]) for d in decisions) == [("attention", 0), ("attention", 1),
+                                                                  ("attention", 2), ("moe", 0), ("moe", 1)]
+    # the latent rewrite on (the default): the dense-cache reason says how to get a latent cache, not the option
+    lines = _synthetic_report().graphs[0].decision_lines()
+    assert any(ln.startswith("attention [0-1]: kept: dense cache: give the model a ckvp latent cache") for ln in lines)
+    assert not any("enable_latent_kv" in ln for ln in lines), lines
 
 
 def test_html_report_escapes_everything():

@@ -28,7 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckvp_compile import CKVPBackend, CKVPConfig, CompileRecorder, UnsupportedPatternWarning
+from ckvp_compile.backend import EXPERT_GEMM_GRAD
 from ckvp_compile.passes import PostGradPassManager
+from ckvp_compile.plan import EXPERT_GEMM_OFF
 from ckvp_compile.testing import HF_FAMILIES, GptFastConfig, GptFastMoE, build_hf_moe, prefill_decode_logits
 from ckvp_compile.testing.strategies import moe_model_shapes
 
@@ -186,10 +188,25 @@ def test_option_off_plans_no_rewrite_and_changes_the_uuid():
     prefill_decode_logits(model, ids, 0, max_cache_len=24,
                           compile_fn=lambda m: torch.compile(m, backend=backend, fullgraph=True))
     (decision,) = [d for d in rec.graphs[0].plan.decisions if d.kind == "moe"]
-    assert not decision.rewrite and decision.reason == "enable_expert_gemm is off"
+    assert not decision.rewrite and decision.reason == EXPERT_GEMM_OFF
+    assert "set enable_expert_gemm=True" in decision.reason  # the decision names the option that turns it on
     assert not OP_CALL.findall(rec.graphs[0].dynamo_after)
     on, off = CKVPConfig(enable_expert_gemm=True), CKVPConfig()
     assert PostGradPassManager([], on.compute_hash()).uuid() != PostGradPassManager([], off.compute_hash()).uuid()
+
+
+def test_option_on_but_grad_mode_decision_names_no_grad_not_the_option():
+    """With the option on, a call that needs gradients keeps the experts (inference-only op): the decision says
+    so and names torch.no_grad(), not the option the user already set."""
+    model = build_hf_moe("olmoe", num_layers=1)
+    rec = CompileRecorder()
+    compiled = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True),
+                                                        recorder=rec))
+    with pytest.warns(UnsupportedPatternWarning, match="inference-only"):
+        compiled(torch.randint(0, 256, (1, PROMPT_LEN)), use_cache=False)
+    (decision,) = [d for d in rec.graphs[0].plan.decisions if d.kind == "moe"]
+    assert not decision.rewrite and decision.reason == EXPERT_GEMM_GRAD
+    assert "torch.no_grad()" in decision.reason and "enable_expert_gemm" not in decision.reason
 
 
 def test_pass_uuid_is_stable_and_source_keyed():
