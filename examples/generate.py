@@ -26,7 +26,10 @@ DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Parse and check the command line: every option value is checked here, before any model work (a bad
+    value exits with status 2 and a message naming the valid values)."""
+    p = argparse.ArgumentParser(prog="generate.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="HF model directory (default: the fixture)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -49,7 +52,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recent-window", type=int, default=0,
                    help="with --kv-ratio: keep the last N tokens' keys and values exact beside the latent, their "
                         "bytes counted in the ratio (default 0: none)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check the option values argparse's types and choices do not (``p.error``: exit status 2), so that a bad
+    value fails in a second, not after the eager runs and the calibration."""
+    import math
+
+    from ckvp_compile.kernels.latent_format import parse_latent_format
+
+    try:
+        torch.device(args.device)
+    except (RuntimeError, ValueError):
+        p.error(f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.kv_ratio is not None and not (math.isfinite(args.kv_ratio) and args.kv_ratio >= 1):
+        p.error(f"--kv-ratio must be a finite number >= 1 (dense bytes / latent bytes, e.g. 4), got {args.kv_ratio}")
+    try:
+        parse_latent_format(args.latent_format)
+    except ValueError as e:
+        p.error(f"--latent-format: {e}")
+    if args.budget_len < 1:
+        p.error(f"--budget-len must be >= 1 (a cache length in tokens, e.g. 4096), got {args.budget_len}")
+    if args.recent_window < 0:
+        p.error(f"--recent-window must be >= 0 (tokens kept exact; 0: none), got {args.recent_window}")
 
 
 def load(model_dir: Path, device: str, dtype: torch.dtype):
@@ -127,6 +157,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the example; returns the exit status (1 when a dense-cache compiled run does not match eager)."""
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("generate.py: error: --device cuda, but this torch has no CUDA device; use --device cpu")
