@@ -43,7 +43,11 @@ tensor, the routed output, or experts fed by the router's input. :func:`_check_b
 exactly that: the down GEMM reads ``mul(silu(gate GEMM), up GEMM)`` of one expert and nothing else, the up GEMMs
 read the router's input through views and token gathers only, weights are gathered with the top-k's own ids
 (through views and no-op clamps), and each GEMM contracts its stored weight's last dimension (which shapes alone
-cannot tell when I == Dm). Where the expert outputs are accumulated (an eager loop's ``acc.index_add_`` per
+cannot tell when I == Dm). Views count as no-ops on the data path only when they keep every token's feature row
+(:func:`_keeps_rows`: ``x.view(T, 2, Dm // 2).transpose(1, 2).reshape(T, Dm)`` is a feature permutation).
+:func:`_check_row_order` proves each expert row pairs one (token, slot)'s token, expert and weight and is summed
+back into that token: for the sorted (grouped) forms, the token gather ``x[P // A]``, the weight gather ``w[P]``, the
+offsets (counts of the sorted ids) and the un-sort (``P``'s inverse) all use one ascending sort ``P`` of the ids. Where the expert outputs are accumulated (an eager loop's ``acc.index_add_`` per
 expert, or a chain of ``acc = acc.index_add(...)``), :func:`_check_accumulation` proves the accumulator is a fresh
 zero tensor that receives each weighted expert output once, by a plain sum at its tokens, and nothing else before
 the last one (the op's output replaces it).
@@ -190,7 +194,7 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
     if t_shape[0] != t or dm != site.hidden_dim:
         raise _Skip(f"router input (T, Dm) = {(t, dm)} does not match the top-k's T = {t_shape[0]} / Dm = "
                     f"{site.hidden_dim}")
-    x_root = strip_views(x, moe_analysis._EXTRA_VIEWS)
+    x_root = _row_root(x)
     for g in gemms:
         if x_root not in ancestors(g.node, max_depth=24) and not _is_down(g, gemms):
             raise _Skip(f"expert GEMM {g.node.name} is not fed by the router's input {x.name}")
@@ -238,6 +242,7 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
                         f"({operand.name}, not from {weights.name})")
     routed = moe_analysis._routed_output(combine[0][0])
     _check_accumulation(routed, [c for c, _ in combine], ups)
+    _check_row_order(site.experts_form, ups, downs, combine[0], weights, routed, ids, x_root, t, t_shape[1], e)
     r_shape = shape_of(routed)
     if r_shape is None or int(torch.Size(r_shape).numel()) != t * dm:
         raise _Skip(f"the routed output {routed.name} has shape {r_shape}, expected T*Dm = {t * dm} elements")
@@ -257,7 +262,7 @@ def _experts_input(x: fx.Node, down: fx.Node) -> fx.Node:
     for _ in range(8):
         if _dtype(n) == want and _same_shape(n, x):
             return n
-        if op_name(n) not in _VIEWS or not n.args or not isinstance(n.args[0], fx.Node):
+        if op_name(n) not in _VIEWS or not n.args or not isinstance(n.args[0], fx.Node) or not _keeps_rows(n):
             break
         n = n.args[0]
     raise _Skip(f"the router's input {x.name} is {_dtype(x)} and was not cast from a tensor of the expert weights' "
@@ -301,6 +306,8 @@ def _keeps_values(n: fx.Node) -> bool:
     all False (:func:`_is_sentinel_mask`). A feature permutation (``up[..., perm]``) or a padding mask
     (``out.masked_fill(~keep[:, None], 0)``) changes values the op would not. Other ops: True."""
     name = op_name(n)
+    if name in _VIEWS:
+        return _keeps_rows(n)
     if name == "masked_fill":
         mask = n.args[1] if len(n.args) > 1 else n.kwargs.get("mask")
         return _fills_zero(n) and _is_sentinel_mask(mask)
@@ -447,7 +454,7 @@ def _check_body(gemms, ups, downs, gate, up, x_root: fx.Node, ids: fx.Node, e: i
     up_gemms = {g.node: g for g in ups}
     for g in ups:
         src = _producer(_data_operand(g))
-        if src is None or strip_views(src, moe_analysis._EXTRA_VIEWS) is not x_root:
+        if src is None or _row_root(src) is not x_root:
             raise _Skip(f"expert GEMM {g.node.name} reads {src.name if src is not None else 'an unknown input'}, not the "
                         f"router's input {x_root.name} (through views and token gathers only)")
     for g in gemms:
@@ -517,7 +524,7 @@ def _check_accumulation(routed: fx.Node, combines: list[fx.Node], ups) -> None:
         name = op_name(link)
         pos, key = _ACCUMULATIONS[name]
         source = link.args[pos] if len(link.args) > pos else link.kwargs.get(key)
-        src = strip_views(source, moe_analysis._EXTRA_VIEWS) if isinstance(source, fx.Node) else None
+        src = _row_root(source) if isinstance(source, fx.Node) else None
         if src not in combines:
             raise _Skip(f"{link.name} ({name}) accumulates {getattr(source, 'name', source)}, not an expert output "
                         "times its routing weight")
@@ -620,7 +627,7 @@ def _ids_root(node: fx.Node, e: int) -> fx.Node:
     """``node`` through views and clamps to a range holding every expert id 0..E-1 (no-ops on top-k ids;
     transformers' ``batched_mm`` clamps expert-parallel sentinels that way)."""
     for _ in range(16):
-        node = strip_views(node, moe_analysis._EXTRA_VIEWS)
+        node = _order_root(node)
         if op_name(node) not in ("clamp", "clip", "clamp_", "clip_") or not node.args:
             return node
         lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
@@ -739,11 +746,16 @@ def _einsum_letters(spec: str, n_operands: int, k: int) -> tuple[str, dict[str, 
     return terms[k], {c: c not in out and c in others for c in terms[k]}
 
 
+def _path_between(start: fx.Node, end: fx.Node) -> set[fx.Node]:
+    """``start`` and the nodes on the paths from it forward to ``end`` (not ``end``), within 12 hops."""
+    return {start} | {n for n in _descendants(start, 12) if n is not end and end in _descendants(n, 12)}
+
+
 def _ops_between(start: fx.Node, end: fx.Node) -> set[str]:
     """Names of the compute ops (not views, gathers or masks) on the paths from ``start`` forward to ``end``, and of
     in-place ops that modify a tensor on those paths (``out.add_(bias)`` is not on the data path, but changes it)."""
     allowed = _VIEWS | {"getitem", "masked_fill", "index", "index_select"}
-    path = {start} | {n for n in _descendants(start, 12) if n is not end and end in _descendants(n, 12)}
+    path = _path_between(start, end)
     found = {op_name(n) for n in path if n is not start and (op_name(n) not in allowed or not _keeps_values(n))}
     for n in path:
         for u in n.users:
@@ -915,6 +927,425 @@ def _is_gather(n: fx.Node) -> bool:
     index = n.args[1]
     items = index if isinstance(index, (tuple, list)) else (index,)
     return any(isinstance(i, fx.Node) for i in items)
+
+
+# ------------------------------------------------------------------------------------------------ layouts and row order
+# The op reads each token's feature row as stored, and pairs row (t, a) of the experts with ids[t, a], w[t, a] and
+# token t. Views on the experts' data path must therefore keep every feature row intact (a reshape that splits the
+# features, then a transpose, is a feature permutation), and every gather of rows (the grouped forms' sort) must be
+# undone by the same permutation.
+
+#: Views that reshape (row-major: the flat element order is kept) and views that move dimensions.
+_RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
+                       "reshape_as"})
+_DIM_MOVES = frozenset({"transpose", "swapaxes", "swapdims", "permute", "t", "mT"})
+
+
+def _moved_dims(n: fx.Node, nd: int) -> list[int] | None:
+    """For a dim-moving view of an ``nd``-dim tensor: output dim j holds input dim ``result[j]``; None if unknown."""
+    name = op_name(n)
+    order = list(range(nd))
+    if name in ("t", "mT"):
+        if nd < 2:
+            return order
+        order[-2], order[-1] = order[-1], order[-2]
+        return order
+    if name == "permute":
+        dims = list(n.args[1:]) if len(n.args) > 2 else n.args[1] if len(n.args) > 1 else n.kwargs.get("dims")
+        if not isinstance(dims, (list, tuple)) or len(dims) != nd or not all(isinstance(d, int) for d in dims):
+            return None
+        return [d % nd for d in dims]
+    a, b = arg(n, 1, "dim0"), arg(n, 2, "dim1")
+    if not isinstance(a, int) or not isinstance(b, int) or not nd:
+        return None
+    a, b = a % nd, b % nd
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+def _keeps_order(n: fx.Node) -> bool:
+    """For a view / dtype op (:data:`_VIEWS`): True when it keeps the flat (row-major) order of its input's elements
+    without repeating any: dtype casts, reshapes, and dim moves that only move size-1 dims. An ``expand`` (repeats)
+    or a transpose of two dims of size > 1 (a reordering) is False; so is an op this check does not know."""
+    name = op_name(n)
+    if name in _DTYPE_KEEPING:
+        return True
+    if name in _RESHAPES:
+        return True
+    if name in _DIM_MOVES and n.args and isinstance(n.args[0], fx.Node):
+        dims = _dims(n.args[0])
+        moved = _moved_dims(n, len(dims)) if dims is not None else None
+        if moved is None:
+            return False
+        big = [d for d in moved if dims[d] != "1"]
+        return big == sorted(big)
+    return False
+
+
+def _last_big_dim(dims: list[str] | None) -> str | None:
+    big = [d for d in dims or () if d != "1"]
+    return big[-1] if big else "1"
+
+
+def _keeps_rows(n: fx.Node) -> bool:
+    """For a view / dtype op: True when every feature row of its input (the last dim of size > 1) is a feature row of
+    its output, unchanged and in the same flat order: :func:`_keeps_order` and, for a reshape, the same last dim
+    (size-1 dims ignored: ``x.unsqueeze(-1)`` keeps rows, ``x.view(T, 2, Dm // 2)`` splits them). An ``expand`` keeps
+    rows (it repeats whole ones; who reads which row is the row-order check's business)."""
+    name = op_name(n)
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    if name in _RESHAPES or name in ("expand", "expand_as"):
+        before, after = _dims(n.args[0]), _dims(n)
+        return before is not None and after is not None and _last_big_dim(before) == _last_big_dim(after)
+    return _keeps_order(n)
+
+
+def _row_root(node: object) -> object:
+    """``node`` up through the views and dtype casts that keep its feature rows (:func:`_keeps_rows`)."""
+    n = node
+    for _ in range(32):
+        if not (isinstance(n, fx.Node) and op_name(n) in _VIEWS and n.args and isinstance(n.args[0], fx.Node)
+                and _keeps_rows(n)):
+            return n
+        n = n.args[0]
+    return n
+
+
+def _order_root(node: object) -> object:
+    """``node`` up through the views and dtype casts that keep its flat element order (:func:`_keeps_order`)."""
+    n = node
+    for _ in range(32):
+        if not (isinstance(n, fx.Node) and op_name(n) in _VIEWS and n.args and isinstance(n.args[0], fx.Node)
+                and _keeps_order(n)):
+            return n
+        n = n.args[0]
+    return n
+
+
+#: Forms whose expert rows are the flat (token, slot) pairs s = t * A + a, in some order.
+_PAIR_FORMS = frozenset({"grouped_mm", "grouped_mm_fallback", "batched_mm"})
+
+
+@dataclass
+class _Perm:
+    """The one row permutation P a flat-pairs site may use (``sort(ids.reshape(-1))``'s indices), once found."""
+
+    ids: fx.Node
+    node: fx.Node | None = None
+
+    def power(self, index: object) -> int | None:
+        """``index`` (a 1-D gather index over the pairs) as P^k: 1 for P, -1 for its inverse; None when unknown."""
+        i = _order_root(index)
+        if not isinstance(i, fx.Node):
+            return None
+        if self._is_sort_perm(i):
+            return 1
+        src = _inverse_of(i)
+        if src is not None and self._is_sort_perm(_order_root(src)):
+            return -1
+        return None
+
+    def _is_sort_perm(self, n: fx.Node) -> bool:
+        """``sort(ids_flat)[1]`` / ``argsort(ids_flat)`` (ascending) of the top-k ids, the first one met fixing P."""
+        if self.node is not None:
+            return n is self.node
+        src = None
+        if op_name(n) == "getitem" and len(n.args) > 1 and n.args[1] == 1 and op_name(n.args[0]) == "sort":
+            src = n.args[0]
+        elif op_name(n) == "argsort":
+            src = n
+        if src is None or not src.args or _descending(src):
+            return False
+        flat = src.args[0]
+        if _order_root(flat) is not _order_root(self.ids) or len(_dims(flat) or ()) != 1:
+            return False
+        self.node = n
+        return True
+
+
+def _descending(sort: fx.Node) -> bool:
+    """True unless the sort / argsort is plainly ascending (``descending`` absent or False)."""
+    d = sort.kwargs.get("descending", sort.args[2] if len(sort.args) > 2 and isinstance(sort.args[2], bool) else False)
+    return d is not False
+
+
+def _inverse_of(n: fx.Node) -> fx.Node | None:
+    """The permutation Q that ``n`` is the inverse of, or None: ``argsort(Q)`` (ascending), or a fresh buffer ``inv``
+    written once, before anything else reads it, by ``inv[Q] = arange(len(Q))`` (HF's un-sort)."""
+    name = op_name(n)
+    if name == "argsort" and n.args and isinstance(n.args[0], fx.Node) and not _descending(n):
+        return n.args[0]
+    if name == "getitem" and len(n.args) > 1 and n.args[1] == 1 and op_name(n.args[0]) == "sort" \
+            and not _descending(n.args[0]) and isinstance(n.args[0].args[0], fx.Node):
+        return n.args[0].args[0]
+    if name not in ("empty_like", "zeros_like", "empty", "zeros", "new_empty", "new_zeros"):
+        return None
+    writes = [u for u in n.users if _writes_in_place(u) or op_name(u) == "setitem"]
+    if len(writes) != 1 or op_name(writes[0]) != "setitem" or writes[0].args[0] is not n:
+        return None
+    w = writes[0]
+    q, src = w.args[1], w.args[2]
+    if not isinstance(q, fx.Node) or not isinstance(src, fx.Node) or not _is_arange_of(src, q) \
+            or not _same_shape(n, q):
+        return None
+    order = {m: k for k, m in enumerate(n.graph.nodes)}
+    if any(order[u] < order[w] for u in n.users if u is not w):
+        return None
+    return q
+
+
+def _is_arange_of(n: fx.Node, like: fx.Node) -> bool:
+    """``arange(len(like))`` (start 0, step 1) with ``like``'s (1-D) shape."""
+    if op_name(n) != "arange" or not _same_shape(n, like) or len(_dims(like) or ()) != 1:
+        return False
+    pos = [a for a in n.args]
+    start = n.kwargs.get("start", pos[0] if len(pos) > 1 else 0)
+    step = n.kwargs.get("step", pos[2] if len(pos) > 2 else 1)
+    return start == 0 and step == 1
+
+
+def _row_gather(n: fx.Node) -> fx.Node | None:
+    """For a gather of whole rows (``x[idx]``, ``x[idx, :]``, ``index_select(x, 0, idx)``): its index; None for any
+    other op. Raise _Skip for a gather of another kind (several tensor indices, another dim)."""
+    name = op_name(n)
+    if name == "index_select":
+        if arg(n, 1, "dim") not in (0,):
+            raise _Skip(f"{n.name} gathers along dim {arg(n, 1, 'dim')}, not whole rows")
+        i = arg(n, 2, "index")
+        return i if isinstance(i, fx.Node) else None
+    if name not in ("getitem", "index") or len(n.args) < 2 or not isinstance(n.args[0], fx.Node) \
+            or op_name(n.args[0]) in ("chunk", "split", "unbind", "split_with_sizes", "tensor_split"):
+        return None
+    index = n.args[1]
+    items = list(index) if isinstance(index, (tuple, list)) else [index]
+    tensors = [i for i in items if isinstance(i, fx.Node)]
+    if not tensors:
+        return None
+    if len(tensors) != 1 or items[0] is not tensors[0] or any(i not in (None, slice(None), Ellipsis) for i in items[1:]) \
+            or dtype_of(tensors[0]) == torch.bool:
+        raise _Skip(f"{n.name} indexes rows other than by one integer index over dim 0 (a mask, several indices or "
+                    "another dim)")
+    return tensors[0]
+
+
+def _value_path(node: object, stop: fx.Node | None = None) -> list[fx.Node]:
+    """The nodes from ``node`` up through value-preserving ops (:data:`_SAME_VALUES`, as :func:`_producer` walks),
+    ``node`` first, the producer (or ``stop``) last."""
+    out, n = [], node
+    for _ in range(24):
+        if not isinstance(n, fx.Node):
+            break
+        out.append(n)
+        if n is stop or op_name(n) not in _SAME_VALUES or not n.args or not isinstance(n.args[0], fx.Node) \
+                or not _keeps_values(n):
+            break
+        n = n.args[0]
+    return out
+
+
+def _check_body_rows(ups, downs) -> None:
+    """Raise _Skip when rows are gathered or repeated inside the expert body (between the up GEMMs and the down GEMM):
+    ``silu(gate) * up`` must multiply the rows of one (token, slot) pair."""
+    for d in downs:
+        m = _producer(_data_operand(d))
+        paths = _value_path(_data_operand(d))
+        if m is not None and op_name(m) == "mul":
+            for f in m.args:
+                paths += _value_path(f)
+                s = _producer(f)
+                if s is not None and op_name(s) == "silu" and s.args:
+                    paths += _value_path(s.args[0])
+        for n in paths:
+            if op_name(n) in ("repeat_interleave", "expand", "expand_as") or _row_gather(n) is not None:
+                raise _Skip(f"{n.name} ({op_name(n)}) gathers or repeats rows inside the expert body (between the "
+                            "up and down GEMMs); only silu(gate) * up of one (token, slot) row is fused")
+
+
+def _check_row_order(form: str, ups, downs, combine: tuple[fx.Node, fx.Node], weights: fx.Node, routed: fx.Node,
+                     ids: fx.Node, x_root: fx.Node, t: int, a: int, e: int) -> None:
+    """Raise _Skip unless each expert row reads the token, expert and routing weight of one (token, slot) pair and its
+    output is summed into that token, with the rows in whatever order the model chose.
+
+    Flat-pairs forms (grouped_mm, batched_mm with 1-D gathers): the rows are the pairs s = t * A + a permuted by
+    P^k, with P the ascending ``sort`` / ``argsort`` of ``ids.reshape(-1)`` (one node) and its inverse (``argsort(P)``
+    or HF's ``inv[P] = arange(S)``). The tokens are gathered as ``x[P^k // A]`` or ``x.repeat_interleave(A, 0)``
+    (k = 0); the grouped forms' rows must be in sorted order (k = 1, with offsets the cumulative counts of the ids),
+    batched_mm's in pair order (k = 0: its weights are gathered with the ids as they are); the routing weights,
+    ``w.reshape(-1)`` gathered by P^j, must meet the expert output in the same order; and the sum over slots,
+    ``y.view(T, A, Dm).sum(1)``, must read the pairs in order (the un-sort undoes P). Other forms: no row gather
+    on the experts' input, their outputs or the routing weights (the (T, A) grid forms broadcast the token over its
+    slots); an eager loop's token gathers are checked with its accumulation (:func:`_check_accumulation`).
+    ``combine``: (the combine node, its routing-weight operand); ``weights``: the (T, A) tensor the op will read.
+    """
+    _check_body_rows(ups, downs)
+    if form == "eager_loop":
+        return
+    flat = form in _PAIR_FORMS and not any(len(_dims(i) or ()) > 1 for g in ups + downs for i in _weight_indices(g))
+    if not flat:
+        for g in ups:
+            for n in _value_path(_data_operand(g), x_root):
+                if op_name(n) in ("repeat_interleave",) or _row_gather(n) is not None:
+                    raise _Skip(f"{n.name} gathers or repeats the experts' input rows in a (token, slot) grid form")
+        between = {n for d in downs for n in _path_between(d.node, combine[0])}
+        n = combine[1]
+        for _ in range(16):  # the routing weights: from the combine's operand up to the (T, A) tensor the op reads
+            between.add(n)
+            if n is weights or not n.args or not isinstance(n.args[0], fx.Node):
+                break
+            n = n.args[0]
+        for n in between:
+            if n is not weights and _is_gather(n) and op_name(n.args[0]) not in _FRESH_TUPLES:
+                raise _Skip(f"{n.name} gathers rows of the expert outputs or routing weights in a (token, slot) grid "
+                            "form (they would meet other (token, slot) rows than the op pairs)")
+        return
+    perm = _Perm(ids)
+    states = {_token_order(g, x_root, perm, a) for g in ups}
+    if len(states) != 1:
+        raise _Skip(f"the up GEMMs read the tokens in different orders ({sorted(states)})")
+    k = states.pop()
+    grouped = form in ("grouped_mm", "grouped_mm_fallback")
+    want = 1 if grouped else 0
+    if k != want:
+        raise _Skip(f"the experts' input rows are in order P^{k} of the pairs, with P the sort of the expert ids, but "
+                    f"the {form} experts take their rows in order P^{want} (a gather and an un-sort by different "
+                    "permutations)")
+    if grouped:
+        for g in ups + downs:
+            _check_offsets(g, ids, perm, e)
+    got = _output_order(routed, downs, weights, perm, want, a)
+    if got != 0:
+        raise _Skip(f"the expert outputs reach the sum over slots in order P^{got} of the pairs, not in pair order "
+                    "(the un-sort is not the inverse of the permutation the tokens were gathered with)")
+
+
+def _weight_indices(g) -> list[fx.Node]:
+    """The index tensors that gather ``g``'s expert weights (``W[ids]``)."""
+    path = next((p for p in (_weight_path(a, g.weight) for a in tensor_args(g.node)) if p is not None), None)
+    out = []
+    for n in path or ():
+        name = op_name(n)
+        index = (n.args[0] if name == "embedding" else arg(n, 2, "index") if name == "index_select"
+                 else n.args[1] if name in ("getitem", "index") and len(n.args) > 1 else None)
+        out += moe_analysis._index_nodes(index)
+    return out
+
+
+def _token_order(g, x_root: fx.Node, perm: _Perm, a: int) -> int:
+    """The order P^k of the pairs in which up GEMM ``g`` reads the tokens (see :func:`_check_row_order`)."""
+    path = _value_path(_data_operand(g), x_root)
+    if not path or path[-1] is not x_root:
+        raise _Skip(f"expert GEMM {g.node.name}'s input is not the router's input through views and row gathers")
+    state: int | None = None  # None: token rows (T, Dm); k: pair rows in order P^k
+    for n in reversed(path[:-1]):
+        name = op_name(n)
+        if name == "repeat_interleave":
+            reps, dim = arg(n, 1, "repeats"), arg(n, 2, "dim")
+            if state is not None or reps != a or dim not in (0, -len(_dims(n) or (0, 0))):
+                raise _Skip(f"{n.name} repeats the rows other than each token A = {a} times along dim 0")
+            state = 0
+            continue
+        if name in ("expand", "expand_as"):
+            raise _Skip(f"{n.name} broadcasts the experts' input rows in a flat (token, slot) form")
+        index = _row_gather(n)
+        if index is None:
+            continue
+        if len(_dims(n.args[0]) or ()) != 2:
+            raise _Skip(f"{n.name} gathers rows of a {len(_dims(n.args[0]) or ())}-D tensor, not of (rows, Dm)")
+        i = _order_root(index)
+        if state is None and op_name(i) in ("floordiv", "floor_divide", "div") and len(i.args) > 1 \
+                and i.args[1] == a and (op_name(i) != "div" or i.kwargs.get("rounding_mode") == "floor"):
+            k = perm.power(i.args[0])
+        elif state is not None:
+            k = perm.power(i)
+        else:
+            k = None
+        if k is None:
+            raise _Skip(f"{n.name} gathers the experts' input with {index.name}, which is neither P // A nor a pair "
+                        "permutation by P (the sort of the expert ids) or its inverse")
+        state = k if state is None else state + k
+    if state is None:
+        raise _Skip(f"expert GEMM {g.node.name} reads token rows, not (token, slot) pair rows, in a flat form")
+    return state
+
+
+def _check_offsets(g, ids: fx.Node, perm: _Perm, e: int) -> None:
+    """Raise _Skip unless grouped GEMM ``g``'s offsets are ``cumsum(histc(v, bins=E, min=0, max=E-1))`` (or of
+    ``bincount(v, minlength=E)``) with ``v`` the sorted ids of P's sort or the flat ids: the rows in P order are
+    then grouped by expert 0..E-1."""
+    offs = arg(g.node, 2, "offs")
+    c = _order_root(offs) if isinstance(offs, fx.Node) else None
+    ok = op_name(c) == "cumsum" and arg(c, 1, "dim") in (0, -1) if isinstance(c, fx.Node) else False
+    counts = _order_root(c.args[0]) if ok else None
+    v = None
+    if isinstance(counts, fx.Node) and op_name(counts) == "histc":
+        bins, lo, hi = arg(counts, 1, "bins", 100), arg(counts, 2, "min", 0), arg(counts, 3, "max", 0)
+        if bins == e and lo == 0 and hi == e - 1:
+            v = counts.args[0]
+    elif isinstance(counts, fx.Node) and op_name(counts) == "bincount" and arg(counts, 2, "minlength") == e:
+        v = counts.args[0]
+    for _ in range(8):  # casts of the ids: .float() (histc on CPU), .int() (CUDA)
+        if isinstance(v, fx.Node) and op_name(v) in ("int", "long", "float", "to", "double") and v.args:
+            v = v.args[0]
+        v = _order_root(v) if isinstance(v, fx.Node) else None
+    sort = perm.node.args[0] if perm.node is not None and op_name(perm.node) == "getitem" else None
+    sorted_ids = isinstance(v, fx.Node) and op_name(v) == "getitem" and v.args[0] is sort and v.args[1] == 0
+    if not (sorted_ids or (v is not None and v is _order_root(ids))):
+        raise _Skip(f"the offsets of {g.node.name} are not the cumulative counts of the sorted expert ids "
+                    "(cumsum(histc(ids, bins=E, min=0, max=E-1))): its row groups may not be experts 0..E-1")
+
+
+def _output_order(routed: fx.Node, downs, weights: fx.Node, perm: _Perm, expert_order: int, a: int) -> int:
+    """The order P^k in which the pairs reach the sum over slots of ``routed`` (a (T, A, Dm) view summed over dim 1),
+    following the expert outputs (in ``expert_order``) and the routing ``weights`` (T, A) (flat: pair order) through
+    order-keeping views, the combine ``mul`` and gathers by P^j; raise _Skip for anything else on the way."""
+    if op_name(routed) != "sum" or not routed.args or not isinstance(routed.args[0], fx.Node):
+        raise _Skip(f"the routed output {routed.name} ({op_name(routed)}) is not a sum over the slots of the "
+                    "(token, slot) rows (an accumulation in a flat form is NYI)")
+    dim = arg(routed, 1, "dim")
+    dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+    src = routed.args[0]
+    dims = _dims(src)
+    if dims is None or len(dims) != 3 or dims[1] != str(a) or dim not in (1, -2) or arg(routed, 2, "keepdim", False):
+        raise _Skip(f"{routed.name} does not sum a (T, A, Dm) view over dim 1 (the slots)")
+    downs = {d.node for d in downs}
+    memo: dict[fx.Node, int] = {}
+
+    def order(n: object, depth: int = 0) -> int:
+        if not isinstance(n, fx.Node) or depth > 32:
+            raise _Skip("the path from the expert outputs to the sum over slots could not be followed")
+        if n in memo:
+            return memo[n]
+        name = op_name(n)
+        if n in downs:
+            k = expert_order
+        elif n is weights:
+            k = 0  # (T, A): its flat order is the pair order
+        elif name in _VIEWS and n.args and isinstance(n.args[0], fx.Node):
+            if not _keeps_order(n) and not (name in ("expand", "expand_as") and _keeps_rows(n)):
+                raise _Skip(f"{n.name} ({name}) reorders the (token, slot) rows or their features on the way to the "
+                            "sum over slots")
+            k = order(n.args[0], depth + 1)
+        elif name == "masked_fill" and n.args and isinstance(n.args[0], fx.Node) and _keeps_values(n):
+            k = order(n.args[0], depth + 1)
+        elif name == "mul":
+            ks = {order(x, depth + 1) for x in tensor_args(n)}
+            if len(ks) != 1:
+                raise _Skip(f"{n.name} multiplies expert outputs and routing weights in different row orders "
+                            "(gathered by different permutations)")
+            k = ks.pop()
+        elif _row_gather(n) is not None:
+            j = perm.power(_row_gather(n))
+            if j is None:
+                raise _Skip(f"{n.name} gathers the (token, slot) rows with {_row_gather(n).name}, which is neither "
+                            "the sort permutation of the expert ids nor its inverse")
+            k = order(n.args[0], depth + 1) + j
+        else:
+            raise _Skip(f"{n.name} ({name}) on the way from the expert outputs to the sum over slots")
+        memo[n] = k
+        return k
+
+    return order(src)
 
 
 # ------------------------------------------------------------------------------------------------ rewriting

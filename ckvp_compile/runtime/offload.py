@@ -34,6 +34,11 @@ C experts runs in rounds over gathered (token, slot) pairs and sums each token's
 order, as the grouped kernel does: bitwise equal in fp32; in bf16 / fp16 each pair output is rounded to the
 dtype before that sum (within the dtype's rounding of the all-resident output).
 
+Weights: the offloader holds its own copies. ``model.load_state_dict(sd)`` on the offloaded model hands ``sd``'s
+``<experts>.gate_up_proj`` / ``<experts>.down_proj`` to :meth:`ExpertOffloader.load_weights` (host store and resident
+slots; compiled graphs read them at run time, no recompile). The predictors are not refolded from new router / norm
+weights (a stale predictor costs bytes, never correctness).
+
 Physics (H200, DESIGN.md): a Mixtral-8x7B expert is 352 MB, 6.35 ms over PCIe at 55.5 GB/s, against about 0.2
 to 0.7 ms of compute per MoE layer. Prefetch overlaps copies with compute, it does not make them cheaper: per
 token, time >= max(copy bytes / link bandwidth, compute), against their sum on demand; the bytes copied are set
@@ -182,6 +187,38 @@ class ExpertOffloader:
         _offload_ops.unregister_offloader(self.handle)
         self.host_gate_up = self.host_down = self.slot_gate_up = self.slot_down = []
 
+    def load_weights(self, layer: int, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
+        """Replace layer ``layer``'s expert weights: the host store and the device slots that hold its experts.
+
+        Compiled graphs read the weights through the offloader at run time, so no recompilation is needed.
+        ``OffloadedExperts`` calls this from ``model.load_state_dict`` (keys ``<experts>.gate_up_proj`` /
+        ``<experts>.down_proj``, as before offloading). Waits for every pending copy and compute on the device first.
+
+        Args:
+            layer: in [0, L). gate_up: (E, 2I, Dm), down: (E, Dm, I), any device and float dtype (cast to the
+                offloader's dtype, as ``load_state_dict`` casts into a parameter); None keeps that weight.
+        Raises:
+            CKVPConfigError: layer out of range. CKVPShapeError: a weight of another shape.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise CKVPConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        pairs = [(w, store) for w, store in ((gate_up, self.host_gate_up[layer]), (down, self.host_down[layer]))
+                 if w is not None]
+        for w, store in pairs:
+            if tuple(w.shape) != tuple(store.shape) or not w.is_floating_point():
+                raise CKVPShapeError(f"layer {layer}: expert weight must be float {tuple(store.shape)}, got "
+                                     f"{tuple(w.shape)} {w.dtype}")
+        if self.device.type == "cuda":  # no copy in flight may read the host store or write a slot while we do
+            torch.cuda.synchronize(self.device)
+        with torch.no_grad():
+            for w, store in pairs:
+                store.copy_(w.detach())
+            for slot, expert in enumerate(self.planner.caches[layer].slots):
+                self.slot_gate_up[layer][slot].copy_(self.host_gate_up[layer][expert])
+                self.slot_down[layer][slot].copy_(self.host_down[layer][expert])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def device_bytes(self) -> int:
         """Bytes of the device expert slots (all layers)."""
         return sum(t.numel() * t.element_size() for t in self.slot_gate_up + self.slot_down)
@@ -327,6 +364,25 @@ class OffloadedExperts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"handle={self.handle}, layer={self.layer}, num_experts={self.num_experts}"
+
+    #: The experts module's parameters before offloading, now held by the offloader (state-dict key suffixes).
+    WEIGHT_KEYS = ("gate_up_proj", "down_proj")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """``model.load_state_dict(sd)``: ``sd``'s ``<prefix>gate_up_proj`` (E, 2I, Dm) / ``<prefix>down_proj``
+        (E, Dm, I) replace the offloader's copies of this layer's experts (host store and resident slots); a shape
+        mismatch is reported like a parameter's (``load_state_dict`` raises RuntimeError). Without this, the
+        offloader kept serving the weights it copied at offload time (with ``strict=False`` silently)."""
+        found = {k: state_dict[prefix + k] for k in self.WEIGHT_KEYS if prefix + k in state_dict}
+        if found:
+            try:
+                _offload_ops.lookup_offloader(self.handle).load_weights(
+                    self.layer, found.get("gate_up_proj"), found.get("down_proj"))
+            except (CKVPShapeError, CKVPConfigError) as exc:
+                error_msgs.append(f"while loading {', '.join(prefix + k for k in found)}: {exc}")
+        rest = {k: v for k, v in state_dict.items() if k[len(prefix):] not in self.WEIGHT_KEYS}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
 
 def _submodule(model: torch.nn.Module, path: str) -> torch.nn.Module | None:

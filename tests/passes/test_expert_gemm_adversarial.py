@@ -1,0 +1,177 @@
+"""Adversarial tests of the expert GEMM rewrite (ckvp_compile/passes/expert_gemm.py) and of expert offload: each
+model below was once compiled into wrong outputs.
+
+* Grouped (sorted) dispatch: the tokens gathered with one permutation and the expert outputs un-sorted with another
+  (a descending argsort, a flipped inverse), or the routing weights gathered with another one: left as written with
+  the reason; the same dispatch with matching permutations (HF's ``inv[perm] = arange``, or ``argsort(perm)``) is
+  rewritten.
+* Views on the experts' data path: a split-transpose-merge of the features between the router's input and the expert
+  GEMMs (either side) or between the down GEMM and the combine is a feature permutation and is refused; views that
+  keep each token's feature row (unsqueeze, flatten of a size-1 dim) are no-ops and the layer is rewritten.
+* Expert offload: ``model.load_state_dict(sd)`` after compiling updates the offloader's expert weights (host store
+  and resident slots), so the compiled model computes what the plain model with ``sd`` computes.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+
+import ckvp_compile
+from ckvp_compile import CKVPBackend, CKVPConfig, CompileRecorder, UnsupportedPatternWarning
+from ckvp_compile.testing.models import build_hf_moe
+
+OP_CALL = re.compile(r"torch\.ops\.ckvp\.moe_experts\.default\(")
+
+
+def compile_and_compare(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
+    """Compile ``model`` with the expert rewrite on, check its output equals eager, and return (ckvp::moe_experts
+    calls per graph, the UnsupportedPatternWarning messages)."""
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=True), recorder=rec)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UnsupportedPatternWarning)]
+    return [len(OP_CALL.findall(g.dynamo_after)) for g in rec.graphs], messages
+
+
+def check_rewritten_or_refused(model: torch.nn.Module, x: torch.Tensor, reason: str | None) -> None:
+    calls, messages = compile_and_compare(model, x)
+    if reason is None:
+        assert calls == [1] and not messages, (calls, messages)
+    else:
+        assert calls == [0] and any(reason in m for m in messages), messages
+
+
+# ---------------------------------------------------------------------------------------------------- 1. permutations
+class _SortedMoE(torch.nn.Module):
+    """HF's grouped_mm experts (transformers 5, fp32: the grouped_mm_fallback op): the (token, slot) pairs sorted by
+    expert id, tokens gathered as ``x[perm // A]``, weights as ``w[perm]``, grouped GEMMs over the expert offsets, the
+    weighted outputs un-sorted and summed over the slots. ``variant`` changes which permutation each step uses."""
+
+    def __init__(self, variant: str, dim: int = 16, num_experts: int = 4, ffn: int = 8, top_k: int = 2) -> None:
+        super().__init__()
+        self.variant, self.top_k = variant, top_k
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(num_experts, 2 * ffn, dim) * 0.3)
+        self.down = torch.nn.Parameter(torch.randn(num_experts, dim, ffn) * 0.3)
+
+    def forward(self, x):
+        v, a, e = self.variant, self.top_k, self.gate_up.shape[0]
+        w, idx = torch.topk(F.softmax(self.gate(x), -1), a, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        ids, sw = idx.reshape(-1), w.reshape(-1)
+        ids_g, perm = torch.sort(ids)
+        other = torch.argsort(ids, descending=True)
+        xs = x[(other if v == "gather_other" else perm) // a]
+        ws = sw[other if v == "weights_other" else perm]
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=e, min=0, max=e - 1), dim=0, dtype=torch.int32)
+        g, u = torch.ops.transformers.grouped_mm_fallback(xs, self.gate_up.transpose(-2, -1), offs=offs).chunk(2, -1)
+        y = torch.ops.transformers.grouped_mm_fallback(F.silu(g) * u, self.down.transpose(-2, -1), offs=offs)
+        y = y * ws.unsqueeze(-1)
+        if v == "argsort_inverse":
+            inv = torch.argsort(perm)
+        else:
+            p = other if v == "unsort_other" else perm
+            inv = torch.empty_like(p)
+            inv[p] = torch.arange(p.size(0))
+            inv = inv.flip(0) if v == "unsort_flipped" else inv
+        return y[inv].view(x.shape[0], a, x.shape[1]).sum(dim=1)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("plain", None),
+    ("argsort_inverse", None),
+    ("gather_other", "neither P // A"),
+    ("weights_other", "ws gathers the (token, slot) rows with other"),
+    ("unsort_other", "neither the sort permutation of the expert ids nor its inverse"),
+    ("unsort_flipped", "neither the sort permutation of the expert ids nor its inverse"),
+])
+def test_grouped_dispatch_gather_and_unsort_use_one_permutation(variant, reason):
+    """The op pairs row (t, a) with token t, expert ids[t, a] and weight w[t, a]; a grouped dispatch is rewritten
+    only when its token gather, weight gather and un-sort are P // A, P and P^-1 for one sort P of the expert ids
+    (each refused variant was once rewritten: outputs off by ~2-4)."""
+    torch.manual_seed(0)
+    check_rewritten_or_refused(_SortedMoE(variant).eval(), torch.randn(7, 16), reason)
+
+
+# ---------------------------------------------------------------------------------------------------- 2. views
+class _ViewMoE(torch.nn.Module):
+    """A gpt-fast-style einsum MoE layer with views on the experts' data path, by ``variant``."""
+
+    def __init__(self, variant: str, dim: int = 16, num_experts: int = 4, ffn: int = 8) -> None:
+        super().__init__()
+        self.variant = variant
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(num_experts, ffn, dim) * 0.3) for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(num_experts, dim, ffn) * 0.3)
+
+    @staticmethod
+    def _swap_halves(x):  # (..., D) -> (..., D) with the two halves of the features interleaved
+        return x.view(*x.shape[:-1], 2, x.shape[-1] // 2).transpose(-2, -1).reshape(x.shape)
+
+    def forward(self, x):
+        v, t = self.variant, x.shape[0]
+        xr = self._swap_halves(x) if v == "router_permuted" else x
+        w, idx = torch.topk(F.softmax(self.gate(xr), dim=-1), 2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        xe = {"experts_permuted": self._swap_halves(x), "row_views": x.unsqueeze(1).flatten(1).view(t, 1, -1)[:, 0],
+              }.get(v, x)
+        h = F.silu(torch.einsum("ti,taoi->tao", xe, self.w1[idx])) * torch.einsum("ti,taoi->tao", xe, self.w3[idx])
+        out = torch.einsum("tao,taio->tai", h, self.w2[idx])
+        out = self._swap_halves(out) if v == "output_permuted" else out
+        return torch.einsum("tai,ta->ti", out, w)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("plain", None),
+    ("row_views", None),
+    ("experts_permuted", "not the router's input"),
+    ("router_permuted", "not the router's input"),
+    ("output_permuted", "between the down GEMM"),
+])
+def test_views_that_split_feature_rows_are_not_no_ops(variant, reason):
+    """``x.view(T, 2, Dm // 2).transpose(1, 2).reshape(T, Dm)`` permutes the features: the experts must read the
+    router's input row for row (it was taken for a view of it and the op was given the other tensor); views that
+    keep every feature row (unsqueeze / flatten / a size-1 index) are no-ops and the layer is rewritten."""
+    torch.manual_seed(0)
+    check_rewritten_or_refused(_ViewMoE(variant).eval(), torch.randn(7, 16), reason)
+
+
+# ---------------------------------------------------------------------------------------------------- 3. offload
+def _mixtral():
+    return build_hf_moe("mixtral", num_layers=2, num_experts=4, top_k=2, use_cache=False)
+
+
+@torch.no_grad()
+def test_load_state_dict_after_compiling_an_offloaded_model_updates_its_experts():
+    """The offloader holds its own copies of the experts (host store, device slots): ``load_state_dict`` on the
+    offloaded model used to leave them as they were (unexpected keys, ignored with strict=False), so the compiled
+    model mixed the new router with the old experts. Now the experts follow, strict or not, with no recompile."""
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    model = _mixtral()
+    compiled = ckvp_compile.compile(model, expert_offload=2, options={"compiler": "aot_eager"})
+    before = compiled(ids).logits
+    plain = _mixtral()
+    torch.testing.assert_close(before, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(1)
+    for strict in (False, True):
+        sd = {k: v + 0.2 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+              for k, v in plain.state_dict().items()}
+        plain.load_state_dict(sd)
+        assert any(k.endswith("experts.gate_up_proj") for k in sd)
+        model.load_state_dict(sd, strict=strict)
+        torch.testing.assert_close(compiled(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(compiled(ids).logits, before, atol=1e-3)
+    bad = {k: v[:, :-1] for k, v in sd.items() if k.endswith("layers.0.mlp.experts.down_proj")}
+    with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.experts\.down_proj.*expert weight must be"):
+        model.load_state_dict(bad, strict=False)
+    ckvp_compile.offloader_of(model).close()
