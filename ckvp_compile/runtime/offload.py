@@ -34,10 +34,15 @@ C experts runs in rounds over gathered (token, slot) pairs and sums each token's
 order, as the grouped kernel does: bitwise equal in fp32; in bf16 / fp16 each pair output is rounded to the
 dtype before that sum (within the dtype's rounding of the all-resident output).
 
-Weights: the offloader holds its own copies. ``model.load_state_dict(sd)`` on the offloaded model hands ``sd``'s
-``<experts>.gate_up_proj`` / ``<experts>.down_proj`` to :meth:`ExpertOffloader.load_weights` (host store and resident
-slots; compiled graphs read them at run time, no recompile). The predictors are not refolded from new router / norm
-weights (a stale predictor costs bytes, never correctness).
+Weights: the offloader holds its own copies. ``model.state_dict()`` of the offloaded model lists them under their
+original keys ``<experts>.gate_up_proj`` (E, 2I, Dm) / ``<experts>.down_proj`` (E, Dm, I), in expert order: the host
+store's tensors (on CPU, sharing its memory as a plain model's state dict shares its parameters'), so ``torch.save``
+/ safetensors files of an offloaded model load into an offloaded or a plain model. ``model.load_state_dict(sd)`` on
+the offloaded model hands ``sd``'s ``<experts>.gate_up_proj`` / ``<experts>.down_proj`` to
+:meth:`ExpertOffloader.load_weights` (host store and resident slots; compiled graphs read them at run time, no
+recompile). An in-place edit of a state-dict tensor (the host store) is seen by the next layer call (its version
+counter moved), which refreshes that layer's resident slots from the host store. The predictors are not refolded
+from new router / norm weights (a stale predictor costs bytes, never correctness).
 
 Physics (H200, DESIGN.md): a Mixtral-8x7B expert is 352 MB, 6.35 ms over PCIe at 55.5 GB/s, against about 0.2
 to 0.7 ms of compute per MoE layer. Prefetch overlaps copies with compute, it does not make them cheaper: per
@@ -152,6 +157,7 @@ class ExpertOffloader:
         for n in range(self.num_layers):  # LayerCache's initial state: slot s holds expert s
             self.slot_gate_up[n].copy_(self.host_gate_up[n][:resident])
             self.slot_down[n].copy_(self.host_down[n][:resident])
+        self._host_versions = [self._host_version(n) for n in range(self.num_layers)]
         self.predictors = None
         if predictors is not None:
             if len(predictors) != self.num_layers:
@@ -208,6 +214,11 @@ class ExpertOffloader:
             if tuple(w.shape) != tuple(store.shape) or not w.is_floating_point():
                 raise CKVPShapeError(f"layer {layer}: expert weight must be float {tuple(store.shape)}, got "
                                      f"{tuple(w.shape)} {w.dtype}")
+        self._refill(layer, pairs)
+
+    def _refill(self, layer: int, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+        """Copy each (new weight, host store) pair into the store, then refill layer ``layer``'s resident slots
+        from the host store and record its version counters."""
         if self.device.type == "cuda":  # no copy in flight may read the host store or write a slot while we do
             torch.cuda.synchronize(self.device)
         with torch.no_grad():
@@ -218,6 +229,32 @@ class ExpertOffloader:
                 self.slot_down[layer][slot].copy_(self.host_down[layer][expert])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._host_versions[layer] = self._host_version(layer)
+
+    def _host_version(self, layer: int) -> tuple[int, int] | None:
+        """The version counters of layer ``layer``'s host store (they move with every in-place write, also through
+        the state dict's tensors, which share them); None for inference tensors (no counter)."""
+        try:
+            return self.host_gate_up[layer]._version, self.host_down[layer]._version
+        except RuntimeError:
+            return None
+
+    def host_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return layer ``layer``'s full expert weights: the host store, detached (shares its memory).
+
+        Returns:
+            (gate_up (E, 2I, Dm), down (E, Dm, I)), the offloader's dtype, on CPU, in expert order (whatever the
+            device slots hold). Writing into them in place changes the experts: the next call of that layer
+            refreshes its resident slots from the host store.
+        Raises:
+            CKVPConfigError: layer out of range, or the offloader was closed (its weights were freed).
+        """
+        if not self.host_gate_up:
+            raise CKVPConfigError("the expert offloader was closed and its expert weights freed; load the model "
+                                  "again (and offload it again) to get them")
+        if not 0 <= layer < self.num_layers:
+            raise CKVPConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return self.host_gate_up[layer].detach(), self.host_down[layer].detach()
 
     def device_bytes(self) -> int:
         """Bytes of the device expert slots (all layers)."""
@@ -240,6 +277,8 @@ class ExpertOffloader:
         if hidden.dtype != self.dtype or hidden.device != self.device or hidden.shape[-1] != self.dm:
             raise CKVPShapeError(f"hidden must be (T, {self.dm}) {self.dtype} on {self.device} (the offloaded experts' "
                                  f"dtype and device), got {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
+        if self._host_versions[layer] is not None and self._host_version(layer) != self._host_versions[layer]:
+            self._refill(layer)  # the host store was written in place (a state-dict tensor): slots follow
         t, a = topk_ids.shape
         targets = []
         if self.predictors is not None:
@@ -351,7 +390,9 @@ class OffloadedExperts(torch.nn.Module):
     """Drop-in replacement of an HF experts module: ``forward(hidden, top_k_index, top_k_weights)`` calls
     ``ckvp::offload_experts`` with this layer's offloader handle (integers, constants to Dynamo).
 
-    Holds no parameters: the weights live in the offloader's host store and device slots.
+    Holds no parameters: the weights live in the offloader's host store and device slots. Its state dict still has
+    the experts module's ``gate_up_proj`` (E, 2I, Dm) and ``down_proj`` (E, Dm, I), on CPU
+    (:meth:`ExpertOffloader.host_weights`), and loading one replaces the offloader's copies.
     """
 
     def __init__(self, handle: int, layer: int, num_experts: int) -> None:
@@ -368,13 +409,34 @@ class OffloadedExperts(torch.nn.Module):
     #: The experts module's parameters before offloading, now held by the offloader (state-dict key suffixes).
     WEIGHT_KEYS = ("gate_up_proj", "down_proj")
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """``model.state_dict()``: ``<prefix>gate_up_proj`` / ``<prefix>down_proj``, the full expert weights of
+        this layer as before offloading (the offloader's host store, on CPU, shared; see
+        :meth:`ExpertOffloader.host_weights`). Raises CKVPConfigError when the offloader was closed (its weights
+        were freed: a state dict without them would lose the experts when saved)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        try:
+            offloader = _offload_ops.lookup_offloader(self.handle)
+        except CKVPConfigError:
+            offloader = None
+        if offloader is None or not offloader.host_gate_up:
+            raise CKVPConfigError(f"state_dict: the expert offloader of {prefix.rstrip('.') or 'the experts'} "
+                                  f"(handle {self.handle}) was closed and its expert weights freed, so a state "
+                                  "dict would lack them; load the model again (and offload it again) to save it")
+        gate_up, down = offloader.host_weights(self.layer)
+        destination[prefix + "gate_up_proj"] = gate_up
+        destination[prefix + "down_proj"] = down
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         """``model.load_state_dict(sd)``: ``sd``'s ``<prefix>gate_up_proj`` (E, 2I, Dm) / ``<prefix>down_proj``
         (E, Dm, I) replace the offloader's copies of this layer's experts (host store and resident slots); a shape
-        mismatch is reported like a parameter's (``load_state_dict`` raises RuntimeError). Without this, the
-        offloader kept serving the weights it copied at offload time (with ``strict=False`` silently)."""
+        mismatch is reported like a parameter's (``load_state_dict`` raises RuntimeError), and so, with
+        ``strict=True``, is a missing key (``Missing key(s)``). Without this, the offloader kept serving the weights
+        it copied at offload time (with ``strict=False`` silently)."""
         found = {k: state_dict[prefix + k] for k in self.WEIGHT_KEYS if prefix + k in state_dict}
+        if strict:
+            missing_keys.extend(prefix + k for k in self.WEIGHT_KEYS if prefix + k not in state_dict)
         if found:
             try:
                 _offload_ops.lookup_offloader(self.handle).load_weights(

@@ -9,7 +9,9 @@ model below was once compiled into wrong outputs.
   GEMMs (either side) or between the down GEMM and the combine is a feature permutation and is refused; views that
   keep each token's feature row (unsqueeze, flatten of a size-1 dim) are no-ops and the layer is rewritten.
 * Expert offload: ``model.load_state_dict(sd)`` after compiling updates the offloader's expert weights (host store
-  and resident slots), so the compiled model computes what the plain model with ``sd`` computes.
+  and resident slots), so the compiled model computes what the plain model with ``sd`` computes; ``state_dict()``
+  has the experts under their original keys (a saved offloaded model kept none), in-place edits of them reach the
+  resident slots, and strict loading reports missing expert keys.
 """
 
 from __future__ import annotations
@@ -175,3 +177,70 @@ def test_load_state_dict_after_compiling_an_offloaded_model_updates_its_experts(
     with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.experts\.down_proj.*expert weight must be"):
         model.load_state_dict(bad, strict=False)
     ckvp_compile.offloader_of(model).close()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("how", ["offload_experts", "compile"])
+def test_state_dict_of_an_offloaded_model_keeps_its_experts(how, tmp_path):
+    """``model.state_dict()`` of an offloaded model used to have no expert weights (the experts module was replaced
+    by a parameterless OffloadedExperts), so saving it and loading the file into a fresh model lost them (strict
+    loading failed, ``strict=False`` kept the fresh model's experts). Now the experts are under their original keys,
+    with the un-offloaded model's shapes, dtypes and values, on CPU; torch.save and safetensors round trips give
+    the saved model's logits."""
+    from safetensors.torch import load_file, save_file
+
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = _mixtral()
+    expected = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = _mixtral()
+    if how == "compile":
+        run = ckvp_compile.compile(model, expert_offload=2, options={"compiler": "aot_eager"})
+    else:
+        ckvp_compile.offload_experts(model, resident=2)
+        run = model
+    run(ids)  # the cache has moved experts around: the state dict still lists them in expert order
+    sd = model.state_dict()
+    assert sorted(sd) == sorted(expected)
+    assert sum(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in sd) == 4
+    for k, v in expected.items():
+        assert sd[k].shape == v.shape and sd[k].dtype == v.dtype and sd[k].device.type == "cpu", k
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0, msg=k)
+    torch.save(sd, tmp_path / "model.pt")
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    want = plain(ids).logits
+    for loaded in (torch.load(tmp_path / "model.pt"), load_file(str(tmp_path / "model.safetensors"))):
+        fresh = build_hf_moe("mixtral", num_layers=2, num_experts=4, top_k=2, use_cache=False, seed=7)
+        ckvp_compile.offload_experts(fresh, resident=2)
+        assert not torch.allclose(fresh(ids).logits, want, atol=1e-3)
+        fresh.load_state_dict(loaded)  # strict: every key, the experts included
+        torch.testing.assert_close(fresh(ids).logits, want, rtol=1e-5, atol=1e-5)
+        unoffloaded = build_hf_moe("mixtral", num_layers=2, num_experts=4, top_k=2, use_cache=False, seed=7)
+        unoffloaded.load_state_dict(loaded)  # and a plain model takes the offloaded model's state dict
+        torch.testing.assert_close(unoffloaded(ids).logits, want, rtol=1e-5, atol=1e-5)
+        ckvp_compile.offloader_of(fresh).close()
+    ckvp_compile.offloader_of(model).close()
+
+
+@torch.no_grad()
+def test_offloaded_state_dict_edits_missing_keys_and_closed_offloader():
+    """The state dict's expert tensors share the offloader's host store (as a plain model's share its parameters):
+    an in-place edit reaches the resident slots too (before, only experts copied in later saw it: a silent mix of
+    old and new experts). Strict loading of a state dict without the experts reports them missing (it used to keep
+    the old experts silently); a closed offloader's model refuses state_dict() instead of returning one without
+    its experts."""
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain, model = _mixtral(), _mixtral()
+    compiled = ckvp_compile.compile(model, expert_offload=2, options={"compiler": "aot_eager"})
+    compiled(ids)
+    for sd in (model.state_dict(), plain.state_dict()):
+        for k in sd:
+            if k.endswith("experts.down_proj"):
+                sd[k].mul_(-1.5)  # every expert, the resident ones included
+    torch.testing.assert_close(compiled(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    partial = {k: v for k, v in plain.state_dict().items() if not k.endswith("layers.1.mlp.experts.gate_up_proj")}
+    with pytest.raises(RuntimeError, match=r"Missing key.*layers\.1\.mlp\.experts\.gate_up_proj"):
+        model.load_state_dict(partial)
+    model.load_state_dict(partial, strict=False)
+    ckvp_compile.offloader_of(model).close()
+    with pytest.raises(ckvp_compile.CKVPConfigError, match="was closed.*load the model again"):
+        model.state_dict()
