@@ -26,8 +26,11 @@ import torch.fx as fx
 from .graph import VIEW_LIKE, arg, find_downstream, find_upstream, op_name, shape_of, strip_views
 from .rope import strip_dtype
 
+#: Casts (and inference-time dropout) walked through around the softmax: ``Tensor.type(dtype)`` is GPT-2's
+#: ``attn_weights.type(value.dtype)`` after the softmax, a cast like ``.to(dtype)``.
+_CASTS = frozenset({"dropout", "float", "to", "type_as", "type", "half", "bfloat16", "double"})
 #: Ops walked through between QK^T and softmax, or between softmax and P @ V.
-_SCORE_OPS = VIEW_LIKE | {"mul", "div", "add", "sub", "masked_fill", "where", "dropout", "float", "to", "type_as"}
+_SCORE_OPS = VIEW_LIKE | _CASTS | {"mul", "div", "add", "sub", "masked_fill", "where"}
 
 @dataclass
 class AttentionOp:
@@ -124,11 +127,11 @@ def is_projection(n: Any) -> bool:
 def _softmax_candidate(s: fx.Node) -> AttentionOp | None:
     """Match ``softmax(scores) @ V`` whose scores come from ``Q @ K^T`` (optionally scaled and masked)."""
     pv = find_downstream(s, lambda u: op_name(u) in ("matmul", "einsum"), max_depth=4,
-                         through=lambda u: op_name(u) in VIEW_LIKE | {"dropout", "float", "to", "type_as"})
+                         through=lambda u: op_name(u) in VIEW_LIKE | _CASTS)
     if pv is None or not is_activation_product(pv):
         return None
     _, pv_ops = product_operands(pv)
-    if strip_dtype(strip_views(pv_ops[0], ("dropout",))) is not s and pv_ops[0] is not s:
+    if strip_dtype(strip_views(pv_ops[0], _CASTS)) is not s and pv_ops[0] is not s:
         return None
     scored = _scores(s.args[0] if s.args else None)
     if scored is None:
@@ -159,7 +162,7 @@ def _scores(x: Any) -> tuple[fx.Node, list[fx.Node], float | None] | None:
             return x, mask_roots, scale
         if kind not in _SCORE_OPS:
             return None
-        if kind in VIEW_LIKE or kind in ("dropout", "float", "to", "type_as"):
+        if kind in VIEW_LIKE or kind in _CASTS:
             x = x.args[0]
             continue
         nodes = [a for a in (list(x.args) + list(x.kwargs.values())) if isinstance(a, fx.Node)]

@@ -1,0 +1,76 @@
+"""Hugging Face ``attn_implementation="eager"`` attention (a hand-written softmax(QK^T)V) is found as ``softmax_qkv``,
+with its static-cache writes, in models whose eager attention casts the probabilities differently: GPT-2 casts
+them with ``attn_weights.type(value.dtype)`` (Llama / Mixtral / Qwen with ``.to(query.dtype)``)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.fx as fx
+
+from ckvp_compile.analysis.attention import find_attention_sites
+from ckvp_compile.analysis.graph import node_map, op_name
+from ckvp_compile.testing.decoding import capture_prefill_decode_graphs
+
+PROMPT_LEN, CACHE_LEN = 5, 32
+
+
+def tiny_gpt2(attn_implementation: str = "eager", layers: int = 2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=layers, n_head=4, bos_token_id=0,
+                     eos_token_id=0, attn_implementation=attn_implementation)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_llama(attn_implementation: str = "eager", layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
+                      eos_token_id=0, attn_implementation=attn_implementation)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(arch: str, impl: str) -> tuple[list[fx.GraphModule], list[fx.GraphModule]]:
+    model = {"gpt2": tiny_gpt2, "llama": tiny_llama}[arch](impl)
+    assert model.config._attn_implementation == impl
+    ids = torch.randint(0, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    return capture_prefill_decode_graphs(model, ids, max_cache_len=CACHE_LEN)
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("gpt2", 4), ("llama", 2)])
+@pytest.mark.parametrize("phase", [0, 1], ids=["prefill", "decode"])
+def test_hf_eager_attention_and_cache_writes_are_found(arch, kv_heads, phase):
+    graphs = _captured(arch, "eager")[phase]
+    assert len(graphs) == 1
+    gm = graphs[0]
+    sites, unsupported = find_attention_sites(gm.graph)
+    assert unsupported == [] and [s.layer for s in sites] == [0, 1]
+    nodes = node_map(gm.graph)
+    for s in sites:
+        assert s.form == "softmax_qkv" and op_name(nodes[s.attention_node]) == "matmul"
+        assert (s.num_heads, s.num_kv_heads, s.head_dim) == (4, kv_heads, 16)
+        assert s.scale == pytest.approx(0.25)
+        assert (s.rope is None) == (arch == "gpt2")
+        for c in (s.k_cache, s.v_cache):
+            assert c is not None and c.form == "index_copy_" and c.cache_shape == (1, kv_heads, CACHE_LEN, 16)
+            assert nodes[c.write_node] < nodes[s.attention_node]
+        # GPT-2's fused c_attn (Conv1D: addmm) projects Q, K and V at once
+        assert s.k_proj is not None and s.v_proj is not None and s.o_proj is not None
+
+
+def test_gpt2_eager_finds_what_sdpa_finds():
+    """The same layers, heads and cache buffers as with attn_implementation='sdpa'."""
+    for phase in (0, 1):
+        (eager,), (sdpa,) = _captured("gpt2", "eager")[phase], _captured("gpt2", "sdpa")[phase]
+        a, b = find_attention_sites(eager.graph)[0], find_attention_sites(sdpa.graph)[0]
+        assert [(s.layer, s.num_heads, s.num_kv_heads, s.head_dim, s.k_cache.cache_source, s.v_cache.cache_source)
+                for s in a] == [(s.layer, s.num_heads, s.num_kv_heads, s.head_dim, s.k_cache.cache_source,
+                                 s.v_cache.cache_source) for s in b]
+        assert {s.form for s in a} == {"softmax_qkv"} and {s.form for s in b} == {"sdpa"}
