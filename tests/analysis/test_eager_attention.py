@@ -13,33 +13,14 @@ import torch.fx as fx
 from ckvp_compile.analysis.attention import find_attention_sites
 from ckvp_compile.analysis.graph import node_map, op_name
 from ckvp_compile.testing.decoding import capture_prefill_decode_graphs
+from ckvp_compile.testing.dense import build_hf_dense
 
 PROMPT_LEN, CACHE_LEN = 5, 32
 
 
-def tiny_gpt2(attn_implementation: str = "eager", layers: int = 2):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=layers, n_head=4, bos_token_id=0,
-                     eos_token_id=0, attn_implementation=attn_implementation)
-    return GPT2LMHeadModel(cfg).eval()
-
-
-def tiny_llama(attn_implementation: str = "eager", layers: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
-                      eos_token_id=0, attn_implementation=attn_implementation)
-    return LlamaForCausalLM(cfg).eval()
-
-
 @functools.lru_cache(maxsize=None)
 def _captured(arch: str, impl: str) -> tuple[list[fx.GraphModule], list[fx.GraphModule]]:
-    model = {"gpt2": tiny_gpt2, "llama": tiny_llama}[arch](impl)
-    assert model.config._attn_implementation == impl
+    model = build_hf_dense(arch, attn_implementation=impl)
     ids = torch.randint(0, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     return capture_prefill_decode_graphs(model, ids, max_cache_len=CACHE_LEN)
 
