@@ -1,14 +1,18 @@
 """The main job: compile a real MoE model with ``backend="ckvp"`` and generate text.
 
-    python examples/generate.py                      # the trained fixture model, CPU, Inductor
+    python examples/generate.py                      # the trained fixture model, CPU, Inductor, both rewrites
+    python examples/generate.py --dense              # HF's dense static cache: the compiled run must match eager
     python examples/generate.py --compiler aot_eager --max-new-tokens 32
     python examples/generate.py --model /path/to/hf-moe-checkpoint --device cuda --dtype bfloat16
 
 Loads a Hugging Face MoE checkpoint (default: the tiny Mixtral trained on Python source that ships in
-``models/``), generates greedily with a static KV cache, once eagerly and once with the model's forward
-compiled by the ckvp backend, and prints the compiled model's text (and the eager one where they differ), whether
-they agree token for token, the KV cache's bytes, and timings: eager and steady-state compiled times are the best of
-two runs after a warm-up (CPU timings are indicative only; speed is measured on the GPU, see BENCHMARKS.md).
+``models/``) and generates greedily, once eagerly over a dense static KV cache and once with the model's forward
+compiled by the ckvp backend with both rewrites on: a CKVP latent KV cache calibrated for ``--kv-ratio`` (4x fewer
+KV bytes than bf16 by default) and the routed experts as grouped GEMMs (``--expert-gemm off`` keeps the model's
+own dispatch). It prints what the backend rewrote per layer, the compiled model's text (and the eager one where they
+differ), their token agreement, the KV cache's bytes per token, and timings: eager and steady-state compiled times
+are the best of two runs after a warm-up (CPU timings are indicative only; speed is measured on the GPU, see
+BENCHMARKS.md). With ``--dense`` nothing is lossy, and the exit status is 1 unless the compiled text equals eager's.
 """
 
 from __future__ import annotations
@@ -38,8 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-ratio", type=float, default=None,
-                   help="compress the KV cache into the CKVP latent at this ratio (calibrates on the model's "
-                        "eval_text.txt first); default: dense cache")
+                   help="compress the KV cache into the CKVP latent at this byte ratio against a 16-bit dense "
+                        "cache (calibrates on the model's eval_text.txt first; default 4)")
+    p.add_argument("--dense", action="store_true",
+                   help="keep HF's dense static cache (no calibration, no KV rewrite): the compiled run must then "
+                        "match eager token for token")
+    p.add_argument("--expert-gemm", default="on", choices=["on", "off"],
+                   help="rewrite the routed experts into grouped GEMMs (ckvp option enable_expert_gemm; default on)")
     p.add_argument("--group-size", type=int, default=4, choices=[1, 2, 4, 8],
                    help="layers sharing one latent (with --kv-ratio; default 4)")
     p.add_argument("--latent-format", default="int8",
@@ -70,6 +79,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.dense and args.kv_ratio is not None:
+        p.error("--dense keeps a dense cache and --kv-ratio asks for a latent one: give one of them")
+    if args.kv_ratio is None and not args.dense:
+        args.kv_ratio = 4.0
     if args.kv_ratio is not None and not (math.isfinite(args.kv_ratio) and args.kv_ratio >= 1):
         p.error(f"--kv-ratio must be a finite number >= 1 (dense bytes / latent bytes, e.g. 4), got {args.kv_ratio}")
     try:
@@ -156,6 +169,42 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) ->
     return out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start
 
 
+def rewrite_summary(recorder) -> str:
+    """One line per rewrite kind: the layers the backend rewrote and those it kept, with the reasons, over every
+    graph it compiled (the prefill and the decode step are separate graphs; a layer counts as rewritten when some
+    graph rewrote it)."""
+    rewritten: dict[str, set[int]] = {"attention": set(), "moe": set()}
+    kept: dict[str, dict[int, str]] = {"attention": {}, "moe": {}}
+    for g in recorder.graphs:
+        if g.fell_back:
+            continue
+        for d in g.plan.decisions:
+            if d.rewrite:
+                rewritten[d.kind].add(d.layer)
+            else:
+                kept[d.kind].setdefault(d.layer, d.reason)
+    lines = ["--- what the backend did " + "-" * 46]
+    for kind, what in (("attention", "latent KV attention (ckvp::latent_attention)"),
+                       ("moe", "routed experts as grouped GEMMs (ckvp::moe_experts)")):
+        done = sorted(rewritten[kind])
+        lines.append(f"{what}: {'layers ' + _ranges(done) if done else 'no layer'}")
+        reasons = {r for layer, r in kept[kind].items() if layer not in rewritten[kind]}
+        lines += [f"  kept: {r}" for r in sorted(reasons)]
+    lines += [f"graph {g.index} compiled unchanged: {g.fell_back}" for g in recorder.graphs if g.fell_back]
+    return "\n".join(lines)
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    out, start = [], None
+    for i, layer in enumerate(layers):
+        start = layer if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            out.append(f"{start}-{layer}" if layer != start else f"{layer}")
+            start = None
+    return ", ".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the example; returns the exit status (1 when a dense-cache compiled run does not match eager)."""
     args = parse_args(argv)
@@ -176,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     cache = None
     if args.kv_ratio is not None:
         cache = latent_cache(model, args.model, encode, args, input_ids.shape[1] + args.max_new_tokens)
+    from ckvp_compile import CKVPBackend, CKVPConfig, CompileRecorder
+
+    recorder = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig.from_options({"compiler": args.compiler,
+                                                   "enable_expert_gemm": args.expert_gemm == "on"}),
+                          recorder=recorder)
     eager_forward = model.forward
-    model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
+    model.forward = torch.compile(model.forward, backend=backend)
     ckvp_ids, first_s = generate(model, input_ids, args.max_new_tokens, cache)  # includes compilation
     (ckvp_ids_2, steady_s), (ckvp_ids_3, steady_s_3) = (generate(model, input_ids, args.max_new_tokens, cache)
                                                         for _ in range(2))
@@ -188,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dense_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    print("\n--- prompt " + "-" * 60 + f"\n{args.prompt}")
+    print("\n" + rewrite_summary(recorder))
+    print("--- prompt " + "-" * 60 + f"\n{args.prompt}")
     print("--- ckvp generation " + "-" * 51 + f"\n{decode(ckvp_ids)}")
     if ckvp_ids != eager_ids:
         print("--- eager generation " + "-" * 50 + f"\n{decode(eager_ids)}")
@@ -197,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if cache is None:
         print(f"token-for-token match with eager: {'yes' if eager_ids == ckvp_ids else 'NO'} "
               f"({agree}/{len(eager_ids)} tokens agree; repeated runs identical: {repeat})")
-        print(f"KV cache: dense, {dense_per_token} bytes per token (HF's static cache stays dense: the KV rewrite "
-              "needs a latent cache; --kv-ratio 4 turns it on)")
+        print(f"KV cache: dense, {dense_per_token} bytes per token (--dense: HF's static cache stays dense; the KV "
+              "rewrite needs a latent cache, which the default --kv-ratio 4 builds)")
     else:
         print(f"agreement with eager generation over a dense cache: {agree}/{len(eager_ids)} tokens "
               f"({100 * agree / len(eager_ids):.0f}%; the latent cache is lossy, so greedy generation may drift "
@@ -224,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         print("(CPU timings are indicative only: a busy machine moves them, and on CPU the latent cache's ops run "
               "their PyTorch references; speed is measured on the GPU, see BENCHMARKS.md)")
-    if args.kv_ratio is None:  # lossless: must match; a compressed cache is judged by its agreement
+    if cache is None:  # lossless: must match; a compressed cache is judged by its agreement
         return 0 if eager_ids == ckvp_ids else 1
     return 0
 

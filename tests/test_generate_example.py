@@ -38,6 +38,8 @@ def example(monkeypatch):
     (["--recent-window", "-1"], "--recent-window must be >= 0"),
     (["--device", "tpu"], "use cpu, cuda or cuda:N"),
     (["--group-size", "3"], "invalid choice"),
+    (["--dense", "--kv-ratio", "4"], "--dense keeps a dense cache and --kv-ratio asks for a latent one"),
+    (["--expert-gemm", "maybe"], "invalid choice"),
 ])
 def test_bad_option_values_fail_before_any_model_work(example, argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -48,7 +50,30 @@ def test_bad_option_values_fail_before_any_model_work(example, argv, needle, cap
 
 
 @pytest.mark.parametrize("argv", [[], ["--kv-ratio", "4", "--latent-format", "int4/64", "--recent-window", "8"],
-                                  ["--kv-ratio", "2", "--latent-format", "float"], ["--latent-format", "mxint4"]])
+                                  ["--kv-ratio", "2", "--latent-format", "float"], ["--latent-format", "mxint4"],
+                                  ["--dense", "--expert-gemm", "off"]])
 def test_good_option_values_reach_the_model(example, argv):
     with pytest.raises(example.Loaded):
         example.main(["--device", "cpu", *argv])
+
+
+def test_rewrite_summary_names_rewritten_layers_and_kept_reasons(example):
+    """The summary the main job prints: rewritten layers as ranges over every graph, kept layers with reasons."""
+    from types import SimpleNamespace as NS
+
+    from ckvp_compile.plan import SiteDecision
+
+    def graph(i, decisions, fell_back=""):
+        return NS(index=i, plan=NS(decisions=tuple(decisions)), fell_back=fell_back)
+
+    rec = NS(graphs=[
+        graph(0, [SiteDecision("attention", layer, True, "latent group 0") for layer in (0, 1, 2, 5)]
+              + [SiteDecision("moe", 0, False, "enable_expert_gemm is off")]),
+        graph(1, [SiteDecision("attention", 3, False, "no KV-cache write found")]),
+        graph(2, [SiteDecision("moe", 1, True, "rewrite")], fell_back="a pass failed"),
+    ])
+    text = example.rewrite_summary(rec)
+    assert "latent KV attention (ckvp::latent_attention): layers 0-2, 5" in text
+    assert "  kept: no KV-cache write found" in text
+    assert "grouped GEMMs (ckvp::moe_experts): no layer" in text and "kept: enable_expert_gemm is off" in text
+    assert "graph 2 compiled unchanged: a pass failed" in text
