@@ -47,7 +47,10 @@ cannot tell when I == Dm). Views count as no-ops on the data path only when they
 (:func:`_keeps_rows`: ``x.view(T, 2, Dm // 2).transpose(1, 2).reshape(T, Dm)`` is a feature permutation).
 :func:`_check_row_order` proves each expert row pairs one (token, slot)'s token, expert and weight and is summed
 back into that token: for the sorted (grouped) forms, the token gather ``x[P // A]``, the weight gather ``w[P]``, the
-offsets (counts of the sorted ids) and the un-sort (``P``'s inverse) all use one ascending sort ``P`` of the ids. Where the expert outputs are accumulated (an eager loop's ``acc.index_add_`` per
+offsets (counts of the sorted ids) and the un-sort (``P``'s inverse) all use one ascending sort ``P`` of the ids; for the
+(token, slot) grid forms (einsums, matmuls with ``W[ids]``), :func:`_check_grid_dims` follows which dim of each tensor
+is the token and which the slot through every equation, broadcast and sum (shapes alone cannot tell them when
+T == A: ``einsum('tai,at->ti')``, ``.sum(0)``). Where the expert outputs are accumulated (an eager loop's ``acc.index_add_`` per
 expert, or a chain of ``acc = acc.index_add(...)``), :func:`_check_accumulation` proves the accumulator is a fresh
 zero tensor that receives each weighted expert output once, by a plain sum at its tokens, and nothing else before
 the last one (the op's output replaces it).
@@ -1198,6 +1201,7 @@ def _check_row_order(form: str, ups, downs, combine: tuple[fx.Node, fx.Node], we
             if n is not weights and _is_gather(n) and op_name(n.args[0]) not in _FRESH_TUPLES:
                 raise _Skip(f"{n.name} gathers rows of the expert outputs or routing weights in a (token, slot) grid "
                             "form (they would meet other (token, slot) rows than the op pairs)")
+        _check_grid_dims(routed, x_root, ids, weights, {g.weight for g in ups + downs}, e)
         return
     perm = _Perm(ids)
     states = {_token_order(g, x_root, perm, a) for g in ups}
@@ -1346,6 +1350,239 @@ def _output_order(routed: fx.Node, downs, weights: fx.Node, perm: _Perm, expert_
         return k
 
     return order(src)
+
+
+# ------------------------------------------------------------------------------------------------ grid forms' dims
+# In the (token, slot) grid forms (gpt-fast einsums, matmuls with the weights gathered by the (T, A) ids) nothing is
+# gathered: which dim of each tensor is the token and which the slot is set by the equations, broadcasts and sums
+# alone, and with T == A shapes cannot tell them apart. :func:`_check_grid_dims` follows those roles from the
+# router's input (token, feature), the routing weights and the ids (token, slot) to the routed output.
+
+#: Dim roles: the token, the slot (one of the A routed experts), a feature (model / ffn / weight dim), or a
+#: broadcast (size 1, or expanded from size 1: it matches any role).
+_TOKEN, _SLOT, _FEATURE, _BCAST = "token", "slot", "feature", "broadcast"
+_ROLE_WORDS = {_TOKEN: "tokens", _SLOT: "slots", _FEATURE: "features", _BCAST: "a broadcast"}
+_ELEMENTWISE = frozenset({"mul", "add", "sub", "div"})
+
+
+def _check_grid_dims(routed: fx.Node, x_root: fx.Node, ids: fx.Node, weights: fx.Node, expert_weights: set,
+                     e: int) -> None:
+    """Raise _Skip unless the grid form pairs every (token, slot) as the op does: each einsum letter, broadcast-
+    aligned dim (``mul``, ``matmul`` batch dims) and contracted dim holds one role (never the tokens of one operand
+    against the slots of another, nor the tokens / slots contracted in a GEMM), no tensor has two dims of tokens or
+    of slots (an outer product over the slots), the slots are summed only by the routed output (the combine
+    ``einsum('tai,ta->ti')`` or ``.sum(1)``), the tokens never, and the routed output is (tokens, features).
+
+    ``x_root``: the router's input (T, Dm) = (tokens, features); ``ids`` / ``weights``: the top-k indices and the
+    routing weights the op reads, (T, A) = (tokens, slots); ``expert_weights``: the stacked weight placeholders,
+    whose gathers ``W[ids]`` are (tokens, slots, features...). Ops other than views, dtype casts, activations,
+    elementwise products, ``matmul`` / ``bmm``, explicit ``einsum`` equations and ``sum`` are refused.
+    """
+    memo: dict[fx.Node, tuple[str, ...]] = {}
+    ids_root = _ids_root(ids, e)
+    token_dims = [(_dims(ids) or ["?"])[0], (_dims(x_root) or ["?"])[-1]]
+
+    def base_roles(n: fx.Node, roles: tuple[str, ...]) -> tuple[str, ...]:
+        dims = _dims(n)
+        if dims is None or len(dims) != len(roles):
+            raise _Skip(f"{n.name} has no recorded shape of {len(roles)} dims (the tokens and slots of a grid form "
+                        "cannot be followed)")
+        return tuple(_BCAST if d == "1" else r for d, r in zip(dims, roles))
+
+    def merge(n: fx.Node, column: list[str]) -> str:
+        """One role for dims that line up (one einsum letter, broadcast-aligned dims)."""
+        found = sorted({r for r in column if r != _BCAST})
+        if len(found) > 1:
+            raise _Skip(f"{n.name} ({op_name(n)}) lines up the {' with the '.join(_ROLE_WORDS[r] for r in found)} "
+                        "of its operands (a grid form that pairs a token with another token's slot, or a slot's "
+                        "weight with another token: not the (token, slot) pairs the op computes)")
+        return found[0] if found else _BCAST
+
+    def reduced(n: fx.Node, roles: list[str], features_ok: bool) -> None:
+        """Raise _Skip unless summing over dims of these roles is what the op does there."""
+        for r in roles:
+            if r == _BCAST or (r == _SLOT and n is routed) or (r == _FEATURE and features_ok):
+                continue
+            raise _Skip(f"{n.name} ({op_name(n)}) sums over the {_ROLE_WORDS[r]} (only each token's sum over its "
+                        "slots, in the routed output, and the expert GEMMs' contractions over features are fused)")
+
+    def roles_of(n: object, depth: int = 0) -> tuple[str, ...]:
+        if not isinstance(n, fx.Node) or depth > 64:
+            raise _Skip("the path from the experts' input to the routed output could not be followed")
+        if n in memo:
+            return memo[n]
+        name, dims = op_name(n), _dims(n)
+        if dims is None:
+            raise _Skip(f"{n.name} ({name}) has no recorded shape (the tokens and slots of a grid form cannot be "
+                        "followed)")
+        if _token_rows(n, x_root, token_dims):
+            out = base_roles(n, (_TOKEN, _FEATURE))
+        elif n is weights:
+            out = base_roles(n, (_TOKEN, _SLOT))
+        elif name in moe_analysis._GATHERS and moe_analysis._weight_gather(n) in expert_weights:
+            index = n.args[0] if name == "embedding" else arg(n, 2, "index") if name == "index_select" else n.args[1]
+            if not isinstance(index, fx.Node) or _ids_root(index, e) is not ids_root or _dims(index) != _dims(ids):
+                raise _Skip(f"{n.name} gathers expert weights with {getattr(index, 'name', index)}, not the (T, A) "
+                            "top-k indices as they are")
+            out = base_roles(n, (_TOKEN, _SLOT) + (_FEATURE,) * (len(dims) - 2))
+        elif name in _DTYPE_KEEPING or name in _ACTIVATIONS or name == "masked_fill":
+            out = roles_of(n.args[0], depth + 1)
+        elif name == "getitem" and isinstance(n.args[0], fx.Node) and op_name(n.args[0]) in ("chunk", "split"):
+            piece = n.args[0]
+            src = roles_of(piece.args[0], depth + 1)
+            d = arg(piece, 2, "dim", 0)
+            if not isinstance(d, int) or src[d % len(src)] in (_TOKEN, _SLOT):
+                raise _Skip(f"{piece.name} splits along the {_ROLE_WORDS.get(src[d % len(src)], 'unknown dim')}"
+                            if isinstance(d, int) else f"{piece.name} splits along an unknown dim")
+            out = src
+        elif name == "getitem":
+            out = _indexed_roles(n, roles_of(n.args[0], depth + 1))
+        elif name in _DIM_MOVES:
+            src = roles_of(n.args[0], depth + 1)
+            moved = _moved_dims(n, len(src))
+            if moved is None:
+                raise _Skip(f"{n.name} ({name}) moves dims this check cannot follow")
+            out = tuple(src[d] for d in moved)
+        elif name in _RESHAPES:
+            out = _reshaped_roles(n, roles_of(n.args[0], depth + 1))
+        elif name in ("expand", "expand_as"):
+            src = roles_of(n.args[0], depth + 1)
+            before = _dims(n.args[0]) or []
+            lead = len(dims) - len(src)
+            out = (_BCAST,) * lead + tuple(r if b == d else _BCAST for r, b, d in zip(src, before, dims[lead:]))
+        elif name in _ELEMENTWISE:
+            ops = [roles_of(a, depth + 1) for a in tensor_args(n)]
+            out = tuple(merge(n, [o[len(o) - len(dims) + j] for o in ops if len(o) - len(dims) + j >= 0])
+                        for j in range(len(dims)))
+        elif name == "matmul":
+            a, b = (roles_of(x, depth + 1) for x in tensor_args(n)[:2])
+            if len(a) < 2 or len(b) < 2 or len(tensor_args(n)) != 2:
+                raise _Skip(f"{n.name} ({name}) is not a product of two (batched) matrices")
+            reduced(n, [merge(n, [a[-1], b[-2]])], True)
+            batch = len(dims) - 2
+            out = tuple(merge(n, [o[len(o) - 2 - batch + j] for o in (a, b) if len(o) - 2 - batch + j >= 0])
+                        for j in range(batch)) + (a[-2], b[-1])
+        elif name == "einsum":
+            out = _einsum_roles(n, [roles_of(x, depth + 1) for x in tensor_args(n)], merge, reduced)
+        elif name == "sum":
+            src = roles_of(n.args[0], depth + 1)
+            d = arg(n, 1, "dim")
+            d = list(d) if isinstance(d, (list, tuple)) else list(range(len(src))) if d is None else [d]
+            if not all(isinstance(k, int) for k in d):
+                raise _Skip(f"{n.name} sums over dims this check cannot follow")
+            d = {k % len(src) for k in d}
+            reduced(n, [src[k] for k in sorted(d)], False)
+            keep = arg(n, 2, "keepdim", False)
+            out = tuple(_BCAST if k in d else r for k, r in enumerate(src)) if keep else \
+                tuple(r for k, r in enumerate(src) if k not in d)
+        else:
+            raise _Skip(f"{n.name} ({name}) on the way from the experts' input to the routed output (which of its "
+                        "dims are the tokens and which the slots cannot be followed)")
+        if len(out) != len(dims):
+            raise _Skip(f"{n.name} ({name}): its dims could not be followed (got {len(out)} roles for {len(dims)} dims)")
+        out = tuple(_BCAST if d == "1" else r for d, r in zip(dims, out))
+        for r in (_TOKEN, _SLOT):
+            if out.count(r) > 1:
+                raise _Skip(f"{n.name} ({name}) has {out.count(r)} dims of {_ROLE_WORDS[r]} (an outer product over "
+                            f"the {_ROLE_WORDS[r]}, not one (token, slot) pair per row)")
+        if _SLOT in out and n is routed:
+            raise _Skip(f"the routed output {n.name} keeps the slots (they are not summed)")
+        memo[n] = out
+        return out
+
+    got = roles_of(routed)
+    want = tuple(_BCAST if d == "1" else r for d, r in zip(token_dims, (_TOKEN, _FEATURE)))
+    if got != want:
+        raise _Skip(f"the routed output {routed.name} holds ({', '.join(_ROLE_WORDS[r] for r in got)}), not (tokens, "
+                    "features) like the router's input (a transposed or token-summed combine)")
+
+
+def _token_rows(n: fx.Node, x_root: fx.Node, token_dims: list[str]) -> bool:
+    """True when ``n`` is the (T, Dm) token rows of the router's input: ``x_root`` itself or a view of it (through
+    views that keep every feature row and repeat none) with ``token_dims`` = [T, Dm] as its shape."""
+    if _dims(n) != token_dims:
+        return False
+    for _ in range(32):
+        if n is x_root:
+            return True
+        if not (op_name(n) in _VIEWS and op_name(n) not in ("expand", "expand_as") and n.args
+                and isinstance(n.args[0], fx.Node) and _keeps_rows(n)):
+            return False
+        n = n.args[0]
+    return False
+
+
+def _indexed_roles(n: fx.Node, src: tuple[str, ...]) -> tuple[str, ...]:
+    """Roles after ``x[items]`` with ints, slices, None and Ellipsis (no tensor index); raise _Skip otherwise or when
+    it selects some of the tokens or slots."""
+    index = n.args[1] if len(n.args) > 1 else None
+    items = list(index) if isinstance(index, (tuple, list)) else [index]
+    if any(isinstance(i, fx.Node) for i in items):
+        raise _Skip(f"{n.name} gathers by a tensor index in a (token, slot) grid form")
+    used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if items.count(Ellipsis) > 1 or used > len(src):
+        raise _Skip(f"{n.name}: an index this check cannot follow")
+    k = items.index(Ellipsis) if Ellipsis in items else len(items)
+    items = items[:k] + [slice(None)] * (len(src) - used) + items[k + 1:]
+    out, d = [], 0
+    for i in items:
+        if i is None:
+            out.append(_BCAST)
+            continue
+        r = src[d]
+        d += 1
+        if i == slice(None):
+            out.append(r)
+        elif r in (_TOKEN, _SLOT):
+            raise _Skip(f"{n.name} selects some of the {_ROLE_WORDS[r]} ({i!r})")
+        elif isinstance(i, slice):
+            out.append(r)
+    return tuple(out)
+
+
+def _reshaped_roles(n: fx.Node, src: tuple[str, ...]) -> tuple[str, ...]:
+    """Roles after a reshape: dims of size 1 come and go freely; the others must be the same sizes in the same order,
+    or merge / split only features."""
+    before, after = _dims(n.args[0]), _dims(n)
+    big_before = [(d, r) for d, r in zip(before, src) if d != "1"]
+    big_after = [d for d in after if d != "1"]
+    if [d for d, _ in big_before] == big_after:
+        roles = iter(r for _, r in big_before)
+        return tuple(_BCAST if d == "1" else next(roles) for d in after)
+    k = 0  # otherwise: the tokens / slots lead, unchanged, and only the features after them are merged or split
+    while k < len(big_before) and big_before[k][1] in (_TOKEN, _SLOT):
+        k += 1
+    if all(r not in (_TOKEN, _SLOT) for _, r in big_before[k:]) and big_after[:k] == [d for d, _ in big_before[:k]]:
+        lead, out = [r for _, r in big_before[:k]], []
+        for d in after:
+            out.append(_BCAST if d == "1" else lead.pop(0) if lead else _FEATURE)
+        return tuple(out)
+    raise _Skip(f"{n.name} ({op_name(n)}) reshapes {before} -> {after}, merging or splitting the tokens or slots")
+
+
+def _einsum_roles(n: fx.Node, operands: list[tuple[str, ...]], merge, reduced) -> tuple[str, ...]:
+    """Roles of an explicit ``einsum``'s output: one role per letter (:func:`_check_grid_dims`' ``merge``), the
+    summed letters' roles checked by ``reduced``; each of tokens and slots held by one letter at most."""
+    spec = n.args[0] if n.args and isinstance(n.args[0], str) else None
+    spec = spec.replace(" ", "") if spec else None
+    if not spec or "->" not in spec or "." in spec:
+        raise _Skip(f"{n.name}: einsum {spec!r} is not an explicit equation without '...'")
+    lhs, rhs = spec.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands) or any(len(t) != len(o) for t, o in zip(terms, operands)):
+        raise _Skip(f"{n.name}: einsum {spec!r} does not match its operands' dims")
+    letters: dict[str, list[str]] = {}
+    for t, o in zip(terms, operands):
+        for c, r in zip(t, o):
+            letters.setdefault(c, []).append(r)
+    role = {c: merge(n, rs) for c, rs in letters.items()}
+    for r in (_TOKEN, _SLOT):
+        held = [c for c, x in role.items() if x == r]
+        if len(held) > 1:
+            raise _Skip(f"{n.name}: einsum {spec!r} gives the {_ROLE_WORDS[r]} {len(held)} letters "
+                        f"({', '.join(held)}): an outer product over the {_ROLE_WORDS[r]}")
+    reduced(n, [role[c] for c in role if c not in rhs], True)
+    return tuple(role[c] for c in rhs)
 
 
 # ------------------------------------------------------------------------------------------------ rewriting

@@ -8,6 +8,9 @@ model below was once compiled into wrong outputs.
 * Views on the experts' data path: a split-transpose-merge of the features between the router's input and the expert
   GEMMs (either side) or between the down GEMM and the combine is a feature permutation and is refused; views that
   keep each token's feature row (unsqueeze, flatten of a size-1 dim) are no-ops and the layer is rewritten.
+* (Token, slot) grid forms (einsums, matmuls with the weights gathered by the (T, A) ids): with T == A an equation
+  that transposes the routing weights, sums over the tokens, reads a token by its slot index, or a sum over dim 0
+  has the plain form's shapes; each dim's role (token, slot, feature) is followed and those are refused.
 * Expert offload: ``model.load_state_dict(sd)`` after compiling updates the offloader's expert weights (host store
   and resident slots), so the compiled model computes what the plain model with ``sd`` computes; ``state_dict()``
   has the experts under their original keys (a saved offloaded model kept none), in-place edits of them reach the
@@ -244,3 +247,68 @@ def test_offloaded_state_dict_edits_missing_keys_and_closed_offloader():
     ckvp_compile.offloader_of(model).close()
     with pytest.raises(ckvp_compile.CKVPConfigError, match="was closed.*load the model again"):
         model.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------------- 4. grid dims
+class _GridMoE(torch.nn.Module):
+    """(token, slot) grid forms: gpt-fast einsums, or matmuls with the weights gathered by the (T, A) ids
+    (``W[ids] @ x[:, None, :, None]``), the combine an einsum or ``(y * w[..., None]).sum(1)``. ``variant``
+    changes which dims an equation, a broadcast or the sum pairs; with T == A every variant has the plain
+    form's shapes, so only the dims' roles tell them apart."""
+
+    def __init__(self, variant: str, dim: int = 16, num_experts: int = 4, ffn: int = 8) -> None:
+        super().__init__()
+        self.variant = variant
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(num_experts, ffn, dim) * 0.3) for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(num_experts, dim, ffn) * 0.3)
+
+    def forward(self, x):
+        v = self.variant
+        w, idx = torch.topk(F.softmax(self.gate(x), dim=-1), 2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        if v.startswith("mm"):
+            xc = x[None, :, :, None] if v == "mm_x_by_slot" else x[:, None, :, None]  # (T, 1, Dm, 1)
+            h = F.silu(torch.matmul(self.w1[idx], xc)) * torch.matmul(self.w3[idx], xc)  # (T, A, I, 1)
+            y = torch.matmul(self.w2[idx], h).squeeze(-1)  # (T, A, Dm)
+            ws = w.t() if v == "mm_weights_transposed" else w
+            return (y * ws[..., None]).sum(0 if v == "mm_sums_tokens" else 1)
+        up_eq = "ai,taoi->tao" if v == "einsum_x_by_slot" else "ti,taoi->tao"
+        h = F.silu(torch.einsum(up_eq, x, self.w1[idx])) * torch.einsum(up_eq, x, self.w3[idx])
+        out = torch.einsum("ato,taio->tai" if v == "einsum_down_swapped" else "tao,taio->tai", h, self.w2[idx])
+        eq = {"einsum_weights_transposed": "tai,at->ti", "einsum_sums_tokens": "tai,ta->ai",
+              "einsum_outer_slots": "tai,tb->ti"}.get(v, "tai,ta->it" if v.startswith("einsum_output") else "tai,ta->ti")
+        y = torch.einsum(eq, out, w)  # (Dm, T) for the einsum_output variants
+        return {"einsum_output_transposed": y.t(), "einsum_output_reshaped": y.reshape(x.shape)}.get(v, y)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("einsum", None),
+    ("mm", None),
+    ("mm_weights_transposed", None),  # the op reads w.t(), the tensor the model multiplies by: still exact
+    ("einsum_weights_transposed", "token"),
+    ("einsum_sums_tokens", "token"),
+    ("einsum_outer_slots", "slot"),
+    ("einsum_output_transposed", "token"),  # == the plain form, but was rewritten into (the op's output).view(Dm, T).t()
+    ("einsum_output_reshaped", "token"),
+    ("einsum_x_by_slot", "token"),
+    ("einsum_down_swapped", "token"),
+    ("mm_sums_tokens", "token"),
+    ("mm_x_by_slot", "token"),
+])
+def test_grid_forms_pair_tokens_and_slots_by_their_dims(variant, reason):
+    """In the (token, slot) grid forms only the dims of each einsum / matmul / sum say which is the token and which
+    the slot: with T == A (2 tokens, top-2) an equation that transposes the routing weights, sums over the tokens,
+    reads the token by the slot index, or a sum over dim 0 has the plain form's shapes. Each refused variant was
+    once rewritten into wrong outputs (the plain form's, or for a (Dm, T) routed output, the op's (T, Dm) output
+    viewed as (Dm, T))."""
+    torch.manual_seed(0)
+    model = _GridMoE(variant).eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():  # the variants compute something else than the plain form: the test can tell them apart
+        if reason is not None and variant != "einsum_output_transposed":
+            plain = _GridMoE("einsum").eval()
+            plain.load_state_dict(model.state_dict())
+            assert not torch.allclose(model(x), plain(x), atol=1e-3)
+    check_rewritten_or_refused(model, x, reason)
+
