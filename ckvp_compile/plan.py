@@ -128,6 +128,11 @@ def _dense_kv_bytes_per_token(site: AttentionSite) -> int:
     return site.num_kv_heads * site.head_dim * (site.k_cache.itemsize + site.v_cache.itemsize)
 
 
+#: The decision of a layer whose KV-cache writes no understood attention reads (an ``unrecognised_attention``).
+UNRECOGNISED_ATTENTION = ("attention not recognised: its KV-cache writes are left as written, the cache stays dense "
+                          "(see unsupported for what was found and why)")
+
+
 def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan:
     """Decide, for every site of ``analysis``, whether it is rewritten under ``config``, and group layers.
 
@@ -202,6 +207,9 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
         else:
             reason = "dense cache: give the model a ckvp latent cache to compress it (README, 'Latent KV cache')"
         decisions.append(SiteDecision("attention", s.layer, False, reason))
+    for layer in sorted({u.layer for u in analysis.unsupported if u.kind == "unrecognised_attention"
+                         and u.layer is not None} - {s.layer for s in analysis.attention}):
+        decisions.append(SiteDecision("attention", layer, False, UNRECOGNISED_ATTENTION))
     for m in analysis.moe:
         if not config.enable_expert_gemm:
             decisions.append(SiteDecision("moe", m.layer, False, EXPERT_GEMM_OFF))

@@ -25,21 +25,28 @@ kind                structure
 ``sliding_window``  the attention mask compares key and query positions with a constant offset
                     (``kv > q - W``) next to the causal comparison, or uses ``tril``/``triu`` with a
                     negative diagonal
+``unrecognised_     a KV-cache buffer (4-D, written in place: ``index_copy_`` / ``setitem`` /
+attention``         ``index_put_``) that no understood attention reads: the attention op was not recognised
+                    (e.g. scores from ``baddbmm``), or it was found but its heads / RoPE / key path could
+                    not be read (the reason says which), or it lies in another graph (a graph break)
 ==================  ============================================================================
 
-Anything else that is not understood (e.g. K read from a buffer that is never written in the graph) is
-skipped silently; :func:`find_attention_sites` never raises.
+Anything else that is not understood (e.g. K read from a buffer that is never written in the graph, or an
+attention without a cache whose key path is not understood) is skipped silently; :func:`find_attention_sites`
+never raises.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch.fx as fx
 
 from .attention_ops import AttentionOp, find_attention_ops, is_projection, is_weight, op_heads
 from .graph import (
     VIEW_LIKE,
+    ancestors,
     find_downstream,
     find_upstream,
     LayerFinding,
@@ -48,11 +55,21 @@ from .graph import (
     node_map,
     number_findings,
     op_name,
+    placeholder_source,
     positions,
     shape_of,
     strip_views,
 )
-from .kv_cache import ALLOC_OPS, KVTrace, cache_write_site, grown_cache, mla_evidence, trace_kv
+from .kv_cache import (
+    ALLOC_OPS,
+    KVTrace,
+    buffers_read,
+    cache_write_site,
+    grown_cache,
+    mla_evidence,
+    trace_kv,
+    written_cache_buffers,
+)
 from .masks import sliding_window
 from .rope import RopeMatch, RowScale, cached_key_layout, match_rope, match_row_scale, rope_residue, tables_paired
 from .sites import AttentionSite, RopeSite, UnsupportedSite
@@ -74,6 +91,10 @@ _MLA_FIX = "nothing to do, ckvp leaves MLA as is."
 _POST_ROPE_FIX = (
     "NYI: keys changed after RoPE (a norm or scale, e.g. HunYuan-MoE's key_layernorm) cannot use the latent cache; "
     "with a dense cache the model compiles and runs as before."
+)
+_UNRECOGNISED_FIX = (
+    "NYI: the layer is left as written and runs as before with a dense cache (a ckvp latent cache cannot be used); "
+    "with a Hugging Face model, attn_implementation=\"sdpa\" gives an attention the analysis reads."
 )
 _SLIDING_FIX = (
     "NYI: sliding-window layers stay dense; keep them out of ckvp, or run the model without a sliding "
@@ -117,45 +138,103 @@ def attention_findings(graph: fx.Graph) -> list[LayerFinding]:
     nodes = node_map(graph)
     where = positions(graph)
     findings: list[LayerFinding] = []
+    written = written_cache_buffers(graph)
+    claimed: set[fx.Node] = set()  # the written buffers an attention op reads, reported by a site or a pattern
     for cand in candidates:
+        reads = buffers_read(cand.k, cand.v) & written.keys()
         try:
-            site, bad = _analyse(cand, -1, nodes)
+            site, bad, why = _analyse(cand, -1, nodes)
         except Exception:
             logger.debug("ckvp: attention at %s not analysed", cand.node.name, exc_info=True)
-            continue
+            site, bad, why = None, [], "its analysis failed (an unexpected graph form)"
         items = list(bad) + ([site] if site is not None else [])
+        if not items and reads:
+            items = [UnsupportedSite(
+                kind="unrecognised_attention", layer=-1,
+                reason=f"the attention {cand.form} at {cand.node.name} reads the KV cache written by "
+                       f"{_writes_text(reads, written)}, but {why or 'it was not understood'}.",
+                fix=_UNRECOGNISED_FIX, nodes=(cand.node.name,) + tuple(w.name for b in reads for w in written[b]))]
         if items:
+            claimed |= reads | _layer_buffers_under(cand, written)
             findings.append(LayerFinding(where[cand.node], layer_prefix(module_path(cand.node)), "attention", items))
+    findings.extend(_unread_cache_findings(written, claimed, {f.prefix for f in findings} - {None}, where))
     return findings
+
+
+def _layer_buffers_under(c: AttentionOp, written: dict[fx.Node, list[fx.Node]]) -> set[fx.Node]:
+    """The written buffers that the attention's K or V depend on and that are written in the attention's own layer
+    (e.g. MLA's second cached tensor, read through up-projections and concatenations); none outside numbered layers."""
+    prefix = layer_prefix(module_path(c.node))
+    if prefix is None:
+        return set()
+    up = ancestors(c.k) | ancestors(c.v) | {c.k, c.v}
+    return {b for b, writes in written.items() if b in up and layer_prefix(module_path(writes[0])) == prefix}
+
+
+def _writes_text(buffers: Iterable[fx.Node], written: dict[fx.Node, list[fx.Node]]) -> str:
+    """'index_copy_ into l_kwargs_cache_layers_0_keys (...), ...' for the writes into ``buffers``."""
+    parts = []
+    for b in sorted(buffers):
+        src = placeholder_source(b) if b.op == "placeholder" else None
+        forms = ", ".join(dict.fromkeys(op_name(w) for w in written[b]))
+        parts.append(f"{forms} into {b.name}" + (f" ({src})" if src else ""))
+    return "; ".join(parts)
+
+
+def _unread_cache_findings(written: dict[fx.Node, list[fx.Node]], claimed: set[fx.Node], reported: set[str],
+                           where: dict[fx.Node, int]) -> list[LayerFinding]:
+    """One ``unrecognised_attention`` finding per layer whose written cache buffers no attention op reads; a layer
+    (prefix) in ``reported`` already has its attention's site or pattern (e.g. MLA's prefill, which writes a buffer
+    its attention does not read back)."""
+    by_prefix: dict[str | None, list[fx.Node]] = {}
+    for buf, writes in written.items():
+        prefix = layer_prefix(module_path(writes[0]))
+        if buf not in claimed and prefix not in reported:
+            by_prefix.setdefault(prefix, []).append(buf)
+    out = []
+    for prefix, bufs in by_prefix.items():
+        writes = sorted(w for b in bufs for w in written[b])
+        out.append(LayerFinding(where[writes[0]], prefix, "attention", [UnsupportedSite(
+            kind="unrecognised_attention", layer=-1,
+            reason=f"KV-cache writes were found ({_writes_text(bufs, written)}), but no attention op that reads these "
+                   "buffers was recognised in this graph (neither one scaled_dot_product_attention call nor "
+                   "softmax(Q K^T [scaled, masked]) V through matmul / bmm / einsum, e.g. scores from baddbmm are "
+                   "not matched), or it lies in another graph (a graph break).",
+            fix=_UNRECOGNISED_FIX, nodes=tuple(w.name for w in writes))]))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
 # one attention
 
 
-def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[AttentionSite | None, list[UnsupportedSite]]:
-    """Interpret one attention op: (its site, []) or (None, the unsupported patterns it shows) or (None, [])."""
+def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node],
+             ) -> tuple[AttentionSite | None, list[UnsupportedSite], str | None]:
+    """Interpret one attention op: (its site, [], None), (None, the unsupported patterns it shows, None), or
+    (None, [], why it is not understood)."""
     kt, vt = trace_kv(c.k), trace_kv(c.v)
     bad = _unsupported(c, kt, vt, layer)
     if bad:
-        return None, bad
+        return None, bad, None
     k_cache = cache_write_site("k", kt, c.node)
     v_cache = cache_write_site("v", vt, c.node)
     if k_cache is None and (kt.base.op in ("placeholder", "get_attr") or op_name(kt.base) in ALLOC_OPS):
-        return None, []  # K read from a buffer that is not written here: not understood
+        return None, [], f"its keys come from {kt.base.name}, a buffer with no positional write before it"
     new_k = nodes[k_cache.value_node] if k_cache is not None else kt.base
     new_v = nodes[v_cache.value_node] if v_cache is not None else vt.base
 
     h, hk, d = c.heads if c.heads is not None else op_heads(c.q, c.k)
     hkv = hk // kt.expand_factor if kt.expand_factor and hk % kt.expand_factor == 0 else 0
     if min(h, hkv, d) <= 0 or h % hkv != 0:
-        return None, []
+        return None, [], (f"its heads could not be read off the query and key shapes (H={h}, KV heads={hkv}, "
+                          f"D={d})")
 
     # a factor constant along the head dim after RoPE (Llama-4's weightless qk_norm): RoPE(k) * s == RoPE(k * s)
     row_scale = match_row_scale(strip_views(new_k)) if k_cache is not None else None
     rope_k = match_rope(strip_views(row_scale.rotated if row_scale is not None else new_k))
     if rope_k is not None and (shape_of(rope_k.x_in) or (0,))[-1] != d:
-        return None, []  # RoPE on part of the head whose pass-through part was not found: not understood
+        return None, [], (f"the RoPE at {rope_k.out.name} rotates part of the head and the pass-through part was "
+                          "not found")
     residue = rope_residue(rope_k) if rope_k is not None and k_cache is not None else None
     k_in_perm = None
     if residue is None and rope_k is not None and k_cache is not None:  # the views / casts from RoPE to the cache
@@ -168,11 +247,14 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
             kind="post_rope_key", layer=layer,
             reason=f"the cached key is not exactly RoPE of the projected key: {residue}; a latent of the pre-RoPE key "
                    "would rebuild keys without it.",
-            fix=_POST_ROPE_FIX, nodes=(c.node.name, rope_k.out.name))]
+            fix=_POST_ROPE_FIX, nodes=(c.node.name, rope_k.out.name))], None
     k_in = rope_k.x_in if rope_k is not None else new_k
     k_proj = _projection_upstream(k_in)
     if rope_k is None and (k_proj is None or _has_table_input(k_proj, new_k)):
-        return None, []  # the key is transformed by a table (a RoPE form not recognised): not understood
+        why = (f"its key is transformed by a table between the projection {k_proj.name} and the cache write (a RoPE "
+               "form not recognised)" if k_proj is not None else
+               f"no projection producing its key {new_k.name} was found")
+        return None, [], why
     rope_q = match_rope(strip_views(c.q))
     return AttentionSite(
         layer=layer,
@@ -194,7 +276,7 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node]) -> tuple[Att
         v_cache=v_cache,
         is_causal=c.is_causal,
         scale=c.scale,
-    ), []
+    ), [], None
 
 
 def _unsupported(c: AttentionOp, kt: KVTrace, vt: KVTrace, layer: int) -> list[UnsupportedSite]:

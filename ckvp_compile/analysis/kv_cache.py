@@ -172,6 +172,34 @@ def cache_write_site(kind: str, trace: KVTrace, before: fx.Node) -> CacheWriteSi
     )
 
 
+def written_cache_buffers(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Map each 4-D KV-cache-like buffer (a placeholder or a buffer allocated in the graph) written in place at
+    positions (``index_copy_`` / ``setitem`` / ``index_put_``) to its writes."""
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr") or op_name(n) in ALLOC_OPS:
+            if len(shape_of(n) or ()) == 4:
+                writes = positional_writes(n)
+                if writes:
+                    out[n] = writes
+    return out
+
+
+def buffers_read(k: fx.Node, v: fx.Node) -> set[fx.Node]:
+    """The nodes an attention reads its keys ``k`` and values ``v`` from: the :func:`trace_kv` bases, the buffer of a
+    functional ``index_put``, and the tensor under an up-projection (MLA)."""
+    out: set[fx.Node] = set()
+    for x in (k, v):
+        base = trace_kv(x).base
+        out.add(base)
+        if op_name(base) == "index_put" and isinstance(base.args[0], fx.Node):
+            out.add(strip_views(base.args[0]))
+        proj = _through_splits(base)
+        if is_projection(proj) and proj.args and isinstance(proj.args[0], fx.Node):
+            out.add(trace_kv(proj.args[0]).base)
+    return out
+
+
 def _itemsize(node: fx.Node) -> int:
     """Bytes per element of ``node``'s tensor (2 when unknown)."""
     dtype = dtype_of(node)

@@ -230,6 +230,8 @@ class GraphReport(GraphRecord):
             return (f"{dense} -> {after} ({dense / after:.2f}x smaller; latent rows in their storage format + "
                     "slot position, per sequence)")
         if not dense:
+            if any(u.kind == "unrecognised_attention" for u in self.analysis.unsupported):
+                return "n/a (KV-cache writes found, but no attention that reads them was recognised: see unsupported)"
             return "n/a (no KV-cache write found)"
         if planned == dense:
             return f"{dense} -> {planned} (unchanged)"

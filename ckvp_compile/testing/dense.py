@@ -14,9 +14,10 @@ DENSE_ARCHS = ("gpt2", "llama")
 
 
 def build_hf_dense(arch: str, *, attn_implementation: str = "sdpa", num_layers: int = 2, num_heads: int = 4,
-                   num_kv_heads: int = 2, head_dim: int = 16, seed: int = 0) -> torch.nn.Module:
+                   num_kv_heads: int = 2, head_dim: int = 16, seed: int = 0, **config_overrides) -> torch.nn.Module:
     """Build a tiny random-weight GPT2LMHeadModel ('gpt2', MHA: ``num_kv_heads`` is ignored) or LlamaForCausalLM
     ('llama', GQA), vocabulary 256 (byte ids), 64 positions, ``initializer_range=0.1``, in eval mode, fp32 on CPU.
+    ``config_overrides`` go to the config last (e.g. GPT-2's ``reorder_and_upcast_attn=True``: scores by ``baddbmm``).
 
     Raises:
         ValueError: an unknown ``arch``.
@@ -27,6 +28,7 @@ def build_hf_dense(arch: str, *, attn_implementation: str = "sdpa", num_layers: 
         raise ValueError(f"arch must be one of {DENSE_ARCHS}, but got {arch!r}")
     common = dict(vocab_size=256, bos_token_id=0, eos_token_id=0, initializer_range=0.1,
                   attn_implementation=attn_implementation)
+    common.update(config_overrides)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(n_positions=64, n_embd=num_heads * head_dim, n_layer=num_layers,
                                       n_head=num_heads, **common)

@@ -325,10 +325,14 @@ def test_hand_written_forms(spec, rope_form, rotary_dim, gqa_form):
 
 
 def test_unrecognised_rope_gives_no_site():
-    """A key rotated in a form the analysis does not know must not be reported as a RoPE-free key."""
+    """A key rotated in a form the analysis does not know must not be reported as a RoPE-free key: no site, and
+    each layer's cache writes are reported with the reason (not left unexplained)."""
     model = HandModel(HandSpec(rope="signed_table")).eval()
     gm = _one_graph(capture_dynamo_graphs(model, torch.randn(1, PROMPT_LEN, 48), torch.arange(PROMPT_LEN)))
-    assert find_attention_sites(gm.graph) == ([], [])
+    sites, unsupported = find_attention_sites(gm.graph)
+    assert sites == [] and [(u.kind, u.layer) for u in unsupported] == [("unrecognised_attention", 0),
+                                                                         ("unrecognised_attention", 1)]
+    assert all("transformed by a table" in u.reason for u in unsupported)
 
 
 def test_plain_forward_has_sites_without_cache():

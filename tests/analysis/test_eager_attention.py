@@ -55,3 +55,64 @@ def test_gpt2_eager_finds_what_sdpa_finds():
                 for s in a] == [(s.layer, s.num_heads, s.num_kv_heads, s.head_dim, s.k_cache.cache_source,
                                  s.v_cache.cache_source) for s in b]
         assert {s.form for s in a} == {"softmax_qkv"} and {s.form for s in b} == {"sdpa"}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# cache writes that no understood attention reads: reported, never "no KV-cache write found"
+
+
+def test_gpt2_reordered_baddbmm_attention_is_reported_with_its_cache_writes():
+    """GPT-2's reorder_and_upcast_attn computes the scores with baddbmm (not matched): each layer's static-cache
+    writes are reported as unrecognised_attention, and the plan says the layer is kept and why."""
+    from ckvp_compile import CKVPConfig
+    from ckvp_compile.analysis import analyze
+    from ckvp_compile.plan import UNRECOGNISED_ATTENTION, make_plan
+
+    model = build_hf_dense("gpt2", attn_implementation="eager", reorder_and_upcast_attn=True)
+    ids = torch.randint(0, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    pre, dec = capture_prefill_decode_graphs(model, ids, max_cache_len=CACHE_LEN)
+    for (gm,) in (pre, dec):
+        a = analyze(gm.graph)
+        assert a.attention == ()
+        assert [(u.kind, u.layer) for u in a.unsupported] == [("unrecognised_attention", 0),
+                                                               ("unrecognised_attention", 1)]
+        nodes = node_map(gm.graph)
+        for u in a.unsupported:
+            assert "KV-cache writes were found" in u.reason and "index_copy_ into" in u.reason
+            assert [op_name(nodes[n]) for n in u.nodes] == ["index_copy_", "index_copy_"]
+        plan = make_plan(a, CKVPConfig())
+        assert [(d.kind, d.layer, d.rewrite, d.reason) for d in plan.decisions] == [
+            ("attention", 0, False, UNRECOGNISED_ATTENTION), ("attention", 1, False, UNRECOGNISED_ATTENTION)]
+
+
+class _TableKeyAttention(torch.nn.Module):
+    """softmax(Q K^T) V over a static cache whose keys are multiplied by a position table before the write (a
+    position-dependent transform that is not a recognised RoPE): the attention is found, its key path is not
+    understood."""
+
+    def __init__(self, d: int = 16, s_max: int = 8) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+        self.register_buffer("table", torch.randn(s_max, d))
+        self.register_buffer("k_cache", torch.zeros(1, 1, s_max, d))
+        self.register_buffer("v_cache", torch.zeros(1, 1, s_max, d))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        q, k, v = (p(x)[:, None] for p in (self.q, self.k, self.v))
+        k = k * self.table[pos]
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        p = torch.softmax(q @ self.k_cache.transpose(-1, -2) * 0.25, dim=-1)
+        return p @ self.v_cache
+
+
+def test_attention_whose_key_path_is_not_understood_reports_why():
+    from ckvp_compile.testing.decoding import capture_dynamo_graphs
+
+    torch.manual_seed(0)
+    (gm,) = capture_dynamo_graphs(_TableKeyAttention().eval(), torch.randn(1, 3, 16), torch.arange(3))
+    sites, unsupported = find_attention_sites(gm.graph)
+    assert sites == [] and [u.kind for u in unsupported] == ["unrecognised_attention"]
+    (u,) = unsupported
+    assert "reads the KV cache written by index_copy_ into" in u.reason
+    assert "transformed by a table" in u.reason
