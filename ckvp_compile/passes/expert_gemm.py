@@ -50,7 +50,9 @@ back into that token: for the sorted (grouped) forms, the token gather ``x[P // 
 offsets (counts of the sorted ids) and the un-sort (``P``'s inverse) all use one ascending sort ``P`` of the ids; for the
 (token, slot) grid forms (einsums, matmuls with ``W[ids]``), :func:`_check_grid_dims` follows which dim of each tensor
 is the token and which the slot through every equation, broadcast and sum (shapes alone cannot tell them when
-T == A: ``einsum('tai,at->ti')``, ``.sum(0)``). Where the expert outputs are accumulated (an eager loop's ``acc.index_add_`` per
+T == A: ``einsum('tai,at->ti')``, ``.sum(0)``); for eager loops, :func:`_check_loop_rows` proves each expert e
+gathers its tokens, its routing weights ``w[token, slot]`` and accumulates at the coordinates of one
+``where(ids == e)`` (token coordinate first), and that the loop visits every expert once. Where the expert outputs are accumulated (an eager loop's ``acc.index_add_`` per
 expert, or a chain of ``acc = acc.index_add(...)``), :func:`_check_accumulation` proves the accumulator is a fresh
 zero tensor that receives each weighted expert output once, by a plain sum at its tokens, and nothing else before
 the last one (the op's output replaces it).
@@ -1183,6 +1185,7 @@ def _check_row_order(form: str, ups, downs, combine: tuple[fx.Node, fx.Node], we
     """
     _check_body_rows(ups, downs)
     if form == "eager_loop":
+        _check_loop_rows(ups, downs, weights, ids, e)
         return
     flat = form in _PAIR_FORMS and not any(len(_dims(i) or ()) > 1 for g in ups + downs for i in _weight_indices(g))
     if not flat:
@@ -1583,6 +1586,183 @@ def _einsum_roles(n: fx.Node, operands: list[tuple[str, ...]], merge, reduced) -
                         f"({', '.join(held)}): an outer product over the {_ROLE_WORDS[r]}")
     reduced(n, [role[c] for c in role if c not in rhs], True)
     return tuple(role[c] for c in rhs)
+
+
+# ------------------------------------------------------------------------------------------------ eager loops' rows
+# An eager loop's expert e reads the tokens ``where(ids == e)`` (or a one-hot mask of the ids) found, weights each
+# with ``w[token, slot]`` at that same where's coordinates, and is summed back at its tokens: the op pairs row (t, a)
+# with token t, expert ids[t, a] and weight w[t, a] only when every step uses the same where, the right coordinate
+# for the token and for the slot, and the expert whose weights the GEMMs select.
+
+_CLASS = "expert"
+
+
+def _check_loop_rows(ups, downs, weights: fx.Node, ids: fx.Node, e: int) -> None:
+    """Raise _Skip unless each expert of an eager loop reads, weights and accumulates the (token, slot) pairs that
+    one ``where`` of its own expert mask found, and the loop visits every expert 0..E-1 once.
+
+    Per down GEMM (one per expert): the GEMMs select expert ``c`` (``W[c]``); its up GEMMs gather the tokens
+    ``x[token]``, its combine multiplies by ``weights[token, slot]`` (one gather of the (T, A) routing weights the op
+    reads, then views only) and its accumulation adds at ``token``, where ``token`` / ``slot`` are the outputs of one
+    ``torch.where(mask)`` (or ``nonzero(mask, as_tuple=True)``) at the mask's token and slot dims, and ``mask`` is
+    ``ids == c`` or ``one_hot(ids, E)[..]`` selected at class ``c`` (through transposes / permutes, whose dims are
+    followed).
+    """
+    experts = []
+    for d in downs:
+        c = _selected_expert(d)
+        if c is None:
+            raise _Skip(f"the eager loop's down GEMM {d.node.name} does not select its expert by a constant (W[e])")
+        feeding = [g for g in ups if g.node in ancestors(d.node, max_depth=24)]
+        tokens = {_order_root(_unsqueezed(i)) for g in feeding for i in _token_indices(_data_operand(g))}
+        if len(tokens) != 1:
+            raise _Skip(f"the up GEMMs of {d.node.name} gather the tokens with {len(tokens)} indices, not the one "
+                        "token coordinate of a where")
+        coords, mask_expert, role = _where_coords(tokens.pop(), ids, e)
+        if role != _TOKEN or mask_expert != c:
+            raise _Skip(f"the eager loop's expert {c} gathers the tokens with the {role} coordinate of "
+                        f"a where over the mask of expert {mask_expert} (its rows must be the token coordinate of "
+                        f"where(ids == {c}))")
+        found = moe_analysis._find_combine(d.node)
+        if found is None:
+            raise _Skip(f"the combine of the eager loop's expert {c} was not found")
+        combine, operand = found
+        _check_loop_weight_gather(operand, weights, coords, c)
+        for link in _descendants(combine, 4):
+            if op_name(link) not in _ACCUMULATIONS:
+                continue
+            pos, key = _ACCUMULATIONS[op_name(link)]
+            source = link.args[pos] if len(link.args) > pos else link.kwargs.get(key)
+            if not isinstance(source, fx.Node) or _row_root(source) is not combine:
+                continue  # a later expert's accumulation into the chain
+            index = _accumulation_index(link)
+            if index is None or _order_root(_unsqueezed(index)) is not coords[0]:
+                raise _Skip(f"{link.name} accumulates the expert {c}'s output at {getattr(index, 'name', index)}, "
+                            "not at the token coordinate of its where")
+        experts.append(c)
+    if sorted(experts) != list(range(e)):
+        raise _Skip(f"the eager loop visits the experts {sorted(experts)}, not each of the E = {e} experts once "
+                    "(the op computes every routed expert)")
+
+
+def _accumulation_index(link: fx.Node) -> fx.Node | None:
+    """The token index of an accumulation of :data:`_ACCUMULATIONS` (a scatter's broadcast column), or None."""
+    name = op_name(link)
+    if name.startswith("index_put"):
+        index = link.args[1] if len(link.args) > 1 else link.kwargs.get("indices")
+        index = index[0] if isinstance(index, (tuple, list)) and len(index) == 1 else None
+    else:
+        index = arg(link, 2, "index")
+        if name.startswith("scatter_add") and isinstance(index, fx.Node) and op_name(index) in ("expand", "expand_as"):
+            index = index.args[0]
+    return index if isinstance(index, fx.Node) else None
+
+
+def _where_coords(index: fx.Node, ids: fx.Node, e: int) -> tuple[tuple[fx.Node | None, fx.Node | None], int, str]:
+    """For ``index`` = output k of ``torch.where(mask)`` (or ``nonzero(mask, as_tuple=True)``): ((the where's
+    token output, its slot output), the expert c of ``mask``, the role of output k). Raise _Skip when ``index`` is
+    not such an output or the mask is not one expert's mask of the top-k ids (:func:`_mask_roles`)."""
+    if not (op_name(index) == "getitem" and len(index.args) > 1 and isinstance(index.args[1], int)
+            and isinstance(index.args[0], fx.Node)):
+        raise _Skip(f"the eager loop's token index {index.name} is not an output of torch.where(mask)")
+    w = index.args[0]
+    name = op_name(w)
+    if not ((name == "where" and len(w.args) == 1 and not w.kwargs)
+            or (name == "nonzero" and w.kwargs.get("as_tuple") is True and len(w.args) == 1)):
+        raise _Skip(f"the eager loop's token index {index.name} is not an output of torch.where(mask)")
+    roles, c = _mask_roles(w.args[0], ids, e)
+    if _CLASS in roles or c is None or sorted(roles) != sorted((_TOKEN, _SLOT)):
+        raise _Skip(f"the mask of {w.name} is not one expert's (token, slot) mask of the top-k ids")
+    outs = {u.args[1]: u for u in w.users if op_name(u) == "getitem" and isinstance(u.args[1], int)}
+    by_role = {r: outs.get(k) for k, r in enumerate(roles)}
+    return (by_role[_TOKEN], by_role[_SLOT]), c, roles[index.args[1]]
+
+
+def _mask_roles(mask: object, ids: fx.Node, e: int) -> tuple[tuple[str, ...], int | None]:
+    """The roles (token, slot, expert class) of ``mask``'s dims and the expert it selects: ``ids == c``,
+    ``one_hot(ids, E)``, a constant index ``[c]`` / ``select`` of the class dim, transposes / permutes and dtype
+    casts of those; raise _Skip for anything else."""
+    n = mask
+    if not isinstance(n, fx.Node):
+        raise _Skip("an eager loop's where has no mask tensor")
+    name = op_name(n)
+    if name in _DTYPE_KEEPING or name in ("bool", "int", "long"):
+        return _mask_roles(n.args[0], ids, e)
+    if name in _DIM_MOVES:
+        src, c = _mask_roles(n.args[0], ids, e)
+        moved = _moved_dims(n, len(src))
+        if moved is None:
+            raise _Skip(f"{n.name} ({name}) moves the mask's dims in a way this check cannot follow")
+        return tuple(src[d] for d in moved), c
+    if name == "eq" and len(n.args) == 2:
+        tensor, c = (n.args[0], n.args[1]) if isinstance(n.args[0], fx.Node) else (n.args[1], n.args[0])
+        if isinstance(c, int) and not isinstance(c, bool) and isinstance(tensor, fx.Node):
+            return _ids_roles(tensor, ids, e), c
+    if name == "one_hot" and n.args and arg(n, 1, "num_classes") == e:
+        return _ids_roles(n.args[0], ids, e) + (_CLASS,), None
+    if name in ("getitem", "select") and len(n.args) > 1:
+        index = n.args[1] if name == "getitem" else None
+        if name == "select":
+            dim, c = arg(n, 1, "dim"), arg(n, 2, "index")
+        elif isinstance(index, int):
+            dim, c = 0, index
+        elif isinstance(index, tuple) and len(index) == 1 and isinstance(index[0], int):
+            dim, c = 0, index[0]
+        else:
+            dim, c = None, None
+        if isinstance(dim, int) and isinstance(c, int) and not isinstance(c, bool):
+            src, prev = _mask_roles(n.args[0], ids, e)
+            if prev is None and src[dim % len(src)] == _CLASS and 0 <= c < e:
+                return tuple(r for k, r in enumerate(src) if k != dim % len(src)), c
+    raise _Skip(f"{n.name} ({name}): an eager loop's where mask other than ids == e or a one-hot of the ids at "
+                "expert e")
+
+
+def _ids_roles(n: fx.Node, ids: fx.Node, e: int) -> tuple[str, ...]:
+    """(token, slot) for the top-k ids (through casts and no-op clamps), with transposes followed."""
+    if op_name(n) in _DIM_MOVES and n.args and isinstance(n.args[0], fx.Node):
+        src = _ids_roles(n.args[0], ids, e)
+        moved = _moved_dims(n, len(src))
+        if moved is not None:
+            return tuple(src[d] for d in moved)
+    if _ids_root(n, e) is _ids_root(ids, e) and _dims(n) == _dims(ids) and len(_dims(ids) or ()) == 2:
+        return _TOKEN, _SLOT
+    raise _Skip(f"{n.name}: an eager loop's expert mask is not computed from the top-k ids {ids.name} as they are")
+
+
+def _check_loop_weight_gather(operand: fx.Node, weights: fx.Node, coords: tuple, c: int) -> None:
+    """Raise _Skip unless the combine's routing operand is ``weights[token, slot]`` (then views that keep the order:
+    ``[..., None]``, casts) with ``token`` / ``slot`` = ``coords`` (the expert's where outputs)."""
+    n = operand
+    for _ in range(16):
+        if _is_gather(n):
+            break
+        name = op_name(n)
+        index = n.args[1] if name == "getitem" and len(n.args) > 1 else None
+        items = index if isinstance(index, tuple) else (index,)
+        if name in _VIEWS and _keeps_order(n) or (name == "getitem" and all(
+                i is None or i is Ellipsis or i == slice(None) for i in items)):
+            n = n.args[0]
+            continue
+        raise _Skip(f"{n.name} ({name}) between the expert {c}'s routing weights and its combine")
+    else:
+        raise _Skip(f"the expert {c}'s routing weights could not be followed to their gather")
+    index = n.args[1] if op_name(n) in ("getitem", "index") and len(n.args) > 1 else None
+    items = list(index) if isinstance(index, (tuple, list)) else []
+    if n.args[0] is not weights or len(items) < 2 or not all(isinstance(i, fx.Node) for i in items[:2]) \
+            or any(not (i is None or i is Ellipsis or i == slice(None)) for i in items[2:]):
+        raise _Skip(f"{n.name} is not one gather weights[token, slot] of the (T, A) routing weights {weights.name} "
+                    "(by two index tensors)")
+    got = tuple(_order_root(i) for i in items[:2])
+    if got != tuple(coords):
+        words = []
+        for i, want, role in zip(got, coords, ("token", "slot")):
+            if i is not want:
+                what = ("the token coordinate" if i is coords[0] else "the slot coordinate" if i is coords[1]
+                        else f"{i.name}, not a coordinate")
+                words.append(f"the {role} index is {what} of the expert's where")
+        raise _Skip(f"{n.name} gathers the expert {c}'s routing weights at other (token, slot) pairs than its where "
+                    f"found ({'; '.join(words)})")
 
 
 # ------------------------------------------------------------------------------------------------ rewriting

@@ -11,6 +11,8 @@ model below was once compiled into wrong outputs.
 * (Token, slot) grid forms (einsums, matmuls with the weights gathered by the (T, A) ids): with T == A an equation
   that transposes the routing weights, sums over the tokens, reads a token by its slot index, or a sum over dim 0
   has the plain form's shapes; each dim's role (token, slot, feature) is followed and those are refused.
+* Eager loops over range(E): each expert's tokens, routing weights ``w[token, slot]`` and accumulation must use the
+  coordinates of one ``where`` of that expert's mask (token coordinate first), and every expert is visited once.
 * Expert offload: ``model.load_state_dict(sd)`` after compiling updates the offloader's expert weights (host store
   and resident slots), so the compiled model computes what the plain model with ``sd`` computes; ``state_dict()``
   has the experts under their original keys (a saved offloaded model kept none), in-place edits of them reach the
@@ -312,3 +314,68 @@ def test_grid_forms_pair_tokens_and_slots_by_their_dims(variant, reason):
             assert not torch.allclose(model(x), plain(x), atol=1e-3)
     check_rewritten_or_refused(model, x, reason)
 
+# ---------------------------------------------------------------------------------------------------- 5. eager loops
+class _WhereLoopMoE(torch.nn.Module):
+    """An eager loop over range(E): ``token, slot = torch.where(ids == e)`` (or of a one-hot mask), the expert's
+    tokens ``x[token]``, its routing weights ``w[token, slot]``, summed with ``index_add_`` at ``token``. ``variant``
+    changes which indices the weights are gathered with, which mask picks the tokens, or which experts the loop
+    visits. T == A (4 tokens, top-4 of 6 experts), so ``w[slot, token]`` has the plain form's shape."""
+
+    def __init__(self, variant: str, dim: int = 16, num_experts: int = 6, ffn: int = 8) -> None:
+        super().__init__()
+        self.variant = variant
+        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(num_experts, 2 * ffn, dim) * 0.3)
+        self.down = torch.nn.Parameter(torch.randn(num_experts, dim, ffn) * 0.3)
+
+    def forward(self, x):
+        v, e_count = self.variant, self.gate_up.shape[0]
+        w, ids = torch.topk(F.softmax(self.gate(x), -1), x.shape[0], dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        acc = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=e_count).permute(2, 1, 0)  # (E, A, T)
+        for e in range(e_count - 1 if v == "skips_an_expert" else e_count):
+            if v == "one_hot":
+                slot, token = torch.where(mask[e])
+            elif v == "one_hot_coords_swapped":
+                token, slot = torch.where(mask[e])  # the coords of mask[e] (A, T) are (slot, token)
+            elif v == "ids_transposed":
+                slot, token = torch.where(ids.t() == e)
+            elif v == "ids_transposed_coords_swapped":
+                token, slot = torch.where(ids.t() == e)
+            elif v == "other_expert":
+                token, slot = torch.where(ids == (e + 1) % e_count)
+            else:
+                token, slot = torch.where(ids == e)
+            wt = {"slot_flipped": lambda: w[token, slot.flip(0), None], "swapped": lambda: w[slot, token, None],
+                  "token_twice": lambda: w[token, token, None]}.get(v, lambda: w[token, slot, None])()
+            g, u = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            acc.index_add_(0, token, F.linear(F.silu(g) * u, self.down[e]) * wt)
+        return acc
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("where_ids", None),
+    ("one_hot", None),
+    ("ids_transposed", None),
+    ("slot_flipped", "slot"),
+    ("swapped", "token"),
+    ("token_twice", "token"),
+    ("one_hot_coords_swapped", "token"),
+    ("ids_transposed_coords_swapped", "token"),
+    ("other_expert", "expert"),
+    ("skips_an_expert", "expert"),
+])
+def test_eager_loop_weights_gathered_with_the_where_that_picked_the_tokens(variant, reason):
+    """An eager loop's expert e must read the tokens ``where`` found for expert e, weight each with ``w[token,
+    slot]`` at the coordinates of that same ``where`` (the token coordinate first), and every expert must be
+    visited once: otherwise it is left as written (each refused variant was once rewritten, with wrong outputs)."""
+    torch.manual_seed(0)
+    model = _WhereLoopMoE(variant).eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        plain = _WhereLoopMoE("where_ids").eval()
+        plain.load_state_dict(model.state_dict())
+        assert torch.allclose(model(x), plain(x), atol=1e-5) == (reason is None)  # the variants differ
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        check_rewritten_or_refused(model, x, reason)
