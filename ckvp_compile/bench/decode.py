@@ -546,6 +546,19 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_speed(args: argparse.Namespace) -> int:
+    """Run the speed rows of ``ckvp-bench decode`` (a random-weight Mixtral-8x7B or Qwen1.5-MoE shape, CUDA): for each
+    system (eager, Inductor modes, ckvp at each ratio) and each batch x context cell, decode steps timed with CUDA
+    events (ms per step, median), tokens per second, KV bytes, peak device memory and compile time; the largest
+    batch that fits per system and context; printed, and written as JSON / markdown where ``args`` asks.
+
+    Args:
+        args: the parsed ``ckvp-bench decode`` command line (``ckvp-bench decode --help``).
+    Returns:
+        the exit status: 0 when at least one row ran, else 1 (a row that fails or does not fit is recorded with
+        its status, not raised).
+    Raises:
+        ValueError: an unknown system spec (:func:`parse_system`), before any model is built.
+    """
     systems = [parse_system(s) for s in args.systems]
     runner = _Runner(args)
     print(f"{args.shape}: {runner.layers}/{runner.layers_full} layers, weights {runner.weights / 1e9:.2f} GB "

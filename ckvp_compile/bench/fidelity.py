@@ -758,6 +758,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``ckvp-bench fidelity``: perplexity, top-1 agreement and KL of the latent KV cache against dense, per ratio,
+    format and group size (``ckvp-bench fidelity --help``); returns the exit status (2 for a usage error)."""
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)

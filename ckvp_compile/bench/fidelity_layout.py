@@ -460,6 +460,8 @@ def _layout_pair(text: str) -> tuple[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ckvp_compile.bench.fidelity_layout``: the module's comparison on the fixture model (``--help``);
+    returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m ckvp_compile.bench.fidelity_layout", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--text", default=None, help="default: <model>/eval_text.txt")
