@@ -198,8 +198,12 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
             rewrite = layer_reason[s.layer].startswith("latent group")
             decisions.append(SiteDecision("attention", s.layer, rewrite, layer_reason[s.layer]))
             continue
-        if s.k_cache is None or s.v_cache is None:
+        if s.k_cache is None and s.v_cache is None:
             reason = "no KV-cache write found (a forward without a static cache): nothing to compress"
+        elif s.k_cache is None or s.v_cache is None:
+            found, missing = ("value", "key") if s.k_cache is None else ("key", "value")
+            reason = (f"the {found}s come from a cache write but the {missing}s were not traced to one: the layer is "
+                      "left as written")
         elif s.layer in unsupported_attention:
             reason = "an unsupported attention pattern was found in this layer (see the warnings)"
         elif not config.enable_latent_kv:

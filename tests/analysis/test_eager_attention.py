@@ -116,3 +116,38 @@ def test_attention_whose_key_path_is_not_understood_reports_why():
     (u,) = unsupported
     assert "reads the KV cache written by index_copy_ into" in u.reason
     assert "transformed by a table" in u.reason
+
+
+def test_a_site_whose_values_are_not_traced_to_the_cache_says_so():
+    """Keys read from a cache buffer, values through an op the trace does not follow (relu of the value cache): the
+    decision names the untraced side instead of 'no KV-cache write found', and nothing is rewritten."""
+    import torch.nn.functional as F
+
+    from ckvp_compile import CKVPConfig, analyze, make_plan
+
+    class HalfTraced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("kc", torch.zeros(1, 2, 16, 8))
+            self.register_buffer("vc", torch.zeros(1, 2, 16, 8))
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x, pos):
+            b, s, _ = x.shape
+            q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, -1))
+            self.kc.index_copy_(2, pos, k)
+            self.vc.index_copy_(2, pos, v)
+            return F.scaled_dot_product_attention(q, self.kc, torch.relu(self.vc)).transpose(1, 2).reshape(b, s, 16)
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(HalfTraced(), backend=capture)(torch.randn(1, 3, 16), torch.arange(3))
+    analysis = analyze(graphs[0])
+    assert [(s.k_cache is not None, s.v_cache is not None) for s in analysis.attention] == [(True, False)]
+    (decision,) = make_plan(analysis, CKVPConfig()).decisions
+    assert not decision.rewrite
+    assert decision.reason.startswith("the keys come from a cache write but the values were not traced"), decision
