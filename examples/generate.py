@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({nb.rope_tables} bytes) are per model, like weights: the ranks were fitted for {args.kv_ratio:g}x "
               f"with them counted at {args.budget_len} slots (--budget-len); counted at this run's "
               f"{store.max_cache_len} slots they make the ratio {nb.ratio_vs(kv_dtype):.2f}x"
-              + (", below 1: a cache this short is larger than dense)" if nb.ratio_vs(kv_dtype) < 1 else ")"))
+              + (", below 1: a cache this short is larger than dense" if nb.ratio_vs(kv_dtype) < 1 else ""))
     n = len(ckvp_ids)
     print(f"eager:              {eager_s:7.2f} s  ({n / eager_s:7.1f} tokens/s; best of 2 after a warm-up)")
     print(f"ckvp first call:    {first_s:7.2f} s  (includes compilation with compiler={args.compiler!r})")
