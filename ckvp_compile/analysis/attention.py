@@ -25,6 +25,9 @@ kind                structure
 ``sliding_window``  the attention mask compares key and query positions with a constant offset
                     (``kv > q - W``) next to the causal comparison, or uses ``tril``/``triu`` with a
                     negative diagonal
+``cache_written_    the cache read back (or the buffer, or a view of it) is also written in place besides its
+in_place``          positional write (``k.mul_(s)``, ``v[:, :, :n].add_(b)``, ``k[:, :, 0] = 0``, ``zero_()``): the
+                    change persists in a dense cache, and a latent keeps only the positional writes
 ``unrecognised_     a KV-cache buffer (4-D, written in place: ``index_copy_`` / ``setitem`` /
 attention``         ``index_put_``) that no understood attention reads: the attention op was not recognised
                     (e.g. scores from ``baddbmm``), or it was found but its heads / RoPE / key path could
@@ -67,6 +70,7 @@ from .kv_cache import (
     cache_write_site,
     grown_cache,
     mla_evidence,
+    stray_cache_writes,
     trace_kv,
     written_cache_buffers,
 )
@@ -95,6 +99,10 @@ _POST_ROPE_FIX = (
 _UNRECOGNISED_FIX = (
     "NYI: the layer is left as written and runs as before with a dense cache (a ckvp latent cache cannot be used); "
     "with a Hugging Face model, attn_implementation=\"sdpa\" gives an attention the analysis reads."
+)
+_IN_PLACE_FIX = (
+    "NYI: a cache changed in place besides its positional write stays dense (a ckvp latent cache cannot be used); "
+    "change the keys / values before writing them, or copy the cache read back (k = k * s, not k.mul_(s))."
 )
 _SLIDING_FIX = (
     "NYI: sliding-window layers stay dense; keep them out of ckvp, or run the model without a sliding "
@@ -220,6 +228,16 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node],
     v_cache = cache_write_site("v", vt, c.node)
     if k_cache is None and (kt.base.op in ("placeholder", "get_attr") or op_name(kt.base) in ALLOC_OPS):
         return None, [], f"its keys come from {kt.base.name}, a buffer with no positional write before it"
+    for cache, trace in ((k_cache, kt), (v_cache, vt)):
+        stray = stray_cache_writes(trace, cache, nodes) if cache is not None else []
+        if stray:
+            return None, [UnsupportedSite(
+                kind="cache_written_in_place", layer=layer,
+                reason=f"the {'key' if cache.kind == 'k' else 'value'} cache {cache.cache_node} is also written in "
+                       f"place by {', '.join(f'{op_name(w)} ({w.name})' for w in stray)}, besides its positional "
+                       f"write {cache.write_node}: a change that persists in the dense cache from one call to the "
+                       "next, which a latent cache (it keeps only the written keys / values) would lose.",
+                fix=_IN_PLACE_FIX, nodes=(c.node.name, cache.write_node) + tuple(w.name for w in stray))], None
     new_k = nodes[k_cache.value_node] if k_cache is not None else kt.base
     new_v = nodes[v_cache.value_node] if v_cache is not None else vt.base
 

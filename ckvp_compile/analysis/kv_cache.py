@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .attention_ops import is_projection
 from .graph import VIEW_LIKE, arg, dtype_of, op_name, placeholder_source, shape_of, strip_views
-from .rope import last_dim_selection, match_rope
+from .rope import _writers, last_dim_selection, match_rope
 from .sites import CacheWriteSite
 
 #: Ops that repeat KV heads for grouped-query attention.
@@ -170,6 +170,17 @@ def cache_write_site(kind: str, trace: KVTrace, before: fx.Node) -> CacheWriteSi
         cache_shape=shape_of(buffer) or (),
         itemsize=_itemsize(buffer),
     )
+
+
+def stray_cache_writes(trace: KVTrace, site: CacheWriteSite, nodes: dict[str, fx.Node]) -> list[fx.Node]:
+    """The in-place writes into the cache buffer of ``site`` (or a view of it, or of the tensor the attention reads,
+    ``trace.base``) other than the write ``site`` describes: ``k.mul_(s)`` / ``v[:, :, :n].add_(b)`` /
+    ``k[:, :, 0] = 0`` on the cache read back, a ``zero_()`` of it, a second positional write (before the attention,
+    or after it: ``k_cache[:, :, pos] = k * s`` for the next calls). A latent cache keeps only the one write it
+    rewrites, so such a change, which persists in a dense cache from one call to the next, would be lost."""
+    buffer = nodes[site.cache_node]
+    found = _writers(buffer) + (_writers(trace.base) if trace.base is not buffer else [])
+    return sorted(set(found) - {nodes[site.write_node]})
 
 
 def written_cache_buffers(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:

@@ -192,7 +192,8 @@ class UnsupportedSite:
     Attributes:
         kind: short tag, e.g. 'dynamic_cache', 'mla_attention', 'sliding_window', 'eager_loop_graph_break',
             'no_cache_write', 'unknown_experts_form', 'unrecognised_attention' (a KV-cache
-            write that no understood attention reads).
+            write that no understood attention reads), 'cache_written_in_place' (a KV cache also written in
+            place besides its positional write).
         layer: layer index, or None when not attributable to a layer.
         reason: one sentence saying what was found and why it cannot be used.
         fix: one sentence saying what the user can do.
@@ -214,7 +215,7 @@ class UnsupportedSite:
 #: The :class:`UnsupportedSite` kinds the attention analysis reports: they block a layer's KV-cache rewrite only.
 #: Every other kind (router, experts form, combine, analysis errors of a MoE) blocks the layer's expert rewrite only.
 ATTENTION_UNSUPPORTED_KINDS = frozenset({"mla_attention", "dynamic_cache", "sliding_window", "post_rope_key",
-                                         "unrecognised_attention"})
+                                         "unrecognised_attention", "cache_written_in_place"})
 
 
 @dataclass(frozen=True)
