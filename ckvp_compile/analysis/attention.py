@@ -26,8 +26,10 @@ kind                structure
                     (``kv > q - W``) next to the causal comparison, or uses ``tril``/``triu`` with a
                     negative diagonal
 ``cache_written_    the cache read back (or the buffer, or a view of it) is also written in place besides its
-in_place``          positional write (``k.mul_(s)``, ``v[:, :, :n].add_(b)``, ``k[:, :, 0] = 0``, ``zero_()``): the
-                    change persists in a dense cache, and a latent keeps only the positional writes
+in_place``          positional write (``k.mul_(s)``, ``v[:, :, :n].add_(b)``, ``k[:, :, 0] = 0``, ``zero_()``, a
+                    second positional write): the change persists in a dense cache, a latent keeps only one write
+``written_after_    the key / value written into the cache is changed in place after the write (``k.mul_(s)``
+cache_write``       after ``k_cache[:, :, pos] = k``): the dense cache holds the value before, a latent after
 ``unrecognised_     a KV-cache buffer (4-D, written in place: ``index_copy_`` / ``setitem`` /
 attention``         ``index_put_``) that no understood attention reads: the attention op was not recognised
                     (e.g. scores from ``baddbmm``), or it was found but its heads / RoPE / key path could
@@ -69,6 +71,7 @@ from .kv_cache import (
     buffers_read,
     cache_write_site,
     grown_cache,
+    late_value_writes,
     mla_evidence,
     stray_cache_writes,
     trace_kv,
@@ -102,7 +105,7 @@ _UNRECOGNISED_FIX = (
 )
 _IN_PLACE_FIX = (
     "NYI: a cache changed in place besides its positional write stays dense (a ckvp latent cache cannot be used); "
-    "change the keys / values before writing them, or copy the cache read back (k = k * s, not k.mul_(s))."
+    "change the keys / values before writing them, or change copies of them (k = k * s, not k.mul_(s))."
 )
 _SLIDING_FIX = (
     "NYI: sliding-window layers stay dense; keep them out of ckvp, or run the model without a sliding "
@@ -238,6 +241,15 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node],
                        f"write {cache.write_node}: a change that persists in the dense cache from one call to the "
                        "next, which a latent cache (it keeps only the written keys / values) would lose.",
                 fix=_IN_PLACE_FIX, nodes=(c.node.name, cache.write_node) + tuple(w.name for w in stray))], None
+        late = late_value_writes(cache, nodes) if cache is not None else []
+        if late:
+            return None, [UnsupportedSite(
+                kind="written_after_cache_write", layer=layer,
+                reason=f"the {'key' if cache.kind == 'k' else 'value'} {cache.value_node} written into the cache by "
+                       f"{cache.write_node} is changed in place after that write, by "
+                       f"{', '.join(f'{op_name(w)} ({w.name})' for w in late)}: the dense cache holds it before the "
+                       "change, a latent cache would be appended it after.",
+                fix=_IN_PLACE_FIX, nodes=(c.node.name, cache.write_node) + tuple(w.name for w in late))], None
     new_k = nodes[k_cache.value_node] if k_cache is not None else kt.base
     new_v = nodes[v_cache.value_node] if v_cache is not None else vt.base
 

@@ -183,6 +183,24 @@ def stray_cache_writes(trace: KVTrace, site: CacheWriteSite, nodes: dict[str, fx
     return sorted(set(found) - {nodes[site.write_node]})
 
 
+#: Ops whose result holds the same elements as their input (a write through one changes all of them, and only them).
+_SAME_ELEMENTS = frozenset({"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "contiguous", "unsqueeze",
+                            "squeeze", "flatten", "unflatten", "alias", "detach", "view_as", "movedim", "swapaxes",
+                            "expand", "to", "type_as", "float", "half", "bfloat16", "double"})
+
+
+def late_value_writes(site: CacheWriteSite, nodes: dict[str, fx.Node]) -> list[fx.Node]:
+    """The in-place writes, after the cache write of ``site``, into the value it wrote (or a view of it, or the tensor
+    it is a view of): ``k.mul_(2)`` after ``k_cache[:, :, pos] = k``. The dense cache holds the value before the
+    change; the latent rewrite appends the value node later in the graph, so a latent would hold it after."""
+    write, value = nodes[site.write_node], nodes[site.value_node]
+    chain = [value]
+    while op_name(chain[-1]) in _SAME_ELEMENTS and chain[-1].args and isinstance(chain[-1].args[0], fx.Node) \
+            and len(chain) < 16:
+        chain.append(chain[-1].args[0])
+    return sorted({w for n in chain for w in _writers(n) if w > write})
+
+
 def written_cache_buffers(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """Map each 4-D KV-cache-like buffer (a placeholder or a buffer allocated in the graph) written in place at
     positions (``index_copy_`` / ``setitem`` / ``index_put_``) to its writes."""

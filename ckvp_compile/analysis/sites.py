@@ -193,7 +193,8 @@ class UnsupportedSite:
         kind: short tag, e.g. 'dynamic_cache', 'mla_attention', 'sliding_window', 'eager_loop_graph_break',
             'no_cache_write', 'unknown_experts_form', 'unrecognised_attention' (a KV-cache
             write that no understood attention reads), 'cache_written_in_place' (a KV cache also written in
-            place besides its positional write).
+            place besides its positional write), 'written_after_cache_write' (a key / value changed in
+            place after its cache write).
         layer: layer index, or None when not attributable to a layer.
         reason: one sentence saying what was found and why it cannot be used.
         fix: one sentence saying what the user can do.
@@ -215,7 +216,8 @@ class UnsupportedSite:
 #: The :class:`UnsupportedSite` kinds the attention analysis reports: they block a layer's KV-cache rewrite only.
 #: Every other kind (router, experts form, combine, analysis errors of a MoE) blocks the layer's expert rewrite only.
 ATTENTION_UNSUPPORTED_KINDS = frozenset({"mla_attention", "dynamic_cache", "sliding_window", "post_rope_key",
-                                         "unrecognised_attention", "cache_written_in_place"})
+                                         "unrecognised_attention", "cache_written_in_place",
+                                         "written_after_cache_write"})
 
 
 @dataclass(frozen=True)

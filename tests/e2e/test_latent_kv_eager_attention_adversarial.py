@@ -29,9 +29,9 @@ def _eager_attention(q, k, v, mask):
     return p @ v
 
 
-def _with_attention(attend):
+def _with_attention(attend, rope=True):
     """gf.Attention.forward with ``attend(q, k, v, mask, k_new, v_new)`` after the cache update (k / v: what the
-    cache update returned, k_new / v_new: this call's keys and values)."""
+    cache update returned, k_new / v_new: this call's keys and values); ``rope=False``: no RoPE (GPT-2 style)."""
 
     def forward(self, x, rope, mask, input_pos, use_cache):
         cfg = self.cfg
@@ -41,7 +41,8 @@ def _with_attention(attend):
         q = q.view(bsz, seqlen, cfg.n_head, cfg.head_dim)
         k = k.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
         v = v.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
-        q, k = gf.apply_rope_complex(q, rope[0]), gf.apply_rope_complex(k, rope[0])
+        if with_rope:
+            q, k = gf.apply_rope_complex(q, rope[0]), gf.apply_rope_complex(k, rope[0])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k_new, v_new = k, v
         _POS[0] = input_pos
@@ -50,15 +51,19 @@ def _with_attention(attend):
         y = attend(q, k, v, mask, k_new, v_new)
         return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, q_size))
 
+    with_rope = rope
     return forward
 
 
-def _model_and_bases(monkeypatch, attend):
-    """A 2-layer gpt-fast model, full-rank bases calibrated on its plain (SDPA) form, then ``attend`` patched in."""
+def _model_and_bases(monkeypatch, attend, rope=True):
+    """A 2-layer gpt-fast model, full-rank bases calibrated on its plain form with ``_eager_attention``, then ``attend``
+    patched in."""
     torch.manual_seed(0)
     model = gf.GptFastMoE(gf.GptFastConfig(n_layer=2)).eval()
+    monkeypatch.setattr(gf.Attention, "forward",
+                        _with_attention(lambda q, k, v, m, kn, vn: _eager_attention(q, k, v, m), rope))
     bases = calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
-    monkeypatch.setattr(gf.Attention, "forward", _with_attention(attend))
+    monkeypatch.setattr(gf.Attention, "forward", _with_attention(attend, rope))
     return model, bases
 
 
@@ -142,3 +147,30 @@ def test_a_cache_written_in_place_besides_its_positional_write_is_refused(attend
         calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
     with pytest.raises(CKVPError):
         _latent_vs_dense(model, bases)
+
+
+def _scale_written_keys(q, k, v, m, kn, vn):
+    kn.mul_(2.0)  # the key just written into the cache, changed after the write
+    return _eager_attention(q, k, v, m)
+
+
+def _shift_written_values(q, k, v, m, kn, vn):
+    vn.add_(1.0)
+    return _eager_attention(q, k, v, m)
+
+
+@pytest.mark.parametrize("attend", [_scale_written_keys, _shift_written_values])
+def test_a_key_or_value_changed_in_place_after_its_cache_write_is_refused(attend, monkeypatch):
+    """Without RoPE (GPT-2 style), the key (value) written into the cache is changed in place after the write: the
+    dense cache holds it before the change, the latent rewrite appended it after (decode logits off by 0.6 (3.0) at
+    full rank, no warning). With RoPE the rotation's own in-place check refused the key; now the write is checked."""
+    model, bases = _model_and_bases(monkeypatch, attend, rope=False)
+    with pytest.raises(CKVPConfigError, match="changed in place after that write"):
+        calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
+    with pytest.raises(CKVPError):
+        _latent_vs_dense(model, bases)
+
+
+def test_a_no_rope_hand_written_attention_full_rank_latent_equals_dense(monkeypatch):
+    model, bases = _model_and_bases(monkeypatch, lambda q, k, v, m, kn, vn: _eager_attention(q, k, v, m), rope=False)
+    _assert_close_all(*_latent_vs_dense(model, bases))
