@@ -312,9 +312,11 @@ class _Runner:
             t = time.perf_counter()
             if self.args.bases == "synthetic":
                 self.moments = synthetic_moments(self.model, self.args.group_size, seed=self.args.seed)
+                self.moments.key_space = getattr(self.args, "key_space", "pre_rope")  # (a spectrum, no model pass)
             else:
                 self.moments = DecomposedMoments.from_moments(
-                    random_bases(self.model, self.args.group_size, seed=self.args.seed, tokens=self.args.calib_tokens))
+                    random_bases(self.model, self.args.group_size, seed=self.args.seed, tokens=self.args.calib_tokens,
+                                 key_space=getattr(self.args, "key_space", "pre_rope")))
             self.env["calibration_s"] = round(time.perf_counter() - t, 2)
             self.clean()
         return bases_for_byte_ratio(self.moments, ratio, self.args.latent_format, batch_size=batch,
@@ -443,14 +445,16 @@ class _Runner:
 
     def row_name(self, system: System) -> str:
         """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N,
-        `` K<=R`` with key ranks capped at R (``--max-key-rank``) and the latent layout unless row-major
-        (``--latent-layout``: `` unit-major``, `` row-major/unit-major``, ...)."""
+        `` K<=R`` with key ranks capped at R (``--max-key-rank``), the latent layout unless row-major
+        (``--latent-layout``: `` unit-major``, `` row-major/unit-major``, ...) and `` post-RoPE`` for key bases of
+        the cached keys (``--key-space post_rope``)."""
         if system.kind != "ckvp":
             return system.name
         w, cap = self.args.recent_window, getattr(self.args, "max_key_rank", None)
         lay = getattr(self.args, "latent_layout", "row-major")
+        post = getattr(self.args, "key_space", "pre_rope") == "post_rope"
         return (system.name + (f" w{w}" if w else "") + (f" K<={cap}" if cap else "")
-                + (f" {lay}" if lay != "row-major" else ""))
+                + (f" {lay}" if lay != "row-major" else "") + (" post-RoPE" if post else ""))
 
     # -- largest batch
     def max_batch_row(self, system: System, context: int) -> DecodeRow:
@@ -540,7 +544,7 @@ class _Runner:
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("shape", "systems", "batches", "contexts", "cells", "layers", "steps", "warmup", "latent_format",
-            "group_size", "calib_tokens", "bases", "rank_block", "max_key_rank", "latent_layout",
+            "group_size", "calib_tokens", "bases", "rank_block", "max_key_rank", "key_space", "latent_layout",
             "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
@@ -641,6 +645,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="ckvp: cap every key unit's rank (per KV head and layer group) at this many coordinates and "
                         "spend the bytes on values and other units (decode speed for fidelity at the same bytes; "
                         "ckvp_compile.latent.ranks.key_rank_caps); default: no cap")
+    p.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"],
+                   help="ckvp: fit the key bases to the keys before RoPE (default; decode re-applies RoPE per cached "
+                        "token) or to the keys as cached, after RoPE (decode scores them with no RoPE rebuild: "
+                        "faster, lossier at the same rank; ckvp_compile.latent.LatentBases.key_space); ckvp rows are "
+                        "then named '<system> post-RoPE'")
     g = p.add_argument_group("fixture (--shape fixture)")
     g.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bundled fixture)")
     g.add_argument("--ratios", nargs="*", type=float, default=[4.0, 8.0, 16.0],

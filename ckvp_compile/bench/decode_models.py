@@ -260,16 +260,18 @@ def kv_bytes_held(cache: Any) -> int:
     return nb.per_sequence_state + (0 if nb.online_bases else nb.bases)
 
 
-def random_bases(model: torch.nn.Module, group_size: int, seed: int = 0, samples: int = 2, tokens: int = 256) -> Any:
+def random_bases(model: torch.nn.Module, group_size: int, seed: int = 0, samples: int = 2, tokens: int = 256,
+                 key_space: str = "pre_rope") -> Any:
     """Collect KV moments (:func:`~ckvp_compile.latent.collect_kv_moments`) on ``samples`` sequences of ``tokens``
     uniformly random token ids: the calibration of a random-weight model, whose bases matter only for their
-    ranks (time and memory), not for fidelity."""
+    ranks (time and memory), not for fidelity. ``key_space``: the keys the moments sum over
+    (:attr:`~ckvp_compile.latent.LatentBases.key_space`)."""
     from ..latent import collect_kv_moments
 
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     ids = [torch.randint(0, vocab, (1, tokens), generator=gen) for _ in range(samples)]
-    return collect_kv_moments(model, ids, group_size=group_size, progress=False)
+    return collect_kv_moments(model, ids, group_size=group_size, progress=False, key_space=key_space)
 
 
 class DecomposedMoments:
@@ -282,13 +284,15 @@ class DecomposedMoments:
     Args:
         groups, num_kv_heads, head_dim, group_size, model_fingerprint, num_tokens: as in ``KVMoments``.
         k, v: per group, ``(eigenvalues (Hkv, N) descending >= 0, eigenvectors (Hkv, N, N))``.
+        key_space: the keys ``k`` describes, as ``KVMoments.key_space``.
     """
 
     def __init__(self, groups: tuple[tuple[int, ...], ...], num_kv_heads: int, head_dim: int, group_size: int,
                  k: list[tuple[torch.Tensor, torch.Tensor]], v: list[tuple[torch.Tensor, torch.Tensor]],
-                 model_fingerprint: dict[str, Any], num_tokens: int = 1):
+                 model_fingerprint: dict[str, Any], num_tokens: int = 1, key_space: str = "pre_rope"):
         self.groups, self.num_kv_heads, self.head_dim, self.group_size = groups, num_kv_heads, head_dim, group_size
         self.k, self.v, self.model_fingerprint, self.num_tokens = k, v, model_fingerprint, num_tokens
+        self.key_space = key_space
 
     @classmethod
     def from_moments(cls, m: Any) -> "DecomposedMoments":
@@ -298,7 +302,7 @@ class DecomposedMoments:
             return evals.flip(-1).clamp_min(0), evecs.flip(-1)
 
         return cls(m.groups, m.num_kv_heads, m.head_dim, m.group_size, [dec(x) for x in m.k], [dec(x) for x in m.v],
-                   m.model_fingerprint, m.num_tokens)
+                   m.model_fingerprint, m.num_tokens, getattr(m, "key_space", "pre_rope"))
 
     def bases(self, kv_ratio: float = 4.0, rank_allocation: str = "energy", basis: str = "pca",
               rank_block: int = 1, max_key_rank: int | None = None) -> Any:
@@ -335,7 +339,7 @@ class DecomposedMoments:
         return LatentBases(groups=self.groups, num_kv_heads=hkv, head_dim=self.head_dim, group_size=self.group_size,
                            target_ratio=float(kv_ratio), rank_allocation=rank_allocation,
                            model_fingerprint=dict(self.model_fingerprint), num_tokens=int(self.num_tokens),
-                           max_key_rank=max_key_rank, **out)
+                           max_key_rank=max_key_rank, key_space=self.key_space, **out)
 
 
 def synthetic_moments(model: torch.nn.Module, group_size: int, seed: int = 0, decay: float = 1.0) -> DecomposedMoments:

@@ -2060,9 +2060,10 @@ def _launch(
         raise NotImplementedError(f"NYI: latent_attention_triton does not support {reason}; call "
                                   f"kernels.reference.latent_attention_ref instead")
     if config is None:
-        # the complex form's tables hold one angle per pair by layout; the others only when declared so
-        paired = rope_form == "complex" or (rope_form in ("rotate_half", "interleaved")
-                                            and paired_tables_declared(cos_table, sin_table))
+        # the complex form's tables hold one angle per pair by layout; the others only when declared so; without
+        # RoPE (post-RoPE key bases included) no table is read, so nothing limits the table-free paths
+        paired = rope_form in ("complex", "none") or (rope_form in ("rotate_half", "interleaved")
+                                                      and paired_tables_declared(cos_table, sin_table))
         kf = parse_latent_format(k_fmt)
         config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired,
                                 rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],

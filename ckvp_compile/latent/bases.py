@@ -50,8 +50,8 @@ from .ranks import (
     retained_fraction,
 )
 
-__all__ = ["BASES", "FORMAT_NAME", "FORMAT_VERSION", "LatentBases", "build_latent_bases", "check_target_ratio",
-           "model_fingerprint"]
+__all__ = ["BASES", "FORMAT_NAME", "FORMAT_VERSION", "KEY_SPACES", "LatentBases", "build_latent_bases",
+           "check_target_ratio", "key_space_error", "model_fingerprint"]
 
 Kind = Literal["k", "v"]
 #: ``format`` entry of a saved file's metadata.
@@ -60,6 +60,8 @@ FORMAT_NAME = "ckvp-latent-bases"
 FORMAT_VERSION = 1
 #: Valid values of ``basis``: 'pca' (top eigenvectors of the second moment) or 'weighted' (:mod:`.weighting`).
 BASES: tuple[str, ...] = ("pca", "weighted")
+#: Valid values of ``key_space``: which keys the key bases span (see :class:`LatentBases`).
+KEY_SPACES: tuple[str, ...] = ("pre_rope", "post_rope")
 _RECALIBRATE = "re-run ckvp_compile.calibrate(model, samples) for this model and save() the result"
 
 # (fingerprint key, config attribute names tried in order: Hugging Face, then gpt-fast)
@@ -117,8 +119,17 @@ class LatentBases:
     #: None, or the cap the key ranks were allocated under (``max_key_rank``; the bytes went to the other units).
     #: A record for inspection: every consumer just uses the ranks.
     max_key_rank: int | None = None
+    #: Which keys the key bases span. 'pre_rope' (default): the keys before RoPE; decode re-applies RoPE at each
+    #: cached token's position, tile by tile (DESIGN.md, "CKVP in numbers"). 'post_rope': the keys as the model
+    #: caches them, after RoPE; decode treats the layer like a model without RoPE, so the scores are absorbed
+    #: into the latent like the values (r multiply-adds per cached token and head instead of a RoPE-table
+    #: product), at a fidelity cost: RoPE spreads each pair's energy, so post-RoPE keys need more rank (Loki,
+    #: Singhania et al. 2024, arXiv:2406.02542, measured the post-RoPE key spectra).
+    key_space: str = "pre_rope"
 
     def __post_init__(self) -> None:
+        if key_space_error(self.key_space):
+            raise CKVPConfigError(key_space_error(self.key_space))
         hkv, d = self.num_kv_heads, self.head_dim
         for kind in ("k", "v"):
             bases, ranks, eigs = self.basis(kind), self.ranks(kind), self.eigenvalues(kind)
@@ -204,6 +215,7 @@ class LatentBases:
             "v_ranks": [list(r) for r in self.v_ranks], "model_fingerprint": self.model_fingerprint,
             "num_tokens": self.num_tokens, "online": self.online, "k_formats": list(self.k_formats),
             "v_formats": list(self.v_formats), "rotation": self.rotation, "max_key_rank": self.max_key_rank,
+            "key_space": self.key_space,
         }
 
     def save(self, path: str | Path) -> None:
@@ -276,6 +288,7 @@ class LatentBases:
                 online=meta.get("online", False) in (True, "true", "True", 1), k_formats=tuple(meta.get("k_formats", ())),
                 v_formats=tuple(meta.get("v_formats", ())), rotation=str(meta.get("rotation", "")),
                 max_key_rank=None if meta.get("max_key_rank") is None else int(meta["max_key_rank"]),
+                key_space=str(meta.get("key_space", "pre_rope")),
             )
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
             raise CKVPConfigError(f"{str(path)!r} holds corrupt ckvp latent bases ({type(exc).__name__}: {exc}); "
@@ -325,7 +338,8 @@ class LatentBases:
     def __repr__(self) -> str:
         return (f"LatentBases(groups={len(self.groups)}, layers={self.num_layers}, Hkv={self.num_kv_heads}, "
                 f"D={self.head_dim}, ratio={self.ratio():.3f}, target_ratio={self.target_ratio:g}, "
-                f"rank_allocation={self.rank_allocation!r})")
+                f"rank_allocation={self.rank_allocation!r}"
+                + (f", key_space={self.key_space!r})" if self.key_space != "pre_rope" else ")"))
 
 
 def _describe(fp: dict[str, Any]) -> str:
@@ -405,7 +419,7 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
                        model_fingerprint: dict[str, Any], k_weights: Sequence[torch.Tensor] | None = None,
                        v_weights: Sequence[torch.Tensor] | None = None,
                        head_entropy: Sequence[torch.Tensor] | None = None, rank_block: int = 1,
-                       max_key_rank: int | None = None) -> LatentBases:
+                       max_key_rank: int | None = None, key_space: str = "pre_rope") -> LatentBases:
     """Eigen-decompose per-group second moments, allocate ranks under the budget, and assemble the bases.
 
     Args:
@@ -424,11 +438,13 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
         rank_block: ranks in whole blocks of this many coordinates (:func:`~.ranks.allocate_ranks`); 1: any.
         max_key_rank: None, or the most coordinates a key unit (group, KV head) keeps; the budget goes to the
             other units instead (:func:`~.ranks.key_rank_caps`: decode speed for fidelity at the same bytes).
+        key_space: 'pre_rope' or 'post_rope', the keys ``k_moments`` were summed over
+            (:attr:`LatentBases.key_space`).
     Returns:
         :class:`LatentBases`, bases float32 on the moments' device.
     Raises:
-        CKVPConfigError: unknown rank_allocation, a rank_block that is not an int >= 1, a max_key_rank that is not
-            None or an int >= 1, or target_ratio out of the achievable range.
+        CKVPConfigError: unknown rank_allocation or key_space, a rank_block that is not an int >= 1, a
+            max_key_rank that is not None or an int >= 1, or target_ratio out of the achievable range.
     """
     if rank_allocation not in RANK_ALLOCATIONS:
         raise CKVPConfigError(f"rank_allocation must be one of {list(RANK_ALLOCATIONS)}, got {rank_allocation!r}")
@@ -436,6 +452,8 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
         raise CKVPConfigError(rank_block_error(rank_block))
     if max_key_rank_error(max_key_rank):
         raise CKVPConfigError(max_key_rank_error(max_key_rank))
+    if key_space_error(key_space):
+        raise CKVPConfigError(key_space_error(key_space))
     dense = sum(len(layers) for layers in groups) * num_kv_heads * head_dim * 2
     check_target_ratio(target_ratio, dense, 2 * len(groups) * num_kv_heads)
     decomposed = {kind: [_eigh_desc(m / num_tokens) for m in moments]
@@ -472,4 +490,12 @@ def build_latent_bases(groups: Sequence[Sequence[int]], k_moments: Sequence[torc
     return LatentBases(groups=tuple(tuple(int(x) for x in layers) for layers in groups), num_kv_heads=num_kv_heads,
                        head_dim=head_dim, group_size=group_size, target_ratio=float(target_ratio),
                        rank_allocation=rank_allocation, model_fingerprint=dict(model_fingerprint),
-                       num_tokens=int(num_tokens), max_key_rank=max_key_rank, **out)
+                       num_tokens=int(num_tokens), max_key_rank=max_key_rank, key_space=key_space, **out)
+
+
+def key_space_error(key_space: object) -> str:
+    """'' when ``key_space`` is one of :data:`KEY_SPACES`, else the error message (naming the valid values)."""
+    if isinstance(key_space, str) and key_space in KEY_SPACES:
+        return ""
+    return (f"key_space must be one of {list(KEY_SPACES)} ('pre_rope': RoPE re-applied at decode, the default; "
+            f"'post_rope': keys compressed as cached, faster decode at more rank), got {key_space!r}")

@@ -36,7 +36,7 @@ from ..analysis.graph import node_map, op_name, shape_of
 from ..config import GROUP_SIZES, CKVPConfig
 from ..errors import CKVPConfigError, CKVPError
 from ..plan import make_layer_groups
-from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, model_fingerprint
+from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, key_space_error, model_fingerprint
 from .capture import prefill, uncompiled_forward
 from .ranks import RANK_ALLOCATIONS, max_key_rank_error, rank_block_error
 
@@ -90,6 +90,9 @@ class KVMoments:
     #: stacked values of the cached tokens) over every query t >= 1 and query head of the KV head; empty when the
     #: attention was not measured in every layer of every group.
     v_attended: list[torch.Tensor] = field(default_factory=list)
+    #: which keys ``k`` summed over: 'pre_rope' (default) or 'post_rope' (the keys as cached;
+    #: :attr:`LatentBases.key_space`)
+    key_space: str = "pre_rope"
 
     def head_entropy(self) -> list[torch.Tensor] | None:
         """Per group, (Hkv,) the mean of :attr:`attn_entropy` over the group's layers; None when any is missing."""
@@ -135,7 +138,7 @@ class KVMoments:
                                   head_dim=self.head_dim, group_size=self.group_size, target_ratio=kv_ratio,
                                   rank_allocation=rank_allocation, model_fingerprint=self.model_fingerprint,
                                   head_entropy=self.head_entropy(), rank_block=rank_block,
-                                  max_key_rank=max_key_rank, **weights)
+                                  max_key_rank=max_key_rank, key_space=self.key_space, **weights)
 
     def regroup(self, group_size: int) -> "KVMoments":
         """Return the moments for a smaller group size that divides this one, without recollecting.
@@ -168,7 +171,8 @@ class KVMoments:
         return KVMoments(groups=tuple(groups), num_kv_heads=self.num_kv_heads, head_dim=d, group_size=group_size,
                          k=k, v=v, num_tokens=self.num_tokens, model_fingerprint=self.model_fingerprint,
                          q_energy=self.q_energy, w_o=self.w_o, rope_form=self.rope_form,
-                         attn_entropy=self.attn_entropy, attn_sumsq=self.attn_sumsq, v_attended=attended)
+                         attn_entropy=self.attn_entropy, attn_sumsq=self.attn_sumsq, v_attended=attended,
+                         key_space=self.key_space)
 
 
 def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: CKVPConfig | None = None, *,
@@ -177,7 +181,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
               latent_format: str | None = None, batch_size: int = 1, cache_len: int = 4096,
               dense_dtype: torch.dtype = torch.bfloat16, latent_dtype: torch.dtype = torch.bfloat16,
               recent_window: int = 0, rank_block: int | None = None,
-              max_key_rank: int | None = None) -> LatentBases:
+              max_key_rank: int | None = None, key_space: str = "pre_rope") -> LatentBases:
     """Fit cross-layer latent bases and per-head ranks for ``model`` on ``samples``.
 
     Args:
@@ -215,12 +219,16 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             bytes going to values and other units instead: the decode attention's work grows with the key rank
             padded to a power of two, so e.g. 64 instead of 96 trades fidelity for speed at the same bytes
             (:func:`~.ranks.key_rank_caps`).
+        key_space: 'pre_rope' (default): fit the key bases to the keys before RoPE (decode re-applies RoPE per
+            cached token); 'post_rope': to the keys as the model caches them, after RoPE, so that decode scores
+            them without RoPE (faster: no RoPE-table product; lossier at the same rank,
+            :attr:`LatentBases.key_space`). Layers without RoPE are the same either way.
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
-        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / samples
-            (kv_ratio's message names the achievable range), no attention layer with a usable KV-cache write (the reason is given), or an
-            encoder-decoder model (``config.is_encoder_decoder``).
+        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / key_space /
+            samples (kv_ratio's message names the achievable range), no attention layer with a usable KV-cache write
+            (the reason is given), or an encoder-decoder model (``config.is_encoder_decoder``).
     Notes:
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
         their next call. A ``model.forward`` already replaced by ``torch.compile(model.forward, ...)`` is set aside
@@ -242,6 +250,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         raise CKVPConfigError(rank_block_error(rank_block))
     if max_key_rank_error(max_key_rank):
         raise CKVPConfigError(max_key_rank_error(max_key_rank))
+    if key_space_error(key_space):
+        raise CKVPConfigError(key_space_error(key_space))
     if recent_window and latent_format is None:
         raise CKVPConfigError("recent_window is counted in bytes: give latent_format too (the format the cache "
                               "will store), so that the ranks leave room for the window")
@@ -250,7 +260,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         check_target_ratio(kv_ratio, sum(map(len, groups)) * hkv * d * 2, 2 * len(groups) * hkv)
 
     moments = _collect(model, samples, group_size=group_size, max_cache_len=max_cache_len, progress=progress,
-                       on_sample=None, on_groups=check_groups)
+                       on_sample=None, on_groups=check_groups, key_space=key_space)
     if latent_format is not None:
         from .budget import bases_for_byte_ratio
 
@@ -265,7 +275,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
 def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int = 4,
                        max_cache_len: int | None = None, progress: bool = True,
                        on_sample: Callable[[StackedKV], None] | None = None,
-                       attended_values: bool = False) -> KVMoments:
+                       attended_values: bool = False, key_space: str = "pre_rope") -> KVMoments:
     """Collect the stacked second moments :func:`calibrate` uses, without choosing ranks.
 
     Args:
@@ -276,13 +286,16 @@ def collect_kv_moments(model: torch.nn.Module, samples: Iterable[torch.Tensor], 
             :func:`~ckvp_compile.latent.attention_noise.value_error_scales` ``mode="output"``): an extra
             (B, H, S, S) @ (B, H, S, G_g*D) product and a float64 (G_g*D)^2 moment per layer and sample, so off
             by default.
+        key_space: as for :func:`calibrate` (the keys summed over).
     Returns:
         :class:`KVMoments`; ``.bases(kv_ratio, rank_allocation)`` builds :class:`LatentBases` from it.
     Raises:
         CKVPConfigError: as for :func:`calibrate`.
     """
+    if key_space_error(key_space):
+        raise CKVPConfigError(key_space_error(key_space))
     return _collect(model, samples, group_size=group_size, max_cache_len=max_cache_len, progress=progress,
-                    on_sample=on_sample, on_groups=None, attended_values=attended_values)
+                    on_sample=on_sample, on_groups=None, attended_values=attended_values, key_space=key_space)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -318,7 +331,8 @@ class _RecordingInterpreter(fx.Interpreter):
 class _RecordingBackend:
     """Dynamo backend: analyses each graph it receives and runs it with a :class:`_RecordingInterpreter`."""
 
-    def __init__(self) -> None:
+    def __init__(self, key_space: str = "pre_rope") -> None:
+        self.key_space = key_space
         self.analyses: list[GraphAnalysis] = []
         self.values: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -330,7 +344,7 @@ class _RecordingBackend:
         for s in analysis.attention:
             if s.k_cache is None or s.v_cache is None:
                 continue
-            if s.rope is not None and s.rope.k_in is not None:
+            if s.rope is not None and s.rope.k_in is not None and self.key_space == "pre_rope":
                 k_node, perm = s.rope.k_in, _layout_perm(nodes[s.k_cache.value_node], s.rope.k_out)
                 if s.rope.k_scale is not None:  # scaled after RoPE: the key CKVP projects is k_in * k_scale
                     perm = s.rope.k_in_perm  # (the walk above stops at the multiply; the analysis read it)
@@ -485,7 +499,7 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
 def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int, max_cache_len: int | None,
              progress: bool, on_sample: Callable[[StackedKV], None] | None,
              on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None,
-             attended_values: bool = False) -> KVMoments:
+             attended_values: bool = False, key_space: str = "pre_rope") -> KVMoments:
     from tqdm.auto import tqdm
 
     if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
@@ -497,7 +511,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
             "model (its compiled graphs are left untouched)."
         )
     device = _device_of(model)
-    backend = _RecordingBackend()
+    backend = _RecordingBackend(key_space)
     state: dict[str, Any] = {}
     torch._dynamo.reset()
     try:
@@ -537,7 +551,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
     return KVMoments(groups=state["groups"], num_kv_heads=state["hkv"], head_dim=state["d"], group_size=group_size,
                      k=state["k"], v=state["v"], num_tokens=state["tokens"], model_fingerprint=state["fingerprint"],
                      q_energy=q_energy, w_o=state["w_o"], rope_form=state["rope_form"], attn_entropy=entropy,
-                     attn_sumsq=sumsq, v_attended=attended)
+                     attn_sumsq=sumsq, v_attended=attended, key_space=key_space)
 
 
 def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
@@ -563,8 +577,9 @@ def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
     w_o = {layer: backend.values[("o", layer)].detach().to("cpu", torch.float64) for layer in by_layer
            if ("o", layer) in backend.values and backend.values[("o", layer)].dim() == 2
            and backend.values[("o", layer)].shape[1] == by_layer[layer].num_heads * d}
-    rope_form = {layer: (s.rope.form if s.rope is not None and not s.rope.partial else "none")
-                 for layer, s in by_layer.items()}
+    # (post-RoPE keys: no rotation left to average the query weighting over; the weighted basis uses PCA there)
+    rope_form = {layer: (s.rope.form if s.rope is not None and not s.rope.partial and backend.key_space == "pre_rope"
+                         else "none") for layer, s in by_layer.items()}
     heads = {layer: s.num_heads for layer, s in by_layer.items()}
     return {"groups": layer_groups, "hkv": hkv, "d": d, "tokens": 0, "w_o": w_o, "rope_form": rope_form,
             "heads": heads, "q": {}, "entropy": {}, "sumsq": {}, "attended": [{} for _ in layer_groups],

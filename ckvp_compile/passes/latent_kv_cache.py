@@ -43,7 +43,9 @@ last argument (``page_table``) of every ``ckvp.latent_append`` / ``latent_recons
 latents are then page pools (N_pages + 1, P, W). The pass also records how to read the call's highest slot on the
 host before the call (:attr:`LatentRewritePlan.slot_probe`), so that the backend maps the pages it will touch.
 
-``k_pre`` is the layer's pre-RoPE key (the analysis' ``rope.k_in``): the latent is projected from pre-RoPE
+With bases of the keys as cached (``LatentBases.key_space == "post_rope"``) every layer is rewritten as a layer
+without RoPE: ``k_pre`` is then the cached key itself, nothing is rotated at decode, and no tables are written.
+Otherwise ``k_pre`` is the layer's pre-RoPE key (the analysis' ``rope.k_in``): the latent is projected from pre-RoPE
 keys (DESIGN.md, "CKVP in numbers"), and RoPE is re-applied at each cached slot's own position when keys
 are rebuilt. A factor the model applies after RoPE that is constant along the head dim (``rope.k_scale``:
 Llama-4's weightless ``qk_norm``) scales ``k_pre`` instead, since RoPE is linear. Tokens of the current call are
@@ -65,6 +67,7 @@ DeepSeek-V2's MLA (DeepSeek-AI, 2024) and Palu (Chang et al., 2024).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -145,6 +148,11 @@ class LatentKVCachePass(CKVPPass):
         from ..ops import latent_kv  # noqa: F401  registers torch.ops.ckvp.*
 
         store = self.plan.store
+        if getattr(getattr(store, "bases", None), "key_space", "pre_rope") == "post_rope":
+            # bases of the keys as cached (after RoPE): rewrite every layer as one without RoPE, so the latent
+            # holds the cached key and decode scores it with no RoPE rebuild (LatentBases.key_space)
+            self.plan.groups = [GroupRewrite(gr.group, tuple(dataclasses.replace(site, rope=None) for site in gr.sites))
+                                for gr in self.plan.groups]
         nodes = node_map(graph)
         order = {n: i for i, n in enumerate(graph.nodes)}
         paged = bool(getattr(store, "page_size", 0))

@@ -294,6 +294,13 @@ def _check_fixed() -> None:
                      dataclasses.replace(ccfg, head_chunks=128))):
         _check(case, c)
         assert chunk_mod._LAST_LAUNCH["head_chunks"] > 0, (case, c)  # the chunk kernel ran, not a fallback
+    # no RoPE (post-RoPE key bases, LatentBases.key_space; GPT-2): the default config reads no table, so it takes
+    # the table-free folded-query key pass up to rank 128 (the chunk pass too at ranks <= 8 where enough programs
+    # fill the device: not at these shapes; the cases above run it without RoPE)
+    for case in (dict(eq, rope="none", rd=0), dict(eq, rope="none", rd=0, d=64, rk=[40, 37, 40, 40], rv=[24] * 4,
+                                                  mask="bool")):
+        _check(case, None)
+        assert chunk_mod._LAST_LAUNCH["rot_basis"], (case, dict(chunk_mod._LAST_LAUNCH))
     for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
         _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
     # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens
