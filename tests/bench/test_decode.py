@@ -330,6 +330,37 @@ def test_cli_key_rank_cap_rows(tmp_path):
         assert bench_cli(["decode", *argv, "--device", "cpu"]) == 2
 
 
+def test_cli_post_rope_key_rows(tmp_path, monkeypatch):
+    """--key-space post_rope: ckvp rows named '<system> post-RoPE' (other systems keep their names), the caches they
+    decode hold post-RoPE bases (synthetic, and calibrated on the random model through random_bases), the setting is
+    recorded in the JSON; the default records 'pre_rope' and leaves the names alone; a bad value is a usage error."""
+    import ckvp_compile.bench.decode_models as decode_models
+    from ckvp_compile.bench.decode_models import DecomposedMoments
+
+    real, spaces = decode_models.latent_cache, []
+
+    def spy(cfg, bases, *args, **kwargs):
+        spaces.append(bases.key_space)
+        return real(cfg, bases, *args, **kwargs)
+
+    monkeypatch.setattr(decode_models, "latent_cache", spy)
+    for key_space, name in (("post_rope", "ckvp-4 post-RoPE"), ("pre_rope", "ckvp-4")):
+        out = tmp_path / f"{key_space}.json"
+        spaces.clear()
+        assert bench_cli(["decode", "--shape", "tiny", "--cells", "ckvp-4@1@16", "eager@1@16", "--steps", "1",
+                          "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--bases", "synthetic",
+                          "--key-space", key_space, "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert [(r["system"], r["status"]) for r in data["rows"]] == [(name, "ok"), ("eager", "ok")], data["rows"]
+        assert data["meta"]["settings"]["key_space"] == key_space
+        assert spaces and set(spaces) == {key_space}
+    assert bench_cli(["decode", "--shape", "tiny", "--key-space", "after_rope", "--device", "cpu"]) == 2
+    model = build_random_model(make_config("tiny", max_positions=64), "cpu", torch.float32)
+    moments = random_bases(model, 4, samples=1, tokens=16, key_space="post_rope")
+    assert moments.key_space == "post_rope"
+    assert DecomposedMoments.from_moments(moments).bases(4.0).key_space == "post_rope"
+
+
 def test_kernel_sequence_keeps_one_step_of_attention_kernels_in_launch_order():
     """kernel_sequence: the matching device kernels of the first of N steps, by start time, [name, us] each; host
     events, other kernels and unreadable events are skipped."""

@@ -557,3 +557,57 @@ def test_load_refuses_edited_groups_and_reads_the_online_flag(tmp_path):
                 LatentBases.load(tmp_path / "e.safetensors")
         else:
             assert LatentBases.load(tmp_path / "e.safetensors").online is False
+
+
+def test_key_space_is_kept_checked_and_defaults_for_old_files(tmp_path):
+    """key_space='post_rope' travels from collect_kv_moments through regroup(), bases(), calibrate(), to(), save()
+    / load() and repr; an unknown value is refused by LatentBases, calibrate, collect_kv_moments and
+    build_latent_bases with the valid values named; a file saved before the field existed (no 'key_space' in its
+    metadata) loads as 'pre_rope', and one with an unknown value is refused as corrupt."""
+    import dataclasses
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ckvp_compile.latent import build_latent_bases
+
+    model, samples = _gpt_fast(n_layer=2), _samples(2, (1, 16))
+    moments = collect_kv_moments(model, samples, group_size=2, progress=False, key_space="post_rope")
+    assert moments.key_space == "post_rope" and moments.regroup(1).key_space == "post_rope"
+    bases = calibrate(model, samples, group_size=2, kv_ratio=2.0, progress=False, key_space="post_rope")
+    again = moments.bases(2.0)
+    assert bases.key_space == again.key_space == "post_rope" and bases.k_ranks == again.k_ranks
+    torch.testing.assert_close(bases.k_basis[0], again.k_basis[0], rtol=0, atol=0)
+    assert bases.to(dtype=torch.bfloat16).key_space == "post_rope"
+    assert "key_space='post_rope'" in repr(bases)
+    assert "key_space" not in repr(calibrate(model, samples, group_size=2, kv_ratio=2.0, progress=False))
+    path = tmp_path / "post.safetensors"
+    bases.save(path)
+    assert LatentBases.load(path, model=model).key_space == "post_rope"
+
+    valid = r"key_space must be one of \['pre_rope', 'post_rope'\]"
+    with pytest.raises(CKVPConfigError, match=valid + ".*got 'bad'"):
+        dataclasses.replace(bases, key_space="bad")
+    with pytest.raises(CKVPConfigError, match=valid + ".*got 'x'"):
+        calibrate(model, samples, key_space="x", progress=False)
+    with pytest.raises(CKVPConfigError, match=valid):
+        collect_kv_moments(model, samples, key_space="post-rope", progress=False)
+    with pytest.raises(CKVPConfigError, match=valid + ".*got None"):
+        build_latent_bases(moments.groups, moments.k, moments.v, moments.num_tokens,
+                           num_kv_heads=moments.num_kv_heads, head_dim=moments.head_dim, group_size=2,
+                           target_ratio=2.0, rank_allocation="energy", model_fingerprint=moments.model_fingerprint,
+                           key_space=None)
+
+    with safe_open(str(path), "pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta = json.loads(header["meta"])
+    assert meta["key_space"] == "post_rope"
+    old = {k: v for k, v in meta.items() if k != "key_space"}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=dict(header, meta=json.dumps(old)))
+    loaded = LatentBases.load(tmp_path / "old.safetensors", model=model)
+    assert loaded.key_space == "pre_rope" and loaded.k_ranks == bases.k_ranks
+    save_file(tensors, str(tmp_path / "bad.safetensors"),
+              metadata=dict(header, meta=json.dumps(dict(meta, key_space="rotated"))))
+    with pytest.raises(CKVPConfigError, match="corrupt ckvp latent bases.*key_space must be one of"):
+        LatentBases.load(tmp_path / "bad.safetensors")
