@@ -256,7 +256,7 @@ class DecodeConfig:
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
                    rank: int | None = None, rank_v: int | None = None,
-                   quantized_keys: bool = False) -> DecodeConfig:
+                   quantized_keys: bool = False, table_free: bool = False) -> DecodeConfig:
     """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
 
@@ -265,7 +265,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     before padding (None: ``rank_pad``); it sizes the grouped key pass's head groups. ``rank_v``: the largest value
     rank (None: as the keys); the value pass's tiles and pipelining follow it. ``quantized_keys``: the key latent is
     a uniform or mixed ``int`` format (not MX, not float), whose dequantized values fp16 holds; GQA's one pass then
-    rebuilds keys with one fp16 dot (``key_fp16``).
+    rebuilds keys with one fp16 dot (``key_fp16``). ``table_free``: the call reads no RoPE table (rope form
+    'none': a model without RoPE, or post-RoPE key bases, ``LatentBases.key_space``).
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
@@ -317,6 +318,13 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # one pass over chunks of 16 heads (latent_attention_chunks): rank 8 0.228 -> 0.186 ms per call at
             # batch 8, 32k (benchmarks/results/2026-12-02-head-chunks-h200); wider ranks measured slower
             cfg = dataclasses.replace(cfg, head_chunks=128)
+        if table_free and rank_pad <= 128 and v_pad <= 128:
+            # without tables the chunk pass has no (KT, NCK) coefficient operand nor table product, so it pays at
+            # every measured rank: Qwen1.5-MoE decode, post-RoPE bases (key ranks 16-96, value ranks 8-64), batch
+            # 8, 32k, 16.22 ms per step with the two passes, 13.52 with 128-column chunks, 12.08 with 256 (512:
+            # 14.62; 256 with 16- or 64-slot tiles 13.37 / 12.96; 8 warps 14.30)
+            # (benchmarks/results/2026-12-03-post-rope-h200)
+            cfg = dataclasses.replace(cfg, head_chunks=256)
         if v_pad <= 32:
             cfg = dataclasses.replace(cfg, block_n_v=64)
         elif v_pad == 128:
@@ -2067,7 +2075,7 @@ def _launch(
         kf = parse_latent_format(k_fmt)
         config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired,
                                 rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],
-                                quantized_keys=kf.quantized and not kf.pow2)
+                                quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none")
     cfg = config
     chunks = None
     if mode == "all" and cfg.head_chunks > 0 and not cfg.fuse_merge:

@@ -84,6 +84,11 @@ def test_default_config_chunks_only_where_measured_faster():
     assert default_config(1, 16, paired=True, rank=12).head_chunks == 0
     assert default_config(1, 16, paired=False, rank=8).head_chunks == 0  # measured with paired tables only
     assert default_config(4, 16, paired=True, rank=8).head_chunks == 0
+    # without RoPE tables (post-RoPE key bases): 256-column chunks up to rank 128 (the measured plan's ranks 8-96)
+    assert default_config(1, 128, paired=True, rank=96, rank_v=64, table_free=True).head_chunks == 256
+    assert default_config(1, 16, paired=True, rank=8, rank_v=8, table_free=True).head_chunks == 256
+    assert default_config(1, 256, paired=True, rank=200, table_free=True).head_chunks == 0  # not measured
+    assert default_config(4, 128, paired=True, rank=96, table_free=True).head_chunks == 0  # GQA: no chunk kernel
 
 
 def test_chunk_layout_is_cached_per_call_shape_and_returns_copies():

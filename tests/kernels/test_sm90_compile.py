@@ -22,8 +22,9 @@ EXAMPLES_ENV = "CKVP_SM90_COMPILE_EXAMPLES"
 
 
 def _inputs(b: int, t: int, heads: tuple[int, int], d: int, k_ranks: list[int], v_ranks: list[int], kfmt: str,
-            vfmt: str, page: int, seed: int):
-    """The launcher's arguments (CPU tensors; values never read by a compile) and a page table (None: contiguous)."""
+            vfmt: str, page: int, seed: int, rope: str = "rotate_half"):
+    """The launcher's arguments (CPU tensors; values never read by a compile) and a page table (None: contiguous);
+    ``rope`` 'none': a layer without RoPE (or post-RoPE key bases)."""
     import torch
 
     from ckvp_compile.bench.attention import make_inputs, make_latent
@@ -46,6 +47,8 @@ def _inputs(b: int, t: int, heads: tuple[int, int], d: int, k_ranks: list[int], 
 
         lk, lv = pool(lk), pool(lv)
     base[1:7] = [lk, lv, bk, bv, ko, vo]
+    if rope == "none":
+        base[10:12] = ["none", 0]
     base[-2:] = [kfmt, vfmt]
     return tuple(base), table
 
@@ -97,6 +100,15 @@ def _run(n_examples: int) -> None:
                 grouped = heads[0] == heads[1] and paired and r <= 32 and not chunked
                 assert ("grouped key pass" in names) == grouped, (heads, r, paired, names)
                 assert ("one pass over head chunks" in names) == chunked, (heads, r, paired, names)
+    # without RoPE (post-RoPE key bases, LatentBases.key_space) the defaults read no table: the one pass over
+    # chunks of KV heads at every rank up to 128 (unequal ranks too), and it compiles and fits
+    for ks, vs in ([[8] * 16, [8] * 16], [[16] * 16, [64] * 16], [[24, 32] * 8, [8] * 16], [[96, 64] * 8, [64] * 16],
+                   [[128] * 16, [128] * 16]):
+        case = dict(fixed, b=8, t=16384, heads=(16, 16), k_ranks=ks, v_ranks=vs, rope="none")
+        rp = max(16, 1 << (max(ks) - 1).bit_length())
+        cfg = default_config(1, rp, paired=True, rank=max(ks), rank_v=max(vs), table_free=True)
+        names = [k.name for k in _compile(case, cfg, fits=True)]
+        assert "one pass over head chunks" in names, (ks, vs, names)
     # the head-chunk pass with every code width (int8 once failed to compile here while the interpreter passed: an
     # early return in a constexpr branch) and heads of one code byte (rank 1 at int4, 1-2 at int2)
     ccfg = DecodeConfig(head_chunks=128, target_programs=2, min_tiles=1, paired_tables=True)
