@@ -649,7 +649,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ckvp: fit the key bases to the keys before RoPE (default; decode re-applies RoPE per cached "
                         "token) or to the keys as cached, after RoPE (decode scores them with no RoPE rebuild: "
                         "faster, lossier at the same rank; ckvp_compile.latent.LatentBases.key_space); ckvp rows are "
-                        "then named '<system> post-RoPE'")
+                        "then named '<system> post-RoPE' (--shape fixture: the fixture's calibration, its rows "
+                        "labelled 'post-RoPE keys')")
     g = p.add_argument_group("fixture (--shape fixture)")
     g.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bundled fixture)")
     g.add_argument("--ratios", nargs="*", type=float, default=[4.0, 8.0, 16.0],

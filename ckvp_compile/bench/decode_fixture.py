@@ -24,6 +24,9 @@ whose token equals dense (``agreement``), the mean length of the agreeing prefix
 greedy tokens (``generated``), and the measured byte ratios. ``--baseline kivi:BITS:GROUP:RESIDUAL`` adds rows of
 KIVI (arXiv:2402.02750; :mod:`ckvp_compile.bench.kivi`): the eager model over a dense cache fake-quantized as KIVI
 stores it, its ratios computed from its format; ``--ratios`` with no value runs only dense, the floor and these.
+``--key-space post_rope`` fits the key bases to the keys as cached, after RoPE
+(:attr:`~ckvp_compile.latent.LatentBases.key_space`; '+measured' then measures in that space too); the JSON meta
+records it and the report labels the rows 'post-RoPE keys'.
 """
 
 from __future__ import annotations
@@ -222,7 +225,8 @@ def run_fixture(args: argparse.Namespace) -> int:
               f"{r.forced_agreement:.1%}), ratio {r.ratio_format}x from the format, {r.ratio_measured_at_budget}x at "
               f"{args.budget_len} tokens, {r.ratio_state_only}x at {max_len}", flush=True)
     if args.ratios:  # the ckvp rows' calibration (a baseline-only run, --ratios with no value, skips it)
-        moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False)
+        moments = collect_kv_moments(model, samples, group_size=args.group_size, progress=False,
+                                     key_space=getattr(args, "key_space", "pre_rope"))
         decomposed = DecomposedMoments.from_moments(moments)  # one eigh; the byte-ratio fit builds bases ~40 times
     fmt, *opts = args.latent_format.split("+")  # planned[+rot][+fp8][+measured]: ckvp-bench fidelity's allocations
     basis_dtype = torch.float8_e4m3fn if "fp8" in opts else kv_dtype
@@ -293,7 +297,8 @@ def run_fixture(args: argparse.Namespace) -> int:
                group_size=args.group_size, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                calib_windows=args.calib_windows, prompt_starts=starts, recent_window=args.recent_window,
                measure_windows=measure_windows, planned_format=args.planned_format if fmt == "planned" else None,
-               max_key_rank=getattr(args, "max_key_rank", None), baselines=getattr(args, "baselines", None),
+               max_key_rank=getattr(args, "max_key_rank", None), key_space=getattr(args, "key_space", "pre_rope"),
+               baselines=getattr(args, "baselines", None),
                wall_s=round(time.perf_counter() - t0, 1))
     data = {"kind": "fixture", "meta": env, "rows": [asdict(r) for r in rows]}
     if args.json:

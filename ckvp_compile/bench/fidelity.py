@@ -149,6 +149,14 @@ class FidelityResult:
     #: the bases' per-group storage formats of K and V (a planned row's bit plan)
     k_formats: list[str] = field(default_factory=list)
     v_formats: list[str] = field(default_factory=list)
+    #: the keys the key bases span (LatentBases.key_space: 'pre_rope' or 'post_rope'; results before this field:
+    #: 'pre_rope')
+    key_space: str = "pre_rope"
+    #: the calibration energy the kept ranks hold, over every (group, KV head) unit of K (resp. V): sum of the kept
+    #: eigenvalues / sum of all, i.e. 1 - the relative truncation error of the calibration keys (values) before
+    #: quantization (None: results before this field)
+    k_energy_retained: float | None = None
+    v_energy_retained: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -289,14 +297,15 @@ def ckvp_stats(model: torch.nn.Module, step: Callable, cache: Any, windows: torc
 
 
 def _collect_moments(model: torch.nn.Module, calib: torch.Tensor, group_sizes: Sequence[int], batch_size: int,
-                     progress: bool, attended_values: bool = False) -> dict[int, Any]:
+                     progress: bool, attended_values: bool = False, key_space: str = "pre_rope") -> dict[int, Any]:
     """Second moments per group size: collected once at the largest and regrouped when it is a multiple of
     every other (a smaller group's moment is a diagonal block), else collected per group size.
-    ``attended_values``: also the attended values' moments ('+avgout' configs need them)."""
+    ``attended_values``: also the attended values' moments ('+avgout' configs need them). ``key_space``: the keys
+    summed over (:attr:`~ckvp_compile.latent.LatentBases.key_space`)."""
     from ..latent import collect_kv_moments
 
     top = max(group_sizes)
-    kw = dict(progress=progress, attended_values=attended_values)
+    kw = dict(progress=progress, attended_values=attended_values, key_space=key_space)
     if any(top % g for g in group_sizes):
         return {g: collect_kv_moments(model, _batches_exact(calib, batch_size), group_size=g, **kw)
                 for g in group_sizes}
@@ -315,7 +324,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
                  dense: DenseReference | None = None,
                  reset_check: str = "first", latent_dtype: torch.dtype = torch.bfloat16,
                  dense_dtype: torch.dtype = torch.bfloat16, measure_windows: int = 8,
-                 rank_block: int | None = None, max_key_rank: int | None = None) -> list[FidelityResult]:
+                 rank_block: int | None = None, max_key_rank: int | None = None,
+                 key_space: str = "pre_rope") -> list[FidelityResult]:
     """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config.
 
     ``reset_check``: 'first' (the first config only: reset is the same code for every config), 'all' or 'none'.
@@ -324,7 +334,9 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     errors on (:func:`~ckvp_compile.bench.fidelity_layout.unit_kl_meter`; never evaluation windows). ``rank_block``:
     the non-planned configs' ranks in whole blocks of that many coordinates (None: the uniform quantized format's
     block, see :func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`; 1: any rank). ``max_key_rank``: the
-    non-planned configs' key ranks capped there (:func:`~ckvp_compile.latent.ranks.key_rank_caps`).
+    non-planned configs' key ranks capped there (:func:`~ckvp_compile.latent.ranks.key_rank_caps`). ``key_space``:
+    'pre_rope' (default) or 'post_rope': every config's key bases fitted to the keys before RoPE or as cached
+    (:attr:`~ckvp_compile.latent.LatentBases.key_space`; the '+measured' planner measures in the same space).
 
     Raises:
         RuntimeError: a compiled graph was not rewritten into the latent store for every layer, or
@@ -344,7 +356,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
     dense_eval = dense.stats
     t0 = time.perf_counter()
     moments = _collect_moments(model, calib_windows, sorted({c.group_size for c in configs}), batch_size, progress,
-                               attended_values=any("avgout" in c.rank_allocation.split("+") for c in configs))
+                               attended_values=any("avgout" in c.rank_allocation.split("+") for c in configs),
+                               key_space=key_space)
     log(f"calibration moments: {calib_windows.shape[0]} windows x {calib_windows.shape[1]} tokens "
         f"({time.perf_counter() - t0:.1f} s)")
     num_layers = model.config.get_text_config().num_hidden_layers
@@ -395,7 +408,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             basis_dtype=str(basis_dtype).removeprefix("torch."), rotation=bases.rotation,
             window_ppl_change_pct=[100 * math.expm1(float(c - d) / (window - 1))
                                    for c, d in zip(stats.nll, dense_eval.nll)],
-            k_formats=list(bases.k_formats), v_formats=list(bases.v_formats),
+            k_formats=list(bases.k_formats), v_formats=list(bases.v_formats), key_space=bases.key_space,
+            k_energy_retained=retained_energy(bases, "k"), v_energy_retained=retained_energy(bases, "v"),
         ))
         if abs(results[-1].measured_ratio * store_bytes(bases, batch_size, window, fmt, fmt, latent_dtype,
                                                         basis_dtype=basis_dtype, residual_format=residual)
@@ -406,6 +420,18 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
             f"top-1 {r.top1_agreement_pct:.2f}%, KL {r.kl_to_dense:.5f} ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
     torch._dynamo.reset()
     return results
+
+
+def retained_energy(bases: Any, kind: str) -> float:
+    """The calibration energy ``bases`` keep of ``kind`` ('k' or 'v') over every (group, KV head) unit: the sum of
+    the kept eigenvalues over the sum of all (1 - the relative truncation error of the calibration keys or values,
+    before quantization; a rotation within the kept subspace changes nothing)."""
+    kept = total = 0.0
+    for ev, ranks in zip(bases.eigenvalues(kind), bases.ranks(kind)):
+        for h, r in enumerate(ranks):
+            kept += float(ev[h, :int(r)].double().sum())
+            total += float(ev[h].double().sum())
+    return kept / total if total > 0 else 1.0
 
 
 def measured_errors_cache(model: torch.nn.Module, windows: torch.Tensor, *, chunk: int = 16, batch_size: int = 4,
@@ -426,7 +452,7 @@ def measured_errors_cache(model: torch.nn.Module, windows: torch.Tensor, *, chun
         from ..latent.planner import measured_block_errors
         from .fidelity_layout import unit_kl_meter
 
-        key = (group_size, block, v_block, rotate, basis_dtype)
+        key = (group_size, block, v_block, rotate, basis_dtype, getattr(full, "key_space", "pre_rope"))
         if key not in measured:
             t0 = time.perf_counter()
             meter = unit_kl_meter(model, windows, full, basis_dtype=basis_dtype, rotate=rotate, chunk=chunk,
@@ -641,6 +667,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-key-rank", type=int, default=None,
                    help="cap every key unit's rank (per KV head and layer group) of the configs that are not "
                         "'planned' at this many coordinates, the bytes going to the other units (default: no cap)")
+    p.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"],
+                   help="fit the key bases to the keys before RoPE (default; decode re-applies RoPE per cached token) "
+                        "or to the keys as cached, after RoPE (decode needs no RoPE-table product: faster on the "
+                        "GPU, lossier at the same rank; ckvp_compile.latent.LatentBases.key_space)")
     p.add_argument("--latent-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of 'float' latents and of the bases (default bfloat16)")
     p.add_argument("--dense-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -799,7 +829,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            progress=not args.no_progress, reset_check=args.reset_check,
                            latent_dtype=getattr(torch, args.latent_dtype), dense_dtype=getattr(torch, args.dense_dtype),
                            measure_windows=args.measure_windows, rank_block=args.rank_block,
-                           max_key_rank=args.max_key_rank)
+                           max_key_rank=args.max_key_rank, key_space=args.key_space)
     elapsed = time.perf_counter() - t_start
     table = markdown_table(results)
     print(table)
@@ -812,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "eval_windows": args.eval_windows, "eval_window_indices": [args.calib_windows, need - 1],
         "chunk": args.chunk, "batch": args.batch, "reset_check": args.reset_check, "dtype": args.dtype, "device": args.device,
         "latent_dtype": args.latent_dtype, "dense_dtype": args.dense_dtype, "measure_windows": args.measure_windows,
-        "rank_block": args.rank_block, "max_key_rank": args.max_key_rank,
+        "rank_block": args.rank_block, "max_key_rank": args.max_key_rank, "key_space": args.key_space,
         "compiler": "aot_eager", "fullgraph": True, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "machine": _cpu_name() if args.device == "cpu" else args.device,

@@ -291,8 +291,9 @@ def _rope(model: torch.nn.Module, k: torch.Tensor) -> torch.Tensor:
 
 
 def _evaluate(model: torch.nn.Module, windows: torch.Tensor, dense: Any, rec: dict, chunk: int, batch_size: int,
-              dense_out: list[torch.Tensor] | None) -> tuple[Any, float, list[torch.Tensor]]:
+              dense_out: list[torch.Tensor] | None, post_rope: bool = False) -> tuple[Any, float, list[torch.Tensor]]:
     """Evaluate the windows with the chunked attention over reconstructed K / V (module docstring, step 4).
+    ``post_rope``: the keys of ``rec`` are after RoPE already (post-RoPE key bases), else RoPE is applied here.
     Returns (EvalStats, attention-output relative error vs ``dense_out``, this pass's attention outputs)."""
     from transformers import AttentionInterface
 
@@ -310,7 +311,8 @@ def _evaluate(model: torch.nn.Module, windows: torch.Tensor, dense: Any, rec: di
             for bi, (batch, real) in enumerate(_batches(windows, batch_size)):
                 lo = bi * batch_size
                 idx = torch.arange(lo, lo + batch_size).clamp(max=windows.shape[0] - 1)
-                attn.rec = {layer: (_rope(model, k[idx]), v[idx]) for layer, (k, v) in rec.items()}
+                attn.rec = {layer: (k[idx] if post_rope else _rope(model, k[idx]), v[idx])
+                            for layer, (k, v) in rec.items()}
                 logits = model(input_ids=batch.to(next(model.parameters()).device), use_cache=False).logits
                 nll, pred, lp = _nll_and_argmax(logits.float().cpu(), batch)
                 ref = dense.logp[lo:lo + real].double()
@@ -341,6 +343,7 @@ def unit_kl_meter(model: torch.nn.Module, windows: torch.Tensor, bases: Any, *, 
     The unit's first ``rank`` principal components (rotated per ``block`` when ``rotate``, then rounded to
     ``basis_dtype`` as the store keeps them) carry its latent; the listed blocks are quantized per token with the
     reference quantizer (``int<bits>/<block>``), the others exact; every other unit is dense. Results are cached.
+    Bases of the keys as cached (``bases.key_space == 'post_rope'``) compress the keys after RoPE.
 
     Raises:
         SystemExit: the model is not a Llama-style attention (see :func:`capture_kv`).
@@ -350,6 +353,9 @@ def unit_kl_meter(model: torch.nn.Module, windows: torch.Tensor, bases: Any, *, 
 
     dense = dense_stats(model, windows, batch_size)
     kv = capture_kv(model, windows, batch_size)
+    post_rope = getattr(bases, "key_space", "pre_rope") == "post_rope"
+    if post_rope:  # the key bases span the keys as cached: project (and rebuild) the keys after RoPE
+        kv = {layer: (_rope(model, k), v) for layer, (k, v) in kv.items()}
     d = bases.head_dim
     cache: dict[tuple, float] = {}
 
@@ -379,7 +385,7 @@ def unit_kl_meter(model: torch.nn.Module, windows: torch.Tensor, bases: Any, *, 
             t = rec[layer][ki].clone()
             t[:, h] = y[..., j * d:(j + 1) * d]
             rec[layer][ki] = t
-        stats, _, _ = _evaluate(model, windows, dense, rec, chunk, batch_size, None)
+        stats, _, _ = _evaluate(model, windows, dense, rec, chunk, batch_size, None, post_rope)
         cache[key] = float(stats.kl.sum()) / stats.tokens
         return cache[key]
 

@@ -171,7 +171,7 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     assert "| ckvp-4 | 2 | 16 |" in text and "| ckvp-4 G=1 | 2 | 16 |" in text and text.count("| eager | 2 | 16 |") == 1
     # a fixture run with another group size is labelled too (its latent rows only)
     fx = json.loads(fixture.read_text())
-    assert fx["meta"]["calib_windows"] == 1
+    assert fx["meta"]["calib_windows"] == 1 and fx["meta"]["key_space"] == "pre_rope"
     fx["meta"]["calib_windows"] = 16  # the default: not labelled
     fixture.write_text(json.dumps(fx))
     fx["meta"]["group_size"] = 1
@@ -181,10 +181,15 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     fx["meta"].update(group_size=4, calib_windows=64)
     fx_c64 = tmp_path / "fixture_c64.json"
     fx_c64.write_text(json.dumps(fx))
-    assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), str(fx_c64), "--markdown", str(md)]) == 0
+    # ... and one with post-RoPE key bases (--key-space post_rope)
+    fx["meta"].update(calib_windows=16, key_space="post_rope")
+    fx_post = tmp_path / "fixture_post.json"
+    fx_post.write_text(json.dumps(fx))
+    assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), str(fx_c64), str(fx_post), "--markdown",
+                      str(md)]) == 0
     text = md.read_text()
     assert "| 4x | int4, G=1 |" in text and "| 4x | int4 |" in text and "| dense | dense, bf16 KV |" in text
-    assert "| 4x | int4, 64 calibration windows (other prompts) |" in text
+    assert "| 4x | int4, 64 calibration windows (other prompts) |" in text and "| 4x | int4, post-RoPE keys |" in text
 
 
 def test_fixture_planned_rotated_fp8_bases(tmp_path):
@@ -240,6 +245,38 @@ def test_fixture_planned_measured_bases(tmp_path, monkeypatch):
     assert two["planned_format"] == "mix/32v64" and data["meta"]["measure_windows"] == 1
     assert two["ratio_measured_at_budget"] >= 2.0 and len(two["prefixes"]) == 1 == len(two["generated"])
     assert dense["generated"][0][:two["prefixes"][0]] == two["generated"][0][:two["prefixes"][0]]
+
+
+def test_fixture_post_rope_keys_planned_measured(tmp_path, monkeypatch):
+    """--key-space post_rope on the fixture path (tiny byte-level model, planned+rot+fp8+measured): the calibration
+    and the '+measured' planner's meter get post-RoPE key bases, the meta records it, and the row decodes."""
+    from pathlib import Path
+
+    import ckvp_compile.latent as latent
+    from ckvp_compile.testing import build_hf_moe
+
+    model_dir = tmp_path / "tiny"
+    build_hf_moe("mixtral", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16).save_pretrained(model_dir)
+    text = (Path(__file__).resolve().parents[2] / "models" / "tiny-mixtral-pystdlib" / "eval_text.txt").read_bytes()
+    (model_dir / "eval_text.txt").write_bytes(text[:2048])
+    real, spaces = latent.collect_kv_moments, []
+
+    def spy(*args, **kwargs):
+        m = real(*args, **kwargs)
+        spaces.append(m.key_space)
+        return m
+
+    monkeypatch.setattr(latent, "collect_kv_moments", spy)
+    out = tmp_path / "fixture.json"
+    rc = bench_cli(["decode", "--shape", "fixture", "--model", str(model_dir), "--ratios", "2", "--prompts", "1",
+                    "--new-tokens", "3", "--prompt-len", "16", "--calib-windows", "2", "--measure-windows", "1",
+                    "--compiler", "eager", "--device", "cpu", "--latent-format", "planned+rot+fp8+measured",
+                    "--key-space", "post_rope", "--json", str(out)])
+    assert rc == 0 and spaces == ["post_rope"]
+    data = json.loads(out.read_text())
+    two = data["rows"][-1]
+    assert data["meta"]["key_space"] == "post_rope" and two["status"] == "ok", two
+    assert two["ratio_measured_at_budget"] >= 2.0 and 0.0 <= two["forced_agreement"] <= 1.0
 
 
 def test_usage_errors(capsys):

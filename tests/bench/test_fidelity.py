@@ -54,6 +54,37 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     assert "| 2 | energy | float |" in capsys.readouterr().out
 
 
+def test_cli_key_space_reaches_the_calibration(tmp_path):
+    """--key-space post_rope: the JSON records it (settings and rows) and the key bases span the keys as cached:
+    at 4x on the same windows, other key energies and other numbers than the pre-RoPE default, the same values."""
+    import pytest
+
+    model = build_hf_moe("mixtral", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    model.save_pretrained(tmp_path / "model")
+    g = torch.Generator().manual_seed(1)
+    text = tmp_path / "text.bin"
+    text.write_bytes(bytes(torch.randint(0, 256, (3 * WINDOW,), generator=g).tolist()))
+    common = ["fidelity", "--model", str(tmp_path / "model"), "--text", str(text), "--window", str(WINDOW),
+              "--calib-windows", "2", "--eval-windows", "1", "--chunk", "8", "--batch", "1", "--tokenizer", "bytes",
+              "--group-sizes", "2", "--kv-ratio", "4", "--extra", "--no-progress", "--latent-dtype", "float32",
+              "--dense-dtype", "float32", "--rank-block", "1", "--reset-check", "none"]
+    post, pre = tmp_path / "post.json", tmp_path / "pre.json"
+    assert bench_cli(common + ["--key-space", "post_rope", "--json", str(post)]) == 0
+    assert bench_cli(common + ["--json", str(pre)]) == 0
+    post_data, pre_data = json.loads(post.read_text()), json.loads(pre.read_text())
+    assert post_data["settings"]["key_space"] == "post_rope" and pre_data["settings"]["key_space"] == "pre_rope"
+    (four,), (pre_four,) = post_data["results"], pre_data["results"]
+    assert four["key_space"] == "post_rope" and pre_four["key_space"] == "pre_rope"
+    assert 0 < four["k_energy_retained"] < 1 and 0 < pre_four["k_energy_retained"] < 1
+    assert four["k_energy_retained"] != pre_four["k_energy_retained"]
+    if four["v_ranks"] == pre_four["v_ranks"]:  # the values' moments do not depend on the key space
+        assert four["v_energy_retained"] == pytest.approx(pre_four["v_energy_retained"], rel=1e-12)
+    assert four["ckvp_ppl"] != pre_four["ckvp_ppl"] and four["kl_to_dense"] != pre_four["kl_to_dense"]
+    assert four["graphs_compiled"] >= 1 and four["layers_rewritten"] == 2
+    with pytest.raises(SystemExit):
+        bench_cli(["fidelity", "--key-space", "after"])
+
+
 def test_bench_cli_usage_errors():
     assert bench_cli([]) == 2 and bench_cli(["nope"]) == 2 and bench_cli(["--help"]) == 0
 

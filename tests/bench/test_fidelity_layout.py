@@ -75,3 +75,33 @@ def test_unit_meter_is_zero_at_full_rank_and_grows_with_truncation(tiny):
     assert meter("k", 0, 0, rows, {0: 2}, 8) > meter("k", 0, 0, rows, {0: 8}, 8) >= 0
     dense = dense_stats(model, calib[:2], 2)
     assert dense.stats.perplexity > 0
+
+
+def test_unit_meter_measures_post_rope_bases_in_their_space(tiny, monkeypatch):
+    """Post-RoPE key bases (LatentBases.key_space): the meter projects the keys as cached, after RoPE, and
+    evaluates them without RoPE again: a key unit cut to rank r then loses exactly the discarded share of its
+    calibration energy (projecting pre-RoPE keys onto these bases would lose another share)."""
+    model, calib, _ = tiny
+    w = calib[:2]
+    full = _collect_moments(model, w, [2], 2, False, key_space="post_rope")[2].bases(1.0, "uniform")
+    assert full.key_space == "post_rope"
+    seen, real = [], fl._evaluate
+
+    def spy(*args, **kwargs):
+        seen.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fl, "_evaluate", spy)
+    meter = fl.unit_kl_meter(model, w, full, basis_dtype=torch.float32, rotate=False, chunk=4, batch_size=2)
+    n = full.ranks("k")[0][1]
+    assert abs(meter("k", 0, 1, n, {}, 8)) < 1e-6
+    r = n // 4
+    assert meter("k", 0, 1, r, {}, 8) > 0
+    rec, post_rope = seen[-1][3], seen[-1][7]
+    assert post_rope is True
+    keys = {layer: fl._rope(model, k) for layer, (k, _) in fl.capture_kv(model, w, 2).items()}
+    layers = full.groups[0]
+    err = (sum(float((rec[i][0][:, 1] - keys[i][:, 1]).square().sum()) for i in layers)
+           / sum(float(keys[i][:, 1].square().sum()) for i in layers))
+    ev = full.eigenvalues("k")[0][1]
+    assert err == pytest.approx(float(ev[r:].sum() / ev.sum()), rel=1e-3), err
