@@ -422,7 +422,7 @@ def test_kernel_sequence_keeps_one_step_of_attention_kernels_in_launch_order():
     assert kernel_sequence([], 2) == []
 
 
-def test_acceptance_names_the_default_group_size_when_the_best_row_uses_another():
+def test_acceptance_names_the_defaults_when_the_best_row_uses_another_group_size_or_key_space():
     from ckvp_compile.bench.decode_report import _acceptance
 
     def row(system, kind, tok_s, batch, ratio=None):
@@ -434,7 +434,8 @@ def test_acceptance_names_the_default_group_size_when_the_best_row_uses_another(
             row("ckvp-16", "ckvp", 923.0, 195, 16.0)]
     line = next(x for x in _acceptance(rows, []) if x.startswith("2. mixtral"))
     assert "ckvp-16 G=1 1585 tok/s" in line and "5.47x" in line and "**met**" in line
-    assert "non-default latent group size" in line and "with the default G = 4: 923 tok/s (B=195), 3.18x" in line
+    assert "non-default latent group size" in line and "post-RoPE" not in line
+    assert "with the defaults (G = 4, pre-RoPE keys): 923 tok/s (B=195), 3.18x" in line
     # the default's own row best: no note
     line = next(x for x in _acceptance(rows[::2], []) if x.startswith("2. mixtral"))
     assert "3.18x" in line and "**not met**" in line and "non-default" not in line
@@ -442,7 +443,14 @@ def test_acceptance_names_the_default_group_size_when_the_best_row_uses_another(
     q = [dict(r, shape="qwen-moe-a2.7b", layers=24, layers_full=24, batch=8, max_batch=False) for r in rows]
     q[0]["ms_median"], q[1]["ms_median"], q[2]["ms_median"] = 18.0, 14.0, 70.0
     line = next(x for x in _acceptance(q, []) if x.startswith("1. Qwen"))
-    assert "ckvp-16 G=1 14.00 ms" in line and "0.78x" in line and "with the default G = 4: 70.00 ms, 3.89x" in line
+    assert "ckvp-16 G=1 14.00 ms" in line and "0.78x" in line
+    assert "with the defaults (G = 4, pre-RoPE keys): 70.00 ms, 3.89x" in line
+    # a post-RoPE row (key bases of the cached keys) is named as such, and its G = 4 row is not the default's
+    q += [dict(q[1], system="ckvp-16 post-RoPE G=1", ms_median=12.0), dict(q[2], system="ckvp-16 post-RoPE",
+                                                                             ms_median=29.0)]
+    line = next(x for x in _acceptance(q, []) if x.startswith("1. Qwen"))
+    assert "ckvp-16 post-RoPE G=1 12.00 ms" in line and "0.67x" in line
+    assert "non-default latent group size and post-RoPE key bases" in line and "70.00 ms, 3.89x" in line
 
 
 def test_acceptance_memory_check_names_its_worst_row():
