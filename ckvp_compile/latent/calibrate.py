@@ -115,6 +115,11 @@ class KVMoments:
                 elif kind == "v" and layer in self.w_o:
                     w = self.w_o[layer]
                     blocks.append(value_output_weight(w, w.shape[1] // d, hkv))
+                elif kind == "k" and self.key_space == "post_rope":
+                    logger.warning("ckvp calibrate: layer %d: the weighted key basis is for pre-RoPE keys (it averages "
+                                   "the query weighting over RoPE's rotations); post-RoPE keys get plain PCA there",
+                                   layer)
+                    blocks.append(torch.eye(d, dtype=torch.float64).expand(hkv, d, d))
                 else:
                     logger.warning("ckvp calibrate: layer %d: no %s for the weighted %s basis; using plain PCA there",
                                    layer, "query" if kind == "k" else "output projection", kind.upper())

@@ -611,3 +611,19 @@ def test_key_space_is_kept_checked_and_defaults_for_old_files(tmp_path):
               metadata=dict(header, meta=json.dumps(dict(meta, key_space="rotated"))))
     with pytest.raises(CKVPConfigError, match="corrupt ckvp latent bases.*key_space must be one of"):
         LatentBases.load(tmp_path / "bad.safetensors")
+
+
+def test_weighted_key_basis_of_post_rope_keys_is_plain_pca_and_says_why(caplog):
+    """The weighted key basis averages the query weighting over RoPE's rotations (pre-RoPE keys): post-RoPE key
+    moments get the identity weight (plain PCA), with a warning that names the key space, not a missing query."""
+    import logging
+
+    from ckvp_compile.latent.calibrate import KVMoments
+
+    m = KVMoments(groups=((0,),), num_kv_heads=2, head_dim=4, group_size=1, k=[torch.eye(4).expand(2, 4, 4).double()],
+                  v=[torch.eye(4).expand(2, 4, 4).double()], num_tokens=1, model_fingerprint={},
+                  q_energy={0: torch.ones(2, 4, dtype=torch.float64)}, rope_form={0: "none"}, key_space="post_rope")
+    with caplog.at_level(logging.WARNING, logger="ckvp_compile.latent.calibrate"):
+        (w,) = m.weights("k")
+    assert torch.equal(w, torch.eye(4, dtype=torch.float64).expand(2, 4, 4))
+    assert "post-RoPE keys get plain PCA" in caplog.text and "no query" not in caplog.text
