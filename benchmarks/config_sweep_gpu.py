@@ -53,7 +53,7 @@ from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
 
 
 def parse_config(text: str, group: int, rank_pad: int, paired: bool, rank: int | None = None,
-                 rank_v: int | None = None) -> DecodeConfig:
+                 rank_v: int | None = None, table_free: bool = False) -> DecodeConfig:
     """``default`` / ``generic`` [+ JSON of DecodeConfig fields] -> the DecodeConfig it names.
 
     Raises:
@@ -61,7 +61,8 @@ def parse_config(text: str, group: int, rank_pad: int, paired: bool, rank: int |
         TypeError: a field DecodeConfig does not have.
     """
     name, _, extra = text.partition("+")
-    base = {"default": lambda: default_config(group, rank_pad, paired=paired, rank=rank, rank_v=rank_v),
+    base = {"default": lambda: default_config(group, rank_pad, paired=paired, rank=rank, rank_v=rank_v,
+                                              table_free=table_free),
             "generic": lambda: dataclasses.replace(DecodeConfig(), paired_tables=paired)}[name.strip()]()
     return dataclasses.replace(base, **json.loads(extra)) if extra.strip() else base
 
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--configs", default="default", help="';'-separated default|generic[+{JSON fields}]")
     ap.add_argument("--format", default="int4/32")
     ap.add_argument("--paired", action="store_true", help="tables declared paired (as in a compiled HF model)")
+    ap.add_argument("--table-free", action="store_true",
+                    help="calls without RoPE (post-RoPE key bases): rope form 'none', the default config's table_free")
     ap.add_argument("--ncu", action="store_true", help="two untimed launches per config, for Nsight Compute")
     ap.add_argument("--launches", action="store_true",
                     help="time launches (do_bench, host overhead included) instead of CUDA-graph replays")
@@ -126,7 +129,7 @@ def main() -> None:
     import triton
 
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "head_dim": lag.D, "format": a.format, "paired": a.paired, "command": "python3 " + " ".join(sys.argv)}
+           "head_dim": lag.D, "format": a.format, "paired": a.paired, "table_free": a.table_free, "command": "python3 " + " ".join(sys.argv)}
     rows = []
     for case in a.cases.split(","):
         h, hkv, b, t, ranks, *flags = case.split(":")
@@ -140,7 +143,7 @@ def main() -> None:
         k_list = [int(r) for r in rank_text.split("_")]  # 32_64: the KV heads' ranks in turn
         v_list = [int(r) for r in (rank_v_text or rank_text).split("_")]
         args = make_inputs(b, t, a.format, k_list, seed=11, heads=(h, hkv), head_dim=lag.D, group=lag.GROUP,
-                           rank_v=v_list)
+                           rank_v=v_list, rope="none" if a.table_free else "rotate_half")
         # the rows name a case's ranks as given (an int when the heads share one)
         rank = k_list[0] if len(k_list) == 1 else rank_text
         rank_v = v_list[0] if len(v_list) == 1 else (rank_v_text or rank_text)
@@ -162,7 +165,8 @@ def main() -> None:
             row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text,
                    "round": rnd, "layout": layout}
             try:
-                cfg = parse_config(text, h // hkv, rank_pad, a.paired, max(k_list), max(v_list))  # as the launcher
+                cfg = parse_config(text, h // hkv, rank_pad, a.paired, max(k_list), max(v_list),
+                                   a.table_free)  # as the launcher
                 if a.ncu:  # two launches, the second one profiled
                     latent_attention_triton(*args, config=cfg)
                     latent_attention_triton(*args, config=cfg)

@@ -127,7 +127,7 @@ def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator
 
 def make_inputs(b: int, t: int, fmt: str, rank: "int | Sequence[int]", seed: int = 0, dev: str = "cuda",
                 heads: tuple[int, int] = MIXTRAL_HEADS, head_dim: int = HEAD_DIM, group: int = GROUP,
-                rank_v: "int | Sequence[int] | None" = None) -> tuple:
+                rank_v: "int | Sequence[int] | None" = None, rope: str = "rotate_half") -> tuple:
     """The 20 arguments of ``latent_attention_triton`` / ``latent_attention_ref`` for one decode step.
 
     Args:
@@ -139,14 +139,19 @@ def make_inputs(b: int, t: int, fmt: str, rank: "int | Sequence[int]", seed: int
         seed: seeds one generator on ``dev`` (same arguments, same inputs).
         heads: (query heads H, KV heads Hkv), H a multiple of Hkv.
         head_dim: D; group: layers per latent group (the basis block is D rows of a (group * D, rank) basis).
+        rope: ``"rotate_half"`` (pre-RoPE key bases: the kernel rotates the rebuilt keys) or ``"none"`` (post-RoPE
+            key bases, ``LatentBases.key_space``: no table is read; cos / sin are then stand-ins).
     Returns:
         ``(q (b, H, 1, D) bf16, latent_k, latent_v, basis_k (Hkv, D, rank) bf16, basis_v, k_offsets, v_offsets,
-        cos (t, D) bf16, sin, slot_pos (b, t) int32, "rotate_half", D, new_k (b, Hkv, 1, D) bf16, new_v,
+        cos (t, D) bf16, sin, slot_pos (b, t) int32, rope, D (0 without RoPE), new_k (b, Hkv, 1, D) bf16, new_v,
         slots (1,) int64, None (no mask), D**-0.5, t, fmt, fmt)``; the basis columns are orthonormal over the
         group's rows, scaled so that rebuilt keys have std ~1.
     Raises:
-        ValueError: ``fmt`` does not parse; RuntimeError (from QR) for rank > group * head_dim.
+        ValueError: ``fmt`` does not parse or ``rope`` is neither form; RuntimeError (from QR) for rank >
+            group * head_dim.
     """
+    if rope not in ("rotate_half", "none"):
+        raise ValueError(f"rope must be 'rotate_half' or 'none', got {rope!r}")
     h, hkv = heads
     d = head_dim
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -169,8 +174,8 @@ def make_inputs(b: int, t: int, fmt: str, rank: "int | Sequence[int]", seed: int
     nk = torch.randn(b, hkv, 1, d, device=dev, dtype=torch.bfloat16, generator=gen)
     nv = torch.randn(b, hkv, 1, d, device=dev, dtype=torch.bfloat16, generator=gen)
     slots = torch.tensor([t - 1], device=dev)
-    return (q, lk, lv, bk, bv, ko, vo, cos, sin, slot_pos, "rotate_half", d, nk, nv, slots, None, d**-0.5, t,
-            fmt, fmt)
+    return (q, lk, lv, bk, bv, ko, vo, cos, sin, slot_pos, rope, d if rope != "none" else 0, nk, nv, slots, None,
+            d**-0.5, t, fmt, fmt)
 
 
 def ref_chunked(args: tuple, chunk: int) -> torch.Tensor:
@@ -313,7 +318,8 @@ def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False)
     b, t = lk.shape[0], lk.shape[1]
     h, hkv = q.shape[1], bk.shape[0]
     latent = lk.numel() * lk.element_size() + lv.numel() * lv.element_size()
-    other = (slot_pos.numel() * slot_pos.element_size() + 2 * t * cos.shape[1] * cos.element_size()
+    tables = args[10] != "none"  # without RoPE neither the slot positions nor the tables are read
+    other = (tables * (slot_pos.numel() * slot_pos.element_size() + 2 * t * cos.shape[1] * cos.element_size())
              + (bk.numel() + bv.numel()) * 2 + (q.numel() + nk.numel() + nv.numel() + q.numel()) * 2
              + 2 * b * hkv * n_split * (h // hkv) * (rv_pad + 2) * 4
              + (2 * b * h * t * 4 if two_pass else 0))  # the two-pass scores, written then read
@@ -329,7 +335,8 @@ def kernel_stats() -> dict:
     from ckvp_compile.kernels import latent_attention_triton as lat
 
     out = {}
-    for kind, prefix in (("split", ""), ("chunks", ""), ("scores", "scores_"), ("reduce", "reduce_")):
+    for kind, prefix in (("split", ""), ("chunks", ""), ("absorbed_kernel", ""), ("scores", "scores_"),
+                         ("reduce", "reduce_")):
         k = lat._LAST_LAUNCH.get(kind)
         for name in ("n_regs", "n_spills", "shared"):
             v = getattr(k, name, None)
@@ -452,7 +459,7 @@ def _versions(device: str) -> dict:
 def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Sequence[int],
         heads: tuple[int, int] = MIXTRAL_HEADS, head_dim: int = HEAD_DIM, group: int = GROUP, device: str = "cuda",
         flex: bool = False, budget_s: float = 900.0, seed: int = 0, mem_fraction: float = 0.9,
-        log: Callable[[str], None] = print, cuda_graphs: bool = False) -> dict:
+        log: Callable[[str], None] = print, cuda_graphs: bool = False, key_space: str = "pre_rope") -> dict:
     """Run the benchmark (see the module docstring); rows in order batch, context, format.
 
     Args:
@@ -468,6 +475,8 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
         cuda_graphs: time by CUDA-graph replay (:func:`graph_bench`; each row's ``timing_how`` says whether the
             kernel's capture worked) instead of launches: at small shapes the launcher's host work otherwise
             dominates (H200: ~0.5 ms per call at batch 1-8, 4k, against 0.02-0.05 ms for eager SDPA).
+        key_space: ``"pre_rope"`` (keys rebuilt and rotated in the kernel) or ``"post_rope"`` (key bases of the
+            keys as cached, ``LatentBases.key_space``: a call without RoPE, the absorbed kernel for int latents).
     Returns:
         ``{"versions": {torch, triton, gpu or cpu, ...}, "copy_bandwidth_GBps" (0 on CPU), "heads", "head_dim",
         "group", "elapsed_s", "rows": [...]}``; a row has format, rank, heads, batch, context and either
@@ -494,6 +503,8 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
         raise ValueError("device cuda requested but CUDA is not available")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
+    if key_space not in ("pre_rope", "post_rope"):
+        raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}")
     on_cuda = device == "cuda"
     kernel_note = "triton" if on_cuda else "triton interpreter" if _interpreting() else (
         "not run: CPU without the Triton interpreter (set TRITON_INTERPRET=1 before triton is imported); "
@@ -514,7 +525,8 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
         for t in contexts:
             dense: dict | None = None
             for fmt, rank in formats:
-                row: dict = {"format": fmt, "rank": rank, "heads": label, "batch": b, "context": t}
+                row: dict = {"format": fmt, "rank": rank, "heads": label, "batch": b, "context": t,
+                             "key_space": key_space}
                 rows.append(row)
                 if time.perf_counter() - start > budget_s:
                     row["skipped"] = f"time budget ({budget_s:g} s) spent"
@@ -534,12 +546,13 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
                                          timer)
                 try:
                     _latent_row(row, b, t, fmt, rank, heads, head_dim, group, seed, device, chunk, est, bw, dense,
-                                default_config, latent_attention_triton, kernel_note, timer)
+                                default_config, latent_attention_triton, kernel_note, timer,
+                                "none" if key_space == "post_rope" else "rotate_half")
                 except Exception as exc:  # noqa: BLE001 - record and go on: one failure must not lose the run
                     row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 log(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "config"}, default=str))
     return {"versions": versions, "copy_bandwidth_GBps": round(bw / 1e9, 1), "heads": label, "head_dim": head_dim,
-            "group": group, "device": device, "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows}
+            "group": group, "key_space": key_space, "device": device, "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows}
 
 
 def _dense_phase(b: int, t: int, heads: tuple[int, int], d: int, need: int, free: int, mem_fraction: float,
@@ -562,18 +575,19 @@ def _dense_phase(b: int, t: int, heads: tuple[int, int], d: int, need: int, free
 def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int, int], d: int, group: int,
                 seed: int, device: str, chunk: int, est: dict, bw: float, dense: dict | None, default_config,
                 latent_attention_triton, kernel_note: str,
-                timer: Callable[[Callable[[], Any]], float] = bench) -> None:
+                timer: Callable[[Callable[[], Any]], float] = bench, rope: str = "rotate_half") -> None:
     """Fill one row: inputs, reference, kernel, bytes and (CUDA) times; see :func:`run`."""
     h, hkv = heads
     on_cuda = device == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
-    args = make_inputs(b, t, fmt, rank, seed=seed + b * 7 + t, dev=device, heads=heads, head_dim=d, group=group)
+    args = make_inputs(b, t, fmt, rank, seed=seed + b * 7 + t, dev=device, heads=heads, head_dim=d, group=group,
+                       rope=rope)
     from ckvp_compile.kernels.latent_attention_triton import _np2
 
     rpad = _np2(rank)  # the launcher's padded rank (a power of 2, >= 16): its default config and workspace width
-    cfg = default_config(h // hkv, rpad)
+    cfg = default_config(h // hkv, rpad, table_free=rope == "none")
     shape = launch_shape(cfg, b, h, hkv, t)
     nbytes = kernel_bytes(args, shape["n_split"], rpad, shape["two_pass"])
     dense_bytes = 2 * b * hkv * t * d * 2
@@ -582,7 +596,15 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
                mem_estimate_bytes=est["rows"])
     want = ref_chunked(args, chunk)
     if not row["kernel"].startswith("not run"):
+        from ckvp_compile.kernels import latent_attention_triton as lat
+
         out = latent_attention_triton(*args, config=cfg)
+        one_pass = {k_: lat._LAST_LAUNCH.get(k_, 0) for k_ in ("absorbed", "head_chunks")}
+        if any(one_pass.values()):  # a one-pass kernel over chunks of KV heads ran: no scores, its own split
+            row.update(two_pass=False, n_split=lat._LAST_LAUNCH["n_split"], batch_slices=1,
+                       **{f"{k_}_heads": v_ for k_, v_ in one_pass.items()})
+            nbytes = kernel_bytes(args, row["n_split"], rpad, False)
+            row.update(bytes_latent=nbytes["latent"], bytes_total=nbytes["total"])
         row["rel_err"] = rel_err(out, want)
         if on_cuda:
             row["op_rel_err"] = rel_err(torch.ops.ckvp.latent_attention(*args), want)
@@ -618,7 +640,8 @@ def to_markdown(result: dict, command: str) -> str:
     lines = [f"# ckvp-bench attention: one layer's latent decode attention ({dev})", "",
              f"Command: `{command}`  ", f"Versions: {v}  ",
              f"Heads {result['heads']}, head_dim {result['head_dim']}, latents of a group of {result['group']} layers "
-             f"(rank per KV head for K and for V); copy bandwidth {copy}; "
+             f"(rank per KV head for K and for V), {result.get('key_space', 'pre_rope')} key bases; "
+             f"copy bandwidth {copy}; "
              f"run took {result['elapsed_s']} s.  ",
              "Bytes: what one kernel call reads and writes (latent rows once, positions, RoPE rows, bases, q, new "
              "tokens, split workspaces, two-pass scores); % copy: achieved GB/s over the copy bandwidth; dense: the "
@@ -689,6 +712,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes (4:2 heads, head_dim 32): CPU smoke test; no timing on CPU, the kernel runs "
                         "only under TRITON_INTERPRET=1")
+    p.add_argument("--key-space", choices=["pre_rope", "post_rope"], default="pre_rope",
+                   help="pre_rope (default): latents of pre-RoPE keys, rebuilt and rotated in the kernel; post_rope: "
+                        "latents of the keys as cached (LatentBases.key_space), a call that reads no RoPE table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the full result as JSON here")
     p.add_argument("--out", type=Path, help="write the markdown report here")
@@ -719,7 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"directory {path.parent} does not exist")
     command = "ckvp-bench attention " + " ".join(sys.argv[2:] if argv is None else argv)
     result = run(formats, batches, contexts, heads, head_dim, GROUP, args.device, args.flex, args.budget_s, args.seed,
-                 cuda_graphs=args.cuda_graphs)
+                 cuda_graphs=args.cuda_graphs, key_space=args.key_space)
     result["command"] = command
     write_result(result, to_markdown(result, command), args.json, args.out)
     return 0

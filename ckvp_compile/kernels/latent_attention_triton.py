@@ -214,7 +214,17 @@ class DecodeConfig:
     still fill ``target_programs``, and while the folded query fits ``MAX_SCORES_BYTES``. H200, 16:16 heads,
     int4/32, batch 8, 32k, one call in CUDA-graph replay (benchmarks/results/2026-12-02-head-chunks-h200): rank 8
     0.186 ms against 0.228 for the two-pass default (0.82x); rank 16 0.289 against 0.273; rank 96 1.61 against
-    1.18; so :func:`default_config` turns it on only at key and value ranks <= 8."""
+    1.18; so :func:`default_config` turns it on only at key and value ranks <= 8.
+    absorbed: for calls without RoPE tables (rope form 'none': post-RoPE key bases, or no RoPE) over uniform
+    8/4/2-bit ``int`` latents, at any G, run the absorbed pass (:mod:`.latent_attention_absorbed`: the query folded
+    into the key basis once per step, scores and the value latent on the tensor cores in the code domain, GQA's
+    query heads sharing one read of each code tile) over chunks of KV heads whose padded ranks fill about this many
+    columns; 0: off; it takes precedence over ``head_chunks``. ``block_n_a`` (slots per tile, a power of two >= 16),
+    ``loop_stages_a`` and ``num_warps_a`` (None: ``num_warps``) apply to it. H200, int4/32, batch 8, 32k, one call
+    (benchmarks/results/2026-12-03-absorbed-h200): 32:8 heads rank 32 0.226 ms (64 columns, 64-slot tiles) against
+    0.501 for the one-pass default; rank 96 1.13 against 1.06; at 16:16 heads slower than the chunk pass (rank 16
+    0.27 against 0.19, unequal ranks 24/96 1.67 against 0.95); so :func:`default_config` turns it on for table-free
+    GQA calls up to rank 32 only."""
 
     block_n: int = 64
     block_r: int = 64
@@ -252,6 +262,10 @@ class DecodeConfig:
     head_chunks: int = 0
     block_n_c: int = 32
     loop_stages_c: int | None = 2
+    absorbed: int = 0
+    block_n_a: int = 16
+    loop_stages_a: int | None = 2
+    num_warps_a: int | None = None
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -348,6 +362,12 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         # benchmarks/latent_attention_aot.py --heads 32:8 --format int4/32:416)
         cfg = DecodeConfig(two_pass=not one_pass, loop_stages=3 if one_pass else None,
                            key_fp16=one_pass and quantized_keys, r_loop=rank_pad is not None and rank_pad > 256)
+        if table_free and gqa and rank_pad <= 32 and (rank_v is None or rank_v <= 32):
+            # without tables, GQA's query heads share one read of the code tile on the tensor cores
+            # (latent_attention_absorbed): 32:8 heads, int4/32 rank 32, batch 8, 32k, one call 0.501 -> 0.226 ms
+            # with 64-column chunks and 64-slot tiles (256 columns 0.262, 8 warps 0.468); at rank 96 1.13 against
+            # 1.06 ms, so not there (benchmarks/results/2026-12-03-absorbed-h200)
+            cfg = dataclasses.replace(cfg, absorbed=64, block_n_a=64)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
@@ -2077,8 +2097,15 @@ def _launch(
                                 rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],
                                 quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none")
     cfg = config
-    chunks = None
-    if mode == "all" and cfg.head_chunks > 0 and not cfg.fuse_merge:
+    chunks = absorbed = None
+    if mode == "all" and rope_form == "none" and cfg.absorbed > 0 and not cfg.fuse_merge:
+        from .latent_attention_absorbed import absorbed_layout  # (that module imports this one's jit helpers)
+
+        absorbed = absorbed_layout(cfg.absorbed, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
+                                   parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
+                                   basis_v_block.shape[-1], basis_k_block.shape[-3], latent_k.stride(-1),
+                                   latent_v.stride(-1))
+    if absorbed is None and mode == "all" and cfg.head_chunks > 0 and not cfg.fuse_merge:
         from .latent_attention_chunks import chunk_layout  # (that module imports this one's jit helpers)
 
         chunks = chunk_layout(cfg.head_chunks, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
@@ -2095,7 +2122,8 @@ def _launch(
             chunks = None
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
-    elif mode == "all" and chunks is None and cfg.two_pass and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES:
+    elif (mode == "all" and chunks is None and absorbed is None and cfg.two_pass
+          and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES):
         slices = score_batch_slices(q.shape[0], q.shape[1], q.shape[2], kv_len)
         if slices is None:
             cfg = dataclasses.replace(cfg, two_pass=False)  # a long prefill: the scores would not fit; one pass
@@ -2138,7 +2166,10 @@ def _launch(
     block_n_v = cfg.block_n_v or cfg.block_n
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
-    if chunks is not None:  # one pass over chunks of KV heads: its own split of the context
+    if absorbed is not None:  # the absorbed pass over chunks of KV heads: its own split of the context
+        n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_a), b * absorbed["n_chunks"] * s,
+                                                  cfg.target_programs)
+    elif chunks is not None:  # one pass over chunks of KV heads: its own split of the context
         n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_c), b * chunks["n_chunks"] * s,
                                                   cfg.target_programs)
     else:
@@ -2238,7 +2269,31 @@ def _launch(
     _LAST_LAUNCH["n_split"] = n_split
     _LAST_LAUNCH["merge_split_block"] = split_block
     _LAST_LAUNCH["head_chunks"] = 0 if chunks is None else chunks["NH"]
-    if chunks is not None:
+    _LAST_LAUNCH["absorbed"] = 0 if absorbed is None else absorbed["NH"]
+    if absorbed is not None:
+        from . import latent_attention_absorbed as laa
+
+        rkp = absorbed["RKP"]
+        qf = torch.empty(b, s, hkv, g, rkp, dtype=torch.float32, device=q.device)
+        _LAST_LAUNCH["fold"] = laa._fold_query_kernel[(b * s, hkv)](
+            qf, q, basis_k_block, kmeta, hkv, s, g, d, qk_scale, *q.stride(), *_basis_strides(basis_k_block),
+            QP=max(16, g_pad), D_PAD=_np2(d), RKP=rkp, RKF=max(16, rkp), Q_EXACT=q.dtype == bf16,
+            BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4)
+        kw, vw = _words(kf, latent_k, k_sb, k_mb), _words(vf, latent_v, v_sb, v_mb)  # (scale bases in words)
+        _LAST_LAUNCH["absorbed_kernel"] = laa._absorbed_attention_kernel[(n_split, b * absorbed["n_chunks"], s)](
+            qf, latent_k, latent_v, slots, mask, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
+            hkv, s, absorbed["n_chunks"], n_exact, kv_len, tiles_per_split, n_split,
+            *(x // 2 if kw else x for x in (k_sb, k_mb)), *(x // 2 if vw else x for x in (v_sb, v_mb)),
+            *latent_k.stride(), *latent_v.stride(), *mstrides,
+            G=g, GP=absorbed["GP"], NH=absorbed["NH"], RKP=rkp, RVP=absorbed["RVP"], RV_PAD=rv_pad,
+            K_BITS=kf.bits, K_QBLOCK=kf.block, V_BITS=vf.bits, V_QBLOCK=vf.block,
+            K_CONTIG=absorbed["K_CONTIG"], V_CONTIG=absorbed["V_CONTIG"], K_FULL=absorbed["K_FULL"],
+            V_FULL=absorbed["V_FULL"], K_ALIGN=absorbed["K_ALIGN"], V_ALIGN=absorbed["V_ALIGN"], K_WORDS=kw,
+            V_WORDS=vw, MASK=mask_kind,
+            MASK_HEADS=mask_kind != 0 and mstrides[1] != 0, F32_DOT=f32_dot, BLOCK_N=_np2(cfg.block_n_a),
+            SLOT_BLOCK=16, PAGE=common["PAGE"], LOOP_STAGES=cfg.loop_stages_a,
+            num_warps=cfg.num_warps_a or cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
+    elif chunks is not None:
         from . import latent_attention_chunks as lac
 
         nck = chunks["NH"] * chunks["RKP"]
@@ -2323,7 +2378,7 @@ def _launch(
                 **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
-    if chunks is None:
+    if chunks is None and absorbed is None:
         _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
             m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,

@@ -128,6 +128,7 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
         raise RuntimeError(f"cannot compile for sm_90a here: {why}")
     from triton.runtime import driver as triton_driver  # the DriverConfig instance
 
+    from ..kernels import latent_attention_absorbed as laa
     from ..kernels import latent_attention_chunks as lac
     from ..kernels import latent_attention_triton as lat
 
@@ -138,8 +139,11 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
     saved_caches = {n: saved[n].device_caches for n in names if hasattr(saved[n], "device_caches")}
     saved_driver = getattr(triton_driver, "_active", None)
     saved_record = dict(lat._LAST_LAUNCH)
-    chunk_kernels = {n: getattr(lac, n) for n in ("_latent_attention_chunks_kernel", "_fold_query_kernel")}
-    chunk_caches = {n: k.device_caches for n, k in chunk_kernels.items() if hasattr(k, "device_caches")}
+    # (module, name) -> (kernel, tag): the one-pass kernels over chunks of KV heads and their query folds
+    chunk_kernels = {(mod, n): (getattr(mod, n), tag) for mod, n, tag in (
+        (lac, "_latent_attention_chunks_kernel", "one pass over head chunks"), (lac, "_fold_query_kernel", "fold query"),
+        (laa, "_absorbed_attention_kernel", "absorbed pass"), (laa, "_fold_query_kernel", "absorbed fold"))}
+    chunk_caches = {key: k.device_caches for key, (k, _) in chunk_kernels.items() if hasattr(k, "device_caches")}
     real_unsupported = saved["unsupported_reason"]
 
     def unsupported(*a, **k):  # the launcher's own checks, with CPU tensors standing for the faked device
@@ -155,10 +159,10 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
             if n in saved_caches:  # a private cache: device 0 here is the fake sm_90, not a real GPU's
                 saved[n].device_caches = defaultdict(saved[n].create_binder)
             setattr(lat, n, _CompileOnly(saved[n], sink, tag))
-        for n, k in chunk_kernels.items():
-            if n in chunk_caches:
+        for (mod, n), (k, tag) in chunk_kernels.items():
+            if (mod, n) in chunk_caches:
                 k.device_caches = defaultdict(k.create_binder)
-            setattr(lac, n, _CompileOnly(k, sink, "one pass over head chunks" if "chunks" in n else "fold query"))
+            setattr(mod, n, _CompileOnly(k, sink, tag))
         lat._interpreting = lambda: False
         lat.unsupported_reason = unsupported
         lat.latent_attention_triton(*args, config=config, page_table=page_table)
@@ -167,10 +171,10 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
             setattr(lat, n, fn)
         for n, caches in saved_caches.items():
             saved[n].device_caches = caches
-        for n, k in chunk_kernels.items():
-            setattr(lac, n, k)
-            if n in chunk_caches:
-                k.device_caches = chunk_caches[n]
+        for (mod, n), (k, _) in chunk_kernels.items():
+            setattr(mod, n, k)
+            if (mod, n) in chunk_caches:
+                k.device_caches = chunk_caches[(mod, n)]
         lat._LAST_LAUNCH.clear()
         lat._LAST_LAUNCH.update(saved_record)
         triton_driver._active = saved_driver  # reset_active() would build the default driver (none on CPU)

@@ -58,6 +58,35 @@ def test_cli_runs_the_kernel_under_the_interpreter_on_tiny_shapes(tmp_path):
     assert md.count("triton interpreter; none on CPU") == 6 and "copy bandwidth not measured (CPU)" in md
 
 
+def test_cli_post_rope_key_space_runs_the_absorbed_kernel_without_tables(tmp_path):
+    """--key-space post_rope: calls without RoPE (no table or position bytes counted), the absorbed kernel for GQA
+    int latents up to rank 32 (the default config's choice), within 1e-3 of the reference."""
+    pytest.importorskip("triton")
+    out_json, out_md = tmp_path / "attention.json", tmp_path / "attention.md"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "ckvp_compile.bench.cli", "attention", "--tiny", "--device", "cpu", "--batches",
+           "2", "--contexts", "72", "--formats", "int4/32:16", "int8/32:24", "float:24", "--key-space", "post_rope",
+           "--json", str(out_json), "--out", str(out_md)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out_json.read_text())
+    assert result["key_space"] == "post_rope" and "post_rope key bases" in out_md.read_text()
+    rows = {r["format"]: r for r in result["rows"]}
+    for fmt, r in rows.items():
+        assert "error" not in r and r["key_space"] == "post_rope" and r["rel_err"] <= 1e-3, r
+        assert r["config"]["absorbed"] == 64, r  # the table-free GQA default (float latents then use the others)
+    for fmt in ("int4/32", "int8/32"):  # the absorbed pass ran: one pass, no scores written
+        assert rows[fmt]["absorbed_heads"] > 0 and rows[fmt]["two_pass"] is False, rows[fmt]
+    assert rows["float"].get("absorbed_heads", 0) == 0  # float latents: the other kernels
+    # bytes: latent rows + bases + q / new tokens / output + the split workspaces; no table or position bytes
+    r = rows["int4/32"]
+    q_bytes = 2 * 4 * 32 * 2
+    basis = 2 * 2 * 32 * 16 * 2
+    ws = 2 * 2 * 2 * r["n_split"] * 2 * (16 + 2) * 4
+    assert r["bytes_total"] == r["bytes_latent"] + basis + 2 * q_bytes + 2 * (2 * 2 * 32 * 2) + ws, r
+
+
 def test_cpu_without_interpreter_runs_the_reference_only_and_says_so(tmp_path):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():

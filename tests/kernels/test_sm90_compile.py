@@ -100,15 +100,21 @@ def _run(n_examples: int) -> None:
                 grouped = heads[0] == heads[1] and paired and r <= 32 and not chunked
                 assert ("grouped key pass" in names) == grouped, (heads, r, paired, names)
                 assert ("one pass over head chunks" in names) == chunked, (heads, r, paired, names)
-    # without RoPE (post-RoPE key bases, LatentBases.key_space) the defaults read no table: the one pass over
-    # chunks of KV heads at every rank up to 128 (unequal ranks too), and it compiles and fits
-    for ks, vs in ([[8] * 16, [8] * 16], [[16] * 16, [64] * 16], [[24, 32] * 8, [8] * 16], [[96, 64] * 8, [64] * 16],
-                   [[128] * 16, [128] * 16]):
-        case = dict(fixed, b=8, t=16384, heads=(16, 16), k_ranks=ks, v_ranks=vs, rope="none")
+    # without RoPE (post-RoPE key bases, LatentBases.key_space) the defaults read no table: the absorbed pass
+    # (latent_attention_absorbed) at every rank up to 128 (unequal ranks too) and G = 1 / 4, and it compiles and fits;
+    # the chunk pass too, where a config asks for it
+    for heads, ks, vs in (((16, 16), [8] * 16, [8] * 16), ((16, 16), [16] * 16, [64] * 16),
+                          ((16, 16), [24, 32] * 8, [8] * 16), ((16, 16), [96, 64] * 8, [64] * 16),
+                          ((16, 16), [128] * 16, [128] * 16), ((32, 8), [32] * 8, [32] * 8),
+                          ((32, 8), [96, 101] * 4, [100] * 8)):
+        case = dict(fixed, b=8, t=16384, heads=heads, k_ranks=ks, v_ranks=vs, rope="none")
         rp = max(16, 1 << (max(ks) - 1).bit_length())
-        cfg = default_config(1, rp, paired=True, rank=max(ks), rank_v=max(vs), table_free=True)
-        names = [k.name for k in _compile(case, cfg, fits=True)]
-        assert "one pass over head chunks" in names, (ks, vs, names)
+        cfg = default_config(heads[0] // heads[1], rp, paired=True, rank=max(ks), rank_v=max(vs), table_free=True)
+        names = [k.name for k in _compile(case, dataclasses.replace(cfg, absorbed=256), fits=True)]
+        assert "absorbed pass" in names and "absorbed fold" in names, (heads, ks, vs, names)
+        if heads == (16, 16):
+            names = [k.name for k in _compile(case, dataclasses.replace(cfg, absorbed=0), fits=True)]
+            assert "one pass over head chunks" in names, (ks, vs, names)
     # the head-chunk pass with every code width (int8 once failed to compile here while the interpreter passed: an
     # early return in a constexpr branch) and heads of one code byte (rank 1 at int4, 1-2 at int2)
     ccfg = DecodeConfig(head_chunks=128, target_programs=2, min_tiles=1, paired_tables=True)
@@ -136,7 +142,8 @@ def _run(n_examples: int) -> None:
         p = dict(b=2, t=256, heads=heads, d=d, k_ranks=k_ranks,
                  v_ranks=draw(st.lists(rank, min_size=hkv, max_size=hkv)),
                  kfmt=draw(st.sampled_from(formats)), vfmt=draw(st.sampled_from(formats)),
-                 page=draw(st.sampled_from((0, 0, 16))), seed=draw(st.integers(0, 99)))
+                 page=draw(st.sampled_from((0, 0, 16))), seed=draw(st.integers(0, 99)),
+                 rope=draw(st.sampled_from(("rotate_half", "rotate_half", "none"))))
         cfg = DecodeConfig(
             block_n=draw(st.sampled_from((16, 32, 64, 128))), block_r=draw(st.sampled_from((16, 32, 64))),
             num_warps=draw(st.sampled_from((2, 4, 8))), num_stages=draw(st.sampled_from((1, 2, 3))),
@@ -149,7 +156,8 @@ def _run(n_examples: int) -> None:
             paired_tables=draw(st.booleans()), reduce_split_d=draw(st.booleans()),
             loop_stages=draw(st.sampled_from((None, 2, 3))), loop_stages_v=draw(st.sampled_from((None, 2, 3))),
             head_chunks=draw(st.sampled_from((0, 0, 32, 128))), block_n_c=draw(st.sampled_from((16, 32, 64))),
-            loop_stages_c=draw(st.sampled_from((None, 2))),
+            loop_stages_c=draw(st.sampled_from((None, 2))), absorbed=draw(st.sampled_from((0, 64, 256))),
+            block_n_a=draw(st.sampled_from((16, 32))), num_warps_a=draw(st.sampled_from((None, 8))),
             target_programs=draw(st.sampled_from((264, 2))))  # 2: the chunk pass launches at these small shapes
         return p, cfg
 
