@@ -552,7 +552,8 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
                     row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 log(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "config"}, default=str))
     return {"versions": versions, "copy_bandwidth_GBps": round(bw / 1e9, 1), "heads": label, "head_dim": head_dim,
-            "group": group, "key_space": key_space, "device": device, "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows}
+            "group": group, "key_space": key_space, "device": device,
+            "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows}
 
 
 def _dense_phase(b: int, t: int, heads: tuple[int, int], d: int, need: int, free: int, mem_fraction: float,

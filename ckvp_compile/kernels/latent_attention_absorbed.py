@@ -13,14 +13,15 @@ usual merge:
   when the heads are packed back to back) and does
 
   - scores on the tensor cores in the code domain: with ``z = code * scale + min`` per quantization block, the part
-    of block ``k`` is ``scale_k * (codes . c)_k + min_k * sum(c)_k``. The integer codes (exact in bf16) multiply a
-    block-diagonal coefficient matrix whose columns are the "virtual heads" (KV head, block, query head): one
-    (BLOCK_N, NCK) x (NCK, NVK) product (bf16 hi + lo coefficients), then each column's scale and min, then a 0/1
-    product that sums a query head's blocks;
+    of block ``k`` is ``scale_k * (codes . c)_k + min_k * sum(c)_k``. The integer codes (centred, exact in bf16)
+    multiply a block-diagonal coefficient matrix whose columns are the "virtual heads" (KV head, block, query
+    head): per code part of a byte (1, 2 or 4 of them) one (BLOCK_N, code bytes) x (code bytes, NVK) product with
+    bf16 hi + lo coefficients, then each column's scale and min, then a 0/1 product that sums a query head's
+    blocks;
   - the online softmax (FlashAttention-2) per query head;
   - the value latent absorbed (DeepSeek-V2) in the code domain: ``acc[v, :] += (p * scale_v)^T @ codes`` on the
-    tensor cores (the weights as bf16 hi + lo, the codes exact), ``acc_min[v] += sum_t p * min_v``, each virtual
-    row keeping only its own block's columns at the end.
+    tensor cores per code part (the weights as bf16 hi + lo, the codes exact), ``acc_min[v] += sum_t p * min_v``,
+    each virtual row keeping only its own block's columns at the end.
 
   It stores the split's (max, sum, value latent) per query head in the workspace layout of
   ``latent_attention_triton._latent_attention_split_kernel``, which ``_latent_attention_reduce_kernel`` merges,
@@ -193,14 +194,15 @@ def _store_value_part(acc_ptr, accp, k: tl.constexpr, vmeta_ptr, b, h0, Hkv, S, 
     gg = tl.arange(0, GP)
     ws_row = ((b * Hkv + vhead) * S + s) * n_split + c  # (NB,)
     tl.store(acc_ptr + (ws_row[None, :] * G + gg[:, None]) * RV_PAD + j[None, :],
-             tl.where((j < vrank)[None, :], val, 0.0), mask=(gg < G)[:, None] & ((vhead < Hkv) & (j < RV_PAD))[None, :])
+             tl.where((j < vrank)[None, :], val, 0.0),
+             mask=(gg < G)[:, None] & ((vhead < Hkv) & (j < RV_PAD))[None, :])
 
 
 @triton.jit
 def _virtual_scales(rows, ld_ok, meta_ptr, h0, Hkv, scale_base, min_base, hl, blk, v_ok, stride_w,
                     SEG: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr):
     """(BLOCK_N, NV) fp32 scale and min of virtual column v = (head h0 + hl[v], block blk[v]) at each slot row, the
-    min for centred codes (``min + scale * 2^(BITS-1)``, see :func:`_chunk_code_tile`); 0 where ``~v_ok[v]``, the
+    min for centred codes (``min + scale * 2^(BITS-1)``, see :func:`_code_part`); 0 where ``~v_ok[v]``, the
     block lies past the head's rank or the row is not loaded. Bases in fp16 words (WORDS) or bytes."""
     head = h0 + hl
     h_ok = v_ok & (head < Hkv)
@@ -214,8 +216,10 @@ def _virtual_scales(rows, ld_ok, meta_ptr, h0, Hkv, scale_base, min_base, hl, bl
     else:
         sp = rows[:, None] + ((scale_base + 2 * (blk0 + blk)) * stride_w)[None, :]
         mp = rows[:, None] + ((min_base + 2 * (blk0 + blk)) * stride_w)[None, :]
-        sc = tl.load(sp, mask=ok, other=0).to(tl.uint16) | (tl.load(sp + stride_w, mask=ok, other=0).to(tl.uint16) << 8)
-        mn = tl.load(mp, mask=ok, other=0).to(tl.uint16) | (tl.load(mp + stride_w, mask=ok, other=0).to(tl.uint16) << 8)
+        sc = tl.load(sp, mask=ok, other=0).to(tl.uint16) | (
+            tl.load(sp + stride_w, mask=ok, other=0).to(tl.uint16) << 8)
+        mn = tl.load(mp, mask=ok, other=0).to(tl.uint16) | (
+            tl.load(mp + stride_w, mask=ok, other=0).to(tl.uint16) << 8)
     sc = sc.to(tl.float16, bitcast=True).to(tl.float32)
     mn = mn.to(tl.float16, bitcast=True).to(tl.float32) + sc * (1 << (BITS - 1))  # for centred codes
     return sc, mn

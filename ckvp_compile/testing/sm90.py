@@ -141,7 +141,8 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
     saved_record = dict(lat._LAST_LAUNCH)
     # (module, name) -> (kernel, tag): the one-pass kernels over chunks of KV heads and their query folds
     chunk_kernels = {(mod, n): (getattr(mod, n), tag) for mod, n, tag in (
-        (lac, "_latent_attention_chunks_kernel", "one pass over head chunks"), (lac, "_fold_query_kernel", "fold query"),
+        (lac, "_latent_attention_chunks_kernel", "one pass over head chunks"),
+        (lac, "_fold_query_kernel", "fold query"),
         (laa, "_absorbed_attention_kernel", "absorbed pass"), (laa, "_fold_query_kernel", "absorbed fold"))}
     chunk_caches = {key: k.device_caches for key, (k, _) in chunk_kernels.items() if hasattr(k, "device_caches")}
     real_unsupported = saved["unsupported_reason"]

@@ -102,7 +102,8 @@ def _main() -> None:
     assert lat._LAST_LAUNCH["absorbed"] == 0
     # on by default only where the H200 measured it faster (benchmarks/results/2026-12-03-absorbed-h200): table-free
     # GQA up to rank 32; not at G = 1 (the CUDA-core chunk pass), not past rank 32, not with tables
-    assert default_config(4, 32, table_free=True).absorbed == 64 and default_config(4, 32, table_free=True).block_n_a == 64
+    gqa = default_config(4, 32, table_free=True)
+    assert gqa.absorbed == 64 and gqa.block_n_a == 64
     assert default_config(4, 32, table_free=True, rank_v=64).absorbed == 0
     assert default_config(4, 64, table_free=True).absorbed == 0 and default_config(1, 16, table_free=True).absorbed == 0
     assert default_config(4, 32).absorbed == 0
