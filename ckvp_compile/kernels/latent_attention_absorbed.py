@@ -35,14 +35,16 @@ CUDA cores only unpack codes and handle (slot, virtual head) scalars, and GQA's 
 Precision: codes are centred (``code - 2^(bits-1)``) and exact in bf16; coefficients and softmax weights are split
 into bf16 hi + lo parts (about 16 mantissa bits); scales and mins are applied in fp32, and each tile's value
 product is added to the accumulator on the CUDA cores. Within 1e-3 of ``kernels.reference.latent_attention_ref``
-under the interpreter (tests/kernels/test_latent_attention_absorbed.py) and on the H200 at 2.6e-4 to 9.1e-4 in the
-sweeps (one case at 1.005e-3 before the per-tile accumulation, batch 32).
+under the interpreter (tests/kernels/test_latent_attention_absorbed.py) and on the H200: 6.4e-5 to 2.2e-4 at 32:8
+heads, batch 8 / 32, 32k / 128k (accumulated inside the tensor-core product across tiles it had reached 1.005e-3 at
+batch 32).
 
 Measured (H200, Triton 3.6, int4/32, batch 8, 32k, CUDA-graph replays of one call;
-benchmarks/results/2026-12-03-absorbed-h200): Mixtral's 32:8 heads at rank 32, 0.226 ms with 64-column chunks and
-64-slot tiles against 0.501 ms for the GQA one-pass default (0.45x) and 0.237 ms for dense bf16 SDPA over the same
-context (12.8x the bytes); rank 96 1.13 against 1.06 ms; Qwen1.5-MoE's 16:16 heads slower than the CUDA-core chunk
-pass (rank 16 0.27 against 0.19 ms). About 9% of the copy bandwidth at int4 (17% at int8): the CUDA cores' code
+benchmarks/results/2026-12-03-absorbed-h200): Mixtral's 32:8 heads at rank 32, 0.227 ms with 64-column chunks and
+64-slot tiles against 0.501 ms for the GQA one-pass default (0.45x) and 0.244 ms for dense bf16 SDPA over the same
+context (12.8x the bytes); rank 16 0.134 against 0.754 ms; rank 96 1.13 against 1.06 ms; Qwen1.5-MoE's 16:16 heads
+slower than the CUDA-core chunk pass (rank 16 0.27 against 0.19 ms). About 9% of the copy bandwidth at int4 (17% at
+int8, batch 8-32, 32k-128k): the CUDA cores' code
 unpacking, byte permutes and index work (ptxas: 136-250 registers), not the bytes, bound it. Two findings on the
 way: interleaving sub-byte codes with ``tl.join`` as a tensor-core operand gave wrong products at 16-slot tiles
 (as ``_latent_raw_codes`` notes for K = 16), hence the separate code parts; 0..2^bits-1 codes against the min's
