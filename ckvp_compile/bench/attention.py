@@ -327,16 +327,16 @@ def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False)
 
 
 def kernel_stats() -> dict:
-    """Registers per thread, spilled registers and shared memory of the last launched split or head-chunk (and,
-    two-pass, key pass: ``scores_`` keys; the merge kernel, unless the merge is fused: ``reduce_`` keys) kernel, as
-    Triton reports
-    them for a compiled CUDA kernel, and ``batch_slices``: how many slices of the batch the two passes ran on
-    (:func:`~ckvp_compile.kernels.latent_attention_triton.score_batch_slices`); clears the record."""
+    """Registers per thread, spilled registers and shared memory of the last launched split, head-chunk, absorbed or
+    lane (and, two-pass, key pass: ``scores_`` keys; the merge kernel, unless the merge is fused: ``reduce_`` keys)
+    kernel, as Triton reports them for a compiled CUDA kernel, and ``batch_slices``: how many slices of the batch
+    the two passes ran on (:func:`~ckvp_compile.kernels.latent_attention_triton.score_batch_slices`); clears the
+    record."""
     from ckvp_compile.kernels import latent_attention_triton as lat
 
     out = {}
-    for kind, prefix in (("split", ""), ("chunks", ""), ("absorbed_kernel", ""), ("scores", "scores_"),
-                         ("reduce", "reduce_")):
+    for kind, prefix in (("split", ""), ("chunks", ""), ("absorbed_kernel", ""), ("lanes_kernel", ""),
+                         ("scores", "scores_"), ("reduce", "reduce_")):
         k = lat._LAST_LAUNCH.get(kind)
         for name in ("n_regs", "n_spills", "shared"):
             v = getattr(k, name, None)
@@ -600,7 +600,7 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
         from ckvp_compile.kernels import latent_attention_triton as lat
 
         out = latent_attention_triton(*args, config=cfg)
-        one_pass = {k_: lat._LAST_LAUNCH.get(k_, 0) for k_ in ("absorbed", "head_chunks")}
+        one_pass = {k_: lat._LAST_LAUNCH.get(k_, 0) for k_ in ("lanes", "absorbed", "head_chunks")}
         if any(one_pass.values()):  # a one-pass kernel over chunks of KV heads ran: no scores, its own split
             row.update(two_pass=False, n_split=lat._LAST_LAUNCH["n_split"], batch_slices=1,
                        **{f"{k_}_heads": v_ for k_, v_ in one_pass.items()})

@@ -224,7 +224,13 @@ class DecodeConfig:
     (benchmarks/results/2026-12-03-absorbed-h200): 32:8 heads rank 32 0.226 ms (64 columns, 64-slot tiles) against
     0.501 for the one-pass default; rank 96 1.13 against 1.06; at 16:16 heads slower than the chunk pass (rank 16
     0.27 against 0.19, unequal ranks 24/96 1.67 against 0.95); so :func:`default_config` turns it on for table-free
-    GQA calls up to rank 32 only."""
+    GQA calls up to rank 32 only.
+    lanes: for the same table-free calls (uniform ``int`` latents whose heads start on 4-byte words and whose blocks
+    hold whole 32-bit words of codes), run the lane pass (:mod:`.latent_attention_lanes`: the query folded into the
+    key basis, one CUDA-core lane per (slot, query head) with its own online softmax and value latent, codes
+    converted with the exponent trick, no cross-thread sums inside the tile loop) over chunks of KV heads holding
+    about this many query heads; 0: off; it takes precedence over ``absorbed`` and ``head_chunks``. ``block_n_l``
+    (slots per tile, a power of two), ``loop_stages_l`` and ``num_warps_l`` (None: ``num_warps``) apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -266,6 +272,10 @@ class DecodeConfig:
     block_n_a: int = 16
     loop_stages_a: int | None = 2
     num_warps_a: int | None = None
+    lanes: int = 0
+    block_n_l: int = 32
+    loop_stages_l: int | None = 2
+    num_warps_l: int | None = None
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -339,6 +349,16 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # 14.62; 256 with 16- or 64-slot tiles 13.37 / 12.96; 8 warps 14.30)
             # (benchmarks/results/2026-12-03-post-rope-h200)
             cfg = dataclasses.replace(cfg, head_chunks=256)
+            # the lane pass (latent_attention_lanes) where its layout applies, else the chunk pass above: one call
+            # at batch 8, 32k, int4/32, against the chunk pass: key/value ranks 24-32/8 0.105 against 0.206 ms (8
+            # warps), 16/16 0.097 against 0.189, 32/16-24 0.151 against 0.277 (4 warps), 32-64/32 0.239 against
+            # 0.487 and 64-96/64 0.445 against 0.957 (8 query heads per program); Qwen1.5-MoE decode, post-RoPE
+            # bases, batch 8, 32k: 12.08 -> 8.66 ms per step (benchmarks/results/2026-12-03-lanes-h200)
+            if rank_pad >= 64:
+                cfg = dataclasses.replace(cfg, lanes=8, block_n_l=16, loop_stages_l=None)
+            else:
+                cfg = dataclasses.replace(cfg, lanes=16, block_n_l=16, loop_stages_l=None,
+                                          num_warps_l=8 if v_pad <= 16 else None)
         if v_pad <= 32:
             cfg = dataclasses.replace(cfg, block_n_v=64)
         elif v_pad == 128:
@@ -2097,15 +2117,28 @@ def _launch(
                                 rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],
                                 quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none")
     cfg = config
-    chunks = absorbed = None
-    if mode == "all" and rope_form == "none" and cfg.absorbed > 0 and not cfg.fuse_merge:
+    chunks = absorbed = lanes = None
+    if mode == "all" and rope_form == "none" and cfg.lanes > 0 and not cfg.fuse_merge:
+        from .latent_attention_lanes import lanes_layout  # (that module imports this one's jit helpers)
+
+        kf0, vf0 = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
+        lanes = lanes_layout(cfg.lanes, q.shape[1] // basis_k_block.shape[-3], kf0, vf0, k_offsets, v_offsets,
+                             basis_k_block.shape[-1], basis_v_block.shape[-1], basis_k_block.shape[-3],
+                             latent_k.stride(-1), latent_v.stride(-1))
+        # rows on 4-byte words (word loads) and scales on fp16 words
+        if lanes is not None and not all(
+                x.stride(0) % 4 == 0 and x.stride(1) % 4 == 0 and x.data_ptr() % 4 == 0
+                and _words(f, x, *_head_meta(o, fm, q.device)[1:3])
+                for x, f, o, fm in ((latent_k, kf0, k_offsets, k_fmt), (latent_v, vf0, v_offsets, v_fmt))):
+            lanes = None
+    if lanes is None and mode == "all" and rope_form == "none" and cfg.absorbed > 0 and not cfg.fuse_merge:
         from .latent_attention_absorbed import absorbed_layout  # (that module imports this one's jit helpers)
 
         absorbed = absorbed_layout(cfg.absorbed, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
                                    parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
                                    basis_v_block.shape[-1], basis_k_block.shape[-3], latent_k.stride(-1),
                                    latent_v.stride(-1))
-    if absorbed is None and mode == "all" and cfg.head_chunks > 0 and not cfg.fuse_merge:
+    if lanes is None and absorbed is None and mode == "all" and cfg.head_chunks > 0 and not cfg.fuse_merge:
         from .latent_attention_chunks import chunk_layout  # (that module imports this one's jit helpers)
 
         chunks = chunk_layout(cfg.head_chunks, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
@@ -2122,7 +2155,7 @@ def _launch(
             chunks = None
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
-    elif (mode == "all" and chunks is None and absorbed is None and cfg.two_pass
+    elif (mode == "all" and chunks is None and absorbed is None and lanes is None and cfg.two_pass
           and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES):
         slices = score_batch_slices(q.shape[0], q.shape[1], q.shape[2], kv_len)
         if slices is None:
@@ -2166,7 +2199,10 @@ def _launch(
     block_n_v = cfg.block_n_v or cfg.block_n
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
-    if absorbed is not None:  # the absorbed pass over chunks of KV heads: its own split of the context
+    if lanes is not None:  # the lane pass over chunks of KV heads: its own split of the context
+        n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_l), b * lanes["n_chunks"] * s,
+                                                  cfg.target_programs)
+    elif absorbed is not None:  # the absorbed pass over chunks of KV heads: its own split of the context
         n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_a), b * absorbed["n_chunks"] * s,
                                                   cfg.target_programs)
     elif chunks is not None:  # one pass over chunks of KV heads: its own split of the context
@@ -2198,7 +2234,8 @@ def _launch(
     if mode == "from_scores":
         sc_ws = scores.contiguous()
         t_pad = kv_len
-    elif cfg.two_pass and chunks is None:  # the scores: (B, Hkv, S, G, kv_len) fp32, rows of kv_len
+    elif cfg.two_pass and chunks is None and absorbed is None and lanes is None:
+        # the scores: (B, Hkv, S, G, kv_len) fp32, rows of kv_len
         t_pad = kv_len
         sc_ws = torch.empty(b, hkv, s, g, kv_len, dtype=torch.float32, device=q.device)
     else:
@@ -2270,7 +2307,30 @@ def _launch(
     _LAST_LAUNCH["merge_split_block"] = split_block
     _LAST_LAUNCH["head_chunks"] = 0 if chunks is None else chunks["NH"]
     _LAST_LAUNCH["absorbed"] = 0 if absorbed is None else absorbed["NH"]
-    if absorbed is not None:
+    _LAST_LAUNCH["lanes"] = 0 if lanes is None else lanes["NH"]
+    if lanes is not None:
+        from . import latent_attention_absorbed as laa
+        from . import latent_attention_lanes as lal
+
+        rkp = lanes["RKP"]
+        qf = torch.empty(b, s, hkv, g, rkp, dtype=torch.float32, device=q.device)
+        _LAST_LAUNCH["fold"] = laa._fold_query_kernel[(b * s, hkv)](
+            qf, q, basis_k_block, kmeta, hkv, s, g, d, qk_scale, *q.stride(), *_basis_strides(basis_k_block),
+            QP=max(16, g_pad), D_PAD=_np2(d), RKP=rkp, RKF=max(16, rkp), Q_EXACT=q.dtype == bf16,
+            BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4)
+        _LAST_LAUNCH["lanes_kernel"] = lal._lanes_attention_kernel[(n_split, b * lanes["n_chunks"], s)](
+            qf, latent_k, latent_v, slots, mask, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
+            hkv, s, lanes["n_chunks"], n_exact, kv_len, tiles_per_split, n_split,
+            k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2,
+            latent_k.stride(0) // 4, latent_k.stride(1) // 4, latent_v.stride(0) // 4, latent_v.stride(1) // 4,
+            *mstrides,
+            G=g, GP=lanes["GP"], NH=lanes["NH"], RKP=rkp, RVP=lanes["RVP"], RV_PAD=rv_pad,
+            K_BITS=kf.bits, K_QBLOCK=kf.block, V_BITS=vf.bits, V_QBLOCK=vf.block,
+            MASK=mask_kind,
+            MASK_HEADS=mask_kind != 0 and mstrides[1] != 0, BLOCK_N=_np2(cfg.block_n_l), SLOT_BLOCK=16,
+            PAGE=common["PAGE"], LOOP_STAGES=cfg.loop_stages_l, num_warps=cfg.num_warps_l or cfg.num_warps,
+            num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
+    elif absorbed is not None:
         from . import latent_attention_absorbed as laa
 
         rkp = absorbed["RKP"]
@@ -2378,7 +2438,7 @@ def _launch(
                 **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
-    if chunks is None and absorbed is None:
+    if chunks is None and absorbed is None and lanes is None:
         _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
             m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,

@@ -130,6 +130,7 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
 
     from ..kernels import latent_attention_absorbed as laa
     from ..kernels import latent_attention_chunks as lac
+    from ..kernels import latent_attention_lanes as lal
     from ..kernels import latent_attention_triton as lat
 
     sink: list = []
@@ -143,7 +144,8 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
     chunk_kernels = {(mod, n): (getattr(mod, n), tag) for mod, n, tag in (
         (lac, "_latent_attention_chunks_kernel", "one pass over head chunks"),
         (lac, "_fold_query_kernel", "fold query"),
-        (laa, "_absorbed_attention_kernel", "absorbed pass"), (laa, "_fold_query_kernel", "absorbed fold"))}
+        (laa, "_absorbed_attention_kernel", "absorbed pass"), (laa, "_fold_query_kernel", "absorbed fold"),
+        (lal, "_lanes_attention_kernel", "lane pass"))}
     chunk_caches = {key: k.device_caches for key, (k, _) in chunk_kernels.items() if hasattr(k, "device_caches")}
     real_unsupported = saved["unsupported_reason"]
 

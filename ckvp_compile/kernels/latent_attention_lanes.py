@@ -1,0 +1,354 @@
+"""Table-free latent decode attention on the CUDA cores, one lane per (cached slot, query head).
+
+Applies to calls without RoPE tables (rope form ``'none'``: post-RoPE key bases, ``LatentBases.key_space``, or a
+model without RoPE) over uniform 8/4/2-bit ``int`` latents whose heads start on 4-byte words and whose quantization
+blocks hold whole 32-bit words of codes. As in :mod:`.latent_attention_absorbed`, the query is folded into the key
+basis once per step (``c_hg = qk_scale * P_h^T q_hg``, that module's ``_fold_query_kernel``), so the score of slot
+``t`` is ``c_hg . z_t`` and no key is rebuilt. The difference is where the work runs:
+
+* ``_lanes_attention_kernel``, grid (n_split, B * n_chunks, S): one context split of NH KV heads (NQ = NH * GP query
+  heads) of one sequence and query token. Each tile of BLOCK_N slots is a (BLOCK_N, NQ) grid of lanes; a lane loads
+  its KV head's code words of its slot (32-bit loads, adjacent heads' words adjacent, so a warp's loads are one run
+  of the row), turns each code into fp32 with the exponent trick (``float(2^23 | code) - 2^23``: one logic op and
+  one add, no int->float conversion, which runs at a quarter of the FMA rate), and does
+
+  - the score per quantization block ``scale_k * (codes . c)_k + min_k * sum(c)_k`` in fp32 multiply-adds, the sums
+    over a block's words within the lane;
+  - an online softmax per lane (FlashAttention-2's update, but with the running max kept per lane, not per head:
+    no reduction across threads in the tile loop, at the price of a second exp2 per lane and tile);
+  - the value latent per lane, ``acc += (p * scale_v) * codes``, ``acc_min += p * min_v`` (DeepSeek-V2's value
+    absorption, in the code domain as KIVI applies its scales).
+
+  After the loop the lanes of each query head are merged once (max, rescale, sum across the tile's slots) and the
+  split's (max, sum, value latent) go to the workspace of
+  ``latent_attention_triton._latent_attention_split_kernel``, which ``_latent_attention_reduce_kernel`` merges,
+  adding the exact tokens and projecting with the value basis.
+
+Why: at one query head per KV head (Qwen1.5-MoE's 16:16 heads) the tensor-core kernels pad the query side to 16
+rows and the chunk pass moves segments between layouts; here a code costs about four CUDA-core instructions (shift,
+logic, add, multiply-add) with every sum inside a thread, so the latent bytes, not the instructions, should bound a
+call. GQA's query heads each take a lane and unpack their KV head's codes themselves (the loads of one warp's lanes
+of a KV head coalesce into one request).
+
+Precision: codes are exact in fp32, centred (``code - 2^(bits-1)``, the offset moved into the min) so the integer
+product does not cancel against ``min * sum(c)``; products and sums in fp32. Within 1e-3 of
+``kernels.reference.latent_attention_ref`` under the interpreter (tests/kernels/test_latent_attention_lanes.py).
+
+Sources (read, not copied): DeepSeek-V2 (arXiv:2405.04434: query and value absorption), FlashDecoding (split-KV +
+reduction), FlashAttention-2 (arXiv:2307.08691: online softmax), KIVI (arXiv:2402.02750: scale and zero point after
+the integer product), the exponent-bits int->float conversion of FasterTransformer / Marlin's dequantizers
+(arXiv:2211.10017, LUT-free conversion).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _slot_rows
+
+__all__ = ["lanes_layout", "lanes_heads"]
+
+#: Most 32-bit words of value codes per head (int4 rank 64, int8 rank 32, int2 rank 128): one fp32 accumulator of
+#: (slots, query heads, codes per word) per word.
+MAX_VALUE_WORDS = 8
+
+#: fp32 bit pattern of 2^23: ``float(bits(2^23) | n) == 2^23 + n`` exactly for 0 <= n < 2^23.
+_MAGIC = tl.constexpr(0x4B000000)
+
+
+def lanes_heads(group_pad: int, lanes: int, hkv: int) -> int:
+    """KV heads per program: the most (a power of two, at most ``hkv`` rounded up) whose query heads (``heads *
+    group_pad``) stay within ``lanes``; at least one.
+
+    Args:
+        group_pad: query heads per KV head rounded up to a power of two; lanes: the target query heads per program
+            (``DecodeConfig.lanes``); hkv: KV heads.
+    Returns:
+        int >= 1. Raises nothing.
+    """
+    nh = 1
+    while nh < hkv and 2 * nh * group_pad <= lanes:
+        nh *= 2
+    return nh
+
+
+@triton.jit
+def _code_f32(word, k: tl.constexpr, BITS: tl.constexpr):
+    """fp32 centred code ``code - 2^(BITS-1)`` number ``k`` of each int32 ``word`` (bits ``k*BITS ..``: little-endian
+    bytes, low bits first, the latent's coordinate order). The exponent trick: ``bits(2^23) | code`` read as fp32 is
+    ``2^23 + code``."""
+    code = (word >> (k * BITS)) & ((1 << BITS) - 1)
+    return (code | _MAGIC).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+
+
+@triton.jit
+def _codes_f32(word, BITS: tl.constexpr, PW: tl.constexpr):
+    """(BLOCK_N, NQ, PW) fp32 centred codes of each int32 word of ``word`` (BLOCK_N, NQ), as :func:`_code_f32`; the
+    new last dimension stays within each thread."""
+    sh = tl.arange(0, PW) * BITS
+    code = (word[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
+    return (code | _MAGIC).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+
+
+@triton.jit
+def _lane_word(rows_w, ld_ok, col_w, n_words, lane_ok, w: tl.constexpr):
+    """(BLOCK_N, NQ) int32: word ``w`` of each lane's KV-head codes in its slot's row (``rows_w`` (BLOCK_N,) int32
+    pointers to the rows, ``col_w`` (NQ,) the heads' first code words); 0 where the row is not loaded, past the
+    head's code words (a last partial word reads into the next head's or the scales' bytes, whose coefficients are
+    0) or for lanes off."""
+    ok = ld_ok[:, None] & (lane_ok & (w < n_words))[None, :]
+    return tl.load(rows_w[:, None] + (col_w + w)[None, :], mask=ok, other=0)
+
+
+@triton.jit
+def _lane_scale(rows, ld_ok, blk0, rank, lane_ok, scale_base, min_base, blk: tl.constexpr, SEG: tl.constexpr,
+                BITS: tl.constexpr):
+    """(BLOCK_N, NQ) fp32 scale and min (the min for centred codes, ``min + scale * 2^(BITS-1)``) of block ``blk``
+    of each lane's KV head at each slot row (``rows`` (BLOCK_N,) byte pointers; bases in fp16 words); 0 for a block
+    past the head's rank, rows not loaded and lanes off."""
+    ok = ld_ok[:, None] & (lane_ok & (blk * SEG < rank))[None, :]
+    ptrs = rows.to(tl.pointer_type(tl.uint16))[:, None] + (blk0 + blk)[None, :]
+    sc = tl.load(ptrs + scale_base, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    mn = tl.load(ptrs + min_base, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    return sc, mn + sc * (1 << (BITS - 1))
+
+
+@triton.jit
+def _value_word(acc, rows_w, rows, ld_ok, col_w, n_words, blk0, rank, lane_ok, scale_base, min_base, p, alpha,
+                w: tl.constexpr, WPB: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr):
+    """``acc`` (BLOCK_N, NQ, PW) rescaled by ``alpha`` plus ``p`` times the dequantized codes of value word ``w``
+    (its block's scale and min)."""
+    sc, mn = _lane_scale(rows, ld_ok, blk0, rank, lane_ok, scale_base, min_base, w // WPB, SEG, BITS)
+    word = _lane_word(rows_w, ld_ok, col_w, n_words, lane_ok, w)
+    z = (p * sc)[:, :, None] * _codes_f32(word, BITS, PW) + (p * mn)[:, :, None]
+    return acc * alpha[:, :, None] + z
+
+
+@triton.jit
+def _store_value_word(acc_ptr, q_row, acc, wgt, vrank, q_ok, w: tl.constexpr, PW: tl.constexpr,
+                      RV_PAD: tl.constexpr):
+    """Store coordinates ``w*PW ..`` of each query head's value latent: ``acc`` (BLOCK_N, NQ, PW) weighted by
+    ``wgt`` (BLOCK_N, NQ) and summed over the slots; 0 past the head's rank, nothing past RV_PAD."""
+    val = tl.sum(acc * wgt[:, :, None], axis=0)  # (NQ, PW)
+    j = w * PW + tl.arange(0, PW)
+    val = tl.where(j[None, :] < vrank[:, None], val, 0.0)  # past the rank: other heads' codes
+    tl.store(acc_ptr + q_row.to(tl.int64)[:, None] * RV_PAD + j[None, :], val,
+             mask=q_ok[:, None] & (j < RV_PAD)[None, :])
+
+
+@triton.jit
+def _lanes_attention_kernel(
+    qf_ptr, lk_ptr, lv_ptr, slots_ptr, mask_ptr, kmeta_ptr, vmeta_ptr, m_ptr, l_ptr, acc_ptr, pt_ptr, stride_ptb,
+    Hkv, S, n_chunks, n_exact, kv_len, tiles_per_split, n_split,
+    k_scale_base, k_min_base, v_scale_base, v_min_base,
+    stride_lkb, stride_lks, stride_lvb, stride_lvs,
+    stride_mb, stride_mh, stride_ms, stride_mt,
+    G: tl.constexpr, GP: tl.constexpr, NH: tl.constexpr, RKP: tl.constexpr, RVP: tl.constexpr,
+    RV_PAD: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr, V_BITS: tl.constexpr,
+    V_QBLOCK: tl.constexpr, MASK: tl.constexpr, MASK_HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLOT_BLOCK: tl.constexpr, PAGE: tl.constexpr = 0, LOOP_STAGES: tl.constexpr = None,
+):
+    """One context split of one (sequence, chunk of NH KV heads, query token). Grid (n_split, B * n_chunks, S).
+
+    Shapes: qf (B, S, Hkv, G, RKP) fp32 from ``latent_attention_absorbed._fold_query_kernel`` (log2 units, 0 past
+    each head's rank); latent_k / latent_v (B, S_max, W) uint8 rows of a uniform ``int`` format, rows and heads'
+    first code bytes 4-byte aligned, scales and mins as fp16 words (PAGE > 0: page pools and the page table ``pt``);
+    strides of the rows in 4-byte words; slots (n_exact,) exact tokens' slots (-1 unused), skipped here; mask (B, H,
+    S, kv_len) by strides (MASK 1: bool as uint8, 2: additive); kmeta / vmeta (Hkv, 3) int32 (first code byte,
+    first block, rank). Stores m, l (rows, n_split, G) and acc (rows, n_split, G, RV_PAD) fp32, rows = B*Hkv*S (acc
+    zero past each head's rank). RKP / RVP: padded ranks (powers of two, at least one word of codes; RVP at most
+    :data:`MAX_VALUE_WORDS` words); blocks of ``min(R*P, QBLOCK)`` coordinates, each whole words.
+
+    Every tensor of the tile loop is (BLOCK_N, NQ) lanes, or (BLOCK_N, NQ, codes per word) with the codes inside a
+    thread: the sums over a lane's codes never cross threads."""
+    c = tl.program_id(0)
+    bc = tl.program_id(1)
+    s = tl.program_id(2)
+    b = bc // n_chunks
+    h0 = (bc % n_chunks) * NH
+    NQ: tl.constexpr = NH * GP
+    PWK: tl.constexpr = 32 // K_BITS  # codes per word
+    PWV: tl.constexpr = 32 // V_BITS
+    SEGK: tl.constexpr = RKP if RKP < K_QBLOCK else K_QBLOCK
+    SEGV: tl.constexpr = RVP if RVP < V_QBLOCK else V_QBLOCK
+    NBK: tl.constexpr = RKP // SEGK
+    WPBK: tl.constexpr = SEGK // PWK  # words per block
+    WPBV: tl.constexpr = SEGV // PWV
+    KWV: tl.constexpr = RVP // PWV  # value words per head
+
+    # ---- lanes: query head q = hl * GP + g of the chunk, and their KV heads' metadata
+    qc = tl.arange(0, NQ)
+    q_g = qc % GP
+    head = h0 + qc // GP
+    q_ok = (q_g < G) & (head < Hkv)
+    head = tl.where(q_ok, head, 0)
+    k_rank = tl.load(kmeta_ptr + 3 * head + 2, mask=q_ok, other=0)
+    k_blk0 = tl.load(kmeta_ptr + 3 * head + 1, mask=q_ok, other=0)
+    k_col = tl.load(kmeta_ptr + 3 * head, mask=q_ok, other=0) // 4
+    k_words = (k_rank * K_BITS + 31) // 32
+    v_rank = tl.load(vmeta_ptr + 3 * head + 2, mask=q_ok, other=0)
+    v_blk0 = tl.load(vmeta_ptr + 3 * head + 1, mask=q_ok, other=0)
+    v_col = tl.load(vmeta_ptr + 3 * head, mask=q_ok, other=0) // 4
+    v_words = (v_rank * V_BITS + 31) // 32
+    qf_lane = qf_ptr + (((b * S + s) * Hkv + head) * G + q_g).to(tl.int64) * RKP  # (NQ,) the folded query rows
+
+    mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + (head * G + q_g) * stride_mh  # (NQ,)
+    m_i = tl.full((BLOCK_N, NQ), float("-inf"), tl.float32)  # per lane
+    l_i = tl.zeros((BLOCK_N, NQ), tl.float32)
+    acc0 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)  # the value latent per lane, one accumulator per code word
+    if KWV > 1:
+        acc1 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+    if KWV > 2:
+        acc2 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+    if KWV > 4:
+        acc4 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+        acc5 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+        acc6 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+        acc7 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+    lk_w = lk_ptr.to(tl.pointer_type(tl.int32))
+    lv_w = lv_ptr.to(tl.pointer_type(tl.int32))
+
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    t_start = c * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
+    lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
+    for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):
+        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs < kv_len
+        slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
+        row_idx, slot_row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, slot_ok, PAGE)
+        k_off = row_idx * stride_lkb + slot_row * stride_lks  # in 4-byte words
+        v_off = row_idx * stride_lvb + slot_row * stride_lvs
+        k_rows_w = lk_w + k_off
+        # scores: per block (codes . c) * scale + min * sum(c), the block's codes unrolled
+        scores = tl.zeros((BLOCK_N, NQ), tl.float32)
+        for blk in tl.static_range(NBK):
+            dot = tl.zeros((BLOCK_N, NQ), tl.float32)
+            c_sum = tl.zeros((NQ,), tl.float32)
+            for i in tl.static_range(WPBK):
+                word = _lane_word(k_rows_w, ld_ok, k_col, k_words, q_ok, blk * WPBK + i)
+                for k in tl.static_range(PWK):
+                    cf = tl.load(qf_lane + ((blk * WPBK + i) * PWK + k), mask=q_ok, other=0.0)  # (NQ,), from L1
+                    dot += _code_f32(word, k, K_BITS) * cf[None, :]
+                    c_sum += cf
+            ksc, kmn = _lane_scale(lk_ptr + 4 * k_off, ld_ok, k_blk0, k_rank, q_ok, k_scale_base, k_min_base, blk,
+                                   SEGK, K_BITS)
+            scores += ksc * dot + kmn * c_sum[None, :]
+        ok2 = slot_ok[:, None] & q_ok[None, :]
+        if MASK_HEADS:
+            m_ptrs = mask_cols[None, :] + (offs * stride_mt)[:, None]
+            m_ok = ok2
+        else:  # one mask row for every head: one load per slot
+            m_ptrs = (mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + offs * stride_mt)[:, None]
+            m_ok = slot_ok[:, None]
+        if MASK == 1:
+            mv = tl.load(m_ptrs, mask=m_ok, other=0)
+            scores = tl.where(mv != 0, scores, float("-inf"))
+        if MASK == 2:
+            mv = tl.load(m_ptrs, mask=m_ok, other=0.0)
+            scores = scores + mv.to(tl.float32) * 1.4426950408889634
+        scores = tl.where(ok2, scores, float("-inf"))
+        # online softmax per lane (no reduction across threads inside the loop)
+        m_new = tl.maximum(m_i, scores)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - m_use)
+        l_i = l_i * alpha + p
+        m_i = m_new
+        # the value latent per lane in the code domain, a code word at a time
+        v_rows_w = lv_w + v_off
+        v_rows = lv_ptr + 4 * v_off
+        acc0 = _value_word(acc0, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                           v_min_base, p, alpha, 0, WPBV, SEGV, V_BITS, PWV)
+        if KWV > 1:
+            acc1 = _value_word(acc1, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                               v_min_base, p, alpha, 1, WPBV, SEGV, V_BITS, PWV)
+        if KWV > 2:
+            acc2 = _value_word(acc2, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                               v_min_base, p, alpha, 2, WPBV, SEGV, V_BITS, PWV)
+            acc3 = _value_word(acc3, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                               v_min_base, p, alpha, 3, WPBV, SEGV, V_BITS, PWV)
+        if KWV > 4:
+            acc4 = _value_word(acc4, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                               v_min_base, p, alpha, 4, WPBV, SEGV, V_BITS, PWV)
+            acc5 = _value_word(acc5, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                               v_min_base, p, alpha, 5, WPBV, SEGV, V_BITS, PWV)
+            acc6 = _value_word(acc6, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                               v_min_base, p, alpha, 6, WPBV, SEGV, V_BITS, PWV)
+            acc7 = _value_word(acc7, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
+                               v_min_base, p, alpha, 7, WPBV, SEGV, V_BITS, PWV)
+
+    # ---- merge the lanes of each query head: max, rescale, sum over the tile's slots
+    m_q = tl.max(m_i, axis=0)  # (NQ,)
+    m_q_use = tl.where(m_q == float("-inf"), 0.0, m_q)
+    wgt = tl.exp2(m_i - m_q_use[None, :])  # 0 for lanes that saw no slot
+    q_row = (((b * Hkv + head) * S + s) * n_split + c) * G + q_g  # (NQ,)
+    _store_value_word(acc_ptr, q_row, acc0, wgt, v_rank, q_ok, 0, PWV, RV_PAD)
+    if KWV > 1:
+        _store_value_word(acc_ptr, q_row, acc1, wgt, v_rank, q_ok, 1, PWV, RV_PAD)
+    if KWV > 2:
+        _store_value_word(acc_ptr, q_row, acc2, wgt, v_rank, q_ok, 2, PWV, RV_PAD)
+        _store_value_word(acc_ptr, q_row, acc3, wgt, v_rank, q_ok, 3, PWV, RV_PAD)
+    if KWV > 4:
+        _store_value_word(acc_ptr, q_row, acc4, wgt, v_rank, q_ok, 4, PWV, RV_PAD)
+        _store_value_word(acc_ptr, q_row, acc5, wgt, v_rank, q_ok, 5, PWV, RV_PAD)
+        _store_value_word(acc_ptr, q_row, acc6, wgt, v_rank, q_ok, 6, PWV, RV_PAD)
+        _store_value_word(acc_ptr, q_row, acc7, wgt, v_rank, q_ok, 7, PWV, RV_PAD)
+    tl.store(m_ptr + q_row, m_q, mask=q_ok)
+    tl.store(l_ptr + q_row, tl.sum(l_i * wgt, axis=0), mask=q_ok)
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def lanes_layout(lanes: int, group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, hkv: int,
+                 k_unit_stride: int, v_unit_stride: int) -> dict | None:
+    """The lane kernel's layout for one table-free call, or None where it does not apply.
+
+    Applies to uniform 8/4/2-bit ``int`` key and value formats (not MX, mix or ternary) whose blocks are powers of
+    two holding whole 32-bit words of codes (``block * bits >= 32``), every head's codes starting on a 4-byte word,
+    row-major latents (unit stride 1) and ``lanes`` > 0; any ``group`` (G). The caller checks the rows' byte strides
+    and the scales' fp16 alignment.
+
+    Args:
+        lanes: target query heads per program (``DecodeConfig.lanes``); group: G; k_fmt / v_fmt: parsed
+            :class:`~ckvp_compile.kernels.latent_format.LatentFormat`; k_offsets / v_offsets: (Hkv + 1,) latent
+            coordinate offsets; rk_max / rv_max: the basis blocks' widths; hkv: KV heads; *_unit_stride: the
+            latents' last strides.
+    Returns:
+        dict(NH heads per program, n_chunks, RKP, RVP (padded ranks, at least one word of codes), GP (G padded to a
+        power of two)) or None (also for value ranks past :data:`MAX_VALUE_WORDS` words). Raises nothing: the
+        launcher then runs the other kernels. Source: the row layout of
+        :func:`~ckvp_compile.kernels.latent_attention_triton._head_meta`.
+    """
+    return _lanes_layout(int(lanes), int(group), k_fmt, v_fmt, tuple(int(o) for o in k_offsets),
+                         tuple(int(o) for o in v_offsets), int(rk_max), int(rv_max), int(hkv), int(k_unit_stride),
+                         int(v_unit_stride))
+
+
+@functools.lru_cache(maxsize=256)
+def _lanes_layout(lanes: int, group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk_max: int,
+                  rv_max: int, hkv: int, k_unit_stride: int, v_unit_stride: int) -> dict | None:
+    if lanes <= 0 or group < 1 or k_unit_stride != 1 or v_unit_stride != 1:
+        return None
+    out = {}
+    for tag, f, offsets, r_max in (("K", k_fmt, k_offsets, rk_max), ("V", v_fmt, v_offsets, rv_max)):
+        if (not f.quantized or f.mixed or f.pow2 or f.ternary or f.bits not in (8, 4, 2) or not _pow2(f.block)
+                or f.block * f.bits < 32):
+            return None
+        cb = f.code_bytes(list(offsets))
+        col0 = [sum(cb[:i]) for i in range(len(cb))]
+        if any(c % 4 for c in col0):
+            return None
+        out[f"R{tag}P"] = triton.next_power_of_2(max(r_max, 32 // f.bits, 1))
+    if out["RVP"] * v_fmt.bits > 32 * MAX_VALUE_WORDS:
+        return None
+    gp = triton.next_power_of_2(group)
+    nh = lanes_heads(gp, lanes, hkv)
+    out.update(NH=nh, n_chunks=-(-hkv // nh), GP=gp)
+    return out
