@@ -2021,6 +2021,27 @@ def context_splits(config: DecodeConfig, kv_len: int, block_n: int, rows: int, t
     return triton.cdiv(n_tiles, per), per
 
 
+def balanced_splits(rows: int, n_tiles: int, target: int, min_tiles: int = 1, max_split: int = 8) -> int:
+    """Programs along the context for a grid of ``rows`` programs per context position that already fills
+    ``target`` (one wave): the count in 1..``max_split`` whose last wave is fullest (``ceil(w) / w`` smallest, w =
+    rows * n / target waves; the smaller count on ties), at least ``min_tiles`` tiles each. E.g. 280 rows on 264
+    slots: 1 split runs 1.06 waves in the time of 2; 8 splits run 8.5 waves in the time of 9.
+
+    Args:
+        rows: B * chunks * S; n_tiles: slot tiles of the context; target: programs per wave; min_tiles: fewest
+            tiles per program; max_split: the most splits considered.
+    Returns:
+        int >= 1. Raises nothing.
+    """
+    best, best_loss = 1, float("inf")
+    for n in range(1, max(1, min(max_split, n_tiles // max(min_tiles, 1))) + 1):
+        waves = rows * n / max(target, 1)
+        loss = math.ceil(waves) / waves
+        if loss < best_loss - 1e-9:
+            best, best_loss = n, loss
+    return best
+
+
 def latent_scores_triton(
     q: torch.Tensor, latent_k: torch.Tensor, basis_k_block: torch.Tensor, k_offsets: Sequence[int],
     cos_table: torch.Tensor, sin_table: torch.Tensor, slot_pos: torch.Tensor, rope_form: str, rotary_dim: int,
@@ -2200,8 +2221,14 @@ def _launch(
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
     if lanes is not None:  # the lane pass over chunks of KV heads: its own split of the context
-        n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_l), b * lanes["n_chunks"] * s,
-                                                  cfg.target_programs)
+        rows_l = b * lanes["n_chunks"] * s
+        n_tiles_l = triton.cdiv(kv_len, _np2(cfg.block_n_l))
+        if cfg.split is None and rows_l > cfg.target_programs:  # a large batch: whole waves, not 1.06 of them
+            n_split = balanced_splits(rows_l, n_tiles_l, cfg.target_programs, cfg.min_tiles)
+            tiles_per_split = triton.cdiv(n_tiles_l, n_split)
+            n_split = triton.cdiv(n_tiles_l, tiles_per_split)
+        else:
+            n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_l), rows_l, cfg.target_programs)
     elif absorbed is not None:  # the absorbed pass over chunks of KV heads: its own split of the context
         n_split, tiles_per_split = context_splits(cfg, kv_len, _np2(cfg.block_n_a), b * absorbed["n_chunks"] * s,
                                                   cfg.target_programs)
