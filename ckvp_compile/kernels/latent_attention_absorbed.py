@@ -62,7 +62,8 @@ import functools
 import triton
 import triton.language as tl
 
-from .latent_attention_triton import _dot_split, _exact_in_tile, _first_exact_slot, _mm, _slot_rows, _split_bf16
+from .latent_attention_triton import (_dot_split, _exact_in_tile, _first_exact_slot, _masked_tile_scores, _mm, _slot_rows,
+                                      _split_bf16)
 
 __all__ = ["absorbed_layout", "absorbed_heads"]
 
@@ -361,20 +362,8 @@ def _absorbed_attention_kernel(
             scores = _mm(p_lo, fold_k, scores, F32_DOT)
         else:
             scores = part  # virtual key heads are the query heads
-        ok2 = slot_ok[:, None] & q_ok[None, :]
-        if MASK_HEADS:
-            m_ptrs = mask_cols[None, :] + (offs * stride_mt)[:, None]
-            m_ok = ok2
-        else:  # one mask row for every head: one load per slot
-            m_ptrs = (mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + offs * stride_mt)[:, None]
-            m_ok = slot_ok[:, None]
-        if MASK == 1:
-            mv = tl.load(m_ptrs, mask=m_ok, other=0)
-            scores = tl.where(mv != 0, scores, float("-inf"))
-        if MASK == 2:
-            mv = tl.load(m_ptrs, mask=m_ok, other=0.0)
-            scores = scores + mv.to(tl.float32) * 1.4426950408889634
-        scores = tl.where(ok2, scores, float("-inf"))
+        scores = _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, q_ok, stride_mb, stride_ms,
+                                     stride_mt, MASK, MASK_HEADS)
         # online softmax per query head
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

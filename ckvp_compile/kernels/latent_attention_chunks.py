@@ -51,7 +51,8 @@ import functools
 import triton
 import triton.language as tl
 
-from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _fp16_at, _mm, _slot_rows, _unpack_codes
+from .latent_attention_triton import (_exact_in_tile, _first_exact_slot, _fp16_at, _masked_tile_scores, _mm, _slot_rows,
+                                      _unpack_codes)
 
 __all__ = ["chunk_heads", "chunk_layout"]
 
@@ -350,20 +351,8 @@ def _latent_attention_chunks_kernel(
         else:
             scores = tl.sum(tl.reshape(part_sc, (BLOCK_N, NH, NSK // NH)), axis=2)
         scores = scores * qk_scale
-        ok2 = slot_ok[:, None] & hh_ok[None, :]
-        if MASK_HEADS:  # a mask per head
-            m_ptrs = mask_cols[None, :] + (offs * stride_mt)[:, None]
-            m_ok = ok2
-        else:  # one mask row for every head (stride 0 over heads): one load per slot
-            m_ptrs = (mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + offs * stride_mt)[:, None]
-            m_ok = slot_ok[:, None]
-        if MASK == 1:
-            mv = tl.load(m_ptrs, mask=m_ok, other=0)
-            scores = tl.where(mv != 0, scores, float("-inf"))
-        if MASK == 2:
-            mv = tl.load(m_ptrs, mask=m_ok, other=0.0)
-            scores = scores + mv.to(tl.float32) * 1.4426950408889634
-        scores = tl.where(ok2, scores, float("-inf"))
+        scores = _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, hh_ok, stride_mb, stride_ms,
+                                     stride_mt, MASK, MASK_HEADS)
         # online softmax per head
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

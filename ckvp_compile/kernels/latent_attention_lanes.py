@@ -47,7 +47,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _slot_rows
+from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _masked_tile_scores, _slot_rows
 
 __all__ = ["lanes_layout", "lanes_heads"]
 
@@ -238,20 +238,8 @@ def _lanes_attention_kernel(
             ksc, kmn = _lane_scale(lk_ptr + 4 * k_off, ld_ok, k_blk0, k_rank, q_ok, k_scale_base, k_min_base, blk,
                                    SEGK, K_BITS)
             scores += ksc * dot + kmn * c_sum[None, :]
-        ok2 = slot_ok[:, None] & q_ok[None, :]
-        if MASK_HEADS:
-            m_ptrs = mask_cols[None, :] + (offs * stride_mt)[:, None]
-            m_ok = ok2
-        else:  # one mask row for every head: one load per slot
-            m_ptrs = (mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + offs * stride_mt)[:, None]
-            m_ok = slot_ok[:, None]
-        if MASK == 1:
-            mv = tl.load(m_ptrs, mask=m_ok, other=0)
-            scores = tl.where(mv != 0, scores, float("-inf"))
-        if MASK == 2:
-            mv = tl.load(m_ptrs, mask=m_ok, other=0.0)
-            scores = scores + mv.to(tl.float32) * 1.4426950408889634
-        scores = tl.where(ok2, scores, float("-inf"))
+        scores = _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, q_ok, stride_mb, stride_ms,
+                                     stride_mt, MASK, MASK_HEADS)
         # online softmax per lane (no reduction across threads inside the loop)
         m_new = tl.maximum(m_i, scores)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -766,6 +766,30 @@ def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, 
 
 
 @triton.jit
+def _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, col_ok, stride_mb, stride_ms, stride_mt,
+                        MASK: tl.constexpr, MASK_HEADS: tl.constexpr):
+    """``scores`` (BLOCK_N, NC) (log2 units) of the slots ``offs`` (BLOCK_N,) against NC query heads, with the
+    attention mask applied (MASK 1: bool as uint8, where 0 gives -inf; 2: additive, converted to log2 units) and
+    -inf wherever ``slot_ok[n] & col_ok[c]`` fails. MASK_HEADS: the mask differs per head, ``mask_cols`` (NC,) the
+    heads' mask rows at (b, s); else one row for every head, loaded once per slot. Used by the one-pass kernels over
+    chunks of heads (chunk, absorbed and lane passes)."""
+    ok2 = slot_ok[:, None] & col_ok[None, :]
+    if MASK_HEADS:
+        m_ptrs = mask_cols[None, :] + (offs * stride_mt)[:, None]
+        m_ok = ok2
+    else:  # one mask row for every head (stride 0 over heads): one load per slot
+        m_ptrs = (mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + offs * stride_mt)[:, None]
+        m_ok = slot_ok[:, None]
+    if MASK == 1:
+        mv = tl.load(m_ptrs, mask=m_ok, other=0)
+        scores = tl.where(mv != 0, scores, float("-inf"))
+    if MASK == 2:
+        mv = tl.load(m_ptrs, mask=m_ok, other=0.0)
+        scores = scores + mv.to(tl.float32) * 1.4426950408889634
+    return tl.where(ok2, scores, float("-inf"))
+
+
+@triton.jit
 def _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK: tl.constexpr):
     """The lowest slot of a used exact token (``slots`` (n_exact,), -1: unused), or ``kv_len``: tiles wholly below
     it skip :func:`_exact_in_tile` (reduced from a vector, so its type stays int64 whatever Triton specialises
