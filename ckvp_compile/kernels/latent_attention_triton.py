@@ -301,7 +301,11 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     as keep the group within 128 columns (:func:`_head_group`); up to rank 32 also 64-slot value tiles and a 3-stage
     key-pass loop, at ranks 65-128 a 2-stage value loop (benchmarks/results/2026-12-01-defaults-h200: Qwen1.5-MoE
     decode, batch 8, 32k, 18.43 -> 16.45 ms per step); at key and value ranks <= 8 the one pass over chunks of KV
-    heads (``head_chunks``; rank 8: 0.82x the two-pass call, benchmarks/results/2026-12-02-head-chunks-h200). Otherwise
+    heads (``head_chunks``; rank 8: 0.82x the two-pass call, benchmarks/results/2026-12-02-head-chunks-h200); without
+    RoPE tables (``table_free``) up to rank 128 the lane pass (``lanes``: 8 query heads per program at key ranks
+    >= 64, else 16 with 8 warps at value ranks <= 16; 0.46-0.54x the chunk pass's time per call, Qwen1.5-MoE decode
+    at batch 8, 32k 12.08 -> 8.45 ms per step; benchmarks/results/2026-12-03-lanes-h200), with the chunk pass for
+    the calls its layout does not take. Otherwise
     (e.g. Mixtral's G = 4) the generic config (the fastest of run 5), up to rank 128 in its one-pass form, which the
     decode of Mixtral-8x7B at 32k (key ranks 95-101) measured 1.36-1.9x faster than the two-pass one at batch 8-195
     (benchmarks/results/2026-11-30-batch-slices-h200), its loop pipelined 3 stages deep, and with quantized keys

@@ -47,6 +47,7 @@ def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(
     one query head per KV head up to MAX_ROTATED_RANK (the head-chunk pass up to rank 8, then the rotated / grouped
     key passes), GQA up to rank 128 (one pass); wider GQA ranks (two passes either way) and G = 1 past the rotated
     limit leave the template eligible.
+    Without RoPE tables the one-pass kernels over chunks of KV heads (lane, absorbed) count too.
     The tuning override reaches the decision (a forced two-pass GQA config makes the template eligible)."""
     pytest.importorskip("triton")
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -59,8 +60,16 @@ def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(
         assert "one-pass" in plain_kernel_preferred(32, 8, rank)
     assert plain_kernel_preferred(16, 16, lat.MAX_ROTATED_RANK + 1) is None
     assert plain_kernel_preferred(32, 8, 129) is None and plain_kernel_preferred(32, 8, 256) is None
+    # no RoPE tables (post-RoPE key bases): the lane pass at one query head per KV head, the absorbed pass for GQA up
+    # to rank 32 (the lowering asks this under max-autotune too: the template has no such form)
+    for rank in (8, 32, 96, 128):
+        assert "lane pass" in plain_kernel_preferred(16, 16, rank, table_free=True)
+    assert "absorbed pass" in plain_kernel_preferred(32, 8, 32, table_free=True)
+    assert "one-pass" in plain_kernel_preferred(32, 8, 96, table_free=True)  # GQA rank 96: the one-pass form
     monkeypatch.setenv(lat.CONFIG_ENV, '{"two_pass": true}')
     assert plain_kernel_preferred(32, 8, 96) is None
+    monkeypatch.setenv(lat.CONFIG_ENV, '{"lanes": 0, "head_chunks": 0}')
+    assert "lane" not in (plain_kernel_preferred(16, 16, 32, table_free=True) or "")
 
 
 def test_the_template_refuses_latents_it_would_copy():
