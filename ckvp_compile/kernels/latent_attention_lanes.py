@@ -159,8 +159,9 @@ def _lanes_attention_kernel(
     strides of the rows in 4-byte words; slots (n_exact,) exact tokens' slots (-1 unused), skipped here; mask (B, H,
     S, kv_len) by strides (MASK 1: bool as uint8, 2: additive); kmeta / vmeta (Hkv, 3) int32 (first code byte,
     first block, rank). Stores m, l (rows, n_split, G) and acc (rows, n_split, G, RV_PAD) fp32, rows = B*Hkv*S (acc
-    zero past each head's rank). RKP / RVP: padded ranks (powers of two, at least one word of codes; RVP at most
-    :data:`MAX_VALUE_WORDS` words); blocks of ``min(R*P, QBLOCK)`` coordinates, each whole words.
+    zero past each head's rank, and past RVP where the workspace row is wider: the merge reads all RV_PAD). RKP /
+    RVP: padded ranks (powers of two, at least one word of codes; RVP at most :data:`MAX_VALUE_WORDS` words);
+    blocks of ``min(R*P, QBLOCK)`` coordinates, each whole words.
 
     Every tensor of the tile loop is (BLOCK_N, NQ) lanes, or (BLOCK_N, NQ, codes per word) with the codes inside a
     thread: the sums over a lane's codes never cross threads."""
@@ -286,6 +287,10 @@ def _lanes_attention_kernel(
         _store_value_word(acc_ptr, q_row, acc5, wgt, v_rank, q_ok, 5, PWV, RV_PAD)
         _store_value_word(acc_ptr, q_row, acc6, wgt, v_rank, q_ok, 6, PWV, RV_PAD)
         _store_value_word(acc_ptr, q_row, acc7, wgt, v_rank, q_ok, 7, PWV, RV_PAD)
+    zc = tl.arange(0, RVP)
+    for z0 in tl.static_range(RVP, RV_PAD, RVP):  # the workspace row's padding: zeros (the merge reads it all)
+        tl.store(acc_ptr + q_row.to(tl.int64)[:, None] * RV_PAD + z0 + zc[None, :], tl.zeros((NQ, RVP), tl.float32),
+                 mask=q_ok[:, None])
     tl.store(m_ptr + q_row, m_q, mask=q_ok)
     tl.store(l_ptr + q_row, tl.sum(l_i * wgt, axis=0), mask=q_ok)
 
