@@ -26,13 +26,22 @@ basis once per step (``c_hg = qk_scale * P_h^T q_hg``, that module's ``_fold_que
 
 Why: at one query head per KV head (Qwen1.5-MoE's 16:16 heads) the tensor-core kernels pad the query side to 16
 rows and the chunk pass moves segments between layouts; here a code costs about four CUDA-core instructions (shift,
-logic, add, multiply-add) with every sum inside a thread, so the latent bytes, not the instructions, should bound a
-call. GQA's query heads each take a lane and unpack their KV head's codes themselves (the loads of one warp's lanes
+logic, add, multiply-add) with every sum inside a thread (half the chunk pass's time; still instruction-bound,
+see below). GQA's query heads each take a lane and unpack their KV head's codes themselves (the loads of one warp's lanes
 of a KV head coalesce into one request).
 
 Precision: codes are exact in fp32, centred (``code - 2^(bits-1)``, the offset moved into the min) so the integer
 product does not cancel against ``min * sum(c)``; products and sums in fp32. Within 1e-3 of
-``kernels.reference.latent_attention_ref`` under the interpreter (tests/kernels/test_latent_attention_lanes.py).
+``kernels.reference.latent_attention_ref`` under the interpreter (tests/kernels/test_latent_attention_lanes.py);
+6e-5 to 1.1e-4 on the H200.
+
+Measured (H200, Triton 3.6, int4/32, batch 8, 32k, CUDA-graph replays of one call;
+benchmarks/results/2026-12-03-lanes-h200): Qwen1.5-MoE's 16:16 heads, key / value ranks 24-32 / 8, 0.105 ms
+against 0.206 for the chunk pass; ranks 64-96 / 64 0.445 against 0.957; the Qwen1.5-MoE decode step (post-RoPE
+bases, G = 1) 12.08 -> 8.45 ms. Mixtral's 32:8 heads at rank 32 0.242 against 0.230 for the absorbed pass, so GQA
+keeps that one. About 1 TB/s of latent bytes at 16:16 ranks 24-32 / 8 (a fifth of the copy bandwidth): the
+instructions per code and the registers (124-255 a thread, 16-slot tiles) that bound the programs per SM limit it,
+not the bytes; 32-slot tiles, pipelined loops and register caps were slower.
 
 Sources (read, not copied): DeepSeek-V2 (arXiv:2405.04434: query and value absorption), FlashDecoding (split-KV +
 reduction), FlashAttention-2 (arXiv:2307.08691: online softmax), KIVI (arXiv:2402.02750: scale and zero point after
