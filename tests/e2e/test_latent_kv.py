@@ -39,6 +39,18 @@ def hf_latent_logits(model, ids, cache, backend, teacher=None):
     return outs
 
 
+def gpt_fast_latent_logits(model, ids, bases, backend):
+    """A gpt-fast model's prefill + N_DECODE greedy steps with its caches swapped for a latent store
+    (``use_latent_cache``) and the model compiled with ``backend`` (fullgraph): (logits per call, the stores)."""
+    stores = []
+
+    def compile_latent(m):
+        stores.append(use_latent_cache(m, bases))
+        return torch.compile(m, backend=backend, fullgraph=True)
+
+    return prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE, compile_fn=compile_latent), stores
+
+
 def assert_close_all(eager, latent, tol=2e-4):
     assert len(eager) == len(latent) == N_DECODE + 1
     for i, (a, b) in enumerate(zip(eager, latent)):
@@ -82,14 +94,7 @@ def test_gpt_fast_full_rank_equals_dense(shape, rope, group_size):
     ids = torch.randint(0, 256, (1, PROMPT))
     eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
     backend = CKVPBackend(CKVPConfig(compiler="aot_eager"))
-
-    stores = []
-
-    def compile_latent(m):
-        stores.append(use_latent_cache(m, bases))
-        return torch.compile(m, backend=backend, fullgraph=True)
-
-    latent = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE, compile_fn=compile_latent)
+    latent, stores = gpt_fast_latent_logits(model, ids, bases, backend)
     assert_close_all(eager, latent)
     # gpt-fast's tables are sliced from a precomputed buffer (a graph input): nothing proves them paired
     assert stores and all(not s.rope_paired for s in stores)

@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 from ckvp_compile import CKVPBackend, CKVPConfig, CompileRecorder
 from ckvp_compile.latent import calibrate, collect_kv_moments
 from ckvp_compile.latent.capture import make_static_cache
-from ckvp_compile.runtime.hf_cache import CKVPStaticCache, use_latent_cache
+from ckvp_compile.runtime.hf_cache import CKVPStaticCache
 from ckvp_compile.testing import HF_FAMILIES, GptFastConfig, GptFastMoE, build_hf_moe, prefill_decode_logits
 from ckvp_compile.testing.decoding import hf_step_kwargs
 from ckvp_compile.testing.strategies import moe_model_shapes
 
-from test_latent_kv import CACHE, N_DECODE, PROMPT, assert_close_all, calib_samples, hf_latent_logits
+from test_latent_kv import (CACHE, N_DECODE, PROMPT, assert_close_all, calib_samples, gpt_fast_latent_logits,
+                            hf_latent_logits)
 
 POST = "post_rope"
 
@@ -87,13 +88,7 @@ def test_gpt_fast_post_rope_full_rank_equals_dense(shape, rope, group_size):
     eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
     rec = CompileRecorder()
     backend = CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec)
-    stores = []
-
-    def compile_latent(m):
-        stores.append(use_latent_cache(m, bases))
-        return torch.compile(m, backend=backend, fullgraph=True)
-
-    latent = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE, compile_fn=compile_latent)
+    latent, stores = gpt_fast_latent_logits(model, ids, bases, backend)
     assert_close_all(eager, latent)
     assert stores and all(s.rope_paired is None for s in stores)
     _assert_no_rope_rebuild(rec, shape["num_layers"])
