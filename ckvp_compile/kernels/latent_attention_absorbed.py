@@ -317,7 +317,7 @@ def _absorbed_attention_kernel(
         expand_v = ((q_hl[:, None] == vv_hl[None, :]) & (q_g[:, None] == vv_g[None, :]) & vv_ok[None, :]
                     ).to(tl.float32).to(tl.bfloat16)
 
-    mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + ((h0 + q_hl) * G + q_g) * stride_mh
+    mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + ((h0 + q_hl) * G + q_g).to(tl.int64) * stride_mh
     m_i = tl.full((NQP,), float("-inf"), tl.float32)
     l_i = tl.zeros((NQP,), tl.float32)
     acc0 = tl.zeros((NVVP, NBYV), tl.float32)  # one value accumulator per code part of a byte

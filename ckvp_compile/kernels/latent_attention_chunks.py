@@ -293,7 +293,7 @@ def _latent_attention_chunks_kernel(
     # ---- per-head state
     hh = h0 + tl.arange(0, NH)
     hh_ok = hh < Hkv
-    mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + hh * stride_mh  # (NH,) G = 1
+    mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + hh.to(tl.int64) * stride_mh  # (NH,) G = 1
     vc = tl.arange(0, NCV)
     vhead = h0 + vc // RVP
     vrank = tl.load(vmeta_ptr + 3 * vhead + 2, mask=vhead < Hkv, other=0)

@@ -205,7 +205,7 @@ def _lanes_attention_kernel(
     v_words = (v_rank * V_BITS + 31) // 32
     qf_lane = qf_ptr + (((b * S + s) * Hkv + head) * G + q_g).to(tl.int64) * RKP  # (NQ,) the folded query rows
 
-    mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + (head * G + q_g) * stride_mh  # (NQ,)
+    mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + (head * G + q_g).to(tl.int64) * stride_mh
     m_i = tl.full((BLOCK_N, NQ), float("-inf"), tl.float32)  # per lane
     l_i = tl.zeros((BLOCK_N, NQ), tl.float32)
     acc0 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)  # the value latent per lane, one accumulator per code word

@@ -230,7 +230,8 @@ class DecodeConfig:
     key basis, one CUDA-core lane per (slot, query head) with its own online softmax and value latent, codes
     converted with the exponent trick, no cross-thread sums inside the tile loop) over chunks of KV heads holding
     about this many query heads; 0: off; it takes precedence over ``absorbed`` and ``head_chunks``. ``block_n_l``
-    (slots per tile, a power of two), ``loop_stages_l`` and ``num_warps_l`` (None: ``num_warps``) apply to it."""
+    (slots per tile, rounded up to a power of two >= 16), ``loop_stages_l`` and ``num_warps_l`` (None:
+    ``num_warps``) apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -303,7 +304,7 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     decode, batch 8, 32k, 18.43 -> 16.45 ms per step); at key and value ranks <= 8 the one pass over chunks of KV
     heads (``head_chunks``; rank 8: 0.82x the two-pass call, benchmarks/results/2026-12-02-head-chunks-h200); without
     RoPE tables (``table_free``) up to rank 128 the lane pass (``lanes``: 8 query heads per program at key ranks
-    >= 64, else 16 with 8 warps at value ranks <= 16; 0.46-0.54x the chunk pass's time per call, Qwen1.5-MoE decode
+    past 32, else 16 with 8 warps at value ranks <= 16; 0.46-0.54x the chunk pass's time per call, Qwen1.5-MoE decode
     at batch 8, 32k 12.08 -> 8.45 ms per step; benchmarks/results/2026-12-03-lanes-h200), with the chunk pass for
     the calls its layout does not take. Otherwise
     (e.g. Mixtral's G = 4) the generic config (the fastest of run 5), up to rank 128 in its one-pass form, which the
@@ -357,7 +358,7 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # at batch 8, 32k, int4/32, against the chunk pass: key/value ranks 24-32/8 0.105 against 0.206 ms (8
             # warps), 16/16 0.097 against 0.189, 32/16-24 0.151 against 0.277 (4 warps), 32-64/32 0.239 against
             # 0.487 and 64-96/64 0.445 against 0.957 (8 query heads per program); Qwen1.5-MoE decode, post-RoPE
-            # bases, batch 8, 32k: 12.08 -> 8.66 ms per step (benchmarks/results/2026-12-03-lanes-h200)
+            # bases, batch 8, 32k: 12.08 -> 8.45 ms per step (benchmarks/results/2026-12-03-lanes-h200)
             if rank_pad >= 64:
                 cfg = dataclasses.replace(cfg, lanes=8, block_n_l=16, loop_stages_l=None)
             else:
@@ -1009,7 +1010,7 @@ def _latent_attention_split_kernel(
     q2 = q2.to(tl.float32)
     q3 = q3.to(tl.float32)
     bk_head = bk_ptr + b.to(tl.int64) * stride_bkb + h * stride_bkh
-    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh  # (G_PAD,)
+    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads.to(tl.int64) * stride_mh
 
     p1 = 0.0  # the basis block (HOIST); otherwise loaded per chunk inside _tile_scores
     p2 = 0.0
@@ -1396,7 +1397,7 @@ def _merge_row(
                 + (d * stride_qd)[None, :], mask=head_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
     nk_head = nk_ptr + b.to(tl.int64) * stride_nkb + h * stride_nkh
     nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
-    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads * stride_mh
+    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + heads.to(tl.int64) * stride_mh
     row0 = (bh * S + s) * n_split
     cb = tl.arange(0, SPLIT_BLOCK)
     m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
@@ -1606,7 +1607,7 @@ def _latent_scores_heads_kernel(
     hb = tl.arange(0, HB)
     sel = tl.where((hl[:, None] == hb[None, :]) & col_ok[:, None], 1.0, 0.0).to(tl.bfloat16)  # (NCOLS, HB) membership
     head_ok = hb < n_heads
-    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + (h0 + hb) * stride_mh  # (HB,) query heads
+    mask_row = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + (h0 + hb).to(tl.int64) * stride_mh
     sc_rows = sc_ptr + ((b * Hkv + h0 + hb) * S + s).to(tl.int64) * stride_scr  # (HB,)
     units = base + tl.arange(0, NUNITS)
     if BITS != 16:
@@ -2051,8 +2052,8 @@ def context_splits(config: DecodeConfig, kv_len: int, block_n: int, rows: int, t
 
 def balanced_splits(rows: int, n_tiles: int, target: int, min_tiles: int = 1, max_split: int = 8) -> int:
     """Programs along the context for a grid of ``rows`` programs per context position that already fills
-    ``target`` (one wave): the count in 1..``max_split`` whose last wave is fullest (``ceil(w) / w`` smallest, w =
-    rows * n / target waves; the smaller count on ties), at least ``min_tiles`` tiles each. E.g. 280 rows on 264
+    ``target`` (one wave): the count in 1..``max_split`` (and at most ``n_tiles // min_tiles``) whose last wave is
+    fullest (``ceil(w) / w`` smallest, w = rows * n / target waves; the smaller count on ties). E.g. 280 rows on 264
     slots: 1 split runs 1.06 waves in the time of 2; 8 splits run 8.5 waves in the time of 9.
 
     Args:

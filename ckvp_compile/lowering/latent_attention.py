@@ -205,7 +205,8 @@ def _autotuning() -> bool:
     return bool(cfg.max_autotune or cfg.max_autotune_gemm)
 
 
-def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free: bool = False) -> str | None:
+def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free: bool = False,
+                           rank_v: int | None = None, autotuned: bool = False) -> str | None:
     """Why the plain kernel's default config should run the whole call instead of the template's first config when
     nothing is autotuned, or None. ``heads`` query heads over ``kv_heads`` KV heads, ``rank_max`` the widest key
     rank. The template has neither the rotated / grouped key passes nor the one pass over chunks of KV heads (one
@@ -220,16 +221,20 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free:
     no RoPE); where the default then runs a one-pass kernel over chunks of KV heads (lane, absorbed or chunk pass;
     on the H200 0.46-0.54x the chunk pass's time at 16:16 heads, which is faster than the two passes; 32:8 rank 32
     0.230 ms against 0.501 for the one-pass form), the plain kernel runs it, autotuned or not: the template has no
-    such form. The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG`` as it is then.
+    such form (``autotuned``: only that reason counts, the template competing otherwise). ``rank_v``: the widest
+    value rank (None: as the keys). The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG``
+    as it is then.
 
     Raises:
         ValueError: ``CKVP_DECODE_CONFIG`` is set but not a JSON object of DecodeConfig fields.
     Source: the H200 decode steps of benchmarks/results/2026-12-01-rank-blocks-h200."""
     g = heads // max(kv_heads, 1)
-    cfg = lat.default_config(g, lat._np2(rank_max), paired=True, rank=rank_max, table_free=table_free)
+    cfg = lat.default_config(g, lat._np2(rank_max), paired=True, rank=rank_max, rank_v=rank_v, table_free=table_free)
     if table_free and (cfg.lanes or cfg.absorbed or cfg.head_chunks):
         kind = "lane" if cfg.lanes else "absorbed" if cfg.absorbed else "chunk"
         return f"no RoPE tables, {g} query head(s) per KV head at rank {rank_max}: the plain kernel's {kind} pass"
+    if autotuned:
+        return None
     if g == 1 and cfg.head_chunks:
         return f"one query head per KV head at rank {rank_max}: the plain kernel's one pass over chunks of KV heads"
     if g == 1 and (cfg.rotate_basis or cfg.head_group):
@@ -351,7 +356,8 @@ def tuned_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, 
         q, latent_k, basis_k_block, k_offsets, rope_form, attn_mask, kv_len, k_fmt)
     if reason is None and (not _autotuning() or rope_form == "none"):
         reason = plain_kernel_preferred(int(q.get_size()[1]), int(basis_k_block.get_size()[0]),
-                                        int(basis_k_block.get_size()[2]), table_free=rope_form == "none")
+                                        int(basis_k_block.get_size()[2]), table_free=rope_form == "none",
+                                        rank_v=int(basis_v_block.get_size()[-1]), autotuned=_autotuning())
     if reason is not None:
         logger.debug("ckvp::latent_attention: one extern call (%s)", reason)
         return _api.fallback_handler(torch.ops.ckvp.latent_attention.default, add_to_fallback_set=False)(

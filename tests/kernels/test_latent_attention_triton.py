@@ -612,7 +612,7 @@ def _check_fixed() -> None:
 def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _check_fixed()
-    n = int(os.environ.get("CKVP_LATENT_ATTN_EXAMPLES", "32"))
+    n = int(os.environ.get("CKVP_LATENT_ATTN_EXAMPLES", "20"))
     _check_property(n)
     print("ok", n)
 

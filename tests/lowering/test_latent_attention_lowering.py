@@ -66,6 +66,11 @@ def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(
         assert "lane pass" in plain_kernel_preferred(16, 16, rank, table_free=True)
     assert "absorbed pass" in plain_kernel_preferred(32, 8, 32, table_free=True)
     assert "one-pass" in plain_kernel_preferred(32, 8, 96, table_free=True)  # GQA rank 96: the one-pass form
+    # autotuned, only those one-pass chunk kernels keep the call from the template
+    assert "lane pass" in plain_kernel_preferred(16, 16, 32, table_free=True, autotuned=True)
+    assert plain_kernel_preferred(32, 8, 96, table_free=True, autotuned=True) is None
+    # the value rank counts: rank-32 keys with rank-256 values take no lane pass by default
+    assert "lane" not in (plain_kernel_preferred(16, 16, 32, table_free=True, rank_v=256) or "")
     monkeypatch.setenv(lat.CONFIG_ENV, '{"two_pass": true}')
     assert plain_kernel_preferred(32, 8, 96) is None
     monkeypatch.setenv(lat.CONFIG_ENV, '{"lanes": 0, "head_chunks": 0}')
