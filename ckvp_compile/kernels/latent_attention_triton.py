@@ -2139,6 +2139,25 @@ def latent_attention_triton(
                    v_fmt, config, page_table=page_table)
 
 
+def _fold_query(q: torch.Tensor, basis_k_block: torch.Tensor, kmeta: torch.Tensor, rkp: int, qk_scale: float,
+                f32_dot: bool) -> torch.Tensor:
+    """The query folded into the key basis for the table-free one-pass kernels (absorbed and lane passes):
+    ``latent_attention_absorbed._fold_query_kernel``'s (B, S, Hkv, G, rkp) fp32 ``qk_scale * P_h^T q`` (log2
+    units, 0 past each head's rank) for q (B, H, S, D) and basis_k_block (Hkv, D, R) or (B, Hkv, D, R). Records the
+    launch as ``_LAST_LAUNCH["fold"]``. Raises nothing beyond the kernel launch's own errors."""
+    from . import latent_attention_absorbed as laa  # (that module imports this one's jit helpers)
+
+    b, h, s, d = q.shape
+    hkv = basis_k_block.shape[-3]
+    g = h // hkv
+    qf = torch.empty(b, s, hkv, g, rkp, dtype=torch.float32, device=q.device)
+    _LAST_LAUNCH["fold"] = laa._fold_query_kernel[(b * s, hkv)](
+        qf, q, basis_k_block, kmeta, hkv, s, g, d, qk_scale, *q.stride(), *_basis_strides(basis_k_block),
+        QP=max(16, _np2(g)), D_PAD=_np2(d), RKP=rkp, RKF=max(16, rkp), Q_EXACT=q.dtype == torch.bfloat16,
+        BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4)
+    return qf
+
+
 def _launch(
     mode: str, q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
     basis_v_block: torch.Tensor, k_offsets: Sequence[int], v_offsets: Sequence[int], cos_table: torch.Tensor,
@@ -2365,15 +2384,10 @@ def _launch(
     _LAST_LAUNCH["absorbed"] = 0 if absorbed is None else absorbed["NH"]
     _LAST_LAUNCH["lanes"] = 0 if lanes is None else lanes["NH"]
     if lanes is not None:
-        from . import latent_attention_absorbed as laa
         from . import latent_attention_lanes as lal
 
         rkp = lanes["RKP"]
-        qf = torch.empty(b, s, hkv, g, rkp, dtype=torch.float32, device=q.device)
-        _LAST_LAUNCH["fold"] = laa._fold_query_kernel[(b * s, hkv)](
-            qf, q, basis_k_block, kmeta, hkv, s, g, d, qk_scale, *q.stride(), *_basis_strides(basis_k_block),
-            QP=max(16, g_pad), D_PAD=_np2(d), RKP=rkp, RKF=max(16, rkp), Q_EXACT=q.dtype == bf16,
-            BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4)
+        qf = _fold_query(q, basis_k_block, kmeta, rkp, qk_scale, f32_dot)
         _LAST_LAUNCH["lanes_kernel"] = lal._lanes_attention_kernel[(n_split, b * lanes["n_chunks"], s)](
             qf, latent_k, latent_v, slots, mask, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
             hkv, s, lanes["n_chunks"], n_exact, kv_len, tiles_per_split, n_split,
@@ -2390,11 +2404,7 @@ def _launch(
         from . import latent_attention_absorbed as laa
 
         rkp = absorbed["RKP"]
-        qf = torch.empty(b, s, hkv, g, rkp, dtype=torch.float32, device=q.device)
-        _LAST_LAUNCH["fold"] = laa._fold_query_kernel[(b * s, hkv)](
-            qf, q, basis_k_block, kmeta, hkv, s, g, d, qk_scale, *q.stride(), *_basis_strides(basis_k_block),
-            QP=max(16, g_pad), D_PAD=_np2(d), RKP=rkp, RKF=max(16, rkp), Q_EXACT=q.dtype == bf16,
-            BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4)
+        qf = _fold_query(q, basis_k_block, kmeta, rkp, qk_scale, f32_dot)
         kw, vw = _words(kf, latent_k, k_sb, k_mb), _words(vf, latent_v, v_sb, v_mb)  # (scale bases in words)
         _LAST_LAUNCH["absorbed_kernel"] = laa._absorbed_attention_kernel[(n_split, b * absorbed["n_chunks"], s)](
             qf, latent_k, latent_v, slots, mask, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
