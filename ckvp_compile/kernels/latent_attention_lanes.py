@@ -9,15 +9,19 @@ basis once per step (``c_hg = qk_scale * P_h^T q_hg``, that module's ``_fold_que
 * ``_lanes_attention_kernel``, grid (n_split, B * n_chunks, S): one context split of NH KV heads (NQ = NH * GP query
   heads) of one sequence and query token. Each tile of BLOCK_N slots is a (BLOCK_N, NQ) grid of lanes; a lane loads
   its KV head's code words of its slot (32-bit loads, adjacent heads' words adjacent, so a warp's loads are one run
-  of the row), turns each code into fp32 with the exponent trick (``float(2^23 | code) - 2^23``: one logic op and
-  one add, no int->float conversion, which runs at a quarter of the FMA rate), and does
+  of the row), turns each code into the fp32 unit ``u = 1 + code / 2^bits`` with one shift and one logic op (the
+  code moved to the top of the mantissa of 1.0: exact, no int->float conversion, which runs at a quarter of the
+  FMA rate, and no subtraction), and does
 
-  - the score per quantization block ``scale_k * (codes . c)_k + min_k * sum(c)_k`` in fp32 multiply-adds, the sums
-    over a block's words within the lane;
+  - the score per quantization block ``scale_k * 2^bits * (u . c - sum(c))_k + min_k * sum(c)_k`` in fp32
+    multiply-adds (the block's ``sum(c)`` computed once per program; the dot starts from ``-sum(c)``), the sums over
+    a block's words within the lane;
   - an online softmax per lane (FlashAttention-2's update, but with the running max kept per lane, not per head:
     no reduction across threads in the tile loop, at the price of a second exp2 per lane and tile);
-  - the value latent per lane, ``acc += (p * scale_v) * codes``, ``acc_min += p * min_v`` (DeepSeek-V2's value
-    absorption, in the code domain as KIVI applies its scales).
+  - the value latent per lane, one (BLOCK_N, NQ) accumulator per coordinate, ``acc_j += (p * scale_v * 2^bits) *
+    u_j``, and per block ``acc_min += p * (min_v - scale_v * 2^bits)`` (DeepSeek-V2's value absorption, in the code
+    domain as KIVI applies its scales). Every tensor of the loop is (BLOCK_N, NQ): per-word (BLOCK_N, NQ, codes)
+    tensors made Triton move each tile's weights through shared memory (8 barriers a tile).
 
   After the loop the lanes of each query head are merged once (max, rescale, sum across the tile's slots) and the
   split's (max, sum, value latent) go to the workspace of
@@ -25,28 +29,32 @@ basis once per step (``c_hg = qk_scale * P_h^T q_hg``, that module's ``_fold_que
   adding the exact tokens and projecting with the value basis.
 
 Why: at one query head per KV head (Qwen1.5-MoE's 16:16 heads) the tensor-core kernels pad the query side to 16
-rows and the chunk pass moves segments between layouts; here a code costs about four CUDA-core instructions (shift,
-logic, add, multiply-add) with every sum inside a thread (half the chunk pass's time; still instruction-bound,
-see below). GQA's query heads each take a lane and unpack their KV head's codes themselves (the loads of one warp's lanes
+rows and the chunk pass moves segments between layouts; here a key code costs three CUDA-core instructions
+(shift, logic op, multiply-add) and a value code four (and the rescale), with every sum inside a thread (0.3-0.4x
+the chunk pass's time; still instruction-bound, see below). GQA's query heads each take a lane and unpack their KV head's codes themselves (the loads of one warp's lanes
 of a KV head coalesce into one request).
 
-Precision: codes are exact in fp32, centred (``code - 2^(bits-1)``, the offset moved into the min) so the integer
-product does not cancel against ``min * sum(c)``; products and sums in fp32. Within 1e-3 of
-``kernels.reference.latent_attention_ref`` under the interpreter (tests/kernels/test_latent_attention_lanes.py);
-6e-5 to 1.1e-4 on the H200.
+Precision: units are exact in fp32; the dot starts from ``-sum(c)``, so it carries ``(u - 1) . c`` and never
+cancels against a large term; products and sums in fp32 (the value accumulators' ``scale * 2^bits`` part cancels
+against ``acc_min`` once, in fp32, at the merge). Within 1e-3 of ``kernels.reference.latent_attention_ref`` under the
+interpreter (tests/kernels/test_latent_attention_lanes.py); 1.1e-4 to 1.9e-4 on the H200.
 
 Measured (H200, Triton 3.6, int4/32, batch 8, 32k, CUDA-graph replays of one call;
-benchmarks/results/2026-12-03-lanes-h200): Qwen1.5-MoE's 16:16 heads, key / value ranks 24-32 / 8, 0.105 ms
-against 0.206 for the chunk pass; ranks 64-96 / 64 0.445 against 0.957; the Qwen1.5-MoE decode step (post-RoPE
-bases, G = 1) 12.08 -> 8.45 ms. Mixtral's 32:8 heads at rank 32 0.242 against 0.230 for the absorbed pass, so GQA
-keeps that one. About 1 TB/s of latent bytes at 16:16 ranks 24-32 / 8 (a fifth of the copy bandwidth): the
-instructions per code and the registers (124-255 a thread, 16-slot tiles) that bound the programs per SM limit it,
-not the bytes; 32-slot tiles, pipelined loops and register caps were slower.
+benchmarks/results/2026-12-03-lanes-v2-h200): Qwen1.5-MoE's 16:16 heads, key / value ranks 24-32 / 8, 0.077 ms
+against 0.205 for the chunk pass in the same run (the first version of this kernel, exponent trick and per-word
+accumulators: 0.105, benchmarks/results/2026-12-03-lanes-h200); ranks 32-64 / 32 0.180 against 0.488; ranks
+64-96 / 64 0.408 against 0.962; the Qwen1.5-MoE decode step (post-RoPE bases, G = 1) 12.08 (chunk pass) -> 8.45
+(first version) -> 7.73 ms. Mixtral's 32:8 heads at rank 32: 0.325 (16 query heads a program, 4 warps) against 0.229
+for the absorbed pass, so GQA
+keeps that one. 1.37-1.45 TB/s of latent bytes at 16:16 ranks 16-32 (a third of the copy bandwidth): instructions
+per code (integer shifts and logic ops issue at half the FMA rate on sm_90) and the per-tile row, mask and
+exact-slot work bound it, not the bytes; 32-slot tiles, pipelined loops and register caps were slower (first
+version).
 
 Sources (read, not copied): DeepSeek-V2 (arXiv:2405.04434: query and value absorption), FlashDecoding (split-KV +
 reduction), FlashAttention-2 (arXiv:2307.08691: online softmax), KIVI (arXiv:2402.02750: scale and zero point after
 the integer product), the exponent-bits int->float conversion of FasterTransformer / Marlin's dequantizers
-(arXiv:2211.10017, LUT-free conversion).
+(arXiv:2211.10017, LUT-free conversion: codes placed in a float's mantissa under a fixed exponent).
 """
 
 from __future__ import annotations
@@ -60,12 +68,12 @@ from .latent_attention_triton import _exact_in_tile, _first_exact_slot, _masked_
 
 __all__ = ["lanes_layout", "lanes_heads"]
 
-#: Most 32-bit words of value codes per head (int4 rank 64, int8 rank 32, int2 rank 128): one fp32 accumulator of
-#: (slots, query heads, codes per word) per word.
+#: Most 32-bit words of value codes per head (int4 rank 64, int8 rank 32, int2 rank 128): the kernel keeps one fp32
+#: (slots, query heads) accumulator per value coordinate.
 MAX_VALUE_WORDS = 8
 
-#: fp32 bit pattern of 2^23: ``float(bits(2^23) | n) == 2^23 + n`` exactly for 0 <= n < 2^23.
-_MAGIC = tl.constexpr(0x4B000000)
+#: fp32 bit pattern of 1.0: ``float(bits(1.0) | n << (23 - BITS)) == 1 + n / 2^BITS`` exactly for 0 <= n < 2^BITS.
+_ONE = tl.constexpr(0x3F800000)
 
 
 def lanes_heads(group_pad: int, lanes: int, hkv: int) -> int:
@@ -85,21 +93,21 @@ def lanes_heads(group_pad: int, lanes: int, hkv: int) -> int:
 
 
 @triton.jit
-def _code_f32(word, k: tl.constexpr, BITS: tl.constexpr):
-    """fp32 centred code ``code - 2^(BITS-1)`` number ``k`` of each int32 ``word`` (bits ``k*BITS ..``: little-endian
-    bytes, low bits first, the latent's coordinate order). The exponent trick: ``bits(2^23) | code`` read as fp32 is
-    ``2^23 + code``."""
-    code = (word >> (k * BITS)) & ((1 << BITS) - 1)
-    return (code | _MAGIC).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
-
-
-@triton.jit
-def _codes_f32(word, BITS: tl.constexpr, PW: tl.constexpr):
-    """(BLOCK_N, NQ, PW) fp32 centred codes of each int32 word of ``word`` (BLOCK_N, NQ), as :func:`_code_f32`; the
-    new last dimension stays within each thread."""
-    sh = tl.arange(0, PW) * BITS
-    code = (word[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
-    return (code | _MAGIC).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+def _code_unit(word, k: tl.constexpr, BITS: tl.constexpr):
+    """fp32 ``1 + code / 2^BITS`` of code number ``k`` of each int32 ``word`` (bits ``k*BITS ..``: little-endian
+    bytes, low bits first, the latent's coordinate order): one shift moves the code to the top of an fp32 mantissa
+    and one logic op sets the exponent of 1.0 (``bits(1.0) | code << (23 - BITS)``), exact, no int->float
+    conversion (which runs at a quarter of the FMA rate) and no subtraction: the kernel takes the 1 out of whole
+    blocks (``sum(c)``)."""
+    TOP: tl.constexpr = 23 - BITS
+    SH: tl.constexpr = TOP - k * BITS
+    if SH > 0:
+        x = word << SH
+    elif SH < 0:
+        x = word >> (-SH)  # arithmetic: the bits above the code are masked off
+    else:
+        x = word
+    return ((x & (((1 << BITS) - 1) << TOP)) | _ONE).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -115,37 +123,15 @@ def _lane_word(rows_w, ld_ok, col_w, n_words, lane_ok, w: tl.constexpr):
 @triton.jit
 def _lane_scale(rows, ld_ok, blk0, rank, lane_ok, scale_base, min_base, blk: tl.constexpr, SEG: tl.constexpr,
                 BITS: tl.constexpr):
-    """(BLOCK_N, NQ) fp32 scale and min (the min for centred codes, ``min + scale * 2^(BITS-1)``) of block ``blk``
-    of each lane's KV head at each slot row (``rows`` (BLOCK_N,) byte pointers; bases in fp16 words); 0 for a block
-    past the head's rank, rows not loaded and lanes off."""
+    """(BLOCK_N, NQ) fp32 ``scale * 2^BITS`` and min of block ``blk`` of each lane's KV head at each slot row
+    (``rows`` (BLOCK_N,) byte pointers; scales and mins in fp16 words), so that a coordinate is
+    ``scale * 2^BITS * u + min - scale * 2^BITS`` for its :func:`_code_unit` ``u``; 0 for a block past the head's
+    rank, rows not loaded and lanes off."""
     ok = ld_ok[:, None] & (lane_ok & (blk * SEG < rank))[None, :]
     ptrs = rows.to(tl.pointer_type(tl.uint16))[:, None] + (blk0 + blk)[None, :]
     sc = tl.load(ptrs + scale_base, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
     mn = tl.load(ptrs + min_base, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    return sc, mn + sc * (1 << (BITS - 1))
-
-
-@triton.jit
-def _value_word(acc, rows_w, rows, ld_ok, col_w, n_words, blk0, rank, lane_ok, scale_base, min_base, p, alpha,
-                w: tl.constexpr, WPB: tl.constexpr, SEG: tl.constexpr, BITS: tl.constexpr, PW: tl.constexpr):
-    """``acc`` (BLOCK_N, NQ, PW) rescaled by ``alpha`` plus ``p`` times the dequantized codes of value word ``w``
-    (its block's scale and min)."""
-    sc, mn = _lane_scale(rows, ld_ok, blk0, rank, lane_ok, scale_base, min_base, w // WPB, SEG, BITS)
-    word = _lane_word(rows_w, ld_ok, col_w, n_words, lane_ok, w)
-    z = (p * sc)[:, :, None] * _codes_f32(word, BITS, PW) + (p * mn)[:, :, None]
-    return acc * alpha[:, :, None] + z
-
-
-@triton.jit
-def _store_value_word(acc_ptr, q_row, acc, wgt, vrank, q_ok, w: tl.constexpr, PW: tl.constexpr,
-                      RV_PAD: tl.constexpr):
-    """Store coordinates ``w*PW ..`` of each query head's value latent: ``acc`` (BLOCK_N, NQ, PW) weighted by
-    ``wgt`` (BLOCK_N, NQ) and summed over the slots; 0 past the head's rank, nothing past RV_PAD."""
-    val = tl.sum(acc * wgt[:, :, None], axis=0)  # (NQ, PW)
-    j = w * PW + tl.arange(0, PW)
-    val = tl.where(j[None, :] < vrank[:, None], val, 0.0)  # past the rank: other heads' codes
-    tl.store(acc_ptr + q_row.to(tl.int64)[:, None] * RV_PAD + j[None, :], val,
-             mask=q_ok[:, None] & (j < RV_PAD)[None, :])
+    return sc * (1 << BITS), mn
 
 
 @triton.jit
@@ -172,8 +158,8 @@ def _lanes_attention_kernel(
     RVP: padded ranks (powers of two, at least one word of codes; RVP at most :data:`MAX_VALUE_WORDS` words);
     blocks of ``min(R*P, QBLOCK)`` coordinates, each whole words.
 
-    Every tensor of the tile loop is (BLOCK_N, NQ) lanes, or (BLOCK_N, NQ, codes per word) with the codes inside a
-    thread: the sums over a lane's codes never cross threads."""
+    Every tensor of the tile loop is (BLOCK_N, NQ) lanes (the value latent a tuple of RVP of them): the sums over a
+    lane's codes never cross threads."""
     c = tl.program_id(0)
     bc = tl.program_id(1)
     s = tl.program_id(2)
@@ -185,9 +171,9 @@ def _lanes_attention_kernel(
     SEGK: tl.constexpr = RKP if RKP < K_QBLOCK else K_QBLOCK
     SEGV: tl.constexpr = RVP if RVP < V_QBLOCK else V_QBLOCK
     NBK: tl.constexpr = RKP // SEGK
+    NBV: tl.constexpr = RVP // SEGV
     WPBK: tl.constexpr = SEGK // PWK  # words per block
     WPBV: tl.constexpr = SEGV // PWV
-    KWV: tl.constexpr = RVP // PWV  # value words per head
 
     # ---- lanes: query head q = hl * GP + g of the chunk, and their KV heads' metadata
     qc = tl.arange(0, NQ)
@@ -204,21 +190,23 @@ def _lanes_attention_kernel(
     v_col = tl.load(vmeta_ptr + 3 * head, mask=q_ok, other=0) // 4
     v_words = (v_rank * V_BITS + 31) // 32
     qf_lane = qf_ptr + (((b * S + s) * Hkv + head) * G + q_g).to(tl.int64) * RKP  # (NQ,) the folded query rows
+    # each key block's sum(c): the 1 of every code unit, taken out once per block and tile
+    # (one 2-D load per block, not the tile loop's scalar loads: the compiler would keep all RKP of those in
+    # registers)
+    c_sums = ()
+    for blk in tl.static_range(NBK):
+        cj = blk * SEGK + tl.arange(0, SEGK)
+        c_sums = c_sums + (tl.sum(tl.load(qf_lane[:, None] + cj[None, :], mask=q_ok[:, None], other=0.0), axis=1),)
 
     mask_cols = mask_ptr + b.to(tl.int64) * stride_mb + s * stride_ms + (head * G + q_g).to(tl.int64) * stride_mh
     m_i = tl.full((BLOCK_N, NQ), float("-inf"), tl.float32)  # per lane
     l_i = tl.zeros((BLOCK_N, NQ), tl.float32)
-    acc0 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)  # the value latent per lane, one accumulator per code word
-    if KWV > 1:
-        acc1 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
-    if KWV > 2:
-        acc2 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
-    if KWV > 4:
-        acc4 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
-        acc5 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
-        acc6 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
-        acc7 = tl.zeros((BLOCK_N, NQ, PWV), tl.float32)
+    accs = ()  # the value latent per lane: sum_t p * scale * 2^BITS * unit, one (BLOCK_N, NQ) tensor per coordinate
+    for j in tl.static_range(RVP):
+        accs = accs + (tl.zeros((BLOCK_N, NQ), tl.float32),)
+    mins = ()  # per value block: sum_t p * (min - scale * 2^BITS)
+    for blk in tl.static_range(NBV):
+        mins = mins + (tl.zeros((BLOCK_N, NQ), tl.float32),)
     lk_w = lk_ptr.to(tl.pointer_type(tl.int32))
     lv_w = lv_ptr.to(tl.pointer_type(tl.int32))
 
@@ -234,20 +222,18 @@ def _lanes_attention_kernel(
         k_off = row_idx * stride_lkb + slot_row * stride_lks  # in 4-byte words
         v_off = row_idx * stride_lvb + slot_row * stride_lvs
         k_rows_w = lk_w + k_off
-        # scores: per block (codes . c) * scale + min * sum(c), the block's codes unrolled
+        # scores: per block scale * 2^BITS * (units . c - sum(c)) + min * sum(c), the block's codes unrolled
         scores = tl.zeros((BLOCK_N, NQ), tl.float32)
         for blk in tl.static_range(NBK):
-            dot = tl.zeros((BLOCK_N, NQ), tl.float32)
-            c_sum = tl.zeros((NQ,), tl.float32)
+            dot = tl.zeros((BLOCK_N, NQ), tl.float32) - c_sums[blk][None, :]
             for i in tl.static_range(WPBK):
                 word = _lane_word(k_rows_w, ld_ok, k_col, k_words, q_ok, blk * WPBK + i)
                 for k in tl.static_range(PWK):
-                    cf = tl.load(qf_lane + ((blk * WPBK + i) * PWK + k), mask=q_ok, other=0.0)  # (NQ,), from L1
-                    dot += _code_f32(word, k, K_BITS) * cf[None, :]
-                    c_sum += cf
+                    cf = tl.load(qf_lane + ((blk * WPBK + i) * PWK + k), mask=q_ok, other=0.0)  # (NQ,)
+                    dot += _code_unit(word, k, K_BITS) * cf[None, :]
             ksc, kmn = _lane_scale(lk_ptr + 4 * k_off, ld_ok, k_blk0, k_rank, q_ok, k_scale_base, k_min_base, blk,
                                    SEGK, K_BITS)
-            scores += ksc * dot + kmn * c_sum[None, :]
+            scores += ksc * dot + kmn * c_sums[blk][None, :]
         scores = _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, q_ok, stride_mb, stride_ms,
                                      stride_mt, MASK, MASK_HEADS)
         # online softmax per lane (no reduction across threads inside the loop)
@@ -257,49 +243,37 @@ def _lanes_attention_kernel(
         p = tl.exp2(scores - m_use)
         l_i = l_i * alpha + p
         m_i = m_new
-        # the value latent per lane in the code domain, a code word at a time
+        # the value latent per lane in the code domain, a coordinate per (BLOCK_N, NQ) accumulator
         v_rows_w = lv_w + v_off
         v_rows = lv_ptr + 4 * v_off
-        acc0 = _value_word(acc0, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                           v_min_base, p, alpha, 0, WPBV, SEGV, V_BITS, PWV)
-        if KWV > 1:
-            acc1 = _value_word(acc1, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                               v_min_base, p, alpha, 1, WPBV, SEGV, V_BITS, PWV)
-        if KWV > 2:
-            acc2 = _value_word(acc2, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                               v_min_base, p, alpha, 2, WPBV, SEGV, V_BITS, PWV)
-            acc3 = _value_word(acc3, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                               v_min_base, p, alpha, 3, WPBV, SEGV, V_BITS, PWV)
-        if KWV > 4:
-            acc4 = _value_word(acc4, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                               v_min_base, p, alpha, 4, WPBV, SEGV, V_BITS, PWV)
-            acc5 = _value_word(acc5, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                               v_min_base, p, alpha, 5, WPBV, SEGV, V_BITS, PWV)
-            acc6 = _value_word(acc6, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                               v_min_base, p, alpha, 6, WPBV, SEGV, V_BITS, PWV)
-            acc7 = _value_word(acc7, v_rows_w, v_rows, ld_ok, v_col, v_words, v_blk0, v_rank, q_ok, v_scale_base,
-                               v_min_base, p, alpha, 7, WPBV, SEGV, V_BITS, PWV)
+        new_accs = ()
+        new_mins = ()
+        for blk in tl.static_range(NBV):
+            vsc, vmn = _lane_scale(v_rows, ld_ok, v_blk0, v_rank, q_ok, v_scale_base, v_min_base, blk, SEGV, V_BITS)
+            pw = p * vsc
+            new_mins = new_mins + (mins[blk] * alpha + p * (vmn - vsc),)
+            for i in tl.static_range(WPBV):
+                word = _lane_word(v_rows_w, ld_ok, v_col, v_words, q_ok, blk * WPBV + i)
+                for k in tl.static_range(PWV):
+                    new_accs = new_accs + (accs[(blk * WPBV + i) * PWV + k] * alpha
+                                           + pw * _code_unit(word, k, V_BITS),)
+        accs = new_accs
+        mins = new_mins
 
     # ---- merge the lanes of each query head: max, rescale, sum over the tile's slots
     m_q = tl.max(m_i, axis=0)  # (NQ,)
     m_q_use = tl.where(m_q == float("-inf"), 0.0, m_q)
     wgt = tl.exp2(m_i - m_q_use[None, :])  # 0 for lanes that saw no slot
     q_row = (((b * Hkv + head) * S + s) * n_split + c) * G + q_g  # (NQ,)
-    _store_value_word(acc_ptr, q_row, acc0, wgt, v_rank, q_ok, 0, PWV, RV_PAD)
-    if KWV > 1:
-        _store_value_word(acc_ptr, q_row, acc1, wgt, v_rank, q_ok, 1, PWV, RV_PAD)
-    if KWV > 2:
-        _store_value_word(acc_ptr, q_row, acc2, wgt, v_rank, q_ok, 2, PWV, RV_PAD)
-        _store_value_word(acc_ptr, q_row, acc3, wgt, v_rank, q_ok, 3, PWV, RV_PAD)
-    if KWV > 4:
-        _store_value_word(acc_ptr, q_row, acc4, wgt, v_rank, q_ok, 4, PWV, RV_PAD)
-        _store_value_word(acc_ptr, q_row, acc5, wgt, v_rank, q_ok, 5, PWV, RV_PAD)
-        _store_value_word(acc_ptr, q_row, acc6, wgt, v_rank, q_ok, 6, PWV, RV_PAD)
-        _store_value_word(acc_ptr, q_row, acc7, wgt, v_rank, q_ok, 7, PWV, RV_PAD)
+    acc_row = acc_ptr + q_row.to(tl.int64) * RV_PAD
+    for blk in tl.static_range(NBV):
+        for jj in tl.static_range(SEGV):
+            val = tl.sum((accs[blk * SEGV + jj] + mins[blk]) * wgt, axis=0)  # (NQ,)
+            # past the head's rank: other heads' codes
+            tl.store(acc_row + (blk * SEGV + jj), tl.where(blk * SEGV + jj < v_rank, val, 0.0), mask=q_ok)
     zc = tl.arange(0, RVP)
     for z0 in tl.static_range(RVP, RV_PAD, RVP):  # the workspace row's padding: zeros (the merge reads it all)
-        tl.store(acc_ptr + q_row.to(tl.int64)[:, None] * RV_PAD + z0 + zc[None, :], tl.zeros((NQ, RVP), tl.float32),
-                 mask=q_ok[:, None])
+        tl.store(acc_row[:, None] + z0 + zc[None, :], tl.zeros((NQ, RVP), tl.float32), mask=q_ok[:, None])
     tl.store(m_ptr + q_row, m_q, mask=q_ok)
     tl.store(l_ptr + q_row, tl.sum(l_i * wgt, axis=0), mask=q_ok)
 
@@ -313,7 +287,7 @@ def lanes_layout(lanes: int, group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_
     """The lane kernel's layout for one table-free call, or None where it does not apply.
 
     Applies to uniform 8/4/2-bit ``int`` key and value formats (not MX, mix or ternary) whose blocks are powers of
-    two holding whole 32-bit words of codes (``block * bits >= 32``), every head's codes starting on a 4-byte word,
+    two holding whole 32-bit words of codes (``block * bits >= 32``), every head with codes starting on a 4-byte word,
     row-major latents (unit stride 1) and ``lanes`` > 0; any ``group`` (G). The caller checks the rows' byte strides
     and the scales' fp16 alignment.
 
@@ -345,7 +319,7 @@ def _lanes_layout(lanes: int, group: int, k_fmt, v_fmt, k_offsets: tuple, v_offs
             return None
         cb = f.code_bytes(list(offsets))
         col0 = [sum(cb[:i]) for i in range(len(cb))]
-        if any(c % 4 for c in col0):
+        if any(c % 4 for c, n in zip(col0, cb) if n):  # (a rank-0 head reads no word)
             return None
         out[f"R{tag}P"] = triton.next_power_of_2(max(r_max, 32 // f.bits, 1))
     if out["RVP"] * v_fmt.bits > 32 * MAX_VALUE_WORDS:

@@ -228,7 +228,8 @@ class DecodeConfig:
     lanes: for the same table-free calls (uniform ``int`` latents whose heads start on 4-byte words and whose blocks
     hold whole 32-bit words of codes), run the lane pass (:mod:`.latent_attention_lanes`: the query folded into the
     key basis, one CUDA-core lane per (slot, query head) with its own online softmax and value latent, codes
-    converted with the exponent trick, no cross-thread sums inside the tile loop) over chunks of KV heads holding
+    placed in the mantissa of 1.0 by a shift and a logic op, no cross-thread sums inside the tile loop) over chunks
+    of KV heads holding
     about this many query heads; 0: off; it takes precedence over ``absorbed`` and ``head_chunks``. ``block_n_l``
     (slots per tile, rounded up to a power of two >= 16), ``loop_stages_l`` and ``num_warps_l`` (None:
     ``num_warps``) apply to it."""
@@ -304,8 +305,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     decode, batch 8, 32k, 18.43 -> 16.45 ms per step); at key and value ranks <= 8 the one pass over chunks of KV
     heads (``head_chunks``; rank 8: 0.82x the two-pass call, benchmarks/results/2026-12-02-head-chunks-h200); without
     RoPE tables (``table_free``) up to rank 128 the lane pass (``lanes``: 8 query heads per program at key ranks
-    past 32, else 16 with 8 warps at value ranks <= 16; 0.46-0.54x the chunk pass's time per call, Qwen1.5-MoE decode
-    at batch 8, 32k 12.08 -> 8.45 ms per step; benchmarks/results/2026-12-03-lanes-h200), with the chunk pass for
+    past 32, else 16 with 8 warps at value ranks <= 16; 0.37-0.43x the chunk pass's time per call, Qwen1.5-MoE decode
+    at batch 8, 32k 12.08 -> 7.73 ms per step; benchmarks/results/2026-12-03-lanes-v2-h200), with the chunk pass for
     the calls its layout does not take. Otherwise
     (e.g. Mixtral's G = 4) the generic config (the fastest of run 5), up to rank 128 in its one-pass form, which the
     decode of Mixtral-8x7B at 32k (key ranks 95-101) measured 1.36-1.9x faster than the two-pass one at batch 8-195
@@ -355,10 +356,12 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # (benchmarks/results/2026-12-03-post-rope-h200)
             cfg = dataclasses.replace(cfg, head_chunks=256)
             # the lane pass (latent_attention_lanes) where its layout applies, else the chunk pass above: one call
-            # at batch 8, 32k, int4/32, against the chunk pass: key/value ranks 24-32/8 0.105 against 0.206 ms (8
-            # warps), 16/16 0.097 against 0.189, 32/16-24 0.151 against 0.277 (4 warps), 32-64/32 0.239 against
-            # 0.487 and 64-96/64 0.445 against 0.957 (8 query heads per program); Qwen1.5-MoE decode, post-RoPE
-            # bases, batch 8, 32k: 12.08 -> 8.45 ms per step (benchmarks/results/2026-12-03-lanes-h200)
+            # at batch 8, 32k, int4/32, against the chunk pass in the same run: key/value ranks 24-32/8 0.077
+            # against 0.205 ms (8 warps; 4 warps 0.091), 16/16 0.075 against 0.191 (4 warps 0.116), 32/32 0.119
+            # against 0.276 (4 warps), 32-64/32 0.180 against 0.488 and 64-96/64 0.408 against 0.962 (8 query heads
+            # per program; 16: 0.217 and 1.355); Qwen1.5-MoE decode, post-RoPE bases, batch 8, 32k: 12.08 -> 7.73
+            # ms per step (benchmarks/results/2026-12-03-lanes-v2-h200; the sweep of these configs on the kernel's
+            # first version: benchmarks/results/2026-12-03-lanes-h200)
             if rank_pad >= 64:
                 cfg = dataclasses.replace(cfg, lanes=8, block_n_l=16, loop_stages_l=None)
             else:
@@ -2194,9 +2197,10 @@ def _launch(
         lanes = lanes_layout(cfg.lanes, q.shape[1] // basis_k_block.shape[-3], kf0, vf0, k_offsets, v_offsets,
                              basis_k_block.shape[-1], basis_v_block.shape[-1], basis_k_block.shape[-3],
                              latent_k.stride(-1), latent_v.stride(-1))
-        # rows on 4-byte words (word loads) and scales on fp16 words
+        # rows on 4-byte words (word loads) and scales on fp16 words (a dim of size 1 is never stepped along)
         if lanes is not None and not all(
-                x.stride(0) % 4 == 0 and x.stride(1) % 4 == 0 and x.data_ptr() % 4 == 0
+                (x.shape[0] == 1 or x.stride(0) % 4 == 0) and (x.shape[1] == 1 or x.stride(1) % 4 == 0)
+                and x.data_ptr() % 4 == 0
                 and _words(f, x, *_head_meta(o, fm, q.device)[1:3])
                 for x, f, o, fm in ((latent_k, kf0, k_offsets, k_fmt), (latent_v, vf0, v_offsets, v_fmt))):
             lanes = None

@@ -260,6 +260,9 @@ def test_lanes_layout_claims_hold():
     assert lanes_layout(16, 1, i4, i2, _offsets([16] * 4), off, 16, 40, 4, 1, 1) is None
     assert lanes_layout(16, 1, i2, i4, off, _offsets([16] * 4), 40, 16, 4, 1, 1) is None
     assert lanes_layout(16, 1, i4, i4, _offsets([16, 3]), _offsets([16, 16]), 16, 16, 2, 1, 1) is not None  # last head
+    # a rank-0 head reads no word, wherever its (empty) codes start: int2 code bytes 2, 0, 4 (head 1 off a word)
+    assert lanes_layout(16, 1, i2, i4, _offsets([8, 0, 16]), _offsets([16] * 3), 16, 16, 3, 1, 1) is None
+    assert lanes_layout(16, 1, i2, i4, _offsets([8, 0]), _offsets([16] * 2), 8, 16, 2, 1, 1) is not None
     # value ranks past MAX_VALUE_WORDS words (int4: 8 codes a word, int8: 4); keys may be wider
     wide = 8 * MAX_VALUE_WORDS
     assert lanes_layout(16, 1, i4, i4, o16, _offsets([wide]), 16, wide, 1, 1, 1)["RVP"] == wide
@@ -281,7 +284,7 @@ def test_lanes_layout_claims_hold():
         ko, vo = _offsets(rk), _offsets(rv)
         lay = lanes_layout(lanes, group, kf, vf, ko, vo, max(rk), max(rv), hkv, 1, 1)
         aligned = all(c % 4 == 0 for f, o in ((kf, ko), (vf, vo))
-                      for c in _offsets(f.code_bytes(o))[:-1])
+                      for c, n in zip(_offsets(f.code_bytes(o))[:-1], f.code_bytes(o)) if n)  # rank 0: no words
         rvp = 1 << (max(max(rv), 32 // vf.bits) - 1).bit_length()  # the next power of two
         fits = rvp * vf.bits <= 32 * MAX_VALUE_WORDS
         assert (lay is not None) == (lanes > 0 and aligned and fits), (lanes, group, kname, vname, rk, rv, lay)
