@@ -13,9 +13,9 @@ basis once per step (``c_hg = qk_scale * P_h^T q_hg``, that module's ``_fold_que
   code moved to the top of the mantissa of 1.0: exact, no int->float conversion, which runs at a quarter of the
   FMA rate, and no subtraction), and does
 
-  - the score per quantization block ``scale_k * 2^bits * (u . c - sum(c))_k + min_k * sum(c)_k`` in fp32
-    multiply-adds (the block's ``sum(c)`` computed once per program; the dot starts from ``-sum(c)``), the sums over
-    a block's words within the lane;
+  - the score per quantization block ``scale_k * 2^bits * (u . c - 1.5 sum(c))_k + (min_k + scale_k * 2^(bits-1))
+    * sum(c)_k`` in fp32 multiply-adds (the block's ``sum(c)`` computed once per program; the dot starts from
+    ``-1.5 sum(c)``, so it carries the centred codes' product), the sums over a block's words within the lane;
   - an online softmax per lane (FlashAttention-2's update, but with the running max kept per lane, not per head:
     no reduction across threads in the tile loop, at the price of a second exp2 per lane and tile);
   - the value latent per lane, one (BLOCK_N, NQ) accumulator per coordinate, ``acc_j += (p * scale_v * 2^bits) *
@@ -34,8 +34,9 @@ rows and the chunk pass moves segments between layouts; here a key code costs th
 the chunk pass's time; still instruction-bound, see below). GQA's query heads each take a lane and unpack their KV head's codes themselves (the loads of one warp's lanes
 of a KV head coalesce into one request).
 
-Precision: units are exact in fp32; the dot starts from ``-sum(c)``, so it carries ``(u - 1) . c`` and never
-cancels against a large term; products and sums in fp32 (the value accumulators' ``scale * 2^bits`` part cancels
+Precision: units are exact in fp32; the dot starts from ``-1.5 sum(c)``, so it carries ``(u - 1.5) . c``, the
+centred codes' product (``(code - 2^(bits-1)) / 2^bits``), and a block's min term does not cancel it for a
+latent centred on zero; products and sums in fp32 (the value accumulators' ``scale * 2^bits`` part cancels
 against ``acc_min`` once, in fp32, at the merge). Within 1e-3 of ``kernels.reference.latent_attention_ref`` under the
 interpreter (tests/kernels/test_latent_attention_lanes.py); 1.1e-4 to 1.9e-4 on the H200.
 
@@ -97,8 +98,8 @@ def _code_unit(word, k: tl.constexpr, BITS: tl.constexpr):
     """fp32 ``1 + code / 2^BITS`` of code number ``k`` of each int32 ``word`` (bits ``k*BITS ..``: little-endian
     bytes, low bits first, the latent's coordinate order): one shift moves the code to the top of an fp32 mantissa
     and one logic op sets the exponent of 1.0 (``bits(1.0) | code << (23 - BITS)``), exact, no int->float
-    conversion (which runs at a quarter of the FMA rate) and no subtraction: the kernel takes the 1 out of whole
-    blocks (``sum(c)``)."""
+    conversion (which runs at a quarter of the FMA rate) and no subtraction: the kernel takes the offset (1.5, for
+    centred codes) out of whole blocks (``sum(c)``)."""
     TOP: tl.constexpr = 23 - BITS
     SH: tl.constexpr = TOP - k * BITS
     if SH > 0:
@@ -190,7 +191,7 @@ def _lanes_attention_kernel(
     v_col = tl.load(vmeta_ptr + 3 * head, mask=q_ok, other=0) // 4
     v_words = (v_rank * V_BITS + 31) // 32
     qf_lane = qf_ptr + (((b * S + s) * Hkv + head) * G + q_g).to(tl.int64) * RKP  # (NQ,) the folded query rows
-    # each key block's sum(c): the 1 of every code unit, taken out once per block and tile
+    # each key block's sum(c): the offset of every code unit is taken out through it, once per block and tile
     # (one 2-D load per block, not the tile loop's scalar loads: the compiler would keep all RKP of those in
     # registers)
     c_sums = ()
@@ -222,10 +223,11 @@ def _lanes_attention_kernel(
         k_off = row_idx * stride_lkb + slot_row * stride_lks  # in 4-byte words
         v_off = row_idx * stride_lvb + slot_row * stride_lvs
         k_rows_w = lk_w + k_off
-        # scores: per block scale * 2^BITS * (units . c - sum(c)) + min * sum(c), the block's codes unrolled
+        # scores: per block scale * 2^BITS * (units . c - 1.5 * sum(c)) + (min + scale * 2^(BITS-1)) * sum(c), the
+        # block's codes unrolled; the dot starts from -1.5 * sum(c), so it carries the centred codes' product
         scores = tl.zeros((BLOCK_N, NQ), tl.float32)
         for blk in tl.static_range(NBK):
-            dot = tl.zeros((BLOCK_N, NQ), tl.float32) - c_sums[blk][None, :]
+            dot = tl.zeros((BLOCK_N, NQ), tl.float32) - 1.5 * c_sums[blk][None, :]
             for i in tl.static_range(WPBK):
                 word = _lane_word(k_rows_w, ld_ok, k_col, k_words, q_ok, blk * WPBK + i)
                 for k in tl.static_range(PWK):
@@ -233,7 +235,7 @@ def _lanes_attention_kernel(
                     dot += _code_unit(word, k, K_BITS) * cf[None, :]
             ksc, kmn = _lane_scale(lk_ptr + 4 * k_off, ld_ok, k_blk0, k_rank, q_ok, k_scale_base, k_min_base, blk,
                                    SEGK, K_BITS)
-            scores += ksc * dot + kmn * c_sums[blk][None, :]
+            scores += ksc * dot + (kmn + 0.5 * ksc) * c_sums[blk][None, :]
         scores = _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, q_ok, stride_mb, stride_ms,
                                      stride_mt, MASK, MASK_HEADS)
         # online softmax per lane (no reduction across threads inside the loop)
