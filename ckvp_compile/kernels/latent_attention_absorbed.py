@@ -62,8 +62,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .latent_attention_triton import (_dot_split, _exact_in_tile, _first_exact_slot, _masked_tile_scores, _mm, _slot_rows,
-                                      _split_bf16)
+from .latent_attention_triton import _dot_split, _masked_tile_scores, _mm, _split_bf16, _split_tiles, _tile_rows
 
 __all__ = ["absorbed_layout", "absorbed_heads"]
 
@@ -328,15 +327,10 @@ def _absorbed_attention_kernel(
         acc3 = tl.zeros((NVVP, NBYV), tl.float32)
     acc_min = tl.zeros((NVVP,), tl.float32)
 
-    n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    t_start = c * tiles_per_split
-    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
+    t_start, t_end, lo_exact = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BLOCK_N, SLOT_BLOCK)
     for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):
-        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs < kv_len
-        slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
-        row_idx, slot_row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, slot_ok, PAGE)
+        offs, _, slot_ok, row_idx, slot_row, ld_ok = _tile_rows(t, kv_len, lo_exact, slots_ptr, n_exact, pt_ptr,
+                                                                stride_ptb, b, BLOCK_N, SLOT_BLOCK, PAGE)
         k_rows = lk_ptr + row_idx * stride_lkb + slot_row * stride_lks
         v_rows = lv_ptr + row_idx * stride_lvb + slot_row * stride_lvs
         # scores: (codes @ c) per virtual head, then its block's scale and min, then summed per query head

@@ -845,6 +845,28 @@ def _exact_in_tile(offs, tile_end, lo_exact, slots_ptr, n_exact, SLOT_BLOCK: tl.
 
 
 @triton.jit
+def _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BLOCK_N: tl.constexpr, SLOT_BLOCK: tl.constexpr):
+    """The tiles of context split ``c`` (``tiles_per_split`` tiles of BLOCK_N slots each, the last split shorter):
+    ``(t_start, t_end, lo_exact)``, with ``lo_exact`` from :func:`_first_exact_slot` for :func:`_tile_rows`."""
+    t_start = c * tiles_per_split
+    t_end = tl.minimum(t_start + tiles_per_split, tl.cdiv(kv_len, BLOCK_N))
+    return t_start, t_end, _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
+
+
+@triton.jit
+def _tile_rows(t, kv_len, lo_exact, slots_ptr, n_exact, pt_ptr, stride_ptb, b, BLOCK_N: tl.constexpr,
+               SLOT_BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    """The slots of tile ``t`` of sequence ``b``: ``(offs, row_ok, slot_ok, index, row, ld_ok)``: offs (BLOCK_N,)
+    the slots, row_ok those below kv_len, slot_ok those of them that are not exact tokens (:func:`_exact_in_tile`:
+    those come from new_k / new_v), and where their latent rows are (:func:`_slot_rows`)."""
+    offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs < kv_len
+    slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
+    index, row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, slot_ok, PAGE)
+    return offs, row_ok, slot_ok, index, row, ld_ok
+
+
+@triton.jit
 def _dot_presplit(a, b_hi, b_lo, acc, A_EXACT: tl.constexpr, F32_DOT: tl.constexpr):
     """:func:`_dot_split` with ``b`` already split (:func:`_split_bf16`, e.g. once per program, not per tile)."""
     a_hi = a.to(tl.bfloat16)  # a no-op for bf16 ``a`` (A_EXACT)
@@ -1057,20 +1079,14 @@ def _latent_attention_split_kernel(
         acc2 = tl.zeros((BLOCK_N, RV_PAD), tl.float32)
     else:
         acc2 = tl.zeros((1, 1), tl.float32)
-    n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    t_start = c * tiles_per_split
-    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
+    t_start, t_end, lo_exact = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BLOCK_N, SLOT_BLOCK)
     # LOOP_STAGES (DecodeConfig.loop_stages / loop_stages_v): explicit software pipelining of every pipelineable
     # load of the tile loop (None: Triton's default, which pipelines only the loads that feed a tensor-core product)
     for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):
-        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs < kv_len
-        # the exact tokens' slots come from new_k / new_v
-        is_new = _exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
-        col_ok = row_ok & ~is_new
-        # each slot's row: its page's row when the latents are page pools (PAGE > 0), else the sequence's
-        row_idx, slot_row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, col_ok, PAGE)
+        # col_ok: not an exact token (those come from new_k / new_v); each slot's row: its page's row when the
+        # latents are page pools (PAGE > 0), else the sequence's
+        offs, row_ok, col_ok, row_idx, slot_row, ld_ok = _tile_rows(t, kv_len, lo_exact, slots_ptr, n_exact, pt_ptr,
+                                                                    stride_ptb, b, BLOCK_N, SLOT_BLOCK, PAGE)
         lk_rows = lk_ptr + row_idx * stride_lkb + slot_row * stride_lks
         lv_rows = lv_ptr + row_idx * stride_lvb + slot_row * stride_lvs
         sc_rows = sc_ptr + ((bh * S + s) * G + tl.arange(0, G_PAD)).to(tl.int64) * stride_scr  # (G_PAD,)
@@ -1618,15 +1634,10 @@ def _latent_scores_heads_kernel(
         # a rank-0 head has no block (its index is the next head's, or past the row's last): never read
         has_blk = head_ok & (tl.load(kmeta_ptr + 3 * (h0 + hb) + 2, mask=head_ok, other=0) > 0)
 
-    n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    t_start = c * tiles_per_split
-    t_end = tl.minimum(t_start + tiles_per_split, n_tiles)
-    lo_exact = _first_exact_slot(slots_ptr, n_exact, kv_len, SLOT_BLOCK)
+    t_start, t_end, lo_exact = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BLOCK_N, SLOT_BLOCK)
     for t in tl.range(t_start, t_end, num_stages=LOOP_STAGES):  # see _latent_attention_split_kernel
-        offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs < kv_len
-        slot_ok = row_ok & ~_exact_in_tile(offs, t * BLOCK_N + BLOCK_N, lo_exact, slots_ptr, n_exact, SLOT_BLOCK)
-        row_idx, slot_row, ld_ok = _slot_rows(pt_ptr, stride_ptb, b, offs, row_ok, slot_ok, PAGE)
+        offs, row_ok, slot_ok, row_idx, slot_row, ld_ok = _tile_rows(t, kv_len, lo_exact, slots_ptr, n_exact, pt_ptr,
+                                                                     stride_ptb, b, BLOCK_N, SLOT_BLOCK, PAGE)
         rows = lk_ptr + row_idx * stride_lkb + slot_row * stride_lks
         # the coefficients of every column at each slot's position
         w = tl.zeros((BLOCK_N, NCOLS), tl.float32)
