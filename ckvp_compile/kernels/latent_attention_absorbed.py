@@ -421,10 +421,6 @@ def _absorbed_attention_kernel(
     tl.store(l_ptr + q_row, l_i, mask=q_ok)
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 def absorbed_layout(columns: int, group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int,
                     hkv: int, k_unit_stride: int, v_unit_stride: int) -> dict | None:
     """The absorbed kernel's layout for one table-free call, or None where it does not apply.
@@ -452,10 +448,8 @@ def _absorbed_layout(columns: int, group: int, k_fmt, v_fmt, k_offsets: tuple, v
                      rv_max: int, hkv: int, k_unit_stride: int, v_unit_stride: int) -> dict | None:
     if columns <= 0 or group < 1 or k_unit_stride != 1 or v_unit_stride != 1:
         return None
-    for f in (k_fmt, v_fmt):
-        if (not f.quantized or f.mixed or f.pow2 or f.ternary or f.bits not in (8, 4, 2) or not _pow2(f.block)
-                or f.block * f.bits < 8):
-            return None
+    if not (k_fmt.uniform_int_blocks(8) and v_fmt.uniform_int_blocks(8)):
+        return None
     gp = triton.next_power_of_2(group)
     rkp = triton.next_power_of_2(max(rk_max, 8 // k_fmt.bits, 1))
     rvp = triton.next_power_of_2(max(rv_max, 8 // v_fmt.bits, 1))

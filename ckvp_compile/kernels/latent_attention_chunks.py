@@ -383,10 +383,6 @@ def _latent_attention_chunks_kernel(
                  mask=hh_ok[:, None])
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 def chunk_layout(head_chunks: int, group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int,
                  hkv: int, k_unit_stride: int, v_unit_stride: int) -> dict | None:
     """The chunk kernel's layout for one call, or None where it does not apply.
@@ -417,9 +413,8 @@ def _chunk_layout(head_chunks: int, group: int, k_fmt, v_fmt, k_offsets: tuple, 
     """:func:`chunk_layout`, cached per call shape (host work of every eager decode call otherwise)."""
     if head_chunks <= 0 or group != 1 or k_unit_stride != 1 or v_unit_stride != 1:
         return None
-    for f in (k_fmt, v_fmt):
-        if not f.quantized or f.mixed or f.pow2 or f.ternary or f.bits not in (8, 4, 2) or not _pow2(f.block):
-            return None
+    if not (k_fmt.uniform_int_blocks(1) and v_fmt.uniform_int_blocks(1)):
+        return None
     # each padded head holds whole code bytes (8 / bits coordinates at least: an int4 rank-1 head is one byte)
     rkp = triton.next_power_of_2(max(rk_max, 8 // k_fmt.bits, 1))
     rvp = triton.next_power_of_2(max(rv_max, 8 // v_fmt.bits, 1))

@@ -275,10 +275,6 @@ def _lanes_attention_kernel(
     tl.store(l_ptr + q_row, tl.sum(l_i * wgt, axis=0), mask=q_ok)
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 def lanes_layout(lanes: int, group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, hkv: int,
                  k_unit_stride: int, v_unit_stride: int) -> dict | None:
     """The lane kernel's layout for one table-free call, or None where it does not apply.
@@ -311,8 +307,7 @@ def _lanes_layout(lanes: int, group: int, k_fmt, v_fmt, k_offsets: tuple, v_offs
         return None
     out = {}
     for tag, f, offsets, r_max in (("K", k_fmt, k_offsets, rk_max), ("V", v_fmt, v_offsets, rv_max)):
-        if (not f.quantized or f.mixed or f.pow2 or f.ternary or f.bits not in (8, 4, 2) or not _pow2(f.block)
-                or f.block * f.bits < 32):
+        if not f.uniform_int_blocks(32):
             return None
         cb = f.code_bytes(list(offsets))
         col0 = [sum(cb[:i]) for i in range(len(cb))]

@@ -103,6 +103,14 @@ class LatentFormat:
         """True for a per-head bit plan (``mix/...``)."""
         return self.segments is not None
 
+    def uniform_int_blocks(self, unit_bits: int = 8) -> bool:
+        """True for a uniform 8/4/2-bit ``int`` format (not MX, mix, ternary or float) whose blocks are powers of two
+        holding whole units of ``unit_bits`` bits of codes (8: bytes, 32: words): what the table-free one-pass
+        decode kernels read (:mod:`.latent_attention_chunks`, :mod:`.latent_attention_absorbed`,
+        :mod:`.latent_attention_lanes`). Raises nothing."""
+        return (self.quantized and not self.mixed and not self.pow2 and not self.ternary and self.bits in (8, 4, 2)
+                and self.block > 0 and self.block & (self.block - 1) == 0 and self.block * self.bits >= unit_bits)
+
     def pieces(self, offsets: Sequence[int]) -> list[tuple[int, int, int, int]]:
         """(first packed column, count, bits, first block) of every (head, segment) piece, in row order.
 

@@ -214,3 +214,14 @@ def test_rank_zero_heads_and_zero_rows_round_trip(fmt, offsets):
     assert back.shape == z.shape and float((back - z).abs().max()) <= float(bound)
     empty = quantize_latent_ref(torch.zeros(0, offsets[-1]), offsets, fmt)
     assert empty.shape[0] == 0 and dequantize_latent_ref(empty, offsets, fmt).shape == (0, offsets[-1])
+
+
+@pytest.mark.parametrize("fmt, unit_bits, expected", [
+    ("int4/32", 32, True), ("int8/4", 32, True), ("int2/16", 32, True),  # blocks of whole 32-bit words
+    ("int4/4", 32, False), ("int2/8", 32, False), ("int8/2", 32, False),  # blocks of part of a word
+    ("int4/4", 8, True), ("int2/4", 8, True), ("int4/2", 8, True), ("int4/2", 32, False),  # whole bytes
+    ("int4/6", 1, False),  # block not a power of two
+    ("float", 1, False), ("mxint4/32", 8, False), ("tern/32", 8, False),  # not uniform int
+])
+def test_uniform_int_blocks_names_what_the_one_pass_kernels_read(fmt, unit_bits, expected):
+    assert parse_latent_format(fmt).uniform_int_blocks(unit_bits) is expected
