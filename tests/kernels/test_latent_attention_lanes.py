@@ -65,8 +65,8 @@ def _lanes_case(draw, st, torch):
 
 def _expects_lanes(p: dict, cfg) -> tuple[dict | None, bool]:
     """(lanes_layout of the case, whether the launcher should run the lane kernel): the layout, and, as the launcher
-    checks besides, rows on 4-byte words (the row stride of the row-major or padded latents, paged or not) and the
-    fp16 scales / mins on even bytes (the code bytes before them)."""
+    checks besides, rows on 4-byte words (the row stride of the row-major or padded latents, paged or not; a dim of
+    size 1 is exempt) and the fp16 scales / mins on even bytes (the code bytes before them)."""
     from ckvp_compile.kernels.latent_attention_lanes import lanes_layout
     from ckvp_compile.kernels.latent_format import parse_latent_format
     from ckvp_compile.kernels.latent_layout import padded_units
@@ -80,7 +80,13 @@ def _expects_lanes(p: dict, cfg) -> tuple[dict | None, bool]:
     for f, o in ((kf, ko), (vf, vo)):
         w = f.row_width(o)
         stride = w if p.get("layout", "row-major") == "row-major" else padded_units(w, min_width=0) + 16
-        ok = ok and stride % 4 == 0 and sum(f.code_bytes(o)) % 2 == 0
+        s_max = p["kv_len"] + p["extra"]
+        if p.get("page"):
+            ok = ok and stride % 4 == 0
+        else:  # the launcher leaves size-1 dims' strides unchecked (never stepped along); _words wants them even
+            ok = (ok and stride % 2 == 0 and (p["b"] == 1 or s_max * stride % 4 == 0)
+                  and (s_max == 1 or stride % 4 == 0))
+        ok = ok and sum(f.code_bytes(o)) % 2 == 0
     return lay, ok
 
 
