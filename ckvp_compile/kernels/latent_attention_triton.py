@@ -774,6 +774,16 @@ def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, 
 
 
 @triton.jit
+def _additive_log2(mv):
+    """An additive attention mask (natural-log units, any float dtype) in log2 units, fp32. Finite values are clamped
+    at -2.3e38 first, so that a large finite mask (HF fills masked positions with ``finfo(float32).min``) stays
+    finite after the conversion instead of overflowing to -inf: a row masked wholly by such values then averages
+    its slots uniformly, as eager attention and the reference do, instead of coming out as zeros. -inf stays -inf."""
+    x = mv.to(tl.float32)
+    return tl.where(x == float("-inf"), x, tl.maximum(x, -2.3e38)) * 1.4426950408889634
+
+
+@triton.jit
 def _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, col_ok, stride_mb, stride_ms, stride_mt,
                         MASK: tl.constexpr, MASK_HEADS: tl.constexpr):
     """``scores`` (BLOCK_N, NC) (log2 units) of the slots ``offs`` (BLOCK_N,) against NC query heads, with the
@@ -793,7 +803,7 @@ def _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, col_ok
         scores = tl.where(mv != 0, scores, float("-inf"))
     if MASK == 2:
         mv = tl.load(m_ptrs, mask=m_ok, other=0.0)
-        scores = scores + mv.to(tl.float32) * 1.4426950408889634
+        scores = scores + _additive_log2(mv)
     return tl.where(ok2, scores, float("-inf"))
 
 
@@ -1236,7 +1246,7 @@ def _mask_tile(scores, mask_row, offs, col_ok, head_ok, stride_mt, MASK: tl.cons
     if MASK == 2:
         mv = tl.load(mask_row[:, None] + (offs * stride_mt)[None, :], mask=head_ok[:, None] & col_ok[None, :],
                      other=0.0)
-        scores = scores + mv.to(tl.float32) * 1.4426950408889634
+        scores = scores + _additive_log2(mv)
     return tl.where(col_ok[None, :], scores, float("-inf"))
 
 

@@ -558,7 +558,8 @@ def _mask_scores(sc: torch.Tensor, attn_mask: torch.Tensor | None, cols: torch.T
     m = m.reshape(b, hkv, g, s, -1).transpose(2, 3)
     if m.dtype == torch.bool:
         return sc.masked_fill(~m, float("-inf"))
-    return sc + m.float() * LOG2E
+    m = m.float()  # finite values clamped so that finfo(float32).min stays finite in log2 units (as the kernels)
+    return sc + torch.where(m == float("-inf"), m, m.clamp_min(-2.3e38)) * LOG2E
 
 
 def latent_scores_ref(

@@ -93,7 +93,8 @@ def _main() -> None:
               vfmt="int4/32", rope="none", rd=0, mask=None, mask_shape="bhsk", mask_p=0.3, dtype=torch.bfloat16,
               pos_dtype=torch.int32)
     on = DecodeConfig(absorbed=256)
-    for case in (eq, dict(eq, ratio=4, rk=[24, 40, 3, 0], rv=[33, 8, 1, 16], mask="bool", mask_shape="b1sk")):
+    for case in (eq, dict(eq, ratio=4, rk=[24, 40, 3, 0], rv=[33, 8, 1, 16], mask="bool", mask_shape="b1sk"),
+                 dict(eq, ratio=4, mask="finfo", s=2, win=3, dtype=torch.float32)):  # a head wholly finfo.min-masked
         base_tests._check(case, on)
         assert lat._LAST_LAUNCH["absorbed"] > 0, dict(lat._LAST_LAUNCH)
     base_tests._check(dict(eq, rope="rotate_half", rd=16), on)

@@ -152,7 +152,8 @@ def _main() -> None:
               vfmt="int4/32", rope="none", rd=0, mask=None, mask_shape="bhsk", mask_p=0.3, dtype=torch.bfloat16,
               pos_dtype=torch.int32)
     on = DecodeConfig(lanes=16)
-    for case in (eq, dict(eq, ratio=4, rk=[24, 40, 8, 0], rv=[32, 8, 16, 16], mask="bool", mask_shape="b1sk")):
+    for case in (eq, dict(eq, ratio=4, rk=[24, 40, 8, 0], rv=[32, 8, 16, 16], mask="bool", mask_shape="b1sk"),
+                 dict(eq, mask="finfo", s=2, win=3, dtype=torch.float32)):  # a head wholly masked by finfo.min
         assert check(case, on)
         assert lat._LAST_LAUNCH["lanes"] > 0, dict(lat._LAST_LAUNCH)
     for case in (dict(eq, rope="rotate_half", rd=16),

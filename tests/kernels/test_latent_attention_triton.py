@@ -89,6 +89,10 @@ def _inputs(p: dict):
     elif p["mask"] == "add":
         mask = torch.randn(shape, generator=g).to(dt)
         mask = mask.masked_fill(torch.rand(shape, generator=g) < p["mask_p"], float("-inf"))
+    elif p["mask"] == "finfo":  # HF's additive masks: finfo(float32).min where masked; query head 0 wholly masked
+        mask = torch.zeros(full).masked_fill(torch.rand(full, generator=g) < p["mask_p"], torch.finfo(torch.float32).min)
+        mask[:, 0] = torch.finfo(torch.float32).min
+        mask = mask.to(dt)
     return (q, lk, lv, bk, bv, ko, vo, cos, sin, slot_pos, rope, rd, nk, nv, slots, mask, d**-0.5, kv_len,
             p["kfmt"], p["vfmt"])
 
@@ -256,6 +260,8 @@ def _check_fixed() -> None:
                 dtype=torch.float32, pos_dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
     _check(base, cfg)  # a rank-0 head on each side
+    # a query head masked wholly by finite finfo(float32).min (HF's fp32 masks): a uniform average, as eager
+    _check(dict(base, mask="finfo", s=2, win=3), cfg)
     # unit-major latents (kernels.latent_layout): the grouped key pass, per-head passes and one pass, paged or not
     # (paired_tables needs tables with one angle per pair: the complex form's, by layout)
     ucfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=2, hoist_basis=True, fma_scores=True,
