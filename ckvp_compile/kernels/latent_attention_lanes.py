@@ -191,7 +191,7 @@ def _lanes_attention_kernel(
     v_col = tl.load(vmeta_ptr + 3 * head, mask=q_ok, other=0) // 4
     v_words = (v_rank * V_BITS + 31) // 32
     qf_lane = qf_ptr + (((b * S + s) * Hkv + head) * G + q_g).to(tl.int64) * RKP  # (NQ,) the folded query rows
-    # each key block's sum(c): the offset of every code unit is taken out through it, once per block and tile
+    # each key block's sum(c), once per program: the offset of every code unit is taken out through it
     # (one 2-D load per block, not the tile loop's scalar loads: the compiler would keep all RKP of those in
     # registers)
     c_sums = ()
