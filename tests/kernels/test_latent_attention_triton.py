@@ -89,10 +89,10 @@ def _inputs(p: dict):
     elif p["mask"] == "add":
         mask = torch.randn(shape, generator=g).to(dt)
         mask = mask.masked_fill(torch.rand(shape, generator=g) < p["mask_p"], float("-inf"))
-    elif p["mask"] == "finfo":  # HF's additive masks: finfo(float32).min where masked; query head 0 wholly masked
-        mask = torch.zeros(full).masked_fill(torch.rand(full, generator=g) < p["mask_p"], torch.finfo(torch.float32).min)
-        mask[:, 0] = torch.finfo(torch.float32).min
-        mask = mask.to(dt)
+    elif p["mask"] == "finfo":  # HF's additive masks: finfo(dtype).min where masked; query head 0 wholly masked
+        low = torch.finfo(dt).min
+        mask = torch.zeros(full, dtype=dt).masked_fill(torch.rand(full, generator=g) < p["mask_p"], low)
+        mask[:, 0] = low
     return (q, lk, lv, bk, bv, ko, vo, cos, sin, slot_pos, rope, rd, nk, nv, slots, mask, d**-0.5, kv_len,
             p["kfmt"], p["vfmt"])
 
