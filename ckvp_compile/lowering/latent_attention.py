@@ -90,7 +90,7 @@ FP8_BASES_TEMPLATE_GPU_CHECKED = False
 
 _HELPERS = (lat._tile_scores, lat._rebuild_chunk, lat._basis_rows, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
             lat._fma_scores_pair, lat._latent_codes, lat._mm_codes, lat._latent_raw_codes,
-            lat._fp16_at, lat._rope_rows, lat._mask_tile, lat._unpack_codes)
+            lat._fp16_at, lat._rope_rows, lat._mask_tile, lat._additive_log2, lat._unpack_codes)
 
 _SOURCE = r'''
 {{def_kernel("Q", "LK", "BK", "COS", "SIN", "POS", "SLOTS", "MASK")}}
