@@ -219,7 +219,7 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free:
     the one-pass kernel (benchmarks/results/2026-12-01-checks-h200); without autotuning the template's first config
     is not measured there. ``table_free``: the call reads no RoPE table (rope form 'none': post-RoPE key bases, or
     no RoPE); where the default then runs a one-pass kernel over chunks of KV heads (lane, absorbed or chunk pass;
-    on the H200 0.46-0.54x the chunk pass's time at 16:16 heads, which is faster than the two passes; 32:8 rank 32
+    on the H200 0.37-0.43x the chunk pass's time at 16:16 heads (lane pass), faster than the two passes; 32:8 rank 32
     0.230 ms against 0.501 for the one-pass form), the plain kernel runs it, autotuned or not: the template has no
     such form (``autotuned``: only that reason counts, the template competing otherwise). ``rank_v``: the widest
     value rank (None: as the keys). The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG``
