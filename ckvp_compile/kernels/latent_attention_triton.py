@@ -278,6 +278,10 @@ class DecodeConfig:
     block_n_l: int = 32
     loop_stages_l: int | None = 2
     num_warps_l: int | None = None
+    words: bool = False
+    block_n_w: int = 64
+    loop_stages_w: int | None = 2
+    num_warps_w: int | None = None
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -1940,6 +1944,14 @@ def _words(f, latent: torch.Tensor, scale_base: int, min_base: int) -> bool:
             and latent.stride(0) % 2 == 0 and latent.stride(1) % 2 == 0 and latent.data_ptr() % 2 == 0)
 
 
+def _word_rows(latent_k: torch.Tensor, latent_v: torch.Tensor, k_fmt: str, v_fmt: str, k_offsets, v_offsets) -> bool:
+    """Rows that the word-loading passes (lane and word passes) can read: row and batch strides on 4-byte words
+    and 4-byte aligned data (a dim of size 1 is never stepped along), scales and mins on fp16 words."""
+    return all((x.shape[0] == 1 or x.stride(0) % 4 == 0) and (x.shape[1] == 1 or x.stride(1) % 4 == 0)
+               and x.data_ptr() % 4 == 0 and _words(parse_latent_format(fm), x, *_head_meta(o, fm, x.device)[1:3])
+               for x, o, fm in ((latent_k, k_offsets, k_fmt), (latent_v, v_offsets, v_fmt)))
+
+
 def _key_codes_ok(cfg: "DecodeConfig", f, basis: torch.Tensor, rk_pad: int) -> bool:
     """Whether ``cfg.key_codes`` applies: a uniform 8/4/2-bit ``int`` key format with blocks of 16..rk_pad (a power
     of two, the tensor cores' K) and bases exact in bf16 (bf16 or fp8)."""
@@ -2210,29 +2222,34 @@ def _launch(
                                 rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],
                                 quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none")
     cfg = config
-    chunks = absorbed = lanes = None
-    if mode == "all" and rope_form == "none" and cfg.lanes > 0 and not cfg.fuse_merge:
+    chunks = absorbed = lanes = words = None
+    table_free_one_pass = mode == "all" and rope_form == "none" and not cfg.fuse_merge
+    if table_free_one_pass and cfg.words:
+        from .latent_attention_words import words_layout  # (that module imports this one's jit helpers)
+
+        words = words_layout(q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
+                             parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
+                             basis_v_block.shape[-1], latent_k.stride(-1), latent_v.stride(-1))
+        if words is not None and not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
+            words = None
+    if words is None and table_free_one_pass and cfg.lanes > 0:
         from .latent_attention_lanes import lanes_layout  # (that module imports this one's jit helpers)
 
-        kf0, vf0 = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
-        lanes = lanes_layout(cfg.lanes, q.shape[1] // basis_k_block.shape[-3], kf0, vf0, k_offsets, v_offsets,
-                             basis_k_block.shape[-1], basis_v_block.shape[-1], basis_k_block.shape[-3],
-                             latent_k.stride(-1), latent_v.stride(-1))
-        # rows on 4-byte words (word loads) and scales on fp16 words (a dim of size 1 is never stepped along)
-        if lanes is not None and not all(
-                (x.shape[0] == 1 or x.stride(0) % 4 == 0) and (x.shape[1] == 1 or x.stride(1) % 4 == 0)
-                and x.data_ptr() % 4 == 0
-                and _words(f, x, *_head_meta(o, fm, q.device)[1:3])
-                for x, f, o, fm in ((latent_k, kf0, k_offsets, k_fmt), (latent_v, vf0, v_offsets, v_fmt))):
+        lanes = lanes_layout(cfg.lanes, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
+                             parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
+                             basis_v_block.shape[-1], basis_k_block.shape[-3], latent_k.stride(-1),
+                             latent_v.stride(-1))
+        if lanes is not None and not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
             lanes = None
-    if lanes is None and mode == "all" and rope_form == "none" and cfg.absorbed > 0 and not cfg.fuse_merge:
+    if words is None and lanes is None and table_free_one_pass and cfg.absorbed > 0:
         from .latent_attention_absorbed import absorbed_layout  # (that module imports this one's jit helpers)
 
         absorbed = absorbed_layout(cfg.absorbed, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
                                    parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
                                    basis_v_block.shape[-1], basis_k_block.shape[-3], latent_k.stride(-1),
                                    latent_v.stride(-1))
-    if lanes is None and absorbed is None and mode == "all" and cfg.head_chunks > 0 and not cfg.fuse_merge:
+    if (words is None and lanes is None and absorbed is None and mode == "all" and cfg.head_chunks > 0
+            and not cfg.fuse_merge):
         from .latent_attention_chunks import chunk_layout  # (that module imports this one's jit helpers)
 
         chunks = chunk_layout(cfg.head_chunks, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
@@ -2249,7 +2266,7 @@ def _launch(
             chunks = None
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
-    elif (mode == "all" and chunks is None and absorbed is None and lanes is None and cfg.two_pass
+    elif (mode == "all" and chunks is None and absorbed is None and lanes is None and words is None and cfg.two_pass
           and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES):
         slices = score_batch_slices(q.shape[0], q.shape[1], q.shape[2], kv_len)
         if slices is None:
@@ -2293,7 +2310,10 @@ def _launch(
     block_n_v = cfg.block_n_v or cfg.block_n
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
-    if lanes is not None:  # the lane pass over chunks of KV heads: its own split of the context
+    if words is not None:  # the word pass, one KV head per program: its own split of the context
+        n_split, tiles_per_split = context_splits(cfg, kv_len, words["NG"] * _np2(max(16, cfg.block_n_w)),
+                                                  b * hkv * s, cfg.target_programs)
+    elif lanes is not None:  # the lane pass over chunks of KV heads: its own split of the context
         rows_l = b * lanes["n_chunks"] * s
         n_tiles_l = triton.cdiv(kv_len, _np2(cfg.block_n_l))
         if cfg.split is None and rows_l > cfg.target_programs:  # a large batch: whole waves, not 1.06 of them
@@ -2334,7 +2354,7 @@ def _launch(
     if mode == "from_scores":
         sc_ws = scores.contiguous()
         t_pad = kv_len
-    elif cfg.two_pass and chunks is None and absorbed is None and lanes is None:
+    elif cfg.two_pass and chunks is None and absorbed is None and lanes is None and words is None:
         # the scores: (B, Hkv, S, G, kv_len) fp32, rows of kv_len
         t_pad = kv_len
         sc_ws = torch.empty(b, hkv, s, g, kv_len, dtype=torch.float32, device=q.device)
@@ -2408,7 +2428,24 @@ def _launch(
     _LAST_LAUNCH["head_chunks"] = 0 if chunks is None else chunks["NH"]
     _LAST_LAUNCH["absorbed"] = 0 if absorbed is None else absorbed["NH"]
     _LAST_LAUNCH["lanes"] = 0 if lanes is None else lanes["NH"]
-    if lanes is not None:
+    _LAST_LAUNCH["words"] = words is not None
+    if words is not None:
+        from . import latent_attention_words as law
+
+        rkp = words["RKP"]
+        qf = _fold_query(q, basis_k_block, kmeta, rkp, qk_scale, f32_dot)
+        _LAST_LAUNCH["words_kernel"] = law._words_attention_kernel[(n_split, b * hkv, s)](
+            qf, latent_k, latent_v, slots, mask, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
+            hkv, s, n_exact, kv_len, tiles_per_split, n_split,
+            k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2,
+            latent_k.stride(0) // 4, latent_k.stride(1) // 4, latent_v.stride(0) // 4, latent_v.stride(1) // 4,
+            *mstrides,
+            G=g, GP=words["GP"], NG=words["NG"], RKP=rkp, RVP=words["RVP"], RV_PAD=rv_pad,
+            K_BITS=kf.bits, K_QBLOCK=kf.block, V_BITS=vf.bits, V_QBLOCK=vf.block,
+            MASK=mask_kind, MASK_HEADS=mask_kind != 0 and mstrides[1] != 0, BLOCK_N=_np2(max(16, cfg.block_n_w)),
+            SLOT_BLOCK=16, PAGE=common["PAGE"], LOOP_STAGES=cfg.loop_stages_w,
+            num_warps=cfg.num_warps_w or cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg.maxnreg))
+    elif lanes is not None:
         from . import latent_attention_lanes as lal
 
         rkp = lanes["RKP"]
@@ -2529,7 +2566,7 @@ def _launch(
                 **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
-    if chunks is None and absorbed is None and lanes is None:
+    if chunks is None and absorbed is None and lanes is None and words is None:
         _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
             m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,

@@ -132,6 +132,7 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
     from ..kernels import latent_attention_chunks as lac
     from ..kernels import latent_attention_lanes as lal
     from ..kernels import latent_attention_triton as lat
+    from ..kernels import latent_attention_words as law
 
     sink: list = []
     names = ("_latent_attention_split_kernel", "_latent_attention_reduce_kernel", "_latent_scores_heads_kernel")
@@ -145,7 +146,7 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
         (lac, "_latent_attention_chunks_kernel", "one pass over head chunks"),
         (lac, "_fold_query_kernel", "fold query"),
         (laa, "_absorbed_attention_kernel", "absorbed pass"), (laa, "_fold_query_kernel", "absorbed fold"),
-        (lal, "_lanes_attention_kernel", "lane pass"))}
+        (lal, "_lanes_attention_kernel", "lane pass"), (law, "_words_attention_kernel", "word pass"))}
     chunk_caches = {key: k.device_caches for key, (k, _) in chunk_kernels.items() if hasattr(k, "device_caches")}
     real_unsupported = saved["unsupported_reason"]
 

@@ -77,7 +77,7 @@ def _inputs(p: dict):
     unused = min(p.get("unused", 0), n)
     if unused:
         slots[torch.randperm(n, generator=g)[:unused]] = -1
-    q = torch.randn(b, s, h, d, generator=g).to(dt).transpose(1, 2)  # non-contiguous (B, H, S, D)
+    q = (torch.randn(b, s, h, d, generator=g) * p.get("q_scale", 1.0)).to(dt).transpose(1, 2)  # (B, H, S, D)
     nk = torch.randn(b, hkv, d, n, generator=g).to(dt).transpose(2, 3)
     nv = torch.randn(b, hkv, n, d, generator=g).to(dt)
     full = (b, h, s, kv_len)
