@@ -46,11 +46,15 @@ import triton.language as tl
 
 from .latent_attention_triton import _masked_tile_scores, _split_tiles, _tile_rows
 
-__all__ = ["words_layout", "MAX_VIRTUAL_COLUMNS", "MAX_KEY_WIDTH"]
+__all__ = ["words_layout", "MAX_VIRTUAL_COLUMNS", "MAX_KEY_WIDTH", "MAX_SLOT_GROUPS"]
 
 #: Most virtual columns (quantization blocks x padded query heads) per program: the (virtual columns, value rank)
 #: fp32 accumulator and the (rank, virtual columns) coefficients grow with it.
 MAX_VIRTUAL_COLUMNS = 64
+
+#: Most slot groups per tensor-core row: G = 1 at one quantization block per head would need 16, whose (slots,
+#: value rank) tiles spill at every tile size (ptxas, sm_90a): such calls take the lane pass.
+MAX_SLOT_GROUPS = 4
 
 #: Most key code columns per tensor-core row (slot groups x padded key rank): the coefficient operands are this many
 #: rows of 16+ fp16 columns, twice (hi and lo).
@@ -150,15 +154,17 @@ def _split_fp16(x):
 
 
 @triton.jit
-def _block_scales(rows_h, ld_ok, blk0, rank, scale_base, min_base, NB: tl.constexpr, SEG: tl.constexpr):
+def _block_scales(rows_h, ld_ok, blk0, rank, scale_base, min_base, NB: tl.constexpr, SEG: tl.constexpr,
+                  BITS: tl.constexpr):
     """(TN, NB) fp32 scale and min of each quantization block of the head at each slot row (``rows_h`` (TN,)
-    fp16-word pointers); 0 for blocks past the head's rank and rows not loaded."""
+    fp16-word pointers), the min for centred codes (``min + scale * 2^(BITS-1)``); 0 for blocks past the head's
+    rank and rows not loaded."""
     blk = tl.arange(0, NB)
     ok = ld_ok[:, None] & (blk * SEG < rank)[None, :]
     ptrs = rows_h[:, None] + (blk0 + blk)[None, :]
     sc = tl.load(ptrs + scale_base, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
     mn = tl.load(ptrs + min_base, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    return sc, mn
+    return sc, mn + sc * (1 << (BITS - 1))
 
 
 @triton.jit
@@ -237,10 +243,13 @@ def _words_attention_kernel(
     e = tl.where(amax > 0, ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
     e = tl.minimum(tl.maximum(e, -100), 100)
     c_hi, c_lo = _split_fp16(coef * _pow2(-e))
-    k_off = 1024.0 * tl.sum(c_hi.to(tl.float32) + c_lo.to(tl.float32), axis=0)  # (NVK,) the codes' offset
     k_unit = _pow2(e)
+    # each column's offset: 1024 and the centring 2^(BITS-1) of its code, times its factor (subtracted in fp16,
+    # exact, before the tensor cores: an offset inside their product would be truncated there, not rounded)
+    k_cent = (1024.0 + _pow2(ks + (K_BITS - 1))).to(tl.float16)
     # ---- the value operand's columns: coordinate vc[i], factor 2^vs[i]
     vc, vs = _word_labels(WV, V_BITS)
+    v_cent = (1024.0 + _pow2(vs + (V_BITS - 1))).to(tl.float16)
 
     q_g = tl.arange(0, GP)
     q_ok = q_g < G
@@ -265,11 +274,11 @@ def _words_attention_kernel(
         kptr = tl.reshape(lk_w + k_offw, (BLOCK_N, NG))[:, :, None] + (k_col + wk)[None, None, :]
         kok = tl.reshape(ld_ok, (BLOCK_N, NG))[:, :, None] & (wk < k_words)[None, None, :]
         kw = tl.reshape(tl.load(kptr, mask=kok, other=0), (BLOCK_N, NG * WK))
-        codes = _codes_fp16(kw, BLOCK_N, NG * WK, K_BITS)
-        raw = tl.dot(codes, c_lo, tl.dot(codes, c_hi))  # (BLOCK_N, NVK): sum (1024 + code * 2^ks) * coefficient
-        part = (raw - k_off[None, :]) * k_unit  # sum code * qf per (slot, block, g)
+        codes = _codes_fp16(kw, BLOCK_N, NG * WK, K_BITS) - k_cent[None, :]  # centred code * 2^ks
+        # (BLOCK_N, NVK): sum (code - 2^(BITS-1)) * qf per (slot, block, g)
+        part = tl.dot(codes, c_lo, tl.dot(codes, c_hi)) * k_unit
         ksc, kmn = _block_scales((lk_ptr + 4 * k_offw).to(tl.pointer_type(tl.uint16)), ld_ok, k_blk0, k_rank,
-                                 k_scale_base, k_min_base, NBK, SEGK)  # (TN, NBK)
+                                 k_scale_base, k_min_base, NBK, SEGK, K_BITS)  # (TN, NBK)
         part = tl.reshape(part, (TN, NBK, GP))
         scores = tl.sum(ksc[:, :, None] * part + kmn[:, :, None] * c_blk[None, :, :], axis=1)  # (TN, GP)
         scores = _masked_tile_scores(scores, mask_ptr, mask_cols, b, s, offs, slot_ok, q_ok, stride_mb, stride_ms,
@@ -283,16 +292,18 @@ def _words_attention_kernel(
         m_i = m_new
         # the value latent in the code domain per value row (block, g): slots along the tensor cores' K
         vsc, vmn = _block_scales((lv_ptr + 4 * v_offw).to(tl.pointer_type(tl.uint16)), ld_ok, v_blk0, v_rank,
-                                 v_scale_base, v_min_base, NBV, SEGV)  # (TN, NBV)
+                                 v_scale_base, v_min_base, NBV, SEGV, V_BITS)  # (TN, NBV)
         alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, GP)), (CV,))
         acc_min = acc_min * alpha_v[None, :] + tl.reshape(p[:, None, :] * vmn[:, :, None], (TN, CV))
         w = tl.trans(tl.reshape(p[:, None, :] * vsc[:, :, None], (TN, CV)))  # (CV, TN)
         w_hi, w_lo = _split_fp16(tl.reshape(tl.broadcast_to(w[None], (RCOPY, CV, TN)), (RCOPY * CV, TN)))
         vw = tl.load(lv_w + v_offw[:, None] + (v_col + wv)[None, :], mask=ld_ok[:, None] & (wv < v_words)[None, :],
                      other=0)
-        vcodes = _codes_fp16(vw, TN, WV, V_BITS) - 1024.0  # code * 2^vs, exact in fp16
+        vcodes = _codes_fp16(vw, TN, WV, V_BITS) - v_cent[None, :]  # centred code * 2^vs, exact in fp16
         alpha_r = tl.reshape(tl.broadcast_to(alpha_v[None, :], (RCOPY, CV)), (RCOPY * CV,))
-        acc = tl.dot(w_lo, vcodes, tl.dot(w_hi, vcodes, acc * alpha_r[:, None]))
+        # each tile's product from zero, added in fp32 here: carried inside the tensor-core product across tiles
+        # the accumulator would be truncated at every tile (as latent_attention_absorbed found on the H200)
+        acc = acc * alpha_r[:, None] + tl.dot(w_lo, vcodes, tl.dot(w_hi, vcodes))
 
     # ---- each coordinate from its block's value row (the first copy), the factor divided out, the min term added
     l_q = tl.sum(l_i, axis=0)
@@ -340,7 +351,7 @@ def words_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv
 @functools.lru_cache(maxsize=256)
 def _words_layout(group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk_max: int, rv_max: int,
                   k_unit_stride: int, v_unit_stride: int) -> dict | None:
-    if group < 1 or k_unit_stride != 1 or v_unit_stride != 1:
+    if group < 2 or k_unit_stride != 1 or v_unit_stride != 1:  # G = 1: the lane pass (3.4x faster on the H200)
         return None
     out = {}
     blocks = []
@@ -356,8 +367,8 @@ def _words_layout(group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, 
         blocks.append(rp // min(rp, f.block))
     gp = triton.next_power_of_2(group)
     ng = max(1, 16 // (blocks[0] * gp))  # slot groups per tensor-core row: the key columns fill 16
-    while ng > 1 and ng * out["RKP"] > MAX_KEY_WIDTH:
-        ng //= 2
+    if ng > MAX_SLOT_GROUPS or ng * out["RKP"] > MAX_KEY_WIDTH:
+        return None
     if blocks[0] * gp * ng < 16 or max(blocks) * gp > MAX_VIRTUAL_COLUMNS:
         return None
     out.update(GP=gp, NG=ng)
