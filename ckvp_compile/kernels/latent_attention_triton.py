@@ -232,7 +232,14 @@ class DecodeConfig:
     of KV heads holding
     about this many query heads; 0: off; it takes precedence over ``absorbed`` and ``head_chunks``. ``block_n_l``
     (slots per tile, rounded up to a power of two >= 16), ``loop_stages_l`` and ``num_warps_l`` (None:
-    ``num_warps``) apply to it."""
+    ``num_warps``) apply to it.
+    words: for the same table-free calls as ``lanes`` at G >= 2, run the word pass
+    (:mod:`.latent_attention_words`: one KV head per program, whole 32-bit words of codes turned into fp16 tensor-core
+    operands by logic ops, two codes each, several slots side by side per tensor-core row so that GQA's few query
+    heads fill the product's 16 columns); it takes precedence over ``lanes``, ``absorbed`` and ``head_chunks``.
+    ``block_n_w`` (tensor-core rows per tile, rounded up to a power of two >= 16; each row holds 16 / (G padded x
+    quantization blocks per head) slots, at most 4), ``loop_stages_w`` and ``num_warps_w`` (None: ``num_warps``)
+    apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -317,7 +324,11 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     (benchmarks/results/2026-11-30-batch-slices-h200), its loop pipelined 3 stages deep, and with quantized keys
     the rebuild as one fp16 dot (``key_fp16``: the dequantized latent rounded once to fp16, 2^-11 relative, far below
     the int codes' own step; a 32:8 rank-96 call at batch 64, 32k 9.14 -> 8.24 ms at rel err 7.6e-4 -> 9.2e-4,
-    Mixtral-8x7B's largest batch at 32k 757 -> 856 tokens/s; benchmarks/results/2026-12-01-largebatch-h200).
+    Mixtral-8x7B's largest batch at 32k 757 -> 856 tokens/s; benchmarks/results/2026-12-01-largebatch-h200);
+    without RoPE tables, the absorbed pass up to rank 32 and the word pass (``words``, 64-row tiles) at padded key
+    ranks 32-128 (32:8 heads, int4/32, batch 8, 32k, one call: rank 32 0.191 against 0.227 ms for the absorbed
+    pass, ranks 64/32 0.261 against 0.579 and 96 0.653 against 1.054 for the one-pass kernel; rank 16 stays with the
+    absorbed pass, 0.134 against 0.149; benchmarks/results/2026-12-03-words-h200).
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
     :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}``, read by every call without an
@@ -400,6 +411,13 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # with 64-column chunks and 64-slot tiles (256 columns 0.262, 8 warps 0.468); at rank 96 1.13 against
             # 1.06 ms, so not there (benchmarks/results/2026-12-03-absorbed-h200)
             cfg = dataclasses.replace(cfg, absorbed=64, block_n_a=64)
+        if table_free and gqa and 32 <= rank_pad <= 128 and (rank_v is None or rank_v <= 128):
+            # the word pass (latent_attention_words; the absorbed pass above where its layout does not apply):
+            # 32:8 heads, int4/32, batch 8, 32k, one call with 64-row tiles: rank 32 0.227 -> 0.191 ms, 64/32
+            # 0.579 -> 0.261, 96 1.054 -> 0.653 (32-row tiles 0.221 / 0.404 / 0.898; 128 rows 0.280 / 0.330 /
+            # 0.761; 8 warps slower at every rank); at rank 16 0.134 -> 0.149, so not there
+            # (benchmarks/results/2026-12-03-words-h200)
+            cfg = dataclasses.replace(cfg, words=True, block_n_w=64)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))

@@ -132,7 +132,7 @@ def _main() -> None:
                            align_hint=draw(st.booleans()))
         return p, cfg
 
-    n = int(os.environ.get("CKVP_ABSORBED_EXAMPLES", "28"))
+    n = int(os.environ.get("CKVP_ABSORBED_EXAMPLES", "20"))
 
     @settings(max_examples=n, deadline=None, derandomize=True, database=None)
     @given(cases())

@@ -194,7 +194,7 @@ def _main() -> None:
                            loop_stages_l=draw(st.sampled_from((None, 2))))
         return p, cfg
 
-    n = int(os.environ.get("CKVP_LANES_EXAMPLES", "20"))
+    n = int(os.environ.get("CKVP_LANES_EXAMPLES", "14"))
 
     @settings(max_examples=n, deadline=None, derandomize=True, database=None)
     @given(cases())

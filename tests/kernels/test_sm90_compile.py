@@ -110,10 +110,12 @@ def _run(n_examples: int) -> None:
         case = dict(fixed, b=8, t=16384, heads=heads, k_ranks=ks, v_ranks=vs, rope="none")
         rp = max(16, 1 << (max(ks) - 1).bit_length())
         cfg = default_config(heads[0] // heads[1], rp, paired=True, rank=max(ks), rank_v=max(vs), table_free=True)
-        names = [k.name for k in _compile(case, dataclasses.replace(cfg, absorbed=256, lanes=0), fits=True)]
+        names = [k.name for k in _compile(case, dataclasses.replace(cfg, absorbed=256, lanes=0, words=False),
+                                          fits=True)]
         assert "absorbed pass" in names and "absorbed fold" in names, (heads, ks, vs, names)
         if heads == (16, 16):
-            names = [k.name for k in _compile(case, dataclasses.replace(cfg, absorbed=0, lanes=0), fits=True)]
+            names = [k.name for k in _compile(case, dataclasses.replace(cfg, absorbed=0, lanes=0, words=False),
+                                              fits=True)]
             assert "one pass over head chunks" in names, (ks, vs, names)
     # the lane pass (latent_attention_lanes: one CUDA-core lane per slot and query head) on table-free int4 rows
     # whose heads start on 4-byte words, after the absorbed pass's query fold: where a config asks for it (G = 1 with
@@ -128,9 +130,21 @@ def _run(n_examples: int) -> None:
         if lanes is None:
             assert cfg.lanes > 0, (heads, ks, vs, cfg)
         else:
-            cfg = dataclasses.replace(cfg, lanes=lanes, block_n_l=16, loop_stages_l=None)
+            cfg = dataclasses.replace(cfg, lanes=lanes, block_n_l=16, loop_stages_l=None, words=False)
         names = [k.name for k in _compile(case, cfg, fits=True)]
         assert "lane pass" in names and "absorbed fold" in names, (heads, ks, vs, lanes, names)
+    # the word pass (latent_attention_words: fp16 codes by logic ops, slots side by side per tensor-core row): the
+    # GQA default at ranks 96-104 (padded 128), and 8- / 2-bit codes with several blocks per head
+    for heads, ks, vs, fmts in (((32, 8), [96, 104] * 4, [104] * 8, None),
+                                ((32, 8), [32] * 8, [64] * 8, ("int8/32", "int2/16"))):
+        case = dict(fixed, b=8, t=16384, heads=heads, k_ranks=ks, v_ranks=vs, rope="none")
+        if fmts:
+            case.update(kfmt=fmts[0], vfmt=fmts[1])
+        rp = max(16, 1 << (max(ks) - 1).bit_length())
+        cfg = default_config(heads[0] // heads[1], rp, paired=True, rank=max(ks), rank_v=max(vs), table_free=True)
+        assert cfg.words, (heads, ks, vs, cfg)
+        names = [k.name for k in _compile(case, cfg, fits=True)]
+        assert "word pass" in names and "absorbed fold" in names, (heads, ks, vs, names)
     # the head-chunk pass with every code width (int8 once failed to compile here while the interpreter passed: an
     # early return in a constexpr branch) and heads of one code byte (rank 1 at int4, 1-2 at int2)
     ccfg = DecodeConfig(head_chunks=128, target_programs=2, min_tiles=1, paired_tables=True)
