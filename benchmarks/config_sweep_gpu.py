@@ -44,6 +44,7 @@ import latent_attention_gpu as lag  # noqa: E402
 
 from ckvp_compile.bench.attention import make_inputs  # noqa: E402
 from ckvp_compile.kernels import latent_attention_triton as lat_mod  # noqa: E402
+from ckvp_compile.kernels.latent_format import parse_latent_format  # noqa: E402
 from ckvp_compile.kernels.latent_layout import empty_latent, key_value_layouts, to_layout  # noqa: E402
 from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
     DecodeConfig,
@@ -53,7 +54,7 @@ from ckvp_compile.kernels.latent_attention_triton import (  # noqa: E402
 
 
 def parse_config(text: str, group: int, rank_pad: int, paired: bool, rank: int | None = None,
-                 rank_v: int | None = None, table_free: bool = False) -> DecodeConfig:
+                 rank_v: int | None = None, table_free: bool = False, code_bits: int | None = None) -> DecodeConfig:
     """``default`` / ``generic`` [+ JSON of DecodeConfig fields] -> the DecodeConfig it names.
 
     Raises:
@@ -62,7 +63,7 @@ def parse_config(text: str, group: int, rank_pad: int, paired: bool, rank: int |
     """
     name, _, extra = text.partition("+")
     base = {"default": lambda: default_config(group, rank_pad, paired=paired, rank=rank, rank_v=rank_v,
-                                              table_free=table_free),
+                                              table_free=table_free, code_bits=code_bits),
             "generic": lambda: dataclasses.replace(DecodeConfig(), paired_tables=paired)}[name.strip()]()
     return dataclasses.replace(base, **json.loads(extra)) if extra.strip() else base
 
@@ -165,8 +166,9 @@ def main() -> None:
             row = {"heads": f"{h}:{hkv}", "batch": b, "context": t, "rank": rank, "rank_v": rank_v, "config": text,
                    "round": rnd, "layout": layout}
             try:
-                cfg = parse_config(text, h // hkv, rank_pad, a.paired, max(k_list), max(v_list),
-                                   a.table_free)  # as the launcher
+                fmt = parse_latent_format(a.format)
+                cfg = parse_config(text, h // hkv, rank_pad, a.paired, max(k_list), max(v_list), a.table_free,
+                                   fmt.bits if fmt.quantized else None)  # as the launcher
                 if a.ncu:  # two launches, the second one profiled
                     latent_attention_triton(*args, config=cfg)
                     latent_attention_triton(*args, config=cfg)

@@ -293,7 +293,8 @@ class DecodeConfig:
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
                    rank: int | None = None, rank_v: int | None = None,
-                   quantized_keys: bool = False, table_free: bool = False) -> DecodeConfig:
+                   quantized_keys: bool = False, table_free: bool = False,
+                   code_bits: int | None = None) -> DecodeConfig:
     """The default for ``group`` query heads per KV head and key ranks padded to ``rank_pad``: the fastest config
     within 1e-3 of the reference in the H200 sweeps (benchmarks/results/2026-11-29-latent-attention-h200).
 
@@ -303,7 +304,9 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     rank (None: as the keys); the value pass's tiles and pipelining follow it. ``quantized_keys``: the key latent is
     a uniform or mixed ``int`` format (not MX, not float), whose dequantized values fp16 holds; GQA's one pass then
     rebuilds keys with one fp16 dot (``key_fp16``). ``table_free``: the call reads no RoPE table (rope form
-    'none': a model without RoPE, or post-RoPE key bases, ``LatentBases.key_space``).
+    'none': a model without RoPE, or post-RoPE key bases, ``LatentBases.key_space``). ``code_bits``: the widest code
+    of the key and value latents' uniform ``int`` formats (8, 4 or 2; None: not known); 8-bit codes keep the table-free
+    GQA calls off the word pass, which the H200 measured slower there.
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value
@@ -326,9 +329,10 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     the int codes' own step; a 32:8 rank-96 call at batch 64, 32k 9.14 -> 8.24 ms at rel err 7.6e-4 -> 9.2e-4,
     Mixtral-8x7B's largest batch at 32k 757 -> 856 tokens/s; benchmarks/results/2026-12-01-largebatch-h200);
     without RoPE tables, the absorbed pass up to rank 32 and the word pass (``words``, 64-row tiles) at padded key
-    ranks 32-128 (32:8 heads, int4/32, batch 8, 32k, one call: rank 32 0.191 against 0.227 ms for the absorbed
-    pass, ranks 64/32 0.261 against 0.579 and 96 0.653 against 1.054 for the one-pass kernel; rank 16 stays with the
-    absorbed pass, 0.134 against 0.149; benchmarks/results/2026-12-03-words-h200).
+    ranks 32-128 with codes of at most 4 bits (32:8 heads, int4/32, batch 8, 32k, one call: rank 32 0.191 against
+    0.227 ms for the absorbed pass, ranks 64/32 0.261 against 0.579 and 96 0.653 against 1.054 for the one-pass
+    kernel; rank 16 stays with the absorbed pass, 0.134 against 0.149, and 8-bit codes with the others, 1.27-1.46x
+    faster there; benchmarks/results/2026-12-03-words-h200).
 
     Tuning override: the environment variable :data:`CONFIG_ENV` (``CKVP_DECODE_CONFIG``) holds a JSON object of
     :class:`DecodeConfig` fields applied over this default, e.g. ``{"num_warps": 8}``, read by every call without an
@@ -411,12 +415,14 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # with 64-column chunks and 64-slot tiles (256 columns 0.262, 8 warps 0.468); at rank 96 1.13 against
             # 1.06 ms, so not there (benchmarks/results/2026-12-03-absorbed-h200)
             cfg = dataclasses.replace(cfg, absorbed=64, block_n_a=64)
-        if table_free and gqa and 32 <= rank_pad <= 128 and (rank_v is None or rank_v <= 128):
+        if (table_free and gqa and 32 <= rank_pad <= 128 and (rank_v is None or rank_v <= 128)
+                and (code_bits is None or code_bits <= 4)):
             # the word pass (latent_attention_words; the absorbed pass above where its layout does not apply):
             # 32:8 heads, int4/32, batch 8, 32k, one call with 64-row tiles: rank 32 0.227 -> 0.191 ms, 64/32
             # 0.579 -> 0.261, 96 1.054 -> 0.653 (32-row tiles 0.221 / 0.404 / 0.898; 128 rows 0.280 / 0.330 /
-            # 0.761; 8 warps slower at every rank); at rank 16 0.134 -> 0.149, so not there
-            # (benchmarks/results/2026-12-03-words-h200)
+            # 0.761; 8 warps slower at every rank); at rank 16 0.134 -> 0.149, so not there; int2/16 rank 64
+            # 0.787 -> 0.437 ms, 16:8 heads 0.669 -> 0.394; but int8/32 rank 32 0.219 -> 0.278 and rank 96 1.047 ->
+            # 1.527, so not for 8-bit codes (benchmarks/results/2026-12-03-words-h200, verify/)
             cfg = dataclasses.replace(cfg, words=True, block_n_w=64)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
@@ -2235,10 +2241,11 @@ def _launch(
         # RoPE (post-RoPE key bases included) no table is read, so nothing limits the table-free paths
         paired = rope_form in ("complex", "none") or (rope_form in ("rotate_half", "interleaved")
                                                       and paired_tables_declared(cos_table, sin_table))
-        kf = parse_latent_format(k_fmt)
+        kf, vf = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
         config = default_config(q.shape[1] // basis_k_block.shape[-3], _np2(basis_k_block.shape[-1]), paired,
                                 rank=basis_k_block.shape[-1], rank_v=basis_v_block.shape[-1],
-                                quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none")
+                                quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none",
+                                code_bits=max(kf.bits, vf.bits) if kf.quantized and vf.quantized else None)
     cfg = config
     chunks = absorbed = lanes = words = None
     table_free_one_pass = mode == "all" and rope_form == "none" and not cfg.fuse_merge

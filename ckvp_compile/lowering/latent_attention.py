@@ -206,7 +206,8 @@ def _autotuning() -> bool:
 
 
 def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free: bool = False,
-                           rank_v: int | None = None, autotuned: bool = False) -> str | None:
+                           rank_v: int | None = None, autotuned: bool = False,
+                           code_bits: int | None = None) -> str | None:
     """Why the plain kernel's default config should run the whole call instead of the template's first config when
     nothing is autotuned, or None. ``heads`` query heads over ``kv_heads`` KV heads, ``rank_max`` the widest key
     rank. The template has neither the rotated / grouped key passes nor the one pass over chunks of KV heads (one
@@ -218,20 +219,22 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free:
     ranks 33-128 it is not measured against the template. At GQA rank 12 an autotuned template was 4% faster than
     the one-pass kernel (benchmarks/results/2026-12-01-checks-h200); without autotuning the template's first config
     is not measured there. ``table_free``: the call reads no RoPE table (rope form 'none': post-RoPE key bases, or
-    no RoPE); where the default then runs a one-pass kernel over chunks of KV heads (lane, absorbed or chunk pass;
+    no RoPE); where the default then runs a table-free one-pass kernel (word, lane, absorbed or chunk pass;
     on the H200 0.37-0.43x the chunk pass's time at 16:16 heads (lane pass), faster than the two passes; 32:8 rank 32
     0.230 ms against 0.501 for the one-pass form), the plain kernel runs it, autotuned or not: the template has no
     such form (``autotuned``: only that reason counts, the template competing otherwise). ``rank_v``: the widest
-    value rank (None: as the keys). The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG``
+    value rank (None: as the keys). ``code_bits``: the widest code of the latents' uniform ``int`` formats (None: not
+    known), as ``default_config`` takes it. The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG``
     as it is then.
 
     Raises:
         ValueError: ``CKVP_DECODE_CONFIG`` is set but not a JSON object of DecodeConfig fields.
     Source: the H200 decode steps of benchmarks/results/2026-12-01-rank-blocks-h200."""
     g = heads // max(kv_heads, 1)
-    cfg = lat.default_config(g, lat._np2(rank_max), paired=True, rank=rank_max, rank_v=rank_v, table_free=table_free)
-    if table_free and (cfg.lanes or cfg.absorbed or cfg.head_chunks):
-        kind = "lane" if cfg.lanes else "absorbed" if cfg.absorbed else "chunk"
+    cfg = lat.default_config(g, lat._np2(rank_max), paired=True, rank=rank_max, rank_v=rank_v, table_free=table_free,
+                             code_bits=code_bits)
+    if table_free and (cfg.words or cfg.lanes or cfg.absorbed or cfg.head_chunks):
+        kind = "word" if cfg.words else "lane" if cfg.lanes else "absorbed" if cfg.absorbed else "chunk"
         return f"no RoPE tables, {g} query head(s) per KV head at rank {rank_max}: the plain kernel's {kind} pass"
     if autotuned:
         return None
@@ -346,6 +349,12 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
     return _api.lowerings[aten.view.default](node, [b, hkv, s, g, kv_len])
 
 
+def _code_bits(k_fmt: str, v_fmt: str) -> int | None:
+    """The widest code of two quantized latent formats (None unless both are quantized)."""
+    kf, vf = parse_latent_format(k_fmt), parse_latent_format(v_fmt)
+    return max(kf.bits, vf.bits) if kf.quantized and vf.quantized else None
+
+
 def tuned_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, cos_table,
                            sin_table, slot_pos, rope_form, rotary_dim, new_k, new_v, slots, attn_mask, scale, kv_len,
                            k_fmt="float", v_fmt="float", page_table=None):
@@ -357,7 +366,8 @@ def tuned_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, 
     if reason is None and (not _autotuning() or rope_form == "none"):
         reason = plain_kernel_preferred(int(q.get_size()[1]), int(basis_k_block.get_size()[0]),
                                         int(basis_k_block.get_size()[2]), table_free=rope_form == "none",
-                                        rank_v=int(basis_v_block.get_size()[-1]), autotuned=_autotuning())
+                                        rank_v=int(basis_v_block.get_size()[-1]), autotuned=_autotuning(),
+                                        code_bits=_code_bits(k_fmt, v_fmt))
     if reason is not None:
         logger.debug("ckvp::latent_attention: one extern call (%s)", reason)
         return _api.fallback_handler(torch.ops.ckvp.latent_attention.default, add_to_fallback_set=False)(

@@ -127,6 +127,7 @@ def _main() -> None:
     assert default_config(4, 128, table_free=True, rank_v=96).words
     assert not default_config(4, 16, table_free=True).words and not default_config(1, 32, table_free=True).words
     assert not default_config(4, 32).words and not default_config(4, 256, table_free=True).words
+    assert not default_config(4, 32, table_free=True, code_bits=8).words  # 8-bit codes: the absorbed pass
     base_tests._check(dict(g4, rk=[32, 24, 32, 8], rv=[32, 16, 8, 32]), None)
     assert lat._LAST_LAUNCH["words"]
     # left to the other kernels: RoPE tables, MX latents, heads off 4-byte words

@@ -60,15 +60,20 @@ def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(
         assert "one-pass" in plain_kernel_preferred(32, 8, rank)
     assert plain_kernel_preferred(16, 16, lat.MAX_ROTATED_RANK + 1) is None
     assert plain_kernel_preferred(32, 8, 129) is None and plain_kernel_preferred(32, 8, 256) is None
-    # no RoPE tables (post-RoPE key bases): the lane pass at one query head per KV head, the absorbed pass for GQA up
-    # to rank 32 (the lowering asks this under max-autotune too: the template has no such form)
+    # no RoPE tables (post-RoPE key bases): the lane pass at one query head per KV head; for GQA the absorbed pass at
+    # rank 16 and the word pass at ranks 32-128 with codes of at most 4 bits (8-bit codes: the absorbed pass up to
+    # rank 32, the one-pass form past it); the lowering asks this under max-autotune too: the template has no such form
     for rank in (8, 32, 96, 128):
         assert "lane pass" in plain_kernel_preferred(16, 16, rank, table_free=True)
-    assert "absorbed pass" in plain_kernel_preferred(32, 8, 32, table_free=True)
-    assert "one-pass" in plain_kernel_preferred(32, 8, 96, table_free=True)  # GQA rank 96: the one-pass form
+    assert "absorbed pass" in plain_kernel_preferred(32, 8, 16, table_free=True)
+    for rank in (32, 96, 128):
+        assert "word pass" in plain_kernel_preferred(32, 8, rank, table_free=True, code_bits=4)
+    assert "absorbed pass" in plain_kernel_preferred(32, 8, 32, table_free=True, code_bits=8)
+    assert "one-pass" in plain_kernel_preferred(32, 8, 96, table_free=True, code_bits=8)
     # autotuned, only those one-pass chunk kernels keep the call from the template
     assert "lane pass" in plain_kernel_preferred(16, 16, 32, table_free=True, autotuned=True)
-    assert plain_kernel_preferred(32, 8, 96, table_free=True, autotuned=True) is None
+    assert "word pass" in plain_kernel_preferred(32, 8, 96, table_free=True, autotuned=True, code_bits=2)
+    assert plain_kernel_preferred(32, 8, 96, table_free=True, autotuned=True, code_bits=8) is None
     # the value rank counts: rank-32 keys with rank-256 values take no lane pass by default
     assert "lane" not in (plain_kernel_preferred(16, 16, 32, table_free=True, rank_v=256) or "")
     monkeypatch.setenv(lat.CONFIG_ENV, '{"two_pass": true}')
