@@ -2,34 +2,40 @@
 
 Applies where the lane pass (:mod:`.latent_attention_lanes`) applies (calls without RoPE tables over uniform
 8/4/2-bit ``int`` latents whose heads start on 4-byte words and whose quantization blocks hold whole words), at
-any GQA ratio. One program takes one (sequence, KV head, query token) and one split of the context; its query
-heads share every read of the code tile, and both products run on the tensor cores, as in the absorbed pass
-(:mod:`.latent_attention_absorbed`), whose scores are ``scale_k * (codes . c)_k + min_k * sum(c)_k`` per
-quantization block ``k`` with ``c = qk_scale * P_h^T q`` the query folded into the key basis (DeepSeek-V2's
-absorption) and whose value latent is ``sum_t p_t * (scale * code + min)``.
+GQA ratios G >= 2 (G = 1 runs the lane pass, 3.4x faster there on the H200). One program takes one (sequence, KV
+head, query token) and one split of the context; its query heads share every read of the code tile, and both
+products run on the tensor cores, as in the absorbed pass (:mod:`.latent_attention_absorbed`): with ``c =
+qk_scale * P_h^T q`` the query folded into the key basis (DeepSeek-V2's absorption), the score of a slot is ``sum_k
+scale_k * (codes . c)_k + min_k * sum(c)_k`` over its quantization blocks ``k``, and the value latent is ``sum_t
+p_t * (scale * code + min)``.
 
 What differs is how codes reach the tensor cores. Each tile loads whole 32-bit words of codes and turns them into
-fp16 operands with logic operations only: ``(word >> 8h) & (mask << k*BITS) | 0x64006400`` holds two fp16 numbers,
+fp16 operands with logic operations: ``(word >> 8h) & (mask << k*BITS) | 0x64006400`` holds two fp16 numbers,
 ``1024 + code * 2^(k*BITS)``, one per 16-bit half (the code sits in the mantissa of 1024; Marlin's and
-FasterTransformer's int4 -> fp16 conversion, without their subtraction). The ``1024`` offsets and the ``2^(k*BITS)``
-factors never get removed code by code:
-
-* keys: the factor divides the folded query's coefficient of that coordinate (exact, a power of two) and the
-  offset comes off once per tile and column: ``raw - 1024 * sum(coefficients)``, the sum taken over the very fp16
-  hi + lo parts the tensor cores multiply, so only fp32 rounding is left of it;
-* values: ``acc[v, :] += (p * scale)^T @ codes`` as is, then ``- 1024 * sum(p * scale)`` per tile, and the factor
-  divides each coordinate once at the end.
+FasterTransformer's int4 -> fp16 conversion). One fp16 subtraction per pair then leaves the centred code
+``(code - 2^(BITS-1)) * 2^(k*BITS)``, exact. The factor ``2^(k*BITS)`` divides the folded query's coefficient of
+that coordinate (exact, a power of two) and each value coordinate once at the end; the centring moves into the
+blocks' mins. (Leaving the 1024 inside the tensor-core product and taking ``1024 * sum(c)`` off afterwards was
+6e-3 off on the H200, whose tensor cores truncate when they add: benchmarks/results/2026-12-03-words-h200.)
 
 The codes of a word come out as parts (the two halves of each logic op's result) that ``tl.join`` interleaves
-into the tile's columns in a fixed order, not the latent's coordinate order; the folded query is gathered, and the
-value latent stored, in that same order (:func:`_word_labels`), so no data moves for it.
+into the tile's columns in a fixed order, the two halves of one result side by side (one 32-bit register, no byte
+permutes), not the latent's coordinate order; the folded query is gathered, and the value latent stored, in that
+same order (:func:`_word_labels`, built by the same join tree), so no data moves for it.
 
-Programs: grid (n_split, B * Hkv, S). Per program, virtual columns ``v = block * GQ + g`` (quantization block of
-the KV head's coordinates, query head g; GQ >= G padded so that there are at least 16, the tensor cores' N)
-carry each block's own scale and min. The coefficients and softmax weights are split into fp16 hi + lo (22
-mantissa bits; the folded query scaled by a power of two into fp16's range). It stores the split's (max, sum,
-value latent) in the workspace layout of ``latent_attention_triton._latent_attention_split_kernel``, which
-``_latent_attention_reduce_kernel`` merges (adding the exact tokens, projecting with the value basis).
+Programs: grid (n_split, B * Hkv, S). A tile is ``NG * BLOCK_N`` slots: tensor-core row n carries the NG slots
+``n * NG + grp`` side by side along K (their codes in columns ``grp * RKP ..``, the coefficients block-diagonal), so
+that the scores' ``NG * blocks * GP`` columns fill the tensor cores' 16 with real (slot group, block, query head)
+entries (GP: G padded to a power of two). The coefficients and softmax weights are split into fp16 hi + lo (22
+mantissa bits; the folded query scaled by a power of two into fp16's range); each tile's value product is added
+to the accumulator in fp32 on the CUDA cores. It stores the split's (max, sum, value latent) in the workspace
+layout of ``latent_attention_triton._latent_attention_split_kernel``, which ``_latent_attention_reduce_kernel``
+merges (adding the exact tokens, projecting with the value basis).
+
+Measured (H200, Triton 3.6, int4/32, 32:8 heads, batch 8, 32k, one call in CUDA-graph replay): rank 32 0.191 ms
+against 0.227 for the absorbed pass, ranks 64/32 0.261 and 96 0.653 against 0.579 and 1.054 for the one-pass
+kernel; 8-bit codes slower than those (1.27-1.46x), so the default takes it for codes of at most 4 bits
+(benchmarks/results/2026-12-03-words-h200). About 10% of the copy bandwidth at rank 32.
 
 Sources (read, not copied): DeepSeek-V2 (arXiv:2405.04434: query and value absorption), FlashDecoding (split-KV +
 reduction), FlashAttention-2 (arXiv:2307.08691: online softmax), Marlin (arXiv:2408.11743) and
@@ -331,18 +337,21 @@ def words_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv
 
     Applies to uniform 8/4/2-bit ``int`` key and value formats (not MX, mix or ternary) whose blocks are powers of
     two holding whole 32-bit words of codes (``block * bits >= 32``), every head with codes starting on a 4-byte
-    word, row-major latents (unit stride 1), any ``group`` (G) whose virtual columns (quantization blocks per
-    padded rank x G padded) stay within :data:`MAX_VIRTUAL_COLUMNS`. The caller checks the rows' byte strides and
-    the scales' fp16 alignment (as for the lane pass).
+    word, row-major latents (unit stride 1), ``group`` (G) >= 2 whose columns (quantization blocks per padded rank
+    x G padded) stay within :data:`MAX_VIRTUAL_COLUMNS` and need at most :data:`MAX_SLOT_GROUPS` slot groups to fill
+    16 (with one block per head: G >= 4; G = 2-3 with two or more key blocks), and whose slot groups' key columns
+    stay within :data:`MAX_KEY_WIDTH`. The caller checks the rows' byte strides and the scales' fp16 alignment (as
+    for the lane pass).
 
     Args:
         group: G; k_fmt / v_fmt: parsed :class:`~ckvp_compile.kernels.latent_format.LatentFormat`; k_offsets /
             v_offsets: (Hkv + 1,) latent coordinate offsets; rk_max / rv_max: the basis blocks' widths;
             *_unit_stride: the latents' last strides.
     Returns:
-        dict(RKP, RVP (padded ranks: powers of two, >= 16, >= one word of codes), GQ (query-head columns per
-        block)) or None. Raises nothing: the launcher then runs the other kernels. Source: the row layout of
-        :func:`~ckvp_compile.kernels.latent_attention_triton._head_meta`.
+        dict(RKP, RVP (padded ranks: powers of two, >= 16, >= one word of codes), GP (G padded to a power of two),
+        NG (slots side by side per tensor-core row: 16 / (GP x key blocks per head), at most
+        :data:`MAX_SLOT_GROUPS`)) or None. Raises nothing: the launcher then runs the other kernels. Source: the
+        row layout of :func:`~ckvp_compile.kernels.latent_attention_triton._head_meta`.
     """
     return _words_layout(int(group), k_fmt, v_fmt, tuple(int(o) for o in k_offsets), tuple(int(o) for o in v_offsets),
                          int(rk_max), int(rv_max), int(k_unit_stride), int(v_unit_stride))

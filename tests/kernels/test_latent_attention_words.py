@@ -6,9 +6,10 @@ Property test (hypothesis, tiny shapes, derandomized): the lane test's cases (no
 query tokens, exact window tokens, masks of several broadcast shapes, pages, padded rows) with word-pass tiles,
 context splits and loop pipelining; the launcher runs the word kernel exactly where its layout and row alignment
 apply. Fixed cases: G = 2-5 with several slot groups per tensor-core row (G = 1 left to the lane pass), several
-quantization blocks per head, a wholly finfo.min-masked head, queries far outside fp16's range (the coefficients' power-of-two scaling), the
-word pass taking precedence over the lane pass, and calls it leaves to the other kernels. Workspaces are filled with
-NaN. Bound: relative error (Frobenius) <= 1e-3.
+quantization blocks per head, a wholly finfo.min-masked head, queries far outside fp16's range (the coefficients'
+power-of-two scaling), the word pass taking precedence over the lane pass, the defaults, and calls it leaves to
+the other kernels. Workspaces are filled with NaN. Bound: relative error (Frobenius) <= 1e-3. A second test checks
+the code unpacking exactly (every code value at 8, 4 and 2 bits against its label).
 """
 
 from __future__ import annotations
