@@ -153,6 +153,14 @@ def _pow2(e):
 
 
 @triton.jit
+def _exponent(x):
+    """int32 exponent of fp32 ``x >= 0`` (``floor(log2(x))`` for normal x), 0 for x == 0 and clamped to [-112,
+    112]: with the offset callers subtract (at most 14) ``_pow2`` of it and of its negation stays in range."""
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.where(x > 0, tl.minimum(tl.maximum(e, -112), 112), 0)
+
+
+@triton.jit
 def _split_fp16(x):
     """fp16 hi + lo of fp32 ``x`` (about 22 mantissa bits together; x within fp16's range)."""
     hi = x.to(tl.float16)
@@ -247,7 +255,7 @@ def _words_attention_kernel(
     # a power of two e brings the largest coefficient to [2^13, 2^14): fp16's range, full precision
     amax = tl.max(tl.max(tl.abs(coef), axis=1), axis=0)
     e = tl.where(amax > 0, ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
-    e = tl.minimum(tl.maximum(e, -100), 100)
+    e = tl.minimum(tl.maximum(e, -126), 114)  # (2^114 * 2^13 is fp32's largest power of two; _pow2 in range)
     c_hi, c_lo = _split_fp16(coef * _pow2(-e))
     k_unit = _pow2(e)
     # each column's offset: 1024 and the centring 2^(BITS-1) of its code, times its factor (subtracted in fp16,
@@ -301,15 +309,21 @@ def _words_attention_kernel(
                                  v_scale_base, v_min_base, NBV, SEGV, V_BITS)  # (TN, NBV)
         alpha_v = tl.reshape(tl.broadcast_to(alpha[None, :], (NBV, GP)), (CV,))
         acc_min = acc_min * alpha_v[None, :] + tl.reshape(p[:, None, :] * vmn[:, :, None], (TN, CV))
-        w = tl.trans(tl.reshape(p[:, None, :] * vsc[:, :, None], (TN, CV)))  # (CV, TN)
+        # the weights p * scale scaled per block by a power of two that brings the tile's largest scale to
+        # [2^14, 2^15): small scales (e.g. 7e-5) would leave p * scale subnormal in fp16 (absolute, not relative
+        # error), large ones stay in range (p <= 1)
+        v_e = _exponent(tl.max(vsc, axis=0)) - 14  # (NBV,)
+        v_unit = tl.reshape(tl.broadcast_to(_pow2(v_e)[:, None], (NBV, GP)), (CV,))
+        w = tl.trans(tl.reshape(p[:, None, :] * (vsc * _pow2(-v_e)[None, :])[:, :, None], (TN, CV)))  # (CV, TN)
         w_hi, w_lo = _split_fp16(tl.reshape(tl.broadcast_to(w[None], (RCOPY, CV, TN)), (RCOPY * CV, TN)))
         vw = tl.load(lv_w + v_offw[:, None] + (v_col + wv)[None, :], mask=ld_ok[:, None] & (wv < v_words)[None, :],
                      other=0)
         vcodes = _codes_fp16(vw, TN, WV, V_BITS) - v_cent[None, :]  # centred code * 2^vs, exact in fp16
         alpha_r = tl.reshape(tl.broadcast_to(alpha_v[None, :], (RCOPY, CV)), (RCOPY * CV,))
+        unit_r = tl.reshape(tl.broadcast_to(v_unit[None, :], (RCOPY, CV)), (RCOPY * CV,))
         # each tile's product from zero, added in fp32 here: carried inside the tensor-core product across tiles
         # the accumulator would be truncated at every tile (as latent_attention_absorbed found on the H200)
-        acc = acc * alpha_r[:, None] + tl.dot(w_lo, vcodes, tl.dot(w_hi, vcodes))
+        acc = acc * alpha_r[:, None] + tl.dot(w_lo, vcodes, tl.dot(w_hi, vcodes)) * unit_r[:, None]
 
     # ---- each coordinate from its block's value row (the first copy), the factor divided out, the min term added
     l_q = tl.sum(l_i, axis=0)

@@ -45,11 +45,11 @@ def _inputs(p: dict):
     if p.get("page"):  # a paged store's logical length is whole pages
         s_max = -(-s_max // p["page"]) * p["page"]
 
-    def latent(ranks, fmt):
+    def latent(ranks, fmt, size=1.0):
         off = [0]
         for r in ranks:
             off.append(off[-1] + r)
-        z = torch.randn(b, s_max, off[-1], generator=g) * 2
+        z = torch.randn(b, s_max, off[-1], generator=g) * 2 * size
         return (quantize_latent_ref(z, off, fmt) if parse_latent_format(fmt).quantized else z.to(dt)), off
 
     def basis(ranks):
@@ -60,7 +60,7 @@ def _inputs(p: dict):
         return m.to(p.get("basis_dtype", dt))
 
     lk, ko = latent(p["rk"], p["kfmt"])
-    lv, vo = latent(p["rv"], p["vfmt"])
+    lv, vo = latent(p["rv"], p["vfmt"], p.get("v_size", 1.0))  # v_size: small value latents (tiny block scales)
     bk, bv = basis(p["rk"]), basis(p["rv"])
     rope, rd = p["rope"], p["rd"]
     w = ref.rope_table_width(rope, rd)

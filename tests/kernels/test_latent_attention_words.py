@@ -114,8 +114,14 @@ def _main() -> None:
             (dict(eq, ratio=5, hkv=3, kv_len=150, rk=[8, 24, 16], rv=[4, 12, 8], kfmt="int4/8", vfmt="int8/4",
                   dtype=torch.float16), dataclasses.replace(cfg0, split=2))):
         assert check(case, c), case
+    # small value latents (block scales near 7e-5 and 7e-6; int8 ones smaller still) and no exact token: the
+    # weights' power-of-two scaling per tile keeps p * scale out of fp16's subnormals (1.3e-3 and 1.3e-2 before)
+    for vs, vf in ((1e-4, "int4/32"), (1e-5, "int4/32"), (1e-3, "int8/32")):
+        p = dict(g4, hkv=1, rk=[32], rv=[32], vfmt=vf, dtype=torch.float32, unused=1, v_size=vs)
+        base_tests._check(p, cfg0)
+        assert lat._LAST_LAUNCH["words"]
     # queries far outside fp16's range either way: the coefficients' power-of-two scaling keeps them exact
-    for qs in (3e4, 1e-5):
+    for qs in (3e4, 1e-5, 1e36):
         p = dict(g4, dtype=torch.float32, q_scale=qs)
         base_tests._check(p, cfg0)
         assert lat._LAST_LAUNCH["words"]
