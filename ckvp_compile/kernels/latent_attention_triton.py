@@ -329,8 +329,8 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     the int codes' own step; a 32:8 rank-96 call at batch 64, 32k 9.14 -> 8.24 ms at rel err 7.6e-4 -> 9.2e-4,
     Mixtral-8x7B's largest batch at 32k 757 -> 856 tokens/s; benchmarks/results/2026-12-01-largebatch-h200);
     without RoPE tables, the absorbed pass up to rank 32 and the word pass (``words``, 64-row tiles) at padded key
-    ranks 32-128 with codes of at most 4 bits (32:8 heads, int4/32, batch 8, 32k, one call: rank 32 0.191 against
-    0.227 ms for the absorbed pass, ranks 64/32 0.261 against 0.579 and 96 0.653 against 1.054 for the one-pass
+    ranks 32-128 with codes of at most 4 bits (32:8 heads, int4/32, batch 8, 32k, one call: rank 32 0.198 against
+    0.230 ms for the absorbed pass, ranks 64/32 0.302 against 0.583 and 96 0.689 against 1.062 for the one-pass
     kernel; rank 16 stays with the absorbed pass, 0.134 against 0.149, and 8-bit codes with the others, 1.27-1.46x
     faster there; benchmarks/results/2026-12-03-words-h200).
 
@@ -418,11 +418,11 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
         if (table_free and gqa and 32 <= rank_pad <= 128 and (rank_v is None or rank_v <= 128)
                 and (code_bits is None or code_bits <= 4)):
             # the word pass (latent_attention_words; the absorbed pass above where its layout does not apply):
-            # 32:8 heads, int4/32, batch 8, 32k, one call with 64-row tiles: rank 32 0.227 -> 0.191 ms, 64/32
-            # 0.579 -> 0.261, 96 1.054 -> 0.653 (32-row tiles 0.221 / 0.404 / 0.898; 128 rows 0.280 / 0.330 /
-            # 0.761; 8 warps slower at every rank); at rank 16 0.134 -> 0.149, so not there; int2/16 rank 64
-            # 0.787 -> 0.437 ms, 16:8 heads 0.669 -> 0.394; but int8/32 rank 32 0.219 -> 0.278 and rank 96 1.047 ->
-            # 1.527, so not for 8-bit codes (benchmarks/results/2026-12-03-words-h200, verify/)
+            # 32:8 heads, int4/32, batch 8, 32k, one call with 64-row tiles: rank 32 0.230 -> 0.198 ms, 64/32
+            # 0.583 -> 0.302, 96 1.062 -> 0.689, int2/16 rank 64 0.809 -> 0.482 (weight-scaling/). Before that
+            # fix: 32-row tiles 0.221 / 0.404 / 0.898, 128 rows 0.280 / 0.330 / 0.761, 8 warps slower at every
+            # rank; rank 16 0.134 -> 0.149, so not there; 16:8 heads 0.669 -> 0.394; but int8/32 rank 32 0.219 ->
+            # 0.278 and rank 96 1.047 -> 1.527, so not for 8-bit codes (benchmarks/results/2026-12-03-words-h200)
             cfg = dataclasses.replace(cfg, words=True, block_n_w=64)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)

@@ -32,8 +32,8 @@ to the accumulator in fp32 on the CUDA cores. It stores the split's (max, sum, v
 layout of ``latent_attention_triton._latent_attention_split_kernel``, which ``_latent_attention_reduce_kernel``
 merges (adding the exact tokens, projecting with the value basis).
 
-Measured (H200, Triton 3.6, int4/32, 32:8 heads, batch 8, 32k, one call in CUDA-graph replay): rank 32 0.191 ms
-against 0.227 for the absorbed pass, ranks 64/32 0.261 and 96 0.653 against 0.579 and 1.054 for the one-pass
+Measured (H200, Triton 3.6, int4/32, 32:8 heads, batch 8, 32k, one call in CUDA-graph replay): rank 32 0.198 ms
+against 0.230 for the absorbed pass, ranks 64/32 0.302 and 96 0.689 against 0.583 and 1.062 for the one-pass
 kernel; 8-bit codes slower than those (1.27-1.46x), so the default takes it for codes of at most 4 bits
 (benchmarks/results/2026-12-03-words-h200). About 10% of the copy bandwidth at rank 32.
 
