@@ -41,8 +41,11 @@ store's tensors (on CPU, sharing its memory as a plain model's state dict shares
 the offloaded model hands ``sd``'s ``<experts>.gate_up_proj`` / ``<experts>.down_proj`` to
 :meth:`ExpertOffloader.load_weights` (host store and resident slots; compiled graphs read them at run time, no
 recompile). An in-place edit of a state-dict tensor (the host store) is seen by the next layer call (its version
-counter moved), which refreshes that layer's resident slots from the host store. The predictors are not refolded
-from new router / norm weights (a stale predictor costs bytes, never correctness).
+counter moved), which refreshes that layer's resident slots from the host store. The predictors follow the model's
+router and norm weights the same way: :func:`offload_experts` keeps those parameters as the predictors' sources, and
+a layer call whose sources were written (``load_state_dict``, an in-place edit, a ``.data`` swap or a new
+``Parameter``: version counter, storage or object changed) refolds that layer's predictors first (a stale
+predictor would cost bytes, never correctness).
 
 Physics (H200, DESIGN.md): a Mixtral-8x7B expert is 352 MB, 6.35 ms over PCIe at 55.5 GB/s, against about 0.2
 to 0.7 ms of compute per MoE layer. Prefetch overlaps copies with compute, it does not make them cheaper: per
@@ -53,7 +56,7 @@ by the hit rate (capacity, policy, routing locality) and by wrong predictions. `
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +104,10 @@ class ExpertOffloader:
         top_k: A. device: where the slots live and the experts compute.
         predictors: per layer L, the (E, Dm) predictors of layers L+1 .. L+lookahead (see
             :func:`fold_norm_predictor`); ``None``: no prediction (on-demand only, no recall statistics).
+        predictor_sources: per layer L and predicted layer, a callable returning the current
+            ``(router_next, norm_next, norm_this)`` tensors its predictor is folded from (``predictors``' nesting;
+            norms may be None), e.g. the model's live parameters: a layer call after one of them was written or
+            replaced refolds that layer's predictors. None: the predictors are fixed.
         prefetch: issue the predicted copies (False: predictions are still scored for recall).
         margin: predicted experts per token beyond A. lookahead: layers predicted ahead (>= 1).
         policy: one of :data:`~ckvp_compile.runtime.offload_policy.POLICIES`.
@@ -115,7 +122,8 @@ class ExpertOffloader:
     def __init__(self, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor], *, resident: int, top_k: int,
                  device: torch.device | str, predictors: Sequence[Sequence[torch.Tensor]] | None = None,
                  prefetch: bool = True, margin: int = 0, lookahead: int = 1, policy: str = "lfu",
-                 measure_stalls: bool = True, share_host: bool = False) -> None:
+                 measure_stalls: bool = True, share_host: bool = False,
+                 predictor_sources: Sequence[Sequence[Callable[[], tuple]]] | None = None) -> None:
         if len(gate_up) != len(down) or not gate_up:
             raise CKVPShapeError(f"gate_up and down must list the same layers (>= 1), got {len(gate_up)} and {len(down)}")
         e, two_i, dm = gate_up[0].shape
@@ -163,6 +171,13 @@ class ExpertOffloader:
             if len(predictors) != self.num_layers:
                 raise CKVPShapeError(f"predictors must have one entry per layer ({self.num_layers}), got {len(predictors)}")
             self.predictors = [[p.detach().to(self.device, self.dtype) for p in ps[: lookahead]] for ps in predictors]
+        self._sources = None
+        if predictor_sources is not None:
+            if self.predictors is None or [len(s) for s in predictor_sources] != [len(p) for p in predictors]:
+                raise CKVPShapeError("predictor_sources must have the nesting of predictors (one callable returning "
+                                     "(router_next, norm_next, norm_this) per predictor)")
+            self._sources = [list(srcs[: lookahead]) for srcs in predictor_sources]
+            self._source_stamps = [self._stamp(n) for n in range(self.num_layers)]
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.measure_stalls = measure_stalls and cuda
         self._ready: list[list[Any]] = [[None] * resident for _ in range(self.num_layers)]
@@ -231,6 +246,25 @@ class ExpertOffloader:
             torch.cuda.synchronize(self.device)
         self._host_versions[layer] = self._host_version(layer)
 
+    def _stamp(self, layer: int) -> tuple:
+        """(object, version, storage pointer) of every source tensor of ``layer``'s predictors."""
+        return tuple((id(t), t._version, t.data_ptr()) for src in self._sources[layer] for t in src() if t is not None)
+
+    def refold_predictors(self, layer: int | None = None) -> None:
+        """Fold ``layer``'s predictors (every layer's when None) again from their sources' current values
+        (:func:`fold_norm_predictor`); a layer call does it by itself when a source was written.
+
+        Raises:
+            CKVPConfigError: the offloader has no predictor sources (built with fixed ``predictors``).
+        """
+        if self._sources is None:
+            raise CKVPConfigError("this offloader's predictors were given as fixed tensors (no predictor_sources): "
+                                  "nothing to refold from; build it with offload_experts")
+        for n in range(self.num_layers) if layer is None else (layer,):
+            self.predictors[n] = [fold_norm_predictor(*src()).detach().to(self.device, self.dtype)
+                                  for src in self._sources[n]]
+            self._source_stamps[n] = self._stamp(n)
+
     def _host_version(self, layer: int) -> tuple[int, int] | None:
         """The version counters of layer ``layer``'s host store (they move with every in-place write, also through
         the state dict's tensors, which share them); None for inference tensors (no counter)."""
@@ -279,6 +313,8 @@ class ExpertOffloader:
                                  f"dtype and device), got {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
         if self._host_versions[layer] is not None and self._host_version(layer) != self._host_versions[layer]:
             self._refill(layer)  # the host store was written in place (a state-dict tensor): slots follow
+        if self._sources is not None and self._stamp(layer) != self._source_stamps[layer]:
+            self.refold_predictors(layer)  # router / norm weights were written (load_state_dict): refold
         t, a = topk_ids.shape
         targets = []
         if self.predictors is not None:
@@ -466,12 +502,24 @@ def _find_moe_layers(model: torch.nn.Module) -> list[dict[str, Any]]:
             continue
         parent_path, _, attr = name.rpartition(".")
         block = _submodule(model, parent_path) if parent_path else model
-        router = getattr(getattr(block, "gate", None), "weight", None)
+        router_mod = getattr(block, "gate", None)
         layer_path = parent_path.rpartition(".")[0]
         layer_mod = _submodule(model, layer_path) if layer_path else None
-        norm = getattr(getattr(layer_mod, "post_attention_layernorm", None), "weight", None)
-        found.append(dict(name=name, module=mod, block=block, attr=attr, router=router, norm=norm))
+        norm_mod = getattr(layer_mod, "post_attention_layernorm", None)
+        found.append(dict(name=name, module=mod, block=block, attr=attr, router=getattr(router_mod, "weight", None),
+                          norm=getattr(norm_mod, "weight", None), router_mod=router_mod, norm_mod=norm_mod))
     return found
+
+
+def _live_sources(nxt: dict[str, Any], this: dict[str, Any] | None) -> Callable[[], tuple]:
+    """The predictor sources of :class:`ExpertOffloader`: the current router weight of layer ``nxt`` and (norm
+    predictor) the norm weights of ``nxt`` and ``this``, read from their modules at each call."""
+    def sources() -> tuple:
+        router = nxt["router_mod"].weight
+        if this is None:
+            return router, None, None
+        return router, getattr(nxt["norm_mod"], "weight", None), getattr(this["norm_mod"], "weight", None)
+    return sources
 
 
 def _check_experts_module(name: str, mod: torch.nn.Module) -> None:
@@ -507,7 +555,8 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
         predictor: "norm" (next router on the next layer's RMSNorm of the residual stream; default) or "router"
             (next router on this layer's MoE input).
     Returns:
-        The :class:`ExpertOffloader`: ``.stats()``, ``.reset_stats()``, ``.close()``.
+        The :class:`ExpertOffloader`: ``.stats()``, ``.reset_stats()``, ``.close()`` (its predictors refold by
+        themselves when the model's router or norm weights change, e.g. ``load_state_dict``).
     Raises:
         CKVPConfigError: no offloadable experts module, an unsupported experts layout, or a value out of range.
     """
@@ -528,20 +577,23 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
                                                                    "num_experts_per_tok", None)
     if top_k is None:
         raise CKVPConfigError("offload_experts: cannot find the top-k (block.top_k or config.num_experts_per_tok)")
-    predictors = None
+    predictors = sources = None
     if all(info["router"] is not None and tuple(info["router"].shape) == (e, first.gate_up_proj.shape[2])
            for info in layers):
-        predictors = []
+        predictors, sources = [], []
         for n, info in enumerate(layers):
-            ps = []
+            ps, ss = [], []
             for nxt in layers[n + 1: n + 1 + lookahead]:
                 norms = (nxt["norm"], info["norm"]) if predictor == "norm" else (None, None)
                 ps.append(fold_norm_predictor(nxt["router"], *norms))
+                ss.append(_live_sources(nxt, info if predictor == "norm" else None))
             predictors.append(ps)
+            sources.append(ss)
     offloader = ExpertOffloader([info["module"].gate_up_proj for info in layers],
                                 [info["module"].down_proj for info in layers], resident=resident, top_k=int(top_k),
                                 device=first.gate_up_proj.device, predictors=predictors, prefetch=prefetch,
-                                margin=margin, lookahead=lookahead, policy=policy, measure_stalls=measure_stalls)
+                                margin=margin, lookahead=lookahead, policy=policy, measure_stalls=measure_stalls,
+                                predictor_sources=sources)
     for n, info in enumerate(layers):
         setattr(info["block"], info["attr"], OffloadedExperts(offloader.handle, n, e))
     return offloader

@@ -194,3 +194,60 @@ def test_replay_of_the_real_routing_matches_the_offloader(fixture_windows):
     r = prediction_recall(trace, "norm", 1, 0)
     assert 0.5 < r <= prediction_recall(trace, "norm", 1, 1) <= 1.0
     handle.close()
+
+
+def _expected_predictors(model, predictor):
+    from ckvp_compile.runtime.offload import _find_moe_layers
+
+    layers = _find_moe_layers(model)
+    out = []
+    for n, info in enumerate(layers[:-1]):
+        nxt = layers[n + 1]
+        norms = (nxt["norm"], info["norm"]) if predictor == "norm" else (None, None)
+        out.append(fold_norm_predictor(nxt["router"], *norms))
+    return out
+
+
+@pytest.mark.parametrize("predictor", ["norm", "router"])
+@torch.no_grad()
+def test_predictors_follow_new_router_and_norm_weights(fixture_windows, predictor):
+    """load_state_dict, an in-place edit and a replaced Parameter of a router or norm refold the predictors at
+    the next layer call (stale ones would prefetch the wrong experts); outputs stay the plain model's."""
+    model = load_fixture_model()
+    handle = offload_experts(model, resident=2, margin=1, predictor=predictor)
+    other = load_fixture_model()
+    g = torch.Generator().manual_seed(3)
+    for name, p in other.named_parameters():
+        if name.endswith(("gate.weight", "post_attention_layernorm.weight")):
+            p.copy_(torch.randn(p.shape, generator=g))
+    before = [p[0].clone() for p in handle.predictors[:-1]]
+    model.load_state_dict(other.state_dict())
+    model(fixture_windows[0])
+    want = _expected_predictors(model, predictor)
+    for n, w in enumerate(want):
+        torch.testing.assert_close(handle.predictors[n][0], w)
+        assert not torch.equal(handle.predictors[n][0], before[n])
+    torch.testing.assert_close(model(fixture_windows[1]).logits, other(fixture_windows[1]).logits,
+                               rtol=1e-4, atol=1e-4)
+    layer1 = model.model.layers[1]
+    layer1.mlp.gate.weight.mul_(-1.0)  # in place
+    model(fixture_windows[0])
+    torch.testing.assert_close(handle.predictors[0][0], _expected_predictors(model, predictor)[0])
+    layer2 = model.model.layers[2]
+    layer2.mlp.gate.weight = torch.nn.Parameter(torch.randn(layer2.mlp.gate.weight.shape, generator=g))  # replaced
+    model(fixture_windows[0])
+    torch.testing.assert_close(handle.predictors[1][0], _expected_predictors(model, predictor)[1])
+    handle.refold_predictors()  # explicit: a no-op here, every source is current
+    torch.testing.assert_close(handle.predictors[1][0], _expected_predictors(model, predictor)[1])
+    handle.close()
+
+
+def test_refold_without_sources_names_the_fix():
+    gu, dn = _weights(2, 3, 4, 8, 0)
+    off = ExpertOffloader(gu, dn, resident=2, top_k=1, device="cpu", predictors=[[torch.randn(3, 8)], []])
+    with pytest.raises(CKVPConfigError, match="offload_experts"):
+        off.refold_predictors()
+    with pytest.raises(Exception, match="nesting of predictors"):
+        ExpertOffloader(gu, dn, resident=2, top_k=1, device="cpu", predictors=[[torch.randn(3, 8)], []],
+                        predictor_sources=[[], []])
+    off.close()
