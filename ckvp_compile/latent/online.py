@@ -5,8 +5,9 @@
 
 No calibration data is needed. At each sequence's prefill (the first compiled call of the sequence, which must
 hold at least two tokens) the backend fits, for every layer group and KV head, the top-``r`` eigenvectors of the
-prompt's stacked pre-RoPE keys (and of its values), ``ckvp::online_basis_fit``, as xKV does per prompt; later
-chunks and decode steps project onto that basis. The bases are per-sequence state (B x Hkv x G*D x r per group
+prompt's stacked pre-RoPE keys (``key_space="post_rope"``: the keys as cached, after RoPE, so that decode scores
+them with no RoPE rebuild, as calibrated post-RoPE bases do) and of its values, ``ckvp::online_basis_fit``, as xKV
+does per prompt; later chunks and decode steps project onto that basis. The bases are per-sequence state (B x Hkv x G*D x r per group
 and kind), counted in :meth:`~ckvp_compile.runtime.store.LatentKVStore.nbytes` with the latents, so they pay
 off only at contexts much longer than G*D tokens. Not built: refreshing the basis during decode.
 
@@ -20,12 +21,13 @@ import math
 import torch
 
 from ..errors import CKVPConfigError
-from .bases import LatentBases, check_target_ratio, model_fingerprint
+from .bases import LatentBases, check_target_ratio, key_space_error, model_fingerprint
 
 __all__ = ["online_bases"]
 
 
-def online_bases(model: torch.nn.Module, group_size: int = 4, kv_ratio: float = 4.0) -> LatentBases:
+def online_bases(model: torch.nn.Module, group_size: int = 4, kv_ratio: float = 4.0,
+                 key_space: str = "pre_rope") -> LatentBases:
     """Return :class:`LatentBases` with ``online=True``: groups and uniform ranks, no fitted bases.
 
     Args:
@@ -33,12 +35,16 @@ def online_bases(model: torch.nn.Module, group_size: int = 4, kv_ratio: float = 
         group_size: G, layers per group (1, 2, 4 or 8); a last group may be shorter.
         kv_ratio: dense / latent elements per token (rho >= 1): every (group, head, K/V) keeps
             ``floor(G_g*D / rho)`` (at least 1) latent coordinates. The per-sequence bases are extra bytes.
+        key_space: 'pre_rope' (default: RoPE re-applied at decode) or 'post_rope' (the key bases are fitted to the
+            keys as cached; :attr:`LatentBases.key_space`).
     Returns:
         LatentBases whose basis tensors are zero placeholders (Hkv, G_g*D, r) and whose eigenvalues are zero.
     Raises:
         CKVPConfigError: the model's config has no layer count, KV heads or head dim, or a bad
-            group_size / kv_ratio.
+            group_size / kv_ratio / key_space.
     """
+    if key_space_error(key_space):
+        raise CKVPConfigError(key_space_error(key_space))
     if group_size not in (1, 2, 4, 8):
         raise CKVPConfigError(f"group_size must be one of 1, 2, 4, 8, got {group_size!r}")
     fp = model_fingerprint(model)
@@ -55,4 +61,5 @@ def online_bases(model: torch.nn.Module, group_size: int = 4, kv_ratio: float = 
     eig = tuple(torch.zeros(hkv, len(g) * d, dtype=torch.float64) for g in groups)
     return LatentBases(groups=groups, num_kv_heads=hkv, head_dim=d, group_size=group_size, target_ratio=kv_ratio,
                        rank_allocation="uniform", k_basis=zeros, v_basis=zeros, k_ranks=ranks, v_ranks=ranks,
-                       k_eigenvalues=eig, v_eigenvalues=eig, model_fingerprint=fp, num_tokens=0, online=True)
+                       k_eigenvalues=eig, v_eigenvalues=eig, model_fingerprint=fp, num_tokens=0, online=True,
+                       key_space=key_space)

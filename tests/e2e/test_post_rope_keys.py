@@ -221,3 +221,56 @@ def test_post_rope_at_ratio_2_is_lossy_and_smaller(shape, family, group_size):
     nb = cache.store.nbytes()
     assert nb.latent * 2 <= nb.dense_equivalent * 1.1, (nb.latent, nb.dense_equivalent)
     assert cache.store.rope_paired is None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_online_post_rope_bases_full_rank_equal_dense_without_rope_rebuild(family):
+    """Online bases fitted to the keys as cached (``online_bases(key_space='post_rope')``): at full rank the
+    per-sequence bases span every post-RoPE key, so logits equal dense, and no graph rebuilds RoPE; a bad key_space
+    names the valid ones."""
+    from ckvp_compile.errors import CKVPConfigError
+    from ckvp_compile.latent import online_bases
+
+    model = build_hf_moe(family, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+    bases = online_bases(model, group_size=2, kv_ratio=1.0, key_space=POST)
+    assert bases.online and bases.key_space == POST
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    rec = CompileRecorder()
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
+    assert_close_all(eager, latent)
+    assert cache.store.rope_paired is None
+    _assert_no_rope_rebuild(rec, 3)
+    assert sum(g.dynamo_after.count("ckvp.online_basis_fit.default(") for g in rec.graphs[:1]) == 4
+    with pytest.raises(CKVPConfigError, match="post_rope"):
+        online_bases(model, group_size=2, kv_ratio=1.0, key_space="after_rope")
+
+
+def test_online_bases_fit_the_keys_of_their_key_space():
+    """Online bases at rank 1 per layer (D = 16, ratio 16) on keys confined to channel 0 and values of rank 1: the
+    pre-RoPE keys of a prompt span one direction, so online pre-RoPE bases are exact; RoPE rotates them over the
+    (0, D/2) plane, so online post-RoPE bases fitted to the cached keys at that rank are lossy (logits move by
+    > 1e-2), and at rank 2 per layer (ratio 8, values of rank 2) exact again: the online fit really sees the keys
+    of its key space."""
+    from ckvp_compile.latent import online_bases
+
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    _keep_key_channels(model, (0,))
+    _make_v_low_rank(model, 1)
+    ids = torch.randint(0, 256, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+
+    def run(space, ratio):
+        bases = online_bases(model, group_size=1, kv_ratio=ratio, key_space=space)
+        cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+        return bases, hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager")))
+
+    pre, pre_logits = run("pre_rope", 16.0)
+    narrow, narrow_logits = run(POST, 16.0)
+    wide, wide_logits = run(POST, 8.0)
+    assert {r for rs in pre.k_ranks + narrow.k_ranks for r in rs} == {1}
+    assert {r for rs in wide.k_ranks for r in rs} == {2}
+    assert_close_all(eager, pre_logits, tol=1e-3)
+    assert_close_all(eager, wide_logits, tol=1e-3)
+    assert max((a - b).abs().max().item() for a, b in zip(eager, narrow_logits)) > 1e-2
