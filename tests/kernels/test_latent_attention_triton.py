@@ -194,6 +194,32 @@ def _check(p: dict, config=None) -> float:
     return err
 
 
+def check_as_close_as_per_head(p: dict, config, kernel: str) -> None:
+    """:func:`_check`, except for bf16 / fp16 outputs where the reference's own rounding puts every kernel past
+    ``TOL``: there the pass recorded as ``_LAST_LAUNCH[kernel]`` (absorbed, lanes, words) must be as close as the
+    per-head kernels (within 10%) and within 4e-3. Keeps ``_LAST_LAUNCH[kernel]`` of the call under test."""
+    import torch
+
+    from ckvp_compile.kernels import latent_attention_triton as lat_mod
+    from ckvp_compile.kernels.latent_attention_triton import DecodeConfig
+
+    global TOL
+    try:
+        _check(p, config)
+    except AssertionError:
+        if p["dtype"] == torch.float32:
+            raise
+        tol, TOL = TOL, 1.0
+        try:
+            err = _check(p, config)
+            ran = lat_mod._LAST_LAUNCH[kernel]
+            err_other = _check(p, DecodeConfig(num_warps=1, min_tiles=1, target_programs=8))
+        finally:
+            TOL = tol
+        lat_mod._LAST_LAUNCH[kernel] = ran
+        assert err <= min(4e-3, 1.1 * err_other), (p, config, err, err_other)
+
+
 def _check_property(n_examples: int) -> None:
     """Hypothesis over tiny shapes (runs in the interpreted child)."""
     import torch
