@@ -144,13 +144,16 @@ def _row_line(r: dict[str, Any]) -> str:
 
 
 def _fixture_label(meta: dict[str, Any], row: dict[str, Any]) -> str:
-    """A fixture row's latent format, with the run's dense recent window, key-rank cap, non-default latent group
-    size (``G=1``), post-RoPE key bases (``--key-space post_rope``) and non-default calibration windows when it had
-    them (other calibration windows also move the prompts, which start after them: ``bench.decode_fixture``)."""
+    """A fixture row's latent format, with a planned row's non-default bit-plan blocks (``mix/64``), the run's dense
+    recent window, key-rank cap, non-default latent group size (``G=1``), post-RoPE key bases (``--key-space
+    post_rope``) and non-default calibration windows when it had them (other calibration windows also move the
+    prompts, which start after them: ``bench.decode_fixture``)."""
     w, cap, g = meta.get("recent_window") or 0, meta.get("max_key_rank"), meta.get("group_size")
     cw = meta.get("calib_windows")
     latent = row["latent_format"] and row["ratio_requested"] is not None  # not dense, nor its bf16-KV floor
-    return ((row["latent_format"] or "-") + (f", window {w}" if w and latent else "")
+    blocks = row.get("planned_format") or meta.get("planned_format")
+    return ((row["latent_format"] or "-") + (f" {blocks}" if latent and blocks not in (None, "mix/32") else "")
+            + (f", window {w}" if w and latent else "")
             + (f", K<={cap}" if cap and latent else "")
             + (f", G={g}" if latent and g not in (None, DEFAULT_GROUP_SIZE) else "")
             + (", post-RoPE keys" if latent and meta.get("key_space") == "post_rope" else "")
