@@ -37,7 +37,7 @@ from ..config import GROUP_SIZES, CKVPConfig
 from ..errors import CKVPConfigError, CKVPError
 from ..plan import make_layer_groups
 from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, key_space_error, model_fingerprint
-from .capture import prefill, uncompiled_forward
+from .capture import is_gpt_fast, is_hf_causal_lm, prefill, uncompiled_forward
 from .ranks import RANK_ALLOCATIONS, max_key_rank_error, rank_block_error
 
 __all__ = ["KVMoments", "calibrate", "collect_kv_moments"]
@@ -490,9 +490,18 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
     if reasons:
         why = " ".join(dict.fromkeys(reasons))
     elif attn:
-        why = (f"attention was found in layers {sorted({s.layer for s in attn})} but no KV-cache write: the forward "
-               "ran without a static cache. Fix: pass a model driven with a static cache (HF StaticCache, gpt-fast "
-               "setup_caches).")
+        layers = sorted({s.layer for s in attn})
+        if is_hf_causal_lm(model) or is_gpt_fast(model):
+            how = ("a Hugging Face StaticCache" if is_hf_causal_lm(model) else "the caches of setup_caches()")
+            why = (f"attention was found in layers {layers} but no KV-cache write: calibrate ran the prefill with "
+                   f"{how}, and no layer wrote its keys and values into it (an attention that ignores the cache it "
+                   "is given, or keeps its own). Fix: load the model with a standard attention implementation "
+                   "(attn_implementation='sdpa' or 'eager') that writes the cache it is passed.")
+        else:
+            why = (f"attention was found in layers {layers} but no KV-cache write: calibrate drives a Hugging Face "
+                   "causal LM (with a StaticCache) or a gpt-fast style model (setup_caches, then model(ids, "
+                   f"input_pos)); {type(model).__name__} is neither, so it ran as model(input_ids), without a KV "
+                   "cache. Fix: pass a Hugging Face causal LM or a gpt-fast style model (a wrapper: the model it wraps).")
     elif not backend.analyses:
         why = "Dynamo captured no graph (the model ran eagerly). Fix: make the forward traceable by torch.compile."
     else:

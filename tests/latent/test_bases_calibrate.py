@@ -346,7 +346,8 @@ def test_errors_name_the_fix():
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.inner(ids)  # input_pos=None: no KV cache
 
-    with pytest.raises(CKVPConfigError, match="no attention layer with a usable KV cache.*no KV-cache write"):
+    with pytest.raises(CKVPConfigError, match="no attention layer with a usable KV cache.*no KV-cache write.*"
+                                              "Cacheless is neither.*Fix: pass a Hugging Face causal LM"):
         calibrate(Cacheless(model), samples, progress=False)
 
 
@@ -627,3 +628,16 @@ def test_weighted_key_basis_of_post_rope_keys_is_plain_pca_and_says_why(caplog):
         (w,) = m.weights("k")
     assert torch.equal(w, torch.eye(4, dtype=torch.float64).expand(2, 4, 4))
     assert "post-RoPE keys get plain PCA" in caplog.text and "no query" not in caplog.text
+
+
+def test_hf_model_that_never_writes_its_cache_names_the_attention(monkeypatch):
+    """An HF model whose layers never write the StaticCache calibrate passes (its update returns the new keys and
+    values untouched, as an attention keeping its own cache would): the error says calibrate did pass a cache and
+    names the attention implementation as the fix, not the caller's cache."""
+    from transformers import StaticCache
+
+    model = build_hf_moe("mixtral", num_layers=2)
+    monkeypatch.setattr(StaticCache, "update", lambda self, k, v, *args, **kwargs: (k, v))
+    with pytest.raises(CKVPConfigError, match="no KV-cache write: calibrate ran the prefill with a Hugging Face "
+                                              "StaticCache.*Fix: load the model with a standard attention"):
+        calibrate(model, [torch.randint(0, 256, (1, 16))], progress=False)
