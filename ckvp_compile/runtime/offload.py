@@ -247,8 +247,10 @@ class ExpertOffloader:
         self._host_versions[layer] = self._host_version(layer)
 
     def _stamp(self, layer: int) -> tuple:
-        """(object, version, storage pointer) of every source tensor of ``layer``'s predictors."""
-        return tuple((id(t), t._version, t.data_ptr()) for src in self._sources[layer] for t in src() if t is not None)
+        """(object, version, storage pointer) of every source tensor of ``layer``'s predictors (inference tensors
+        have no version counter: -1, their object and storage still count)."""
+        return tuple((id(t), -1 if t.is_inference() else t._version, t.data_ptr())
+                     for src in self._sources[layer] for t in src() if t is not None)
 
     def refold_predictors(self, layer: int | None = None) -> None:
         """Fold ``layer``'s predictors (every layer's when None) again from their sources' current values

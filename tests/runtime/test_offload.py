@@ -251,3 +251,21 @@ def test_refold_without_sources_names_the_fix():
         ExpertOffloader(gu, dn, resident=2, top_k=1, device="cpu", predictors=[[torch.randn(3, 8)], []],
                         predictor_sources=[[], []])
     off.close()
+
+
+def test_predictor_sources_may_be_inference_tensors():
+    """Router / norm weights made under torch.inference_mode() have no version counter: the stamp check must not
+    raise, and a replaced tensor is still seen (object and storage)."""
+    gu, dn = _weights(2, 3, 4, 8, 1)
+    with torch.inference_mode():
+        router = [torch.randn(3, 8)]
+    src = lambda: (router[0], None, None)  # noqa: E731
+    off = ExpertOffloader(gu, dn, resident=2, top_k=1, device="cpu", predictors=[[fold_norm_predictor(router[0], None,
+                          None)], []], predictor_sources=[[src], []])
+    hidden, ids, w = torch.randn(5, 8), torch.randint(0, 3, (5, 1)), torch.ones(5, 1)
+    off.forward(0, hidden, ids, w)
+    with torch.inference_mode():
+        router[0] = torch.randn(3, 8)
+    off.forward(0, hidden, ids, w)
+    torch.testing.assert_close(off.predictors[0][0], router[0])
+    off.close()
