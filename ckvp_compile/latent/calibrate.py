@@ -491,12 +491,20 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
         why = " ".join(dict.fromkeys(reasons))
     elif attn:
         layers = sorted({s.layer for s in attn})
-        if is_hf_causal_lm(model) or is_gpt_fast(model):
-            how = ("a Hugging Face StaticCache" if is_hf_causal_lm(model) else "the caches of setup_caches()")
+        if is_hf_causal_lm(model):
+            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            fix = ("load the model with attn_implementation='sdpa' (or 'eager'), which writes the cache it is passed"
+                   if impl not in ("sdpa", "eager") else
+                   "check that each attention layer calls past_key_values.update(...) and attends over what it "
+                   "returns (a patched or custom attention module that keeps its own cache cannot be rewritten)")
+            why = (f"attention was found in layers {layers} but no KV-cache write: calibrate ran the prefill with a "
+                   f"Hugging Face StaticCache (attention implementation {impl!r}), and no layer wrote its keys and "
+                   f"values into it. Fix: {fix}.")
+        elif is_gpt_fast(model):
             why = (f"attention was found in layers {layers} but no KV-cache write: calibrate ran the prefill with "
-                   f"{how}, and no layer wrote its keys and values into it (an attention that ignores the cache it "
-                   "is given, or keeps its own). Fix: load the model with a standard attention implementation "
-                   "(attn_implementation='sdpa' or 'eager') that writes the cache it is passed.")
+                   "the caches of setup_caches(), and no layer wrote its keys and values into them. Fix: each "
+                   "attention must write its cache in place (kv_cache.update(input_pos, k, v)) and attend over the "
+                   "tensors that update returns.")
         else:
             why = (f"attention was found in layers {layers} but no KV-cache write: calibrate drives a Hugging Face "
                    "causal LM (with a StaticCache) or a gpt-fast style model (setup_caches, then model(ids, "

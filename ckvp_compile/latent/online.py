@@ -57,9 +57,13 @@ def online_bases(model: torch.nn.Module, group_size: int = 4, kv_ratio: float = 
         raise CKVPConfigError(f"kv_ratio must be a number >= 1, got {kv_ratio!r}")
     check_target_ratio(kv_ratio, layers * hkv * d * 2, 2 * len(groups) * hkv)
     ranks = tuple(tuple(max(1, math.floor(len(g) * d / kv_ratio)) for _ in range(hkv)) for g in groups)
-    zeros = tuple(torch.zeros(hkv, len(g) * d, r[0]) for g, r in zip(groups, ranks))
-    eig = tuple(torch.zeros(hkv, len(g) * d, dtype=torch.float64) for g in groups)
+    def zeros() -> tuple[torch.Tensor, ...]:  # K and V get their own tensors (safetensors refuses shared ones)
+        return tuple(torch.zeros(hkv, len(g) * d, r[0]) for g, r in zip(groups, ranks))
+
+    def eig() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(hkv, len(g) * d, dtype=torch.float64) for g in groups)
+
     return LatentBases(groups=groups, num_kv_heads=hkv, head_dim=d, group_size=group_size, target_ratio=kv_ratio,
-                       rank_allocation="uniform", k_basis=zeros, v_basis=zeros, k_ranks=ranks, v_ranks=ranks,
-                       k_eigenvalues=eig, v_eigenvalues=eig, model_fingerprint=fp, num_tokens=0, online=True,
+                       rank_allocation="uniform", k_basis=zeros(), v_basis=zeros(), k_ranks=ranks, v_ranks=ranks,
+                       k_eigenvalues=eig(), v_eigenvalues=eig(), model_fingerprint=fp, num_tokens=0, online=True,
                        key_space=key_space)

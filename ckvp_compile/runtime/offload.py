@@ -43,9 +43,11 @@ the offloaded model hands ``sd``'s ``<experts>.gate_up_proj`` / ``<experts>.down
 recompile). An in-place edit of a state-dict tensor (the host store) is seen by the next layer call (its version
 counter moved), which refreshes that layer's resident slots from the host store. The predictors follow the model's
 router and norm weights the same way: :func:`offload_experts` keeps those parameters as the predictors' sources, and
-a layer call whose sources were written (``load_state_dict``, an in-place edit, a ``.data`` swap or a new
-``Parameter``: version counter, storage or object changed) refolds that layer's predictors first (a stale
-predictor would cost bytes, never correctness).
+a layer call whose sources were written or replaced (``load_state_dict``, an in-place edit, a ``.data`` swap, a
+new ``Parameter`` or a new router / norm module: version counter, storage or object changed) refolds that layer's
+predictors first (a stale predictor would cost bytes, never correctness). Writes through ``.data`` in place
+(``w.data.copy_(x)``) move ``.data``'s own version counter, not the parameter's, so they are not seen: call
+:meth:`ExpertOffloader.refold_predictors` after them.
 
 Physics (H200, DESIGN.md): a Mixtral-8x7B expert is 352 MB, 6.35 ms over PCIe at 55.5 GB/s, against about 0.2
 to 0.7 ms of compute per MoE layer. Prefetch overlaps copies with compute, it does not make them cheaper: per
@@ -55,6 +57,7 @@ by the hit rate (capacity, policy, routing locality) and by wrong predictions. `
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -177,6 +180,7 @@ class ExpertOffloader:
                 raise CKVPShapeError("predictor_sources must have the nesting of predictors (one callable returning "
                                      "(router_next, norm_next, norm_this) per predictor)")
             self._sources = [list(srcs[: lookahead]) for srcs in predictor_sources]
+            self._stamped: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]
             self._source_stamps = [self._stamp(n) for n in range(self.num_layers)]
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.measure_stalls = measure_stalls and cuda
@@ -248,20 +252,31 @@ class ExpertOffloader:
 
     def _stamp(self, layer: int) -> tuple:
         """(object, version, storage pointer) of every source tensor of ``layer``'s predictors (inference tensors
-        have no version counter: -1, their object and storage still count)."""
-        return tuple((id(t), -1 if t.is_inference() else t._version, t.data_ptr())
-                     for src in self._sources[layer] for t in src() if t is not None)
+        have no version counter: -1, their object and storage still count). The stamped tensors are held (a few
+        (E, Dm) and (Dm,) weights) so that a freed storage's address cannot come back as a new weight's."""
+        tensors = [t for src in self._sources[layer] for t in src() if t is not None]
+        self._stamped[layer] = [t.detach() for t in tensors]
+        return tuple((id(t), -1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors)
+
+    def _changed(self, layer: int) -> bool:
+        """Whether ``layer``'s predictor sources moved since its last fold."""
+        return self._stamp(layer) != self._source_stamps[layer]
 
     def refold_predictors(self, layer: int | None = None) -> None:
         """Fold ``layer``'s predictors (every layer's when None) again from their sources' current values
         (:func:`fold_norm_predictor`); a layer call does it by itself when a source was written.
 
         Raises:
-            CKVPConfigError: the offloader has no predictor sources (built with fixed ``predictors``).
+            CKVPConfigError: the offloader has no predictor sources (built with fixed ``predictors``), was closed,
+                or ``layer`` is out of range.
         """
         if self._sources is None:
             raise CKVPConfigError("this offloader's predictors were given as fixed tensors (no predictor_sources): "
                                   "nothing to refold from; build it with offload_experts")
+        if not self.host_gate_up:
+            raise CKVPConfigError("this offloader was closed; offload the model again")
+        if layer is not None and not (isinstance(layer, int) and 0 <= layer < self.num_layers):
+            raise CKVPConfigError(f"layer must be in [0, {self.num_layers}) or None (every layer), got {layer!r}")
         for n in range(self.num_layers) if layer is None else (layer,):
             self.predictors[n] = [fold_norm_predictor(*src()).detach().to(self.device, self.dtype)
                                   for src in self._sources[n]]
@@ -315,7 +330,7 @@ class ExpertOffloader:
                                  f"dtype and device), got {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
         if self._host_versions[layer] is not None and self._host_version(layer) != self._host_versions[layer]:
             self._refill(layer)  # the host store was written in place (a state-dict tensor): slots follow
-        if self._sources is not None and self._stamp(layer) != self._source_stamps[layer]:
+        if self._sources is not None and self._changed(layer):
             self.refold_predictors(layer)  # router / norm weights were written (load_state_dict): refold
         t, a = topk_ids.shape
         targets = []
@@ -509,18 +524,32 @@ def _find_moe_layers(model: torch.nn.Module) -> list[dict[str, Any]]:
         layer_mod = _submodule(model, layer_path) if layer_path else None
         norm_mod = getattr(layer_mod, "post_attention_layernorm", None)
         found.append(dict(name=name, module=mod, block=block, attr=attr, router=getattr(router_mod, "weight", None),
-                          norm=getattr(norm_mod, "weight", None), router_mod=router_mod, norm_mod=norm_mod))
+                          norm=getattr(norm_mod, "weight", None),
+                          router_path=".".join(p for p in (parent_path, "gate") if p) if router_mod is not None else None,
+                          norm_path=(".".join(p for p in (layer_path, "post_attention_layernorm") if p)
+                                     if norm_mod is not None else None)))
     return found
 
 
-def _live_sources(nxt: dict[str, Any], this: dict[str, Any] | None) -> Callable[[], tuple]:
+def _live_sources(model: torch.nn.Module, nxt: dict[str, Any], this: dict[str, Any] | None) -> Callable[[], tuple]:
     """The predictor sources of :class:`ExpertOffloader`: the current router weight of layer ``nxt`` and (norm
-    predictor) the norm weights of ``nxt`` and ``this``, read from their modules at each call."""
+    predictor) the norm weights of ``nxt`` and ``this``, looked up in ``model`` by module path at each call (so a
+    replaced router or norm module is seen; the model is held weakly: once it is gone the sources are the last
+    ones seen)."""
+    ref = weakref.ref(model)
+    last: list[tuple] = []
+
+    def weight(path: str | None) -> torch.Tensor | None:
+        mod = _submodule(ref(), path) if path is not None else None
+        return getattr(mod, "weight", None)
+
     def sources() -> tuple:
-        router = nxt["router_mod"].weight
-        if this is None:
-            return router, None, None
-        return router, getattr(nxt["norm_mod"], "weight", None), getattr(this["norm_mod"], "weight", None)
+        if ref() is None and last:
+            return last[0]
+        out = (weight(nxt["router_path"]), None, None) if this is None else (
+            weight(nxt["router_path"]), weight(nxt["norm_path"]), weight(this["norm_path"]))
+        last[:] = [out]
+        return out
     return sources
 
 
@@ -588,7 +617,7 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
             for nxt in layers[n + 1: n + 1 + lookahead]:
                 norms = (nxt["norm"], info["norm"]) if predictor == "norm" else (None, None)
                 ps.append(fold_norm_predictor(nxt["router"], *norms))
-                ss.append(_live_sources(nxt, info if predictor == "norm" else None))
+                ss.append(_live_sources(model, nxt, info if predictor == "norm" else None))
             predictors.append(ps)
             sources.append(ss)
     offloader = ExpertOffloader([info["module"].gate_up_proj for info in layers],

@@ -639,5 +639,31 @@ def test_hf_model_that_never_writes_its_cache_names_the_attention(monkeypatch):
     model = build_hf_moe("mixtral", num_layers=2)
     monkeypatch.setattr(StaticCache, "update", lambda self, k, v, *args, **kwargs: (k, v))
     with pytest.raises(CKVPConfigError, match="no KV-cache write: calibrate ran the prefill with a Hugging Face "
-                                              "StaticCache.*Fix: load the model with a standard attention"):
+                                              "StaticCache \\(attention implementation 'sdpa'\\).*Fix: check that "
+                                              "each attention layer calls past_key_values.update"):
         calibrate(model, [torch.randint(0, 256, (1, 16))], progress=False)
+
+
+def test_gpt_fast_model_that_never_writes_its_cache_names_the_update(monkeypatch):
+    """The same for a gpt-fast model whose KVCache.update writes nothing: the fix names kv_cache.update."""
+    from ckvp_compile.testing import gpt_fast
+
+    monkeypatch.setattr(gpt_fast.KVCache, "update", lambda self, pos, k, v: (k, v))
+    with pytest.raises(CKVPConfigError, match="caches of setup_caches\\(\\).*Fix: each attention must write its "
+                                              "cache in place \\(kv_cache.update"):
+        calibrate(_gpt_fast(), [torch.randint(0, 256, (1, 16))], progress=False)
+
+
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_online_bases_save_and_load(tmp_path, key_space):
+    """Online bases save (K and V hold their own placeholder tensors: safetensors refuses shared ones) and load back
+    online, with their key space, ranks and groups."""
+    from ckvp_compile.latent import online_bases
+
+    model = _gpt_fast(n_layer=3)
+    bases = online_bases(model, group_size=2, kv_ratio=4.0, key_space=key_space)
+    path = tmp_path / "online.safetensors"
+    bases.save(path)
+    loaded = LatentBases.load(path, model=model)
+    assert loaded.online and loaded.key_space == key_space
+    assert loaded.groups == bases.groups and loaded.k_ranks == bases.k_ranks and loaded.v_ranks == bases.v_ranks

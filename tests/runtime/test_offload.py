@@ -4,6 +4,8 @@ model computes the plain model's logits, eagerly and compiled with the ckvp back
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
@@ -269,3 +271,41 @@ def test_predictor_sources_may_be_inference_tensors():
     off.forward(0, hidden, ids, w)
     torch.testing.assert_close(off.predictors[0][0], router[0])
     off.close()
+
+
+@torch.no_grad()
+def test_predictors_follow_swapped_storage_and_replaced_modules(fixture_windows):
+    """Two ``.data`` swaps between calls (the allocator may hand the first freed block back) and a replaced router
+    module are seen; an in-place write through ``.data`` needs refold_predictors() (documented); bad layers and a
+    closed offloader are refused by name."""
+    model = load_fixture_model()
+    handle = offload_experts(model, resident=2, margin=1)
+    ids = fixture_windows[0]
+    model(ids)
+    w = model.model.layers[1].mlp.gate.weight
+    for _ in range(3):
+        w.data = w.data * 2.0
+        w.data = w.data * 2.0
+        model(ids)
+        torch.testing.assert_close(handle.predictors[0][0], _expected_predictors(model, "norm")[0])
+    layer2 = model.model.layers[2]
+    new_gate = copy.deepcopy(layer2.mlp.gate)  # a new router module (e.g. a quantisation utility's swap)
+    new_gate.weight.mul_(-1.0)
+    layer2.mlp.gate = new_gate
+    model(ids)
+    torch.testing.assert_close(handle.predictors[1][0], _expected_predictors(model, "norm")[1])
+    layer3 = model.model.layers[3]
+    layer3.post_attention_layernorm = type(layer3.post_attention_layernorm)(layer3.post_attention_layernorm.weight.shape[0])
+    model(ids)
+    want = _expected_predictors(model, "norm")
+    torch.testing.assert_close(handle.predictors[2][0], want[2])  # layer 3's norm is the next norm of predictor 2
+    torch.testing.assert_close(handle.predictors[3][0], want[3])  # ... and this layer's norm of predictor 3
+    model.model.layers[4].mlp.gate.weight.data.mul_(-1.0)  # through .data: not seen until refolded by hand
+    model(ids)
+    handle.refold_predictors(3)
+    torch.testing.assert_close(handle.predictors[3][0], _expected_predictors(model, "norm")[3])
+    with pytest.raises(CKVPConfigError, match=r"layer must be in \[0, 8\)"):
+        handle.refold_predictors(8)
+    handle.close()
+    with pytest.raises(CKVPConfigError, match="closed"):
+        handle.refold_predictors()
