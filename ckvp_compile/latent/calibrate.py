@@ -509,7 +509,8 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
             why = (f"attention was found in layers {layers} but no KV-cache write: calibrate drives a Hugging Face "
                    "causal LM (with a StaticCache) or a gpt-fast style model (setup_caches, then model(ids, "
                    f"input_pos)); {type(model).__name__} is neither, so it ran as model(input_ids), without a KV "
-                   "cache. Fix: pass a Hugging Face causal LM or a gpt-fast style model (a wrapper: the model it wraps).")
+                   "cache. Fix: pass a Hugging Face causal LM or a gpt-fast style model (for a wrapper: the model "
+                   "it wraps).")
     elif not backend.analyses:
         why = "Dynamo captured no graph (the model ran eagerly). Fix: make the forward traceable by torch.compile."
     else:

@@ -7,9 +7,9 @@ No calibration data is needed. At each sequence's prefill (the first compiled ca
 hold at least two tokens) the backend fits, for every layer group and KV head, the top-``r`` eigenvectors of the
 prompt's stacked pre-RoPE keys (``key_space="post_rope"``: the keys as cached, after RoPE, so that decode scores
 them with no RoPE rebuild, as calibrated post-RoPE bases do) and of its values, ``ckvp::online_basis_fit``, as xKV
-does per prompt; later chunks and decode steps project onto that basis. The bases are per-sequence state (B x Hkv x G*D x r per group
-and kind), counted in :meth:`~ckvp_compile.runtime.store.LatentKVStore.nbytes` with the latents, so they pay
-off only at contexts much longer than G*D tokens. Not built: refreshing the basis during decode.
+does per prompt; later chunks and decode steps project onto that basis. The bases are per-sequence state
+(B x Hkv x G*D x r per group and kind), counted in :meth:`~ckvp_compile.runtime.store.LatentKVStore.nbytes` with
+the latents, so they pay off only at contexts much longer than G*D tokens. Not built: refreshing the basis during decode.
 
 Source: xKV (Chang et al. 2025, arXiv:2503.18893), per-prompt cross-layer SVD.
 """

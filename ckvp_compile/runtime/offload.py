@@ -278,8 +278,12 @@ class ExpertOffloader:
         if layer is not None and not (isinstance(layer, int) and 0 <= layer < self.num_layers):
             raise CKVPConfigError(f"layer must be in [0, {self.num_layers}) or None (every layer), got {layer!r}")
         for n in range(self.num_layers) if layer is None else (layer,):
-            self.predictors[n] = [fold_norm_predictor(*src()).detach().to(self.device, self.dtype)
-                                  for src in self._sources[n]]
+            for j, src in enumerate(self._sources[n]):
+                router, norm_next, norm_this = src()
+                if router is None or tuple(router.shape) != tuple(self.predictors[n][j].shape):
+                    continue  # e.g. a router module swapped for one without an (E, Dm) weight: keep the last fold
+                folded = fold_norm_predictor(router, norm_next, norm_this)
+                self.predictors[n][j] = folded.detach().to(self.device, self.dtype)
             self._source_stamps[n] = self._stamp(n)
 
     def _host_version(self, layer: int) -> tuple[int, int] | None:

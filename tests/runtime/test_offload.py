@@ -309,3 +309,29 @@ def test_predictors_follow_swapped_storage_and_replaced_modules(fixture_windows)
     handle.close()
     with pytest.raises(CKVPConfigError, match="closed"):
         handle.refold_predictors()
+
+
+@torch.no_grad()
+def test_router_without_a_weight_keeps_the_last_fold(fixture_windows):
+    """A router module swapped for one without an (E, Dm) weight (as a quantisation utility might): the layer keeps
+    its last predictor instead of failing, and the outputs stay the plain model's."""
+    model = load_fixture_model()
+    handle = offload_experts(model, resident=2, margin=1)
+    ids = fixture_windows[0]
+    model(ids)
+    before = handle.predictors[0][0].clone()
+    gate = model.model.layers[1].mlp.gate
+
+    class NoWeight(torch.nn.Module):  # same routing, its weight kept under another name
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model.model.layers[1].mlp.gate = NoWeight(gate)
+    plain = load_fixture_model()
+    torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(handle.predictors[0][0], before)
+    handle.close()
