@@ -181,7 +181,7 @@ class ExpertOffloader:
                                      "(router_next, norm_next, norm_this) per predictor)")
             self._sources = [list(srcs[: lookahead]) for srcs in predictor_sources]
             self._stamped: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]
-            self._source_stamps = [self._stamp(n) for n in range(self.num_layers)]
+            self._source_stamps = [self._stamp(n, hold=True) for n in range(self.num_layers)]
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.measure_stalls = measure_stalls and cuda
         self._ready: list[list[Any]] = [[None] * resident for _ in range(self.num_layers)]
@@ -250,12 +250,14 @@ class ExpertOffloader:
             torch.cuda.synchronize(self.device)
         self._host_versions[layer] = self._host_version(layer)
 
-    def _stamp(self, layer: int) -> tuple:
+    def _stamp(self, layer: int, hold: bool = False) -> tuple:
         """(object, version, storage pointer) of every source tensor of ``layer``'s predictors (inference tensors
-        have no version counter: -1, their object and storage still count). The stamped tensors are held (a few
-        (E, Dm) and (Dm,) weights) so that a freed storage's address cannot come back as a new weight's."""
+        have no version counter: -1, their object and storage still count). ``hold`` (at each fold): keep the
+        tensors (a few (E, Dm) and (Dm,) weights) until the next fold, so that a freed storage's address cannot
+        come back as a new weight's; the per-call check holds nothing."""
         tensors = [t for src in self._sources[layer] for t in src() if t is not None]
-        self._stamped[layer] = [t.detach() for t in tensors]
+        if hold:
+            self._stamped[layer] = [t.detach() for t in tensors]
         return tuple((id(t), -1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors)
 
     def _changed(self, layer: int) -> bool:
@@ -284,7 +286,7 @@ class ExpertOffloader:
                     continue  # e.g. a router module swapped for one without an (E, Dm) weight: keep the last fold
                 folded = fold_norm_predictor(router, norm_next, norm_this)
                 self.predictors[n][j] = folded.detach().to(self.device, self.dtype)
-            self._source_stamps[n] = self._stamp(n)
+            self._source_stamps[n] = self._stamp(n, hold=True)
 
     def _host_version(self, layer: int) -> tuple[int, int] | None:
         """The version counters of layer ``layer``'s host store (they move with every in-place write, also through
