@@ -1,0 +1,509 @@
+"""Prototype (not wired into the backend): a Gluon decode pass over int4 latents whose codes reach the tensor cores
+with no data movement, for Issue 5's bandwidth target at GQA shapes.
+
+The word pass (ckvp_compile/kernels/latent_attention_words.py) spends ~10 instructions per code and thread, most in
+moving operands between Triton's load layout and the tensor cores' register layout, and in a softmax over
+(slots, query heads). This prototype fixes the layouts by hand (Gluon, Triton's layout-explicit dialect):
+
+* keys: scores ``S = C @ K^T`` with the query heads as the 16 rows (rows 0..G-1 the folded query in fp16, rows
+  8..8+G-1 its fp16 remainder: the two halves of each accumulator pair share a thread, so hi + lo is one add) and
+  the tokens as columns. Each thread's operand for one token is one 32-bit word of that token's codes (a fixed
+  nibble order chosen at pack time), turned into four fp16 pairs by ``lop3`` with 0x6400 (Marlin's conversion)
+  and one ``sub.f16x2`` each;
+* values: ``O = P @ V`` with P straight from the scores' accumulator layout (FlashAttention-2's register reuse) and
+  V's operand built from half-words of two tokens (one ``prmt``);
+* at G = 4 (G = 2) two (four) groups of tokens share one score product through a block-diagonal folded query, so
+  all 8 rows of the softmax are real;
+* one warp per program, no shared memory, no cross-warp step; splits of the context merged afterwards; the next
+  one or two tiles' loads are issued before the current tile is computed (``PREFETCH``).
+
+Measured (H200, 32:8 heads, int4 rank 32, batch 8-32, 32k-128k): 54-63% of the copy bandwidth, 5.5-5.8x faster than
+the word pass in the same run (benchmarks/results/2026-12-04-mma-pass-proto-h200). Not timed here: the query
+folding prologue and the split merge / value-basis projection; no page table, lengths or exact-token window yet.
+
+Layout of the packed cache (per (sequence, KV head), tokens contiguous): key words ``(T, 4)`` int32, value
+half-words ``(T, 8)`` int16, per-token fp16 (scale, centred min) for keys and values. Int4 codes, key and value
+rank 32, one quantization block per token and head (the ``int4/32`` format at rank 32).
+
+Run on the GPU: ``PYTHONPATH=. python3 benchmarks/mma_pass_proto.py --out DIR``; compile for sm_90a here (no GPU):
+``python benchmarks/mma_pass_proto.py --compile-only``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+RK_, RV_, ROWS_ = 32, 32, 16
+TAU_ = 4.0  # lazy rescale threshold (log2 units)
+RK = gl.constexpr(RK_)
+RV = gl.constexpr(RV_)
+ROWS = gl.constexpr(ROWS_)  # tensor-core rows: 8 for the query heads (hi), 8 for their remainders (lo)
+
+# (s, h, e) -> fp16 pair order of one 32-bit word; nibble n = 4e + 2s + h holds coordinate 16s + 8h + 2q + e of
+# the word q (keys) -- see pack_keys.
+_DEQ_ASM = gl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, w8, b0, b1;
+mov.b32 b0, 0x64086408;
+mov.b32 b1, 0x64806480;
+lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea;
+shr.u32 w8, $8, 8;
+lop3.b32 t2, w8, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t3, w8, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 t0, t0, b0;
+sub.f16x2 t1, t1, b1;
+sub.f16x2 t2, t2, b0;
+sub.f16x2 t3, t3, b1;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+mov.b32 {$4, $5}, t2;
+mov.b32 {$6, $7}, t3;
+}
+""")
+
+
+@gluon.jit
+def _dequant8(w):
+    """8 fp16 tensors from one int32 tensor of words: index 2*j + e, j = 0..3 the logic op, e the half."""
+    return gl.inline_asm_elementwise(_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pair_words(lo, hi):
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _group_tiles(pe, GROUPS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr):
+    """(8 rows, NT, 8) weights -> (8, NT * GROUPS * 8): row r's weights at its own group's token slots, 0 elsewhere."""
+    r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, pe.type.layout)))[:, None, None] // G
+    if GROUPS == 1:
+        out = pe
+    elif GROUPS == 2:
+        x = gl.join(gl.where(r == 0, pe, 0.0), gl.where(r == 1, pe, 0.0))  # (8, NT, 8, grp)
+        out = gl.permute(x, [0, 1, 3, 2])
+    else:
+        x = gl.join(gl.join(gl.where(r == 0, pe, 0.0), gl.where(r == 1, pe, 0.0)),
+                    gl.join(gl.where(r == 2, pe, 0.0), gl.where(r == 3, pe, 0.0)))  # (8, NT, 8, i0, i1)
+        out = gl.permute(x, [0, 1, 4, 3, 2])
+    return gl.reshape(out, [8, NT * GROUPS * 8])
+
+
+@gluon.jit
+def _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, tok, koff, voff, tok_s):
+    """One tile's raw registers: key words, the 4 per-token fp16 tensors, the two value half-word tensors."""
+    return (gl.load(kw_ptr + tok * 4 + koff), gl.load(ks_ptr + tok + tok_s), gl.load(kc_ptr + tok + tok_s),
+            gl.load(vs_ptr + tok + tok_s), gl.load(vc_ptr + tok + tok_s), gl.load(vh_ptr + tok * 8 + voff),
+            gl.load(vh_ptr + tok * 8 + voff + 8))
+
+
+@gluon.jit
+def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sumc_ptr, vexp_ptr,
+                     m_out, l_out, o_out, T, CHUNK, NSPLIT,
+                     NT: gl.constexpr, G: gl.constexpr, PLO: gl.constexpr, LAZY: gl.constexpr,
+                     TAU: gl.constexpr, PREFETCH: gl.constexpr):
+    GROUPS: gl.constexpr = 8 // G
+    KS: gl.constexpr = RK * GROUPS
+    BT: gl.constexpr = 8 * NT * GROUPS
+    split = gl.program_id(0)
+    bh = gl.program_id(1)
+    L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=2)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=L, k_width=2)
+    # key words (q, group, n8 tile, token g): lane = q + 4 g
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1], threads_per_warp=[4, 1, 1, 8],
+                                        warps_per_cta=[1, 1, 1, 1], order=[0, 3, 2, 1])
+    # value half-word pairs (pair, g)
+    VL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
+                                        order=[0, 1])
+
+    # the folded query, block-diagonal over the token groups: (16, KS) fp16, the A operand
+    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
+    ka = gl.arange(0, KS, layout=gl.SliceLayout(0, AL))
+    ca = gl.load(ca_ptr + bh * ROWS * KS + ra[:, None] * KS + ka[None, :])
+
+    zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
+    LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
+    cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
+    # token of score (row, col) within the tile: 8 GROUPS j + 8 grp + c
+    tok_s = (cols // 8)[None, :] * (8 * GROUPS) + (rows // G)[:, None] * 8 + (cols % 8)[None, :]
+    sumc = gl.load(sumc_ptr + bh * 8 + rows)
+    vexp = gl.load(vexp_ptr + bh)
+
+    W4: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WL)))
+    qw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
+    gw = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
+    jw = gl.arange(0, NT, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WL))))
+    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
+    tok_k = (gw[None, :, None, None] * 8 + jw[None, None, :, None] * (8 * GROUPS) + cw[None, None, None, :])
+    koff = tok_k * 4 + qw[:, None, None, None]
+    pv = gl.arange(0, BT // 2, layout=gl.SliceLayout(1, VL))
+    gv = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
+    voff = 2 * pv[:, None] * 8 + gv[None, :]
+
+    m_i = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, LS))
+    l_p = gl.zeros([8, 8 * NT], gl.float32, LS)
+    n_p = gl.zeros([8, 8 * NT], gl.float32, LS)
+    acc = gl.zeros([ROWS, RV], gl.float32, L)
+
+    start = split * CHUNK
+    stop = gl.minimum(start + CHUNK, T)
+    base = bh.to(gl.int64) * T
+    last = gl.maximum(stop - BT, start)
+    if PREFETCH >= 1:
+        tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + start, koff, voff, tok_s)
+    if PREFETCH == 2:
+        tile_b = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + gl.minimum(start + BT, last),
+                            koff, voff, tok_s)
+    for t0 in range(start, stop, BT):
+        if PREFETCH == 0:
+            wk, ks16, kc16, vs16, vc16, vlo, vhi = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr,
+                                                              base + t0, koff, voff, tok_s)
+        elif PREFETCH == 1:
+            wk, ks16, kc16, vs16, vc16, vlo, vhi = tile_a
+            tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + gl.minimum(t0 + BT, last),
+                                koff, voff, tok_s)
+        else:
+            wk, ks16, kc16, vs16, vc16, vlo, vhi = tile_a
+            tile_a = tile_b
+            tile_b = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr,
+                                base + gl.minimum(t0 + 2 * BT, last), koff, voff, tok_s)
+        d = _dequant8(wk)
+        x = gl.join(gl.join(gl.join(d[0], d[1]), gl.join(d[2], d[3])),
+                    gl.join(gl.join(d[4], d[5]), gl.join(d[6], d[7])))  # (4, GROUPS, NT, 8, e, h, s)
+        x = gl.reshape(gl.permute(x, [1, 6, 5, 0, 4, 2, 3]), [KS, 8 * NT])
+        kb = gl.convert_layout(x, BL)
+        s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
+        s = gl.sum(gl.reshape(s, [2, 8, 8 * NT]), axis=0)  # hi + lo, (8, 8 NT) in LS
+        ks = ks16.to(gl.float32)
+        kc = kc16.to(gl.float32)
+        s = s * ks + kc * sumc[:, None]
+        m_t = gl.max(s, axis=1)
+        vs = vs16.to(gl.float32)
+        vc = vc16.to(gl.float32)
+        if LAZY:
+            # FlashAttention-4's conditional rescale: keep the running max until a row's tile max passes it by more
+            # than 2^TAU (weights stay <= 2^TAU; vexp leaves room for that in fp16)
+            if gl.max(m_t - m_i, axis=0) > TAU:
+                m_new = gl.maximum(m_i, m_t)
+                alpha = gl.exp2(m_i - m_new)
+                l_p = l_p * alpha[:, None]
+                n_p = n_p * alpha[:, None]
+                acc3 = gl.reshape(acc, [2, 8, RV])
+                al3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, acc3.type.layout)))
+                acc = gl.convert_layout(gl.reshape(acc3 * al3[None, :, None], [ROWS, RV]), L)
+                m_i = m_new
+            p = gl.exp2(s - m_i[:, None])
+            l_p = l_p + p
+            n_p = n_p + p * vc
+        else:
+            m_new = gl.maximum(m_i, m_t)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            m_i = m_new
+            l_p = l_p * alpha[:, None] + p
+            n_p = n_p * alpha[:, None] + p * vc
+            acc3 = gl.reshape(acc, [2, 8, RV])
+            al3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, acc3.type.layout)))
+            acc = gl.convert_layout(gl.reshape(acc3 * al3[None, :, None], [ROWS, RV]), L)
+        pw = p * (vs * vexp)
+        p_hi = pw.to(gl.float16)
+        if PLO:
+            p_lo = (pw - p_hi.to(gl.float32)).to(gl.float16)
+        else:
+            p_lo = gl.zeros([8, 8 * NT], gl.float16, LS)
+        ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
+        pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
+        pa = gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT])
+        pa = gl.convert_layout(pa, AL)
+        wv = _pair_words(vlo, vhi)
+        dv = _dequant8(wv)
+        y = gl.join(gl.join(gl.join(dv[0], dv[1]), gl.join(dv[2], dv[3])),
+                    gl.join(gl.join(dv[4], dv[5]), gl.join(dv[6], dv[7])))  # (BT/2, 8, e, i_lo, i_hi)
+        y = gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV])
+        vb = gl.convert_layout(y, BL)
+        acc = mma_v2(pa, vb, acc)
+
+    o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
+    LO: gl.constexpr = o.type.layout
+    ho = gl.arange(0, 8, layout=gl.SliceLayout(1, LO))
+    jo = gl.arange(0, RV, layout=gl.SliceLayout(0, LO))
+    # columns 8..15 and 24..31 carry 16 * (code - 8); the weights carried vscale * vexp
+    colf = gl.where((jo // 8) % 2 == 1, 1.0 / 16.0, 1.0) / vexp
+    nsum = gl.convert_layout(gl.sum(n_p, axis=1), gl.SliceLayout(1, LO))
+    o = o * colf[None, :] + nsum[:, None]
+    out = bh * NSPLIT + split
+    gl.store(o_out + out * 8 * RV + ho[:, None] * RV + jo[None, :], o)
+    gl.store(m_out + out * 8 + rows, m_i)
+    gl.store(l_out + out * 8 + rows, gl.sum(l_p, axis=1))
+
+
+# ---------------------------------------------------------------- host side: packing, reference, launch
+
+
+def pack_keys(codes: torch.Tensor) -> torch.Tensor:
+    """(..., T, 32) uint8 codes -> (..., T, 4) int32 words: word q, nibble 4e + 2s + h = coordinate 16s+8h+2q+e."""
+    c = codes.to(torch.int64)
+    words = torch.zeros(*codes.shape[:-1], 4, dtype=torch.int64, device=codes.device)
+    for q in range(4):
+        for s in range(2):
+            for h in range(2):
+                for e in range(2):
+                    words[..., q] |= c[..., 16 * s + 8 * h + 2 * q + e] << (4 * (4 * e + 2 * s + h))
+    return _to_i32(words)
+
+
+def pack_values(codes: torch.Tensor) -> torch.Tensor:
+    """(..., T, 32) uint8 codes -> (..., T, 8) int16 half-words: half-word g, nibble i = coordinate g + 8i."""
+    c = codes.to(torch.int64)
+    hw = torch.zeros(*codes.shape[:-1], 8, dtype=torch.int64, device=codes.device)
+    for g in range(8):
+        for i in range(4):
+            hw[..., g] |= c[..., g + 8 * i] << (4 * i)
+    hw = torch.where(hw >= 2 ** 15, hw - 2 ** 16, hw)
+    return hw.to(torch.int16)
+
+
+def unpack_keys(words: torch.Tensor) -> torch.Tensor:
+    """What the kernel's ``lop3`` / ``shr`` steps read from ``pack_keys``'s words, as (..., T, 32) int64 codes (the
+    inverse of :func:`pack_keys`, written from the asm's bit positions: half e of op (s, h) is bits 16e + 4h of
+    ``word >> 8s``)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros(*words.shape[:-1], 32, dtype=torch.int64, device=words.device)
+    for q in range(4):
+        for s in range(2):
+            src = w[..., q] >> (8 * s)
+            for h in range(2):
+                for e in range(2):
+                    out[..., 16 * s + 8 * h + 2 * q + e] = (src >> (16 * e + 4 * h)) & 0xF
+    return out
+
+
+def unpack_values(halves: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_values` as the kernel reads it: a token pair's half-words g form one word
+    (``prmt``), whose op i = (shift 8 * (i // 2), mask nibble i % 2) yields coordinate g + 8i of both tokens."""
+    hw = halves.to(torch.int64) & 0xFFFF
+    out = torch.zeros(*halves.shape[:-1], 32, dtype=torch.int64, device=halves.device)
+    for g in range(8):
+        for i in range(4):
+            out[..., g + 8 * i] = (hw[..., g] >> (8 * (i // 2) + 4 * (i % 2))) & 0xF
+    return out
+
+
+def emulate(prep) -> torch.Tensor:
+    """The kernel's arithmetic in fp32 torch, one split, from the packed inputs: (BH, G, RV) value latent. Checks the
+    packing, the block-diagonal folded query and the centring / x16 / vexp bookkeeping without a GPU."""
+    G, BH, T = prep["G"], prep["BH"], prep["T"]
+    groups = 8 // G
+    col = torch.arange(RK_)
+    fac = torch.where((col // 8) % 2 == 1, 16.0, 1.0)
+    kcent = (unpack_keys(prep["kw"]).float() - 8) * fac  # what the fp16 operand holds
+    ca = prep["ca"].float()  # (BH, 16, groups * RK)
+    S = torch.einsum("brk,btk->brt", ca[:, :, :RK_], kcent)  # group 0's block serves every token here
+    s = S[:, :G] + S[:, 8:8 + G]
+    for grp in range(1, groups):  # every group's block holds the same query
+        blk = ca[:, :, grp * RK_:(grp + 1) * RK_]
+        assert torch.equal(blk[:, grp * G:(grp + 1) * G], ca[:, :G, :RK_])
+    s = s * prep["ks"].float()[:, None] + prep["kc"].float()[:, None] * prep["sumc"][:, :G, None]
+    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    vcent = (unpack_values(prep["vh"]).float() - 8) * fac
+    w = (p * (prep["vs"].float() * prep["vexp"][:, None])[:, None]).half().float()
+    o = torch.einsum("bht,btr->bhr", w, vcent) / fac / prep["vexp"][:, None, None]
+    o = o + (p * prep["vc"].float()[:, None]).sum(-1, keepdim=True)
+    return o / p.sum(-1, keepdim=True)
+
+
+def _to_i32(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 2 ** 31, x - 2 ** 32, x).to(torch.int32)
+
+
+def make_case(B, Hkv, G, T, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    BH = B * Hkv
+    kcodes = torch.randint(0, 16, (BH, T, RK_), generator=gen, device=device, dtype=torch.uint8)
+    vcodes = torch.randint(0, 16, (BH, T, RV_), generator=gen, device=device, dtype=torch.uint8)
+    ks = (0.05 + 0.1 * torch.rand(BH, T, generator=gen, device=device)).half()
+    kc = (0.3 * torch.randn(BH, T, generator=gen, device=device)).half()
+    vs = (0.05 + 0.1 * torch.rand(BH, T, generator=gen, device=device)).half()
+    vc = (0.3 * torch.randn(BH, T, generator=gen, device=device)).half()
+    c = 0.4 * torch.randn(BH, G, RK_, generator=gen, device=device)  # folded query, log2 units
+    return dict(kcodes=kcodes, vcodes=vcodes, ks=ks, kc=kc, vs=vs, vc=vc, c=c, G=G)
+
+
+def reference(case):
+    """fp32 latent attention: (BH, G, RV_) value latent, softmax in base 2."""
+    k = case["kc"].float()[..., None] + case["ks"].float()[..., None] * (case["kcodes"].float() - 8)
+    v = case["vc"].float()[..., None] + case["vs"].float()[..., None] * (case["vcodes"].float() - 8)
+    s = torch.einsum("bgr,btr->bgt", case["c"], k)
+    p = torch.softmax(s * math.log(2.0), dim=-1)
+    return torch.einsum("bgt,btr->bgr", p, v)
+
+
+def prepare(case):
+    c, G = case["c"], case["G"]
+    BH = c.shape[0]
+    col = torch.arange(RK_, device=c.device)
+    cdiv = torch.where((col // 8) % 2 == 1, c / 16.0, c)  # the h = 1 nibbles carry 16 * code
+    hi = cdiv.half()
+    lo = (cdiv - hi.float()).half()
+    groups = 8 // G
+    ca = torch.zeros(BH, ROWS_, groups * RK_, dtype=torch.float16, device=c.device)
+    for grp in range(groups):
+        ca[:, grp * G:(grp + 1) * G, grp * RK_:(grp + 1) * RK_] = hi
+        ca[:, 8 + grp * G:8 + (grp + 1) * G, grp * RK_:(grp + 1) * RK_] = lo
+    sumc = c.sum(-1).repeat(1, groups)
+    vmax = case["vs"].float().amax(-1)
+    vexp = torch.exp2(14 - TAU_ - torch.floor(torch.log2(vmax)))  # max weight in [2^14, 2^15) (times 2^TAU lazy)
+    return dict(kw=pack_keys(case["kcodes"]), vh=pack_values(case["vcodes"]), ks=case["ks"].contiguous(),
+                kc=case["kc"].contiguous(), vs=case["vs"].contiguous(), vc=case["vc"].contiguous(),
+                ca=ca.contiguous(), sumc=sumc.contiguous(), vexp=vexp.contiguous(), BH=BH, G=G,
+                T=case["kcodes"].shape[1])
+
+
+def launch(prep, nsplit, nt=2, plo=False, bufs=None, lazy=False, prefetch=1):
+    BH, T, G = prep["BH"], prep["T"], prep["G"]
+    bt = 64 // G * nt
+    chunk = -(-T // nsplit // bt) * bt
+    assert T % bt == 0
+    dev = prep["kw"].device
+    if bufs is None:
+        bufs = (torch.empty(BH, nsplit, 8, device=dev), torch.empty(BH, nsplit, 8, device=dev),
+                torch.empty(BH, nsplit, 8, RV_, device=dev))
+    m, l, o = bufs
+    _mma_pass_kernel[(nsplit, BH)](prep["kw"], prep["vh"], prep["ks"], prep["kc"], prep["vs"], prep["vc"],
+                                   prep["ca"], prep["sumc"], prep["vexp"], m, l, o, T, chunk, nsplit,
+                                   NT=nt, G=G, PLO=plo, LAZY=lazy, TAU=TAU_, PREFETCH=int(prefetch), num_warps=1)
+    return bufs
+
+
+def merge(bufs, G):
+    m, l, o = bufs
+    BH, ns = m.shape[:2]
+    m, l, o = m.reshape(BH, ns * 8 // G, G), l.reshape(BH, ns * 8 // G, G), o.reshape(BH, ns * 8 // G, G, RV_)
+    mx = m.amax(1, keepdim=True)
+    w = torch.exp2(m - mx)
+    out = (o * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
+    return out
+
+
+def bench(fn, reps=200):
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps // 10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 10)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth():
+    from ckvp_compile.bench.attention import copy_bandwidth as cb
+
+    return cb("cuda") / 1e9  # GB/s, read + write, the attention benchmark's measure
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--cases", default="8:8:4:32768,32:8:4:32768,8:8:4:131072,8:16:1:32768")
+    ap.add_argument("--splits", default="16,32,64")
+    ap.add_argument("--nts", default="1,2,4")
+    ap.add_argument("--modes", default="0/0/1,0/0/0", help="plo/lazy/prefetch triples")
+    args = ap.parse_args()
+    if args.compile_only:
+        return compile_only()
+    rows = []
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw:.0f} GB/s (read + write)", flush=True)
+    for spec in args.cases.split(","):
+        B, Hkv, G, T = map(int, spec.split(":"))
+        case = make_case(B, Hkv, G, T, "cuda")
+        ref = reference(case) if B * Hkv * T <= 8 * 8 * 32768 else None
+        prep = prepare(case)
+        del case
+        nbytes = sum(prep[k].numel() * prep[k].element_size() for k in ("kw", "vh", "ks", "kc", "vs", "vc"))
+        dense = B * Hkv * T * 2 * 128 * 2  # bf16 K and V, head_dim 128
+        for nt in map(int, args.nts.split(",")):
+            for plo, lazy, pf in [tuple(map(int, x.split("/"))) for x in args.modes.split(",")]:
+                for ns in map(int, args.splits.split(",")):
+                    try:
+                        bufs = launch(prep, ns, nt, plo, lazy=lazy, prefetch=pf)
+                        torch.cuda.synchronize()
+                        err = None
+                        if ref is not None:
+                            out = merge(bufs, G)
+                            err = ((out - ref).norm() / ref.norm()).item()
+                        ms = bench(lambda: launch(prep, ns, nt, plo, bufs=bufs, lazy=lazy, prefetch=pf))
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        print(f"{spec} nt={nt} ns={ns}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        continue
+                    gbs = nbytes / ms / 1e6
+                    row = dict(case=spec, B=B, Hkv=Hkv, G=G, T=T, tokens_per_iter=64 // G * nt, nt=nt, plo=plo, lazy=lazy, prefetch=pf,
+                               nsplit=ns, ms=ms, bytes=nbytes, gbs=gbs, pct_copy=100 * gbs / bw, rel_err=err,
+                               dense_bytes=dense, byte_ratio=dense / nbytes)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        del prep
+        torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mma_pass_proto.json"), "w") as f:
+            json.dump(dict(copy_gbs=bw, copy_gbs_end=copy_bandwidth(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, rows=rows, command=" ".join(sys.argv)), f, indent=1)
+
+
+def compile_only(nt=2, g=4, plo=False, lazy=False, prefetch=2, write=True):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {n: "*i32" for n in ("kw_ptr",)}
+    sig.update(PREFETCH="constexpr", LAZY="constexpr", TAU="constexpr", vh_ptr="*i16", ks_ptr="*fp16", kc_ptr="*fp16", vs_ptr="*fp16", vc_ptr="*fp16", ca_ptr="*fp16",
+               sumc_ptr="*fp32", vexp_ptr="*fp32", m_out="*fp32", l_out="*fp32", o_out="*fp32", T="i32",
+               CHUNK="i32", NSPLIT="i32", NT="constexpr", G="constexpr", PLO="constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
+    src = GluonASTSource(_mma_pass_kernel, sig, constexprs={"NT": nt, "G": g, "PLO": plo, "LAZY": lazy, "TAU": TAU_, "PREFETCH": int(prefetch)}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    if not write:
+        return k
+    ttgir = k.asm["ttgir"]
+    print("convert_layout:", ttgir.count("convert_layout"), "local_alloc:", ttgir.count("local_alloc"),
+          "shared bytes:", k.metadata.shared)
+    with open("/tmp/mma_pass.ttgir", "w") as f:
+        f.write(ttgir)
+    with open("/tmp/mma_pass.ptx", "w") as f:
+        f.write(k.asm["ptx"])
+    return k
+
+
+if __name__ == "__main__":
+    main()
