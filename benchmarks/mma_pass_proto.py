@@ -11,22 +11,28 @@ moving operands between Triton's load layout and the tensor cores' register layo
   nibble order chosen at pack time), turned into four fp16 pairs by ``lop3`` with 0x6400 (Marlin's conversion)
   and one ``sub.f16x2`` each;
 * values: ``O = P @ V`` with P straight from the scores' accumulator layout (FlashAttention-2's register reuse) and
-  V's operand built from half-words of two tokens (one ``prmt``);
+  V's operand built from half-words of two tokens (one ``prmt``, or none when the token pairs' half-words are
+  stored interleaved: ``PAIRS``);
 * at G = 4 (G = 2) two (four) groups of tokens share one score product through a block-diagonal folded query, so
   all 8 rows of the softmax are real;
 * one warp per program, no shared memory, no cross-warp step; splits of the context merged afterwards; the next
   one or two tiles' loads are issued before the current tile is computed (``PREFETCH``).
 
-Measured (H200, 32:8 heads, int4 rank 32, batch 8-32, 32k-128k): 54-63% of the copy bandwidth, 5.5-5.8x faster than
-the word pass in the same run (benchmarks/results/2026-12-04-mma-pass-proto-h200). Not timed here: the query
-folding prologue and the split merge / value-basis projection; no page table, lengths or exact-token window yet.
+Measured (H200, 32:8 heads, int4 rank 32, batch 8-32, 32k-128k): 59-71% of the copy bandwidth, 5.9-6.6x faster than
+the word pass and 7.3-8.5x faster than dense SDPA in the same run (benchmarks/results/2026-12-04-mma-pass-proto-h200).
+Not timed here: the query folding prologue and the split merge / value-basis projection; no page table, lengths or
+exact-token window yet.
 
 Layout of the packed cache (per (sequence, KV head), tokens contiguous): key words ``(T, 4)`` int32, value
 half-words ``(T, 8)`` int16, per-token fp16 (scale, centred min) for keys and values. Int4 codes, key and value
 rank 32, one quantization block per token and head (the ``int4/32`` format at rank 32).
 
-Run on the GPU: ``PYTHONPATH=. python3 benchmarks/mma_pass_proto.py --out DIR``; compile for sm_90a here (no GPU):
-``python benchmarks/mma_pass_proto.py --compile-only``.
+Run on the GPU: ``PYTHONPATH=. python3 benchmarks/mma_pass_proto.py --check`` (numerics) and ``--out DIR`` (the
+sweep); compile for sm_90a here (no GPU): ``python benchmarks/mma_pass_proto.py --compile-only``.
+
+Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
+FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV),
+DeepSeek-V2 (arXiv:2405.04434: query absorption), the PTX ISA's ``mma.m16n8k16`` fragment layouts.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ RK = gl.constexpr(RK_)
 RV = gl.constexpr(RV_)
 ROWS = gl.constexpr(ROWS_)  # tensor-core rows: 8 for the query heads (hi), 8 for their remainders (lo)
 
-# (s, h, e) -> fp16 pair order of one 32-bit word; nibble n = 4e + 2s + h holds coordinate 16s + 8h + 2q + e of
-# the word q (keys) -- see pack_keys.
+# One 32-bit word of 8 int4 codes -> four fp16x2 registers, centred: op j = (s, h) reads bits 4h (half e = 0) and
+# 16 + 4h (e = 1) of ``word >> 8s``; h = 1 carries 16 * code. Outputs: index 2j + e, one fp16 each.
 _DEQ_ASM = gl.constexpr("""
 {
 .reg .b32 t0, t1, t2, t3, w8, b0, b1;
@@ -75,9 +81,11 @@ mov.b32 {$6, $7}, t3;
 
 @gluon.jit
 def _dequant8(w):
-    """8 fp16 tensors from one int32 tensor of words: index 2*j + e, j = 0..3 the logic op, e the half."""
-    return gl.inline_asm_elementwise(_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8,
-                                     is_pure=True, pack=1)
+    """The 8 codes of each int32 word of ``w`` as fp16, shape ``w.shape + (2, 2, 2)``: dims (e, h, s)."""
+    d = gl.inline_asm_elementwise(_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8,
+                                  is_pure=True, pack=1)
+    return gl.join(gl.join(gl.join(d[0], d[1]), gl.join(d[2], d[3])),
+                   gl.join(gl.join(d[4], d[5]), gl.join(d[6], d[7])))
 
 
 @gluon.jit
@@ -87,34 +95,49 @@ def _pair_words(lo, hi):
 
 
 @gluon.jit
+def _keep_if(pe, r, k):
+    """``pe`` (fp16) where ``r == k`` else 0, as a product with a 0 / 1 fp16 mask (one ``HMUL2`` per pair; a select
+    on fp16 elements costs byte permutes)."""
+    return pe * gl.where(r == k, 1.0, 0.0).to(gl.float16)
+
+
+@gluon.jit
 def _group_tiles(pe, GROUPS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr):
     """(8 rows, NT, 8) weights -> (8, NT * GROUPS * 8): row r's weights at its own group's token slots, 0 elsewhere."""
     r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, pe.type.layout)))[:, None, None] // G
     if GROUPS == 1:
         out = pe
     elif GROUPS == 2:
-        x = gl.join(gl.where(r == 0, pe, 0.0), gl.where(r == 1, pe, 0.0))  # (8, NT, 8, grp)
+        x = gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1))  # (8, NT, 8, grp)
         out = gl.permute(x, [0, 1, 3, 2])
     else:
-        x = gl.join(gl.join(gl.where(r == 0, pe, 0.0), gl.where(r == 1, pe, 0.0)),
-                    gl.join(gl.where(r == 2, pe, 0.0), gl.where(r == 3, pe, 0.0)))  # (8, NT, 8, i0, i1)
+        x = gl.join(gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1)),
+                    gl.join(_keep_if(pe, r, 2), _keep_if(pe, r, 3)))  # (8, NT, 8, i0, i1)
         out = gl.permute(x, [0, 1, 4, 3, 2])
     return gl.reshape(out, [8, NT * GROUPS * 8])
 
 
 @gluon.jit
-def _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, tok, koff, voff, tok_s):
-    """One tile's raw registers: key words, the 4 per-token fp16 tensors, the two value half-word tensors."""
+def _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, tok, koff, voff, tok_s, PAIRS: gl.constexpr):
+    """One tile's raw registers: key words, the 4 per-token fp16 tensors (key scale, key centred min, value scale,
+    value centred min; one array each: a record per token loads no wider, see the README of the results), the value
+    half-words of even and odd tokens (PAIRS: the int32 words of token pairs, stored interleaved, twice)."""
+    if PAIRS:
+        wv = gl.load(vh_ptr + (tok // 2) * 8 + voff)
+        vlo, vhi = wv, wv
+    else:
+        hoff = voff + (voff // 8) * 8  # half-word g of token 2p: 16 p + g
+        vlo = gl.load(vh_ptr + tok * 8 + hoff)
+        vhi = gl.load(vh_ptr + tok * 8 + hoff + 8)
     return (gl.load(kw_ptr + tok * 4 + koff), gl.load(ks_ptr + tok + tok_s), gl.load(kc_ptr + tok + tok_s),
-            gl.load(vs_ptr + tok + tok_s), gl.load(vc_ptr + tok + tok_s), gl.load(vh_ptr + tok * 8 + voff),
-            gl.load(vh_ptr + tok * 8 + voff + 8))
+            gl.load(vs_ptr + tok + tok_s), gl.load(vc_ptr + tok + tok_s), vlo, vhi)
 
 
 @gluon.jit
 def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sumc_ptr, vexp_ptr,
                      m_out, l_out, o_out, T, CHUNK, NSPLIT,
                      NT: gl.constexpr, G: gl.constexpr, PLO: gl.constexpr, LAZY: gl.constexpr,
-                     TAU: gl.constexpr, PREFETCH: gl.constexpr):
+                     TAU: gl.constexpr, PREFETCH: gl.constexpr, PAIRS: gl.constexpr):
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
     BT: gl.constexpr = 8 * NT * GROUPS
@@ -153,7 +176,7 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
     koff = tok_k * 4 + qw[:, None, None, None]
     pv = gl.arange(0, BT // 2, layout=gl.SliceLayout(1, VL))
     gv = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
-    voff = 2 * pv[:, None] * 8 + gv[None, :]
+    voff = pv[:, None] * 8 + gv[None, :]  # (pair, g): half-word 2 voff (+ 8) of the tile, or word voff (PAIRS)
 
     m_i = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, LS))
     l_p = gl.zeros([8, 8 * NT], gl.float32, LS)
@@ -165,26 +188,24 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
     base = bh.to(gl.int64) * T
     last = gl.maximum(stop - BT, start)
     if PREFETCH >= 1:
-        tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + start, koff, voff, tok_s)
+        tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + start, koff, voff, tok_s, PAIRS)
     if PREFETCH == 2:
         tile_b = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + gl.minimum(start + BT, last),
-                            koff, voff, tok_s)
+                            koff, voff, tok_s, PAIRS)
     for t0 in range(start, stop, BT):
         if PREFETCH == 0:
             wk, ks16, kc16, vs16, vc16, vlo, vhi = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr,
-                                                              base + t0, koff, voff, tok_s)
+                                                              base + t0, koff, voff, tok_s, PAIRS)
         elif PREFETCH == 1:
             wk, ks16, kc16, vs16, vc16, vlo, vhi = tile_a
             tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + gl.minimum(t0 + BT, last),
-                                koff, voff, tok_s)
+                                koff, voff, tok_s, PAIRS)
         else:
             wk, ks16, kc16, vs16, vc16, vlo, vhi = tile_a
             tile_a = tile_b
             tile_b = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr,
-                                base + gl.minimum(t0 + 2 * BT, last), koff, voff, tok_s)
-        d = _dequant8(wk)
-        x = gl.join(gl.join(gl.join(d[0], d[1]), gl.join(d[2], d[3])),
-                    gl.join(gl.join(d[4], d[5]), gl.join(d[6], d[7])))  # (4, GROUPS, NT, 8, e, h, s)
+                                base + gl.minimum(t0 + 2 * BT, last), koff, voff, tok_s, PAIRS)
+        x = _dequant8(wk)  # (4, GROUPS, NT, 8, e, h, s)
         x = gl.reshape(gl.permute(x, [1, 6, 5, 0, 4, 2, 3]), [KS, 8 * NT])
         kb = gl.convert_layout(x, BL)
         s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
@@ -230,10 +251,11 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
         pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
         pa = gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT])
         pa = gl.convert_layout(pa, AL)
-        wv = _pair_words(vlo, vhi)
-        dv = _dequant8(wv)
-        y = gl.join(gl.join(gl.join(dv[0], dv[1]), gl.join(dv[2], dv[3])),
-                    gl.join(gl.join(dv[4], dv[5]), gl.join(dv[6], dv[7])))  # (BT/2, 8, e, i_lo, i_hi)
+        if PAIRS:
+            wv = vlo
+        else:
+            wv = _pair_words(vlo, vhi)
+        y = _dequant8(wv)  # (BT/2, 8, e, i_lo, i_hi)
         y = gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV])
         vb = gl.convert_layout(y, BL)
         acc = mma_v2(pa, vb, acc)
@@ -327,6 +349,13 @@ def emulate(prep) -> torch.Tensor:
     return o / p.sum(-1, keepdim=True)
 
 
+def pair_values(halves: torch.Tensor) -> torch.Tensor:
+    """(..., T, 8) int16 half-words (:func:`pack_values`) -> (..., T / 2, 8) int32: word g of token pair p holds
+    half-word g of token 2p (low) and of token 2p + 1 (high), the register the kernel's value operand needs."""
+    h = halves.to(torch.int64) & 0xFFFF
+    return _to_i32(h[..., 0::2, :] | (h[..., 1::2, :] << 16))
+
+
 def _to_i32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 2 ** 31, x - 2 ** 32, x).to(torch.int32)
 
@@ -374,7 +403,7 @@ def prepare(case):
                 T=case["kcodes"].shape[1])
 
 
-def launch(prep, nsplit, nt=2, plo=False, bufs=None, lazy=False, prefetch=1):
+def launch(prep, nsplit, nt=2, plo=False, bufs=None, lazy=False, prefetch=1, pairs=False, maxnreg=None):
     BH, T, G = prep["BH"], prep["T"], prep["G"]
     bt = 64 // G * nt
     chunk = -(-T // nsplit // bt) * bt
@@ -384,9 +413,13 @@ def launch(prep, nsplit, nt=2, plo=False, bufs=None, lazy=False, prefetch=1):
         bufs = (torch.empty(BH, nsplit, 8, device=dev), torch.empty(BH, nsplit, 8, device=dev),
                 torch.empty(BH, nsplit, 8, RV_, device=dev))
     m, l, o = bufs
-    _mma_pass_kernel[(nsplit, BH)](prep["kw"], prep["vh"], prep["ks"], prep["kc"], prep["vs"], prep["vc"],
+    if pairs and "vp" not in prep:
+        prep["vp"] = pair_values(prep["vh"])
+    kw = {"maxnreg": maxnreg} if maxnreg else {}
+    _mma_pass_kernel[(nsplit, BH)](prep["kw"], prep["vp"] if pairs else prep["vh"], prep["ks"], prep["kc"],
+                                   prep["vs"], prep["vc"],
                                    prep["ca"], prep["sumc"], prep["vexp"], m, l, o, T, chunk, nsplit,
-                                   NT=nt, G=G, PLO=plo, LAZY=lazy, TAU=TAU_, PREFETCH=int(prefetch), num_warps=1)
+                                   NT=nt, G=G, PLO=plo, LAZY=lazy, TAU=TAU_, PREFETCH=int(prefetch), PAIRS=bool(pairs), num_warps=1, **kw)
     return bufs
 
 
@@ -435,13 +468,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--check", action="store_true", help="GQA 2, 4, 8, both value layouts, 1k tokens: exit 1 past 1e-3")
     ap.add_argument("--cases", default="8:8:4:32768,32:8:4:32768,8:8:4:131072,8:16:1:32768")
     ap.add_argument("--splits", default="16,32,64")
     ap.add_argument("--nts", default="1,2,4")
-    ap.add_argument("--modes", default="0/0/1,0/0/0", help="plo/lazy/prefetch triples")
+    ap.add_argument("--modes", default="0/0/1,0/0/0", help="plo/lazy/prefetch[/pairs[/maxnreg]] tuples")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()
+    if args.check:
+        sys.exit(0 if check() else 1)
     rows = []
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s (read + write)", flush=True)
@@ -454,21 +490,22 @@ def main():
         nbytes = sum(prep[k].numel() * prep[k].element_size() for k in ("kw", "vh", "ks", "kc", "vs", "vc"))
         dense = B * Hkv * T * 2 * 128 * 2  # bf16 K and V, head_dim 128
         for nt in map(int, args.nts.split(",")):
-            for plo, lazy, pf in [tuple(map(int, x.split("/"))) for x in args.modes.split(",")]:
+            for plo, lazy, pf, pairs, mr in [tuple(map(int, (x + "/0/0").split("/")[:5])) for x in args.modes.split(",")]:
                 for ns in map(int, args.splits.split(",")):
                     try:
-                        bufs = launch(prep, ns, nt, plo, lazy=lazy, prefetch=pf)
+                        bufs = launch(prep, ns, nt, plo, lazy=lazy, prefetch=pf, pairs=pairs, maxnreg=mr or None)
                         torch.cuda.synchronize()
                         err = None
                         if ref is not None:
                             out = merge(bufs, G)
                             err = ((out - ref).norm() / ref.norm()).item()
-                        ms = bench(lambda: launch(prep, ns, nt, plo, bufs=bufs, lazy=lazy, prefetch=pf))
+                        ms = bench(lambda: launch(prep, ns, nt, plo, bufs=bufs, lazy=lazy, prefetch=pf, pairs=pairs,
+                                                 maxnreg=mr or None))
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"{spec} nt={nt} ns={ns}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     gbs = nbytes / ms / 1e6
-                    row = dict(case=spec, B=B, Hkv=Hkv, G=G, T=T, tokens_per_iter=64 // G * nt, nt=nt, plo=plo, lazy=lazy, prefetch=pf,
+                    row = dict(case=spec, B=B, Hkv=Hkv, G=G, T=T, tokens_per_iter=64 // G * nt, nt=nt, plo=plo, lazy=lazy, prefetch=pf, pairs=pairs, maxnreg=mr,
                                nsplit=ns, ms=ms, bytes=nbytes, gbs=gbs, pct_copy=100 * gbs / bw, rel_err=err,
                                dense_bytes=dense, byte_ratio=dense / nbytes)
                     rows.append(row)
@@ -482,16 +519,30 @@ def main():
                            triton=triton.__version__, rows=rows, command=" ".join(sys.argv)), f, indent=1)
 
 
-def compile_only(nt=2, g=4, plo=False, lazy=False, prefetch=2, write=True):
+def check() -> bool:
+    """Each GQA ratio the kernel packs (2, 4, 8) and both value layouts, against the fp32 reference on the GPU."""
+    ok = True
+    for g in (4, 2, 8):
+        case = make_case(1, 2, g, 1024, "cuda")
+        prep, ref = prepare(case), reference(case)
+        for pairs in (True, False):
+            err = ((merge(launch(prep, 4, 4, pairs=pairs), g) - ref).norm() / ref.norm()).item()
+            print(f"G={g} pairs={pairs}: rel err {err:.2e}", flush=True)
+            ok &= err < 1e-3
+    return ok
+
+
+def compile_only(nt=2, g=4, plo=False, lazy=False, prefetch=1, write=True, pairs=True):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = {n: "*i32" for n in ("kw_ptr",)}
-    sig.update(PREFETCH="constexpr", LAZY="constexpr", TAU="constexpr", vh_ptr="*i16", ks_ptr="*fp16", kc_ptr="*fp16", vs_ptr="*fp16", vc_ptr="*fp16", ca_ptr="*fp16",
+    sig.update(PAIRS="constexpr", PREFETCH="constexpr", LAZY="constexpr", TAU="constexpr", vh_ptr="*i32" if pairs else "*i16",
+               ks_ptr="*fp16", kc_ptr="*fp16", vs_ptr="*fp16", vc_ptr="*fp16", ca_ptr="*fp16",
                sumc_ptr="*fp32", vexp_ptr="*fp32", m_out="*fp32", l_out="*fp32", o_out="*fp32", T="i32",
                CHUNK="i32", NSPLIT="i32", NT="constexpr", G="constexpr", PLO="constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
-    src = GluonASTSource(_mma_pass_kernel, sig, constexprs={"NT": nt, "G": g, "PLO": plo, "LAZY": lazy, "TAU": TAU_, "PREFETCH": int(prefetch)}, attrs=attrs)
+    src = GluonASTSource(_mma_pass_kernel, sig, constexprs={"NT": nt, "G": g, "PLO": plo, "LAZY": lazy, "TAU": TAU_, "PREFETCH": int(prefetch), "PAIRS": pairs}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     if not write:
         return k

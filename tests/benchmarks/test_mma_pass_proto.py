@@ -65,3 +65,11 @@ def test_compiles_for_sm90_without_shared_memory_or_spills(proto):
     assert "local_alloc" not in k.asm["ttgir"]
     stats = ptxas_stats(k.asm["ptx"])
     assert stats["spill_store_bytes"] in (0, None) and stats["registers"] <= 128
+
+
+def test_paired_value_words_hold_even_then_odd_token(proto):
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (3, 16, 32), generator=gen, dtype=torch.uint8)
+    halves = proto.pack_values(codes).long() & 0xFFFF
+    words = proto.pair_values(proto.pack_values(codes)).long() & 0xFFFFFFFF
+    assert torch.equal(words & 0xFFFF, halves[:, 0::2]) and torch.equal(words >> 16, halves[:, 1::2])
