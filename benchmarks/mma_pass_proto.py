@@ -18,8 +18,8 @@ moving operands between Triton's load layout and the tensor cores' register layo
 * one warp per program, no shared memory, no cross-warp step; splits of the context merged afterwards; the next
   one or two tiles' loads are issued before the current tile is computed (``PREFETCH``).
 
-Measured (H200, 32:8 heads, int4 rank 32, batch 8-32, 32k-128k): 59-71% of the copy bandwidth, 5.9-6.6x faster than
-the word pass and 7.3-8.5x faster than dense SDPA in the same run (benchmarks/results/2026-12-04-mma-pass-proto-h200).
+Measured (H200, 32:8 heads, int4 rank 32, batch 8-32, 32k-128k): 61-72% of the copy bandwidth, 6.1-6.7x faster than
+the word pass and 7.6-8.7x faster than dense SDPA in the same run (benchmarks/results/2026-12-04-mma-pass-proto-h200).
 Not timed here: the query folding prologue and the split merge / value-basis projection; no page table, lengths or
 exact-token window yet.
 
@@ -50,7 +50,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 RK_, RV_, ROWS_ = 32, 32, 16
-TAU_ = 4.0  # lazy rescale threshold (log2 units)
 RK = gl.constexpr(RK_)
 RV = gl.constexpr(RV_)
 ROWS = gl.constexpr(ROWS_)  # tensor-core rows: 8 for the query heads (hi), 8 for their remainders (lo)
@@ -134,10 +133,54 @@ def _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, tok, koff, voff, 
 
 
 @gluon.jit
+def _tile_step(wk, ks16, kc16, vs16, vc16, vlo, vhi, ca, sumc, vexp, m_i, l_q, n_q, acc,
+               L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
+               BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr,
+               PAIRS: gl.constexpr):
+    """One tile: scores on the tensor cores, the online softmax, the value product. l_q / n_q: (8 rows, 4 lanes)
+    per-lane partial sums of the weights and of weight x value centred min (summed over the lanes once, at the
+    end)."""
+    x = _dequant8(wk)  # (4, GROUPS, NT, 8, e, h, s)
+    x = gl.reshape(gl.permute(x, [1, 6, 5, 0, 4, 2, 3]), [KS, 8 * NT])
+    kb = gl.convert_layout(x, BL)
+    s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
+    s = gl.sum(gl.reshape(s, [2, 8, 8 * NT]), axis=0)  # hi + lo, (8, 8 NT) in LS
+    s = s * ks16.to(gl.float32) + kc16.to(gl.float32) * sumc[:, None]
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    # per-lane partials: columns 8 j + 2 q + e of a row -> (j, q, e); sum over the thread's own j and e
+    al_q = gl.convert_layout(alpha, gl.SliceLayout(1, l_q.type.layout))[:, None]
+    l_q = l_q * al_q + gl.convert_layout(gl.sum(gl.sum(gl.reshape(p, [8, NT, 4, 2]), axis=3), axis=1),
+                                         l_q.type.layout)
+    n_q = n_q * al_q + gl.convert_layout(
+        gl.sum(gl.sum(gl.reshape(p * vc16.to(gl.float32), [8, NT, 4, 2]), axis=3), axis=1), n_q.type.layout)
+    acc3 = gl.reshape(acc, [2, 8, RV])
+    al3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, acc3.type.layout)))
+    acc = gl.convert_layout(gl.reshape(acc3 * al3[None, :, None], [ROWS, RV]), L)
+    pw = p * (vs16.to(gl.float32) * vexp)
+    p_hi = pw.to(gl.float16)
+    if PLO:
+        p_lo = (pw - p_hi.to(gl.float32)).to(gl.float16)
+    else:
+        p_lo = gl.zeros([8, 8 * NT], gl.float16, LS)
+    ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
+    pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
+    pa = gl.convert_layout(gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT]), AL)
+    if PAIRS:
+        wv = vlo
+    else:
+        wv = _pair_words(vlo, vhi)
+    y = _dequant8(wv)  # (BT/2, 8, e, i_lo, i_hi)
+    vb = gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV]), BL)
+    return m_new, l_q, n_q, mma_v2(pa, vb, acc)
+
+
+@gluon.jit
 def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sumc_ptr, vexp_ptr,
                      m_out, l_out, o_out, T, CHUNK, NSPLIT,
-                     NT: gl.constexpr, G: gl.constexpr, PLO: gl.constexpr, LAZY: gl.constexpr,
-                     TAU: gl.constexpr, PREFETCH: gl.constexpr, PAIRS: gl.constexpr):
+                     NT: gl.constexpr, G: gl.constexpr, PLO: gl.constexpr, PREFETCH: gl.constexpr,
+                     PAIRS: gl.constexpr):
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
     BT: gl.constexpr = 8 * NT * GROUPS
@@ -160,6 +203,7 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
 
     zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
     LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
+    zero_s0 = gl.zeros([8, 8 * NT], gl.float32, LS)
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
     # token of score (row, col) within the tile: 8 GROUPS j + 8 grp + c
@@ -179,8 +223,9 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
     voff = pv[:, None] * 8 + gv[None, :]  # (pair, g): half-word 2 voff (+ 8) of the tile, or word voff (PAIRS)
 
     m_i = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, LS))
-    l_p = gl.zeros([8, 8 * NT], gl.float32, LS)
-    n_p = gl.zeros([8, 8 * NT], gl.float32, LS)
+    LQ: gl.constexpr = gl.sum(gl.sum(gl.reshape(zero_s0, [8, NT, 4, 2]), axis=3), axis=1).type.layout
+    l_q = gl.zeros([8, 4], gl.float32, LQ)
+    n_q = gl.zeros([8, 4], gl.float32, LQ)
     acc = gl.zeros([ROWS, RV], gl.float32, L)
 
     start = split * CHUNK
@@ -188,7 +233,8 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
     base = bh.to(gl.int64) * T
     last = gl.maximum(stop - BT, start)
     if PREFETCH >= 1:
-        tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + start, koff, voff, tok_s, PAIRS)
+        tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + start, koff, voff, tok_s,
+                            PAIRS)
     if PREFETCH == 2:
         tile_b = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + gl.minimum(start + BT, last),
                             koff, voff, tok_s, PAIRS)
@@ -198,67 +244,15 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
                                                               base + t0, koff, voff, tok_s, PAIRS)
         elif PREFETCH == 1:
             wk, ks16, kc16, vs16, vc16, vlo, vhi = tile_a
-            tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, base + gl.minimum(t0 + BT, last),
-                                koff, voff, tok_s, PAIRS)
+            tile_a = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr,
+                                base + gl.minimum(t0 + BT, last), koff, voff, tok_s, PAIRS)
         else:
             wk, ks16, kc16, vs16, vc16, vlo, vhi = tile_a
             tile_a = tile_b
             tile_b = _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr,
                                 base + gl.minimum(t0 + 2 * BT, last), koff, voff, tok_s, PAIRS)
-        x = _dequant8(wk)  # (4, GROUPS, NT, 8, e, h, s)
-        x = gl.reshape(gl.permute(x, [1, 6, 5, 0, 4, 2, 3]), [KS, 8 * NT])
-        kb = gl.convert_layout(x, BL)
-        s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
-        s = gl.sum(gl.reshape(s, [2, 8, 8 * NT]), axis=0)  # hi + lo, (8, 8 NT) in LS
-        ks = ks16.to(gl.float32)
-        kc = kc16.to(gl.float32)
-        s = s * ks + kc * sumc[:, None]
-        m_t = gl.max(s, axis=1)
-        vs = vs16.to(gl.float32)
-        vc = vc16.to(gl.float32)
-        if LAZY:
-            # FlashAttention-4's conditional rescale: keep the running max until a row's tile max passes it by more
-            # than 2^TAU (weights stay <= 2^TAU; vexp leaves room for that in fp16)
-            if gl.max(m_t - m_i, axis=0) > TAU:
-                m_new = gl.maximum(m_i, m_t)
-                alpha = gl.exp2(m_i - m_new)
-                l_p = l_p * alpha[:, None]
-                n_p = n_p * alpha[:, None]
-                acc3 = gl.reshape(acc, [2, 8, RV])
-                al3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, acc3.type.layout)))
-                acc = gl.convert_layout(gl.reshape(acc3 * al3[None, :, None], [ROWS, RV]), L)
-                m_i = m_new
-            p = gl.exp2(s - m_i[:, None])
-            l_p = l_p + p
-            n_p = n_p + p * vc
-        else:
-            m_new = gl.maximum(m_i, m_t)
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            m_i = m_new
-            l_p = l_p * alpha[:, None] + p
-            n_p = n_p * alpha[:, None] + p * vc
-            acc3 = gl.reshape(acc, [2, 8, RV])
-            al3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, acc3.type.layout)))
-            acc = gl.convert_layout(gl.reshape(acc3 * al3[None, :, None], [ROWS, RV]), L)
-        pw = p * (vs * vexp)
-        p_hi = pw.to(gl.float16)
-        if PLO:
-            p_lo = (pw - p_hi.to(gl.float32)).to(gl.float16)
-        else:
-            p_lo = gl.zeros([8, 8 * NT], gl.float16, LS)
-        ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
-        pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
-        pa = gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT])
-        pa = gl.convert_layout(pa, AL)
-        if PAIRS:
-            wv = vlo
-        else:
-            wv = _pair_words(vlo, vhi)
-        y = _dequant8(wv)  # (BT/2, 8, e, i_lo, i_hi)
-        y = gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV])
-        vb = gl.convert_layout(y, BL)
-        acc = mma_v2(pa, vb, acc)
+        m_i, l_q, n_q, acc = _tile_step(wk, ks16, kc16, vs16, vc16, vlo, vhi, ca, sumc, vexp, m_i, l_q, n_q, acc,
+                                        L, AL, BL, LS, KS, BT, NT, G, GROUPS, PLO, PAIRS)
 
     o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
     LO: gl.constexpr = o.type.layout
@@ -266,12 +260,12 @@ def _mma_pass_kernel(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, ca_ptr, sum
     jo = gl.arange(0, RV, layout=gl.SliceLayout(0, LO))
     # columns 8..15 and 24..31 carry 16 * (code - 8); the weights carried vscale * vexp
     colf = gl.where((jo // 8) % 2 == 1, 1.0 / 16.0, 1.0) / vexp
-    nsum = gl.convert_layout(gl.sum(n_p, axis=1), gl.SliceLayout(1, LO))
+    nsum = gl.convert_layout(gl.sum(n_q, axis=1), gl.SliceLayout(1, LO))
     o = o * colf[None, :] + nsum[:, None]
     out = bh * NSPLIT + split
     gl.store(o_out + out * 8 * RV + ho[:, None] * RV + jo[None, :], o)
     gl.store(m_out + out * 8 + rows, m_i)
-    gl.store(l_out + out * 8 + rows, gl.sum(l_p, axis=1))
+    gl.store(l_out + out * 8 + rows, gl.convert_layout(gl.sum(l_q, axis=1), gl.SliceLayout(1, LS)))
 
 
 # ---------------------------------------------------------------- host side: packing, reference, launch
@@ -396,18 +390,18 @@ def prepare(case):
         ca[:, 8 + grp * G:8 + (grp + 1) * G, grp * RK_:(grp + 1) * RK_] = lo
     sumc = c.sum(-1).repeat(1, groups)
     vmax = case["vs"].float().amax(-1)
-    vexp = torch.exp2(14 - TAU_ - torch.floor(torch.log2(vmax)))  # max weight in [2^14, 2^15) (times 2^TAU lazy)
+    vexp = torch.exp2(14 - torch.floor(torch.log2(vmax)))  # the largest weight p * vscale * vexp in [2^14, 2^15)
     return dict(kw=pack_keys(case["kcodes"]), vh=pack_values(case["vcodes"]), ks=case["ks"].contiguous(),
                 kc=case["kc"].contiguous(), vs=case["vs"].contiguous(), vc=case["vc"].contiguous(),
                 ca=ca.contiguous(), sumc=sumc.contiguous(), vexp=vexp.contiguous(), BH=BH, G=G,
                 T=case["kcodes"].shape[1])
 
 
-def launch(prep, nsplit, nt=2, plo=False, bufs=None, lazy=False, prefetch=1, pairs=False, maxnreg=None):
+def launch(prep, nsplit, nt=2, plo=False, bufs=None, prefetch=1, pairs=False, maxnreg=None):
     BH, T, G = prep["BH"], prep["T"], prep["G"]
     bt = 64 // G * nt
     chunk = -(-T // nsplit // bt) * bt
-    assert T % bt == 0
+    assert T % bt == 0, f"the prototype needs the context to be a multiple of {bt} tokens"
     dev = prep["kw"].device
     if bufs is None:
         bufs = (torch.empty(BH, nsplit, 8, device=dev), torch.empty(BH, nsplit, 8, device=dev),
@@ -419,7 +413,8 @@ def launch(prep, nsplit, nt=2, plo=False, bufs=None, lazy=False, prefetch=1, pai
     _mma_pass_kernel[(nsplit, BH)](prep["kw"], prep["vp"] if pairs else prep["vh"], prep["ks"], prep["kc"],
                                    prep["vs"], prep["vc"],
                                    prep["ca"], prep["sumc"], prep["vexp"], m, l, o, T, chunk, nsplit,
-                                   NT=nt, G=G, PLO=plo, LAZY=lazy, TAU=TAU_, PREFETCH=int(prefetch), PAIRS=bool(pairs), num_warps=1, **kw)
+                                   NT=nt, G=G, PLO=plo, PREFETCH=int(prefetch), PAIRS=bool(pairs),
+                                   num_warps=1, **kw)
     return bufs
 
 
@@ -472,7 +467,7 @@ def main():
     ap.add_argument("--cases", default="8:8:4:32768,32:8:4:32768,8:8:4:131072,8:16:1:32768")
     ap.add_argument("--splits", default="16,32,64")
     ap.add_argument("--nts", default="1,2,4")
-    ap.add_argument("--modes", default="0/0/1,0/0/0", help="plo/lazy/prefetch[/pairs[/maxnreg]] tuples")
+    ap.add_argument("--modes", default="0/1/1", help="plo/prefetch/pairs[/maxnreg] tuples")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()
@@ -490,22 +485,22 @@ def main():
         nbytes = sum(prep[k].numel() * prep[k].element_size() for k in ("kw", "vh", "ks", "kc", "vs", "vc"))
         dense = B * Hkv * T * 2 * 128 * 2  # bf16 K and V, head_dim 128
         for nt in map(int, args.nts.split(",")):
-            for plo, lazy, pf, pairs, mr in [tuple(map(int, (x + "/0/0").split("/")[:5])) for x in args.modes.split(",")]:
+            for plo, pf, pairs, mr in [tuple(map(int, (x + "/0").split("/")[:4])) for x in args.modes.split(",")]:
                 for ns in map(int, args.splits.split(",")):
                     try:
-                        bufs = launch(prep, ns, nt, plo, lazy=lazy, prefetch=pf, pairs=pairs, maxnreg=mr or None)
+                        bufs = launch(prep, ns, nt, plo, prefetch=pf, pairs=pairs, maxnreg=mr or None)
                         torch.cuda.synchronize()
                         err = None
                         if ref is not None:
                             out = merge(bufs, G)
                             err = ((out - ref).norm() / ref.norm()).item()
-                        ms = bench(lambda: launch(prep, ns, nt, plo, bufs=bufs, lazy=lazy, prefetch=pf, pairs=pairs,
+                        ms = bench(lambda: launch(prep, ns, nt, plo, bufs=bufs, prefetch=pf, pairs=pairs,
                                                  maxnreg=mr or None))
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"{spec} nt={nt} ns={ns}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     gbs = nbytes / ms / 1e6
-                    row = dict(case=spec, B=B, Hkv=Hkv, G=G, T=T, tokens_per_iter=64 // G * nt, nt=nt, plo=plo, lazy=lazy, prefetch=pf, pairs=pairs, maxnreg=mr,
+                    row = dict(case=spec, B=B, Hkv=Hkv, G=G, T=T, tokens_per_iter=64 // G * nt, nt=nt, plo=plo, prefetch=pf, pairs=pairs, maxnreg=mr,
                                nsplit=ns, ms=ms, bytes=nbytes, gbs=gbs, pct_copy=100 * gbs / bw, rel_err=err,
                                dense_bytes=dense, byte_ratio=dense / nbytes)
                     rows.append(row)
@@ -525,24 +520,25 @@ def check() -> bool:
     for g in (4, 2, 8):
         case = make_case(1, 2, g, 1024, "cuda")
         prep, ref = prepare(case), reference(case)
-        for pairs in (True, False):
-            err = ((merge(launch(prep, 4, 4, pairs=pairs), g) - ref).norm() / ref.norm()).item()
-            print(f"G={g} pairs={pairs}: rel err {err:.2e}", flush=True)
+        for pairs, pf in ((True, 1), (False, 1), (True, 2), (True, 0)):
+            err = ((merge(launch(prep, 4, 4, pairs=pairs, prefetch=pf), g) - ref).norm() / ref.norm()).item()
+            print(f"G={g} pairs={pairs} prefetch={pf}: rel err {err:.2e}", flush=True)
             ok &= err < 1e-3
     return ok
 
 
-def compile_only(nt=2, g=4, plo=False, lazy=False, prefetch=1, write=True, pairs=True):
+def compile_only(nt=2, g=4, plo=False, prefetch=1, write=True, pairs=True):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = {n: "*i32" for n in ("kw_ptr",)}
-    sig.update(PAIRS="constexpr", PREFETCH="constexpr", LAZY="constexpr", TAU="constexpr", vh_ptr="*i32" if pairs else "*i16",
+    sig.update(PAIRS="constexpr", PREFETCH="constexpr", vh_ptr="*i32" if pairs else "*i16",
                ks_ptr="*fp16", kc_ptr="*fp16", vs_ptr="*fp16", vc_ptr="*fp16", ca_ptr="*fp16",
                sumc_ptr="*fp32", vexp_ptr="*fp32", m_out="*fp32", l_out="*fp32", o_out="*fp32", T="i32",
                CHUNK="i32", NSPLIT="i32", NT="constexpr", G="constexpr", PLO="constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
-    src = GluonASTSource(_mma_pass_kernel, sig, constexprs={"NT": nt, "G": g, "PLO": plo, "LAZY": lazy, "TAU": TAU_, "PREFETCH": int(prefetch), "PAIRS": pairs}, attrs=attrs)
+    src = GluonASTSource(_mma_pass_kernel, sig, constexprs={"NT": nt, "G": g, "PLO": plo, "PREFETCH": int(prefetch),
+                                                                    "PAIRS": pairs}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     if not write:
         return k
