@@ -35,7 +35,7 @@ def test_pack_layout_round_trips(proto, seed, t):
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**16), g=st.sampled_from([2, 4, 8]), t=st.sampled_from([16, 64, 200]))
+@given(seed=st.integers(0, 2**16), g=st.sampled_from([2, 4, 8]), t=st.sampled_from([16, 64, 192]))
 def test_emulated_arithmetic_matches_reference(proto, seed, g, t):
     """fp16 weights (no remainder): within 1e-3 of the fp32 reference, as on the H200 (1.4e-5 there)."""
     case = proto.make_case(1, 2, g, t, "cpu", seed=seed)
@@ -73,3 +73,90 @@ def test_paired_value_words_hold_even_then_odd_token(proto):
     halves = proto.pack_values(codes).long() & 0xFFFF
     words = proto.pair_values(proto.pack_values(codes)).long() & 0xFFFFFFFF
     assert torch.equal(words & 0xFFFF, halves[:, 0::2]) and torch.equal(words >> 16, halves[:, 1::2])
+
+
+def _run_dequant_asm(asm: str, word: int) -> list[float]:
+    """A reading of the PTX in ``_DEQ_ASM`` for one input word: the five instructions it uses (``mov.b32`` of an
+    immediate or into a pair of halves, ``lop3.b32``, ``shr.u32``, ``sub.f16x2``), so that the asm text itself is
+    tested, not a re-statement of it. Returns the 8 outputs $0..$7 as floats."""
+    import re
+
+    import numpy as np
+
+    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF}
+    out: dict[str, int] = {}
+
+    def val(x: str) -> int:
+        x = x.strip()
+        return int(x, 16) if x.startswith("0x") else regs[x]
+
+    for ins in (t.strip() for t in asm.replace("\n", " ").split(";")):
+        ins = ins.strip("{} ").strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        if op == "mov.b32" and rest.lstrip().startswith("{"):
+            halves, src = re.match(r"\{([^}]*)\}\s*,\s*(\S+)", rest).groups()
+            lo, hi = (h.strip() for h in halves.split(","))
+            out[lo], out[hi] = val(src) & 0xFFFF, val(src) >> 16
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        if op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = val(args[1]), val(args[2]), val(args[3]), int(args[4], 16)
+            regs[args[0]] = sum(((lut >> (((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1))) & 1) << i
+                                for i in range(32))
+        elif op == "shr.u32":
+            regs[args[0]] = val(args[1]) >> int(args[2])
+        elif op == "sub.f16x2":
+            x, y = val(args[1]), val(args[2])
+            res = 0
+            for k in (0, 16):
+                hx = np.array([(x >> k) & 0xFFFF], dtype=np.uint16).view(np.float16)
+                hy = np.array([(y >> k) & 0xFFFF], dtype=np.uint16).view(np.float16)
+                res |= int((hx - hy).view(np.uint16)[0]) << k
+            regs[args[0]] = res
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return [float(np.array([out[f"${i}"]], dtype=np.uint16).view(np.float16)[0]) for i in range(8)]
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_dequant_asm_yields_the_centred_codes_the_layout_promises(proto, seed):
+    """Keys: output 2j + e of word q (op j = (s, h)) is (code - 8) * 16^h of coordinate 16s + 8h + 2q + e. Values:
+    of the pair word of half-word g of tokens (2p, 2p + 1), output 2i + e is (code - 8) * 16^(i % 2) of coordinate
+    g + 8i of token 2p + e. Checked against the codes that were packed, not against the unpackers."""
+    asm = str(proto._DEQ_ASM.value if hasattr(proto._DEQ_ASM, "value") else proto._DEQ_ASM)
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (2, 32), generator=gen, dtype=torch.uint8)
+    words = proto.pack_keys(codes)
+    for q in range(4):
+        got = _run_dequant_asm(asm, int(words[0, q]))
+        for j in range(4):
+            s, h = divmod(j, 2)
+            for e in range(2):
+                want = (int(codes[0, 16 * s + 8 * h + 2 * q + e]) - 8) * 16 ** h
+                assert got[2 * j + e] == want, (q, j, e)
+    pairs = proto.pair_values(proto.pack_values(codes))  # (1, 8): tokens 0 and 1
+    for g in range(8):
+        got = _run_dequant_asm(asm, int(pairs[0, g]))
+        for i in range(4):
+            for e in range(2):
+                assert got[2 * i + e] == (int(codes[e, g + 8 * i]) - 8) * 16 ** (i % 2), (g, i, e)
+
+
+@settings(max_examples=50, deadline=None)
+@given(tiles=st.integers(1, 600), nsplit=st.integers(1, 64), bt=st.sampled_from([16, 32, 64, 128]))
+def test_split_plan_covers_the_context_with_no_empty_split(proto, tiles, nsplit, bt):
+    T = tiles * bt
+    chunk, n = proto.split_plan(T, nsplit, bt)
+    assert chunk % bt == 0 and (n - 1) * chunk < T <= n * chunk and n <= nsplit
+
+
+def test_launch_refuses_what_the_prototype_does_not_pack(proto):
+    for g, t, why in ((1, 256, "G = 2, 4 or 8"), (4, 200, "multiple of")):
+        prep = proto.prepare(proto.make_case(1, 1, g, t, "cpu"))
+        with pytest.raises(ValueError, match=why):
+            proto.launch(prep, 2, nt=2)

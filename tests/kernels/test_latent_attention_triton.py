@@ -271,7 +271,9 @@ def _check_property(n_examples: int) -> None:
     prop()
 
 
-def _check_fixed() -> None:
+def _check_fixed(half: int) -> None:
+    """The fixed cases, in two halves (two child processes, so that two pytest workers can share them): 0, the
+    kernels' paths (layouts, the chunk pass, table-free calls); 1, pages, windows, merges, slices and the rest."""
     import dataclasses
 
     import torch
@@ -285,54 +287,56 @@ def _check_fixed() -> None:
                 vfmt="int8/32", rope="rotate_half", rd=16, mask=None, mask_shape="bhsk", mask_p=0.3,
                 dtype=torch.float32, pos_dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
-    _check(base, cfg)  # a rank-0 head on each side
-    # a query head masked wholly by finite finfo(float32).min (HF's fp32 masks): a uniform average, as eager
-    _check(dict(base, mask="finfo", s=2, win=3), cfg)
-    # unit-major latents (kernels.latent_layout): the grouped key pass, per-head passes and one pass, paged or not
-    # (paired_tables needs tables with one angle per pair: the complex form's, by layout)
-    ucfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=2, hoist_basis=True, fma_scores=True,
-                        fma_values=True, rotate_basis=True, head_group=2, paired_tables=True, block_n_v=16)
-    for case, c in ((dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="unit-major"), ucfg),
-                    (dict(base, rk=[12, 5], rv=[7, 9], layout="unit-major", page=4, seed=3), cfg),
-                    (dict(base, ratio=1, rk=[8, 8], rv=[8, 8], rope="complex", layout="unit-major"), ucfg),
-                    (dict(base, layout="unit-major"), dataclasses.replace(cfg, two_pass=False)),
-                    # padded rows (a store's wide row-major latents): grouped and per-head passes, paged
-                    (dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="padded"), ucfg),
-                    (dict(base, rk=[12, 5], rv=[7, 9], layout="padded", page=4, seed=3), cfg)):
-        _check(case, c)
-    # the one pass over chunks of KV heads (latent_attention_chunks): equal ranks (one contiguous window per row),
-    # unequal and ragged ranks (gathered columns), several blocks per head, paired and unpaired tables of every
-    # form, a mask shared by the heads or per head, window tokens, paged and padded rows, the fp16 table product
-    from ckvp_compile.kernels import latent_attention_triton as chunk_mod
+    if half == 0:
+        _check(base, cfg)  # a rank-0 head on each side
+        # a query head masked wholly by finite finfo(float32).min (HF's fp32 masks): a uniform average, as eager
+        _check(dict(base, mask="finfo", s=2, win=3), cfg)
+        # unit-major latents (kernels.latent_layout): the grouped key pass, per-head passes and one pass, paged or not
+        # (paired_tables needs tables with one angle per pair: the complex form's, by layout)
+        ucfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=2, hoist_basis=True, fma_scores=True,
+                            fma_values=True, rotate_basis=True, head_group=2, paired_tables=True, block_n_v=16)
+        for case, c in ((dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="unit-major"), ucfg),
+                        (dict(base, rk=[12, 5], rv=[7, 9], layout="unit-major", page=4, seed=3), cfg),
+                        (dict(base, ratio=1, rk=[8, 8], rv=[8, 8], rope="complex", layout="unit-major"), ucfg),
+                        (dict(base, layout="unit-major"), dataclasses.replace(cfg, two_pass=False)),
+                        # padded rows (a store's wide row-major latents): grouped and per-head passes, paged
+                        (dict(base, rk=[12, 5], rv=[7, 9], rope="complex", layout="padded"), ucfg),
+                        (dict(base, rk=[12, 5], rv=[7, 9], layout="padded", page=4, seed=3), cfg)):
+            _check(case, c)
+        # the one pass over chunks of KV heads (latent_attention_chunks): equal ranks (one contiguous window per row),
+        # unequal and ragged ranks (gathered columns), several blocks per head, paired and unpaired tables of every
+        # form, a mask shared by the heads or per head, window tokens, paged and padded rows, the fp16 table product
+        from ckvp_compile.kernels import latent_attention_triton as chunk_mod
 
-    ccfg = DecodeConfig(block_n=16, num_warps=1, split=2, min_tiles=1, target_programs=2, head_chunks=32,
-                        block_n_c=16)
-    eq = dict(base, hkv=4, ratio=1, rk=[8] * 4, rv=[8] * 4, kfmt="int4/32", vfmt="int4/32")
-    for case, c in ((eq, ccfg),
-                    (dict(eq, rope="complex", mask="bool", mask_shape="b1sk", win=3), ccfg),
-                    (dict(eq, paired=True, mask="add", mask_shape="bhsk"),
-                     dataclasses.replace(ccfg, paired_tables=True)),
-                    (dict(eq, rope="interleaved", rd=16, paired=True, layout="padded"),
-                     dataclasses.replace(ccfg, paired_tables=True, block_n_c=32)),
-                    (dict(eq, rk=[12, 3, 0, 5], rv=[7, 8, 1, 0], s=2, win=17, unused=4, page=4, seed=3), ccfg),
-                    (dict(eq, hkv=3, rk=[20, 3, 17], rv=[7, 24, 1], kfmt="int4/8", vfmt="int8/16", rope="none",
-                          rd=0), dataclasses.replace(ccfg, head_chunks=64)),
-                    (dict(eq, d=64, rd=32, rk=[40, 33, 9, 2], rv=[33, 9, 40, 1], kfmt="int2/16", vfmt="int4/32",
-                          mask="bool", mask_p=1.1), dataclasses.replace(ccfg, head_chunks=64)),
-                    (dict(eq, paired=True), dataclasses.replace(ccfg, paired_tables=True, rotate_fp16=True)),
-                    # heads of one code byte (value rank 1 at int4; key rank 2 at int2 in chunks of 16 heads)
-                    (dict(eq, rv=[1] * 4), ccfg),
-                    (dict(eq, hkv=16, rk=[2] * 16, rv=[8] * 16, b=1, kfmt="int2/4"),
-                     dataclasses.replace(ccfg, head_chunks=128))):
-        _check(case, c)
-        assert chunk_mod._LAST_LAUNCH["head_chunks"] > 0, (case, c)  # the chunk kernel ran, not a fallback
-    # no RoPE (post-RoPE key bases, LatentBases.key_space; GPT-2): the default config reads no table, so it takes
-    # the table-free folded-query key pass up to rank 128 (the chunk pass too at ranks <= 8 where enough programs
-    # fill the device: not at these shapes; the cases above run it without RoPE)
-    for case in (dict(eq, rope="none", rd=0), dict(eq, rope="none", rd=0, d=64, rk=[40, 37, 40, 40], rv=[24] * 4,
-                                                  mask="bool")):
-        _check(case, None)
-        assert chunk_mod._LAST_LAUNCH["rot_basis"], (case, dict(chunk_mod._LAST_LAUNCH))
+        ccfg = DecodeConfig(block_n=16, num_warps=1, split=2, min_tiles=1, target_programs=2, head_chunks=32,
+                            block_n_c=16)
+        eq = dict(base, hkv=4, ratio=1, rk=[8] * 4, rv=[8] * 4, kfmt="int4/32", vfmt="int4/32")
+        for case, c in ((eq, ccfg),
+                        (dict(eq, rope="complex", mask="bool", mask_shape="b1sk", win=3), ccfg),
+                        (dict(eq, paired=True, mask="add", mask_shape="bhsk"),
+                         dataclasses.replace(ccfg, paired_tables=True)),
+                        (dict(eq, rope="interleaved", rd=16, paired=True, layout="padded"),
+                         dataclasses.replace(ccfg, paired_tables=True, block_n_c=32)),
+                        (dict(eq, rk=[12, 3, 0, 5], rv=[7, 8, 1, 0], s=2, win=17, unused=4, page=4, seed=3), ccfg),
+                        (dict(eq, hkv=3, rk=[20, 3, 17], rv=[7, 24, 1], kfmt="int4/8", vfmt="int8/16", rope="none",
+                              rd=0), dataclasses.replace(ccfg, head_chunks=64)),
+                        (dict(eq, d=64, rd=32, rk=[40, 33, 9, 2], rv=[33, 9, 40, 1], kfmt="int2/16", vfmt="int4/32",
+                              mask="bool", mask_p=1.1), dataclasses.replace(ccfg, head_chunks=64)),
+                        (dict(eq, paired=True), dataclasses.replace(ccfg, paired_tables=True, rotate_fp16=True)),
+                        # heads of one code byte (value rank 1 at int4; key rank 2 at int2 in chunks of 16 heads)
+                        (dict(eq, rv=[1] * 4), ccfg),
+                        (dict(eq, hkv=16, rk=[2] * 16, rv=[8] * 16, b=1, kfmt="int2/4"),
+                         dataclasses.replace(ccfg, head_chunks=128))):
+            _check(case, c)
+            assert chunk_mod._LAST_LAUNCH["head_chunks"] > 0, (case, c)  # the chunk kernel ran, not a fallback
+        # no RoPE (post-RoPE key bases, LatentBases.key_space; GPT-2): the default config reads no table, so it takes
+        # the table-free folded-query key pass up to rank 128 (the chunk pass too at ranks <= 8 where enough programs
+        # fill the device: not at these shapes; the cases above run it without RoPE)
+        for case in (dict(eq, rope="none", rd=0), dict(eq, rope="none", rd=0, d=64, rk=[40, 37, 40, 40], rv=[24] * 4,
+                                                      mask="bool")):
+            _check(case, None)
+            assert chunk_mod._LAST_LAUNCH["rot_basis"], (case, dict(chunk_mod._LAST_LAUNCH))
+        return
     for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
         _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
     # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens
@@ -643,18 +647,19 @@ def _check_fixed() -> None:
 
 def _main(part: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    if part == "fixed":
-        _check_fixed()
-        print("ok fixed")
+    if part.startswith("fixed"):
+        _check_fixed(0 if part == "fixed" else 1)
+        print("ok", part)
     else:
         n = int(os.environ.get("CKVP_LATENT_ATTN_EXAMPLES", "14"))
         _check_property(n)
         print("ok", n)
 
 
-@pytest.mark.parametrize("part", ["fixed", "property"])
+@pytest.mark.parametrize("part", ["fixed", "fixed-rest", "property"])
 def test_kernels_match_reference_under_interpreter(part):
-    """The fixed cases and the hypothesis property in two child processes (two pytest workers share them)."""
+    """The fixed cases (two halves) and the hypothesis property in three child processes (pytest workers share
+    them)."""
     pytest.importorskip("triton")
     pytest.importorskip("hypothesis")
     from ckvp_compile.testing.interpreter import run_under_triton_interpreter
