@@ -271,9 +271,12 @@ def _check_property(n_examples: int) -> None:
     prop()
 
 
-def _check_fixed(half: int) -> None:
-    """The fixed cases, in two halves (two child processes, so that two pytest workers can share them): 0, the
-    kernels' paths (layouts, the chunk pass, table-free calls); 1, pages, windows, merges, slices and the rest."""
+def _check_fixed(part: int) -> None:
+    """The fixed cases, in four parts (four child processes, so that pytest workers can share them): 0, the
+    kernels' paths (layouts, the chunk pass, table-free calls); 1, pages, windows, fused merges and batch slices;
+    2, merge tiles, chunked prefill, the separate launches, paired tables; 3, rotated bases, formats and the
+    rest."""
+    half = part
     import dataclasses
 
     import torch
@@ -337,132 +340,140 @@ def _check_fixed(half: int) -> None:
             _check(case, None)
             assert chunk_mod._LAST_LAUNCH["rot_basis"], (case, dict(chunk_mod._LAST_LAUNCH))
         return
-    for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
-        _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
-    # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens
-    _check(dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
-           dataclasses.replace(cfg, reduce_split_d=True))
-    # a recent window kept dense: 19 exact tokens for 2 queries, 4 entries unused (-1), one- and two-pass
-    for wcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
-        _check(dict(base, rk=[12, 5], rv=[7, 9], s=2, win=17, unused=4, mask="bool", mask_shape="b1sk"), wcfg)
-        _check(dict(base, rk=[12, 5], rv=[7, 9], s=1, win=8, unused=8, mask="add"), wcfg)  # only -1 besides one
-    _check(dict(base, rk=[12, 5], rv=[7, 9], online=True, mask="bool", mask_shape="b1sk"), cfg)  # online bases
-    _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
-    # the merge fused into the value pass (last-arriving split merges): two-pass (counters zeroed by the key pass)
-    # and one-pass (zeroed by the launcher), with window tokens, D = 64 (two 32-channel slices), every row masked.
-    # Integer buffers from torch.empty come filled with 7 here, so a counter the key pass failed to zero would
-    # never reach n_split - 1 and leave the output unwritten (NaN below). (The interpreter runs the splits in
-    # order; arrival out of order is checked on the GPU: rel_err_after_replays in
-    # benchmarks/latent_attention_small_gpu.py, benchmarks/results/2026-11-30-fused-merge-h200.)
+    if half == 1:
+        for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
+            _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
+        # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens
+        _check(dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
+               dataclasses.replace(cfg, reduce_split_d=True))
+        # a recent window kept dense: 19 exact tokens for 2 queries, 4 entries unused (-1), one- and two-pass
+        for wcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
+            _check(dict(base, rk=[12, 5], rv=[7, 9], s=2, win=17, unused=4, mask="bool", mask_shape="b1sk"), wcfg)
+            _check(dict(base, rk=[12, 5], rv=[7, 9], s=1, win=8, unused=8, mask="add"), wcfg)  # only -1 besides one
+        _check(dict(base, rk=[12, 5], rv=[7, 9], online=True, mask="bool", mask_shape="b1sk"), cfg)  # online bases
+        _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
+        # the merge fused into the value pass (last-arriving split merges): two-pass (counters zeroed by the key pass)
+        # and one-pass (zeroed by the launcher), with window tokens, D = 64 (two 32-channel slices), every row masked.
+        # Integer buffers from torch.empty come filled with 7 here, so a counter the key pass failed to zero would
+        # never reach n_split - 1 and leave the output unwritten (NaN below). (The interpreter runs the splits in
+        # order; arrival out of order is checked on the GPU: rel_err_after_replays in
+        # benchmarks/latent_attention_small_gpu.py, benchmarks/results/2026-11-30-fused-merge-h200.)
+        from ckvp_compile.kernels import latent_attention_triton as lat_mod
+
+        real_empty = torch.empty
+
+        def dirty_empty(*args, **kwargs):
+            t = real_empty(*args, **kwargs)
+            return t if t.is_floating_point() else t.fill_(7)
+
+        fused = dataclasses.replace(cfg, fuse_merge=True)
+        lat_mod.torch.empty = dirty_empty
+        try:
+            for fcfg in (fused, dataclasses.replace(fused, two_pass=False)):
+                for fcase in (dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
+                              dict(base, rk=[12, 5], rv=[7, 9], s=1, win=17, unused=4, mask="bool", mask_shape="b1sk"),
+                              dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2)):
+                    _check(fcase, fcfg)
+        finally:
+            lat_mod.torch.empty = real_empty
+        # a batch whose two-pass scores exceed MAX_SCORES_BYTES runs the two passes on slices of its sequences (views
+        # of q, the latents or the page table, per-sequence bases, slot positions, new tokens and a per-sequence mask;
+        # a broadcast mask shared), or the one-pass kernel where one sequence's scores alone exceed the cap
+        saved_cap = lat_mod.MAX_SCORES_BYTES
+        try:
+            sbase = dict(base, b=5, rk=[12, 5], rv=[7, 9], s=2, win=3)
+            per_seq = sbase["hkv"] * sbase["ratio"] * sbase["s"] * sbase["kv_len"] * 4
+            lat_mod.MAX_SCORES_BYTES = 2 * per_seq  # 5 sequences: 3 slices (1, 2, 2)
+            assert lat_mod.score_batch_slices(5, 4, 2, 37) == [(0, 1), (1, 3), (3, 5)]
+            for scase, scfg in ((dict(sbase, mask="add", mask_shape="bhsk", online=True), cfg),
+                                (dict(sbase, mask="bool", mask_shape="1hsk", page=4, seed=5), cfg),
+                                (dict(sbase, mask="bool", mask_shape="b1sk", kfmt="int8/32", rk=[16, 16]),
+                                 dataclasses.replace(cfg, fuse_merge=True)),
+                                (dict(sbase, ratio=1, hkv=4, rk=[8, 12, 5, 10], rv=[7, 9, 4, 6], mask="add",
+                                      mask_shape="k", paired=True),
+                                 DecodeConfig(block_n=16, num_warps=1, min_tiles=1, target_programs=4, hoist_basis=True,
+                                              fma_scores=True, fma_values=True, rotate_basis=True, head_group=2,
+                                              paired_tables=True))):
+                _check(scase, scfg)
+                assert lat_mod._LAST_LAUNCH["batch_slices"] == 3, scase
+                assert lat_mod._LAST_LAUNCH["head_group"] == scfg.head_group, (scase, lat_mod._LAST_LAUNCH)
+            lat_mod.MAX_SCORES_BYTES = per_seq - 4  # one sequence's scores do not fit: the one-pass kernel
+            assert lat_mod.score_batch_slices(5, 4, 2, 37) is None
+            _check(dict(sbase, mask="add", mask_shape="bhsk"), cfg)
+            assert lat_mod._LAST_LAUNCH["batch_slices"] == 1 and "scores" not in lat_mod._LAST_LAUNCH
+        finally:
+            lat_mod.MAX_SCORES_BYTES = saved_cap
+        return
     from ckvp_compile.kernels import latent_attention_triton as lat_mod
 
-    real_empty = torch.empty
+    if half == 2:
+        # the merge reads the partials in tiles of SPLIT_BLOCK splits (merge_split_block; a small tile budget here, so
+        # SPLIT_BLOCK is 8 / 4 / 2 at G = 1 / 2 / 3-4 with RV_PAD 16): split counts (10 tiles of 16 slots, at most one
+        # per split) below, at and above it (the tile loop runs once, or several times, the last tile full or not),
+        # G = 1, 2, 3 (G_LOOP = 4 > G), 4, the merge kernel (D split or not) and the fused merge (partials read with
+        # .cg), exact window tokens, masks, every row masked
+        saved_tile = lat_mod.MERGE_TILE_VALUES, lat_mod.FUSED_MERGE_TILE_VALUES
+        lat_mod.MERGE_TILE_VALUES = lat_mod.FUSED_MERGE_TILE_VALUES = 128
+        try:
+            tcfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, min_tiles=1, block_n_v=16)
+            tbase = dict(base, b=1, kv_len=10 * 16, rk=[12, 5], rv=[7, 9], s=2, win=3, mask="add", mask_p=0.2)
+            runs = []
+            for ratio, split in ((1, 10), (1, 5), (2, 10), (2, 4), (3, 5), (3, 1), (4, 3), (4, 2)):
+                for mcfg in (dataclasses.replace(tcfg, split=split, reduce_split_d=split % 2 == 1),
+                             dataclasses.replace(tcfg, split=split, fuse_merge=True)):
+                    _check(dict(tbase, ratio=ratio, seed=ratio + split), mcfg)
+                    assert lat_mod._LAST_LAUNCH["n_split"] == split
+                    assert lat_mod._LAST_LAUNCH["merge_split_block"] == {1: 8, 2: 4}.get(ratio, 2)
+                    runs.append(split > lat_mod._LAST_LAUNCH["merge_split_block"])
+            assert any(runs) and not all(runs)  # both one tile and several
+            for mcfg in (dataclasses.replace(tcfg, split=10), dataclasses.replace(tcfg, split=10, fuse_merge=True)):
+                _check(dict(tbase, ratio=3, d=64, rd=32, mask="bool", mask_p=1.1), mcfg)  # every row masked: zeros
+                _check(dict(tbase, ratio=2, mask="bool", mask_shape="b1sk", mask_p=0.7, win=0), mcfg)
+        finally:
+            lat_mod.MERGE_TILE_VALUES, lat_mod.FUSED_MERGE_TILE_VALUES = saved_tile
+        _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
+                    mask="add"), DecodeConfig(block_n=16, block_r=16, num_warps=1))  # chunked prefill, 2 R chunks
+        # the two halves as separate launches (the ops ckvp::latent_scores / ckvp::latent_attention_from_scores)
+        from ckvp_compile.kernels.latent_attention_triton import (
+            latent_attention_from_scores_triton,
+            latent_scores_triton,
+        )
 
-    def dirty_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t if t.is_floating_point() else t.fill_(7)
+        for case in (dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_shape="b1sk", s=2),
+                     dict(base, rk=[12, 5], rv=[7, 9], mask="add", rope="interleaved", kfmt="mxint8/8")):
+            (q, lk, lv, bk, bv, ko, vo, cos, sin, sp, rf, rd, nk, nv, sl, mk, sc_, kv, kf, vf) = _inputs(case)
+            sc = latent_scores_triton(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf, config=cfg)
+            sc_want = ref.latent_scores_ref(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf)
+            assert sc.shape == sc_want.shape and torch.equal(torch.isneginf(sc), torch.isneginf(sc_want))
+            fin = torch.isfinite(sc_want)
+            assert float((sc[fin] - sc_want[fin]).abs().max()) <= 1e-3 * float(sc_want[fin].abs().max()) + 1e-5
+            out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf, config=cfg)
+            want = ref.latent_attention_from_scores_ref(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf)
+            assert float((out - want).norm() / want.norm()) <= TOL
+            out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf,
+                                                      config=dataclasses.replace(cfg, fuse_merge=True))
+            assert float((out - want).norm() / want.norm()) <= TOL  # fused merge, counters zeroed by the launcher
+        # a long prefill whose two-pass scores would exceed MAX_SCORES_BYTES runs the one-pass kernel
+        from ckvp_compile.kernels import latent_attention_triton as lat_mod
 
-    fused = dataclasses.replace(cfg, fuse_merge=True)
-    lat_mod.torch.empty = dirty_empty
-    try:
-        for fcfg in (fused, dataclasses.replace(fused, two_pass=False)):
-            for fcase in (dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
-                          dict(base, rk=[12, 5], rv=[7, 9], s=1, win=17, unused=4, mask="bool", mask_shape="b1sk"),
-                          dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2)):
-                _check(fcase, fcfg)
-    finally:
-        lat_mod.torch.empty = real_empty
-    # a batch whose two-pass scores exceed MAX_SCORES_BYTES runs the two passes on slices of its sequences (views
-    # of q, the latents or the page table, per-sequence bases, slot positions, new tokens and a per-sequence mask;
-    # a broadcast mask shared), or the one-pass kernel where one sequence's scores alone exceed the cap
-    saved_cap = lat_mod.MAX_SCORES_BYTES
-    try:
-        sbase = dict(base, b=5, rk=[12, 5], rv=[7, 9], s=2, win=3)
-        per_seq = sbase["hkv"] * sbase["ratio"] * sbase["s"] * sbase["kv_len"] * 4
-        lat_mod.MAX_SCORES_BYTES = 2 * per_seq  # 5 sequences: 3 slices (1, 2, 2)
-        assert lat_mod.score_batch_slices(5, 4, 2, 37) == [(0, 1), (1, 3), (3, 5)]
-        for scase, scfg in ((dict(sbase, mask="add", mask_shape="bhsk", online=True), cfg),
-                            (dict(sbase, mask="bool", mask_shape="1hsk", page=4, seed=5), cfg),
-                            (dict(sbase, mask="bool", mask_shape="b1sk", kfmt="int8/32", rk=[16, 16]),
-                             dataclasses.replace(cfg, fuse_merge=True)),
-                            (dict(sbase, ratio=1, hkv=4, rk=[8, 12, 5, 10], rv=[7, 9, 4, 6], mask="add", mask_shape="k",
-                                  paired=True),
-                             DecodeConfig(block_n=16, num_warps=1, min_tiles=1, target_programs=4, hoist_basis=True,
-                                          fma_scores=True, fma_values=True, rotate_basis=True, head_group=2,
-                                          paired_tables=True))):
-            _check(scase, scfg)
-            assert lat_mod._LAST_LAUNCH["batch_slices"] == 3, scase
-            assert lat_mod._LAST_LAUNCH["head_group"] == scfg.head_group, (scase, lat_mod._LAST_LAUNCH)
-        lat_mod.MAX_SCORES_BYTES = per_seq - 4  # one sequence's scores do not fit: the one-pass kernel
-        assert lat_mod.score_batch_slices(5, 4, 2, 37) is None
-        _check(dict(sbase, mask="add", mask_shape="bhsk"), cfg)
-        assert lat_mod._LAST_LAUNCH["batch_slices"] == 1 and "scores" not in lat_mod._LAST_LAUNCH
-    finally:
-        lat_mod.MAX_SCORES_BYTES = saved_cap
-    # the merge reads the partials in tiles of SPLIT_BLOCK splits (merge_split_block; a small tile budget here, so
-    # SPLIT_BLOCK is 8 / 4 / 2 at G = 1 / 2 / 3-4 with RV_PAD 16): split counts (10 tiles of 16 slots, at most one
-    # per split) below, at and above it (the tile loop runs once, or several times, the last tile full or not),
-    # G = 1, 2, 3 (G_LOOP = 4 > G), 4, the merge kernel (D split or not) and the fused merge (partials read with
-    # .cg), exact window tokens, masks, every row masked
-    saved_tile = lat_mod.MERGE_TILE_VALUES, lat_mod.FUSED_MERGE_TILE_VALUES
-    lat_mod.MERGE_TILE_VALUES = lat_mod.FUSED_MERGE_TILE_VALUES = 128
-    try:
-        tcfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, min_tiles=1, block_n_v=16)
-        tbase = dict(base, b=1, kv_len=10 * 16, rk=[12, 5], rv=[7, 9], s=2, win=3, mask="add", mask_p=0.2)
-        runs = []
-        for ratio, split in ((1, 10), (1, 5), (2, 10), (2, 4), (3, 5), (3, 1), (4, 3), (4, 2)):
-            for mcfg in (dataclasses.replace(tcfg, split=split, reduce_split_d=split % 2 == 1),
-                         dataclasses.replace(tcfg, split=split, fuse_merge=True)):
-                _check(dict(tbase, ratio=ratio, seed=ratio + split), mcfg)
-                assert lat_mod._LAST_LAUNCH["n_split"] == split
-                assert lat_mod._LAST_LAUNCH["merge_split_block"] == {1: 8, 2: 4}.get(ratio, 2)
-                runs.append(split > lat_mod._LAST_LAUNCH["merge_split_block"])
-        assert any(runs) and not all(runs)  # both one tile and several
-        for mcfg in (dataclasses.replace(tcfg, split=10), dataclasses.replace(tcfg, split=10, fuse_merge=True)):
-            _check(dict(tbase, ratio=3, d=64, rd=32, mask="bool", mask_p=1.1), mcfg)  # every row masked: zeros
-            _check(dict(tbase, ratio=2, mask="bool", mask_shape="b1sk", mask_p=0.7, win=0), mcfg)
-    finally:
-        lat_mod.MERGE_TILE_VALUES, lat_mod.FUSED_MERGE_TILE_VALUES = saved_tile
-    _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
-                mask="add"), DecodeConfig(block_n=16, block_r=16, num_warps=1))  # chunked prefill, 2 R chunks
-    # the two halves as separate launches (the ops ckvp::latent_scores / ckvp::latent_attention_from_scores)
-    from ckvp_compile.kernels.latent_attention_triton import (
-        latent_attention_from_scores_triton,
-        latent_scores_triton,
-    )
+        saved = lat_mod.MAX_SCORES_BYTES
+        lat_mod.MAX_SCORES_BYTES = 0
+        try:
+            _check(dict(base, rk=[12, 5], rv=[7, 9], s=3), cfg)
+            assert "scores" not in lat_mod._LAST_LAUNCH
+        finally:
+            lat_mod.MAX_SCORES_BYTES = saved
+        # tables with one angle per pair (HF's layout), declared so by the caller: the kernel loads half of them
+        from ckvp_compile.kernels.latent_attention_triton import rope_tables_paired
 
-    for case in (dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_shape="b1sk", s=2),
-                 dict(base, rk=[12, 5], rv=[7, 9], mask="add", rope="interleaved", kfmt="mxint8/8")):
-        (q, lk, lv, bk, bv, ko, vo, cos, sin, sp, rf, rd, nk, nv, sl, mk, sc_, kv, kf, vf) = _inputs(case)
-        sc = latent_scores_triton(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf, config=cfg)
-        sc_want = ref.latent_scores_ref(q, lk, bk, ko, cos, sin, sp, rf, rd, sl, mk, sc_, kv, kf)
-        assert sc.shape == sc_want.shape and torch.equal(torch.isneginf(sc), torch.isneginf(sc_want))
-        fin = torch.isfinite(sc_want)
-        assert float((sc[fin] - sc_want[fin]).abs().max()) <= 1e-3 * float(sc_want[fin].abs().max()) + 1e-5
-        out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf, config=cfg)
-        want = ref.latent_attention_from_scores_ref(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf)
-        assert float((out - want).norm() / want.norm()) <= TOL
-        out = latent_attention_from_scores_triton(sc_want, q, lv, bv, vo, nk, nv, sl, mk, sc_, kv, vf,
-                                                  config=dataclasses.replace(cfg, fuse_merge=True))
-        assert float((out - want).norm() / want.norm()) <= TOL  # fused merge, counters zeroed by the launcher
-    # a long prefill whose two-pass scores would exceed MAX_SCORES_BYTES runs the one-pass kernel
-    from ckvp_compile.kernels import latent_attention_triton as lat_mod
+        paired_cfg = dataclasses.replace(cfg, paired_tables=True)
+        for rope in ("rotate_half", "interleaved"):
+            case = dict(base, rk=[12, 5], rv=[7, 9], paired=True, rope=rope)
+            assert rope_tables_paired(*_inputs(case)[7:9], rope, case["rd"])
+            _check(case, paired_cfg)
+        return
+    from ckvp_compile.kernels.latent_attention_triton import latent_scores_triton
 
-    saved = lat_mod.MAX_SCORES_BYTES
-    lat_mod.MAX_SCORES_BYTES = 0
-    try:
-        _check(dict(base, rk=[12, 5], rv=[7, 9], s=3), cfg)
-        assert "scores" not in lat_mod._LAST_LAUNCH
-    finally:
-        lat_mod.MAX_SCORES_BYTES = saved
-    # tables with one angle per pair (HF's layout), declared so by the caller: the kernel loads half of them
-    from ckvp_compile.kernels.latent_attention_triton import rope_tables_paired
-
-    paired_cfg = dataclasses.replace(cfg, paired_tables=True)
-    for rope in ("rotate_half", "interleaved"):
-        case = dict(base, rk=[12, 5], rv=[7, 9], paired=True, rope=rope)
-        assert rope_tables_paired(*_inputs(case)[7:9], rope, case["rd"])
-        _check(case, paired_cfg)
     # RoPE moved onto the basis (rotate_basis, one query head per KV head, hoisted basis): every RoPE form, paired
     # and unpaired tables, pass-through channels (rd < d), bf16 tables (exact operands), masks, quantized latents;
     # the rotated path must really run (ROT_BASIS in the key pass's launch)
@@ -648,7 +659,7 @@ def _check_fixed(half: int) -> None:
 def _main(part: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     if part.startswith("fixed"):
-        _check_fixed(0 if part == "fixed" else 1)
+        _check_fixed({"fixed": 0, "fixed-rest": 1, "fixed-merge": 2, "fixed-tail": 3}[part])
         print("ok", part)
     else:
         n = int(os.environ.get("CKVP_LATENT_ATTN_EXAMPLES", "14"))
@@ -656,9 +667,9 @@ def _main(part: str) -> None:
         print("ok", n)
 
 
-@pytest.mark.parametrize("part", ["fixed", "fixed-rest", "property"])
+@pytest.mark.parametrize("part", ["fixed", "fixed-rest", "fixed-merge", "fixed-tail", "property"])
 def test_kernels_match_reference_under_interpreter(part):
-    """The fixed cases (two halves) and the hypothesis property in three child processes (pytest workers share
+    """The fixed cases (four parts) and the hypothesis property in five child processes (pytest workers share
     them)."""
     pytest.importorskip("triton")
     pytest.importorskip("hypothesis")
