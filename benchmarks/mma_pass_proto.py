@@ -89,6 +89,8 @@ def _dequant8(w):
 
 @gluon.jit
 def _pair_words(lo, hi):
+    """One int32 word from two int16 half-words (``lo`` in bits 0..15): the value operand's token pair (one
+    ``prmt``), where the cache does not store pairs interleaved."""
     return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
                                      pack=1)
 
@@ -295,9 +297,9 @@ def pack_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_keys(words: torch.Tensor) -> torch.Tensor:
-    """What the kernel's ``lop3`` / ``shr`` steps read from ``pack_keys``'s words, as (..., T, 32) int64 codes (the
-    inverse of :func:`pack_keys`, written from the asm's bit positions: half e of op (s, h) is bits 16e + 4h of
-    ``word >> 8s``)."""
+    """(..., T, 4) words -> (..., T, 32) int64 codes: the inverse of :func:`pack_keys` as the kernel's ``lop3`` /
+    ``shr`` steps read it (half e of op (s, h) is bits 16e + 4h of ``word >> 8s``). The asm text itself is checked
+    against the packed codes in tests/benchmarks/test_mma_pass_proto.py."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros(*words.shape[:-1], 32, dtype=torch.int64, device=words.device)
     for q in range(4):
@@ -355,6 +357,8 @@ def _to_i32(x: torch.Tensor) -> torch.Tensor:
 
 
 def make_case(B, Hkv, G, T, device, seed=0):
+    """A random int4 latent cache and folded query: codes (B*Hkv, T, 32) uint8 for keys and values, per-token
+    fp16 scales (0.05-0.15) and centred mins, the folded query c (B*Hkv, G, 32) fp32 in log2 units."""
     gen = torch.Generator(device=device).manual_seed(seed)
     BH = B * Hkv
     kcodes = torch.randint(0, 16, (BH, T, RK_), generator=gen, device=device, dtype=torch.uint8)
@@ -377,6 +381,9 @@ def reference(case):
 
 
 def prepare(case):
+    """The kernel's inputs from :func:`make_case`: packed words, the block-diagonal (16, 32 * 8 / G) fp16 folded query
+    (hi rows 0..7, fp16 remainder rows 8..15; columns of the x16 nibbles divided by 16), its row sums (BH, 8) and
+    the per-head power of two ``vexp`` for the value weights."""
     c, G = case["c"], case["G"]
     BH = c.shape[0]
     col = torch.arange(RK_, device=c.device)
@@ -436,6 +443,8 @@ def launch(prep, nsplit, nt=2, plo=False, bufs=None, prefetch=1, pairs=False, ma
 
 
 def merge(bufs, G):
+    """Merge the per-split (m, l, o) of :func:`launch` (each row of 8 is one (token group, query head)) into the
+    (BH, G, 32) value latent: FlashDecoding's reduction, in base 2."""
     m, l, o = bufs
     BH, ns = m.shape[:2]
     m, l, o = m.reshape(BH, ns * 8 // G, G), l.reshape(BH, ns * 8 // G, G), o.reshape(BH, ns * 8 // G, G, RV_)
@@ -446,6 +455,9 @@ def merge(bufs, G):
 
 
 def bench(fn, reps=200):
+    """Median ms of ``fn`` from CUDA-graph replays of 10 calls (the timer every committed result of this script
+    used). ``ckvp_compile.bench.attention.graph_bench`` is the project's equivalent (``do_bench_cudagraph``): use
+    it when this pass is wired into the backend."""
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -471,12 +483,14 @@ def bench(fn, reps=200):
 
 
 def copy_bandwidth():
+    """Device copy bandwidth in GB/s (read + write), measured as ``ckvp-bench attention`` measures it."""
     from ckvp_compile.bench.attention import copy_bandwidth as cb
 
     return cb("cuda") / 1e9  # GB/s, read + write, the attention benchmark's measure
 
 
 def main():
+    """The command line: ``--check``, ``--compile-only`` or a sweep over cases, tile sizes, splits and modes."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile-only", action="store_true")

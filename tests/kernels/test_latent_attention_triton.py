@@ -276,7 +276,6 @@ def _check_fixed(part: int) -> None:
     kernels' paths (layouts, the chunk pass, table-free calls); 1, pages, windows, fused merges and batch slices;
     2, merge tiles, chunked prefill, the separate launches, paired tables; 3, rotated bases, formats and the
     rest."""
-    half = part
     import dataclasses
 
     import torch
@@ -290,7 +289,7 @@ def _check_fixed(part: int) -> None:
                 vfmt="int8/32", rope="rotate_half", rd=16, mask=None, mask_shape="bhsk", mask_p=0.3,
                 dtype=torch.float32, pos_dtype=torch.int32)
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, split=3, p_bf16=False)
-    if half == 0:
+    if part == 0:
         _check(base, cfg)  # a rank-0 head on each side
         # a query head masked wholly by finite finfo(float32).min (HF's fp32 masks): a uniform average, as eager
         _check(dict(base, mask="finfo", s=2, win=3), cfg)
@@ -340,7 +339,7 @@ def _check_fixed(part: int) -> None:
             _check(case, None)
             assert chunk_mod._LAST_LAUNCH["rot_basis"], (case, dict(chunk_mod._LAST_LAUNCH))
         return
-    if half == 1:
+    if part == 1:
         for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
             _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
         # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens
@@ -406,7 +405,7 @@ def _check_fixed(part: int) -> None:
         return
     from ckvp_compile.kernels import latent_attention_triton as lat_mod
 
-    if half == 2:
+    if part == 2:
         # the merge reads the partials in tiles of SPLIT_BLOCK splits (merge_split_block; a small tile budget here, so
         # SPLIT_BLOCK is 8 / 4 / 2 at G = 1 / 2 / 3-4 with RV_PAD 16): split counts (10 tiles of 16 slots, at most one
         # per split) below, at and above it (the tile loop runs once, or several times, the last tile full or not),
