@@ -336,6 +336,7 @@ def kernel_stats() -> dict:
 
     out = {}
     for kind, prefix in (("split", ""), ("chunks", ""), ("absorbed_kernel", ""), ("lanes_kernel", ""),
+                         ("words_kernel", ""), ("mma_kernel", ""),
                          ("scores", "scores_"), ("reduce", "reduce_")):
         k = lat._LAST_LAUNCH.get(kind)
         for name in ("n_regs", "n_spills", "shared"):
@@ -588,7 +589,10 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
     from ckvp_compile.kernels.latent_attention_triton import _np2
 
     rpad = _np2(rank)  # the launcher's padded rank (a power of 2, >= 16): its default config and workspace width
-    cfg = default_config(h // hkv, rpad, table_free=rope == "none")
+    lf = parse_latent_format(fmt)
+    cfg = default_config(h // hkv, rpad, table_free=rope == "none", rank=rank, rank_v=rank,
+                         quantized_keys=lf.quantized and not lf.pow2, code_bits=lf.bits if lf.quantized else None)
+    # (the launcher's own default for this call: latent_attention_triton's _launch builds it the same way)
     shape = launch_shape(cfg, b, h, hkv, t)
     nbytes = kernel_bytes(args, shape["n_split"], rpad, shape["two_pass"])
     dense_bytes = 2 * b * hkv * t * d * 2
@@ -601,9 +605,11 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
 
         out = latent_attention_triton(*args, config=cfg)
         one_pass = {k_: lat._LAST_LAUNCH.get(k_, 0) for k_ in ("lanes", "absorbed", "head_chunks")}
-        if any(one_pass.values()):  # a one-pass kernel over chunks of KV heads ran: no scores, its own split
+        per_head = {k_: bool(lat._LAST_LAUNCH.get(k_)) for k_ in ("words", "mma")}  # one KV head per program
+        if any(one_pass.values()) or any(per_head.values()):  # a one-pass kernel ran: no scores, its own split
             row.update(two_pass=False, n_split=lat._LAST_LAUNCH["n_split"], batch_slices=1,
-                       **{f"{k_}_heads": v_ for k_, v_ in one_pass.items()})
+                       **{f"{k_}_heads": v_ for k_, v_ in one_pass.items()}, **{f"{k_}_pass": v_ for k_, v_ in
+                                                                                per_head.items()})
             nbytes = kernel_bytes(args, row["n_split"], rpad, False)
             row.update(bytes_latent=nbytes["latent"], bytes_total=nbytes["total"])
         row["rel_err"] = rel_err(out, want)

@@ -239,7 +239,13 @@ class DecodeConfig:
     heads fill the product's 16 columns); it takes precedence over ``lanes``, ``absorbed`` and ``head_chunks``.
     ``block_n_w`` (tensor-core rows per tile, rounded up to a power of two >= 16; each row holds 16 / (G padded x
     quantization blocks per head) slots, at most 4), ``loop_stages_w`` and ``num_warps_w`` (None: ``num_warps``)
-    apply to it."""
+    apply to it.
+    mma: for table-free calls over int4 latents of rank 32 per KV head in one quantization block, at G = 2, 4 or 8,
+    without a mask, on CUDA devices (sm_80+), run the MMA pass (:mod:`.latent_attention_mma`: one warp per (KV head,
+    context split), the code words loaded straight into the tensor cores' operand registers, no shared memory); it
+    takes precedence over ``words`` and the rest. ``block_n_m`` (slots per tile: 64 or 128), ``programs_m`` (about
+    this many one-warp programs in all; ``split`` fixes the count instead) and ``min_tiles_m`` (tiles per program
+    at least) apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -289,6 +295,10 @@ class DecodeConfig:
     block_n_w: int = 64
     loop_stages_w: int | None = 2
     num_warps_w: int | None = None
+    mma: bool = False
+    block_n_m: int = 64
+    programs_m: int = 3072
+    min_tiles_m: int = 4
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -424,6 +434,11 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # rank; rank 16 0.134 -> 0.149, so not there; 16:8 heads 0.669 -> 0.394; but int8/32 rank 32 0.219 ->
             # 0.278 and rank 96 1.047 -> 1.527, so not for 8-bit codes (benchmarks/results/2026-12-03-words-h200)
             cfg = dataclasses.replace(cfg, words=True, block_n_w=64)
+        if (table_free and group in (2, 4, 8) and rank == 32 and rank_v in (None, 32) and code_bits == 4):
+            # the MMA pass (latent_attention_mma; the word pass where its layout does not apply): 32:8 heads,
+            # int4/32 rank 32, one whole call in CUDA-graph replay: batch 8, 32k 0.200 -> 0.079 ms, 128k 0.738 ->
+            # 0.235; batch 32, 32k 0.749 -> 0.240, 128k 2.93 -> 0.858 (benchmarks/results/2026-12-04-mma-h200)
+            cfg = dataclasses.replace(cfg, mma=True, block_n_m=64, programs_m=3072)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
@@ -1976,6 +1991,29 @@ def _word_rows(latent_k: torch.Tensor, latent_v: torch.Tensor, k_fmt: str, v_fmt
                for x, o, fm in ((latent_k, k_offsets, k_fmt), (latent_v, v_offsets, v_fmt)))
 
 
+def _mma_layout(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor, basis_k_block: torch.Tensor,
+                basis_v_block: torch.Tensor, k_offsets, v_offsets, k_fmt: str, v_fmt: str,
+                attn_mask: torch.Tensor | None, page_table: torch.Tensor | None, cfg: "DecodeConfig") -> dict | None:
+    """The MMA pass's layout (:func:`~ckvp_compile.kernels.latent_attention_mma.mma_layout`, plus ``module``) for a
+    table-free call where it applies and its rows can be read (:func:`_word_rows`; key and value latents of equal
+    length, a static cache at least one tile long), else None. None too where Triton has no Gluon (the pass is
+    written in it). Raises nothing."""
+    try:
+        from . import latent_attention_mma as lam
+    except ImportError:  # a Triton without Gluon: the other passes
+        return None
+    paged = page_table is not None
+    lay = lam.mma_layout(q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt), parse_latent_format(v_fmt),
+                         k_offsets, v_offsets, basis_k_block.shape[-1], basis_v_block.shape[-1], latent_k.stride(-1),
+                         latent_v.stride(-1), cfg.block_n_m, latent_k.shape[1] if paged else 0, q.device,
+                         attn_mask is not None)
+    if lay is None or latent_k.shape[1] != latent_v.shape[1] or latent_k.shape[1] < lay["BT"]:
+        return None
+    if not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
+        return None
+    return dict(lay, module=lam)
+
+
 def _key_codes_ok(cfg: "DecodeConfig", f, basis: torch.Tensor, rk_pad: int) -> bool:
     """Whether ``cfg.key_codes`` applies: a uniform 8/4/2-bit ``int`` key format with blocks of 16..rk_pad (a power
     of two, the tensor cores' K) and bases exact in bf16 (bf16 or fp8)."""
@@ -2247,9 +2285,12 @@ def _launch(
                                 quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none",
                                 code_bits=max(kf.bits, vf.bits) if kf.quantized and vf.quantized else None)
     cfg = config
-    chunks = absorbed = lanes = words = None
+    chunks = absorbed = lanes = words = mma = None
     table_free_one_pass = mode == "all" and rope_form == "none" and not cfg.fuse_merge
-    if table_free_one_pass and cfg.words:
+    if table_free_one_pass and cfg.mma and not _interpreting():
+        mma = _mma_layout(q, latent_k, latent_v, basis_k_block, basis_v_block, k_offsets, v_offsets, k_fmt, v_fmt,
+                          attn_mask, page_table, cfg)
+    if mma is None and table_free_one_pass and cfg.words:
         from .latent_attention_words import words_layout  # (that module imports this one's jit helpers)
 
         words = words_layout(q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
@@ -2257,7 +2298,7 @@ def _launch(
                              basis_v_block.shape[-1], latent_k.stride(-1), latent_v.stride(-1))
         if words is not None and not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
             words = None
-    if words is None and table_free_one_pass and cfg.lanes > 0:
+    if mma is None and words is None and table_free_one_pass and cfg.lanes > 0:
         from .latent_attention_lanes import lanes_layout  # (that module imports this one's jit helpers)
 
         lanes = lanes_layout(cfg.lanes, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
@@ -2266,14 +2307,14 @@ def _launch(
                              latent_v.stride(-1))
         if lanes is not None and not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
             lanes = None
-    if words is None and lanes is None and table_free_one_pass and cfg.absorbed > 0:
+    if mma is None and words is None and lanes is None and table_free_one_pass and cfg.absorbed > 0:
         from .latent_attention_absorbed import absorbed_layout  # (that module imports this one's jit helpers)
 
         absorbed = absorbed_layout(cfg.absorbed, q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt),
                                    parse_latent_format(v_fmt), k_offsets, v_offsets, basis_k_block.shape[-1],
                                    basis_v_block.shape[-1], basis_k_block.shape[-3], latent_k.stride(-1),
                                    latent_v.stride(-1))
-    if (words is None and lanes is None and absorbed is None and mode == "all" and cfg.head_chunks > 0
+    if (mma is None and words is None and lanes is None and absorbed is None and mode == "all" and cfg.head_chunks > 0
             and not cfg.fuse_merge):
         from .latent_attention_chunks import chunk_layout  # (that module imports this one's jit helpers)
 
@@ -2291,7 +2332,8 @@ def _launch(
             chunks = None
     if mode != "all" and not cfg.two_pass:
         cfg = dataclasses.replace(cfg, two_pass=True)
-    elif (mode == "all" and chunks is None and absorbed is None and lanes is None and words is None and cfg.two_pass
+    elif (mode == "all" and chunks is None and absorbed is None and lanes is None and words is None and mma is None
+          and cfg.two_pass
           and _scores_bytes(q, kv_len) > MAX_SCORES_BYTES):
         slices = score_batch_slices(q.shape[0], q.shape[1], q.shape[2], kv_len)
         if slices is None:
@@ -2335,7 +2377,11 @@ def _launch(
     block_n_v = cfg.block_n_v or cfg.block_n
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
-    if words is not None:  # the word pass, one KV head per program: its own split of the context
+    if mma is not None:  # the MMA pass, one KV head per one-warp program; each slot group stores its own split
+        n_split_m, tiles_per_split = mma["module"].mma_splits(kv_len, mma["BT"], b * hkv * s, cfg.programs_m,
+                                                              cfg.split, cfg.min_tiles_m)
+        n_split = n_split_m * mma["GROUPS"]
+    elif words is not None:  # the word pass, one KV head per program: its own split of the context
         n_split, tiles_per_split = context_splits(cfg, kv_len, words["NG"] * _np2(max(16, cfg.block_n_w)),
                                                   b * hkv * s, cfg.target_programs)
     elif lanes is not None:  # the lane pass over chunks of KV heads: its own split of the context
@@ -2379,7 +2425,7 @@ def _launch(
     if mode == "from_scores":
         sc_ws = scores.contiguous()
         t_pad = kv_len
-    elif cfg.two_pass and chunks is None and absorbed is None and lanes is None and words is None:
+    elif cfg.two_pass and chunks is None and absorbed is None and lanes is None and words is None and mma is None:
         # the scores: (B, Hkv, S, G, kv_len) fp32, rows of kv_len
         t_pad = kv_len
         sc_ws = torch.empty(b, hkv, s, g, kv_len, dtype=torch.float32, device=q.device)
@@ -2454,7 +2500,16 @@ def _launch(
     _LAST_LAUNCH["absorbed"] = 0 if absorbed is None else absorbed["NH"]
     _LAST_LAUNCH["lanes"] = 0 if lanes is None else lanes["NH"]
     _LAST_LAUNCH["words"] = words is not None
-    if words is not None:
+    _LAST_LAUNCH["mma"] = mma is not None
+    if mma is not None:
+        qf = _fold_query(q, basis_k_block, kmeta, mma["module"].MMA_RANK, qk_scale, f32_dot)
+        _LAST_LAUNCH["mma_kernel"] = mma["module"]._mma_attention_kernel[(hkv, n_split_m, b * s)](
+            qf, latent_k, latent_v, slots, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
+            hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
+            k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2,
+            latent_k.stride(0) // 4, latent_k.stride(1) // 4, latent_v.stride(0) // 4, latent_v.stride(1) // 4,
+            G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=False, num_warps=1)
+    elif words is not None:
         from . import latent_attention_words as law
 
         rkp = words["RKP"]
@@ -2591,7 +2646,7 @@ def _launch(
                 **_reg_cap(cfg.maxnreg))
         if mode == "scores":
             return sc_ws
-    if chunks is None and absorbed is None and lanes is None and words is None:
+    if chunks is None and absorbed is None and lanes is None and words is None and mma is None:
         _LAST_LAUNCH["split"] = _latent_attention_split_kernel[(n_split, b * hkv, s)](
             q, latent_k, latent_v, basis_k_block, cos_table, sin_table, slot_pos, slots, mask, kmeta, vmeta,
             m_ws, l_ws, acc_ws, sc_ws, t_pad, pt, pt_stride, *merge_args,

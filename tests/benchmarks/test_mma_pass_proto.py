@@ -75,51 +75,7 @@ def test_paired_value_words_hold_even_then_odd_token(proto):
     assert torch.equal(words & 0xFFFF, halves[:, 0::2]) and torch.equal(words >> 16, halves[:, 1::2])
 
 
-def _run_dequant_asm(asm: str, word: int) -> list[float]:
-    """A reading of the PTX in ``_DEQ_ASM`` for one input word: the five instructions it uses (``mov.b32`` of an
-    immediate or into a pair of halves, ``lop3.b32``, ``shr.u32``, ``sub.f16x2``), so that the asm text itself is
-    tested, not a re-statement of it. Returns the 8 outputs $0..$7 as floats."""
-    import re
-
-    import numpy as np
-
-    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF}
-    out: dict[str, int] = {}
-
-    def val(x: str) -> int:
-        x = x.strip()
-        return int(x, 16) if x.startswith("0x") else regs[x]
-
-    for ins in (t.strip() for t in asm.replace("\n", " ").split(";")):
-        ins = ins.strip("{} ").strip()
-        if not ins or ins.startswith(".reg"):
-            continue
-        op, rest = ins.split(None, 1)
-        if op == "mov.b32" and rest.lstrip().startswith("{"):
-            halves, src = re.match(r"\{([^}]*)\}\s*,\s*(\S+)", rest).groups()
-            lo, hi = (h.strip() for h in halves.split(","))
-            out[lo], out[hi] = val(src) & 0xFFFF, val(src) >> 16
-            continue
-        args = [a.strip() for a in rest.split(",")]
-        if op == "mov.b32":
-            regs[args[0]] = val(args[1])
-        elif op == "lop3.b32":
-            a, b, c, lut = val(args[1]), val(args[2]), val(args[3]), int(args[4], 16)
-            regs[args[0]] = sum(((lut >> (((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1))) & 1) << i
-                                for i in range(32))
-        elif op == "shr.u32":
-            regs[args[0]] = val(args[1]) >> int(args[2])
-        elif op == "sub.f16x2":
-            x, y = val(args[1]), val(args[2])
-            res = 0
-            for k in (0, 16):
-                hx = np.array([(x >> k) & 0xFFFF], dtype=np.uint16).view(np.float16)
-                hy = np.array([(y >> k) & 0xFFFF], dtype=np.uint16).view(np.float16)
-                res |= int((hx - hy).view(np.uint16)[0]) << k
-            regs[args[0]] = res
-        else:
-            raise AssertionError(f"unexpected instruction {op}")
-    return [float(np.array([out[f"${i}"]], dtype=np.uint16).view(np.float16)[0]) for i in range(8)]
+from ckvp_compile.testing.ptx import run_dequant_asm as _run_dequant_asm  # noqa: E402
 
 
 @settings(max_examples=10, deadline=None)

@@ -1,0 +1,511 @@
+"""Latent decode attention with the codes loaded straight into tensor-core operand registers: the MMA pass.
+
+Applies to table-free calls (post-RoPE key bases, or no RoPE) over int4 key and value latents of rank 32 per KV head
+in one quantization block (the ``int4/32`` format at rank 32), at GQA ratios G = 2, 4 or 8, without an attention
+mask, on CUDA devices with ``mma.sync`` (sm_80 and later). Elsewhere the launcher runs the word pass
+(:mod:`.latent_attention_words`) or the other kernels. Written in Gluon (Triton's layout-explicit dialect), so it
+runs on the GPU only; Triton's interpreter cannot run it (the CPU tests check its arithmetic by emulation and
+compile it for sm_90a).
+
+The math is the word pass's (DeepSeek-V2's absorption): with ``c = qk_scale * P_h^T q`` the query folded into the
+key basis (log2 units), a slot's score is ``scale * (sum_k c_k (code_k - 8) + 8 sum(c)) + min * sum(c)`` and its
+value latent ``scale * (code - 8) + (min + 8 * scale)``. What differs is where the codes go:
+
+* keys: the scores ``S = C @ K^T`` take the query heads as the 16 tensor-core rows (rows 0..7 the folded query in
+  fp16, rows 8..15 its fp16 remainder: the two halves of each accumulator pair share a thread, so hi + lo is one
+  add) and the slots as columns. Each thread's B operand for one slot is exactly one 32-bit word of that slot's
+  codes: the latent's word ``q`` (codes ``8q .. 8q+7``, little-endian nibbles) read as mma coordinates
+  ``16s + 8h + 2q + e`` for its nibble ``4e + 2s + h``. ``lop3`` with 0x6400 and one ``sub.f16x2`` per pair
+  turn a word into four fp16 pairs (Marlin's conversion; the ``h = 1`` nibbles carry ``16 * code``, so their query
+  coefficients are divided by 16). The folded query is gathered in that order: no data moves for it;
+* values: ``O = P @ V`` with P straight from the scores' accumulator layout (FlashAttention-2's register reuse) and
+  V's operand built from one half-word of each of two slots (one ``prmt``): half-word ``g`` (latent coordinates
+  ``4g .. 4g+3``) serves mma coordinates ``g + 8i``; the value latent is stored back in the latent's order;
+* at G = 4 (G = 2) two (four) groups of slots share one score product through a block-diagonal folded query, so
+  all 8 query rows are real; each group keeps its own softmax state and is stored as its own split, which the
+  merge (``latent_attention_triton._latent_attention_reduce_kernel``) combines with the others;
+* one warp per program, no shared memory; the next tile's loads are issued before the current tile is computed.
+
+Precision: the scores' coefficients are split into fp16 hi + lo (about 22 bits), scaled by a power of two into
+fp16's range; the weights ``p * scale`` are scaled per tile by a power of two that brings the tile's largest value
+scale to [2^14, 2^15) (the accumulator rescaled exactly when it changes), so small scales do not go subnormal in
+fp16; the value accumulator stays in fp32 in the tensor cores across a split's tiles.
+
+Programs: grid (Hkv, n_split, B * S): the programs of one sequence's KV heads are adjacent in launch order, so
+the rows they share (each reads its head's 16 bytes of every slot) are read from DRAM once. A split's tiles of
+``BT = block_n_m`` slots run unmasked while the whole tile lies below ``kv_len`` and below the first exact token
+(the recent window kept in full precision); the tiles after that are masked per slot (length, exact slots, unmapped
+pages, whose zero rows score 0 as in the other passes).
+
+Measured: benchmarks/results/ (see BENCHMARKS.md and the Issue 5 results); the standalone prototype it grew from:
+benchmarks/mma_pass_proto.py, benchmarks/results/2026-12-04-mma-pass-proto-h200.
+
+Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
+FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
++ reduction), DeepSeek-V2 (arXiv:2405.04434: query and value absorption), the PTX ISA's ``mma.m16n8k16`` fragment
+layouts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+__all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS"]
+
+#: The latent rank per KV head this pass reads (keys and values): one 32-bit word of int4 codes per mma k-step.
+MMA_RANK = 32
+
+#: GQA ratios the pass packs into the tensor cores' 8 query rows.
+MMA_GROUPS = (2, 4, 8)
+
+RK = gl.constexpr(MMA_RANK)
+RV = gl.constexpr(MMA_RANK)
+ROWS = gl.constexpr(16)  # tensor-core rows: 8 for the query heads (hi), 8 for their remainders (lo)
+
+# One 32-bit word of 8 int4 codes -> four fp16x2 registers, centred: op j = (s, h) reads bits 4h (half e = 0) and
+# 16 + 4h (e = 1) of ``word >> 8s``; h = 1 carries 16 * code (1024 + 16 code - (1024 + 128)). Outputs: 2j + e.
+_DEQ_ASM = gl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, w8, b0, b1;
+mov.b32 b0, 0x64086408;
+mov.b32 b1, 0x64806480;
+lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea;
+shr.u32 w8, $8, 8;
+lop3.b32 t2, w8, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t3, w8, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 t0, t0, b0;
+sub.f16x2 t1, t1, b1;
+sub.f16x2 t2, t2, b0;
+sub.f16x2 t3, t3, b1;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+mov.b32 {$4, $5}, t2;
+mov.b32 {$6, $7}, t3;
+}
+""")
+
+
+def key_coordinate(k: int) -> int:
+    """The latent key coordinate (0..31) that mma coordinate ``k = 16s + 8h + 2q + e`` of a slot holds: nibble
+    ``4e + 2s + h`` of code word ``q``, i.e. coordinate ``8q + 4e + 2s + h``. Raises nothing."""
+    s, h, q, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
+    return 8 * q + 4 * e + 2 * s + h
+
+
+def value_coordinate(j: int) -> int:
+    """The latent value coordinate (0..31) that output column ``j = g + 8i`` holds: nibble ``i`` of half-word ``g``,
+    i.e. coordinate ``4g + i``. Raises nothing."""
+    return 4 * (j % 8) + j // 8
+
+
+@gluon.jit
+def _dequant8(w):
+    """The 8 codes of each int32 word of ``w``, centred (``code - 8``, times 16 for the h = 1 nibbles), as fp16:
+    shape ``w.shape + (2, 2, 2)``, dims (e, h, s)."""
+    d = gl.inline_asm_elementwise(_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8,
+                                  is_pure=True, pack=1)
+    return gl.join(gl.join(gl.join(d[0], d[1]), gl.join(d[2], d[3])),
+                   gl.join(gl.join(d[4], d[5]), gl.join(d[6], d[7])))
+
+
+@gluon.jit
+def _pair_words(lo, hi):
+    """One int32 word from two int16 half-words (``lo`` in bits 0..15): the value operand's slot pair."""
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _keep_if(pe, r, k):
+    """``pe`` (fp16) where ``r == k`` else 0, as a product with a 0 / 1 fp16 mask (no byte permutes)."""
+    return pe * gl.where(r == k, 1.0, 0.0).to(gl.float16)
+
+
+@gluon.jit
+def _group_tiles(pe, GROUPS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr):
+    """(8 rows, NT, 8) weights -> (8, NT * GROUPS * 8): row r's weights at its own group's slots, 0 elsewhere."""
+    r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, pe.type.layout)))[:, None, None] // G
+    if GROUPS == 1:
+        out = pe
+    elif GROUPS == 2:
+        x = gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1))  # (8, NT, 8, grp)
+        out = gl.permute(x, [0, 1, 3, 2])
+    else:
+        x = gl.join(gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1)),
+                    gl.join(_keep_if(pe, r, 2), _keep_if(pe, r, 3)))  # (8, NT, 8, i0, i1)
+        out = gl.permute(x, [0, 1, 4, 3, 2])
+    return gl.reshape(out, [8, NT * GROUPS * 8])
+
+
+@gluon.jit
+def _pow2(e):
+    """fp32 2^e for int32 ``e`` in [-126, 127], exact."""
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exponent(x):
+    """int32 ``floor(log2(x))`` of fp32 ``x >= 0`` (normal x), 0 for x == 0, clamped to [-112, 112]."""
+    e = ((x.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return gl.where(x > 0, gl.minimum(gl.maximum(e, -112), 112), 0)
+
+
+@gluon.jit
+def _is_exact(tok, slots_ptr, n_exact):
+    """Which slots ``tok`` (any layout) hold an exact token (``slots`` (n_exact,), -1 unused): they come from
+    new_k / new_v in the merge, not from the latent."""
+    hit = tok < 0
+    for j in range(0, n_exact):
+        hit = hit | (tok == gl.load(slots_ptr + j))
+    return hit
+
+
+@gluon.jit
+def _tile_base(t0, b, pt_ptr, stride_ptb, stride_lkb, stride_lks, stride_lvb, stride_lvs, PAGE: gl.constexpr):
+    """Where the tile whose first slot is ``t0`` starts, in 4-byte words of the key and value latents (int64), and
+    its page (-1: unmapped, read from page 0 and scored as zero rows; the batch index without a page table). PAGE >
+    0 needs PAGE % BT == 0: one page per tile."""
+    if PAGE > 0:
+        idx = gl.load(pt_ptr + b.to(gl.int64) * stride_ptb + t0 // PAGE).to(gl.int64)
+        row0 = (t0 % PAGE).to(gl.int64)
+        at = gl.maximum(idx, 0)
+    else:
+        idx = b.to(gl.int64)
+        row0 = t0.to(gl.int64)
+        at = idx
+    return at * stride_lkb + row0 * stride_lks, at * stride_lvb + row0 * stride_lvs, idx
+
+
+@gluon.jit
+def _load_tile(lk_w, lk_h, lv_h, kbase, vbase, koff, sk_off, sv_off, vlo_off, k_scale, k_min, v_scale, v_min, v_hi,
+               sok, MASKED: gl.constexpr):
+    """One tile's raw registers: key code words, key scale / min and value scale / min (fp16, one per (row, slot)
+    of the scores' layout), value half-words of the even and odd slot of each pair. Offsets: per element from the
+    tile's first row (``koff`` in words, ``sk_off`` / ``sv_off`` / ``vlo_off`` in 16-bit units) plus the scalar
+    field bases. The codes are always loaded (any bits are finite codes; the caller keeps every row in bounds);
+    MASKED: the scales and mins only where ``sok`` holds, else 0 (rows past the context may hold anything)."""
+    kh = lk_h + kbase * 2
+    vh = lv_h + vbase * 2
+    vw = vh.to(gl.pointer_type(gl.int16))
+    wk = gl.load(lk_w + kbase + koff)
+    if MASKED:
+        ks = gl.load(kh + k_scale + sk_off, mask=sok, other=0.0)
+        km = gl.load(kh + k_min + sk_off, mask=sok, other=0.0)
+        vs = gl.load(vh + v_scale + sv_off, mask=sok, other=0.0)
+        vm = gl.load(vh + v_min + sv_off, mask=sok, other=0.0)
+    else:
+        ks = gl.load(kh + k_scale + sk_off)
+        km = gl.load(kh + k_min + sk_off)
+        vs = gl.load(vh + v_scale + sv_off)
+        vm = gl.load(vh + v_min + sv_off)
+    vlo = gl.load(vw + vlo_off)
+    vhi = gl.load(vw + v_hi + vlo_off)
+    return wk, ks, km, vs, vm, vlo, vhi
+
+
+@gluon.jit
+def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
+               L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
+               BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr,
+               MASKED: gl.constexpr):
+    """One tile: the scores on the tensor cores, the online softmax (base 2), the value product. l_q / n_q: (8
+    rows, 4 lanes) per-lane partial sums of the weights and of weight x the value's centred min; ``ve``: the
+    exponent of the power of two the weights carry (chosen per tile; the accumulator is rescaled exactly)."""
+    x = _dequant8(wk)  # (4, GROUPS, NT, 8, e, h, s)
+    x = gl.reshape(gl.permute(x, [1, 6, 5, 0, 4, 2, 3]), [KS, 8 * NT])
+    kb = gl.convert_layout(x, BL)
+    s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
+    s = gl.sum(gl.reshape(s, [2, 8, 8 * NT]), axis=0)  # hi + lo, (8, 8 NT) in LS
+    ksf = ks16.to(gl.float32)
+    s = (s * k_unit + sumc8[:, None]) * ksf + km16.to(gl.float32) * sumc[:, None]
+    if MASKED:
+        s = gl.where(ok_s, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    vsf = vs16.to(gl.float32)
+    ve_t = 14 - _exponent(gl.max(gl.max(vsf, axis=1), axis=0))
+    vcc = vm16.to(gl.float32) + 8.0 * vsf  # the value's centred min
+    # per-lane partials: columns 8 j + 2 q + e of a row -> (j, q, e); sum over the thread's own j and e
+    al_q = gl.convert_layout(alpha, gl.SliceLayout(1, l_q.type.layout))[:, None]
+    l_q = l_q * al_q + gl.convert_layout(gl.sum(gl.sum(gl.reshape(p, [8, NT, 4, 2]), axis=3), axis=1),
+                                         l_q.type.layout)
+    n_q = n_q * al_q + gl.convert_layout(
+        gl.sum(gl.sum(gl.reshape(p * vcc, [8, NT, 4, 2]), axis=3), axis=1), n_q.type.layout)
+    acc3 = gl.reshape(acc, [2, 8, RV])
+    al3 = gl.convert_layout(alpha * _pow2(ve_t - ve), gl.SliceLayout(0, gl.SliceLayout(2, acc3.type.layout)))
+    acc = gl.convert_layout(gl.reshape(acc3 * al3[None, :, None], [ROWS, RV]), L)
+    pw = p * (vsf * _pow2(ve_t))
+    p_hi = pw.to(gl.float16)
+    if PLO:
+        p_lo = (pw - p_hi.to(gl.float32)).to(gl.float16)
+    else:
+        p_lo = gl.zeros([8, 8 * NT], gl.float16, LS)
+    ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
+    pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
+    pa = gl.convert_layout(gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT]), AL)
+    y = _dequant8(_pair_words(vlo, vhi))  # (BT/2, 8, e, i_lo, i_hi)
+    vb = gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV]), BL)
+    return m_new, l_q, n_q, mma_v2(pa, vb, acc), ve_t
+
+
+@gluon.jit
+def _mma_attention_kernel(
+    qf_ptr, lk_ptr, lv_ptr, slots_ptr, kmeta_ptr, vmeta_ptr, m_ptr, l_ptr, acc_ptr, pt_ptr, stride_ptb,
+    Hkv, S, n_exact, kv_len, s_max, tiles_per_split, n_split,
+    k_scale_base, k_min_base, v_scale_base, v_min_base,
+    stride_lkb, stride_lks, stride_lvb, stride_lvs,
+    G: gl.constexpr, NT: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr,
+):
+    """One context split of one (KV head, sequence, query token). Grid (Hkv, n_split, B * S); num_warps 1.
+
+    Shapes: qf (B, S, Hkv, G, 32) fp32 from ``latent_attention_absorbed._fold_query_kernel`` (log2 units); latent_k
+    / latent_v (B, S_max, W) uint8 rows of the ``int4`` format, one quantization block of 32 coordinates per head
+    (PAGE > 0: page pools (N_pages + 1, PAGE, W) and the (B, S_max / PAGE) page table ``pt``, PAGE a multiple of
+    the tile); strides of the rows in 4-byte words, scale / min bases in fp16 units; kmeta / vmeta (Hkv, 3) int32
+    (first code byte, first block, rank); slots (n_exact,) exact tokens' slots (-1 unused), skipped here. Stores m, l
+    (rows, n_split * GROUPS, G) and acc (rows, n_split * GROUPS, G, RV_PAD) fp32 (rows = B*Hkv*S; each slot group of
+    a split stored as its own split, log2 units, the value latent unnormalised, in the latent's coordinate order):
+    the workspace of ``latent_attention_triton._latent_attention_reduce_kernel``. RV_PAD must be 32."""
+    GROUPS: gl.constexpr = 8 // G
+    KS: gl.constexpr = RK * GROUPS
+    BT: gl.constexpr = 8 * NT * GROUPS
+    h = gl.program_id(0)
+    c = gl.program_id(1)
+    bs = gl.program_id(2)
+    b = bs // S
+    s_q = bs % S
+    L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=2)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=L, k_width=2)
+    # key words (q, group, n8 tile, slot c): lane = q + 4 c
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1], threads_per_warp=[4, 1, 1, 8],
+                                        warps_per_cta=[1, 1, 1, 1], order=[0, 3, 2, 1])
+    # value half-word pairs (pair, g)
+    VL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
+                                        order=[0, 1])
+    QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
+                                        order=[1, 0])
+
+    lk_w = lk_ptr.to(gl.pointer_type(gl.int32))
+    lk_h = lk_ptr.to(gl.pointer_type(gl.float16))
+    lv_h = lv_ptr.to(gl.pointer_type(gl.float16))
+    k_col = gl.load(kmeta_ptr + 3 * h) // 4
+    k_blk = gl.load(kmeta_ptr + 3 * h + 1)
+    v_col = gl.load(vmeta_ptr + 3 * h) // 2  # in half-words
+    v_blk = gl.load(vmeta_ptr + 3 * h + 1)
+
+    # ---- the folded query, block-diagonal over the slot groups, in the mma coordinate order: (16, KS) fp16, the
+    # A operand; row r = (hi / lo, group, g), column (group, k); k = 16s + 8h + 2q + e reads latent coordinate
+    # 8q + 4e + 2s + h, divided by 16 where h = 1 (those nibbles carry 16 * code)
+    q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
+    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
+    ka = gl.arange(0, KS, layout=gl.SliceLayout(0, AL))
+    kk = ka % RK
+    hbit = (kk // 8) % 2
+    coord = 8 * ((kk // 2) % 4) + 4 * (kk % 2) + 2 * (kk // 16) + hbit
+    r8 = ra % 8
+    cf = gl.load(q_row + ((r8 % G) * RK)[:, None] + coord[None, :])
+    cf = gl.where((r8 // G)[:, None] == (ka // RK)[None, :], cf * gl.where(hbit == 1, 0.0625, 1.0)[None, :], 0.0)
+    amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
+    e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
+    e_q = gl.minimum(gl.maximum(e_q, -126), 114)  # the largest coefficient to [2^13, 2^14): fp16, full precision
+    cf = cf * _pow2(-e_q)
+    c_hi = cf.to(gl.float16)
+    c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
+    ca = gl.where((ra < 8)[:, None], c_hi, c_lo)
+    k_unit = _pow2(e_q)
+
+    zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
+    LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
+    zero_s0 = gl.zeros([8, 8 * NT], gl.float32, LS)
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
+    cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
+    # sum(c) per row (its query head g = r % G), fp32
+    rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    cq = gl.arange(0, RK, layout=gl.SliceLayout(0, QL))
+    sumc = gl.convert_layout(gl.sum(gl.load(q_row + ((rq % G) * RK)[:, None] + cq[None, :]), axis=1),
+                             gl.SliceLayout(1, LS))
+    sumc8 = sumc * 8.0
+
+    # ---- per-program offsets of each operand element from the tile's first row, and its slot within the tile
+    # slot of score (row, col): 8 GROUPS j + 8 grp + c
+    tok_s = (cols // 8)[None, :] * (8 * GROUPS) + (rows // G)[:, None] * 8 + (cols % 8)[None, :]
+    qw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
+    gw = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
+    jw = gl.arange(0, NT, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WL))))
+    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
+    tok_k = gw[None, :, None, None] * 8 + jw[None, None, :, None] * (8 * GROUPS) + cw[None, None, None, :]
+    koff = tok_k * stride_lks + k_col + qw[:, None, None, None]
+    sk_off = tok_s * (2 * stride_lks)
+    sv_off = tok_s * (2 * stride_lvs)
+    k_scale = k_scale_base + k_blk
+    k_min = k_min_base + k_blk
+    v_scale = v_scale_base + v_blk
+    v_min = v_min_base + v_blk
+    v_hi = 2 * stride_lvs
+    pv = gl.arange(0, BT // 2, layout=gl.SliceLayout(1, VL))
+    gv = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
+    vlo_off = (2 * pv)[:, None] * (2 * stride_lvs) + (v_col + gv)[None, :]
+
+    m_i = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, LS))
+    LQ: gl.constexpr = gl.sum(gl.sum(gl.reshape(zero_s0, [8, NT, 4, 2]), axis=3), axis=1).type.layout
+    l_q = gl.zeros([8, 4], gl.float32, LQ)
+    n_q = gl.zeros([8, 4], gl.float32, LQ)
+    acc = gl.zeros([ROWS, RV], gl.float32, L)
+    ve = 14 + gl.program_id(0) * 0  # int32 exponent of the weights' factor
+
+    # ---- this split's tiles: unmasked while the whole tile lies below kv_len and the first exact slot
+    lo_exact = kv_len + gl.program_id(0) * 0
+    for j in range(0, n_exact):
+        sl = gl.load(slots_ptr + j).to(gl.int32)
+        lo_exact = gl.where(sl >= 0, gl.minimum(lo_exact, sl), lo_exact)
+    n_tiles = (kv_len + BT - 1) // BT
+    t_start = c * tiles_per_split
+    t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
+    fast_end = gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
+    all_s = tok_s >= 0
+    if fast_end > t_start:
+        kb0, vb0, idx0 = _tile_base(t_start * BT, b, pt_ptr, stride_ptb, stride_lkb, stride_lks, stride_lvb,
+                                    stride_lvs, PAGE)
+        tile_a = _load_tile(lk_w, lk_h, lv_h, kb0, vb0, koff, sk_off, sv_off, vlo_off, k_scale, k_min, v_scale,
+                            v_min, v_hi, all_s & (idx0 >= 0), PAGE > 0)
+        for t in range(t_start, fast_end):
+            wk, ks16, km16, vs16, vm16, vlo, vhi = tile_a
+            kb1, vb1, idx1 = _tile_base(gl.minimum(t + 1, fast_end - 1) * BT, b, pt_ptr, stride_ptb, stride_lkb,
+                                        stride_lks, stride_lvb, stride_lvs, PAGE)
+            tile_a = _load_tile(lk_w, lk_h, lv_h, kb1, vb1, koff, sk_off, sv_off, vlo_off, k_scale, k_min,
+                                v_scale, v_min, v_hi, all_s & (idx1 >= 0), PAGE > 0)
+            m_i, l_q, n_q, acc, ve = _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, all_s, ca, sumc, sumc8,
+                                                k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
+                                                GROUPS, PLO, False)
+    # ---- the rest, masked per slot: past kv_len, exact slots, unmapped pages (zero rows: scales 0, scored). A
+    # static cache's last tile starts early enough to stay inside its S_max rows, its slots before t0 masked
+    for t in range(fast_end, t_end):
+        t0 = t * BT
+        if PAGE > 0:
+            r0 = t0
+        else:
+            r0 = gl.minimum(t0, s_max - BT)
+        kb1, vb1, idx1 = _tile_base(r0, b, pt_ptr, stride_ptb, stride_lkb, stride_lks, stride_lvb, stride_lvs, PAGE)
+        gs = r0 + tok_s
+        ok_s = (gs >= t0) & (gs < kv_len) & ~_is_exact(gs, slots_ptr, n_exact)
+        wk, ks16, km16, vs16, vm16, vlo, vhi = _load_tile(lk_w, lk_h, lv_h, kb1, vb1, koff, sk_off, sv_off, vlo_off,
+                                                          k_scale, k_min, v_scale, v_min, v_hi, ok_s & (idx1 >= 0),
+                                                          True)
+        m_i, l_q, n_q, acc, ve = _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_unit,
+                                            ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, PLO, True)
+
+    # ---- the split's value latent (unnormalised), in the latent's coordinate order; m, l per (group, head)
+    o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
+    LO: gl.constexpr = o.type.layout
+    ho = gl.arange(0, 8, layout=gl.SliceLayout(1, LO))
+    jo = gl.arange(0, RV, layout=gl.SliceLayout(0, LO))
+    # columns 8..15 and 24..31 carry 16 * (code - 8); the weights carried vscale * 2^ve
+    colf = gl.where((jo // 8) % 2 == 1, 0.0625, 1.0) * _pow2(-ve)
+    nsum = gl.convert_layout(gl.sum(n_q, axis=1), gl.SliceLayout(1, LO))
+    o = o * colf[None, :] + nsum[:, None]
+    base8 = (((b * Hkv + h) * S + s_q) * n_split + c).to(gl.int64) * 8
+    vcoord = 4 * (jo % 8) + jo // 8
+    gl.store(acc_ptr + (base8 + ho)[:, None] * RV_PAD + vcoord[None, :], o)
+    gl.store(m_ptr + base8 + rows, m_i)
+    gl.store(l_ptr + base8 + rows, gl.convert_layout(gl.sum(l_q, axis=1), gl.SliceLayout(1, LS)))
+
+
+def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, k_unit_stride: int,
+               v_unit_stride: int, block_n: int, page: int, device: torch.device, masked: bool) -> dict | None:
+    """The MMA pass's layout for one table-free call, or None where it does not apply.
+
+    Applies to int4 key and value formats of one quantization block per head (block >= 32) at rank 32 for every
+    KV head, heads' code bytes on 4-byte words, row-major latents (unit stride 1), G in :data:`MMA_GROUPS`, no
+    attention mask, on a CUDA device of compute capability 8.0 or later, with tiles of ``block_n`` slots (64 or
+    128: ``NT = block_n / (8 * 8 / G)`` tensor-core column tiles per slot group, at most 8) and pages (if any) a multiple of
+    the tile. The caller checks the rows' byte strides and the scales' fp16 alignment (``_word_rows``).
+
+    Args:
+        group: G; k_fmt / v_fmt: parsed :class:`~ckvp_compile.kernels.latent_format.LatentFormat`; k_offsets /
+            v_offsets: (Hkv + 1,) latent coordinate offsets; rk_max / rv_max: the basis blocks' widths;
+            *_unit_stride: the latents' last strides; block_n: slots per tile; page: slots per page (0: not paged);
+            device: where the call runs; masked: an attention mask is given.
+    Returns:
+        dict(NT, GROUPS, BT) or None. Raises nothing: the launcher then runs the other kernels.
+    """
+    if masked or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return None
+    return _mma_layout(int(group), k_fmt, v_fmt, tuple(int(o) for o in k_offsets), tuple(int(o) for o in v_offsets),
+                       int(rk_max), int(rv_max), int(k_unit_stride), int(v_unit_stride), int(block_n), int(page))
+
+
+@functools.lru_cache(maxsize=256)
+def _mma_layout(group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk_max: int, rv_max: int,
+                k_unit_stride: int, v_unit_stride: int, block_n: int, page: int) -> dict | None:
+    if group not in MMA_GROUPS or k_unit_stride != 1 or v_unit_stride != 1 or rk_max != MMA_RANK or rv_max != MMA_RANK:
+        return None
+    for f, offsets in ((k_fmt, k_offsets), (v_fmt, v_offsets)):
+        if not f.uniform_int_blocks(32) or f.bits != 4 or f.block < MMA_RANK:
+            return None
+        if any(b - a != MMA_RANK for a, b in zip(offsets, offsets[1:])):
+            return None
+        cb = f.code_bytes(list(offsets))
+        if any(sum(cb[:i]) % 4 for i in range(len(cb))):
+            return None
+    groups = 8 // group
+    nt = block_n // (8 * groups)
+    if block_n not in (64, 128) or nt > 8:  # (G = 8 at 128 slots: 16 column tiles a slot group, past the registers)
+        return None
+    if page and page % block_n:
+        return None
+    return dict(NT=nt, GROUPS=groups, BT=block_n)
+
+
+def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | None = None,
+               min_tiles: int = 4) -> tuple[int, int]:
+    """``(programs along the context, tiles per program)`` for the MMA pass: about ``target`` one-warp programs in
+    all (``rows`` = B * Hkv * S of them per context position), at least ``min_tiles`` tiles each, none empty
+    (``fixed``: that many splits, as ``DecodeConfig.split``). Raises nothing."""
+    n_tiles = -(-kv_len // block_n)
+    if fixed is not None:
+        n = max(1, min(fixed, n_tiles))
+    else:
+        n = max(1, min(max(1, target // max(rows, 1)), n_tiles // max(min_tiles, 1)))
+    per = -(-n_tiles // n)
+    return -(-n_tiles // per), per
+
+
+def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0):
+    """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
+
+    Args:
+        group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
+            per page (0: a static cache).
+    Returns:
+        Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
+    Raises:
+        Whatever Triton's compiler raises for a kernel it cannot build.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(qf_ptr="*fp32", lk_ptr="*u8", lv_ptr="*u8", slots_ptr="*i64", kmeta_ptr="*i32", vmeta_ptr="*i32",
+               m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pt_ptr="*i32", stride_ptb="i32", Hkv="i32", S="i32",
+               n_exact="i32", kv_len="i32", s_max="i32", tiles_per_split="i32", n_split="i32", k_scale_base="i32",
+               k_min_base="i32", v_scale_base="i32", v_min_base="i32", stride_lkb="i32", stride_lks="i32",
+               stride_lvb="i32", stride_lvs="i32", G="constexpr", NT="constexpr", RV_PAD="constexpr",
+               PAGE="constexpr", PLO="constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
+    src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
+                         constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=False))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})

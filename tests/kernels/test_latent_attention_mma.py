@@ -1,0 +1,229 @@
+"""The MMA pass (ckvp_compile/kernels/latent_attention_mma.py) on CPU.
+
+Its Gluon kernel cannot run here (Triton's interpreter does not run Gluon), so these tests check what can be checked
+without a GPU, and benchmarks/mma_attention_gpu.py checks the kernel itself against the reference on the H200
+(benchmarks/results/2026-12-04-mma-h200):
+
+* the dequantization asm, read instruction by instruction (:mod:`ckvp_compile.testing.ptx`), turns the product's
+  packed latent rows into the centred codes of exactly the coordinates that ``key_coordinate`` /
+  ``value_coordinate`` name (a wrong mask, shift, constant or map fails);
+* the pass's arithmetic, emulated from those operands (folded query split into fp16 hi + lo and scaled by a power
+  of two, centred codes, the 8 * sum(c) and min terms, fp16 weights scaled per tile, the x16 columns), matches the
+  fp32 latent attention over the dequantized latents, on random shapes (hypothesis);
+* where it applies (``mma_layout``), the split plan, and that the launcher never picks it on CPU;
+* the kernel compiles for sm_90a without spills (where Triton can compile for it here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+lam = pytest.importorskip("ckvp_compile.kernels.latent_attention_mma")
+
+from ckvp_compile.kernels.latent_format import dequantize_latent_ref, parse_latent_format, quantize_latent_ref  # noqa: E402
+from ckvp_compile.testing.ptx import run_dequant_asm  # noqa: E402
+
+ASM = str(getattr(lam._DEQ_ASM, "value", lam._DEQ_ASM))
+
+
+def _rows(hkv: int, t: int, seed: int, size: float = 1.0) -> tuple[torch.Tensor, list[int]]:
+    """(t, W) uint8 int4/32 rows of ``hkv`` heads of rank 32 (the product's row layout) and the offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    off = [32 * i for i in range(hkv + 1)]
+    z = torch.randn(1, t, off[-1], generator=gen) * 2 * size
+    return quantize_latent_ref(z, off, "int4/32")[0], off
+
+
+def _word(row: torch.Tensor, byte: int) -> int:
+    return int.from_bytes(bytes(row[byte:byte + 4].tolist()), "little")
+
+
+def _half(row: torch.Tensor, byte: int) -> int:
+    return int.from_bytes(bytes(row[byte:byte + 2].tolist()), "little")
+
+
+def _codes(rows: torch.Tensor, off: list[int]) -> torch.Tensor:
+    """(t, R) int codes, unpacked little-endian (low nibble first)."""
+    f = parse_latent_format("int4/32")
+    nbytes = sum(f.code_bytes(off))
+    b = rows[:, :nbytes].long()
+    return torch.stack((b & 0xF, b >> 4), -1).reshape(rows.shape[0], -1)
+
+
+def _fp16_at(row: torch.Tensor, index: int) -> float:
+    return float(row[2 * index:2 * index + 2].view(torch.float16)[0])
+
+
+def test_coordinate_maps_are_permutations():
+    assert sorted(lam.key_coordinate(k) for k in range(32)) == list(range(32))
+    assert sorted(lam.value_coordinate(j) for j in range(32)) == list(range(32))
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), hkv=st.integers(1, 3))
+def test_dequant_asm_reads_the_coordinates_the_maps_name(seed, hkv):
+    """Keys: output 2j + e (op j = (s, h)) of head h's code word q is (code - 8) * 16^h of latent coordinate
+    ``key_coordinate(16s + 8h + 2q + e)``. Values: of the pair word of half-word g of slots (2p, 2p + 1), output
+    2i + e is (code - 8) * 16^(i % 2) of slot 2p + e at ``value_coordinate(g + 8i)``. Against the codes as
+    quantized, through the real row layout (head h's codes at byte 16h)."""
+    rows, off = _rows(hkv, 2, seed)
+    codes = _codes(rows, off)
+    head = seed % hkv
+    for q in range(4):
+        got = run_dequant_asm(ASM, _word(rows[0], 16 * head + 4 * q))
+        for j in range(4):
+            s, hb = divmod(j, 2)
+            for e in range(2):
+                k = 16 * s + 8 * hb + 2 * q + e
+                assert got[2 * j + e] == (int(codes[0, 32 * head + lam.key_coordinate(k)]) - 8) * 16 ** hb, (q, j, e)
+    for g in range(8):
+        pair = _half(rows[0], 16 * head + 2 * g) | (_half(rows[1], 16 * head + 2 * g) << 16)
+        got = run_dequant_asm(ASM, pair)
+        for i in range(4):
+            for e in range(2):
+                want = (int(codes[e, 32 * head + lam.value_coordinate(g + 8 * i)]) - 8) * 16 ** (i % 2)
+                assert got[2 * i + e] == want, (g, i, e)
+
+
+def _emulate(krows, vrows, koff, voff, head, qf):
+    """The pass's arithmetic for one (KV head, query token) over slots 0..t-1 as one tile (t even): (G, 32) value
+    latent, in the latent's coordinate order, from the packed rows through the dequantization asm."""
+    f = parse_latent_format("int4/32")
+    hkv = len(koff) - 1
+    t = krows.shape[0]
+    code_bytes = sum(f.code_bytes(koff))
+    k_sb, k_mb = code_bytes // 2, code_bytes // 2 + hkv  # fp16 indices of the scales and mins (one block per head)
+    # key operand X (32 mma coordinates, t slots) and value operand V (t, 32 columns), as the asm makes them
+    x = torch.zeros(32, t)
+    for n in range(t):
+        for q in range(4):
+            got = run_dequant_asm(ASM, _word(krows[n], 16 * head + 4 * q))
+            for j in range(4):
+                s, hb = divmod(j, 2)
+                for e in range(2):
+                    x[16 * s + 8 * hb + 2 * q + e, n] = got[2 * j + e]
+    v = torch.zeros(t, 32)
+    for p in range(t // 2):
+        for g in range(8):
+            got = run_dequant_asm(ASM, _half(vrows[2 * p], 16 * head + 2 * g)
+                                  | (_half(vrows[2 * p + 1], 16 * head + 2 * g) << 16))
+            for i in range(4):
+                for e in range(2):
+                    v[2 * p + e, g + 8 * i] = got[2 * i + e]
+    ks = torch.tensor([_fp16_at(krows[n], k_sb + head) for n in range(t)])
+    km = torch.tensor([_fp16_at(krows[n], k_mb + head) for n in range(t)])
+    vs = torch.tensor([_fp16_at(vrows[n], k_sb + head) for n in range(t)])
+    vm = torch.tensor([_fp16_at(vrows[n], k_mb + head) for n in range(t)])
+    # the folded query in mma order, /16 on the h = 1 coordinates, scaled into fp16's range, split hi + lo
+    kk = torch.arange(32)
+    c = qf[:, [lam.key_coordinate(int(k)) for k in kk]] * torch.where((kk // 8) % 2 == 1, 1 / 16, 1.0)
+    e_q = math.floor(math.log2(float(c.abs().max()))) - 13
+    c = c * 2.0 ** -e_q
+    hi = c.half()
+    lo = (c - hi.float()).half()
+    sc = (hi.float() @ x + lo.float() @ x) * 2.0 ** e_q  # sum_k c_k (code_k - 8)
+    sumc = qf.sum(-1, keepdim=True)
+    s = (sc + 8 * sumc) * ks + km * sumc
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp2(s - m)
+    ve = 14 - math.floor(math.log2(float(vs.max())))
+    w = (p * (vs * 2.0 ** ve)).half().float()
+    jj = torch.arange(32)
+    o = (w @ v) / torch.where((jj // 8) % 2 == 1, 16.0, 1.0) / 2.0 ** ve + (p * (vm + 8 * vs)).sum(-1, keepdim=True)
+    out = torch.empty_like(o)
+    out[:, [lam.value_coordinate(int(j)) for j in jj]] = o
+    return out / p.sum(-1, keepdim=True)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), hkv=st.integers(1, 3), g=st.sampled_from([2, 4, 8]),
+       t=st.sampled_from([8, 16, 32]), q_scale=st.sampled_from([0.3, 3.0, 300.0]),
+       v_size=st.sampled_from([1.0, 1e-3]))
+def test_emulated_arithmetic_matches_fp32_latent_attention(seed, hkv, g, t, q_scale, v_size):
+    krows, koff = _rows(hkv, t, seed)
+    vrows, voff = _rows(hkv, t, seed + 1, v_size)
+    head = seed % hkv
+    qf = torch.randn(g, 32, generator=torch.Generator().manual_seed(seed + 2)) * q_scale
+    got = _emulate(krows, vrows, koff, voff, head, qf)
+    kd = dequantize_latent_ref(krows[None], koff, "int4/32")[0, :, 32 * head:32 * head + 32].float()
+    vd = dequantize_latent_ref(vrows[None], voff, "int4/32")[0, :, 32 * head:32 * head + 32].float()
+    p = torch.softmax((qf.double() @ kd.double().T) * math.log(2.0), -1)
+    want = (p @ vd.double()).float()
+    err = float((got - want).norm() / want.norm())
+    assert err <= 1e-3, err
+
+
+def test_emulation_notices_a_wrong_coordinate_map(monkeypatch):
+    """The emulation depends on the maps: a swapped pair of key coordinates moves its result past the bound."""
+    krows, koff = _rows(1, 16, 3)
+    vrows, voff = _rows(1, 16, 4)
+    qf = torch.randn(4, 32, generator=torch.Generator().manual_seed(5)) * 3
+    good = _emulate(krows, vrows, koff, voff, 0, qf)
+    real = lam.key_coordinate
+    monkeypatch.setattr(lam, "key_coordinate", lambda k: real({1: 2, 2: 1}.get(k, k)))
+    bad = _emulate(krows, vrows, koff, voff, 0, qf)
+    assert float((bad - good).norm() / good.norm()) > 1e-2
+
+
+def _layout(group=4, kfmt="int4/32", vfmt="int4/32", hkv=8, rk=32, rv=32, unit=1, block_n=64, page=0):
+    kf, vf = parse_latent_format(kfmt), parse_latent_format(vfmt)
+    return lam._mma_layout(group, kf, vf, tuple(32 * i for i in range(hkv + 1)) if rk == 32 else
+                           tuple(rk * i for i in range(hkv + 1)), tuple(32 * i for i in range(hkv + 1)), rk, rv,
+                           unit, unit, block_n, page)
+
+
+def test_layout_applies_only_where_the_pass_packs():
+    assert _layout() == dict(NT=4, GROUPS=2, BT=64)
+    assert _layout(group=2) == dict(NT=2, GROUPS=4, BT=64)
+    assert _layout(group=8) == dict(NT=8, GROUPS=1, BT=64) and _layout(group=8, block_n=128) is None
+    assert _layout(page=128) is not None and _layout(page=256, block_n=128) is not None
+    for kw in (dict(group=1), dict(group=3), dict(group=16), dict(kfmt="int8/32"), dict(vfmt="int2/32"),
+               dict(kfmt="int4/16"), dict(rk=64), dict(rk=16), dict(unit=2), dict(block_n=96), dict(block_n=32,
+               group=2), dict(page=32), dict(page=96), dict(kfmt="float")):
+        assert _layout(**kw) is None, kw
+    cpu = torch.device("cpu")
+    f = parse_latent_format("int4/32")
+    assert lam.mma_layout(4, f, f, [0, 32], [0, 32], 32, 32, 1, 1, 64, 0, cpu, False) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(kv_len=st.integers(1, 300_000), block_n=st.sampled_from([64, 128]), rows=st.integers(1, 512),
+       target=st.sampled_from([64, 1536, 3072]), fixed=st.one_of(st.none(), st.integers(1, 100)))
+def test_split_plan_covers_the_context_without_empty_programs(kv_len, block_n, rows, target, fixed):
+    n, per = lam.mma_splits(kv_len, block_n, rows, target, fixed)
+    n_tiles = -(-kv_len // block_n)
+    assert n >= 1 and per >= 1 and (n - 1) * per < n_tiles <= n * per
+    if fixed is not None:
+        assert n <= fixed
+
+
+def test_launcher_leaves_cpu_calls_to_the_other_passes():
+    from ckvp_compile.bench.attention import make_inputs
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    args = make_inputs(1, 128, "int4/32", 32, dev="cpu", heads=(8, 2), rope="none")
+    assert lat._mma_layout(args[0], args[1], args[2], args[3], args[4], args[5], args[6], "int4/32", "int4/32",
+                           None, None, lat.DecodeConfig(mma=True)) is None
+    cfg = lat.default_config(4, 32, table_free=True, rank=32, rank_v=32, quantized_keys=True, code_bits=4)
+    assert cfg.mma and cfg.block_n_m == 64
+    assert not lat.default_config(4, 32, table_free=True, rank=32, quantized_keys=True, code_bits=8).mma
+    assert not lat.default_config(4, 64, table_free=True, rank=64, quantized_keys=True, code_bits=4).mma
+    assert not lat.default_config(1, 32, table_free=True, rank=32, quantized_keys=True, code_bits=4).mma
+
+
+@pytest.mark.parametrize("g,nt,page", [(4, 4, 0), (2, 2, 0), (8, 8, 0), (4, 4, 128)])
+def test_compiles_for_sm90_without_spills(g, nt, page):
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    k = lam.compile_for_sm90(g, nt, page)
+    stats = ptxas_stats(k.asm["ptx"])
+    assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
+    assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
