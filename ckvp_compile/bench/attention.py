@@ -327,8 +327,8 @@ def kernel_bytes(args: tuple, n_split: int, rv_pad: int, two_pass: bool = False)
 
 
 def kernel_stats() -> dict:
-    """Registers per thread, spilled registers and shared memory of the last launched split, head-chunk, absorbed or
-    lane (and, two-pass, key pass: ``scores_`` keys; the merge kernel, unless the merge is fused: ``reduce_`` keys)
+    """Registers per thread, spilled registers and shared memory of the last launched split, head-chunk, absorbed,
+    lane, word or MMA (and, two-pass, key pass: ``scores_`` keys; the merge kernel, unless the merge is fused: ``reduce_`` keys)
     kernel, as Triton reports them for a compiled CUDA kernel, and ``batch_slices``: how many slices of the batch
     the two passes ran on (:func:`~ckvp_compile.kernels.latent_attention_triton.score_batch_slices`); clears the
     record."""

@@ -26,8 +26,9 @@ value latent ``scale * (code - 8) + (min + 8 * scale)``. What differs is where t
   merge (``latent_attention_triton._latent_attention_reduce_kernel``) combines with the others;
 * one warp per program, no shared memory; the next tile's loads are issued before the current tile is computed.
 
-Precision: the scores' coefficients are split into fp16 hi + lo (about 22 bits), scaled by a power of two into
-fp16's range; the weights ``p * scale`` are scaled per tile by a power of two that brings the tile's largest value
+Precision: the scores' coefficients and the weights ``p * scale`` are split into fp16 hi + lo (about 22 bits;
+the lo rows fill tensor-core rows 8..15, which the 8 query rows leave free); the coefficients are scaled by a
+power of two into fp16's range; the weights are scaled per tile by a power of two that brings the tile's largest value
 scale to [2^14, 2^15) (the accumulator rescaled exactly when it changes), so small scales do not go subnormal in
 fp16; the value accumulator stays in fp32 in the tensor cores across a split's tiles.
 
@@ -37,8 +38,11 @@ the rows they share (each reads its head's 16 bytes of every slot) are read from
 (the recent window kept in full precision); the tiles after that are masked per slot (length, exact slots, unmapped
 pages, whose zero rows score 0 as in the other passes).
 
-Measured: benchmarks/results/ (see BENCHMARKS.md and the Issue 5 results); the standalone prototype it grew from:
-benchmarks/mma_pass_proto.py, benchmarks/results/2026-12-04-mma-pass-proto-h200.
+Measured (H200, Triton 3.6, 32:8 heads, int4/32 rank 32, one whole call in CUDA-graph replay;
+benchmarks/results/2026-12-04-mma-h200): batch 8, 32k 0.080 ms (the word pass: 0.199), batch 32, 128k 0.853
+(2.914); 27-37% of the copy bandwidth. The product's rows cost 56 loads and about 230 registers per 64-slot tile,
+so only 8 programs per SM each keep one tile in flight; the prototype it grew from (benchmarks/mma_pass_proto.py,
+its own head-major layout, about 100 registers) read at 61-72%.
 
 Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
 FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
@@ -507,5 +511,5 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0):
                PAGE="constexpr", PLO="constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
     src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
-                         constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=False))
+                         constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})

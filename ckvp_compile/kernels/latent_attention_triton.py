@@ -2508,7 +2508,7 @@ def _launch(
             hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
             k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2,
             latent_k.stride(0) // 4, latent_k.stride(1) // 4, latent_v.stride(0) // 4, latent_v.stride(1) // 4,
-            G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=False, num_warps=1)
+            G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, num_warps=1)
     elif words is not None:
         from . import latent_attention_words as law
 

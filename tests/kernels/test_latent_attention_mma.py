@@ -8,7 +8,7 @@ without a GPU, and benchmarks/mma_attention_gpu.py checks the kernel itself agai
   packed latent rows into the centred codes of exactly the coordinates that ``key_coordinate`` /
   ``value_coordinate`` name (a wrong mask, shift, constant or map fails);
 * the pass's arithmetic, emulated from those operands (folded query split into fp16 hi + lo and scaled by a power
-  of two, centred codes, the 8 * sum(c) and min terms, fp16 weights scaled per tile, the x16 columns), matches the
+  of two, centred codes, the 8 * sum(c) and min terms, fp16 hi + lo weights scaled per tile, the x16 columns), matches the
   fp32 latent attention over the dequantized latents, on random shapes (hypothesis);
 * where it applies (``mma_layout``), the split plan, and that the launcher never picks it on CPU;
 * the kernel compiles for sm_90a without spills (where Triton can compile for it here).
@@ -132,7 +132,8 @@ def _emulate(krows, vrows, koff, voff, head, qf):
     m = s.amax(-1, keepdim=True)
     p = torch.exp2(s - m)
     ve = 14 - math.floor(math.log2(float(vs.max())))
-    w = (p * (vs * 2.0 ** ve)).half().float()
+    w32 = p * (vs * 2.0 ** ve)
+    w = w32.half().float() + (w32 - w32.half().float()).half().float()  # fp16 hi + lo rows
     jj = torch.arange(32)
     o = (w @ v) / torch.where((jj // 8) % 2 == 1, 16.0, 1.0) / 2.0 ** ve + (p * (vm + 8 * vs)).sum(-1, keepdim=True)
     out = torch.empty_like(o)
