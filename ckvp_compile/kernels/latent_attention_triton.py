@@ -1996,8 +1996,8 @@ def _mma_layout(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor,
                 attn_mask: torch.Tensor | None, page_table: torch.Tensor | None, cfg: "DecodeConfig") -> dict | None:
     """The MMA pass's layout (:func:`~ckvp_compile.kernels.latent_attention_mma.mma_layout`, plus ``module``) for a
     table-free call where it applies and its rows can be read (:func:`_word_rows`; key and value latents of equal
-    length, a static cache at least one tile long), else None. None too where Triton has no Gluon (the pass is
-    written in it). Raises nothing."""
+    length, a static cache at least one tile long, at most 65535 (sequence, query token) rows), else None. None
+    too where Triton has no Gluon (the pass is written in it). Raises nothing."""
     try:
         from . import latent_attention_mma as lam
     except ImportError:  # a Triton without Gluon: the other passes
@@ -2008,6 +2008,8 @@ def _mma_layout(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor,
                          latent_v.stride(-1), cfg.block_n_m, latent_k.shape[1] if paged else 0, q.device,
                          attn_mask is not None)
     if lay is None or latent_k.shape[1] != latent_v.shape[1] or latent_k.shape[1] < lay["BT"]:
+        return None
+    if q.shape[0] * q.shape[2] > 65535:  # the grid's third dim (sequences x query tokens): a long prefill elsewhere
         return None
     if not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
         return None
