@@ -62,7 +62,7 @@ def check_cases(n: int, seed: int = 0) -> list[dict]:
             pos_dtype=torch.int32, win=rng.choice((0, 0, 3, 17)), unused=rng.choice((0, 0, 1)), page=page,
             layout=rng.choice(("row-major", "padded")), q_scale=rng.choice((1.0, 1.0, 30.0)),
             v_size=rng.choice((1.0, 1.0, 1e-3)), block_n=block_n,
-            split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64))))
+            split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), stages=rng.choice((0, 2, 3))))
     return cases
 
 
@@ -82,7 +82,8 @@ def run_check(out_dir: str | None) -> bool:
 
     rows, ok = [], True
     for p in check_cases(int(os.environ.get("MMA_CASES", "80"))):
-        cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"])
+        cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
+                           stages_m=p["stages"])
         args = _inputs(p)
         want = _expected(args).float()
         a = list(_cuda(args))
@@ -145,7 +146,8 @@ def _versions() -> dict:
                 command=" ".join(sys.argv))
 
 
-def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int]) -> None:
+def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
+              stages: list[int]) -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -167,7 +169,9 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
         configs = [("default", default_config(4, 32, table_free=True))]
         for bn in block_ns:
             for pr in programs:
-                configs.append((f"mma bn={bn} programs={pr}", DecodeConfig(mma=True, block_n_m=bn, programs_m=pr)))
+                for stg in stages:
+                    configs.append((f"mma bn={bn} programs={pr} stages={stg}",
+                                    DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, stages_m=stg)))
         for name, cfg in configs:
             try:
                 lat._LAST_LAUNCH.clear()
@@ -206,7 +210,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="8:32768,8:131072,32:32768,32:131072")
     ap.add_argument("--block-ns", default="64,128")
-    ap.add_argument("--programs", default="1024,1536,2048,3072")
+    ap.add_argument("--programs", default="3072")
+    ap.add_argument("--stages", default="0", help="DecodeConfig.stages_m values")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -216,7 +221,8 @@ def main() -> int:
         ok = run_check(a.out)
     if a.sweep:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
-                  [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")])
+                  [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
+                  [int(x) for x in a.stages.split(",")])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

@@ -25,6 +25,9 @@ value latent ``scale * (code - 8) + (min + 8 * scale)``. What differs is where t
   all 8 query rows are real; each group keeps its own softmax state and is stored as its own split, which the
   merge (``latent_attention_triton._latent_attention_reduce_kernel``) combines with the others;
 * one warp per program, no shared memory; the next tile's loads are issued before the current tile is computed.
+  (``STAGES`` >= 2, static caches only, ``DecodeConfig.stages_m``: the unmasked tiles are staged through shared
+  memory with ``cp.async`` instead, STAGES - 1 tiles ahead; correct, but 3-4x slower on the H200 as written, so
+  off: benchmarks/results/2026-12-04-mma-h200.)
 
 Precision: the scores' coefficients and the weights ``p * scale`` are split into fp16 hi + lo (about 22 bits;
 the lo rows fill tensor-core rows 8..15, which the 8 query rows leave free); the coefficients are scaled by a
@@ -57,7 +60,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 __all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS"]
 
@@ -66,6 +69,9 @@ MMA_RANK = 32
 
 #: GQA ratios the pass packs into the tensor cores' 8 query rows.
 MMA_GROUPS = (2, 4, 8)
+
+# cp.async into shared memory: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before (3.6)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 RK = gl.constexpr(MMA_RANK)
 RV = gl.constexpr(MMA_RANK)
@@ -217,10 +223,11 @@ def _load_tile(lk_w, lk_h, lv_h, kbase, vbase, koff, sk_off, sv_off, vlo_off, k_
 def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr,
-               MASKED: gl.constexpr):
+               MASKED: gl.constexpr, PAIRED: gl.constexpr = False):
     """One tile: the scores on the tensor cores, the online softmax (base 2), the value product. l_q / n_q: (8
     rows, 4 lanes) per-lane partial sums of the weights and of weight x the value's centred min; ``ve``: the
-    exponent of the power of two the weights carry (chosen per tile; the accumulator is rescaled exactly)."""
+    exponent of the power of two the weights carry (chosen per tile; the accumulator is rescaled exactly). PAIRED:
+    ``vlo`` holds the value operand's pair words already (``vhi`` unused)."""
     x = _dequant8(wk)  # (4, GROUPS, NT, 8, e, h, s)
     x = gl.reshape(gl.permute(x, [1, 6, 5, 0, 4, 2, 3]), [KS, 8 * NT])
     kb = gl.convert_layout(x, BL)
@@ -258,9 +265,42 @@ def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_un
     ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
     pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
     pa = gl.convert_layout(gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT]), AL)
-    y = _dequant8(_pair_words(vlo, vhi))  # (BT/2, 8, e, i_lo, i_hi)
+    if PAIRED:  # vlo already holds the pair words
+        y = _dequant8(vlo)  # (BT/2, 8, e, i_lo, i_hi)
+    else:
+        y = _dequant8(_pair_words(vlo, vhi))
     vb = gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV]), BL)
     return m_new, l_q, n_q, mma_v2(pa, vb, acc), ve_t
+
+
+@gluon.jit
+def _half16(w, par):
+    """fp16 half ``par`` (0: bits 0..15, 1: bits 16..31; a runtime scalar) of each int32 word of ``w``."""
+    return (w >> (16 * par)).to(gl.int16).to(gl.float16, bitcast=True)
+
+
+@gluon.jit
+def _select_halves(lo, hi, sel):
+    """One int32 word per element from two: ``prmt`` with selector ``sel`` (0x5410: the low halves of lo and hi,
+    0x7632: their high halves)."""
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sel], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _issue_stage(st, sk, ss, sv, lk_w, lv_w, kb, vb, koff, swk, swv, vw_off, k_scale_w, k_min_w, v_scale_w,
+                 v_min_w, stride_lvs):
+    """Start the asynchronous copies (``cp.async``, 4 bytes each) of one tile into stage ``st``: key code words,
+    the 4-byte words holding each (row, slot)'s scale and min fields, value words of both slots of each pair; one
+    commit group."""
+    _async_load(sk.index(st), lk_w + kb + koff)
+    _async_load(ss.index(4 * st + 0), lk_w + kb + k_scale_w + swk)
+    _async_load(ss.index(4 * st + 1), lk_w + kb + k_min_w + swk)
+    _async_load(ss.index(4 * st + 2), lv_w + vb + v_scale_w + swv)
+    _async_load(ss.index(4 * st + 3), lv_w + vb + v_min_w + swv)
+    _async_load(sv.index(2 * st), lv_w + vb + vw_off)
+    _async_load(sv.index(2 * st + 1), lv_w + vb + stride_lvs + vw_off)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -270,6 +310,7 @@ def _mma_attention_kernel(
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     stride_lkb, stride_lks, stride_lvb, stride_lvs,
     G: gl.constexpr, NT: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr,
+    STAGES: gl.constexpr = 0,
 ):
     """One context split of one (KV head, sequence, query token). Grid (Hkv, n_split, B * S); num_warps 1.
 
@@ -280,7 +321,8 @@ def _mma_attention_kernel(
     (first code byte, first block, rank); slots (n_exact,) exact tokens' slots (-1 unused), skipped here. Stores m, l
     (rows, n_split * GROUPS, G) and acc (rows, n_split * GROUPS, G, RV_PAD) fp32 (rows = B*Hkv*S; each slot group of
     a split stored as its own split, log2 units, the value latent unnormalised, in the latent's coordinate order):
-    the workspace of ``latent_attention_triton._latent_attention_reduce_kernel``. RV_PAD must be 32."""
+    the workspace of ``latent_attention_triton._latent_attention_reduce_kernel``. RV_PAD must be 32. STAGES >= 2
+    (PAGE 0 only): the unmasked tiles go through STAGES shared-memory stages (``cp.async``) instead of registers."""
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
     BT: gl.constexpr = 8 * NT * GROUPS
@@ -379,7 +421,42 @@ def _mma_attention_kernel(
     t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
     fast_end = gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
     all_s = tok_s >= 0
-    if fast_end > t_start:
+    if STAGES > 0:  # static caches: the unmasked tiles staged through shared memory, STAGES - 1 tiles ahead
+        lv_w = lv_ptr.to(gl.pointer_type(gl.int32))
+        sk = gl.allocate_shared_memory(gl.int32, [STAGES, 4, GROUPS, NT, 8],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0, 3, 2, 1]))
+        ss = gl.allocate_shared_memory(gl.int32, [STAGES * 4, 8, 8 * NT],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        sv = gl.allocate_shared_memory(gl.int32, [STAGES * 2, BT // 2, 8],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1]))
+        swk = tok_s * stride_lks
+        swv = tok_s * stride_lvs
+        vw_off = (2 * pv)[:, None] * stride_lvs + (v_col // 2 + gv // 2)[None, :]
+        sel = gl.where(gv % 2 == 0, 0x5410, 0x7632)[None, :] + vw_off * 0
+        if fast_end > t_start:
+            for i in gl.static_range(STAGES - 1):
+                kbi, vbi, idxi = _tile_base(gl.minimum(t_start + i, fast_end - 1) * BT, b, pt_ptr, stride_ptb,
+                                            stride_lkb, stride_lks, stride_lvb, stride_lvs, PAGE)
+                _issue_stage(i, sk, ss, sv, lk_w, lv_w, kbi, vbi, koff, swk, swv, vw_off, k_scale // 2, k_min // 2,
+                             v_scale // 2, v_min // 2, stride_lvs)
+            for t in range(t_start, fast_end):
+                kbi, vbi, idxi = _tile_base(gl.minimum(t + STAGES - 1, fast_end - 1) * BT, b, pt_ptr, stride_ptb,
+                                            stride_lkb, stride_lks, stride_lvb, stride_lvs, PAGE)
+                _issue_stage((t - t_start + STAGES - 1) % STAGES, sk, ss, sv, lk_w, lv_w, kbi, vbi, koff, swk, swv,
+                             vw_off, k_scale // 2, k_min // 2, v_scale // 2, v_min // 2, stride_lvs)
+                async_copy.wait_group(STAGES - 1)
+                st = (t - t_start) % STAGES
+                wk = sk.index(st).load(WL)
+                ks16 = _half16(ss.index(4 * st + 0).load(LS), k_scale % 2)
+                km16 = _half16(ss.index(4 * st + 1).load(LS), k_min % 2)
+                vs16 = _half16(ss.index(4 * st + 2).load(LS), v_scale % 2)
+                vm16 = _half16(ss.index(4 * st + 3).load(LS), v_min % 2)
+                wv = _select_halves(sv.index(2 * st).load(VL), sv.index(2 * st + 1).load(VL), sel)
+                m_i, l_q, n_q, acc, ve = _tile_step(wk, ks16, km16, vs16, vm16, wv, wv, all_s, ca, sumc, sumc8,
+                                                    k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
+                                                    GROUPS, PLO, False, True)
+        async_copy.wait_group(0)
+    elif fast_end > t_start:
         kb0, vb0, idx0 = _tile_base(t_start * BT, b, pt_ptr, stride_ptb, stride_lkb, stride_lks, stride_lvb,
                                     stride_lvs, PAGE)
         tile_a = _load_tile(lk_w, lk_h, lv_h, kb0, vb0, koff, sk_off, sv_off, vlo_off, k_scale, k_min, v_scale,
@@ -488,12 +565,12 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
     return -(-n_tiles // per), per
 
 
-def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0):
+def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, stages: int = 0):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
         group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
-            per page (0: a static cache).
+            per page (0: a static cache); stages: shared-memory stages of the unmasked tiles (0: none).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -508,8 +585,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0):
                n_exact="i32", kv_len="i32", s_max="i32", tiles_per_split="i32", n_split="i32", k_scale_base="i32",
                k_min_base="i32", v_scale_base="i32", v_min_base="i32", stride_lkb="i32", stride_lks="i32",
                stride_lvb="i32", stride_lvs="i32", G="constexpr", NT="constexpr", RV_PAD="constexpr",
-               PAGE="constexpr", PLO="constexpr")
+               PAGE="constexpr", PLO="constexpr", STAGES="constexpr")
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
     src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
-                         constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True))
+                         constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, STAGES=stages))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})

@@ -244,8 +244,9 @@ class DecodeConfig:
     without a mask, on CUDA devices (sm_80+), run the MMA pass (:mod:`.latent_attention_mma`: one warp per (KV head,
     context split), the code words loaded straight into the tensor cores' operand registers, no shared memory); it
     takes precedence over ``words`` and the rest. ``block_n_m`` (slots per tile: 64 or 128), ``programs_m`` (about
-    this many one-warp programs in all; ``split`` fixes the count instead) and ``min_tiles_m`` (tiles per program
-    at least) apply to it."""
+    this many one-warp programs in all; ``split`` fixes the count instead), ``min_tiles_m`` (tiles per program
+    at least) and ``stages_m`` (static caches: 0 loads each next tile into registers; S >= 2 stages the unmasked
+    tiles through shared memory with ``cp.async``, S - 1 tiles ahead) apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -299,6 +300,7 @@ class DecodeConfig:
     block_n_m: int = 64
     programs_m: int = 3072
     min_tiles_m: int = 4
+    stages_m: int = 0
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -2510,7 +2512,8 @@ def _launch(
             hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
             k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2,
             latent_k.stride(0) // 4, latent_k.stride(1) // 4, latent_v.stride(0) // 4, latent_v.stride(1) // 4,
-            G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, num_warps=1)
+            G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True,
+            STAGES=cfg.stages_m if page_table is None else 0, num_warps=1)
     elif words is not None:
         from . import latent_attention_words as law
 

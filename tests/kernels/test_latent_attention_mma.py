@@ -11,7 +11,8 @@ without a GPU, and benchmarks/mma_attention_gpu.py checks the kernel itself agai
   of two, centred codes, the 8 * sum(c) and min terms, fp16 hi + lo weights scaled per tile, the x16 columns), matches the
   fp32 latent attention over the dequantized latents, on random shapes (hypothesis);
 * where it applies (``mma_layout``), the split plan, and that the launcher never picks it on CPU;
-* the kernel compiles for sm_90a without spills (where Triton can compile for it here).
+* the kernel compiles for sm_90a without spills, with and without shared-memory staging (where Triton can compile
+  for it here).
 """
 
 from __future__ import annotations
@@ -217,14 +218,17 @@ def test_launcher_leaves_cpu_calls_to_the_other_passes():
     assert not lat.default_config(1, 32, table_free=True, rank=32, quantized_keys=True, code_bits=4).mma
 
 
-@pytest.mark.parametrize("g,nt,page", [(4, 4, 0), (2, 2, 0), (8, 8, 0), (4, 4, 128)])
-def test_compiles_for_sm90_without_spills(g, nt, page):
+@pytest.mark.parametrize("g,nt,page,stages", [(4, 4, 0, 0), (2, 2, 0, 0), (8, 8, 0, 0), (4, 4, 128, 0), (4, 4, 0, 3)])
+def test_compiles_for_sm90_without_spills(g, nt, page, stages):
     from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
 
     why = sm90_compile_available()
     if why:
         pytest.skip(why)
-    k = lam.compile_for_sm90(g, nt, page)
+    k = lam.compile_for_sm90(g, nt, page, stages)
     stats = ptxas_stats(k.asm["ptx"])
     assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
-    assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
+    if stages:  # each stage: key words, four scale-field words per score element, two value words per pair slot
+        assert stats["sass_ops"].get("LDGSTS", 0) > 0 and k.metadata.shared >= stages * 7 * 1024
+    else:
+        assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
