@@ -49,74 +49,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+# The dequantization asm and the weight-tile helpers are the product's (the MMA pass grew from this prototype): one
+# copy, in ckvp_compile/kernels/latent_attention_mma.py.
+from ckvp_compile.kernels.latent_attention_mma import _DEQ_ASM, _dequant8, _group_tiles, _pair_words
+
 RK_, RV_, ROWS_ = 32, 32, 16
 RK = gl.constexpr(RK_)
 RV = gl.constexpr(RV_)
 ROWS = gl.constexpr(ROWS_)  # tensor-core rows: 8 for the query heads (hi), 8 for their remainders (lo)
-
-# One 32-bit word of 8 int4 codes -> four fp16x2 registers, centred: op j = (s, h) reads bits 4h (half e = 0) and
-# 16 + 4h (e = 1) of ``word >> 8s``; h = 1 carries 16 * code. Outputs: index 2j + e, one fp16 each.
-_DEQ_ASM = gl.constexpr("""
-{
-.reg .b32 t0, t1, t2, t3, w8, b0, b1;
-mov.b32 b0, 0x64086408;
-mov.b32 b1, 0x64806480;
-lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t1, $8, 0x00f000f0, 0x64006400, 0xea;
-shr.u32 w8, $8, 8;
-lop3.b32 t2, w8, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t3, w8, 0x00f000f0, 0x64006400, 0xea;
-sub.f16x2 t0, t0, b0;
-sub.f16x2 t1, t1, b1;
-sub.f16x2 t2, t2, b0;
-sub.f16x2 t3, t3, b1;
-mov.b32 {$0, $1}, t0;
-mov.b32 {$2, $3}, t1;
-mov.b32 {$4, $5}, t2;
-mov.b32 {$6, $7}, t3;
-}
-""")
-
-
-@gluon.jit
-def _dequant8(w):
-    """The 8 codes of each int32 word of ``w`` as fp16, shape ``w.shape + (2, 2, 2)``: dims (e, h, s)."""
-    d = gl.inline_asm_elementwise(_DEQ_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8,
-                                  is_pure=True, pack=1)
-    return gl.join(gl.join(gl.join(d[0], d[1]), gl.join(d[2], d[3])),
-                   gl.join(gl.join(d[4], d[5]), gl.join(d[6], d[7])))
-
-
-@gluon.jit
-def _pair_words(lo, hi):
-    """One int32 word from two int16 half-words (``lo`` in bits 0..15): the value operand's token pair (one
-    ``prmt``), where the cache does not store pairs interleaved."""
-    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
-                                     pack=1)
-
-
-@gluon.jit
-def _keep_if(pe, r, k):
-    """``pe`` (fp16) where ``r == k`` else 0, as a product with a 0 / 1 fp16 mask (one ``HMUL2`` per pair; a select
-    on fp16 elements costs byte permutes)."""
-    return pe * gl.where(r == k, 1.0, 0.0).to(gl.float16)
-
-
-@gluon.jit
-def _group_tiles(pe, GROUPS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr):
-    """(8 rows, NT, 8) weights -> (8, NT * GROUPS * 8): row r's weights at its own group's token slots, 0 elsewhere."""
-    r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, pe.type.layout)))[:, None, None] // G
-    if GROUPS == 1:
-        out = pe
-    elif GROUPS == 2:
-        x = gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1))  # (8, NT, 8, grp)
-        out = gl.permute(x, [0, 1, 3, 2])
-    else:
-        x = gl.join(gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1)),
-                    gl.join(_keep_if(pe, r, 2), _keep_if(pe, r, 3)))  # (8, NT, 8, i0, i1)
-        out = gl.permute(x, [0, 1, 4, 3, 2])
-    return gl.reshape(out, [8, NT * GROUPS * 8])
-
 
 @gluon.jit
 def _load_tile(kw_ptr, vh_ptr, ks_ptr, kc_ptr, vs_ptr, vc_ptr, tok, koff, voff, tok_s, PAIRS: gl.constexpr):

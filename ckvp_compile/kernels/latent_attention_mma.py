@@ -103,14 +103,17 @@ mov.b32 {$6, $7}, t3;
 
 def key_coordinate(k: int) -> int:
     """The latent key coordinate (0..31) that mma coordinate ``k = 16s + 8h + 2q + e`` of a slot holds: nibble
-    ``4e + 2s + h`` of code word ``q``, i.e. coordinate ``8q + 4e + 2s + h``. Raises nothing."""
+    ``4e + 2s + h`` of code word ``q``, i.e. coordinate ``8q + 4e + 2s + h``. Raises nothing. Source: the PTX ISA's
+    ``mma.m16n8k16`` B-fragment layout (thread ``4c + q`` holds k = 2q, 2q + 1, 2q + 8, 2q + 9 of column c) and
+    the bit positions ``_DEQ_ASM`` reads."""
     s, h, q, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
     return 8 * q + 4 * e + 2 * s + h
 
 
 def value_coordinate(j: int) -> int:
     """The latent value coordinate (0..31) that output column ``j = g + 8i`` holds: nibble ``i`` of half-word ``g``,
-    i.e. coordinate ``4g + i``. Raises nothing."""
+    i.e. coordinate ``4g + i``. Raises nothing. Source: the PTX ISA's ``mma.m16n8k16`` B-fragment layout of the
+    value product (threads ``4n .. 4n + 3`` hold column n of an n8 tile) and the bit positions ``_DEQ_ASM`` reads."""
     return 4 * (j % 8) + j // 8
 
 
@@ -555,7 +558,8 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
                min_tiles: int = 4) -> tuple[int, int]:
     """``(programs along the context, tiles per program)`` for the MMA pass: about ``target`` one-warp programs in
     all (``rows`` = B * Hkv * S of them per context position), at least ``min_tiles`` tiles each, none empty
-    (``fixed``: that many splits, as ``DecodeConfig.split``). Raises nothing."""
+    (``fixed``: that many splits, as ``DecodeConfig.split``). kv_len and block_n in slots. Raises nothing. Source:
+    FlashDecoding's split-KV; the target from the H200 sweep (benchmarks/results/2026-12-04-mma-h200, r1 and r4)."""
     n_tiles = -(-kv_len // block_n)
     if fixed is not None:
         n = max(1, min(fixed, n_tiles))
