@@ -54,15 +54,18 @@ def check_cases(n: int, seed: int = 0) -> list[dict]:
         extra = rng.choice((0, 0, 3, 64, 200))
         if not page and kv_len + extra < block_n:
             extra = block_n - kv_len + rng.choice((0, 5))
+        layout = rng.choice(("row-major", "padded", "unit-major", "unit-major"))
+        if layout == "unit-major" and not page:  # byte columns of a multiple of 64 slots
+            extra += -(kv_len + extra) % 64
         cases.append(dict(
             seed=1000 * seed + i, b=rng.choice((1, 2, 3)), hkv=hkv, ratio=ratio,
             d=rng.choice((64, 128)), kv_len=kv_len, s=rng.choice((1, 1, 1, 2)), extra=extra, rk=[32] * hkv,
             rv=[32] * hkv, kfmt="int4/32", vfmt="int4/32", rope="none", rd=0, mask=None, mask_shape="bhsk",
             mask_p=0.0, dtype=rng.choice((torch.bfloat16, torch.bfloat16, torch.float16, torch.float32)),
             pos_dtype=torch.int32, win=rng.choice((0, 0, 3, 17)), unused=rng.choice((0, 0, 1)), page=page,
-            layout=rng.choice(("row-major", "padded")), q_scale=rng.choice((1.0, 1.0, 30.0)),
+            layout=layout, q_scale=rng.choice((1.0, 1.0, 30.0)),
             v_size=rng.choice((1.0, 1.0, 1e-3)), block_n=block_n,
-            split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), stages=rng.choice((0, 2, 3))))
+            split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), maxnreg=rng.choice((None, None, 128))))
     return cases
 
 
@@ -83,7 +86,7 @@ def run_check(out_dir: str | None) -> bool:
     rows, ok = [], True
     for p in check_cases(int(os.environ.get("MMA_CASES", "80"))):
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
-                           stages_m=p["stages"])
+                           maxnreg_m=p["maxnreg"])
         args = _inputs(p)
         want = _expected(args).float()
         a = list(_cuda(args))
@@ -120,15 +123,22 @@ def run_check(out_dir: str | None) -> bool:
         words = latent_attention_triton(*args, config=DecodeConfig(words=True, block_n_w=64))
         err_words = rel_err(words, want)
         del words
-        for bn in (64, 128):
+        from ckvp_compile.kernels.latent_layout import to_layout
+
+        for bn, lay in ((64, "row-major"), (128, "row-major"), (64, "unit-major")):
             cfg = DecodeConfig(mma=True, block_n_m=bn)
+            a_, a32 = args, args32
+            if lay != "row-major":
+                lk, lv = to_layout(args[1], lay), to_layout(args[2], lay)
+                a_, a32 = (args[0], lk, lv) + tuple(args[3:]), (args32[0], lk, lv) + tuple(args32[3:])
             lat._LAST_LAUNCH.clear()
-            err32 = rel_err(latent_attention_triton(*args32, config=cfg), want32)
+            err32 = rel_err(latent_attention_triton(*a32, config=cfg), want32)
             ran = bool(lat._LAST_LAUNCH.get("mma"))
-            err = rel_err(latent_attention_triton(*args, config=cfg), want)
+            err = rel_err(latent_attention_triton(*a_, config=cfg), want)
+            del a_, a32
             good = ran and err32 <= TOL and err <= max(TOL, 1.1 * err_words)
             ok &= good
-            r = dict(b=b, t=t, block_n=bn, rel_err_fp32_out=err32, rel_err_bf16_out=err, rel_err_words_bf16_out=err_words,
+            r = dict(b=b, t=t, block_n=bn, layout=lay, rel_err_fp32_out=err32, rel_err_bf16_out=err, rel_err_words_bf16_out=err_words,
                      ran_mma=ran, n_split=lat._LAST_LAUNCH.get("n_split"))
             big.append(r)
             print(("ok  " if good else "BAD ") + json.dumps(r), flush=True)
@@ -147,7 +157,7 @@ def _versions() -> dict:
 
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
-              stages: list[int]) -> None:
+              maxnregs: list[int | None], layouts: list[str]) -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -169,34 +179,43 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
         configs = [("default", default_config(4, 32, table_free=True))]
         for bn in block_ns:
             for pr in programs:
-                for stg in stages:
-                    configs.append((f"mma bn={bn} programs={pr} stages={stg}",
-                                    DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, stages_m=stg)))
+                for mr in maxnregs:
+                    for lay in layouts:
+                        if lay == "unit-major" and bn != 64:  # (64-slot tiles only)
+                            continue
+                        configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} {lay}",
+                                        DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, maxnreg_m=mr)))
+        um_args = None
+        if "unit-major" in layouts:
+            from ckvp_compile.kernels.latent_layout import to_layout
+
+            um_args = (args[0], to_layout(args[1], "unit-major"), to_layout(args[2], "unit-major")) + tuple(args[3:])
         for name, cfg in configs:
+            args_c = um_args if name.endswith("unit-major") else args
             try:
                 lat._LAST_LAUNCH.clear()
-                latent_attention_triton(*args, config=cfg)
+                latent_attention_triton(*args_c, config=cfg)
                 ran = {key: bool(lat._LAST_LAUNCH.get(key)) for key in ("mma", "words")}
                 n_split = lat._LAST_LAUNCH.get("n_split")
                 kern = lat._LAST_LAUNCH.get("mma_kernel") or lat._LAST_LAUNCH.get("words_kernel")
                 regs = getattr(kern, "n_regs", None)
-                ms = graph_bench(lambda: latent_attention_triton(*args, config=cfg))
+                ms = graph_bench(lambda: latent_attention_triton(*args_c, config=cfg))
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"{b}x{t} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            nb = kernel_bytes(args, n_split, 32)
+            nb = kernel_bytes(args_c, n_split, 32)
             row = dict(b=b, t=t, config=name, ms=ms, n_split=n_split, regs=regs, **ran,
                        bytes_latent=nb["latent"], bytes_total=nb["total"],
                        copy_share=nb["total"] / (ms * 1e-3) / bw, dense_ms=dense_ms, dense=dense,
                        speedup=dense_ms / ms, byte_ratio=dense_bytes / nb["latent"])
             row["speedup_over_byte_ratio"] = row["speedup"] / row["byte_ratio"]
             try:  # device time of each launch of the call (query fold, pass, merge), torch.profiler
-                row["kernel_us"] = kernel_times(lambda: latent_attention_triton(*args, config=cfg))
+                row["kernel_us"] = kernel_times(lambda: latent_attention_triton(*args_c, config=cfg))
             except Exception as e:  # noqa: BLE001 - the profiler is optional here
                 row["kernel_us"] = f"{type(e).__name__}: {str(e)[:120]}"
             rows.append(row)
             print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "dense"}), flush=True)
-        del args
+        del args, um_args
         torch.cuda.empty_cache()
     if out_dir:
         with open(os.path.join(out_dir, "sweep.json"), "w") as f:
@@ -211,7 +230,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="8:32768,8:131072,32:32768,32:131072")
     ap.add_argument("--block-ns", default="64,128")
     ap.add_argument("--programs", default="3072")
-    ap.add_argument("--stages", default="0", help="DecodeConfig.stages_m values")
+    ap.add_argument("--maxnregs", default="0", help="DecodeConfig.maxnreg_m values (0: None, the compiler's choice)")
+    ap.add_argument("--layouts", default="row-major,unit-major", help="latent layouts of the MMA rows")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -222,7 +242,7 @@ def main() -> int:
     if a.sweep:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
-                  [int(x) for x in a.stages.split(",")])
+                  [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","))
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

@@ -460,7 +460,8 @@ def _versions(device: str) -> dict:
 def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Sequence[int],
         heads: tuple[int, int] = MIXTRAL_HEADS, head_dim: int = HEAD_DIM, group: int = GROUP, device: str = "cuda",
         flex: bool = False, budget_s: float = 900.0, seed: int = 0, mem_fraction: float = 0.9,
-        log: Callable[[str], None] = print, cuda_graphs: bool = False, key_space: str = "pre_rope") -> dict:
+        log: Callable[[str], None] = print, cuda_graphs: bool = False, key_space: str = "pre_rope",
+        latent_layout: str = "row-major") -> dict:
     """Run the benchmark (see the module docstring); rows in order batch, context, format.
 
     Args:
@@ -478,6 +479,9 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
             dominates (H200: ~0.5 ms per call at batch 1-8, 4k, against 0.02-0.05 ms for eager SDPA).
         key_space: ``"pre_rope"`` (keys rebuilt and rotated in the kernel) or ``"post_rope"`` (key bases of the
             keys as cached, ``LatentBases.key_space``: a call without RoPE, the absorbed kernel for int latents).
+        latent_layout: how the latents lie in memory (:data:`~ckvp_compile.kernels.latent_layout.LAYOUTS`, as
+            ``CKVPStaticCache(latent_layout=...)`` stores them): ``"row-major"`` or ``"unit-major"`` (each byte
+            column contiguous over the slots: the MMA pass's 16-byte column reads).
     Returns:
         ``{"versions": {torch, triton, gpu or cpu, ...}, "copy_bandwidth_GBps" (0 on CPU), "heads", "head_dim",
         "group", "elapsed_s", "rows": [...]}``; a row has format, rank, heads, batch, context and either
@@ -506,6 +510,10 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}")
+    from ckvp_compile.kernels.latent_layout import LAYOUTS
+
+    if latent_layout not in LAYOUTS:
+        raise ValueError(f"latent_layout must be one of {LAYOUTS}, got {latent_layout!r}")
     on_cuda = device == "cuda"
     kernel_note = "triton" if on_cuda else "triton interpreter" if _interpreting() else (
         "not run: CPU without the Triton interpreter (set TRITON_INTERPRET=1 before triton is imported); "
@@ -527,7 +535,7 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
             dense: dict | None = None
             for fmt, rank in formats:
                 row: dict = {"format": fmt, "rank": rank, "heads": label, "batch": b, "context": t,
-                             "key_space": key_space}
+                             "key_space": key_space, "latent_layout": latent_layout}
                 rows.append(row)
                 if time.perf_counter() - start > budget_s:
                     row["skipped"] = f"time budget ({budget_s:g} s) spent"
@@ -548,12 +556,12 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
                 try:
                     _latent_row(row, b, t, fmt, rank, heads, head_dim, group, seed, device, chunk, est, bw, dense,
                                 default_config, latent_attention_triton, kernel_note, timer,
-                                "none" if key_space == "post_rope" else "rotate_half")
+                                "none" if key_space == "post_rope" else "rotate_half", latent_layout)
                 except Exception as exc:  # noqa: BLE001 - record and go on: one failure must not lose the run
                     row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 log(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "config"}, default=str))
     return {"versions": versions, "copy_bandwidth_GBps": round(bw / 1e9, 1), "heads": label, "head_dim": head_dim,
-            "group": group, "key_space": key_space, "device": device,
+            "group": group, "key_space": key_space, "latent_layout": latent_layout, "device": device,
             "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows}
 
 
@@ -577,7 +585,8 @@ def _dense_phase(b: int, t: int, heads: tuple[int, int], d: int, need: int, free
 def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int, int], d: int, group: int,
                 seed: int, device: str, chunk: int, est: dict, bw: float, dense: dict | None, default_config,
                 latent_attention_triton, kernel_note: str,
-                timer: Callable[[Callable[[], Any]], float] = bench, rope: str = "rotate_half") -> None:
+                timer: Callable[[Callable[[], Any]], float] = bench, rope: str = "rotate_half",
+                latent_layout: str = "row-major") -> None:
     """Fill one row: inputs, reference, kernel, bytes and (CUDA) times; see :func:`run`."""
     h, hkv = heads
     on_cuda = device == "cuda"
@@ -586,6 +595,10 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
         base_mem = torch.cuda.memory_allocated()
     args = make_inputs(b, t, fmt, rank, seed=seed + b * 7 + t, dev=device, heads=heads, head_dim=d, group=group,
                        rope=rope)
+    if latent_layout != "row-major":
+        from ckvp_compile.kernels.latent_layout import to_layout
+
+        args = (args[0], to_layout(args[1], latent_layout), to_layout(args[2], latent_layout)) + tuple(args[3:])
     from ckvp_compile.kernels.latent_attention_triton import _np2
 
     rpad = _np2(rank)  # the launcher's padded rank (a power of 2, >= 16): its default config and workspace width
@@ -647,7 +660,8 @@ def to_markdown(result: dict, command: str) -> str:
     lines = [f"# ckvp-bench attention: one layer's latent decode attention ({dev})", "",
              f"Command: `{command}`  ", f"Versions: {v}  ",
              f"Heads {result['heads']}, head_dim {result['head_dim']}, latents of a group of {result['group']} layers "
-             f"(rank per KV head for K and for V), {result.get('key_space', 'pre_rope')} key bases; "
+             f"(rank per KV head for K and for V), {result.get('key_space', 'pre_rope')} key bases, "
+             f"{result.get('latent_layout', 'row-major')} latents; "
              f"copy bandwidth {copy}; "
              f"run took {result['elapsed_s']} s.  ",
              "Bytes: what one kernel call reads and writes (latent rows once, positions, RoPE rows, bases, q, new "
@@ -722,6 +736,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--key-space", choices=["pre_rope", "post_rope"], default="pre_rope",
                    help="pre_rope (default): latents of pre-RoPE keys, rebuilt and rotated in the kernel; post_rope: "
                         "latents of the keys as cached (LatentBases.key_space), a call that reads no RoPE table")
+    p.add_argument("--latent-layout", choices=["row-major", "unit-major"], default="row-major",
+                   help="how the latents lie in memory (CKVPStaticCache(latent_layout=...)): each slot's row "
+                        "contiguous, or each byte column contiguous over the slots (the MMA pass's column reads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the full result as JSON here")
     p.add_argument("--out", type=Path, help="write the markdown report here")
@@ -752,7 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"directory {path.parent} does not exist")
     command = "ckvp-bench attention " + " ".join(sys.argv[2:] if argv is None else argv)
     result = run(formats, batches, contexts, heads, head_dim, GROUP, args.device, args.flex, args.budget_s, args.seed,
-                 cuda_graphs=args.cuda_graphs, key_space=args.key_space)
+                 cuda_graphs=args.cuda_graphs, key_space=args.key_space, latent_layout=args.latent_layout)
     result["command"] = command
     write_result(result, to_markdown(result, command), args.json, args.out)
     return 0

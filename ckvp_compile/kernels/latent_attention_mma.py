@@ -60,7 +60,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 __all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS"]
 
@@ -69,9 +69,6 @@ MMA_RANK = 32
 
 #: GQA ratios the pass packs into the tensor cores' 8 query rows.
 MMA_GROUPS = (2, 4, 8)
-
-# cp.async into shared memory: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before (3.6)
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 RK = gl.constexpr(MMA_RANK)
 RV = gl.constexpr(MMA_RANK)
@@ -198,11 +195,13 @@ def _tile_base(t0, b, pt_ptr, stride_ptb, stride_lkb, stride_lks, stride_lvb, st
 @gluon.jit
 def _load_tile(lk_w, lk_h, lv_h, kbase, vbase, koff, sk_off, sv_off, vlo_off, k_scale, k_min, v_scale, v_min, v_hi,
                sok, MASKED: gl.constexpr):
-    """One tile's raw registers: key code words, key scale / min and value scale / min (fp16, one per (row, slot)
-    of the scores' layout), value half-words of the even and odd slot of each pair. Offsets: per element from the
-    tile's first row (``koff`` in words, ``sk_off`` / ``sv_off`` / ``vlo_off`` in 16-bit units) plus the scalar
-    field bases. The codes are always loaded (any bits are finite codes; the caller keeps every row in bounds);
-    MASKED: the scales and mins only where ``sok`` holds, else 0 (rows past the context may hold anything)."""
+    """One row-major tile's raw registers: key code words, key scale / min and value scale / min (fp16, one per
+    (row, slot) of the scores' layout), value half-words of the even and odd slot of each pair. Offsets: per element
+    from the tile's first row (``koff`` in words, ``sk_off`` / ``sv_off`` / ``vlo_off`` in 16-bit units) plus the
+    scalar field bases. The codes are always loaded (any bits are finite codes; the caller keeps every row in
+    bounds); MASKED: the scales and mins only where ``sok`` holds, else 0 (rows past the context may hold anything).
+    (Loading each field once per slot and handing it round the lanes with shuffles, or the value words once per
+    row, took fewer registers but ran 5-15% slower on the H200: benchmarks/results/2026-12-04-unit-major-h200.)"""
     kh = lk_h + kbase * 2
     vh = lv_h + vbase * 2
     vw = vh.to(gl.pointer_type(gl.int16))
@@ -226,18 +225,36 @@ def _load_tile(lk_w, lk_h, lv_h, kbase, vbase, koff, sk_off, sv_off, vlo_off, k_
 def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr,
-               MASKED: gl.constexpr, PAIRED: gl.constexpr = False):
-    """One tile: the scores on the tensor cores, the online softmax (base 2), the value product. l_q / n_q: (8
-    rows, 4 lanes) per-lane partial sums of the weights and of weight x the value's centred min; ``ve``: the
-    exponent of the power of two the weights carry (chosen per tile; the accumulator is rescaled exactly). PAIRED:
-    ``vlo`` holds the value operand's pair words already (``vhi`` unused)."""
+               MASKED: gl.constexpr):
+    """One row-major tile: the operands from the loaded registers, then :func:`_online_step`."""
     x = _dequant8(wk)  # (4, GROUPS, NT, 8, e, h, s)
     x = gl.reshape(gl.permute(x, [1, 6, 5, 0, 4, 2, 3]), [KS, 8 * NT])
     kb = gl.convert_layout(x, BL)
+    y = _dequant8(_pair_words(vlo, vhi))  # (BT/2, 8, e, i_lo, i_hi)
+    vb = gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV]), BL)
+    return _online_step(kb, vb, ks16.to(gl.float32), km16.to(gl.float32), vs16.to(gl.float32),
+                        vm16.to(gl.float32), ok_s, ok_s, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, LS,
+                        BT, NT, G, GROUPS, PLO, MASKED, False)
+
+
+@gluon.jit
+def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
+                 L: gl.constexpr, AL: gl.constexpr, LS: gl.constexpr, BT: gl.constexpr, NT: gl.constexpr,
+                 G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr):
+    """One tile: the scores on the tensor cores, the online softmax (base 2), the value product. kb / vb: the key
+    and value B operands (centred codes, fp16); ksf .. vmf: the per-slot scale / min fields (8, 8 NT) fp32 in the
+    scores' layout LS. l_q / n_q: (8 rows, 4 lanes) per-lane partial sums of the weights and of weight x the
+    value's centred min; ``ve``: the exponent of the power of two the weights carry (chosen per tile; the
+    accumulator is rescaled exactly). MASKED: slots outside ``ok_s`` score -inf; ZERO: the fields of slots outside
+    ``sok`` read as 0 (rows past the context, unmapped pages: their bytes may be anything)."""
+    if ZERO:
+        ksf = gl.where(sok, ksf, 0.0)
+        kmf = gl.where(sok, kmf, 0.0)
+        vsf = gl.where(sok, vsf, 0.0)
+        vmf = gl.where(sok, vmf, 0.0)
     s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
     s = gl.sum(gl.reshape(s, [2, 8, 8 * NT]), axis=0)  # hi + lo, (8, 8 NT) in LS
-    ksf = ks16.to(gl.float32)
-    s = (s * k_unit + sumc8[:, None]) * ksf + km16.to(gl.float32) * sumc[:, None]
+    s = (s * k_unit + sumc8[:, None]) * ksf + kmf * sumc[:, None]
     if MASKED:
         s = gl.where(ok_s, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -247,9 +264,8 @@ def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_un
         m_use = m_new
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(s - m_use[:, None])
-    vsf = vs16.to(gl.float32)
     ve_t = 14 - _exponent(gl.max(gl.max(vsf, axis=1), axis=0))
-    vcc = vm16.to(gl.float32) + 8.0 * vsf  # the value's centred min
+    vcc = vmf + 8.0 * vsf  # the value's centred min
     # per-lane partials: columns 8 j + 2 q + e of a row -> (j, q, e); sum over the thread's own j and e
     al_q = gl.convert_layout(alpha, gl.SliceLayout(1, l_q.type.layout))[:, None]
     l_q = l_q * al_q + gl.convert_layout(gl.sum(gl.sum(gl.reshape(p, [8, NT, 4, 2]), axis=3), axis=1),
@@ -268,42 +284,7 @@ def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_un
     ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
     pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
     pa = gl.convert_layout(gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT]), AL)
-    if PAIRED:  # vlo already holds the pair words
-        y = _dequant8(vlo)  # (BT/2, 8, e, i_lo, i_hi)
-    else:
-        y = _dequant8(_pair_words(vlo, vhi))
-    vb = gl.convert_layout(gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [BT, RV]), BL)
     return m_new, l_q, n_q, mma_v2(pa, vb, acc), ve_t
-
-
-@gluon.jit
-def _half16(w, par):
-    """fp16 half ``par`` (0: bits 0..15, 1: bits 16..31; a runtime scalar) of each int32 word of ``w``."""
-    return (w >> (16 * par)).to(gl.int16).to(gl.float16, bitcast=True)
-
-
-@gluon.jit
-def _select_halves(lo, hi, sel):
-    """One int32 word per element from two: ``prmt`` with selector ``sel`` (0x5410: the low halves of lo and hi,
-    0x7632: their high halves)."""
-    return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sel], dtype=gl.int32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
-def _issue_stage(st, sk, ss, sv, lk_w, lv_w, kb, vb, koff, swk, swv, vw_off, k_scale_w, k_min_w, v_scale_w,
-                 v_min_w, stride_lvs):
-    """Start the asynchronous copies (``cp.async``, 4 bytes each) of one tile into stage ``st``: key code words,
-    the 4-byte words holding each (row, slot)'s scale and min fields, value words of both slots of each pair; one
-    commit group."""
-    _async_load(sk.index(st), lk_w + kb + koff)
-    _async_load(ss.index(4 * st + 0), lk_w + kb + k_scale_w + swk)
-    _async_load(ss.index(4 * st + 1), lk_w + kb + k_min_w + swk)
-    _async_load(ss.index(4 * st + 2), lv_w + vb + v_scale_w + swv)
-    _async_load(ss.index(4 * st + 3), lv_w + vb + v_min_w + swv)
-    _async_load(sv.index(2 * st), lv_w + vb + vw_off)
-    _async_load(sv.index(2 * st + 1), lv_w + vb + stride_lvs + vw_off)
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -311,21 +292,22 @@ def _mma_attention_kernel(
     qf_ptr, lk_ptr, lv_ptr, slots_ptr, kmeta_ptr, vmeta_ptr, m_ptr, l_ptr, acc_ptr, pt_ptr, stride_ptb,
     Hkv, S, n_exact, kv_len, s_max, tiles_per_split, n_split,
     k_scale_base, k_min_base, v_scale_base, v_min_base,
-    stride_lkb, stride_lks, stride_lvb, stride_lvs,
+    stride_lkb, stride_lvb,
     G: gl.constexpr, NT: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr,
-    STAGES: gl.constexpr = 0,
+    ROW_K: gl.constexpr, ROW_V: gl.constexpr,
 ):
     """One context split of one (KV head, sequence, query token). Grid (Hkv, n_split, B * S); num_warps 1.
 
     Shapes: qf (B, S, Hkv, G, 32) fp32 from ``latent_attention_absorbed._fold_query_kernel`` (log2 units); latent_k
     / latent_v (B, S_max, W) uint8 rows of the ``int4`` format, one quantization block of 32 coordinates per head
     (PAGE > 0: page pools (N_pages + 1, PAGE, W) and the (B, S_max / PAGE) page table ``pt``, PAGE a multiple of
-    the tile); strides of the rows in 4-byte words, scale / min bases in fp16 units; kmeta / vmeta (Hkv, 3) int32
-    (first code byte, first block, rank); slots (n_exact,) exact tokens' slots (-1 unused), skipped here. Stores m, l
-    (rows, n_split * GROUPS, G) and acc (rows, n_split * GROUPS, G, RV_PAD) fp32 (rows = B*Hkv*S; each slot group of
-    a split stored as its own split, log2 units, the value latent unnormalised, in the latent's coordinate order):
-    the workspace of ``latent_attention_triton._latent_attention_reduce_kernel``. RV_PAD must be 32. STAGES >= 2
-    (PAGE 0 only): the unmasked tiles go through STAGES shared-memory stages (``cp.async``) instead of registers."""
+    the tile); ROW_K / ROW_V the rows' strides in 4-byte words (compile-time: the element offsets of a tile become
+    immediates), stride_lkb / stride_lvb the sequences' (pages') strides in words, scale / min bases in fp16 units;
+    kmeta / vmeta (Hkv, 3) int32 (first code byte, first block, rank); slots (n_exact,) exact tokens' slots (-1
+    unused), skipped here. Stores m, l (rows, n_split * GROUPS, G) and acc (rows, n_split * GROUPS, G, RV_PAD) fp32
+    (rows = B*Hkv*S; each slot group of a split stored as its own split, log2 units, the value latent unnormalised,
+    in the latent's coordinate order): the workspace of ``latent_attention_triton._latent_attention_reduce_kernel``.
+    RV_PAD must be 32."""
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
     BT: gl.constexpr = 8 * NT * GROUPS
@@ -340,7 +322,7 @@ def _mma_attention_kernel(
     # key words (q, group, n8 tile, slot c): lane = q + 4 c
     WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1], threads_per_warp=[4, 1, 1, 8],
                                         warps_per_cta=[1, 1, 1, 1], order=[0, 3, 2, 1])
-    # value half-word pairs (pair, g)
+    # value half-word pairs (pair, g): lane = p % 4 + 4 g, the lane of pair p's column g in the value product
     VL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
                                         order=[0, 1])
     QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
@@ -387,25 +369,25 @@ def _mma_attention_kernel(
                              gl.SliceLayout(1, LS))
     sumc8 = sumc * 8.0
 
-    # ---- per-program offsets of each operand element from the tile's first row, and its slot within the tile
-    # slot of score (row, col): 8 GROUPS j + 8 grp + c
+    # ---- per-program offsets of each loaded element from the tile's first row, and its slot within the tile.
+    # The scores' (row, col) read slot 8 GROUPS j + 8 grp + c (j = col // 8, c = col % 8, grp = row // G)
     tok_s = (cols // 8)[None, :] * (8 * GROUPS) + (rows // G)[:, None] * 8 + (cols % 8)[None, :]
     qw = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
     gw = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
     jw = gl.arange(0, NT, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WL))))
     cw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
     tok_k = gw[None, :, None, None] * 8 + jw[None, None, :, None] * (8 * GROUPS) + cw[None, None, None, :]
-    koff = tok_k * stride_lks + k_col + qw[:, None, None, None]
-    sk_off = tok_s * (2 * stride_lks)
-    sv_off = tok_s * (2 * stride_lvs)
+    koff = tok_k * ROW_K + k_col + qw[:, None, None, None]
+    sk_off = tok_s * (2 * ROW_K)
+    sv_off = tok_s * (2 * ROW_V)
     k_scale = k_scale_base + k_blk
     k_min = k_min_base + k_blk
     v_scale = v_scale_base + v_blk
     v_min = v_min_base + v_blk
-    v_hi = 2 * stride_lvs
+    v_hi = 2 * ROW_V
     pv = gl.arange(0, BT // 2, layout=gl.SliceLayout(1, VL))
     gv = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
-    vlo_off = (2 * pv)[:, None] * (2 * stride_lvs) + (v_col + gv)[None, :]
+    vlo_off = (2 * pv)[:, None] * (2 * ROW_V) + (v_col + gv)[None, :]
 
     m_i = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, LS))
     LQ: gl.constexpr = gl.sum(gl.sum(gl.reshape(zero_s0, [8, NT, 4, 2]), axis=3), axis=1).type.layout
@@ -424,50 +406,14 @@ def _mma_attention_kernel(
     t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
     fast_end = gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
     all_s = tok_s >= 0
-    if STAGES > 0:  # static caches: the unmasked tiles staged through shared memory, STAGES - 1 tiles ahead
-        lv_w = lv_ptr.to(gl.pointer_type(gl.int32))
-        sk = gl.allocate_shared_memory(gl.int32, [STAGES, 4, GROUPS, NT, 8],
-                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0, 3, 2, 1]))
-        ss = gl.allocate_shared_memory(gl.int32, [STAGES * 4, 8, 8 * NT],
-                                       gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        sv = gl.allocate_shared_memory(gl.int32, [STAGES * 2, BT // 2, 8],
-                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1]))
-        swk = tok_s * stride_lks
-        swv = tok_s * stride_lvs
-        vw_off = (2 * pv)[:, None] * stride_lvs + (v_col // 2 + gv // 2)[None, :]
-        sel = gl.where(gv % 2 == 0, 0x5410, 0x7632)[None, :] + vw_off * 0
-        if fast_end > t_start:
-            for i in gl.static_range(STAGES - 1):
-                kbi, vbi, idxi = _tile_base(gl.minimum(t_start + i, fast_end - 1) * BT, b, pt_ptr, stride_ptb,
-                                            stride_lkb, stride_lks, stride_lvb, stride_lvs, PAGE)
-                _issue_stage(i, sk, ss, sv, lk_w, lv_w, kbi, vbi, koff, swk, swv, vw_off, k_scale // 2, k_min // 2,
-                             v_scale // 2, v_min // 2, stride_lvs)
-            for t in range(t_start, fast_end):
-                kbi, vbi, idxi = _tile_base(gl.minimum(t + STAGES - 1, fast_end - 1) * BT, b, pt_ptr, stride_ptb,
-                                            stride_lkb, stride_lks, stride_lvb, stride_lvs, PAGE)
-                _issue_stage((t - t_start + STAGES - 1) % STAGES, sk, ss, sv, lk_w, lv_w, kbi, vbi, koff, swk, swv,
-                             vw_off, k_scale // 2, k_min // 2, v_scale // 2, v_min // 2, stride_lvs)
-                async_copy.wait_group(STAGES - 1)
-                st = (t - t_start) % STAGES
-                wk = sk.index(st).load(WL)
-                ks16 = _half16(ss.index(4 * st + 0).load(LS), k_scale % 2)
-                km16 = _half16(ss.index(4 * st + 1).load(LS), k_min % 2)
-                vs16 = _half16(ss.index(4 * st + 2).load(LS), v_scale % 2)
-                vm16 = _half16(ss.index(4 * st + 3).load(LS), v_min % 2)
-                wv = _select_halves(sv.index(2 * st).load(VL), sv.index(2 * st + 1).load(VL), sel)
-                m_i, l_q, n_q, acc, ve = _tile_step(wk, ks16, km16, vs16, vm16, wv, wv, all_s, ca, sumc, sumc8,
-                                                    k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                    GROUPS, PLO, False, True)
-        async_copy.wait_group(0)
-    elif fast_end > t_start:
-        kb0, vb0, idx0 = _tile_base(t_start * BT, b, pt_ptr, stride_ptb, stride_lkb, stride_lks, stride_lvb,
-                                    stride_lvs, PAGE)
+    if fast_end > t_start:
+        kb0, vb0, idx0 = _tile_base(t_start * BT, b, pt_ptr, stride_ptb, stride_lkb, ROW_K, stride_lvb, ROW_V, PAGE)
         tile_a = _load_tile(lk_w, lk_h, lv_h, kb0, vb0, koff, sk_off, sv_off, vlo_off, k_scale, k_min, v_scale,
                             v_min, v_hi, all_s & (idx0 >= 0), PAGE > 0)
         for t in range(t_start, fast_end):
             wk, ks16, km16, vs16, vm16, vlo, vhi = tile_a
             kb1, vb1, idx1 = _tile_base(gl.minimum(t + 1, fast_end - 1) * BT, b, pt_ptr, stride_ptb, stride_lkb,
-                                        stride_lks, stride_lvb, stride_lvs, PAGE)
+                                        ROW_K, stride_lvb, ROW_V, PAGE)
             tile_a = _load_tile(lk_w, lk_h, lv_h, kb1, vb1, koff, sk_off, sv_off, vlo_off, k_scale, k_min,
                                 v_scale, v_min, v_hi, all_s & (idx1 >= 0), PAGE > 0)
             m_i, l_q, n_q, acc, ve = _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, all_s, ca, sumc, sumc8,
@@ -481,7 +427,7 @@ def _mma_attention_kernel(
             r0 = t0
         else:
             r0 = gl.minimum(t0, s_max - BT)
-        kb1, vb1, idx1 = _tile_base(r0, b, pt_ptr, stride_ptb, stride_lkb, stride_lks, stride_lvb, stride_lvs, PAGE)
+        kb1, vb1, idx1 = _tile_base(r0, b, pt_ptr, stride_ptb, stride_lkb, ROW_K, stride_lvb, ROW_V, PAGE)
         gs = r0 + tok_s
         ok_s = (gs >= t0) & (gs < kv_len) & ~_is_exact(gs, slots_ptr, n_exact)
         wk, ks16, km16, vs16, vm16, vlo, vhi = _load_tile(lk_w, lk_h, lv_h, kb1, vb1, koff, sk_off, sv_off, vlo_off,
@@ -490,52 +436,429 @@ def _mma_attention_kernel(
         m_i, l_q, n_q, acc, ve = _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_unit,
                                             ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, PLO, True)
 
-    # ---- the split's value latent (unnormalised), in the latent's coordinate order; m, l per (group, head)
+    _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, rows, LS, RV_PAD,
+                 False)
+
+
+@gluon.jit
+def _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, rows,
+                 LS: gl.constexpr, RV_PAD: gl.constexpr, UNIT: gl.constexpr):
+    """Store the split's value latent (unnormalised), in the latent's coordinate order, and m, l per (group, head).
+    Output column ``8i + n`` holds coordinate ``4n + i`` (row-major pass) or ``2(n + 8 (i // 2)) + i % 2``
+    (unit-major); odd i carry 16 * (code - 8); the weights carried vscale * 2^ve."""
     o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
     LO: gl.constexpr = o.type.layout
     ho = gl.arange(0, 8, layout=gl.SliceLayout(1, LO))
     jo = gl.arange(0, RV, layout=gl.SliceLayout(0, LO))
-    # columns 8..15 and 24..31 carry 16 * (code - 8); the weights carried vscale * 2^ve
     colf = gl.where((jo // 8) % 2 == 1, 0.0625, 1.0) * _pow2(-ve)
     nsum = gl.convert_layout(gl.sum(n_q, axis=1), gl.SliceLayout(1, LO))
     o = o * colf[None, :] + nsum[:, None]
     base8 = (((b * Hkv + h) * S + s_q) * n_split + c).to(gl.int64) * 8
-    vcoord = 4 * (jo % 8) + jo // 8
+    if UNIT:
+        vcoord = 2 * (jo % 8 + 8 * (jo // 16)) + (jo // 8) % 2
+    else:
+        vcoord = 4 * (jo % 8) + jo // 8
     gl.store(acc_ptr + (base8 + ho)[:, None] * RV_PAD + vcoord[None, :], o)
     gl.store(m_ptr + base8 + rows, m_i)
     gl.store(l_ptr + base8 + rows, gl.convert_layout(gl.sum(l_q, axis=1), gl.SliceLayout(1, LS)))
 
 
-def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, k_unit_stride: int,
-               v_unit_stride: int, block_n: int, page: int, device: torch.device, masked: bool) -> dict | None:
+# ---- unit-major latents: each byte column of a latent contiguous over the slots of a sequence (of a page)
+
+# One 32-bit word of a unit-major code column (bytes t = 0..3: slots s0 + t; low nibble coordinate 2i, high nibble
+# 2i + 1) -> for each slot t one fp16 pair (code_lo - 8, 16 * (code_hi - 8)): prmt copies byte t into bytes 0 and 2,
+# lop3 keeps bits 0..3 and 20..23 under 0x6400, sub.f16x2 centres. Outputs: 2t + e.
+_DEQ_COLUMN_ASM = gl.constexpr("""
+{
+.reg .b32 x0, x1, x2, x3, b;
+mov.b32 b, 0x64806408;
+prmt.b32 x0, $8, $8, 0x0000;
+prmt.b32 x1, $8, $8, 0x0101;
+prmt.b32 x2, $8, $8, 0x0202;
+prmt.b32 x3, $8, $8, 0x0303;
+lop3.b32 x0, x0, 0x00f0000f, 0x64006400, 0xea;
+lop3.b32 x1, x1, 0x00f0000f, 0x64006400, 0xea;
+lop3.b32 x2, x2, 0x00f0000f, 0x64006400, 0xea;
+lop3.b32 x3, x3, 0x00f0000f, 0x64006400, 0xea;
+sub.f16x2 x0, x0, b;
+sub.f16x2 x1, x1, b;
+sub.f16x2 x2, x2, b;
+sub.f16x2 x3, x3, b;
+mov.b32 {$0, $1}, x0;
+mov.b32 {$2, $3}, x1;
+mov.b32 {$4, $5}, x2;
+mov.b32 {$6, $7}, x3;
+}
+""")
+
+# Two words of one unit-major code column (a: slots s0 .. s0+3, b: slots s1 .. s1+3) -> for each byte t the slot
+# pair (s0 + t, s1 + t) as fp16x2, for the low nibble (code - 8) and the high nibble (16 * (code - 8)): prmt puts
+# byte t of a and of b into bytes 0 and 2. Outputs: 4t + 2e + (0: slot of a, 1: slot of b).
+_DEQ_PAIRS_ASM = gl.constexpr("""
+{
+.reg .b32 x, y, b0, b1;
+mov.b32 b0, 0x64086408;
+mov.b32 b1, 0x64806480;
+prmt.b32 x, $16, $17, 0x0400;
+lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 y, y, b0;
+mov.b32 {$0, $1}, y;
+lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 y, y, b1;
+mov.b32 {$2, $3}, y;
+prmt.b32 x, $16, $17, 0x0501;
+lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 y, y, b0;
+mov.b32 {$4, $5}, y;
+lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 y, y, b1;
+mov.b32 {$6, $7}, y;
+prmt.b32 x, $16, $17, 0x0602;
+lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 y, y, b0;
+mov.b32 {$8, $9}, y;
+lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 y, y, b1;
+mov.b32 {$10, $11}, y;
+prmt.b32 x, $16, $17, 0x0703;
+lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 y, y, b0;
+mov.b32 {$12, $13}, y;
+lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 y, y, b1;
+mov.b32 {$14, $15}, y;
+}
+""")
+
+
+@gluon.jit
+def _join4(a, b, c, d):
+    """(..., 4) from four tensors, in argument order."""
+    return gl.reshape(gl.join(gl.join(a, c), gl.join(b, d)), a.shape + [4])
+
+
+@gluon.jit
+def _dequant_column(w):
+    """:data:`_DEQ_COLUMN_ASM` on each int32 word of ``w``: shape ``w.shape + (4 t, 2 e)`` fp16."""
+    d = gl.inline_asm_elementwise(_DEQ_COLUMN_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 8,
+                                  is_pure=True, pack=1)
+    return gl.join(_join4(d[0], d[2], d[4], d[6]), _join4(d[1], d[3], d[5], d[7]))
+
+
+@gluon.jit
+def _dequant_pairs(a, b):
+    """:data:`_DEQ_PAIRS_ASM` on each pair of int32 words of 4-d ``a``, ``b``: shape ``a.shape + (4 t, 2 e, 2 ab)``
+    fp16."""
+    d = gl.inline_asm_elementwise(_DEQ_PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r", [a, b],
+                                  dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    t0 = gl.join(gl.join(d[0], d[1]), gl.join(d[2], d[3]))  # (ab, e)
+    t1 = gl.join(gl.join(d[4], d[5]), gl.join(d[6], d[7]))
+    t2 = gl.join(gl.join(d[8], d[9]), gl.join(d[10], d[11]))
+    t3 = gl.join(gl.join(d[12], d[13]), gl.join(d[14], d[15]))
+    x = _join4(t0, t1, t2, t3)  # (q, n, m, d, ab, e, t): gl.join stacks along a new last dim
+    return gl.permute(x, [0, 1, 2, 3, 6, 5, 4])
+
+
+@gluon.jit
+def _fp16_of_bytes(lo, hi, sel):
+    """fp16 from byte ``sel`` of ``lo`` (low byte) and of ``hi`` (high byte), per element (sel = t | (4 + t) << 4)."""
+    return gl.inline_asm_elementwise("{ .reg .b32 t; .reg .b16 u; prmt.b32 t, $1, $2, $3; mov.b32 {$0, u}, t; }",
+                                     "=h,r,r,r", [lo, hi, sel], dtype=gl.float16, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _unit_field(w, r, j: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr):
+    """Column tile j's values of one fp16 field from its words ``w`` (8 r, 4 q, 2 e, NWS, 2 lo / hi byte): the slot
+    ``16q + 8e + grp NT + j`` sits in word ``(grp NT + j) // 4`` (of the NWS loaded from ``(grp NT) // 4`` on),
+    byte ``(grp NT + j) % 4``. Returns (8 r, 4 q, 2 e) fp16."""
+    lo, hi = gl.split(w)
+    if NWS == 1:
+        lo = gl.reshape(lo, lo.shape[:-1])
+        hi = gl.reshape(hi, hi.shape[:-1])
+    else:
+        lo0, lo1 = gl.split(lo)
+        hi0, hi1 = gl.split(hi)
+        if j < 4:
+            lo = lo0
+            hi = hi0
+        else:
+            lo = lo1
+            hi = hi1
+    t = ((gl.convert_layout(r, lo.type.layout) // G) * NT + j) % 4
+    return _fp16_of_bytes(lo, hi, t | ((4 + t) << 4))
+
+
+@gluon.jit
+def _unit_fields(w, r, LS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr):
+    """One per-slot fp16 field in the scores' layout (8 rows, 8 NT) fp32 from its words (see :func:`_unit_field`):
+    row r's column ``8j + 2q + e`` is slot ``8 (2q + e) + (r // G) NT + j``."""
+    if NT == 2:
+        z = gl.join(_unit_field(w, r, 0, G, NT, NWS), _unit_field(w, r, 1, G, NT, NWS))
+    elif NT == 4:
+        z = _join4(_unit_field(w, r, 0, G, NT, NWS), _unit_field(w, r, 1, G, NT, NWS),
+                   _unit_field(w, r, 2, G, NT, NWS), _unit_field(w, r, 3, G, NT, NWS))
+    else:
+        z = gl.join(_join4(_unit_field(w, r, 0, G, NT, NWS), _unit_field(w, r, 1, G, NT, NWS),
+                           _unit_field(w, r, 2, G, NT, NWS), _unit_field(w, r, 3, G, NT, NWS)),
+                    _join4(_unit_field(w, r, 4, G, NT, NWS), _unit_field(w, r, 5, G, NT, NWS),
+                           _unit_field(w, r, 6, G, NT, NWS), _unit_field(w, r, 7, G, NT, NWS)))  # (.., j % 4, j // 4)
+        z = gl.reshape(gl.permute(z, [0, 1, 2, 4, 3]), [8, 4, 2, 8])
+    y = gl.reshape(gl.permute(z, [0, 3, 1, 2]), [8, 8 * NT])  # (r, j, q, e)
+    return gl.convert_layout(y, LS).to(gl.float32)
+
+
+@gluon.jit
+def _unit_base(t, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE: gl.constexpr):
+    """Where unit-major tile ``t`` (slots 64t ..) starts, in 4-byte words of the key and value latents (int64), and
+    its page (-1: unmapped, read from page 0 and zeroed; the batch index without a page table)."""
+    if PAGE > 0:
+        idx = gl.load(pt_ptr + b.to(gl.int64) * stride_ptb + t // (PAGE // 64)).to(gl.int64)
+        w0 = (t % (PAGE // 64)).to(gl.int64) * 16
+        at = gl.maximum(idx, 0)
+    else:
+        idx = b.to(gl.int64)
+        w0 = t.to(gl.int64) * 16
+        at = idx
+    return at * stride_lkb + w0, at * stride_lvb + w0, idx
+
+
+@gluon.jit
+def _unit_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
+    """One unit-major tile's words: key code columns (KW), value code columns (VW), and the four fp16 fields' byte
+    columns (key scale, key min, value scale, value min; FW each). Unmasked (rows stay in bounds; the caller zeroes
+    the fields of slots it must not read)."""
+    wk = gl.load(lk_w + kbase + koff)
+    wv = gl.load(lv_w + vbase + voff)
+    ks = gl.load(lk_w + kbase + foff_k[0])
+    km = gl.load(lk_w + kbase + foff_k[1])
+    vs = gl.load(lv_w + vbase + foff_v[0])
+    vm = gl.load(lv_w + vbase + foff_v[1])
+    return wk, wv, ks, km, vs, vm
+
+
+@gluon.jit
+def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
+               L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
+               BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
+               PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr):
+    """One unit-major tile: the operands from the loaded words, then :func:`_online_step`.
+
+    Keys: word (w, q, c, b) holds slots ``8c + 4w + t`` (t = 0..3) of code byte ``q + 4b`` (coordinates 2(q + 4b) + e):
+    slot ``8c + grp NT + j`` is column (j, c) of slot group grp, and byte ``q + 4b`` with b = 2s + h gives the mma
+    coordinates ``k = 16s + 8h + 2q + e`` = the latent coordinate. Values: word (d, q, n, m) holds slots
+    ``16q + 4d + t`` of code byte ``n + 8m``; the pair (slot 16q + 4d + t, slot 16q + 8 + 4d + t) for d = 0, 1 is
+    the value operand's k pair (2q, 2q + 1) of key column index ``t' = 4d + t = grp NT + j``, and value column
+    ``8(2m + e) + n`` holds coordinate ``2(n + 8m) + e``."""
+    ksf = _unit_fields(ks, r_f, LS, G, NT, NWS)
+    kmf = _unit_fields(km, r_f, LS, G, NT, NWS)
+    vsf = _unit_fields(vs, r_f, LS, G, NT, NWS)
+    vmf = _unit_fields(vm, r_f, LS, G, NT, NWS)
+    x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+    x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
+    kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
+    # value words (4 d, 4 q, 8 n, 2 m) -> a: d = 0, 1; b: d = 2, 3
+    v = gl.reshape(gl.permute(wv, [1, 2, 3, 0]), [4, 8, 2, 2, 2])  # (q, n, m, d // 2, d % 2)
+    va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 4, 3]))  # (q, n, m, d % 2)
+    y = _dequant_pairs(va, vb_)  # (q, n, m, d, 4 t, 2 e, 2 ab)
+    y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
+    vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
+    return _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L,
+                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO)
+
+
+@gluon.jit
+def _mma_unit_kernel(
+    qf_ptr, lk_ptr, lv_ptr, slots_ptr, kmeta_ptr, vmeta_ptr, m_ptr, l_ptr, acc_ptr, pt_ptr, stride_ptb,
+    Hkv, S, n_exact, kv_len, s_max, tiles_per_split, n_split,
+    k_scale_base, k_min_base, v_scale_base, v_min_base,
+    stride_lkb, stride_lvb,
+    G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
+    COL_V: gl.constexpr,
+):
+    """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
+    sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
+    Every load of a 64-slot tile reads whole 32-byte sectors of one head's columns (keys 8 words a lane, values 8,
+    the four fp16 fields 4 or 8 each, G = 8 the more), where row-major rows spread one head's 40 bytes a slot over
+    four sectors shared with the other heads. Same grid, arguments (strides of sequences / pages in 4-byte words;
+    field bases in fp16 units) and outputs; tiles of 64 slots (NT = G column tiles a slot group)."""
+    NT: gl.constexpr = G
+    GROUPS: gl.constexpr = 8 // G
+    KS: gl.constexpr = RK * GROUPS
+    BT: gl.constexpr = 64
+    NWS: gl.constexpr = 2 if NT == 8 else 1
+    CKW: gl.constexpr = COL_K // 4
+    CVW: gl.constexpr = COL_V // 4
+    h = gl.program_id(0)
+    c = gl.program_id(1)
+    bs = gl.program_id(2)
+    b = bs // S
+    s_q = bs % S
+    L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=2)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=L, k_width=2)
+    # key words (2 w, 4 q, 8 c, 4 b): lane q + 4c, the two words of a column adjacent (one 8-byte load)
+    KWL: gl.constexpr = gl.BlockedLayout(size_per_thread=[2, 1, 1, 4], threads_per_warp=[1, 4, 8, 1],
+                                         warps_per_cta=[1, 1, 1, 1], order=[0, 1, 2, 3])
+    # value words (4 d, 4 q, 8 n, 2 m): lane q + 4n, the four words of a column adjacent (one 16-byte load)
+    VWL: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1, 1, 2], threads_per_warp=[1, 4, 8, 1],
+                                         warps_per_cta=[1, 1, 1, 1], order=[0, 1, 2, 3])
+    # field words (8 r, 4 q, 2 e, NWS, 2 lo / hi byte): lane q + 4r, the scores' layout
+    FWL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, NWS, 2], threads_per_warp=[8, 4, 1, 1, 1],
+                                         warps_per_cta=[1, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
+    QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
+                                        order=[1, 0])
+
+    lk_w = lk_ptr.to(gl.pointer_type(gl.int32))
+    lv_w = lv_ptr.to(gl.pointer_type(gl.int32))
+    k_col = gl.load(kmeta_ptr + 3 * h)  # first code byte (column)
+    k_blk = gl.load(kmeta_ptr + 3 * h + 1)
+    v_col = gl.load(vmeta_ptr + 3 * h)
+    v_blk = gl.load(vmeta_ptr + 3 * h + 1)
+
+    # ---- the folded query, block-diagonal over the slot groups: (16, KS) fp16, the A operand; column (group, k)
+    # holds latent coordinate k, divided by 16 where k is odd (the high nibbles carry 16 * code)
+    q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
+    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
+    ka = gl.arange(0, KS, layout=gl.SliceLayout(0, AL))
+    kk = ka % RK
+    r8 = ra % 8
+    cf = gl.load(q_row + ((r8 % G) * RK)[:, None] + kk[None, :])
+    cf = gl.where((r8 // G)[:, None] == (ka // RK)[None, :], cf * gl.where(kk % 2 == 1, 0.0625, 1.0)[None, :], 0.0)
+    amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
+    e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
+    e_q = gl.minimum(gl.maximum(e_q, -126), 114)  # the largest coefficient to [2^13, 2^14): fp16, full precision
+    cf = cf * _pow2(-e_q)
+    c_hi = cf.to(gl.float16)
+    c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
+    ca = gl.where((ra < 8)[:, None], c_hi, c_lo)
+    k_unit = _pow2(e_q)
+
+    zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
+    LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
+    zero_s0 = gl.zeros([8, 8 * NT], gl.float32, LS)
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
+    cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
+    rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    cq = gl.arange(0, RK, layout=gl.SliceLayout(0, QL))
+    sumc = gl.convert_layout(gl.sum(gl.load(q_row + ((rq % G) * RK)[:, None] + cq[None, :]), axis=1),
+                             gl.SliceLayout(1, LS))
+    sumc8 = sumc * 8.0
+
+    # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
+    tok_s = (cols % 8)[None, :] * 8 + (rows // G)[:, None] * NT + (cols // 8)[None, :]
+    wK: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, KWL)))
+    w_k = gl.arange(0, 2, layout=wK)
+    q_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, KWL))))
+    c_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, KWL))))
+    b_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, KWL))))
+    koff = ((k_col + q_k[None, :, None, None] + 4 * b_k[None, None, None, :]) * CKW + 2 * c_k[None, None, :, None]
+            + w_k[:, None, None, None])
+    d_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, VWL))))
+    q_v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, VWL))))
+    n_v = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VWL))))
+    m_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VWL))))
+    voff = ((v_col + n_v[None, None, :, None] + 8 * m_v[None, None, None, :]) * CVW + 4 * q_v[None, :, None, None]
+            + d_v[:, None, None, None])
+    F4: gl.constexpr = gl.SliceLayout(4, FWL)
+    r_f = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, F4))))
+    q_f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, F4))))
+    e_f = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, F4))))
+    i_f = gl.arange(0, NWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, F4))))
+    lh_f = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, FWL)))))
+    fw = (4 * q_f[None, :, None, None] + 2 * e_f[None, None, :, None] + ((r_f // G) * NT // 4)[:, None, None, None]
+          + i_f[None, None, None, :])
+    fw5 = fw[:, :, :, :, None]
+    lh5 = lh_f[None, None, None, None, :]
+    # an fp16 field at fp16 unit u is byte columns 2u (low byte) and 2u + 1
+    foff_k = ((2 * (k_scale_base + k_blk) + lh5) * CKW + fw5, (2 * (k_min_base + k_blk) + lh5) * CKW + fw5)
+    foff_v = ((2 * (v_scale_base + v_blk) + lh5) * CVW + fw5, (2 * (v_min_base + v_blk) + lh5) * CVW + fw5)
+    r_sel = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, FWL)))))
+    r_sel = r_sel[:, None, None] + gl.zeros([8, 4, 2], gl.int32, gl.SliceLayout(3, gl.SliceLayout(4, FWL)))
+
+    m_i = gl.full([8], -float("inf"), gl.float32, gl.SliceLayout(1, LS))
+    LQ: gl.constexpr = gl.sum(gl.sum(gl.reshape(zero_s0, [8, NT, 4, 2]), axis=3), axis=1).type.layout
+    l_q = gl.zeros([8, 4], gl.float32, LQ)
+    n_q = gl.zeros([8, 4], gl.float32, LQ)
+    acc = gl.zeros([ROWS, RV], gl.float32, L)
+    ve = 14 + gl.program_id(0) * 0
+
+    lo_exact = kv_len + gl.program_id(0) * 0
+    for j in range(0, n_exact):
+        sl = gl.load(slots_ptr + j).to(gl.int32)
+        lo_exact = gl.where(sl >= 0, gl.minimum(lo_exact, sl), lo_exact)
+    n_tiles = (kv_len + BT - 1) // BT
+    t_start = c * tiles_per_split
+    t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
+    fast_end = gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
+    all_s = tok_s >= 0
+    if fast_end > t_start:
+        kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+        tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+        for t in range(t_start, fast_end):
+            wk, wv, ks, km, vs, vm = tile_a
+            idx_c = idx_a
+            kb1, vb1, idx_a = _unit_base(gl.minimum(t + 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
+                                         stride_lvb, PAGE)
+            tile_a = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
+                                                sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
+                                                GROUPS, NWS, PLO, False, PAGE > 0)
+    for t in range(fast_end, t_end):
+        t0 = t * BT
+        if PAGE > 0:
+            r0 = t0
+        else:
+            r0 = gl.minimum(t0, s_max - BT)
+        kb1, vb1, idx1 = _unit_base(r0 // BT, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+        gs = r0 + tok_s
+        ok_s = (gs >= t0) & (gs < kv_len) & ~_is_exact(gs, slots_ptr, n_exact)
+        wk, wv, ks, km, vs, vm = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+        m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
+                                            k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
+                                            PLO, True, True)
+    _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, rows, LS, RV_PAD,
+                 True)
+
+
+def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, layouts: tuple,
+               block_n: int, page: int, device: torch.device, masked: bool, columns: int = 0) -> dict | None:
     """The MMA pass's layout for one table-free call, or None where it does not apply.
 
     Applies to int4 key and value formats of one quantization block per head (block >= 32) at rank 32 for every
-    KV head, heads' code bytes on 4-byte words, row-major latents (unit stride 1), G in :data:`MMA_GROUPS`, no
-    attention mask, on a CUDA device of compute capability 8.0 or later, with tiles of ``block_n`` slots (64 or
-    128: ``NT = block_n / (8 * 8 / G)`` tensor-core column tiles per slot group, at most 8) and pages (if any) a multiple of
-    the tile. The caller checks the rows' byte strides and the scales' fp16 alignment (``_word_rows``).
+    KV head, G in :data:`MMA_GROUPS`, no attention mask, on a CUDA device of compute capability 8.0 or later, and
+    key and value latents both
+
+    * row-major (:mod:`.latent_layout`), heads' code bytes on 4-byte words: :func:`_mma_attention_kernel`, tiles
+      of ``block_n`` slots (64 or 128: ``NT = block_n / (8 * 8 / G)`` tensor-core column tiles per slot group, at
+      most 8), pages (if any) a multiple of the tile. The caller checks the rows' byte strides and the scales' fp16
+      alignment (``_word_rows``); or
+    * unit-major: :func:`_mma_unit_kernel`, tiles of 64 slots (``block_n`` is not used), ``columns`` (the byte
+      columns' length: S_max, or the page size) a multiple of 64. The caller checks the strides.
 
     Args:
         group: G; k_fmt / v_fmt: parsed :class:`~ckvp_compile.kernels.latent_format.LatentFormat`; k_offsets /
-            v_offsets: (Hkv + 1,) latent coordinate offsets; rk_max / rv_max: the basis blocks' widths;
-            *_unit_stride: the latents' last strides; block_n: slots per tile; page: slots per page (0: not paged);
-            device: where the call runs; masked: an attention mask is given.
+            v_offsets: (Hkv + 1,) latent coordinate offsets; rk_max / rv_max: the basis blocks' widths; layouts:
+            the key and value latents' layouts (:func:`~ckvp_compile.kernels.latent_layout.layout_of`); block_n:
+            slots per tile; page: slots per page (0: not paged); device: where the call runs; masked: an attention
+            mask is given; columns: slots per byte column (unit-major).
     Returns:
-        dict(NT, GROUPS, BT) or None. Raises nothing: the launcher then runs the other kernels.
+        dict(NT, GROUPS, BT, UNIT) or None. Raises nothing: the launcher then runs the other kernels.
     """
     if masked or device.type != "cuda" or not torch.cuda.is_available():
         return None
     if torch.cuda.get_device_capability(device)[0] < 8:
         return None
     return _mma_layout(int(group), k_fmt, v_fmt, tuple(int(o) for o in k_offsets), tuple(int(o) for o in v_offsets),
-                       int(rk_max), int(rv_max), int(k_unit_stride), int(v_unit_stride), int(block_n), int(page))
+                       int(rk_max), int(rv_max), tuple(layouts), int(block_n), int(page), int(columns))
 
 
 @functools.lru_cache(maxsize=256)
 def _mma_layout(group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk_max: int, rv_max: int,
-                k_unit_stride: int, v_unit_stride: int, block_n: int, page: int) -> dict | None:
-    if group not in MMA_GROUPS or k_unit_stride != 1 or v_unit_stride != 1 or rk_max != MMA_RANK or rv_max != MMA_RANK:
+                layouts: tuple, block_n: int, page: int, columns: int) -> dict | None:
+    if group not in MMA_GROUPS or rk_max != MMA_RANK or rv_max != MMA_RANK or layouts[0] != layouts[1]:
+        return None
+    unit = layouts[0] == "unit-major"
+    if not unit and layouts[0] != "row-major":
         return None
     for f, offsets in ((k_fmt, k_offsets), (v_fmt, v_offsets)):
         if not f.uniform_int_blocks(32) or f.bits != 4 or f.block < MMA_RANK:
@@ -543,15 +866,19 @@ def _mma_layout(group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk
         if any(b - a != MMA_RANK for a, b in zip(offsets, offsets[1:])):
             return None
         cb = f.code_bytes(list(offsets))
-        if any(sum(cb[:i]) % 4 for i in range(len(cb))):
+        if not unit and any(sum(cb[:i]) % 4 for i in range(len(cb))):
             return None
     groups = 8 // group
+    if unit:
+        if columns <= 0 or columns % 64 or (page and page % 64):
+            return None
+        return dict(NT=group, GROUPS=groups, BT=64, UNIT=True)
     nt = block_n // (8 * groups)
     if block_n not in (64, 128) or nt > 8:  # (G = 8 at 128 slots: 16 column tiles a slot group, past the registers)
         return None
     if page and page % block_n:
         return None
-    return dict(NT=nt, GROUPS=groups, BT=block_n)
+    return dict(NT=nt, GROUPS=groups, BT=block_n, UNIT=False)
 
 
 def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | None = None,
@@ -569,12 +896,14 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
     return -(-n_tiles // per), per
 
 
-def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, stages: int = 0):
+def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
+                     unit_major: bool = False):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
         group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
-            per page (0: a static cache); stages: shared-memory stages of the unmasked tiles (0: none).
+            per page (0: a static cache); row_k / row_v: the latents' row strides in 4-byte words (40: 8 KV heads
+            of rank 32 at int4/32, 160-byte rows).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -587,10 +916,18 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, stages: int = 0
     sig = dict(qf_ptr="*fp32", lk_ptr="*u8", lv_ptr="*u8", slots_ptr="*i64", kmeta_ptr="*i32", vmeta_ptr="*i32",
                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", pt_ptr="*i32", stride_ptb="i32", Hkv="i32", S="i32",
                n_exact="i32", kv_len="i32", s_max="i32", tiles_per_split="i32", n_split="i32", k_scale_base="i32",
-               k_min_base="i32", v_scale_base="i32", v_min_base="i32", stride_lkb="i32", stride_lks="i32",
-               stride_lvb="i32", stride_lvs="i32", G="constexpr", NT="constexpr", RV_PAD="constexpr",
-               PAGE="constexpr", PLO="constexpr", STAGES="constexpr")
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}
-    src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
-                         constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, STAGES=stages))
+               k_min_base="i32", v_scale_base="i32", v_min_base="i32", stride_lkb="i32", stride_lvb="i32",
+               G="constexpr", NT="constexpr", RV_PAD="constexpr", PAGE="constexpr", PLO="constexpr",
+               ROW_K="constexpr", ROW_V="constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
+    if unit_major:  # columns of a 4096-slot static cache, or of a page
+        sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
+        sig.update(COL_K="constexpr", COL_V="constexpr")
+        col = page or 4096
+        src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
+                             constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col))
+    else:
+        src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
+                             constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,
+                                             ROW_V=row_v))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})

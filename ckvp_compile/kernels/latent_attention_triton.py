@@ -84,6 +84,7 @@ import triton.language as tl
 
 from .device_cache import check_not_capturing
 from .latent_format import parse_latent_format
+from .latent_layout import layout_of
 from .reference import ROPE_FORMS
 
 __all__ = ["DecodeConfig", "context_splits", "declare_paired_tables", "default_config", "head_group_window",
@@ -245,8 +246,7 @@ class DecodeConfig:
     context split), the code words loaded straight into the tensor cores' operand registers, no shared memory); it
     takes precedence over ``words`` and the rest. ``block_n_m`` (slots per tile: 64 or 128), ``programs_m`` (about
     this many one-warp programs in all; ``split`` fixes the count instead), ``min_tiles_m`` (tiles per program
-    at least) and ``stages_m`` (static caches: 0 loads each next tile into registers; S >= 2 stages the unmasked
-    tiles through shared memory with ``cp.async``, S - 1 tiles ahead) apply to it."""
+    at least) and ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -300,7 +300,7 @@ class DecodeConfig:
     block_n_m: int = 64
     programs_m: int = 3072
     min_tiles_m: int = 4
-    stages_m: int = 0
+    maxnreg_m: int | None = None
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -2005,15 +2005,21 @@ def _mma_layout(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.Tensor,
     except ImportError:  # a Triton without Gluon: the other passes
         return None
     paged = page_table is not None
+    layouts = (layout_of(latent_k), layout_of(latent_v))
     lay = lam.mma_layout(q.shape[1] // basis_k_block.shape[-3], parse_latent_format(k_fmt), parse_latent_format(v_fmt),
-                         k_offsets, v_offsets, basis_k_block.shape[-1], basis_v_block.shape[-1], latent_k.stride(-1),
-                         latent_v.stride(-1), cfg.block_n_m, latent_k.shape[1] if paged else 0, q.device,
-                         attn_mask is not None)
+                         k_offsets, v_offsets, basis_k_block.shape[-1], basis_v_block.shape[-1], layouts,
+                         cfg.block_n_m, latent_k.shape[1] if paged else 0, q.device, attn_mask is not None,
+                         columns=latent_k.shape[1])
     if lay is None or latent_k.shape[1] != latent_v.shape[1] or latent_k.shape[1] < lay["BT"]:
         return None
     if q.shape[0] * q.shape[2] > 65535:  # the grid's third dim (sequences x query tokens): a long prefill elsewhere
         return None
-    if not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
+    if lay["UNIT"]:
+        # byte columns of S_max (P) slots, 16-byte aligned: the kernel reads 16-byte runs of a column
+        if not all(x.stride(0) % 16 == 0 and x.stride(-1) == x.shape[1] and x.data_ptr() % 16 == 0
+                   for x in (latent_k, latent_v)):
+            return None
+    elif not _word_rows(latent_k, latent_v, k_fmt, v_fmt, k_offsets, v_offsets):
         return None
     return dict(lay, module=lam)
 
@@ -2507,13 +2513,18 @@ def _launch(
     _LAST_LAUNCH["mma"] = mma is not None
     if mma is not None:
         qf = _fold_query(q, basis_k_block, kmeta, mma["module"].MMA_RANK, qk_scale, f32_dot)
-        _LAST_LAUNCH["mma_kernel"] = mma["module"]._mma_attention_kernel[(hkv, n_split_m, b * s)](
-            qf, latent_k, latent_v, slots, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
-            hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
-            k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2,
-            latent_k.stride(0) // 4, latent_k.stride(1) // 4, latent_v.stride(0) // 4, latent_v.stride(1) // 4,
-            G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True,
-            STAGES=cfg.stages_m if page_table is None else 0, num_warps=1)
+        lam = mma["module"]
+        common_args = (qf, latent_k, latent_v, slots, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
+                       hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
+                       k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2, latent_k.stride(0) // 4, latent_v.stride(0) // 4)
+        if mma["UNIT"]:
+            _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
+                *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
+                COL_V=latent_v.stride(-1), num_warps=1, **_reg_cap(cfg.maxnreg_m))
+        else:
+            _LAST_LAUNCH["mma_kernel"] = lam._mma_attention_kernel[(hkv, n_split_m, b * s)](
+                *common_args, G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True,
+                ROW_K=latent_k.stride(1) // 4, ROW_V=latent_v.stride(1) // 4, num_warps=1, **_reg_cap(cfg.maxnreg_m))
     elif words is not None:
         from . import latent_attention_words as law
 

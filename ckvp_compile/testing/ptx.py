@@ -9,31 +9,47 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["run_dequant_asm"]
+__all__ = ["run_asm", "run_dequant_asm"]
 
 
 def run_dequant_asm(asm: str, word: int) -> list[float]:
     """Execute ``asm`` (an inline-asm body with one 32-bit input ``$8`` and eight 16-bit outputs ``$0..$7``) for
-    one input word, reading the five instructions it uses: ``mov.b32`` of an immediate or into a pair of halves,
-    ``lop3.b32``, ``shr.u32`` and ``sub.f16x2`` (fp16 subtraction, rounded as numpy's float16 rounds).
+    one input word: :func:`run_asm` with those operands.
 
     Args:
         asm: the PTX text; word: the input, as an int (its low 32 bits are used).
     Returns:
         The 8 outputs as Python floats (each an fp16 value).
     Raises:
-        AssertionError: an instruction outside those five (the reader would silently mis-evaluate it).
+        What :func:`run_asm` raises.
+    """
+    return run_asm(asm, [word], 8)
+
+
+def run_asm(asm: str, inputs: list[int], n_out: int) -> list[float]:
+    """Execute ``asm`` (an inline-asm body with ``n_out`` 16-bit fp16 outputs ``$0 ..`` and 32-bit inputs
+    ``$n_out ..``), reading the six instructions the dequantization asm uses: ``mov.b32`` of an immediate or into a
+    pair of halves, ``lop3.b32``, ``shr.u32``, ``prmt.b32`` (default mode, immediate or register selector) and
+    ``sub.f16x2`` (fp16 subtraction, rounded as numpy's float16 rounds).
+
+    Args:
+        asm: the PTX text; inputs: the input words, as ints (their low 32 bits are used); n_out: the outputs.
+    Returns:
+        The outputs as Python floats (each an fp16 value).
+    Raises:
+        AssertionError: an instruction outside those six (the reader would silently mis-evaluate it).
         KeyError: a register read before it is written.
-    Source: the PTX ISA's definitions of these instructions (``lop3``'s truth table indexed by a, b, c bits).
+    Source: the PTX ISA's definitions of these instructions (``lop3``'s truth table indexed by a, b, c bits;
+    ``prmt``'s selector nibbles picking bytes 0..7 of {b, a}, the nibble's bit 3 replicating the sign).
     """
     import numpy as np
 
-    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF}
+    regs: dict[str, int] = {f"${n_out + i}": w & 0xFFFFFFFF for i, w in enumerate(inputs)}
     out: dict[str, int] = {}
 
     def val(x: str) -> int:
         x = x.strip()
-        return int(x, 16) if x.startswith("0x") else regs[x]
+        return int(x, 16) & 0xFFFFFFFF if x.startswith("0x") else regs[x]
 
     for ins in (t.strip() for t in asm.replace("\n", " ").split(";")):
         ins = ins.strip("{} ").strip()
@@ -54,6 +70,15 @@ def run_dequant_asm(asm: str, word: int) -> list[float]:
                                 for i in range(32))
         elif op == "shr.u32":
             regs[args[0]] = val(args[1]) >> int(args[2])
+        elif op == "prmt.b32":
+            pool = (val(args[1]) | val(args[2]) << 32).to_bytes(8, "little")
+            sel = val(args[3])
+            res = 0
+            for k in range(4):
+                nib = (sel >> (4 * k)) & 0xF
+                byte = pool[nib & 7]
+                res |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * k)
+            regs[args[0]] = res
         elif op == "sub.f16x2":
             x, y = val(args[1]), val(args[2])
             res = 0
@@ -64,4 +89,4 @@ def run_dequant_asm(asm: str, word: int) -> list[float]:
             regs[args[0]] = res
         else:
             raise AssertionError(f"unexpected instruction {op}")
-    return [float(np.array([out[f"${i}"]], dtype=np.uint16).view(np.float16)[0]) for i in range(8)]
+    return [float(np.array([out[f"${i}"]], dtype=np.uint16).view(np.float16)[0]) for i in range(n_out)]

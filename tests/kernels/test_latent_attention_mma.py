@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 lam = pytest.importorskip("ckvp_compile.kernels.latent_attention_mma")
 
 from ckvp_compile.kernels.latent_format import dequantize_latent_ref, parse_latent_format, quantize_latent_ref  # noqa: E402
-from ckvp_compile.testing.ptx import run_dequant_asm  # noqa: E402
+from ckvp_compile.testing.ptx import run_asm, run_dequant_asm  # noqa: E402
 
 ASM = str(getattr(lam._DEQ_ASM, "value", lam._DEQ_ASM))
 
@@ -172,25 +172,32 @@ def test_emulation_notices_a_wrong_coordinate_map(monkeypatch):
     assert float((bad - good).norm() / good.norm()) > 1e-2
 
 
-def _layout(group=4, kfmt="int4/32", vfmt="int4/32", hkv=8, rk=32, rv=32, unit=1, block_n=64, page=0):
+def _layout(group=4, kfmt="int4/32", vfmt="int4/32", hkv=8, rk=32, rv=32, layouts=("row-major",) * 2, block_n=64,
+            page=0, columns=4096):
     kf, vf = parse_latent_format(kfmt), parse_latent_format(vfmt)
     return lam._mma_layout(group, kf, vf, tuple(32 * i for i in range(hkv + 1)) if rk == 32 else
                            tuple(rk * i for i in range(hkv + 1)), tuple(32 * i for i in range(hkv + 1)), rk, rv,
-                           unit, unit, block_n, page)
+                           tuple(layouts), block_n, page, columns)
 
 
 def test_layout_applies_only_where_the_pass_packs():
-    assert _layout() == dict(NT=4, GROUPS=2, BT=64)
-    assert _layout(group=2) == dict(NT=2, GROUPS=4, BT=64)
-    assert _layout(group=8) == dict(NT=8, GROUPS=1, BT=64) and _layout(group=8, block_n=128) is None
+    assert _layout() == dict(NT=4, GROUPS=2, BT=64, UNIT=False)
+    assert _layout(group=2) == dict(NT=2, GROUPS=4, BT=64, UNIT=False)
+    assert _layout(group=8) == dict(NT=8, GROUPS=1, BT=64, UNIT=False) and _layout(group=8, block_n=128) is None
     assert _layout(page=128) is not None and _layout(page=256, block_n=128) is not None
+    um = ("unit-major",) * 2
+    for g in (2, 4, 8):  # unit-major: 64-slot tiles whatever block_n says, NT = G
+        assert _layout(group=g, layouts=um, block_n=128) == dict(NT=g, GROUPS=8 // g, BT=64, UNIT=True)
+    assert _layout(layouts=um, page=64, columns=64) is not None
     for kw in (dict(group=1), dict(group=3), dict(group=16), dict(kfmt="int8/32"), dict(vfmt="int2/32"),
-               dict(kfmt="int4/16"), dict(rk=64), dict(rk=16), dict(unit=2), dict(block_n=96), dict(block_n=32,
-               group=2), dict(page=32), dict(page=96), dict(kfmt="float")):
+               dict(kfmt="int4/16"), dict(rk=64), dict(rk=16), dict(layouts=("row-major", "unit-major")),
+               dict(layouts=(None, None)), dict(block_n=96), dict(block_n=32, group=2), dict(page=32), dict(page=96),
+               dict(kfmt="float"), dict(layouts=um, columns=4000), dict(layouts=um, page=96, columns=96),
+               dict(layouts=um, rk=16)):
         assert _layout(**kw) is None, kw
     cpu = torch.device("cpu")
     f = parse_latent_format("int4/32")
-    assert lam.mma_layout(4, f, f, [0, 32], [0, 32], 32, 32, 1, 1, 64, 0, cpu, False) is None
+    assert lam.mma_layout(4, f, f, [0, 32], [0, 32], 32, 32, ("row-major",) * 2, 64, 0, cpu, False) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -218,17 +225,112 @@ def test_launcher_leaves_cpu_calls_to_the_other_passes():
     assert not lat.default_config(1, 32, table_free=True, rank=32, quantized_keys=True, code_bits=4).mma
 
 
-@pytest.mark.parametrize("g,nt,page,stages", [(4, 4, 0, 0), (2, 2, 0, 0), (8, 8, 0, 0), (4, 4, 128, 0), (4, 4, 0, 3)])
-def test_compiles_for_sm90_without_spills(g, nt, page, stages):
+@pytest.mark.parametrize("g,nt,page,unit", [(4, 4, 0, False), (2, 2, 0, False), (8, 8, 0, False),
+                                            (4, 4, 128, False), (4, 8, 0, False), (2, 2, 0, True), (4, 4, 0, True),
+                                            (8, 8, 0, True), (4, 4, 128, True)])
+def test_compiles_for_sm90_without_spills(g, nt, page, unit):
     from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
 
     why = sm90_compile_available()
     if why:
         pytest.skip(why)
-    k = lam.compile_for_sm90(g, nt, page, stages)
+    k = lam.compile_for_sm90(g, nt, page, unit_major=unit)
     stats = ptxas_stats(k.asm["ptx"])
     assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
-    if stages:  # each stage: key words, four scale-field words per score element, two value words per pair slot
-        assert stats["sass_ops"].get("LDGSTS", 0) > 0 and k.metadata.shared >= stages * 7 * 1024
+    assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
+    if unit:  # each lane reads 16 bytes of a value column and 8 of a key column at once
+        assert "ld.global.v4.b32" in k.asm["ptx"] and "ld.global.v2.b32" in k.asm["ptx"]
+
+
+# ---- unit-major latents (_mma_unit_kernel): the operands built from the loaded words, mirrored in numpy. gl.join
+# stacks along a new last dim, gl.split unstacks it, gl.permute / gl.reshape are transpose / C-order reshape; the asm
+# is executed by the PTX reader. Each operand must hold exactly the codes / fields of the slot and coordinate the
+# kernel's docstring names (a swapped dim or a wrong selector fails).
+
+def _np_join4(a, b, c, d):
+    """``_join4``: (..., 4) from four arrays, in argument order, built as the kernel builds it (two joins)."""
+    import numpy as np
+
+    x = np.stack([np.stack([a, c], -1), np.stack([b, d], -1)], -1)
+    return x.reshape(a.shape + (4,))
+
+
+def _asm_map(asm, n_out, *words):
+    """Run ``asm`` on each element of the int arrays ``words``: a list of ``n_out`` float arrays."""
+    import numpy as np
+
+    flat = [np.asarray(w).reshape(-1) for w in words]
+    res = np.array([run_asm(asm, [int(w[i]) for w in flat], n_out) for i in range(flat[0].size)])
+    return [res[:, k].reshape(np.asarray(words[0]).shape) for k in range(n_out)]
+
+
+def _unit_columns(codes):
+    """(64 slots, 32 coordinates) codes -> (16 byte columns, 16 words) of 4 slots each, as ints."""
+    import numpy as np
+
+    b = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint32)  # (slot, byte)
+    col = b.T.reshape(16, 16, 4)
+    return col[..., 0] | col[..., 1] << 8 | col[..., 2] << 16 | col[..., 3] << 24
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_unit_major_operands_hold_the_named_codes(g):
+    import numpy as np
+
+    nt, groups, bt = g, 8 // g, 64
+    rng = np.random.default_rng(g)
+    kc, vc = rng.integers(0, 16, (64, 32)), rng.integers(0, 16, (64, 32))
+    kw, vw = _unit_columns(kc), _unit_columns(vc)
+    centred = lambda x, odd: (x - 8.0) * np.where(odd, 16.0, 1.0)  # noqa: E731
+    # keys: word (w, q, c, b) = column q + 4b, slots 8c + 4w
+    w, q, c, b = np.meshgrid(range(2), range(4), range(8), range(4), indexing="ij")
+    words = kw[q + 4 * b, 2 * c + w]
+    d = _asm_map(str(getattr(lam._DEQ_COLUMN_ASM, "value", lam._DEQ_COLUMN_ASM)), 8, words)
+    x = np.stack([_np_join4(d[0], d[2], d[4], d[6]), _np_join4(d[1], d[3], d[5], d[7])], -1)
+    x = x.transpose(0, 4, 3, 1, 5, 2).reshape(groups, nt, 2, 2, 4, 2, 8)
+    kb = x.transpose(0, 2, 3, 4, 5, 1, 6).reshape(32 * groups, 8 * nt)
+    kk, col = np.meshgrid(range(32 * groups), range(8 * nt), indexing="ij")
+    grp, k, j, cc = kk // 32, kk % 32, col // 8, col % 8
+    assert np.array_equal(kb, centred(kc[8 * cc + grp * nt + j, k], k % 2 == 1))
+    # values: word (d, q, n, m) = column n + 8m, slots 16q + 4d
+    dd, q, n, m = np.meshgrid(range(4), range(4), range(8), range(2), indexing="ij")
+    words = vw[n + 8 * m, 4 * q + dd]
+    v = words.transpose(1, 2, 3, 0).reshape(4, 8, 2, 2, 2).transpose(0, 1, 2, 4, 3)
+    va, vb_ = v[..., 0], v[..., 1]
+    o = _asm_map(str(getattr(lam._DEQ_PAIRS_ASM, "value", lam._DEQ_PAIRS_ASM)), 16, va, vb_)
+    ts = [np.stack([np.stack([o[4 * t], o[4 * t + 1]], -1), np.stack([o[4 * t + 2], o[4 * t + 3]], -1)], -1)
+          for t in range(4)]
+    y = _np_join4(*ts).transpose(0, 1, 2, 3, 6, 5, 4)
+    y = y.transpose(3, 4, 0, 6, 2, 5, 1).reshape(groups, nt, 4, 2, 2, 2, 8)
+    vb = y.transpose(1, 0, 2, 3, 4, 5, 6).reshape(bt, 32)
+    kap, col = np.meshgrid(range(bt), range(32), indexing="ij")
+    cc, grp, j = kap % 8, (kap // 8) % groups, kap // (8 * groups)
+    i, n = col // 8, col % 8
+    coord = 2 * (n + 8 * (i // 2)) + i % 2
+    assert np.array_equal(vb, centred(vc[8 * cc + grp * nt + j, coord], i % 2 == 1))
+    # the fp16 fields: two byte columns (low, high), word (r, q, e, wi, lh) at slots 16q + 8e + 4((grp NT) // 4 + wi)
+    f = rng.standard_normal(64).astype(np.float16)
+    fb = f.view(np.uint8).reshape(64, 2).T.reshape(2, 16, 4).astype(np.uint32)
+    fcol = fb[..., 0] | fb[..., 1] << 8 | fb[..., 2] << 16 | fb[..., 3] << 24  # (lo / hi, 16 words)
+    nws = 2 if nt == 8 else 1
+    r, q, e, wi, lh = np.meshgrid(range(8), range(4), range(2), range(nws), range(2), indexing="ij")
+    fw = fcol[lh, 4 * q + 2 * e + (r // g) * nt // 4 + wi]
+    asm = "{ .reg .b32 t; .reg .b16 u; prmt.b32 t, $1, $2, $3; mov.b32 {$0, u}, t; }"
+    assert asm in lam._fp16_of_bytes.src  # the kernel's own asm text
+    rr = np.arange(8)[:, None, None] + np.zeros((8, 4, 2), int)
+    vals = []
+    for jj in range(nt):
+        lo, hi = fw[..., 0], fw[..., 1]
+        lo, hi = (lo[..., 0], hi[..., 0]) if nws == 1 else (lo[..., jj // 4], hi[..., jj // 4])
+        t = ((rr // g) * nt + jj) % 4
+        vals.append(_asm_map(asm, 1, lo, hi, t | ((4 + t) << 4))[0])
+    if nt == 2:
+        z = np.stack(vals, -1)
+    elif nt == 4:
+        z = _np_join4(*vals)
     else:
-        assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
+        z = np.stack([_np_join4(*vals[:4]), _np_join4(*vals[4:])], -1).transpose(0, 1, 2, 4, 3).reshape(8, 4, 2, 8)
+    got = z.transpose(0, 3, 1, 2).reshape(8, 8 * nt)
+    row, col = np.meshgrid(range(8), range(8 * nt), indexing="ij")
+    slot = 8 * (col % 8) + (row // g) * nt + col // 8
+    assert np.array_equal(got.astype(np.float16), f[slot])
