@@ -25,9 +25,19 @@ value latent ``scale * (code - 8) + (min + 8 * scale)``. What differs is where t
   all 8 query rows are real; each group keeps its own softmax state and is stored as its own split, which the
   merge (``latent_attention_triton._latent_attention_reduce_kernel``) combines with the others;
 * one warp per program, no shared memory; the next tile's loads are issued before the current tile is computed.
-  (``STAGES`` >= 2, static caches only, ``DecodeConfig.stages_m``: the unmasked tiles are staged through shared
-  memory with ``cp.async`` instead, STAGES - 1 tiles ahead; correct, but 3-4x slower on the H200 as written, so
-  off: benchmarks/results/2026-12-04-mma-h200.)
+  (A ``cp.async`` staging of the tiles through shared memory was 3-4x slower on the H200 and was removed:
+  benchmarks/results/2026-12-04-mma-h200, r5.)
+
+Two kernels read two latent layouts (:mod:`.latent_layout`):
+
+* :func:`_mma_attention_kernel`, row-major rows (the maps above: :func:`key_coordinate`, :func:`value_coordinate`).
+  One head's 16 code bytes and 4 scale / min bytes per slot share four 32-byte sectors with the other heads, so
+  the 8 head programs of a sequence pull each sector through L2 separately: Nsight Compute put L2 at 70% of its
+  peak and DRAM at 23% (a version at 100-128 registers was no faster than one at 234);
+* :func:`_mma_unit_kernel`, unit-major latents (each byte column contiguous over the slots): the tile's slots are
+  assigned to the scores' columns so that each lane reads 4 or 8 consecutive slots of one column (8- and 16-byte
+  loads of whole sectors), mma coordinate k is latent coordinate k (byte k // 2, nibble k % 2), and the value
+  operand's slot pairs come from two words of one column (one ``prmt``). 1.39-1.48x the row-major kernel.
 
 Precision: the scores' coefficients and the weights ``p * scale`` are split into fp16 hi + lo (about 22 bits;
 the lo rows fill tensor-core rows 8..15, which the 8 query rows leave free); the coefficients are scaled by a
@@ -42,10 +52,10 @@ the rows they share (each reads its head's 16 bytes of every slot) are read from
 pages, whose zero rows score 0 as in the other passes).
 
 Measured (H200, Triton 3.6, 32:8 heads, int4/32 rank 32, one whole call in CUDA-graph replay;
-benchmarks/results/2026-12-04-mma-h200): batch 8, 32k 0.080 ms (the word pass: 0.199), batch 32, 128k 0.853
-(2.914); 27-37% of the copy bandwidth. The product's rows cost 56 loads and about 230 registers per 64-slot tile,
-so only 8 programs per SM each keep one tile in flight; the prototype it grew from (benchmarks/mma_pass_proto.py,
-its own head-major layout, about 100 registers) read at 61-72%.
+benchmarks/results/2026-12-04-unit-major-h200, r12): unit-major batch 8, 32k 0.055 ms, batch 32, 128k 0.608 ms
+(38.6% and 52.3% of the copy bandwidth, 4.3x and 6.0x dense SDPA); row-major 0.079 and 0.898 ms; the word pass
+0.199 and 2.914 ms. The prototype (benchmarks/mma_pass_proto.py, its own head-major layout) read at 61-72% with
+its main pass alone.
 
 Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
 FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
