@@ -65,7 +65,8 @@ def check_cases(n: int, seed: int = 0) -> list[dict]:
             pos_dtype=torch.int32, win=rng.choice((0, 0, 3, 17)), unused=rng.choice((0, 0, 1)), page=page,
             layout=layout, q_scale=rng.choice((1.0, 1.0, 30.0)),
             v_size=rng.choice((1.0, 1.0, 1e-3)), block_n=block_n,
-            split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), maxnreg=rng.choice((None, None, 128))))
+            split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), maxnreg=rng.choice((None, None, 128)),
+            ahead=rng.choice((1, 2))))
     return cases
 
 
@@ -86,7 +87,7 @@ def run_check(out_dir: str | None) -> bool:
     rows, ok = [], True
     for p in check_cases(int(os.environ.get("MMA_CASES", "80"))):
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
-                           maxnreg_m=p["maxnreg"])
+                           maxnreg_m=p["maxnreg"], ahead_m=p["ahead"])
         args = _inputs(p)
         want = _expected(args).float()
         a = list(_cuda(args))
@@ -157,7 +158,7 @@ def _versions() -> dict:
 
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
-              maxnregs: list[int | None], layouts: list[str]) -> None:
+              maxnregs: list[int | None], layouts: list[str], aheads: list[int] = (1,)) -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -183,8 +184,10 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                     for lay in layouts:
                         if lay == "unit-major" and bn != 64:  # (64-slot tiles only)
                             continue
-                        configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} {lay}",
-                                        DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, maxnreg_m=mr)))
+                        for ah in (aheads if lay == "unit-major" else (1,)):
+                            configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} ahead={ah} {lay}",
+                                            DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, maxnreg_m=mr,
+                                                         ahead_m=ah)))
         um_args = None
         if "unit-major" in layouts:
             from ckvp_compile.kernels.latent_layout import to_layout
@@ -232,6 +235,7 @@ def main() -> int:
     ap.add_argument("--programs", default="3072")
     ap.add_argument("--maxnregs", default="0", help="DecodeConfig.maxnreg_m values (0: None, the compiler's choice)")
     ap.add_argument("--layouts", default="row-major,unit-major", help="latent layouts of the MMA rows")
+    ap.add_argument("--aheads", default="1", help="DecodeConfig.ahead_m values (unit-major)")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -242,7 +246,8 @@ def main() -> int:
     if a.sweep:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
-                  [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","))
+                  [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
+                  [int(x) for x in a.aheads.split(",")])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

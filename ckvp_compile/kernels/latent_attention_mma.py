@@ -683,14 +683,15 @@ def _mma_unit_kernel(
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
-    COL_V: gl.constexpr,
+    COL_V: gl.constexpr, AHEAD: gl.constexpr = 1,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
     Every load of a 64-slot tile reads whole 32-byte sectors of one head's columns (keys 8 words a lane, values 8,
     the four fp16 fields 4 or 8 each, G = 8 the more), where row-major rows spread one head's 40 bytes a slot over
     four sectors shared with the other heads. Same grid, arguments (strides of sequences / pages in 4-byte words;
-    field bases in fp16 units) and outputs; tiles of 64 slots (NT = G column tiles a slot group)."""
+    field bases in fp16 units) and outputs; tiles of 64 slots (NT = G column tiles a slot group). AHEAD: unmasked
+    tiles loaded ahead of the one computed (1 or 2)."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -801,7 +802,24 @@ def _mma_unit_kernel(
     t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
     fast_end = gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
     all_s = tok_s >= 0
-    if fast_end > t_start:
+    if fast_end > t_start and AHEAD == 2:  # two tiles in flight while one is computed
+        kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+        tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+        kb0, vb0, idx_b = _unit_base(gl.minimum(t_start + 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
+                                     stride_lvb, PAGE)
+        tile_b = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+        for t in range(t_start, fast_end):
+            wk, wv, ks, km, vs, vm = tile_a
+            idx_c = idx_a
+            tile_a = tile_b
+            idx_a = idx_b
+            kb1, vb1, idx_b = _unit_base(gl.minimum(t + 2, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
+                                         stride_lvb, PAGE)
+            tile_b = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
+                                                sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
+                                                GROUPS, NWS, PLO, False, PAGE > 0)
+    elif fast_end > t_start:
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
         for t in range(t_start, fast_end):
@@ -907,13 +925,14 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
-                     unit_major: bool = False):
+                     unit_major: bool = False, ahead: int = 1):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
         group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
             per page (0: a static cache); row_k / row_v: the latents' row strides in 4-byte words (40: 8 KV heads
-            of rank 32 at int4/32, 160-byte rows).
+            of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
+            a page), ``ahead`` tiles loaded ahead.
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -932,10 +951,11 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
-        sig.update(COL_K="constexpr", COL_V="constexpr")
+        sig.update(COL_K="constexpr", COL_V="constexpr", AHEAD="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
-                             constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col))
+                             constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
+                                             AHEAD=ahead))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,
