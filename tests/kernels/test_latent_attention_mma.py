@@ -242,6 +242,20 @@ def test_compiles_for_sm90_without_spills(g, nt, page, unit):
         assert "ld.global.v4.b32" in k.asm["ptx"] and "ld.global.v2.b32" in k.asm["ptx"]
 
 
+def test_unit_major_two_tiles_ahead_compiles_without_spills():
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    one = lam.compile_for_sm90(4, 4, 0, unit_major=True)
+    two = lam.compile_for_sm90(4, 4, 0, unit_major=True, ahead=2)
+    s1, s2 = ptxas_stats(one.asm["ptx"]), ptxas_stats(two.asm["ptx"])
+    assert s2["spill_store_bytes"] in (0, None), s2["ptxas"]
+    # the prologue issues one more tile's loads: more global loads in the code than with one tile ahead
+    assert s2["sass_ops"]["LDG"] > s1["sass_ops"]["LDG"]
+
+
 # ---- unit-major latents (_mma_unit_kernel): the operands built from the loaded words, mirrored in numpy. gl.join
 # stacks along a new last dim, gl.split unstacks it, gl.permute / gl.reshape are transpose / C-order reshape; the asm
 # is executed by the PTX reader. Each operand must hold exactly the codes / fields of the slot and coordinate the
