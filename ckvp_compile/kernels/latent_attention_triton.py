@@ -248,7 +248,10 @@ class DecodeConfig:
     ``block_n_m`` (slots per tile of row-major latents: 64 or 128; unit-major tiles are 64), ``programs_m`` (about
     this many one-warp programs in all; ``split`` fixes the count instead), ``min_tiles_m`` (tiles per program
     at least), ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) and ``ahead_m``
-    (unit-major: tiles loaded ahead of the one computed, 1 or 2) apply to it."""
+    (unit-major: tiles loaded ahead of the one computed, 1 or 2) apply to it.
+
+    Raises:
+        ValueError: ``ahead_m`` not 1 or 2."""
 
     block_n: int = 64
     block_r: int = 64
@@ -304,6 +307,10 @@ class DecodeConfig:
     min_tiles_m: int = 4
     maxnreg_m: int | None = None
     ahead_m: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ahead_m not in (1, 2):
+            raise ValueError(f"DecodeConfig.ahead_m must be 1 or 2 (tiles loaded ahead), got {self.ahead_m!r}")
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,

@@ -211,6 +211,15 @@ def test_split_plan_covers_the_context_without_empty_programs(kv_len, block_n, r
         assert n <= fixed
 
 
+def test_config_refuses_a_prefetch_depth_the_kernel_has_no_code_for():
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    assert lat.DecodeConfig(ahead_m=2).ahead_m == 2
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="ahead_m"):
+            lat.DecodeConfig(ahead_m=bad)
+
+
 def test_launcher_leaves_cpu_calls_to_the_other_passes():
     from ckvp_compile.bench.attention import make_inputs
     from ckvp_compile.kernels import latent_attention_triton as lat
