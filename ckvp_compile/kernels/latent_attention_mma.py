@@ -80,6 +80,9 @@ MMA_RANK = 32
 #: GQA ratios the pass packs into the tensor cores' 8 query rows.
 MMA_GROUPS = (2, 4, 8)
 
+#: CUDA's limit on a grid's second dimension: the splits along the context (a fixed ``split`` past it is cut to it).
+MAX_GRID_Y = 65535
+
 RK = gl.constexpr(MMA_RANK)
 RV = gl.constexpr(MMA_RANK)
 ROWS = gl.constexpr(16)  # tensor-core rows: 8 for the query heads (hi), 8 for their remainders (lo)
@@ -872,8 +875,8 @@ def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_m
     Returns:
         dict(NT, GROUPS, BT, UNIT) or None. Raises nothing: the launcher then runs the other kernels.
     """
-    if masked or device.type != "cuda" or not torch.cuda.is_available():
-        return None
+    if masked or device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
+        return None  # (ROCm reports "cuda" devices too; the kernels are inline PTX)
     if torch.cuda.get_device_capability(device)[0] < 8:
         return None
     return _mma_layout(int(group), k_fmt, v_fmt, tuple(int(o) for o in k_offsets), tuple(int(o) for o in v_offsets),
@@ -913,13 +916,14 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
                min_tiles: int = 4) -> tuple[int, int]:
     """``(programs along the context, tiles per program)`` for the MMA pass: about ``target`` one-warp programs in
     all (``rows`` = B * Hkv * S of them per context position), at least ``min_tiles`` tiles each, none empty
-    (``fixed``: that many splits, as ``DecodeConfig.split``). kv_len and block_n in slots. Raises nothing. Source:
+    (``fixed``: that many splits, as ``DecodeConfig.split``), at most :data:`MAX_GRID_Y`. kv_len and block_n in
+    slots. Raises nothing. Source:
     FlashDecoding's split-KV; the target from the H200 sweep (benchmarks/results/2026-12-04-mma-h200, r1 and r4)."""
     n_tiles = -(-kv_len // block_n)
     if fixed is not None:
-        n = max(1, min(fixed, n_tiles))
+        n = max(1, min(fixed, n_tiles, MAX_GRID_Y))
     else:
-        n = max(1, min(max(1, target // max(rows, 1)), n_tiles // max(min_tiles, 1)))
+        n = max(1, min(max(1, target // max(rows, 1)), n_tiles // max(min_tiles, 1), MAX_GRID_Y))
     per = -(-n_tiles // n)
     return -(-n_tiles // per), per
 

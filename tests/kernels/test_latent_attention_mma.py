@@ -211,6 +211,11 @@ def test_split_plan_covers_the_context_without_empty_programs(kv_len, block_n, r
         assert n <= fixed
 
 
+def test_split_plan_stays_inside_the_grid_limit():
+    n, per = lam.mma_splits(70000 * 64, 64, 8, 3072, fixed=70000)
+    assert n <= lam.MAX_GRID_Y and n * per >= 70000
+
+
 def test_config_refuses_a_prefetch_depth_the_kernel_has_no_code_for():
     from ckvp_compile.kernels import latent_attention_triton as lat
 

@@ -1,0 +1,320 @@
+"""Applicability guards and argument plumbing of the unit-major MMA kernel (``_mma_unit_kernel``), on CPU.
+
+The Gluon kernel cannot run here, so these tests drive the real launcher (``latent_attention_triton._launch``) with
+CPU tensors, only the device checks bypassed (``lam.mma_layout`` is handed a CUDA device of compute capability 9.0)
+and the kernels replaced by recorders. Then:
+
+* the launcher's ``_mma_layout`` refuses the unit-major kernel for latents it cannot address (slot slices of a
+  unit-major cache, S_max / page sizes off 64, mixed layouts, misaligned data, masks, too many grid rows) and
+  accepts the ones it can (batch slices, pages of 64 / 128 slots);
+* the recorded launch arguments, put through the kernel's own address arithmetic (``_unit_base`` and the column
+  offsets of ``_mma_unit_kernel``: 4-byte words, fp16 field units, COL bytes per column, PAGE // 64 tiles per page),
+  read exactly the bytes the latent format names for every (sequence, slot, head): codes, scale and min;
+* ``layout_of`` never labels a tensor so that the unit-major kernel's addressing would differ from its strides.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+lam = pytest.importorskip("ckvp_compile.kernels.latent_attention_mma")
+
+from ckvp_compile.bench.attention import make_inputs  # noqa: E402
+from ckvp_compile.kernels import latent_attention_triton as lat  # noqa: E402
+from ckvp_compile.kernels.latent_format import parse_latent_format  # noqa: E402
+from ckvp_compile.kernels.latent_layout import layout_of, to_layout  # noqa: E402
+
+FMT = "int4/32"
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def on_fake_gpu(monkeypatch):
+    """The launcher's MMA choice as on an sm_90 device: the real ``mma_layout`` with q's CPU device swapped for a
+    CUDA one (and CUDA reported available, capability 9.0). Nothing else is bypassed."""
+    real = lam.mma_layout
+
+    def fake(*a, **k):
+        a = list(a)
+        a[10] = torch.device("cuda", 0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(lam, "mma_layout", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def _unit_from(x: torch.Tensor, pad_front: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (N, R, W) copied unit-major into a flat byte buffer (``pad_front`` bytes before it); (view, buffer)."""
+    n, r, w = x.shape
+    buf = torch.zeros(pad_front + n * r * w, dtype=torch.uint8)
+    view = buf[pad_front:].view(n, w, r).transpose(1, 2)
+    view.copy_(x)
+    return view, buf
+
+
+def _inputs(b=2, s_max=128, hkv=2, g=4):
+    """make_inputs (table-free) with random bytes everywhere in the latents (scales included: any misread byte
+    differs from the right one with high probability)."""
+    args = list(make_inputs(b, s_max, FMT, 32, dev="cpu", heads=(g * hkv, hkv), rope="none"))
+    gen = torch.Generator().manual_seed(1)
+    for i in (1, 2):
+        args[i] = torch.randint(0, 256, args[i].shape, dtype=torch.uint8, generator=gen)
+    return args
+
+
+def _launcher_layout(args, latent_k, latent_v, page_table=None, attn_mask=None, q=None):
+    return lat._mma_layout(args[0] if q is None else q, latent_k, latent_v, args[3], args[4], args[5], args[6],
+                           FMT, FMT, attn_mask, page_table, lat.DecodeConfig(mma=True))
+
+
+class _Recorder:
+    """Stands in for a kernel: ``k[grid](*args, **kw)`` records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append((tuple(grid), args, kwargs))
+        return call
+
+
+@pytest.fixture
+def recorded(monkeypatch, on_fake_gpu):
+    """Run the real ``_launch`` on CPU tensors, every kernel it could reach replaced by a recorder."""
+    saved = dict(lat._LAST_LAUNCH)
+    rec = dict(unit=_Recorder(), row=_Recorder(), reduce=_Recorder())
+    monkeypatch.setattr(lam, "_mma_unit_kernel", rec["unit"])
+    monkeypatch.setattr(lam, "_mma_attention_kernel", rec["row"])
+    monkeypatch.setattr(lat, "_latent_attention_reduce_kernel", rec["reduce"])
+    monkeypatch.setattr(lat, "_interpreting", lambda: False)
+    monkeypatch.setattr(lat, "unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(lat, "_fold_query", lambda q, *a, **k: torch.zeros(1))
+    yield rec
+    lat._LAST_LAUNCH.clear()
+    lat._LAST_LAUNCH.update(saved)
+
+
+def _launch(args, latent_k, latent_v, page_table=None, kv_len=None):
+    a = list(args)
+    a[1], a[2] = latent_k, latent_v
+    if kv_len is not None:
+        a[17] = kv_len
+        a[14] = torch.tensor([kv_len - 1])  # the exact token's slot, inside the context as the op requires
+    cfg = lat.default_config(a[0].shape[1] // a[3].shape[-3], 32, table_free=True, rank=32, rank_v=32,
+                             quantized_keys=True, code_bits=4)
+    assert cfg.mma
+    lat._launch("all", *a, config=cfg, page_table=page_table)
+
+
+def _kernel_reads(call, which: str, b: int, s: int, h: int) -> dict:
+    """The byte addresses (relative to the latent's data pointer) that ``_mma_unit_kernel`` reads for sequence b,
+    slot s, KV head h, computed from the recorded arguments with the kernel's own arithmetic."""
+    _, a, kw = call
+    meta = a[4] if which == "k" else a[5]
+    scale_base, min_base = (a[18], a[19]) if which == "k" else (a[20], a[21])
+    stride_b = a[22] if which == "k" else a[23]  # 4-byte words
+    col = kw["COL_K"] if which == "k" else kw["COL_V"]  # bytes per column
+    page, pt, stride_ptb = kw["PAGE"], a[9], a[10]
+    t = s // 64  # tiles of 64 slots
+    if page > 0:  # _unit_base: PAGE // 64 tiles per page, 16 words a tile
+        idx = int(pt.reshape(-1)[b * stride_ptb + t // (page // 64)])
+        w0 = (t % (page // 64)) * 16 + max(idx, 0) * stride_b
+    else:
+        w0 = b * stride_b + t * 16
+    byte0 = 4 * w0 + s % 64
+    first, blk = int(meta[h, 0]), int(meta[h, 1])
+    return dict(codes=[byte0 + (first + i) * col for i in range(16)],
+                scale=[byte0 + (2 * (scale_base + blk) + e) * col for e in (0, 1)],
+                min=[byte0 + (2 * (min_base + blk) + e) * col for e in (0, 1)])
+
+
+def _format_columns(offsets, h: int) -> dict:
+    """Head h's byte columns in a row of the format (latent_format's row layout, computed independently)."""
+    f = parse_latent_format(FMT)
+    n_code, nb = sum(f.code_bytes(offsets)), f.num_blocks(offsets)
+    c0 = sum(f.code_bytes(offsets)[:h])
+    return dict(codes=list(range(c0, c0 + 16)), scale=[n_code + 2 * h, n_code + 2 * h + 1],
+                min=[n_code + 2 * (nb + h), n_code + 2 * (nb + h) + 1])
+
+
+def _check_reads(call, which, latent, buf, offsets, logical):
+    """Every (sequence, slot < kv_len, head): the kernel's bytes equal the logical row's bytes (``logical(b, s)``)."""
+    base = latent.data_ptr() - buf.data_ptr()
+    flat = buf
+    grid, a, _ = call
+    kv_len, hkv, n_seq = a[14], a[11], grid[2] // a[12]
+    for b in range(n_seq):
+        for s in range(kv_len):
+            row = logical(b, s)
+            if row is None:  # an unmapped page
+                continue
+            for h in range(hkv):
+                got = _kernel_reads(call, which, b, s, h)
+                want = _format_columns(offsets, h)
+                for field in ("codes", "scale", "min"):
+                    kb = [int(flat[base + x]) for x in got[field]]
+                    assert kb == [int(row[c]) for c in want[field]], (which, field, b, s, h)
+
+
+# ---- the launcher's guards ---------------------------------------------------------------------------------------
+
+def test_unit_major_static_cache_is_taken_and_its_slices_are_not(on_fake_gpu):
+    args = _inputs(b=3, s_max=128)
+    uk, _ = _unit_from(args[1])
+    uv, _ = _unit_from(args[2])
+    assert layout_of(uk) == "unit-major"
+    assert _launcher_layout(args, uk, uv)["UNIT"] is True
+    # row-major latents: the row-major kernel
+    assert _launcher_layout(args, args[1], args[2])["UNIT"] is False
+    # a batch slice keeps every stride: still readable
+    q2 = args[0][1:]
+    assert _launcher_layout(args, uk[1:], uv[1:], q=q2)["UNIT"] is True
+    # a slot slice of a unit-major cache: columns stay S_max apart, rows are not S_max long -> never the unit kernel
+    assert _launcher_layout(args, uk[:, :64], uv[:, :64]) is None
+    assert _launcher_layout(args, uk[:, 64:], uv[:, 64:]) is None
+    # one latent unit-major, the other row-major (a "row-major/unit-major" store): neither MMA kernel
+    assert _launcher_layout(args, args[1], uv) is None
+    assert _launcher_layout(args, uk, args[2]) is None
+    # key and value latents of unequal lengths
+    uv_long, _ = _unit_from(torch.cat((args[2], args[2]), dim=1))
+    assert _launcher_layout(args, uk, uv_long) is None
+    # an attention mask
+    mask = torch.ones(3, 1, 1, 128, dtype=torch.bool)
+    assert _launcher_layout(args, uk, uv, attn_mask=mask) is None
+
+
+@pytest.mark.parametrize("s_max", [96, 160, 32])
+def test_unit_major_columns_off_64_slots_are_refused(on_fake_gpu, s_max):
+    args = _inputs(b=2, s_max=s_max)
+    uk, _ = _unit_from(args[1])
+    uv, _ = _unit_from(args[2])
+    assert layout_of(uk) == "unit-major" and _launcher_layout(args, uk, uv) is None
+
+
+@pytest.mark.parametrize("pad", [1, 2, 4, 8])
+def test_unit_major_data_off_16_bytes_is_refused(on_fake_gpu, pad):
+    args = _inputs(b=2, s_max=128)
+    uk, _ = _unit_from(args[1], pad_front=pad)
+    uv, _ = _unit_from(args[2])
+    assert layout_of(uk) == "unit-major" and uk.data_ptr() % 16 == pad % 16
+    assert _launcher_layout(args, uk, uv) is None and _launcher_layout(args, uv, uk) is None
+    uk16, _ = _unit_from(args[1], pad_front=16)
+    assert _launcher_layout(args, uk16, uv)["UNIT"] is True
+
+
+def test_unit_major_grid_rows_are_capped(on_fake_gpu):
+    args = _inputs(b=2, s_max=128)
+    uk, _ = _unit_from(args[1])
+    uv, _ = _unit_from(args[2])
+    q = args[0]
+    # the grid's third dim is B * S (query tokens): 2 * 32768 = 65536 rows are one too many
+    big = q[:, :, :1].expand(2, q.shape[1], 32768, q.shape[3])
+    assert _launcher_layout(args, uk, uv, q=big) is None
+    ok = q[:, :, :1].expand(2, q.shape[1], 32767, q.shape[3])
+    assert _launcher_layout(args, uk, uv, q=ok)["UNIT"] is True
+
+
+@pytest.mark.parametrize("page,taken", [(64, True), (128, True), (32, False), (96, False)])
+def test_unit_major_pages_must_hold_whole_tiles(on_fake_gpu, page, taken):
+    args = _inputs(b=2, s_max=2 * page)
+    n_pages = 4
+    pool = torch.randint(0, 256, (n_pages + 1, page, args[1].shape[-1]), dtype=torch.uint8)
+    pk, _ = _unit_from(pool)
+    pv, _ = _unit_from(pool)
+    pt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    lay = _launcher_layout(args, pk, pv, page_table=pt)
+    assert (lay is not None and lay["UNIT"]) if taken else lay is None
+
+
+def test_cpu_calls_never_take_the_pass():
+    args = _inputs(b=2, s_max=128)
+    uk, _ = _unit_from(args[1])
+    uv, _ = _unit_from(args[2])
+    assert _launcher_layout(args, uk, uv) is None
+
+
+# ---- the arguments the launcher passes, read through the kernel's address arithmetic -----------------------------
+
+@pytest.mark.parametrize("g,hkv", [(4, 2), (2, 1), (8, 3)])
+def test_static_cache_launch_reads_the_named_bytes(recorded, g, hkv):
+    args = _inputs(b=3, s_max=192, hkv=hkv, g=g)
+    uk, bk = _unit_from(args[1], pad_front=64)
+    uv, bv = _unit_from(args[2], pad_front=512)
+    # a batch slice: the kernel gets the slice's own data pointer and strides
+    args[0] = args[0][1:]
+    for i in (12, 13):
+        args[i] = args[i][1:]
+    kv_len = 150
+    _launch(args, uk[1:], uv[1:], kv_len=kv_len)
+    assert not recorded["row"].calls and len(recorded["unit"].calls) == 1
+    call = recorded["unit"].calls[0]
+    grid, a, kw = call
+    assert a[1].data_ptr() == uk[1].data_ptr() and a[2].data_ptr() == uv[1].data_ptr()
+    assert kw["G"] == g and kw["PAGE"] == 0 and a[15] == 192 and a[14] == kv_len
+    n_split_m, per = a[17], a[16]
+    assert grid == (hkv, n_split_m, 2 * 1) and (n_split_m - 1) * per < -(-kv_len // 64) <= n_split_m * per
+    _check_reads(call, "k", uk[1:], bk, args[5], lambda b, s: args[1][1 + b, s])
+    _check_reads(call, "v", uv[1:], bv, args[6], lambda b, s: args[2][1 + b, s])
+
+
+@pytest.mark.parametrize("page", [64, 128])
+def test_paged_launch_reads_the_named_bytes(recorded, page):
+    hkv, g, b = 2, 4, 2
+    args = _inputs(b=b, s_max=2 * page, hkv=hkv, g=g)
+    w = args[1].shape[-1]
+    gen = torch.Generator().manual_seed(2)
+    pool_k = torch.randint(0, 256, (5, page, w), dtype=torch.uint8, generator=gen)
+    pool_v = torch.randint(0, 256, (5, page, w), dtype=torch.uint8, generator=gen)
+    pk, bk = _unit_from(pool_k)
+    pv, bv = _unit_from(pool_v)
+    pt = torch.tensor([[3, 0], [1, -1]], dtype=torch.int64)
+    kv_len = page + page // 2 + 3
+    _launch(args, pk, pv, page_table=pt, kv_len=kv_len)
+    assert not recorded["row"].calls and len(recorded["unit"].calls) == 1
+    call = recorded["unit"].calls[0]
+    assert call[2]["PAGE"] == page == call[2]["COL_K"] == call[2]["COL_V"]
+
+    def logical(pool):
+        def row(bb, s):
+            p = int(pt[bb, s // page])
+            return None if p < 0 else pool[p, s % page]
+        return row
+
+    _check_reads(call, "k", pk, bk, args[5], logical(pool_k))
+    _check_reads(call, "v", pv, bv, args[6], logical(pool_v))
+
+
+def test_row_major_latents_go_to_the_row_major_kernel(recorded):
+    args = _inputs(b=2, s_max=128)
+    _launch(args, args[1], args[2])
+    assert len(recorded["row"].calls) == 1 and not recorded["unit"].calls
+
+
+# ---- layout_of on degenerate shapes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 1, 20), (3, 1, 20), (3, 64, 1), (1, 64, 1), (1, 128, 20), (4, 2, 2)])
+def test_layout_of_agrees_with_the_strides_it_stands_for(shape):
+    """Whatever layout_of reports, addressing the tensor as that layout (row-major: (b S + s) W' + w with its row
+    stride; unit-major: b S W + w S + s) gives the addresses its strides give: a label never moves a byte."""
+    x = (torch.arange(int(torch.tensor(shape).prod())) % 251).to(torch.uint8).reshape(shape)
+    for layout in ("row-major", "unit-major"):
+        y = to_layout(x, layout)
+        got = layout_of(y)
+        assert got in ("row-major", "unit-major")
+        n, r, w = y.shape
+        base = y.data_ptr()
+        for bi in range(n):
+            for s in range(r):
+                for c in range(w):
+                    addr = y[bi, s, c].data_ptr() - base
+                    if got == "unit-major":
+                        assert addr == bi * r * w + c * r + s
+                    else:
+                        row = y.stride(1) if r > 1 else (y.stride(0) if n > 1 else w)
+                        assert addr == (bi * r + s) * row + c
+        if got == "unit-major":  # the unit kernel's stride guard holds then too
+            assert y.stride(-1) == y.shape[1] or y.shape[-1] == 1
