@@ -47,7 +47,7 @@ fp16; the value accumulator stays in fp32 in the tensor cores across a split's t
 
 Programs: grid (Hkv, n_split, B * S): the programs of one sequence's KV heads are adjacent in launch order, so
 the rows they share (each reads its head's 16 bytes of every slot) are read from DRAM once. A split's tiles of
-``BT = block_n_m`` slots run unmasked while the whole tile lies below ``kv_len`` and below the first exact token
+``BT = block_n_m`` slots (64 unit-major) run unmasked while the whole tile lies below ``kv_len`` and below the first exact token
 (the recent window kept in full precision); the tiles after that are masked per slot (length, exact slots, unmapped
 pages, whose zero rows score 0 as in the other passes).
 
@@ -72,7 +72,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-__all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS"]
+__all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS", "MAX_GRID_Y"]
 
 #: The latent rank per KV head this pass reads (keys and values): one 32-bit word of int4 codes per mma k-step.
 MMA_RANK = 32
