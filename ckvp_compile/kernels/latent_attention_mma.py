@@ -301,6 +301,61 @@ def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit,
 
 
 @gluon.jit
+def _query_operand(q_row, G: gl.constexpr, GROUPS: gl.constexpr, KS: gl.constexpr, AL: gl.constexpr,
+                   UNIT: gl.constexpr):
+    """The folded query as the scores' A operand: (16, KS) fp16 in AL, block-diagonal over the slot groups (row r =
+    (hi / lo, group, g), column (group, k)), and the power of two it was scaled by (fp32). Column k reads latent
+    coordinate ``8q + 4e + 2s + h`` for ``k = 16s + 8h + 2q + e`` (row-major codes; divided by 16 where h = 1) or
+    k itself (UNIT, unit-major codes; divided by 16 where k is odd): the nibbles that carry 16 * code. The
+    coefficients are split into fp16 hi (rows 0..7) + lo (rows 8..15) after scaling the largest to [2^13, 2^14).
+    ``q_row``: the (G, 32) fp32 folded query of this (sequence, token, KV head)."""
+    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
+    ka = gl.arange(0, KS, layout=gl.SliceLayout(0, AL))
+    kk = ka % RK
+    if UNIT:
+        coord = kk
+        x16 = kk % 2
+    else:
+        x16 = (kk // 8) % 2
+        coord = 8 * ((kk // 2) % 4) + 4 * (kk % 2) + 2 * (kk // 16) + x16
+    r8 = ra % 8
+    cf = gl.load(q_row + ((r8 % G) * RK)[:, None] + coord[None, :])
+    cf = gl.where((r8 // G)[:, None] == (ka // RK)[None, :], cf * gl.where(x16 == 1, 0.0625, 1.0)[None, :], 0.0)
+    amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
+    e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
+    e_q = gl.minimum(gl.maximum(e_q, -126), 114)  # the largest coefficient to [2^13, 2^14): fp16, full precision
+    cf = cf * _pow2(-e_q)
+    c_hi = cf.to(gl.float16)
+    c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
+    return gl.where((ra < 8)[:, None], c_hi, c_lo), _pow2(e_q)
+
+
+@gluon.jit
+def _query_sums(q_row, G: gl.constexpr, LS: gl.constexpr):
+    """sum(c) per scores' row (its query head g = r % G): (8,) fp32 in LS's row layout."""
+    QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
+                                        order=[1, 0])
+    rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
+    cq = gl.arange(0, RK, layout=gl.SliceLayout(0, QL))
+    return gl.convert_layout(gl.sum(gl.load(q_row + ((rq % G) * RK)[:, None] + cq[None, :]), axis=1),
+                             gl.SliceLayout(1, LS))
+
+
+@gluon.jit
+def _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT: gl.constexpr):
+    """Split c's tiles of BT slots: ``(t_start, t_end, fast_end)``; tiles before fast_end lie wholly below kv_len and
+    below the first exact slot (``slots`` (n_exact,), -1 unused) and run unmasked."""
+    lo_exact = kv_len + gl.program_id(0) * 0
+    for j in range(0, n_exact):
+        sl = gl.load(slots_ptr + j).to(gl.int32)
+        lo_exact = gl.where(sl >= 0, gl.minimum(lo_exact, sl), lo_exact)
+    n_tiles = (kv_len + BT - 1) // BT
+    t_start = c * tiles_per_split
+    t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
+    return t_start, t_end, gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
+
+
+@gluon.jit
 def _mma_attention_kernel(
     qf_ptr, lk_ptr, lv_ptr, slots_ptr, kmeta_ptr, vmeta_ptr, m_ptr, l_ptr, acc_ptr, pt_ptr, stride_ptb,
     Hkv, S, n_exact, kv_len, s_max, tiles_per_split, n_split,
@@ -338,8 +393,6 @@ def _mma_attention_kernel(
     # value half-word pairs (pair, g): lane = p % 4 + 4 g, the lane of pair p's column g in the value product
     VL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
                                         order=[0, 1])
-    QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
-                                        order=[1, 0])
 
     lk_w = lk_ptr.to(gl.pointer_type(gl.int32))
     lk_h = lk_ptr.to(gl.pointer_type(gl.float16))
@@ -349,37 +402,15 @@ def _mma_attention_kernel(
     v_col = gl.load(vmeta_ptr + 3 * h) // 2  # in half-words
     v_blk = gl.load(vmeta_ptr + 3 * h + 1)
 
-    # ---- the folded query, block-diagonal over the slot groups, in the mma coordinate order: (16, KS) fp16, the
-    # A operand; row r = (hi / lo, group, g), column (group, k); k = 16s + 8h + 2q + e reads latent coordinate
-    # 8q + 4e + 2s + h, divided by 16 where h = 1 (those nibbles carry 16 * code)
     q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
-    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
-    ka = gl.arange(0, KS, layout=gl.SliceLayout(0, AL))
-    kk = ka % RK
-    hbit = (kk // 8) % 2
-    coord = 8 * ((kk // 2) % 4) + 4 * (kk % 2) + 2 * (kk // 16) + hbit
-    r8 = ra % 8
-    cf = gl.load(q_row + ((r8 % G) * RK)[:, None] + coord[None, :])
-    cf = gl.where((r8 // G)[:, None] == (ka // RK)[None, :], cf * gl.where(hbit == 1, 0.0625, 1.0)[None, :], 0.0)
-    amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
-    e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
-    e_q = gl.minimum(gl.maximum(e_q, -126), 114)  # the largest coefficient to [2^13, 2^14): fp16, full precision
-    cf = cf * _pow2(-e_q)
-    c_hi = cf.to(gl.float16)
-    c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
-    ca = gl.where((ra < 8)[:, None], c_hi, c_lo)
-    k_unit = _pow2(e_q)
+    ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, False)
 
     zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
     LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
     zero_s0 = gl.zeros([8, 8 * NT], gl.float32, LS)
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
-    # sum(c) per row (its query head g = r % G), fp32
-    rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
-    cq = gl.arange(0, RK, layout=gl.SliceLayout(0, QL))
-    sumc = gl.convert_layout(gl.sum(gl.load(q_row + ((rq % G) * RK)[:, None] + cq[None, :]), axis=1),
-                             gl.SliceLayout(1, LS))
+    sumc = _query_sums(q_row, G, LS)
     sumc8 = sumc * 8.0
 
     # ---- per-program offsets of each loaded element from the tile's first row, and its slot within the tile.
@@ -410,14 +441,7 @@ def _mma_attention_kernel(
     ve = 14 + gl.program_id(0) * 0  # int32 exponent of the weights' factor
 
     # ---- this split's tiles: unmasked while the whole tile lies below kv_len and the first exact slot
-    lo_exact = kv_len + gl.program_id(0) * 0
-    for j in range(0, n_exact):
-        sl = gl.load(slots_ptr + j).to(gl.int32)
-        lo_exact = gl.where(sl >= 0, gl.minimum(lo_exact, sl), lo_exact)
-    n_tiles = (kv_len + BT - 1) // BT
-    t_start = c * tiles_per_split
-    t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
-    fast_end = gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
+    t_start, t_end, fast_end = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT)
     all_s = tok_s >= 0
     if fast_end > t_start:
         kb0, vb0, idx0 = _tile_base(t_start * BT, b, pt_ptr, stride_ptb, stride_lkb, ROW_K, stride_lvb, ROW_V, PAGE)
@@ -481,67 +505,25 @@ def _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hk
 # One 32-bit word of a unit-major code column (bytes t = 0..3: slots s0 + t; low nibble coordinate 2i, high nibble
 # 2i + 1) -> for each slot t one fp16 pair (code_lo - 8, 16 * (code_hi - 8)): prmt copies byte t into bytes 0 and 2,
 # lop3 keeps bits 0..3 and 20..23 under 0x6400, sub.f16x2 centres. Outputs: 2t + e.
-_DEQ_COLUMN_ASM = gl.constexpr("""
-{
-.reg .b32 x0, x1, x2, x3, b;
-mov.b32 b, 0x64806408;
-prmt.b32 x0, $8, $8, 0x0000;
-prmt.b32 x1, $8, $8, 0x0101;
-prmt.b32 x2, $8, $8, 0x0202;
-prmt.b32 x3, $8, $8, 0x0303;
-lop3.b32 x0, x0, 0x00f0000f, 0x64006400, 0xea;
-lop3.b32 x1, x1, 0x00f0000f, 0x64006400, 0xea;
-lop3.b32 x2, x2, 0x00f0000f, 0x64006400, 0xea;
-lop3.b32 x3, x3, 0x00f0000f, 0x64006400, 0xea;
-sub.f16x2 x0, x0, b;
-sub.f16x2 x1, x1, b;
-sub.f16x2 x2, x2, b;
-sub.f16x2 x3, x3, b;
-mov.b32 {$0, $1}, x0;
-mov.b32 {$2, $3}, x1;
-mov.b32 {$4, $5}, x2;
-mov.b32 {$6, $7}, x3;
-}
-""")
+_DEQ_COLUMN_ASM = gl.constexpr(
+    "\n{\n.reg .b32 x0, x1, x2, x3, b;\nmov.b32 b, 0x64806408;\n"
+    + "".join(f"prmt.b32 x{t}, $8, $8, 0x0{t}0{t};\n" for t in range(4))
+    + "".join(f"lop3.b32 x{t}, x{t}, 0x00f0000f, 0x64006400, 0xea;\n" for t in range(4))
+    + "".join(f"sub.f16x2 x{t}, x{t}, b;\n" for t in range(4))
+    + "".join(f"mov.b32 {{${2 * t}, ${2 * t + 1}}}, x{t};\n" for t in range(4))
+    + "}\n")
 
 # Two words of one unit-major code column (a: slots s0 .. s0+3, b: slots s1 .. s1+3) -> for each byte t the slot
 # pair (s0 + t, s1 + t) as fp16x2, for the low nibble (code - 8) and the high nibble (16 * (code - 8)): prmt puts
 # byte t of a and of b into bytes 0 and 2. Outputs: 4t + 2e + (0: slot of a, 1: slot of b).
-_DEQ_PAIRS_ASM = gl.constexpr("""
-{
-.reg .b32 x, y, b0, b1;
-mov.b32 b0, 0x64086408;
-mov.b32 b1, 0x64806480;
-prmt.b32 x, $16, $17, 0x0400;
-lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
-sub.f16x2 y, y, b0;
-mov.b32 {$0, $1}, y;
-lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
-sub.f16x2 y, y, b1;
-mov.b32 {$2, $3}, y;
-prmt.b32 x, $16, $17, 0x0501;
-lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
-sub.f16x2 y, y, b0;
-mov.b32 {$4, $5}, y;
-lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
-sub.f16x2 y, y, b1;
-mov.b32 {$6, $7}, y;
-prmt.b32 x, $16, $17, 0x0602;
-lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
-sub.f16x2 y, y, b0;
-mov.b32 {$8, $9}, y;
-lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
-sub.f16x2 y, y, b1;
-mov.b32 {$10, $11}, y;
-prmt.b32 x, $16, $17, 0x0703;
-lop3.b32 y, x, 0x000f000f, 0x64006400, 0xea;
-sub.f16x2 y, y, b0;
-mov.b32 {$12, $13}, y;
-lop3.b32 y, x, 0x00f000f0, 0x64006400, 0xea;
-sub.f16x2 y, y, b1;
-mov.b32 {$14, $15}, y;
-}
-""")
+_DEQ_PAIRS_ASM = gl.constexpr(
+    "\n{\n.reg .b32 x, y, b0, b1;\nmov.b32 b0, 0x64086408;\nmov.b32 b1, 0x64806480;\n"
+    + "".join(f"prmt.b32 x, $16, $17, 0x0{4 + t}0{t};\n"
+              + "".join(f"lop3.b32 y, x, {mask}, 0x64006400, 0xea;\nsub.f16x2 y, y, b{e};\n"
+                        f"mov.b32 {{${4 * t + 2 * e}, ${4 * t + 2 * e + 1}}}, y;\n"
+                        for e, mask in enumerate(("0x000f000f", "0x00f000f0")))
+              for t in range(4))
+    + "}\n")
 
 
 @gluon.jit
@@ -694,7 +676,8 @@ def _mma_unit_kernel(
     the four fp16 fields 4 or 8 each, G = 8 the more), where row-major rows spread one head's 40 bytes a slot over
     four sectors shared with the other heads. Same grid, arguments (strides of sequences / pages in 4-byte words;
     field bases in fp16 units) and outputs; tiles of 64 slots (NT = G column tiles a slot group). AHEAD: unmasked
-    tiles loaded ahead of the one computed (1 or 2)."""
+    tiles loaded ahead of the one computed (1 or 2; 2 was 6-10% slower on the H200, r13 of
+    benchmarks/results/2026-12-04-unit-major-h200)."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -719,8 +702,6 @@ def _mma_unit_kernel(
     # field words (8 r, 4 q, 2 e, NWS, 2 lo / hi byte): lane q + 4r, the scores' layout
     FWL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, NWS, 2], threads_per_warp=[8, 4, 1, 1, 1],
                                          warps_per_cta=[1, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
-    QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
-                                        order=[1, 0])
 
     lk_w = lk_ptr.to(gl.pointer_type(gl.int32))
     lv_w = lv_ptr.to(gl.pointer_type(gl.int32))
@@ -729,33 +710,15 @@ def _mma_unit_kernel(
     v_col = gl.load(vmeta_ptr + 3 * h)
     v_blk = gl.load(vmeta_ptr + 3 * h + 1)
 
-    # ---- the folded query, block-diagonal over the slot groups: (16, KS) fp16, the A operand; column (group, k)
-    # holds latent coordinate k, divided by 16 where k is odd (the high nibbles carry 16 * code)
     q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
-    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
-    ka = gl.arange(0, KS, layout=gl.SliceLayout(0, AL))
-    kk = ka % RK
-    r8 = ra % 8
-    cf = gl.load(q_row + ((r8 % G) * RK)[:, None] + kk[None, :])
-    cf = gl.where((r8 // G)[:, None] == (ka // RK)[None, :], cf * gl.where(kk % 2 == 1, 0.0625, 1.0)[None, :], 0.0)
-    amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
-    e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
-    e_q = gl.minimum(gl.maximum(e_q, -126), 114)  # the largest coefficient to [2^13, 2^14): fp16, full precision
-    cf = cf * _pow2(-e_q)
-    c_hi = cf.to(gl.float16)
-    c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
-    ca = gl.where((ra < 8)[:, None], c_hi, c_lo)
-    k_unit = _pow2(e_q)
+    ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True)
 
     zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
     LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
     zero_s0 = gl.zeros([8, 8 * NT], gl.float32, LS)
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
-    rq = gl.arange(0, 8, layout=gl.SliceLayout(1, QL))
-    cq = gl.arange(0, RK, layout=gl.SliceLayout(0, QL))
-    sumc = gl.convert_layout(gl.sum(gl.load(q_row + ((rq % G) * RK)[:, None] + cq[None, :]), axis=1),
-                             gl.SliceLayout(1, LS))
+    sumc = _query_sums(q_row, G, LS)
     sumc8 = sumc * 8.0
 
     # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
@@ -796,14 +759,7 @@ def _mma_unit_kernel(
     acc = gl.zeros([ROWS, RV], gl.float32, L)
     ve = 14 + gl.program_id(0) * 0
 
-    lo_exact = kv_len + gl.program_id(0) * 0
-    for j in range(0, n_exact):
-        sl = gl.load(slots_ptr + j).to(gl.int32)
-        lo_exact = gl.where(sl >= 0, gl.minimum(lo_exact, sl), lo_exact)
-    n_tiles = (kv_len + BT - 1) // BT
-    t_start = c * tiles_per_split
-    t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
-    fast_end = gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
+    t_start, t_end, fast_end = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT)
     all_s = tok_s >= 0
     if fast_end > t_start and AHEAD == 2:  # two tiles in flight while one is computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
