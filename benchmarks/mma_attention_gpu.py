@@ -66,7 +66,7 @@ def check_cases(n: int, seed: int = 0) -> list[dict]:
             layout=layout, q_scale=rng.choice((1.0, 1.0, 30.0)),
             v_size=rng.choice((1.0, 1.0, 1e-3)), block_n=block_n,
             split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), maxnreg=rng.choice((None, None, 128)),
-            ahead=rng.choice((1, 2))))
+            split_d=rng.choice((None, None, True, False))))
     return cases
 
 
@@ -87,7 +87,7 @@ def run_check(out_dir: str | None) -> bool:
     rows, ok = [], True
     for p in check_cases(int(os.environ.get("MMA_CASES", "80"))):
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
-                           maxnreg_m=p["maxnreg"], ahead_m=p["ahead"])
+                           maxnreg_m=p["maxnreg"], **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
         args = _inputs(p)
         want = _expected(args).float()
         a = list(_cuda(args))
@@ -158,7 +158,7 @@ def _versions() -> dict:
 
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
-              maxnregs: list[int | None], layouts: list[str], aheads: list[int] = (1,)) -> None:
+              maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,)) -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -184,10 +184,10 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                     for lay in layouts:
                         if lay == "unit-major" and bn != 64:  # (64-slot tiles only)
                             continue
-                        for ah in (aheads if lay == "unit-major" else (1,)):
-                            configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} ahead={ah} {lay}",
+                        for sd in split_d:  # None: the default (the launcher's choice for the MMA pass)
+                            configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} split_d={sd} {lay}",
                                             DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, maxnreg_m=mr,
-                                                         ahead_m=ah)))
+                                                         **({} if sd is None else {"reduce_split_d": sd}))))
         um_args = None
         if "unit-major" in layouts:
             from ckvp_compile.kernels.latent_layout import to_layout
@@ -225,6 +225,26 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
             json.dump(dict(copy_Bps=bw, rows=rows, **_versions()), f, indent=1)
 
 
+def run_profile(shape: tuple[int, int], layout: str, calls: int = 3) -> None:
+    """``calls`` eager calls of the MMA config at one (batch, context), for Nsight Compute (``-k`` picks the kernel,
+    ``--launch-skip`` the call): no CUDA graphs, no dense baseline."""
+    from ckvp_compile.bench.attention import make_inputs
+    from ckvp_compile.kernels import latent_attention_triton as lat
+    from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, latent_attention_triton
+    from ckvp_compile.kernels.latent_layout import to_layout
+
+    b, t = shape
+    args = make_inputs(b, t, "int4/32", 32, seed=3, heads=(32, 8), rope="none")
+    if layout != "row-major":
+        args = (args[0], to_layout(args[1], layout), to_layout(args[2], layout)) + tuple(args[3:])
+    cfg = DecodeConfig(mma=True, block_n_m=64)
+    for _ in range(calls):
+        latent_attention_triton(*args, config=cfg)
+    torch.cuda.synchronize()
+    print("profile", b, t, layout, {k: v for k, v in lat._LAST_LAUNCH.items() if isinstance(v, (int, bool, str))},
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true")
@@ -235,7 +255,8 @@ def main() -> int:
     ap.add_argument("--programs", default="3072")
     ap.add_argument("--maxnregs", default="0", help="DecodeConfig.maxnreg_m values (0: None, the compiler's choice)")
     ap.add_argument("--layouts", default="row-major,unit-major", help="latent layouts of the MMA rows")
-    ap.add_argument("--aheads", default="1", help="DecodeConfig.ahead_m values (unit-major)")
+    ap.add_argument("--split-d", default="-", help="DecodeConfig.reduce_split_d values (1 / 0 / -: the default)")
+    ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -243,11 +264,13 @@ def main() -> int:
     ok = True
     if a.check:
         ok = run_check(a.out)
+    if a.profile:
+        run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1])
     if a.sweep:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
                   [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
-                  [int(x) for x in a.aheads.split(",")])
+                  [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

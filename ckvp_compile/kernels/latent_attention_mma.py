@@ -473,31 +473,46 @@ def _mma_attention_kernel(
         m_i, l_q, n_q, acc, ve = _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_unit,
                                             ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, PLO, True)
 
-    _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, rows, LS, RV_PAD,
-                 False)
+    _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, False, G,
+                 GROUPS)
 
 
 @gluon.jit
-def _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, rows,
-                 LS: gl.constexpr, RV_PAD: gl.constexpr, UNIT: gl.constexpr):
-    """Store the split's value latent (unnormalised), in the latent's coordinate order, and m, l per (group, head).
-    Output column ``8i + n`` holds coordinate ``4n + i`` (row-major pass) or ``2(n + 8 (i // 2)) + i % 2``
-    (unit-major); odd i carry 16 * (code - 8); the weights carried vscale * 2^ve."""
+def _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split,
+                 LS: gl.constexpr, RV_PAD: gl.constexpr, UNIT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr):
+    """Store the split's value latent (unnormalised), in the latent's coordinate order, and m, l per query head,
+    at split ``c`` of ``n_split`` (rows ``((b Hkv + h) S + s_q) n_split + c``, G heads each). The slot groups' rows
+    (8 = GROUPS x G) are merged first (the max of their m; l and the value latent rescaled to it, FlashDecoding's
+    merge), so the merge kernel reads one split per program. Output column ``8i + n`` holds coordinate ``4n + i``
+    (row-major pass) or ``2(n + 8 (i // 2)) + i % 2`` (unit-major); odd i carry 16 * (code - 8); the weights carried
+    vscale * 2^ve."""
     o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
     LO: gl.constexpr = o.type.layout
-    ho = gl.arange(0, 8, layout=gl.SliceLayout(1, LO))
     jo = gl.arange(0, RV, layout=gl.SliceLayout(0, LO))
     colf = gl.where((jo // 8) % 2 == 1, 0.0625, 1.0) * _pow2(-ve)
     nsum = gl.convert_layout(gl.sum(n_q, axis=1), gl.SliceLayout(1, LO))
     o = o * colf[None, :] + nsum[:, None]
-    base8 = (((b * Hkv + h) * S + s_q) * n_split + c).to(gl.int64) * 8
+    l8 = gl.convert_layout(gl.sum(l_q, axis=1), gl.SliceLayout(1, LS))
+    m3 = gl.reshape(m_i, [GROUPS, G])
+    l3 = gl.reshape(l8, [GROUPS, G])
+    m_g = gl.max(m3, axis=0)  # (G,)
+    w = gl.exp2(m3 - gl.where(m_g == float("-inf"), 0.0, m_g)[None, :])  # 0 for a group with no slot
+    l_g = gl.sum(l3 * w, axis=0)
+    o3 = gl.reshape(o, [GROUPS, G, RV])
+    w3 = gl.convert_layout(w, gl.SliceLayout(2, o3.type.layout))
+    o_g = gl.sum(o3 * w3[:, :, None], axis=0)  # (G, RV)
+    LG: gl.constexpr = o_g.type.layout
+    hg = gl.arange(0, G, layout=gl.SliceLayout(1, LG))
+    jg = gl.arange(0, RV, layout=gl.SliceLayout(0, LG))
     if UNIT:
-        vcoord = 2 * (jo % 8 + 8 * (jo // 16)) + (jo // 8) % 2
+        vcoord = 2 * (jg % 8 + 8 * (jg // 16)) + (jg // 8) % 2
     else:
-        vcoord = 4 * (jo % 8) + jo // 8
-    gl.store(acc_ptr + (base8 + ho)[:, None] * RV_PAD + vcoord[None, :], o)
-    gl.store(m_ptr + base8 + rows, m_i)
-    gl.store(l_ptr + base8 + rows, gl.convert_layout(gl.sum(l_q, axis=1), gl.SliceLayout(1, LS)))
+        vcoord = 4 * (jg % 8) + jg // 8
+    base = (((b * Hkv + h) * S + s_q) * n_split + c).to(gl.int64) * G
+    gl.store(acc_ptr + (base + hg)[:, None] * RV_PAD + vcoord[None, :], o_g)
+    gm = gl.arange(0, G, layout=m_g.type.layout)
+    gl.store(m_ptr + base + gm, m_g)
+    gl.store(l_ptr + base + gl.arange(0, G, layout=l_g.type.layout), l_g)
 
 
 # ---- unit-major latents: each byte column of a latent contiguous over the slots of a sequence (of a page)
@@ -668,16 +683,17 @@ def _mma_unit_kernel(
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
-    COL_V: gl.constexpr, AHEAD: gl.constexpr = 1,
+    COL_V: gl.constexpr,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
     Every load of a 64-slot tile reads whole 32-byte sectors of one head's columns (keys 8 words a lane, values 8,
     the four fp16 fields 4 or 8 each, G = 8 the more), where row-major rows spread one head's 40 bytes a slot over
     four sectors shared with the other heads. Same grid, arguments (strides of sequences / pages in 4-byte words;
-    field bases in fp16 units) and outputs; tiles of 64 slots (NT = G column tiles a slot group). AHEAD: unmasked
-    tiles loaded ahead of the one computed (1 or 2; 2 was 6-10% slower on the H200, r13 of
-    benchmarks/results/2026-12-04-unit-major-h200)."""
+    field bases in fp16 units) and outputs; tiles of 64 slots (NT = G column tiles a slot group), the next
+    unmasked tile's loads issued before the current one is computed. (Two tiles ahead, two tiles a loop iteration,
+    and a cp.async pipeline through shared memory 4 stages deep were each correct and 0-10% slower on the H200:
+    benchmarks/results/2026-12-04-unit-major-h200, r13-r15.)"""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -761,24 +777,7 @@ def _mma_unit_kernel(
 
     t_start, t_end, fast_end = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT)
     all_s = tok_s >= 0
-    if fast_end > t_start and AHEAD == 2:  # two tiles in flight while one is computed
-        kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-        tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
-        kb0, vb0, idx_b = _unit_base(gl.minimum(t_start + 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
-                                     stride_lvb, PAGE)
-        tile_b = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
-        for t in range(t_start, fast_end):
-            wk, wv, ks, km, vs, vm = tile_a
-            idx_c = idx_a
-            tile_a = tile_b
-            idx_a = idx_b
-            kb1, vb1, idx_b = _unit_base(gl.minimum(t + 2, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
-                                         stride_lvb, PAGE)
-            tile_b = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
-            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
-                                                sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, PAGE > 0)
-    elif fast_end > t_start:
+    if fast_end > t_start:  # one tile loaded ahead of the one computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
         for t in range(t_start, fast_end):
@@ -803,8 +802,8 @@ def _mma_unit_kernel(
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
                                             PLO, True, True)
-    _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, rows, LS, RV_PAD,
-                 True)
+    _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
+                 GROUPS)
 
 
 def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, layouts: tuple,
@@ -885,14 +884,14 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
-                     unit_major: bool = False, ahead: int = 1):
+                     unit_major: bool = False):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
         group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
             per page (0: a static cache); row_k / row_v: the latents' row strides in 4-byte words (40: 8 KV heads
             of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
-            a page), ``ahead`` tiles loaded ahead.
+            a page).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -911,11 +910,10 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
-        sig.update(COL_K="constexpr", COL_V="constexpr", AHEAD="constexpr")
+        sig.update(COL_K="constexpr", COL_V="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
-                             constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
-                                             AHEAD=ahead))
+                             constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

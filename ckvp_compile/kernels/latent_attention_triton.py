@@ -154,7 +154,10 @@ class DecodeConfig:
     reduce_split_d: the merge kernel
     runs one program per 32-channel slice of the output as well (at batch 1 the merge has only B*Hkv*S programs,
     16 for a 16-KV-head model; H200, benchmarks/results/2026-11-30-latent-attention-v2-h200: 6% faster calls at
-    batch 1, 4k, neutral at batch 8, 32k); r_loop: rebuild keys over the rank chunks in a runtime loop
+    batch 1, 4k, neutral at batch 8, 32k); None (the default): split where the B*Hkv*S rows are fewer than the
+    device's SMs (and always off CUDA), since each slice repeats the whole merge (H200, 32:8 heads, the MMA pass's
+    partials: 8.4 us split against 11.1 not at batch 8, 12.2 not split against 16.5 at batch 32;
+    benchmarks/results/2026-12-04-unit-major-h200, r15); r_loop: rebuild keys over the rank chunks in a runtime loop
     (one ``block_r`` chunk of latent and basis live at a time, its loads software-pipelined over ``num_stages``,
     and only the chunks the KV head's rank reaches: rank 96 in chunks of 32 runs 3, not the padded 128's 4)
     instead of an unrolled one (no effect with a hoisted basis, which is one chunk); key_tiles: tiles per key-pass
@@ -247,11 +250,7 @@ class DecodeConfig:
     own kernel for unit-major latents, 1.4x faster there); it takes precedence over ``words`` and the rest.
     ``block_n_m`` (slots per tile of row-major latents: 64 or 128; unit-major tiles are 64), ``programs_m`` (about
     this many one-warp programs in all; ``split`` fixes the count instead), ``min_tiles_m`` (tiles per program
-    at least), ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) and ``ahead_m``
-    (unit-major: tiles loaded ahead of the one computed, 1 or 2) apply to it.
-
-    Raises:
-        ValueError: ``ahead_m`` not 1 or 2."""
+    at least) and ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -274,7 +273,7 @@ class DecodeConfig:
     fma_values: bool = False
     key_fp16: bool = False
     key_codes: bool = False
-    reduce_split_d: bool = True
+    reduce_split_d: bool | None = None
     r_loop: bool = False
     key_tiles: int | None = None
     maxnreg: int | None = None
@@ -306,11 +305,6 @@ class DecodeConfig:
     programs_m: int = 3072
     min_tiles_m: int = 4
     maxnreg_m: int | None = None
-    ahead_m: int = 1
-
-    def __post_init__(self) -> None:
-        if self.ahead_m not in (1, 2):
-            raise ValueError(f"DecodeConfig.ahead_m must be 1 or 2 (tiles loaded ahead), got {self.ahead_m!r}")
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -2115,6 +2109,14 @@ def _reg_cap(maxnreg: int | None) -> dict:
     return {} if maxnreg is None or _interpreting() else {"maxnreg": int(maxnreg)}
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; off CUDA (the interpreter) a count no row count reaches."""
+    if device.type != "cuda":
+        return 1 << 30
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(int(x), 1)))
 
@@ -2397,10 +2399,10 @@ def _launch(
     block_n_v = cfg.block_n_v or cfg.block_n
     block_n_one = cfg.block_n  # one pass: its tiles carry the values too
     target_v = (cfg.target_programs_v or cfg.target_programs) if cfg.two_pass else cfg.target_programs
-    if mma is not None:  # the MMA pass, one KV head per one-warp program; each slot group stores its own split
+    if mma is not None:  # the MMA pass, one KV head per one-warp program (its slot groups merged in the kernel)
         n_split_m, tiles_per_split = mma["module"].mma_splits(kv_len, mma["BT"], b * hkv * s, cfg.programs_m,
                                                               cfg.split, cfg.min_tiles_m)
-        n_split = n_split_m * mma["GROUPS"]
+        n_split = n_split_m  # (the kernel merges its slot groups before it stores a split)
     elif words is not None:  # the word pass, one KV head per program: its own split of the context
         n_split, tiles_per_split = context_splits(cfg, kv_len, words["NG"] * _np2(max(16, cfg.block_n_w)),
                                                   b * hkv * s, cfg.target_programs)
@@ -2530,7 +2532,7 @@ def _launch(
         if mma["UNIT"]:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
-                COL_V=latent_v.stride(-1), AHEAD=cfg.ahead_m, num_warps=1, **_reg_cap(cfg.maxnreg_m))
+                COL_V=latent_v.stride(-1), num_warps=1, **_reg_cap(cfg.maxnreg_m))
         else:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_attention_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True,
@@ -2686,12 +2688,16 @@ def _launch(
             **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
                    ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
     if not fuse:
+        split_d = cfg.reduce_split_d
+        if split_d is None:
+            split_d = rows < _sm_count(q.device)
+        _LAST_LAUNCH["reduce_split_d"] = split_d
         _LAST_LAUNCH["reduce"] = _latent_attention_reduce_kernel[
-            (b * hkv, s, d_pad // block_d if cfg.reduce_split_d else 1)](
+            (b * hkv, s, d_pad // block_d if split_d else 1)](
             q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
             hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
             *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
-            G_PAD=g_pad, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d, SPLIT_D=cfg.reduce_split_d,
+            G_PAD=g_pad, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d, SPLIT_D=split_d,
             MASK=mask_kind, BV_EXACT=bv_exact, F32_DOT=f32_dot, num_warps=4, NB=nb, G_LOOP=_np2(g, 1),
             SPLIT_BLOCK=split_block,
         )

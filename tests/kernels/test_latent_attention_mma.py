@@ -216,15 +216,6 @@ def test_split_plan_stays_inside_the_grid_limit():
     assert n <= lam.MAX_GRID_Y and n * per >= 70000
 
 
-def test_config_refuses_a_prefetch_depth_the_kernel_has_no_code_for():
-    from ckvp_compile.kernels import latent_attention_triton as lat
-
-    assert lat.DecodeConfig(ahead_m=2).ahead_m == 2
-    for bad in (0, 3):
-        with pytest.raises(ValueError, match="ahead_m"):
-            lat.DecodeConfig(ahead_m=bad)
-
-
 def test_launcher_leaves_cpu_calls_to_the_other_passes():
     from ckvp_compile.bench.attention import make_inputs
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -254,20 +245,6 @@ def test_compiles_for_sm90_without_spills(g, nt, page, unit):
     assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
     if unit:  # each lane reads 16 bytes of a value column and 8 of a key column at once
         assert "ld.global.v4.b32" in k.asm["ptx"] and "ld.global.v2.b32" in k.asm["ptx"]
-
-
-def test_unit_major_two_tiles_ahead_compiles_without_spills():
-    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
-
-    why = sm90_compile_available()
-    if why:
-        pytest.skip(why)
-    one = lam.compile_for_sm90(4, 4, 0, unit_major=True)
-    two = lam.compile_for_sm90(4, 4, 0, unit_major=True, ahead=2)
-    s1, s2 = ptxas_stats(one.asm["ptx"]), ptxas_stats(two.asm["ptx"])
-    assert s2["spill_store_bytes"] in (0, None), s2["ptxas"]
-    # the prologue issues one more tile's loads: more global loads in the code than with one tile ahead
-    assert s2["sass_ops"]["LDG"] > s1["sass_ops"]["LDG"]
 
 
 # ---- unit-major latents (_mma_unit_kernel): the operands built from the loaded words, mirrored in numpy. gl.join

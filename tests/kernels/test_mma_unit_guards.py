@@ -257,6 +257,10 @@ def test_static_cache_launch_reads_the_named_bytes(recorded, g, hkv):
     assert kw["G"] == g and kw["PAGE"] == 0 and a[15] == 192 and a[14] == kv_len
     n_split_m, per = a[17], a[16]
     assert grid == (hkv, n_split_m, 2 * 1) and (n_split_m - 1) * per < -(-kv_len // 64) <= n_split_m * per
+    # the kernel merges its slot groups before it stores: one split of G rows per program, all the merge reads
+    (_, ra, _), = recorded["reduce"].calls
+    assert ra[6] is a[6] and ra[7] is a[7] and ra[8] is a[8] and ra[13] == n_split_m
+    assert a[6].numel() == 2 * hkv * 1 * n_split_m * g and a[8].numel() == a[6].numel() * 32
     _check_reads(call, "k", uk[1:], bk, args[5], lambda b, s: args[1][1 + b, s])
     _check_reads(call, "v", uv[1:], bv, args[6], lambda b, s: args[2][1 + b, s])
 
