@@ -158,7 +158,8 @@ def _versions() -> dict:
 
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
-              maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,)) -> None:
+              maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,),
+              merges: list[bool | None] = (None,)) -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -185,9 +186,12 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                         if lay == "unit-major" and bn != 64:  # (64-slot tiles only)
                             continue
                         for sd in split_d:  # None: the default (the launcher's choice for the MMA pass)
-                            configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} split_d={sd} {lay}",
-                                            DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, maxnreg_m=mr,
-                                                         **({} if sd is None else {"reduce_split_d": sd}))))
+                            for one in merges:
+                                configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} split_d={sd} one_pass={one}"
+                                                f" {lay}", DecodeConfig(mma=True, block_n_m=bn, programs_m=pr,
+                                                                        maxnreg_m=mr, one_pass_merge=one,
+                                                                        **({} if sd is None else
+                                                                           {"reduce_split_d": sd}))))
         um_args = None
         if "unit-major" in layouts:
             from ckvp_compile.kernels.latent_layout import to_layout
@@ -256,6 +260,7 @@ def main() -> int:
     ap.add_argument("--maxnregs", default="0", help="DecodeConfig.maxnreg_m values (0: None, the compiler's choice)")
     ap.add_argument("--layouts", default="row-major,unit-major", help="latent layouts of the MMA rows")
     ap.add_argument("--split-d", default="-", help="DecodeConfig.reduce_split_d values (1 / 0 / -: the default)")
+    ap.add_argument("--merges", default="-", help="DecodeConfig.one_pass_merge values (1 / 0 / -: the default)")
     ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
     a = ap.parse_args()
     if a.out:
@@ -270,7 +275,8 @@ def main() -> int:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
                   [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
-                  [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")])
+                  [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")],
+                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

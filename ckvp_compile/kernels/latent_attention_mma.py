@@ -22,11 +22,13 @@ value latent ``scale * (code - 8) + (min + 8 * scale)``. What differs is where t
   V's operand built from one half-word of each of two slots (one ``prmt``): half-word ``g`` (latent coordinates
   ``4g .. 4g+3``) serves mma coordinates ``g + 8i``; the value latent is stored back in the latent's order;
 * at G = 4 (G = 2) two (four) groups of slots share one score product through a block-diagonal folded query, so
-  all 8 query rows are real; each group keeps its own softmax state and is stored as its own split, which the
-  merge (``latent_attention_triton._latent_attention_reduce_kernel``) combines with the others;
+  all 8 query rows are real; each group keeps its own softmax state, and the groups are merged (rescaled to the
+  larger max) before the split is stored, for the merge kernel (``latent_attention_triton``'s
+  ``_latent_attention_reduce_kernel`` or ``_merge_splits_kernel``) to combine with the other splits;
 * one warp per program, no shared memory; the next tile's loads are issued before the current tile is computed.
-  (A ``cp.async`` staging of the tiles through shared memory was 3-4x slower on the H200 and was removed:
-  benchmarks/results/2026-12-04-mma-h200, r5.)
+  (A ``cp.async`` staging of the tiles through shared memory was 3-4x slower on the H200 with 4-byte copies,
+  benchmarks/results/2026-12-04-mma-h200, r5, and 0-5% slower with 16-byte copies of every unit-major tile,
+  benchmarks/results/2026-12-04-unit-major-h200, r15; both were removed.)
 
 Two kernels read two latent layouts (:mod:`.latent_layout`):
 
@@ -52,10 +54,11 @@ the rows they share (each reads its head's 16 bytes of every slot) are read from
 pages, whose zero rows score 0 as in the other passes).
 
 Measured (H200, Triton 3.6, 32:8 heads, int4/32 rank 32, one whole call in CUDA-graph replay;
-benchmarks/results/2026-12-04-unit-major-h200, r12): unit-major batch 8, 32k 0.055 ms, batch 32, 128k 0.608 ms
-(38.6% and 52.3% of the copy bandwidth, 4.3x and 6.0x dense SDPA); row-major 0.079 and 0.898 ms; the word pass
-0.199 and 2.914 ms. The prototype (benchmarks/mma_pass_proto.py, its own head-major layout) read at 61-72% with
-its main pass alone.
+benchmarks/results/2026-12-04-unit-major-h200, r18): unit-major batch 8, 32k 0.050 ms, batch 32, 128k 0.610 ms
+(41.0% and 51.6% of the copy bandwidth, 4.9x and 6.1x dense SDPA); row-major about 1.45x slower; the word pass
+0.199 and 2.914 ms. The pass is bound by its instructions (about 625 SASS a 64-slot tile) and each tile's dependent
+chain, not by bytes in flight: a cp.async pipeline through shared memory was no faster (r14, r15). The prototype
+(benchmarks/mma_pass_proto.py, its own head-major layout) read at 61-72% with its main pass alone.
 
 Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
 FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
@@ -372,10 +375,9 @@ def _mma_attention_kernel(
     the tile); ROW_K / ROW_V the rows' strides in 4-byte words (compile-time: the element offsets of a tile become
     immediates), stride_lkb / stride_lvb the sequences' (pages') strides in words, scale / min bases in fp16 units;
     kmeta / vmeta (Hkv, 3) int32 (first code byte, first block, rank); slots (n_exact,) exact tokens' slots (-1
-    unused), skipped here. Stores m, l (rows, n_split * GROUPS, G) and acc (rows, n_split * GROUPS, G, RV_PAD) fp32
-    (rows = B*Hkv*S; each slot group of a split stored as its own split, log2 units, the value latent unnormalised,
-    in the latent's coordinate order): the workspace of ``latent_attention_triton._latent_attention_reduce_kernel``.
-    RV_PAD must be 32."""
+    unused), skipped here. Stores m, l (rows, n_split, G) and acc (rows, n_split, G, RV_PAD) fp32 (rows =
+    B*Hkv*S; the slot groups of a split merged, log2 units, the value latent unnormalised, in the latent's
+    coordinate order): the workspace of ``latent_attention_triton``'s merge kernels. RV_PAD must be 32."""
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
     BT: gl.constexpr = 8 * NT * GROUPS

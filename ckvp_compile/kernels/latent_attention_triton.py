@@ -157,7 +157,11 @@ class DecodeConfig:
     batch 1, 4k, neutral at batch 8, 32k); None (the default): split where the B*Hkv*S rows are fewer than the
     device's SMs (and always off CUDA), since each slice repeats the whole merge (H200, 32:8 heads, the MMA pass's
     partials: 8.4 us split against 11.1 not at batch 8, 12.2 not split against 16.5 at batch 32;
-    benchmarks/results/2026-12-04-unit-major-h200, r15); r_loop: rebuild keys over the rank chunks in a runtime loop
+    benchmarks/results/2026-12-04-unit-major-h200, r15); one_pass_merge: merge the splits with
+    ``_merge_splits_kernel`` (one pass over the partials, each exact token's score computed once) where the call has
+    no attention mask; None (the default): for the MMA pass where the merge is not split over D (H200, batch 32,
+    32:8 heads: 7.1 us against 12.0; split over D at batch 8 the per-head merge is faster, 8.3 us against 12.6;
+    r17 of the same results); r_loop: rebuild keys over the rank chunks in a runtime loop
     (one ``block_r`` chunk of latent and basis live at a time, its loads software-pipelined over ``num_stages``,
     and only the chunks the KV head's rank reaches: rank 96 in chunks of 32 runs 3, not the padded 128's 4)
     instead of an unrolled one (no effect with a hoisted basis, which is one chunk); key_tiles: tiles per key-pass
@@ -274,6 +278,7 @@ class DecodeConfig:
     key_fp16: bool = False
     key_codes: bool = False
     reduce_split_d: bool | None = None
+    one_pass_merge: bool | None = None
     r_loop: bool = False
     key_tiles: int | None = None
     maxnreg: int | None = None
@@ -1574,6 +1579,119 @@ def _latent_attention_reduce_kernel(
                False)
 
 
+@triton.jit
+def _merge_splits_kernel(
+    # pointers
+    q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+    # sizes and scalars
+    Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
+    # strides
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_nkb, stride_nkh, stride_nks, stride_nkd,
+    stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+    stride_bvb, stride_bvh, stride_bvd, stride_bvr,
+    stride_ob, stride_oh, stride_os, stride_od,
+    # meta-parameters
+    G_PAD: tl.constexpr, G_SMALL: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    SPLIT_D: tl.constexpr,
+):
+    """The merge of :func:`_latent_attention_reduce_kernel` for calls without an attention mask, in one pass over
+    the partials (the MMA pass's merge). Same grid (B*Hkv, S, D_PAD / BLOCK_D if SPLIT_D else 1), workspaces, exact
+    tokens and output.
+
+    Each (split, query head, value coordinate) is one element of a (SPLIT_BLOCK, G_SMALL * RV_PAD) tile (the head's m
+    and l read per element, from L1): an online merge over the splits, SPLIT_BLOCK at a time, with no per-head loop
+    and no second pass for the max. The exact tokens' scores are computed once per block of NB tokens, their values
+    accumulated online in a (G_PAD, D) tile of their own, and the two parts combined at the end (FlashDecoding's
+    merge; Dao et al., 2023). Scores are in log2 units (``qk_scale`` includes log2 e), as in the partials.
+    G_SMALL: next_pow2(G), the partials' tile; G_PAD (>= 16, the tensor cores' M): the products' rows."""
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    b = bh // Hkv
+    h = bh % Hkv
+    GR: tl.constexpr = G_SMALL * RV_PAD
+    gr = tl.arange(0, GR)
+    gc = gr // RV_PAD  # each column's query head
+    col_ok = gc < G
+    row0 = (bh * S + s) * n_split
+    cb = tl.arange(0, SPLIT_BLOCK)
+    m_run = tl.full((GR,), float("-inf"), tl.float32)
+    l_run = tl.zeros((GR,), tl.float32)
+    a_run = tl.zeros((GR,), tl.float32)
+    for c0 in range(0, n_split, SPLIT_BLOCK):
+        c = c0 + cb
+        ok = (c < n_split)[:, None] & col_ok[None, :]
+        p_row = (row0 + c)[:, None] * G + gc[None, :]  # (SPLIT_BLOCK, GR): the partials' (split, head) rows
+        m_t = tl.load(m_ptr + p_row, mask=ok, other=float("-inf"))
+        l_t = tl.load(l_ptr + p_row, mask=ok, other=0.0)
+        a_t = tl.load(acc_ptr + p_row.to(tl.int64) * RV_PAD + (gr % RV_PAD)[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_t, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)  # 0 while m_run is -inf
+        w = tl.exp2(m_t - m_use[None, :])  # 0 for masked-off and empty splits
+        l_run = l_run * alpha + tl.sum(w * l_t, axis=0)
+        a_run = a_run * alpha + tl.sum(w * a_t, axis=0)
+        m_run = m_new
+    # per head: max and sum (equal over a head's columns) and value latent, as G_PAD rows (rows >= G_SMALL empty)
+    g = tl.arange(0, G_PAD)
+    REP: tl.constexpr = G_PAD // G_SMALL
+    m_p = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(m_run, (G_SMALL, RV_PAD)), axis=1)[None, :], (REP, G_SMALL)),
+                     (G_PAD,))
+    m_p = tl.where(g < G_SMALL, m_p, float("-inf"))
+    l_p = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(l_run, (G_SMALL, RV_PAD)), axis=1)[None, :], (REP, G_SMALL)),
+                     (G_PAD,))
+    l_p = tl.where(g < G_SMALL, l_p, 0.0)
+    acc = tl.reshape(tl.broadcast_to(tl.reshape(a_run, (G_SMALL, RV_PAD))[None, :, :], (REP, G_SMALL, RV_PAD)),
+                     (G_PAD, RV_PAD))
+    acc = tl.where((g < G_SMALL)[:, None], acc, 0.0)
+    head_ok = g < G
+    heads = h * G + g
+    d = tl.arange(0, D_PAD)
+    if SPLIT_D:
+        dd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    else:
+        dd = tl.arange(0, BLOCK_D)
+    rv = tl.arange(0, RV_PAD)
+    bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
+    pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
+                 mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+    o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
+    # the exact tokens, online in their own (max, sum, values)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + (heads * stride_qh)[:, None]
+                + (d * stride_qd)[None, :], mask=head_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    nk_head = nk_ptr + b.to(tl.int64) * stride_nkb + h * stride_nkh
+    nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
+    m_e = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_e = tl.zeros((G_PAD,), tl.float32)
+    o_e = tl.zeros((G_PAD, BLOCK_D), tl.float32)
+    for j0 in range(0, n_exact, NB):
+        sc = _exact_scores(q, head_ok, nk_head, slots_ptr, q_ptr, j0, n_exact, D, qk_scale, stride_nks, stride_nkd,
+                           0, D_PAD, NB, 0, F32_DOT)
+        m_new = tl.maximum(m_e, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_e - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        j = j0 + tl.arange(0, NB)
+        used = tl.load(slots_ptr + j, mask=j < n_exact, other=-1) >= 0  # unused entries: never read
+        v = tl.load(nv_head + j[:, None] * stride_nvs + (dd * stride_nvd)[None, :],
+                    mask=used[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+        l_e = l_e * alpha + tl.sum(p, axis=1)
+        o_e = _dot_split(p, v, o_e * alpha[:, None], False, False, F32_DOT)
+        m_e = m_new
+    m_all = tl.maximum(m_p, m_e)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w_p = tl.exp2(m_p - m_all)
+    w_e = tl.exp2(m_e - m_all)
+    l_all = l_p * w_p + l_e * w_e
+    o = o * w_p[:, None] + o_e * w_e[:, None]
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)  # rows with no token: 0 (SDPA's math path)
+    out_row = out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + heads * stride_oh
+    tl.store(out_row[:, None] + (dd * stride_od)[None, :], (o * inv[:, None]).to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & (dd < D)[None, :])
+
+
 # ------------------------------------------------------------------------------------------------ launcher
 
 
@@ -2129,6 +2247,9 @@ MERGE_TILE_VALUES = 8192
 FUSED_MERGE_TILE_VALUES = 2048
 #: Most splits per tile of partials in the merge.
 MAX_MERGE_SPLIT_BLOCK = 64
+#: Splits per tile of partials in the one-pass merge (:func:`_merge_splits_kernel`): fixed, so that a context that
+#: grows (and with it the split count) compiles no new merge kernel.
+MERGE_SPLITS_BLOCK = 32
 
 
 def merge_split_block(group: int, rv_pad: int, fused: bool = False) -> int:
@@ -2687,11 +2808,27 @@ def _launch(
             LOOP_STAGES=cfg.loop_stages_v if cfg.two_pass else cfg.loop_stages,
             **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
                    ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
+    one_pass_merge = split_d = False
     if not fuse:
         split_d = cfg.reduce_split_d
         if split_d is None:
             split_d = rows < _sm_count(q.device)
+        one_pass_merge = cfg.one_pass_merge
+        if one_pass_merge is None:  # the MMA pass's many splits, where the output is not split over D
+            one_pass_merge = mma is not None and not split_d
+        one_pass_merge = one_pass_merge and attn_mask is None
         _LAST_LAUNCH["reduce_split_d"] = split_d
+        _LAST_LAUNCH["one_pass_merge"] = one_pass_merge
+    if not fuse and one_pass_merge:
+        _LAST_LAUNCH["reduce"] = _merge_splits_kernel[(b * hkv, s, d_pad // block_d if split_d else 1)](
+            q, new_k, new_v, basis_v_block, slots, m_ws, l_ws, acc_ws, out,
+            hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
+            *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *out.stride(),
+            G_PAD=g_pad, G_SMALL=g_small, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d if split_d else d_pad,
+            BV_EXACT=bv_exact,
+            F32_DOT=f32_dot, NB=nb, SPLIT_BLOCK=MERGE_SPLITS_BLOCK, SPLIT_D=split_d, num_warps=4,
+        )
+    elif not fuse:
         _LAST_LAUNCH["reduce"] = _latent_attention_reduce_kernel[
             (b * hkv, s, d_pad // block_d if split_d else 1)](
             q, new_k, new_v, basis_v_block, slots, mask, m_ws, l_ws, acc_ws, out,
