@@ -78,7 +78,7 @@ def test_hf_families_equal_eager(family):
 
 
 @given(shape=moe_model_shapes(max_layers=8, hidden_matches_heads=True), family=st.sampled_from(HF_FAMILIES))
-@settings(max_examples=6)
+@settings(max_examples=4)
 def test_hf_random_shapes_equal_eager(shape, family):
     model = build_hf_moe(family, **shape)
     eager, compiled, rec = run_both(model)
@@ -90,7 +90,7 @@ def test_hf_random_shapes_equal_eager(shape, family):
 
 
 @given(shape=moe_model_shapes(max_layers=6), rope=st.sampled_from(["complex", "rotate_half"]))
-@settings(max_examples=4)
+@settings(max_examples=3)
 def test_gpt_fast_equal_eager(shape, rope):
     cfg = GptFastConfig(n_layer=shape["num_layers"], dim=shape["hidden"], n_head=shape["num_heads"],
                         n_local_heads=shape["num_kv_heads"], head_dim=shape["head_dim"],

@@ -63,7 +63,7 @@ def calib_samples(n=3, length=20):
 
 @given(shape=moe_model_shapes(max_layers=5, hidden_matches_heads=True), family=st.sampled_from(HF_FAMILIES),
        group_size=st.sampled_from([1, 2, 4]), batch=st.integers(1, 2))
-@settings(max_examples=5)
+@settings(max_examples=3)
 def test_hf_full_rank_equals_dense(shape, family, group_size, batch):
     model = build_hf_moe(family, **shape)
     bases = calibrate(model, calib_samples(), group_size=group_size, kv_ratio=1.0, progress=False)
@@ -86,7 +86,7 @@ def test_hf_full_rank_equals_dense(shape, family, group_size, batch):
 
 @given(shape=moe_model_shapes(max_layers=4), rope=st.sampled_from(["complex", "rotate_half"]),
        group_size=st.sampled_from([1, 2, 4]))
-@settings(max_examples=4)
+@settings(max_examples=3)
 def test_gpt_fast_full_rank_equals_dense(shape, rope, group_size):
     torch.manual_seed(0)
     model = GptFastMoE(GptFastConfig.from_shape(shape, rope_form=rope)).eval()

@@ -59,7 +59,7 @@ def _model(shape, family, group_size, seed=0):
 
 @given(shape=moe_model_shapes(max_layers=3, hidden_matches_heads=True), family=st.sampled_from(HF_FAMILIES),
        group_size=st.sampled_from([1, 2]), batch=st.integers(1, 2))
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 def test_a_window_covering_the_sequence_is_exact_at_low_rank(shape, family, group_size, batch):
     model, bases = _model(shape, family, group_size)
     ids = torch.randint(0, 256, (batch, PROMPT))
@@ -74,7 +74,9 @@ def test_a_window_covering_the_sequence_is_exact_at_low_rank(shape, family, grou
         assert not g.fell_back and g.dynamo_after.count("ckvp.window_append") == shape["num_layers"], g.fell_back
 
 
-@pytest.mark.parametrize("family", HF_FAMILIES)
+# two families, without and with q/k norms: the ring and its reads do not depend on the family (the covering-window
+# property above runs random families)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_a_short_window_is_lossy_but_closer_to_dense(family):
     shape = dict(head_dim=16, num_heads=4, num_kv_heads=2, hidden=64, num_experts=4, top_k=2, ffn=32, num_layers=2)
     model, bases = _model(shape, family, 2, seed=1)

@@ -119,7 +119,9 @@ def _main() -> None:
                            align_hint=draw(st.booleans()))
         return p, cfg
 
-    n = int(os.environ.get("CKVP_ABSORBED_EXAMPLES", "20"))
+    # 11: the derandomized draws past the eleventh were variations of it and of one other case (formats, seeds), at
+    # up to four times the interpreter time of each of the first ten
+    n = int(os.environ.get("CKVP_ABSORBED_EXAMPLES", "11"))
 
     @settings(max_examples=n, deadline=None, derandomize=True, database=None)
     @given(cases())

@@ -187,7 +187,8 @@ def _main() -> None:
                            loop_stages_l=draw(st.sampled_from((None, 2))))
         return p, cfg
 
-    n = int(os.environ.get("CKVP_LANES_EXAMPLES", "14"))
+    # 12: the derandomized draws past the twelfth were variations of it (the GQA case of ratio 4, s = 3)
+    n = int(os.environ.get("CKVP_LANES_EXAMPLES", "12"))
 
     @settings(max_examples=n, deadline=None, derandomize=True, database=None)
     @given(cases())
