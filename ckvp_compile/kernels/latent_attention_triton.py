@@ -85,7 +85,7 @@ import triton.language as tl
 from .device_cache import check_not_capturing
 from .latent_format import parse_latent_format
 from .latent_layout import layout_of
-from .reference import LOG2E, MASK_CLAMP, ROPE_FORMS
+from .reference import ROPE_FORMS
 
 __all__ = ["DecodeConfig", "context_splits", "declare_paired_tables", "default_config", "head_group_window",
            "latent_attention_from_scores_triton", "latent_attention_triton", "latent_scores_triton",
@@ -827,19 +827,14 @@ def _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, slot_ok, rot_ok, 
     return w
 
 
-_MASK_CLAMP = tl.constexpr(MASK_CLAMP)
-_LOG2E = tl.constexpr(LOG2E)
-
-
 @triton.jit
 def _additive_log2(mv):
     """An additive attention mask (natural-log units, any float dtype) in log2 units, fp32. Finite values are clamped
-    at ``reference.MASK_CLAMP`` first, so that a large finite mask (HF fills masked positions with
-    ``finfo(float32).min``) stays finite after the conversion instead of overflowing to -inf: a row masked wholly by
-    such values then averages its slots uniformly, as eager attention and the reference do, instead of coming out
-    as zeros. -inf stays -inf."""
+    at -2.3e38 first, so that a large finite mask (HF fills masked positions with ``finfo(float32).min``) stays
+    finite after the conversion instead of overflowing to -inf: a row masked wholly by such values then averages
+    its slots uniformly, as eager attention and the reference do, instead of coming out as zeros. -inf stays -inf."""
     x = mv.to(tl.float32)
-    return tl.where(x == float("-inf"), x, tl.maximum(x, _MASK_CLAMP)) * _LOG2E
+    return tl.where(x == float("-inf"), x, tl.maximum(x, -2.3e38)) * 1.4426950408889634
 
 
 @triton.jit
@@ -2830,7 +2825,8 @@ def _launch(
             hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
             *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *out.stride(),
             G_PAD=g_pad, G_SMALL=g_small, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d if split_d else d_pad,
-            BV_EXACT=bv_exact, F32_DOT=f32_dot, NB=nb, SPLIT_BLOCK=MERGE_SPLITS_BLOCK, SPLIT_D=split_d, num_warps=4,
+            BV_EXACT=bv_exact,
+            F32_DOT=f32_dot, NB=nb, SPLIT_BLOCK=MERGE_SPLITS_BLOCK, SPLIT_D=split_d, num_warps=4,
         )
     elif not fuse:
         _LAST_LAUNCH["reduce"] = _latent_attention_reduce_kernel[

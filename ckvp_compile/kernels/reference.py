@@ -544,10 +544,6 @@ def latent_attention_ref(
 
 #: log2(e): the two-pass form keeps scores in log2 units (softmax by exp2, as the kernels compute it)
 LOG2E = 1.4426950408889634
-#: Finite additive-mask values are clamped here before the conversion to log2 units (x LOG2E), so that HF's
-#: ``finfo(float32).min`` fill stays finite (a wholly masked row then averages its slots, as eager attention does);
-#: the kernels use the same constant (``latent_attention_triton._additive_log2``).
-MASK_CLAMP = -2.3e38
 
 
 def _mask_scores(sc: torch.Tensor, attn_mask: torch.Tensor | None, cols: torch.Tensor | None, b: int, hkv: int,
@@ -563,7 +559,7 @@ def _mask_scores(sc: torch.Tensor, attn_mask: torch.Tensor | None, cols: torch.T
     if m.dtype == torch.bool:
         return sc.masked_fill(~m, float("-inf"))
     m = m.float()  # finite values clamped so that finfo(float32).min stays finite in log2 units (as the kernels)
-    return sc + torch.where(m == float("-inf"), m, m.clamp_min(MASK_CLAMP)) * LOG2E
+    return sc + torch.where(m == float("-inf"), m, m.clamp_min(-2.3e38)) * LOG2E
 
 
 def latent_scores_ref(
