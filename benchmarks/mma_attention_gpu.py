@@ -6,10 +6,12 @@ heads; lengths that are and are not whole tiles; exact tokens at random slots; 1
 scattered and unmapped pages; padded rows; bf16 / fp16 / fp32 queries; tiny value scales; large queries; fixed and
 default splits; 64- and 128-slot tiles), each against ``latent_attention_ref`` (fp32) and required to have run the
 MMA kernel; then batch 8 at 32k and 128k (Mixtral-8x7B's 32:8 heads, int4/32 rank 32, post-RoPE keys) against the
-chunked reference. Exit 1 if any relative error exceeds 1e-3.
+chunked reference. ``--formats int8/32,int4/32``: both formats (8-bit cases unit-major, the pass's only layout for
+them). Exit 1 if any relative error exceeds 1e-3.
 
 ``--sweep``: CUDA-graph replay of one whole call (query fold, MMA pass, merge) per (batch, context, tile, program
-target), with the default config (the word pass) and dense SDPA in the same run; JSON rows to ``--out``.
+target), with the default config (the word pass) and dense SDPA in the same run; JSON rows to ``--out``. A layout
+``unit-major@64`` puts the latents in a pool of 64-slot pages (``bench.attention.paged_latents``).
 
 Usage (device tool, repository root): ``PYTHONPATH=. python3 benchmarks/mma_attention_gpu.py --check --sweep --out
 $OUT/mma``.
@@ -39,8 +41,9 @@ def _cuda(args):
     return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def check_cases(n: int, seed: int = 0) -> list[dict]:
-    """Random small cases (the keys of tests/kernels/test_latent_attention_triton.py's ``_inputs``)."""
+def check_cases(n: int, seed: int = 0, formats: tuple[str, ...] = ("int4/32",)) -> list[dict]:
+    """Random small cases (the keys of tests/kernels/test_latent_attention_triton.py's ``_inputs``); 8-bit formats
+    only in unit-major latents (the only layout the pass reads them in)."""
     rng = random.Random(seed)
     cases = []
     for i in range(n):
@@ -54,13 +57,16 @@ def check_cases(n: int, seed: int = 0) -> list[dict]:
         extra = rng.choice((0, 0, 3, 64, 200))
         if not page and kv_len + extra < block_n:
             extra = block_n - kv_len + rng.choice((0, 5))
+        fmt = rng.choice(formats)
         layout = rng.choice(("row-major", "padded", "unit-major", "unit-major"))
+        if fmt.startswith("int8"):
+            layout = "unit-major"
         if layout == "unit-major" and not page:  # byte columns of a multiple of 64 slots
             extra += -(kv_len + extra) % 64
         cases.append(dict(
             seed=1000 * seed + i, b=rng.choice((1, 2, 3)), hkv=hkv, ratio=ratio,
             d=rng.choice((64, 128)), kv_len=kv_len, s=rng.choice((1, 1, 1, 2)), extra=extra, rk=[32] * hkv,
-            rv=[32] * hkv, kfmt="int4/32", vfmt="int4/32", rope="none", rd=0, mask=None, mask_shape="bhsk",
+            rv=[32] * hkv, kfmt=fmt, vfmt=fmt, rope="none", rd=0, mask=None, mask_shape="bhsk",
             mask_p=0.0, dtype=rng.choice((torch.bfloat16, torch.bfloat16, torch.float16, torch.float32)),
             pos_dtype=torch.int32, win=rng.choice((0, 0, 3, 17)), unused=rng.choice((0, 0, 1)), page=page,
             layout=layout, q_scale=rng.choice((1.0, 1.0, 30.0)),
@@ -70,7 +76,7 @@ def check_cases(n: int, seed: int = 0) -> list[dict]:
     return cases
 
 
-def run_check(out_dir: str | None) -> bool:
+def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> bool:
     from test_latent_attention_triton import _expected, _inputs, _paged
 
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -85,7 +91,7 @@ def run_check(out_dir: str | None) -> bool:
         return z[..., :w].copy_(t)
 
     rows, ok = [], True
-    for p in check_cases(int(os.environ.get("MMA_CASES", "80"))):
+    for p in check_cases(int(os.environ.get("MMA_CASES", "80")), formats=formats):
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
                            maxnreg_m=p["maxnreg"], **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
         args = _inputs(p)
@@ -117,8 +123,8 @@ def run_check(out_dir: str | None) -> bool:
     big = []
     from ckvp_compile.bench.attention import make_inputs, ref_chunked, rel_err
 
-    for b, t in ((8, 32768), (8, 131072), (32, 32768)):
-        args = make_inputs(b, t, "int4/32", 32, seed=7, heads=(32, 8), rope="none")
+    for (b, t), fmt in [(bt, f) for f in formats for bt in ((8, 32768), (8, 131072), (32, 32768))]:
+        args = make_inputs(b, t, fmt, 32, seed=7, heads=(32, 8), rope="none")
         args32 = (args[0].float(),) + args[1:]  # fp32 queries: fp32 outputs, no output rounding in the error
         want, want32 = ref_chunked(args, 2), ref_chunked(args32, 2)
         words = latent_attention_triton(*args, config=DecodeConfig(words=True, block_n_w=64))
@@ -126,7 +132,9 @@ def run_check(out_dir: str | None) -> bool:
         del words
         from ckvp_compile.kernels.latent_layout import to_layout
 
-        for bn, lay in ((64, "row-major"), (128, "row-major"), (64, "unit-major")):
+        lays = ((64, "unit-major"),) if fmt.startswith("int8") else ((64, "row-major"), (128, "row-major"),
+                                                                      (64, "unit-major"))
+        for bn, lay in lays:
             cfg = DecodeConfig(mma=True, block_n_m=bn)
             a_, a32 = args, args32
             if lay != "row-major":
@@ -139,7 +147,8 @@ def run_check(out_dir: str | None) -> bool:
             del a_, a32
             good = ran and err32 <= TOL and err <= max(TOL, 1.1 * err_words)
             ok &= good
-            r = dict(b=b, t=t, block_n=bn, layout=lay, rel_err_fp32_out=err32, rel_err_bf16_out=err, rel_err_words_bf16_out=err_words,
+            r = dict(b=b, t=t, format=fmt, block_n=bn, layout=lay, rel_err_fp32_out=err32, rel_err_bf16_out=err,
+                     rel_err_words_bf16_out=err_words,
                      ran_mma=ran, n_split=lat._LAST_LAUNCH.get("n_split"))
             big.append(r)
             print(("ok  " if good else "BAD ") + json.dumps(r), flush=True)
@@ -159,9 +168,9 @@ def _versions() -> dict:
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
               maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,),
-              merges: list[bool | None] = (None,)) -> None:
+              merges: list[bool | None] = (None,), fmt: str = "int4/32") -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
-                                              make_inputs)
+                                              make_inputs, paged_latents)
     from ckvp_compile.kernels import latent_attention_triton as lat
     from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, default_config, latent_attention_triton
 
@@ -169,7 +178,7 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for b, t in shapes:
-        args = make_inputs(b, t, "int4/32", 32, seed=3, heads=(32, 8), rope="none")
+        args = make_inputs(b, t, fmt, 32, seed=3, heads=(32, 8), rope="none")
         q = args[0]
         k = torch.randn(b, 8, t, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -183,7 +192,7 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
             for pr in programs:
                 for mr in maxnregs:
                     for lay in layouts:
-                        if lay == "unit-major" and bn != 64:  # (64-slot tiles only)
+                        if lay.startswith("unit-major") and bn != 64:  # (64-slot tiles only)
                             continue
                         for sd in split_d:  # None: the default (the launcher's choice for the MMA pass)
                             for one in merges:
@@ -193,43 +202,47 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                                                                         **({} if sd is None else
                                                                            {"reduce_split_d": sd}))))
         um_args = None
-        if "unit-major" in layouts:
+        if "unit-major" in layouts:  # ("<layout>@<P>": page pools of P slots, bench.attention.paged_latents)
             from ckvp_compile.kernels.latent_layout import to_layout
 
             um_args = (args[0], to_layout(args[1], "unit-major"), to_layout(args[2], "unit-major")) + tuple(args[3:])
+        paged = {lay: paged_latents(args, int(lay.split("@")[1]), lay.split("@")[0]) for lay in layouts if "@" in lay}
         for name, cfg in configs:
+            kw = {}
             args_c = um_args if name.endswith("unit-major") else args
+            if "@" in name.split()[-1]:
+                args_c, kw["page_table"] = paged[name.split()[-1]]
             try:
                 lat._LAST_LAUNCH.clear()
-                latent_attention_triton(*args_c, config=cfg)
+                latent_attention_triton(*args_c, config=cfg, **kw)
                 ran = {key: bool(lat._LAST_LAUNCH.get(key)) for key in ("mma", "words")}
                 n_split = lat._LAST_LAUNCH.get("n_split")
                 kern = lat._LAST_LAUNCH.get("mma_kernel") or lat._LAST_LAUNCH.get("words_kernel")
                 regs = getattr(kern, "n_regs", None)
-                ms = graph_bench(lambda: latent_attention_triton(*args_c, config=cfg))
+                ms = graph_bench(lambda: latent_attention_triton(*args_c, config=cfg, **kw))
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"{b}x{t} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            nb = kernel_bytes(args_c, n_split, 32)
-            row = dict(b=b, t=t, config=name, ms=ms, n_split=n_split, regs=regs, **ran,
+            nb = kernel_bytes(args, n_split, 32)  # (the static rows: a pool holds the same bytes)
+            row = dict(b=b, t=t, format=fmt, config=name, ms=ms, n_split=n_split, regs=regs, **ran,
                        bytes_latent=nb["latent"], bytes_total=nb["total"],
                        copy_share=nb["total"] / (ms * 1e-3) / bw, dense_ms=dense_ms, dense=dense,
                        speedup=dense_ms / ms, byte_ratio=dense_bytes / nb["latent"])
             row["speedup_over_byte_ratio"] = row["speedup"] / row["byte_ratio"]
             try:  # device time of each launch of the call (query fold, pass, merge), torch.profiler
-                row["kernel_us"] = kernel_times(lambda: latent_attention_triton(*args_c, config=cfg))
+                row["kernel_us"] = kernel_times(lambda: latent_attention_triton(*args_c, config=cfg, **kw))
             except Exception as e:  # noqa: BLE001 - the profiler is optional here
                 row["kernel_us"] = f"{type(e).__name__}: {str(e)[:120]}"
             rows.append(row)
             print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "dense"}), flush=True)
-        del args, um_args
+        del args, um_args, paged
         torch.cuda.empty_cache()
     if out_dir:
         with open(os.path.join(out_dir, "sweep.json"), "w") as f:
             json.dump(dict(copy_Bps=bw, rows=rows, **_versions()), f, indent=1)
 
 
-def run_profile(shape: tuple[int, int], layout: str, calls: int = 3) -> None:
+def run_profile(shape: tuple[int, int], layout: str, calls: int = 3, fmt: str = "int4/32") -> None:
     """``calls`` eager calls of the MMA config at one (batch, context), for Nsight Compute (``-k`` picks the kernel,
     ``--launch-skip`` the call): no CUDA graphs, no dense baseline."""
     from ckvp_compile.bench.attention import make_inputs
@@ -237,13 +250,18 @@ def run_profile(shape: tuple[int, int], layout: str, calls: int = 3) -> None:
     from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, latent_attention_triton
     from ckvp_compile.kernels.latent_layout import to_layout
 
+    from ckvp_compile.bench.attention import paged_latents
+
     b, t = shape
-    args = make_inputs(b, t, "int4/32", 32, seed=3, heads=(32, 8), rope="none")
-    if layout != "row-major":
+    args = make_inputs(b, t, fmt, 32, seed=3, heads=(32, 8), rope="none")
+    kw = {}
+    if "@" in layout:
+        args, kw["page_table"] = paged_latents(args, int(layout.split("@")[1]), layout.split("@")[0])
+    elif layout != "row-major":
         args = (args[0], to_layout(args[1], layout), to_layout(args[2], layout)) + tuple(args[3:])
     cfg = DecodeConfig(mma=True, block_n_m=64)
     for _ in range(calls):
-        latent_attention_triton(*args, config=cfg)
+        latent_attention_triton(*args, config=cfg, **kw)
     torch.cuda.synchronize()
     print("profile", b, t, layout, {k: v for k, v in lat._LAST_LAUNCH.items() if isinstance(v, (int, bool, str))},
           flush=True)
@@ -258,9 +276,11 @@ def main() -> int:
     ap.add_argument("--block-ns", default="64,128")
     ap.add_argument("--programs", default="3072")
     ap.add_argument("--maxnregs", default="0", help="DecodeConfig.maxnreg_m values (0: None, the compiler's choice)")
-    ap.add_argument("--layouts", default="row-major,unit-major", help="latent layouts of the MMA rows")
+    ap.add_argument("--layouts", default="row-major,unit-major",
+                    help="latent layouts of the MMA rows; LAYOUT@P: page pools of P slots (sweep only)")
     ap.add_argument("--split-d", default="-", help="DecodeConfig.reduce_split_d values (1 / 0 / -: the default)")
     ap.add_argument("--merges", default="-", help="DecodeConfig.one_pass_merge values (1 / 0 / -: the default)")
+    ap.add_argument("--formats", default="int4/32", help="latent formats (int4/32, int8/32: unit-major only)")
     ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
     a = ap.parse_args()
     if a.out:
@@ -268,15 +288,15 @@ def main() -> int:
     t0 = time.time()
     ok = True
     if a.check:
-        ok = run_check(a.out)
+        ok = run_check(a.out, tuple(a.formats.split(",")))
     if a.profile:
-        run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1])
+        run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1], fmt=a.formats.split(",")[-1])
     if a.sweep:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
                   [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
                   [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")],
-                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")])
+                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[-1])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

@@ -70,7 +70,7 @@ from ckvp_compile.kernels import reference as ref
 from ckvp_compile.kernels.latent_format import parse_latent_format
 
 __all__ = ["copy_bandwidth", "dense_times", "estimate_bytes", "kernel_bytes", "kernel_stats", "launch_shape",
-           "main", "make_inputs", "make_latent", "ref_chunked", "rel_err", "run", "to_markdown"]
+           "main", "make_inputs", "make_latent", "paged_latents", "ref_chunked", "rel_err", "run", "to_markdown"]
 
 #: Mixtral-8x7B's attention: (query heads, KV heads); Qwen1.5-MoE is (16, 16)
 MIXTRAL_HEADS = (32, 8)
@@ -219,6 +219,37 @@ def bench(fn: Callable[[], Any], warmup: int = 20, rep: int = 60) -> float:
 
 #: How the last :func:`graph_bench` call timed: "cuda-graph replay" or "launches (<why capture failed>)".
 LAST_TIMING: dict = {}
+
+
+def paged_latents(args: tuple, page: int, layout: str = "row-major", seed: int = 0) -> tuple[tuple, torch.Tensor]:
+    """:func:`make_inputs`' arguments with the static latents (B, T, W) moved into page pools of ``page`` slots.
+
+    The pools are ``(B * T / page + 1, page, W)`` in ``layout`` (:data:`~ckvp_compile.kernels.latent_layout.LAYOUTS`;
+    ``CKVPStaticCache(page_size=page, latent_layout=layout)`` stores them so), each sequence's pages at a random
+    permutation of the pool's pages (a long-running server's pool; the last page unused, as the store's trash page).
+    A unit-major pool of 64-slot pages holds each 64-slot tile's byte columns side by side: the MMA pass reads one
+    head's tile as one contiguous run per latent.
+
+    Returns:
+        (the arguments with the pools in place of the latents, the (B, T / page) int32 page table).
+    Raises:
+        ValueError: ``page`` < 1 or not dividing T.
+    """
+    from ckvp_compile.kernels.latent_layout import to_layout
+
+    lk = args[1]
+    b, t, w = lk.shape
+    if page < 1 or t % page:
+        raise ValueError(f"page size must be >= 1 and divide the context {t}, got {page}")
+    n = b * t // page
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(lk.device)
+
+    def pool(x: torch.Tensor) -> torch.Tensor:
+        p = torch.zeros(n + 1, page, w, dtype=x.dtype, device=x.device)
+        p[perm] = x.reshape(n, page, w)
+        return to_layout(p, layout)
+
+    return (args[0], pool(args[1]), pool(args[2])) + tuple(args[3:]), perm.view(b, t // page).to(torch.int32)
 
 
 def graph_bench(fn: Callable[[], Any], rep: int = 60) -> float:
@@ -461,7 +492,7 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
         heads: tuple[int, int] = MIXTRAL_HEADS, head_dim: int = HEAD_DIM, group: int = GROUP, device: str = "cuda",
         flex: bool = False, budget_s: float = 900.0, seed: int = 0, mem_fraction: float = 0.9,
         log: Callable[[str], None] = print, cuda_graphs: bool = False, key_space: str = "pre_rope",
-        latent_layout: str = "row-major") -> dict:
+        latent_layout: str = "row-major", page_size: int = 0) -> dict:
     """Run the benchmark (see the module docstring); rows in order batch, context, format.
 
     Args:
@@ -482,6 +513,8 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
         latent_layout: how the latents lie in memory (:data:`~ckvp_compile.kernels.latent_layout.LAYOUTS`, as
             ``CKVPStaticCache(latent_layout=...)`` stores them): ``"row-major"`` or ``"unit-major"`` (each byte
             column contiguous over the slots: the MMA pass's 16-byte column reads).
+        page_size: P > 0: the latents in page pools of P slots at randomly permuted pages (:func:`paged_latents`,
+            as ``CKVPStaticCache(page_size=P)``); every context must be a multiple of P. 0: static latents.
     Returns:
         ``{"versions": {torch, triton, gpu or cpu, ...}, "copy_bandwidth_GBps" (0 on CPU), "heads", "head_dim",
         "group", "elapsed_s", "rows": [...]}``; a row has format, rank, heads, batch, context and either
@@ -535,7 +568,7 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
             dense: dict | None = None
             for fmt, rank in formats:
                 row: dict = {"format": fmt, "rank": rank, "heads": label, "batch": b, "context": t,
-                             "key_space": key_space, "latent_layout": latent_layout}
+                             "key_space": key_space, "latent_layout": latent_layout, "page_size": page_size}
                 rows.append(row)
                 if time.perf_counter() - start > budget_s:
                     row["skipped"] = f"time budget ({budget_s:g} s) spent"
@@ -556,12 +589,13 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
                 try:
                     _latent_row(row, b, t, fmt, rank, heads, head_dim, group, seed, device, chunk, est, bw, dense,
                                 default_config, latent_attention_triton, kernel_note, timer,
-                                "none" if key_space == "post_rope" else "rotate_half", latent_layout)
+                                "none" if key_space == "post_rope" else "rotate_half", latent_layout, page_size)
                 except Exception as exc:  # noqa: BLE001 - record and go on: one failure must not lose the run
                     row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 log(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "config"}, default=str))
     return {"versions": versions, "copy_bandwidth_GBps": round(bw / 1e9, 1), "heads": label, "head_dim": head_dim,
-            "group": group, "key_space": key_space, "latent_layout": latent_layout, "device": device,
+            "group": group, "key_space": key_space, "latent_layout": latent_layout, "page_size": page_size,
+            "device": device,
             "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows}
 
 
@@ -586,7 +620,7 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
                 seed: int, device: str, chunk: int, est: dict, bw: float, dense: dict | None, default_config,
                 latent_attention_triton, kernel_note: str,
                 timer: Callable[[Callable[[], Any]], float] = bench, rope: str = "rotate_half",
-                latent_layout: str = "row-major") -> None:
+                latent_layout: str = "row-major", page_size: int = 0) -> None:
     """Fill one row: inputs, reference, kernel, bytes and (CUDA) times; see :func:`run`."""
     h, hkv = heads
     on_cuda = device == "cuda"
@@ -595,7 +629,11 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
         base_mem = torch.cuda.memory_allocated()
     args = make_inputs(b, t, fmt, rank, seed=seed + b * 7 + t, dev=device, heads=heads, head_dim=d, group=group,
                        rope=rope)
-    if latent_layout != "row-major":
+    kw: dict = {}
+    static = args  # the reference (and the op's own check) read the static rows: the same values as any pool
+    if page_size:
+        args, kw["page_table"] = paged_latents(args, page_size, latent_layout, seed)
+    elif latent_layout != "row-major":
         from ckvp_compile.kernels.latent_layout import to_layout
 
         args = (args[0], to_layout(args[1], latent_layout), to_layout(args[2], latent_layout)) + tuple(args[3:])
@@ -607,33 +645,33 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
                          quantized_keys=lf.quantized and not lf.pow2, code_bits=lf.bits if lf.quantized else None)
     # (the launcher's own default for this call: latent_attention_triton's _launch builds it the same way)
     shape = launch_shape(cfg, b, h, hkv, t)
-    nbytes = kernel_bytes(args, shape["n_split"], rpad, shape["two_pass"])
+    nbytes = kernel_bytes(static, shape["n_split"], rpad, shape["two_pass"])
     dense_bytes = 2 * b * hkv * t * d * 2
     row.update(bytes_latent=nbytes["latent"], bytes_total=nbytes["total"], dense_bytes=dense_bytes,
                byte_ratio=dense_bytes / nbytes["latent"], **shape, config=dataclasses.asdict(cfg), kernel=kernel_note,
                mem_estimate_bytes=est["rows"])
-    want = ref_chunked(args, chunk)
+    want = ref_chunked(static, chunk)
     if not row["kernel"].startswith("not run"):
         from ckvp_compile.kernels import latent_attention_triton as lat
 
-        out = latent_attention_triton(*args, config=cfg)
+        out = latent_attention_triton(*args, config=cfg, **kw)
         one_pass = {k_: lat._LAST_LAUNCH.get(k_, 0) for k_ in ("lanes", "absorbed", "head_chunks")}
         per_head = {k_: bool(lat._LAST_LAUNCH.get(k_)) for k_ in ("words", "mma")}  # one KV head per program
         if any(one_pass.values()) or any(per_head.values()):  # a one-pass kernel ran: no scores, its own split
             row.update(two_pass=False, n_split=lat._LAST_LAUNCH["n_split"], batch_slices=1,
                        **{f"{k_}_heads": v_ for k_, v_ in one_pass.items()}, **{f"{k_}_pass": v_ for k_, v_ in
                                                                                 per_head.items()})
-            nbytes = kernel_bytes(args, row["n_split"], rpad, False)
+            nbytes = kernel_bytes(static, row["n_split"], rpad, False)
             row.update(bytes_latent=nbytes["latent"], bytes_total=nbytes["total"])
         row["rel_err"] = rel_err(out, want)
         if on_cuda:
-            row["op_rel_err"] = rel_err(torch.ops.ckvp.latent_attention(*args), want)
+            row["op_rel_err"] = rel_err(torch.ops.ckvp.latent_attention(*static), want)
         del out
     del want
     if not on_cuda:
         row["timing"] = "none on CPU"
         return
-    ms = timer(lambda: latent_attention_triton(*args, config=cfg))
+    ms = timer(lambda: latent_attention_triton(*args, config=cfg, **kw))
     if timer is graph_bench:
         row["timing_how"] = LAST_TIMING.get("how")
     row.update(kernel_stats())
@@ -661,7 +699,9 @@ def to_markdown(result: dict, command: str) -> str:
              f"Command: `{command}`  ", f"Versions: {v}  ",
              f"Heads {result['heads']}, head_dim {result['head_dim']}, latents of a group of {result['group']} layers "
              f"(rank per KV head for K and for V), {result.get('key_space', 'pre_rope')} key bases, "
-             f"{result.get('latent_layout', 'row-major')} latents; "
+             f"{result.get('latent_layout', 'row-major')} latents"
+             + (f" in pools of {result['page_size']}-slot pages (random page order)" if result.get("page_size")
+                else "") + "; "
              f"copy bandwidth {copy}; "
              f"run took {result['elapsed_s']} s.  ",
              "Bytes: what one kernel call reads and writes (latent rows once, positions, RoPE rows, bases, q, new "
@@ -739,6 +779,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latent-layout", choices=["row-major", "unit-major"], default="row-major",
                    help="how the latents lie in memory (CKVPStaticCache(latent_layout=...)): each slot's row "
                         "contiguous, or each byte column contiguous over the slots (the MMA pass's column reads)")
+    p.add_argument("--page-size", type=int, default=0, metavar="P",
+                   help="page the latents in pools of P slots at random page order (CKVPStaticCache(page_size=P)); "
+                        "every context must be a multiple of P. 64 with unit-major: each tile's columns contiguous")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the full result as JSON here")
     p.add_argument("--out", type=Path, help="write the markdown report here")
@@ -756,6 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--batches must be >= 1, got {batches}")
     if any(t < 1 for t in contexts):
         p.error(f"--contexts must be >= 1, got {contexts}")
+    if args.page_size < 0 or (args.page_size and any(t % args.page_size for t in contexts)):
+        p.error(f"--page-size {args.page_size}: must be >= 0 and divide every context ({contexts}); fix: a page "
+                f"size such as 64 with contexts that are multiples of it")
     for fmt, rank in formats:
         f = parse_latent_format(fmt)
         if f.quantized and not f.mixed and f.bits not in (8, 4, 2):
@@ -769,7 +815,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"directory {path.parent} does not exist")
     command = "ckvp-bench attention " + " ".join(sys.argv[2:] if argv is None else argv)
     result = run(formats, batches, contexts, heads, head_dim, GROUP, args.device, args.flex, args.budget_s, args.seed,
-                 cuda_graphs=args.cuda_graphs, key_space=args.key_space, latent_layout=args.latent_layout)
+                 cuda_graphs=args.cuda_graphs, key_space=args.key_space, latent_layout=args.latent_layout,
+                 page_size=args.page_size)
     result["command"] = command
     write_result(result, to_markdown(result, command), args.json, args.out)
     return 0

@@ -1,11 +1,11 @@
 """Latent decode attention with the codes loaded straight into tensor-core operand registers: the MMA pass.
 
 Applies to table-free calls (post-RoPE key bases, or no RoPE) over int4 key and value latents of rank 32 per KV head
-in one quantization block (the ``int4/32`` format at rank 32), at GQA ratios G = 2, 4 or 8, without an attention
-mask, on CUDA devices with ``mma.sync`` (sm_80 and later). Elsewhere the launcher runs the word pass
-(:mod:`.latent_attention_words`) or the other kernels. Written in Gluon (Triton's layout-explicit dialect), so it
-runs on the GPU only; Triton's interpreter cannot run it (the CPU tests check its arithmetic by emulation and
-compile it for sm_90a).
+in one quantization block (the ``int4/32`` format at rank 32; unit-major latents also ``int8/32``), at GQA ratios
+G = 2, 4 or 8, without an attention mask, on CUDA devices with ``mma.sync`` (sm_80 and later). Elsewhere the
+launcher runs the word pass (:mod:`.latent_attention_words`) or the other kernels. Written in Gluon (Triton's
+layout-explicit dialect), so it runs on the GPU only; Triton's interpreter cannot run it (the CPU tests check its
+arithmetic by emulation and compile it for sm_90a).
 
 The math is the word pass's (DeepSeek-V2's absorption): with ``c = qk_scale * P_h^T q`` the query folded into the
 key basis (log2 units), a slot's score is ``scale * (sum_k c_k (code_k - 8) + 8 sum(c)) + min * sum(c)`` and its
@@ -59,6 +59,10 @@ benchmarks/results/2026-12-04-unit-major-h200, r18): unit-major batch 8, 32k 0.0
 0.199 and 2.914 ms. The pass is bound by its instructions (about 625 SASS a 64-slot tile) and each tile's dependent
 chain, not by bytes in flight: a cp.async pipeline through shared memory was no faster (r14, r15). The prototype
 (benchmarks/mma_pass_proto.py, its own head-major layout) read at 61-72% with its main pass alone.
+8-bit codes (unit-major ``int8/32``, ``BITS = 8``): 701 SASS a tile for 1.8x the bytes, and the pass nears the
+memory roofline when each tile's columns are contiguous (a unit-major pool of 64-slot pages): batch 8, 128k 0.186 ms
+and batch 32, 128k 0.699 ms, 76.8% and 81.5% of the copy bandwidth, 5.1x and 5.4x dense SDPA (7.1x fewer bytes); in
+a static unit-major cache (64-byte column runs S_max apart) 54-55% (benchmarks/results/2026-12-04-int8-mma-h200).
 
 Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
 FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
@@ -256,13 +260,15 @@ def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_un
 @gluon.jit
 def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                  L: gl.constexpr, AL: gl.constexpr, LS: gl.constexpr, BT: gl.constexpr, NT: gl.constexpr,
-                 G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr):
+                 G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr,
+                 CENTER: gl.constexpr = 8.0):
     """One tile: the scores on the tensor cores, the online softmax (base 2), the value product. kb / vb: the key
     and value B operands (centred codes, fp16); ksf .. vmf: the per-slot scale / min fields (8, 8 NT) fp32 in the
     scores' layout LS. l_q / n_q: (8 rows, 4 lanes) per-lane partial sums of the weights and of weight x the
     value's centred min; ``ve``: the exponent of the power of two the weights carry (chosen per tile; the
     accumulator is rescaled exactly). MASKED: slots outside ``ok_s`` score -inf; ZERO: the fields of slots outside
-    ``sok`` read as 0 (rows past the context, unmapped pages: their bytes may be anything)."""
+    ``sok`` read as 0 (rows past the context, unmapped pages: their bytes may be anything). CENTER: what the
+    centred codes had subtracted (8 for 4-bit codes, 128 for 8-bit; ``sumc8`` is CENTER * sum(c))."""
     if ZERO:
         ksf = gl.where(sok, ksf, 0.0)
         kmf = gl.where(sok, kmf, 0.0)
@@ -281,7 +287,7 @@ def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit,
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(s - m_use[:, None])
     ve_t = 14 - _exponent(gl.max(gl.max(vsf, axis=1), axis=0))
-    vcc = vmf + 8.0 * vsf  # the value's centred min
+    vcc = vmf + CENTER * vsf  # the value's centred min
     # per-lane partials: columns 8 j + 2 q + e of a row -> (j, q, e); sum over the thread's own j and e
     al_q = gl.convert_layout(alpha, gl.SliceLayout(1, l_q.type.layout))[:, None]
     l_q = l_q * al_q + gl.convert_layout(gl.sum(gl.sum(gl.reshape(p, [8, NT, 4, 2]), axis=3), axis=1),
@@ -305,11 +311,12 @@ def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit,
 
 @gluon.jit
 def _query_operand(q_row, G: gl.constexpr, GROUPS: gl.constexpr, KS: gl.constexpr, AL: gl.constexpr,
-                   UNIT: gl.constexpr):
+                   UNIT: gl.constexpr, BITS: gl.constexpr = 4):
     """The folded query as the scores' A operand: (16, KS) fp16 in AL, block-diagonal over the slot groups (row r =
     (hi / lo, group, g), column (group, k)), and the power of two it was scaled by (fp32). Column k reads latent
     coordinate ``8q + 4e + 2s + h`` for ``k = 16s + 8h + 2q + e`` (row-major codes; divided by 16 where h = 1) or
-    k itself (UNIT, unit-major codes; divided by 16 where k is odd): the nibbles that carry 16 * code. The
+    k itself (UNIT, unit-major codes; divided by 16 where k is odd at BITS 4, the nibbles that carry 16 * code;
+    not divided at BITS 8, one byte a code). The
     coefficients are split into fp16 hi (rows 0..7) + lo (rows 8..15) after scaling the largest to [2^13, 2^14).
     ``q_row``: the (G, 32) fp32 folded query of this (sequence, token, KV head)."""
     ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
@@ -317,7 +324,10 @@ def _query_operand(q_row, G: gl.constexpr, GROUPS: gl.constexpr, KS: gl.constexp
     kk = ka % RK
     if UNIT:
         coord = kk
-        x16 = kk % 2
+        if BITS == 8:
+            x16 = kk * 0
+        else:
+            x16 = kk % 2
     else:
         x16 = (kk // 8) % 2
         coord = 8 * ((kk // 2) % 4) + 4 * (kk % 2) + 2 * (kk // 16) + x16
@@ -481,17 +491,21 @@ def _mma_attention_kernel(
 
 @gluon.jit
 def _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split,
-                 LS: gl.constexpr, RV_PAD: gl.constexpr, UNIT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr):
+                 LS: gl.constexpr, RV_PAD: gl.constexpr, UNIT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr,
+                 BITS: gl.constexpr = 4):
     """Store the split's value latent (unnormalised), in the latent's coordinate order, and m, l per query head,
     at split ``c`` of ``n_split`` (rows ``((b Hkv + h) S + s_q) n_split + c``, G heads each). The slot groups' rows
     (8 = GROUPS x G) are merged first (the max of their m; l and the value latent rescaled to it, FlashDecoding's
     merge), so the merge kernel reads one split per program. Output column ``8i + n`` holds coordinate ``4n + i``
-    (row-major pass) or ``2(n + 8 (i // 2)) + i % 2`` (unit-major); odd i carry 16 * (code - 8); the weights carried
-    vscale * 2^ve."""
+    (row-major pass) or ``2(n + 8 (i // 2)) + i % 2`` (unit-major; odd i carry 16 * (code - 8)) or ``8i + n``
+    (unit-major at BITS 8: column j is coordinate j); the weights carried vscale * 2^ve."""
     o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
     LO: gl.constexpr = o.type.layout
     jo = gl.arange(0, RV, layout=gl.SliceLayout(0, LO))
-    colf = gl.where((jo // 8) % 2 == 1, 0.0625, 1.0) * _pow2(-ve)
+    if BITS == 8:
+        colf = gl.where(jo >= 0, 1.0, 1.0) * _pow2(-ve)
+    else:
+        colf = gl.where((jo // 8) % 2 == 1, 0.0625, 1.0) * _pow2(-ve)
     nsum = gl.convert_layout(gl.sum(n_q, axis=1), gl.SliceLayout(1, LO))
     o = o * colf[None, :] + nsum[:, None]
     l8 = gl.convert_layout(gl.sum(l_q, axis=1), gl.SliceLayout(1, LS))
@@ -506,7 +520,9 @@ def _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hk
     LG: gl.constexpr = o_g.type.layout
     hg = gl.arange(0, G, layout=gl.SliceLayout(1, LG))
     jg = gl.arange(0, RV, layout=gl.SliceLayout(0, LG))
-    if UNIT:
+    if UNIT and BITS == 8:
+        vcoord = jg
+    elif UNIT:
         vcoord = 2 * (jg % 8 + 8 * (jg // 16)) + (jg // 8) % 2
     else:
         vcoord = 4 * (jg % 8) + jg // 8
@@ -542,6 +558,16 @@ _DEQ_PAIRS_ASM = gl.constexpr(
               for t in range(4))
     + "}\n")
 
+# 8-bit codes: two words of unit-major code columns (a, b: bytes t = 0..3, one slot each) -> for each t the fp16 pair
+# (a_t - 128, b_t - 128): prmt puts byte t of a and of b into bytes 0 and 2, lop3 keeps them under 0x6400 (1024 +
+# code, exact in fp16), sub.f16x2 centres. Keys: a and b are the columns of coordinates 2q + 8b and 2q + 8b + 1 (one
+# slot's k pair); values: one coordinate's column at two slot words (the k pair of slots). Outputs: 2t + (0: a, 1: b).
+_DEQ_BYTES_ASM = gl.constexpr(
+    "\n{\n.reg .b32 x, b;\nmov.b32 b, 0x64806480;\n"
+    + "".join(f"prmt.b32 x, $8, $9, 0x0{4 + t}0{t};\nlop3.b32 x, x, 0x00ff00ff, 0x64006400, 0xea;\n"
+              f"sub.f16x2 x, x, b;\nmov.b32 {{${2 * t}, ${2 * t + 1}}}, x;\n" for t in range(4))
+    + "}\n")
+
 
 @gluon.jit
 def _join4(a, b, c, d):
@@ -569,6 +595,15 @@ def _dequant_pairs(a, b):
     t3 = gl.join(gl.join(d[12], d[13]), gl.join(d[14], d[15]))
     x = _join4(t0, t1, t2, t3)  # (q, n, m, d, ab, e, t): gl.join stacks along a new last dim
     return gl.permute(x, [0, 1, 2, 3, 6, 5, 4])
+
+
+@gluon.jit
+def _dequant_bytes(a, b):
+    """:data:`_DEQ_BYTES_ASM` on each pair of int32 words of ``a``, ``b``: shape ``a.shape + (4 t, 2 ab)`` fp16 (the
+    centred 8-bit codes of byte t of a and of b)."""
+    d = gl.inline_asm_elementwise(_DEQ_BYTES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [a, b], dtype=(gl.float16,) * 8,
+                                  is_pure=True, pack=1)
+    return gl.join(_join4(d[0], d[2], d[4], d[6]), _join4(d[1], d[3], d[5], d[7]))
 
 
 @gluon.jit
@@ -652,7 +687,7 @@ def _unit_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
 def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
-               PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr):
+               PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr, BITS: gl.constexpr = 4):
     """One unit-major tile: the operands from the loaded words, then :func:`_online_step`.
 
     Keys: word (w, q, c, b) holds slots ``8c + 4w + t`` (t = 0..3) of code byte ``q + 4b`` (coordinates 2(q + 4b) + e):
@@ -660,22 +695,35 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
     coordinates ``k = 16s + 8h + 2q + e`` = the latent coordinate. Values: word (d, q, n, m) holds slots
     ``16q + 4d + t`` of code byte ``n + 8m``; the pair (slot 16q + 4d + t, slot 16q + 8 + 4d + t) for d = 0, 1 is
     the value operand's k pair (2q, 2q + 1) of key column index ``t' = 4d + t = grp NT + j``, and value column
-    ``8(2m + e) + n`` holds coordinate ``2(n + 8m) + e``."""
+    ``8(2m + e) + n`` holds coordinate ``2(n + 8m) + e``.
+
+    BITS 8 (one code a byte): key word (w, q, c, b, e) holds slots ``8c + 4w + t`` of code byte (= coordinate)
+    ``8b + 2q + e``, so the pair of words e = 0, 1 gives each slot's k pair as one fp16x2 (:func:`_dequant_bytes`)
+    in the 4-bit path's order; value word (d, q, n, m, e) holds slots ``16q + 4d + t`` of coordinate
+    ``n + 8(2m + e)``, value column ``8(2m + e) + n`` holds that coordinate (column j = coordinate j)."""
     ksf = _unit_fields(ks, r_f, LS, G, NT, NWS)
     kmf = _unit_fields(km, r_f, LS, G, NT, NWS)
     vsf = _unit_fields(vs, r_f, LS, G, NT, NWS)
     vmf = _unit_fields(vm, r_f, LS, G, NT, NWS)
-    x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+    if BITS == 8:
+        ka, kb_ = gl.split(wk)  # (2 w, 4 q, 8 c, 4 b), e = 0 / 1
+        x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+    else:
+        x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
     x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
     kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
-    # value words (4 d, 4 q, 8 n, 2 m) -> a: d = 0, 1; b: d = 2, 3
-    v = gl.reshape(gl.permute(wv, [1, 2, 3, 0]), [4, 8, 2, 2, 2])  # (q, n, m, d // 2, d % 2)
-    va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 4, 3]))  # (q, n, m, d % 2)
-    y = _dequant_pairs(va, vb_)  # (q, n, m, d, 4 t, 2 e, 2 ab)
+    if BITS == 8:  # value words (4 d, 4 q, 8 n, 2 m, 2 e) -> a: d = 0, 1; b: d = 2, 3
+        v = gl.reshape(gl.permute(wv, [1, 2, 3, 4, 0]), [4, 8, 2, 2, 2, 2])  # (q, n, m, e, d // 2, d % 2)
+        va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 3, 5, 4]))  # (q, n, m, e, d % 2)
+        y = gl.permute(_dequant_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])  # (q, n, m, d, 4 t, 2 e, 2 ab)
+    else:  # value words (4 d, 4 q, 8 n, 2 m) -> a: d = 0, 1; b: d = 2, 3
+        v = gl.reshape(gl.permute(wv, [1, 2, 3, 0]), [4, 8, 2, 2, 2])  # (q, n, m, d // 2, d % 2)
+        va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 4, 3]))  # (q, n, m, d % 2)
+        y = _dequant_pairs(va, vb_)  # (q, n, m, d, 4 t, 2 e, 2 ab)
     y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
     vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
     return _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L,
-                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO)
+                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0)
 
 
 @gluon.jit
@@ -685,7 +733,7 @@ def _mma_unit_kernel(
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
-    COL_V: gl.constexpr,
+    COL_V: gl.constexpr, BITS: gl.constexpr = 4,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -695,7 +743,10 @@ def _mma_unit_kernel(
     field bases in fp16 units) and outputs; tiles of 64 slots (NT = G column tiles a slot group), the next
     unmasked tile's loads issued before the current one is computed. (Two tiles ahead, two tiles a loop iteration,
     and a cp.async pipeline through shared memory 4 stages deep were each correct and 0-10% slower on the H200:
-    benchmarks/results/2026-12-04-unit-major-h200, r13-r15.)"""
+    benchmarks/results/2026-12-04-unit-major-h200, r13-r15.)
+
+    BITS 8: latents of the ``int8`` format (one code a byte column; keys and values 16 words a lane a tile, see
+    :func:`_unit_step`), else ``int4``."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -717,6 +768,11 @@ def _mma_unit_kernel(
     # value words (4 d, 4 q, 8 n, 2 m): lane q + 4n, the four words of a column adjacent (one 16-byte load)
     VWL: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1, 1, 2], threads_per_warp=[1, 4, 8, 1],
                                          warps_per_cta=[1, 1, 1, 1], order=[0, 1, 2, 3])
+    # BITS 8: the same with a last dim e of two columns (keys: coordinates 8b + 2q + e; values: n + 8(2m + e))
+    KWL8: gl.constexpr = gl.BlockedLayout(size_per_thread=[2, 1, 1, 4, 2], threads_per_warp=[1, 4, 8, 1, 1],
+                                          warps_per_cta=[1, 1, 1, 1, 1], order=[0, 1, 2, 3, 4])
+    VWL8: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1, 1, 2, 2], threads_per_warp=[1, 4, 8, 1, 1],
+                                          warps_per_cta=[1, 1, 1, 1, 1], order=[0, 1, 2, 3, 4])
     # field words (8 r, 4 q, 2 e, NWS, 2 lo / hi byte): lane q + 4r, the scores' layout
     FWL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, NWS, 2], threads_per_warp=[8, 4, 1, 1, 1],
                                          warps_per_cta=[1, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
@@ -729,7 +785,7 @@ def _mma_unit_kernel(
     v_blk = gl.load(vmeta_ptr + 3 * h + 1)
 
     q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
-    ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True)
+    ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True, BITS)
 
     zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
     LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
@@ -737,23 +793,43 @@ def _mma_unit_kernel(
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
     sumc = _query_sums(q_row, G, LS)
-    sumc8 = sumc * 8.0
+    sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
 
     # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
     tok_s = (cols % 8)[None, :] * 8 + (rows // G)[:, None] * NT + (cols // 8)[None, :]
-    wK: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, KWL)))
-    w_k = gl.arange(0, 2, layout=wK)
-    q_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, KWL))))
-    c_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, KWL))))
-    b_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, KWL))))
-    koff = ((k_col + q_k[None, :, None, None] + 4 * b_k[None, None, None, :]) * CKW + 2 * c_k[None, None, :, None]
-            + w_k[:, None, None, None])
-    d_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, VWL))))
-    q_v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, VWL))))
-    n_v = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VWL))))
-    m_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VWL))))
-    voff = ((v_col + n_v[None, None, :, None] + 8 * m_v[None, None, None, :]) * CVW + 4 * q_v[None, :, None, None]
-            + d_v[:, None, None, None])
+    if BITS == 8:
+        K5: gl.constexpr = KWL8
+        w_k = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K5)))))
+        q_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K5)))))
+        c_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, K5)))))
+        b_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, K5)))))
+        e_k = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, K5)))))
+        kcol = (k_col + 2 * q_k[None, :, None, None, None] + 8 * b_k[None, None, None, :, None]
+                + e_k[None, None, None, None, :])
+        koff = kcol * CKW + 2 * c_k[None, None, :, None, None] + w_k[:, None, None, None, None]
+        V5: gl.constexpr = VWL8
+        d_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, V5)))))
+        q_v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, V5)))))
+        n_v = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, V5)))))
+        m_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, V5)))))
+        e_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, V5)))))
+        vcol = (v_col + n_v[None, None, :, None, None] + 16 * m_v[None, None, None, :, None]
+                + 8 * e_v[None, None, None, None, :])
+        voff = vcol * CVW + 4 * q_v[None, :, None, None, None] + d_v[:, None, None, None, None]
+    else:
+        wK: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, KWL)))
+        w_k = gl.arange(0, 2, layout=wK)
+        q_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, KWL))))
+        c_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, KWL))))
+        b_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, KWL))))
+        koff = ((k_col + q_k[None, :, None, None] + 4 * b_k[None, None, None, :]) * CKW + 2 * c_k[None, None, :, None]
+                + w_k[:, None, None, None])
+        d_v = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, VWL))))
+        q_v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, VWL))))
+        n_v = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VWL))))
+        m_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VWL))))
+        voff = ((v_col + n_v[None, None, :, None] + 8 * m_v[None, None, None, :]) * CVW + 4 * q_v[None, :, None, None]
+                + d_v[:, None, None, None])
     F4: gl.constexpr = gl.SliceLayout(4, FWL)
     r_f = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, F4))))
     q_f = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, F4))))
@@ -790,7 +866,7 @@ def _mma_unit_kernel(
             tile_a = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
                                                 sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, PAGE > 0)
+                                                GROUPS, NWS, PLO, False, PAGE > 0, BITS)
     for t in range(fast_end, t_end):
         t0 = t * BT
         if PAGE > 0:
@@ -803,18 +879,18 @@ def _mma_unit_kernel(
         wk, wv, ks, km, vs, vm = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
-                                            PLO, True, True)
+                                            PLO, True, True, BITS)
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
-                 GROUPS)
+                 GROUPS, BITS)
 
 
 def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, layouts: tuple,
                block_n: int, page: int, device: torch.device, masked: bool, columns: int = 0) -> dict | None:
     """The MMA pass's layout for one table-free call, or None where it does not apply.
 
-    Applies to int4 key and value formats of one quantization block per head (block >= 32) at rank 32 for every
-    KV head, G in :data:`MMA_GROUPS`, no attention mask, on a CUDA device of compute capability 8.0 or later, and
-    key and value latents both
+    Applies to int4 key and value formats (or int8 ones, unit-major only) of one quantization block per head (block
+    >= 32) at rank 32 for every KV head, G in :data:`MMA_GROUPS`, no attention mask, on a CUDA device of compute
+    capability 8.0 or later, and key and value latents both
 
     * row-major (:mod:`.latent_layout`), heads' code bytes on 4-byte words: :func:`_mma_attention_kernel`, tiles
       of ``block_n`` slots (64 or 128: ``NT = block_n / (8 * 8 / G)`` tensor-core column tiles per slot group, at
@@ -830,7 +906,7 @@ def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_m
             slots per tile; page: slots per page (0: not paged); device: where the call runs; masked: an attention
             mask is given; columns: slots per byte column (unit-major).
     Returns:
-        dict(NT, GROUPS, BT, UNIT) or None. Raises nothing: the launcher then runs the other kernels.
+        dict(NT, GROUPS, BT, UNIT, BITS) or None. Raises nothing: the launcher then runs the other kernels.
     """
     if masked or device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
         return None  # (ROCm reports "cuda" devices too; the kernels are inline PTX)
@@ -848,8 +924,10 @@ def _mma_layout(group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk
     unit = layouts[0] == "unit-major"
     if not unit and layouts[0] != "row-major":
         return None
+    if k_fmt.bits != v_fmt.bits or (k_fmt.bits == 8 and not unit):  # 8-bit codes: the unit-major kernel only
+        return None
     for f, offsets in ((k_fmt, k_offsets), (v_fmt, v_offsets)):
-        if not f.uniform_int_blocks(32) or f.bits != 4 or f.block < MMA_RANK:
+        if not f.uniform_int_blocks(32) or f.bits not in (4, 8) or f.block < MMA_RANK:
             return None
         if any(b - a != MMA_RANK for a, b in zip(offsets, offsets[1:])):
             return None
@@ -860,13 +938,13 @@ def _mma_layout(group: int, k_fmt, v_fmt, k_offsets: tuple, v_offsets: tuple, rk
     if unit:
         if columns <= 0 or columns % 64 or (page and page % 64):
             return None
-        return dict(NT=group, GROUPS=groups, BT=64, UNIT=True)
+        return dict(NT=group, GROUPS=groups, BT=64, UNIT=True, BITS=k_fmt.bits)
     nt = block_n // (8 * groups)
     if block_n not in (64, 128) or nt > 8:  # (G = 8 at 128 slots: 16 column tiles a slot group, past the registers)
         return None
     if page and page % block_n:
         return None
-    return dict(NT=nt, GROUPS=groups, BT=block_n, UNIT=False)
+    return dict(NT=nt, GROUPS=groups, BT=block_n, UNIT=False, BITS=4)
 
 
 def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | None = None,
@@ -886,14 +964,14 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
-                     unit_major: bool = False):
+                     unit_major: bool = False, bits: int = 4):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
         group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
             per page (0: a static cache); row_k / row_v: the latents' row strides in 4-byte words (40: 8 KV heads
             of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
-            a page).
+            a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -912,10 +990,11 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
-        sig.update(COL_K="constexpr", COL_V="constexpr")
+        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
-                             constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col))
+                             constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
+                                             BITS=bits))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

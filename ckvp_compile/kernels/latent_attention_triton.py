@@ -248,7 +248,8 @@ class DecodeConfig:
     ``block_n_w`` (tensor-core rows per tile, rounded up to a power of two >= 16; each row holds 16 / (G padded x
     quantization blocks per head) slots, at most 4), ``loop_stages_w`` and ``num_warps_w`` (None: ``num_warps``)
     apply to it.
-    mma: for table-free calls over int4 latents of rank 32 per KV head in one quantization block, at G = 2, 4 or 8,
+    mma: for table-free calls over int4 latents (or int8 ones, unit-major) of rank 32 per KV head in one quantization
+    block, at G = 2, 4 or 8,
     without a mask, on CUDA devices (sm_80+), run the MMA pass (:mod:`.latent_attention_mma`: one warp per (KV head,
     context split), the code words loaded straight into the tensor cores' operand registers, no shared memory; its
     own kernel for unit-major latents, 1.4x faster there); it takes precedence over ``words`` and the rest.
@@ -445,10 +446,12 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # rank; rank 16 0.134 -> 0.149, so not there; 16:8 heads 0.669 -> 0.394; but int8/32 rank 32 0.219 ->
             # 0.278 and rank 96 1.047 -> 1.527, so not for 8-bit codes (benchmarks/results/2026-12-03-words-h200)
             cfg = dataclasses.replace(cfg, words=True, block_n_w=64)
-        if (table_free and group in (2, 4, 8) and rank == 32 and rank_v in (None, 32) and code_bits == 4):
+        if (table_free and group in (2, 4, 8) and rank == 32 and rank_v in (None, 32) and code_bits in (4, 8)):
             # the MMA pass (latent_attention_mma; the word pass where its layout does not apply): 32:8 heads,
             # int4/32 rank 32, one whole call in CUDA-graph replay: batch 8, 32k 0.200 -> 0.079 ms, 128k 0.738 ->
-            # 0.235; batch 32, 32k 0.749 -> 0.240, 128k 2.93 -> 0.858 (benchmarks/results/2026-12-04-mma-h200)
+            # 0.235; batch 32, 32k 0.749 -> 0.240, 128k 2.93 -> 0.858 (benchmarks/results/2026-12-04-mma-h200);
+            # int8/32 (unit-major latents only; row-major ones keep the absorbed pass): batch 32, 128k 0.70 ms in
+            # 64-slot unit-major pages, 1.03 ms static (the word pass 4.63; benchmarks/results/2026-12-04-int8-mma-h200)
             cfg = dataclasses.replace(cfg, mma=True, block_n_m=64, programs_m=3072)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
@@ -2653,7 +2656,7 @@ def _launch(
         if mma["UNIT"]:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
-                COL_V=latent_v.stride(-1), num_warps=1, **_reg_cap(cfg.maxnreg_m))
+                COL_V=latent_v.stride(-1), BITS=mma["BITS"], num_warps=1, **_reg_cap(cfg.maxnreg_m))
         else:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_attention_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True,

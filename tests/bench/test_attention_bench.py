@@ -87,6 +87,49 @@ def test_cli_post_rope_key_space_runs_the_absorbed_kernel_without_tables(tmp_pat
     assert r["bytes_total"] == r["bytes_latent"] + basis + 2 * q_bytes + 2 * (2 * 2 * 32 * 2) + ws, r
 
 
+def test_cli_page_size_runs_paged_unit_major_latents(tmp_path):
+    """--page-size 8 --latent-layout unit-major: the latents in unit-major page pools at a random page order (as
+    CKVPStaticCache(page_size=8, latent_layout="unit-major") holds them) give the static unit-major row's error
+    exactly (the same kernel output), within the bf16 output's rounding of the reference; the report names the
+    pages."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    results = {}
+    for page in (0, 8):
+        out_json, out_md = tmp_path / f"attention{page}.json", tmp_path / f"attention{page}.md"
+        cmd = [sys.executable, "-m", "ckvp_compile.bench.cli", "attention", "--tiny", "--device", "cpu", "--batches",
+               "2", "--contexts", "72", "--formats", "int4/32:32", "--key-space", "post_rope", "--latent-layout",
+               "unit-major", "--page-size", str(page), "--json", str(out_json), "--out", str(out_md)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        results[page] = json.loads(out_json.read_text())
+        assert results[page]["page_size"] == page and results[page]["latent_layout"] == "unit-major"
+    assert "unit-major latents in pools of 8-slot pages" in (tmp_path / "attention8.md").read_text()
+    (static,), (paged,) = results[0]["rows"], results[8]["rows"]
+    assert "error" not in paged and paged["page_size"] == 8, paged
+    assert paged["rel_err"] == static["rel_err"] <= 2e-3, (paged, static)  # bf16 outputs: about 2^-10 each
+
+
+@pytest.mark.parametrize("layout", ["row-major", "unit-major"])
+def test_paged_latents_hold_the_static_rows(layout):
+    """Every (sequence, slot) row of the pools, looked up through the page table, is the static row; each sequence's
+    pages are distinct pool pages; the pools are in the asked layout with one spare page."""
+    from ckvp_compile.bench.attention import make_inputs, paged_latents
+    from ckvp_compile.kernels.latent_layout import layout_of
+
+    args = make_inputs(2, 32, "int4/32", 16, seed=3, dev="cpu", heads=(4, 2), head_dim=32, rope="none")
+    paged, table = paged_latents(args, 8, layout, seed=5)
+    assert table.shape == (2, 4) and table.dtype == torch.int32 and len(set(table.flatten().tolist())) == 8
+    for static, pool in ((args[1], paged[1]), (args[2], paged[2])):
+        assert pool.shape == (2 * 32 // 8 + 1, 8, static.shape[-1]) and layout_of(pool) == layout
+        rows = pool[table.long()].reshape(2, 32, -1)
+        assert torch.equal(rows, static)
+    assert paged[0] is args[0] and paged[3:] == args[3:]
+    with pytest.raises(ValueError, match="divide the context"):
+        paged_latents(args, 12, layout)
+
+
 def test_cpu_without_interpreter_runs_the_reference_only_and_says_so(tmp_path):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
@@ -117,7 +160,8 @@ def test_budget_and_memory_skips_are_recorded():
     ["attention", "--formats", "int5:32"], ["attention", "--formats", "tern/32:64"],
     ["attention", "--tiny", "--formats", "int4/32:999"], ["attention", "--batches", "0"],
     ["attention", "--contexts", "0"], ["attention", "--device", "tpu"],
-    ["attention", "--device", "cpu", "--json", "/nonexistent-dir/x.json"]])
+    ["attention", "--device", "cpu", "--json", "/nonexistent-dir/x.json"],
+    ["attention", "--tiny", "--contexts", "72", "--page-size", "64"], ["attention", "--page-size", "-1"]])
 def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)

@@ -10,9 +10,15 @@ without a GPU, and benchmarks/mma_attention_gpu.py checks the kernel itself agai
 * the pass's arithmetic, emulated from those operands (folded query split into fp16 hi + lo and scaled by a power
   of two, centred codes, the 8 * sum(c) and min terms, fp16 hi + lo weights scaled per tile, the x16 columns), matches the
   fp32 latent attention over the dequantized latents, on random shapes (hypothesis);
-* where it applies (``mma_layout``), the split plan, and that the launcher never picks it on CPU;
-* the kernel compiles for sm_90a without spills, with and without shared-memory staging (where Triton can compile
-  for it here).
+* the same for ``int8/32`` latents (unit-major only, ``BITS=8``): the byte asm ``_DEQ_BYTES_ASM`` centres each byte
+  of its two words by 128 exactly; the unit-major kernel's 8-bit operands hold the codes of the slot and coordinate
+  its docstring names; the 8-bit arithmetic (query not divided by 16, codes - 128, the 128 * sum(c) and min terms,
+  value column j = coordinate j) emulated from the quantized rows' unit-major words matches the fp32 latent
+  attention, and a wrong centring constant is noticed;
+* where it applies (``mma_layout``: int4, or int8 unit-major with int8 on both latents), the split plan, and that
+  the launcher never picks it on CPU;
+* the kernel compiles for sm_90a without spills, with and without shared-memory staging, and the unit-major kernel
+  at ``bits=8`` (where Triton can compile for it here).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 lam = pytest.importorskip("ckvp_compile.kernels.latent_attention_mma")
@@ -30,14 +36,15 @@ from ckvp_compile.kernels.latent_format import dequantize_latent_ref, parse_late
 from ckvp_compile.testing.ptx import run_asm, run_dequant_asm  # noqa: E402
 
 ASM = str(getattr(lam._DEQ_ASM, "value", lam._DEQ_ASM))
+ASM8 = str(getattr(lam._DEQ_BYTES_ASM, "value", lam._DEQ_BYTES_ASM))
 
 
-def _rows(hkv: int, t: int, seed: int, size: float = 1.0) -> tuple[torch.Tensor, list[int]]:
-    """(t, W) uint8 int4/32 rows of ``hkv`` heads of rank 32 (the product's row layout) and the offsets."""
+def _rows(hkv: int, t: int, seed: int, size: float = 1.0, fmt: str = "int4/32") -> tuple[torch.Tensor, list[int]]:
+    """(t, W) uint8 ``fmt`` rows of ``hkv`` heads of rank 32 (the product's row layout) and the offsets."""
     gen = torch.Generator().manual_seed(seed)
     off = [32 * i for i in range(hkv + 1)]
     z = torch.randn(1, t, off[-1], generator=gen) * 2 * size
-    return quantize_latent_ref(z, off, "int4/32")[0], off
+    return quantize_latent_ref(z, off, fmt)[0], off
 
 
 def _word(row: torch.Tensor, byte: int) -> int:
@@ -172,6 +179,112 @@ def test_emulation_notices_a_wrong_coordinate_map(monkeypatch):
     assert float((bad - good).norm() / good.norm()) > 1e-2
 
 
+# ---- int8/32 latents (unit-major only, BITS=8): one code a byte column, centred by 128
+
+@settings(max_examples=25, deadline=None)
+@given(a=st.integers(0, 2**32 - 1), b=st.integers(0, 2**32 - 1))
+@example(a=0, b=0xFFFFFFFF)
+@example(a=0x807F01FE, b=0x7F80FE01)
+def test_byte_dequant_asm_centres_each_byte(a, b):
+    """``_DEQ_BYTES_ASM`` on words (a, b): output 2t is byte t of a minus 128, output 2t + 1 byte t of b minus 128,
+    exactly (fp16 holds -128..127)."""
+    want = []
+    for t in range(4):
+        want += [((a >> 8 * t) & 0xFF) - 128, ((b >> 8 * t) & 0xFF) - 128]
+    assert run_asm(ASM8, [a, b], 8) == want
+
+
+def _column_word(rows: torch.Tensor, byte: int, slot: int) -> int:
+    """The unit-major word of byte column ``byte`` at slots ``slot .. slot + 3`` (little-endian, first slot lowest)."""
+    return int.from_bytes(bytes(rows[slot:slot + 4, byte].tolist()), "little")
+
+
+def _emulate8(krows, vrows, off, head, qf, center=128.0):
+    """The unit-major kernel's arithmetic at BITS 8 for one (KV head, query token) over slots 0..t-1 as one tile
+    (t a multiple of 16): (G, 32) value latent in coordinate order, from ``int8/32`` rows (t, W) read as the kernel
+    reads their unit-major byte columns (head ``head``'s code byte k = coordinate k), through the byte asm. Keys: the
+    words of coordinates 2p, 2p + 1 at slots s0 .. s0 + 3 give outputs 2t / 2t + 1 = (coordinate 2p / 2p + 1, slot
+    s0 + t); values: the words of one coordinate at slots 16q + 4d and 16q + 8 + 4d (d = 0, 1) give slots 16q + 4d +
+    t / 16q + 8 + 4d + t. ``center``: the constant of the 128 * sum(c) and centred-min terms."""
+    f = parse_latent_format("int8/32")
+    hkv = len(off) - 1
+    t = krows.shape[0]
+    cb = f.code_bytes(off)
+    c0 = sum(cb[:head])
+    k_sb, k_mb = sum(cb) // 2, sum(cb) // 2 + hkv  # fp16 indices of the scales and mins (one block per head)
+    x = torch.zeros(32, t)  # key operand: (coordinate, slot), centred codes
+    for s0 in range(0, t, 4):
+        for p in range(16):
+            got = run_asm(ASM8, [_column_word(krows, c0 + 2 * p, s0), _column_word(krows, c0 + 2 * p + 1, s0)], 8)
+            for u in range(4):
+                x[2 * p, s0 + u], x[2 * p + 1, s0 + u] = got[2 * u], got[2 * u + 1]
+    v = torch.zeros(t, 32)  # value operand: (slot, column = coordinate)
+    for s0 in range(0, t, 16):
+        for d in range(2):
+            for k in range(32):
+                got = run_asm(ASM8, [_column_word(vrows, c0 + k, s0 + 4 * d),
+                                     _column_word(vrows, c0 + k, s0 + 8 + 4 * d)], 8)
+                for u in range(4):
+                    v[s0 + 4 * d + u, k], v[s0 + 8 + 4 * d + u, k] = got[2 * u], got[2 * u + 1]
+    ks = torch.tensor([_fp16_at(krows[n], k_sb + head) for n in range(t)])
+    km = torch.tensor([_fp16_at(krows[n], k_mb + head) for n in range(t)])
+    vs = torch.tensor([_fp16_at(vrows[n], k_sb + head) for n in range(t)])
+    vm = torch.tensor([_fp16_at(vrows[n], k_mb + head) for n in range(t)])
+    # the folded query in coordinate order (column k = coordinate k, none divided by 16), scaled, split hi + lo
+    e_q = math.floor(math.log2(float(qf.abs().max()))) - 13
+    c = qf * 2.0 ** -e_q
+    hi = c.half()
+    lo = (c - hi.float()).half()
+    sc = (hi.float() @ x + lo.float() @ x) * 2.0 ** e_q  # sum_k c_k (code_k - 128)
+    sumc = qf.sum(-1, keepdim=True)
+    s = (sc + center * sumc) * ks + km * sumc
+    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    ve = 14 - math.floor(math.log2(float(vs.max())))
+    w32 = p * (vs * 2.0 ** ve)
+    w = w32.half().float() + (w32 - w32.half().float()).half().float()  # fp16 hi + lo rows
+    o = (w @ v) / 2.0 ** ve + (p * (vm + center * vs)).sum(-1, keepdim=True)  # column j = coordinate j
+    return o / p.sum(-1, keepdim=True)
+
+
+def _attention8(krows, vrows, off, head, qf):
+    """fp32 (fp64) latent attention (base-2 scores) over the dequantized int8/32 latents of ``head``."""
+    kd = dequantize_latent_ref(krows[None], off, "int8/32")[0, :, 32 * head:32 * head + 32].double()
+    vd = dequantize_latent_ref(vrows[None], off, "int8/32")[0, :, 32 * head:32 * head + 32].double()
+    p = torch.softmax((qf.double() @ kd.T) * math.log(2.0), -1)
+    return (p @ vd).float()
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), hkv=st.integers(1, 3), g=st.sampled_from([2, 4, 8]),
+       t=st.sampled_from([16, 32, 64]), q_scale=st.sampled_from([0.3, 3.0, 300.0]),
+       v_size=st.sampled_from([1.0, 1e-3]))
+def test_emulated_int8_arithmetic_matches_fp32_latent_attention(seed, hkv, g, t, q_scale, v_size):
+    krows, off = _rows(hkv, t, seed, fmt="int8/32")
+    vrows, _ = _rows(hkv, t, seed + 1, v_size, fmt="int8/32")
+    head = seed % hkv
+    qf = torch.randn(g, 32, generator=torch.Generator().manual_seed(seed + 2)) * q_scale
+    got = _emulate8(krows, vrows, off, head, qf)
+    want = _attention8(krows, vrows, off, head, qf)
+    err = float((got - want).norm() / want.norm())
+    assert err <= 1e-3, err
+
+
+def test_int8_emulation_notices_a_wrong_centring_constant():
+    """The 8-bit emulation depends on the centring constant: 8 (the 4-bit one) in place of 128 in the 128 * sum(c)
+    and centred-min terms moves its result far past the bound; and the kernel uses 128 at BITS 8 in both places
+    (``sumc8`` in ``_mma_unit_kernel``, ``_online_step``'s CENTER from ``_unit_step``)."""
+    krows, off = _rows(2, 32, 3, fmt="int8/32")
+    vrows, _ = _rows(2, 32, 4, fmt="int8/32")
+    qf = torch.randn(4, 32, generator=torch.Generator().manual_seed(5)) * 3
+    want = _attention8(krows, vrows, off, 1, qf)
+    good = _emulate8(krows, vrows, off, 1, qf)
+    assert float((good - want).norm() / want.norm()) <= 1e-3
+    bad = _emulate8(krows, vrows, off, 1, qf, center=8.0)
+    assert float((bad - want).norm() / want.norm()) > 1e-1
+    assert "sumc * (128.0 if BITS == 8 else 8.0)" in lam._mma_unit_kernel.src
+    assert "128.0 if BITS == 8 else 8.0)" in lam._unit_step.src.split("return _online_step(")[-1]
+
+
 def _layout(group=4, kfmt="int4/32", vfmt="int4/32", hkv=8, rk=32, rv=32, layouts=("row-major",) * 2, block_n=64,
             page=0, columns=4096):
     kf, vf = parse_latent_format(kfmt), parse_latent_format(vfmt)
@@ -181,13 +294,13 @@ def _layout(group=4, kfmt="int4/32", vfmt="int4/32", hkv=8, rk=32, rv=32, layout
 
 
 def test_layout_applies_only_where_the_pass_packs():
-    assert _layout() == dict(NT=4, GROUPS=2, BT=64, UNIT=False)
-    assert _layout(group=2) == dict(NT=2, GROUPS=4, BT=64, UNIT=False)
-    assert _layout(group=8) == dict(NT=8, GROUPS=1, BT=64, UNIT=False) and _layout(group=8, block_n=128) is None
+    assert _layout() == dict(NT=4, GROUPS=2, BT=64, UNIT=False, BITS=4)
+    assert _layout(group=2) == dict(NT=2, GROUPS=4, BT=64, UNIT=False, BITS=4)
+    assert _layout(group=8) == dict(NT=8, GROUPS=1, BT=64, UNIT=False, BITS=4) and _layout(group=8, block_n=128) is None
     assert _layout(page=128) is not None and _layout(page=256, block_n=128) is not None
     um = ("unit-major",) * 2
     for g in (2, 4, 8):  # unit-major: 64-slot tiles whatever block_n says, NT = G
-        assert _layout(group=g, layouts=um, block_n=128) == dict(NT=g, GROUPS=8 // g, BT=64, UNIT=True)
+        assert _layout(group=g, layouts=um, block_n=128) == dict(NT=g, GROUPS=8 // g, BT=64, UNIT=True, BITS=4)
     assert _layout(layouts=um, page=64, columns=64) is not None
     for kw in (dict(group=1), dict(group=3), dict(group=16), dict(kfmt="int8/32"), dict(vfmt="int2/32"),
                dict(kfmt="int4/16"), dict(rk=64), dict(rk=16), dict(layouts=("row-major", "unit-major")),
@@ -198,6 +311,47 @@ def test_layout_applies_only_where_the_pass_packs():
     cpu = torch.device("cpu")
     f = parse_latent_format("int4/32")
     assert lam.mma_layout(4, f, f, [0, 32], [0, 32], 32, 32, ("row-major",) * 2, 64, 0, cpu, False) is None
+
+
+def test_layout_takes_int8_codes_only_unit_major_on_both_latents():
+    """int8/32 (one code a byte): the unit-major kernel at BITS 8, whatever G, block_n or pages of 64 slots; never
+    row-major, never with 4-bit codes on the other latent, and the int4 guards (rank, block, columns) still hold."""
+    i8 = dict(kfmt="int8/32", vfmt="int8/32")
+    um = ("unit-major",) * 2
+    for g in (2, 4, 8):
+        assert _layout(group=g, layouts=um, **i8) == dict(NT=g, GROUPS=8 // g, BT=64, UNIT=True, BITS=8)
+    assert _layout(layouts=um, block_n=128, page=128, columns=128, **i8)["BITS"] == 8
+    assert _layout(layouts=um, kfmt="int8/64", vfmt="int8/64")["BITS"] == 8  # one block per head (block >= 32)
+    for kw in (dict(**i8), dict(block_n=128, **i8), dict(page=128, **i8),  # row-major int8: no kernel reads it
+               dict(layouts=um, kfmt="int4/32", vfmt="int8/32"), dict(layouts=um, kfmt="int8/32", vfmt="int4/32"),
+               dict(kfmt="int4/32", vfmt="int8/32"), dict(layouts=um, kfmt="int8/32", vfmt="int2/32"),
+               dict(layouts=um, kfmt="int8/16", vfmt="int8/16"), dict(layouts=um, rk=64, **i8),
+               dict(layouts=um, columns=4000, **i8), dict(layouts=um, page=96, columns=96, **i8),
+               dict(layouts=("row-major", "unit-major"), **i8), dict(layouts=um, group=1, **i8)):
+        assert _layout(**kw) is None, kw
+
+
+def test_mma_layout_gates_int8_on_a_cuda_device(monkeypatch):
+    """``mma_layout`` (the launcher's entry; ``_mma_layout`` behind the device checks) on a CUDA device of compute
+    capability 9.0 (reported, as ``test_mma_unit_guards``' ``on_fake_gpu`` does): int8 unit-major taken with
+    BITS 8, row-major int8 and int4 / int8 mixes refused; a mask, an sm_75 device or a CPU tensor refuse it too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    i4, i8 = parse_latent_format("int4/32"), parse_latent_format("int8/32")
+    off = [32 * i for i in range(9)]
+    um, rm = ("unit-major",) * 2, ("row-major",) * 2
+    cuda = torch.device("cuda", 0)
+
+    def lay(kf, vf, layouts, device=cuda, masked=False):
+        return lam.mma_layout(4, kf, vf, off, off, 32, 32, layouts, 64, 0, device, masked, columns=4096)
+
+    assert lay(i8, i8, um) == dict(NT=4, GROUPS=2, BT=64, UNIT=True, BITS=8)
+    assert lay(i4, i4, um)["BITS"] == 4 and lay(i4, i4, rm)["BITS"] == 4
+    assert lay(i8, i8, rm) is None and lay(i4, i8, um) is None and lay(i8, i4, um) is None
+    assert lay(i8, i8, um, masked=True) is None and lay(i8, i8, um, device=torch.device("cpu")) is None
+    cap[0] = (7, 5)
+    assert lay(i8, i8, um) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -225,26 +379,37 @@ def test_launcher_leaves_cpu_calls_to_the_other_passes():
                            None, None, lat.DecodeConfig(mma=True)) is None
     cfg = lat.default_config(4, 32, table_free=True, rank=32, rank_v=32, quantized_keys=True, code_bits=4)
     assert cfg.mma and cfg.block_n_m == 64
-    assert not lat.default_config(4, 32, table_free=True, rank=32, quantized_keys=True, code_bits=8).mma
+    cfg8 = lat.default_config(4, 32, table_free=True, rank=32, quantized_keys=True, code_bits=8)
+    assert cfg8.mma and cfg8.block_n_m == 64 and not cfg8.words  # int8/32: the MMA pass (unit-major latents)
+    assert not lat.default_config(4, 32, table_free=True, rank=32, quantized_keys=True, code_bits=2).mma
+    args8 = make_inputs(1, 128, "int8/32", 32, dev="cpu", heads=(8, 2), rope="none")
+    from ckvp_compile.kernels.latent_layout import to_layout
+
+    uk, uv = to_layout(args8[1], "unit-major"), to_layout(args8[2], "unit-major")
+    assert lat._mma_layout(args8[0], uk, uv, args8[3], args8[4], args8[5], args8[6], "int8/32", "int8/32", None,
+                           None, lat.DecodeConfig(mma=True)) is None
     assert not lat.default_config(4, 64, table_free=True, rank=64, quantized_keys=True, code_bits=4).mma
     assert not lat.default_config(1, 32, table_free=True, rank=32, quantized_keys=True, code_bits=4).mma
 
 
-@pytest.mark.parametrize("g,nt,page,unit", [(4, 4, 0, False), (2, 2, 0, False), (8, 8, 0, False),
-                                            (4, 4, 128, False), (4, 8, 0, False), (2, 2, 0, True), (4, 4, 0, True),
-                                            (8, 8, 0, True), (4, 4, 128, True)])
-def test_compiles_for_sm90_without_spills(g, nt, page, unit):
+@pytest.mark.parametrize("g,nt,page,unit,bits", [(4, 4, 0, False, 4), (2, 2, 0, False, 4), (8, 8, 0, False, 4),
+                                                 (4, 4, 128, False, 4), (4, 8, 0, False, 4), (2, 2, 0, True, 4),
+                                                 (4, 4, 0, True, 4), (8, 8, 0, True, 4), (4, 4, 128, True, 4),
+                                                 (4, 4, 0, True, 8)])
+def test_compiles_for_sm90_without_spills(g, nt, page, unit, bits):
     from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
 
     why = sm90_compile_available()
     if why:
         pytest.skip(why)
-    k = lam.compile_for_sm90(g, nt, page, unit_major=unit)
+    k = lam.compile_for_sm90(g, nt, page, unit_major=unit, **({"bits": bits} if bits != 4 else {}))
     stats = ptxas_stats(k.asm["ptx"])
     assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
     assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
     if unit:  # each lane reads 16 bytes of a value column and 8 of a key column at once
         assert "ld.global.v4.b32" in k.asm["ptx"] and "ld.global.v2.b32" in k.asm["ptx"]
+    # the byte asm (its lop3 keeping bytes 0 and 2 under 1024) exactly where the codes are 8-bit
+    assert ("0x00ff00ff, 0x64006400, 0xea" in k.asm["ptx"]) == (bits == 8)
 
 
 # ---- unit-major latents (_mma_unit_kernel): the operands built from the loaded words, mirrored in numpy. gl.join
@@ -339,3 +504,47 @@ def test_unit_major_operands_hold_the_named_codes(g):
     row, col = np.meshgrid(range(8), range(8 * nt), indexing="ij")
     slot = 8 * (col % 8) + (row // g) * nt + col // 8
     assert np.array_equal(got.astype(np.float16), f[slot])
+
+
+def _unit_columns8(codes):
+    """(64 slots, 32 coordinates) 8-bit codes -> (32 byte columns, 16 words) of 4 slots each, as ints."""
+    import numpy as np
+
+    col = codes.astype(np.uint32).T.reshape(32, 16, 4)
+    return col[..., 0] | col[..., 1] << 8 | col[..., 2] << 16 | col[..., 3] << 24
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_unit_major_int8_operands_hold_the_named_codes(g):
+    """``_unit_step`` at BITS 8, mirrored: key word (w, q, c, b, e) = column 8b + 2q + e at slots 8c + 4w, split on
+    e into the byte asm's (a, b); value word (d, q, n, m, e) = column n + 16m + 8e at slots 16q + 4d, d = 0, 1
+    paired with d + 2. The key operand's (row (grp, k), column 8j + c) must be code - 128 of slot 8c + grp NT + j at
+    coordinate k, the value operand's (row, column j) that of the row's slot at coordinate j."""
+    import numpy as np
+
+    nt, groups, bt = g, 8 // g, 64
+    rng = np.random.default_rng(10 + g)
+    kc, vc = rng.integers(0, 256, (64, 32)), rng.integers(0, 256, (64, 32))
+    kw, vw = _unit_columns8(kc), _unit_columns8(vc)
+    # keys: gl.split(wk) on e; _dequant_bytes -> join(join4(d0, d2, d4, d6), join4(d1, d3, d5, d7))
+    w, q, c, b, e = np.meshgrid(range(2), range(4), range(8), range(4), range(2), indexing="ij")
+    words = kw[8 * b + 2 * q + e, 2 * c + w]
+    d = _asm_map(ASM8, 8, words[..., 0], words[..., 1])
+    x = np.stack([_np_join4(d[0], d[2], d[4], d[6]), _np_join4(d[1], d[3], d[5], d[7])], -1)
+    x = x.transpose(0, 4, 3, 1, 5, 2).reshape(groups, nt, 2, 2, 4, 2, 8)
+    kb = x.transpose(0, 2, 3, 4, 5, 1, 6).reshape(32 * groups, 8 * nt)
+    kk, col = np.meshgrid(range(32 * groups), range(8 * nt), indexing="ij")
+    grp, k, j, cc = kk // 32, kk % 32, col // 8, col % 8
+    assert np.array_equal(kb, kc[8 * cc + grp * nt + j, k] - 128.0)
+    # values
+    dd, q, n, m, e = np.meshgrid(range(4), range(4), range(8), range(2), range(2), indexing="ij")
+    words = vw[n + 16 * m + 8 * e, 4 * q + dd]
+    v = words.transpose(1, 2, 3, 4, 0).reshape(4, 8, 2, 2, 2, 2).transpose(0, 1, 2, 3, 5, 4)
+    o = _asm_map(ASM8, 8, v[..., 0], v[..., 1])
+    y = np.stack([_np_join4(o[0], o[2], o[4], o[6]), _np_join4(o[1], o[3], o[5], o[7])], -1)
+    y = y.transpose(0, 1, 2, 4, 5, 3, 6)  # (q, n, m, d, t, e, ab)
+    y = y.transpose(3, 4, 0, 6, 2, 5, 1).reshape(groups, nt, 4, 2, 2, 2, 8)
+    vb = y.transpose(1, 0, 2, 3, 4, 5, 6).reshape(bt, 32)
+    kap, col = np.meshgrid(range(bt), range(32), indexing="ij")
+    cc, grp, j = kap % 8, (kap // 8) % groups, kap // (8 * groups)
+    assert np.array_equal(vb, vc[8 * cc + grp * nt + j, col] - 128.0)

@@ -9,7 +9,9 @@ and the kernels replaced by recorders. Then:
   accepts the ones it can (batch slices, pages of 64 / 128 slots);
 * the recorded launch arguments, put through the kernel's own address arithmetic (``_unit_base`` and the column
   offsets of ``_mma_unit_kernel``: 4-byte words, fp16 field units, COL bytes per column, PAGE // 64 tiles per page),
-  read exactly the bytes the latent format names for every (sequence, slot, head): codes, scale and min;
+  read exactly the bytes the latent format names for every (sequence, slot, head): codes, scale and min; for
+  ``int4/32`` and for ``int8/32`` (``BITS=8`` in the recorded arguments; the 8-bit key and value word offsets, one
+  byte column a coordinate, inverted per slot and coordinate);
 * ``layout_of`` never labels a tensor so that the unit-major kernel's addressing would differ from its strides.
 """
 
@@ -26,6 +28,7 @@ from ckvp_compile.kernels.latent_format import parse_latent_format  # noqa: E402
 from ckvp_compile.kernels.latent_layout import layout_of, to_layout  # noqa: E402
 
 FMT = "int4/32"
+FMT8 = "int8/32"
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
@@ -55,19 +58,19 @@ def _unit_from(x: torch.Tensor, pad_front: int = 0) -> tuple[torch.Tensor, torch
     return view, buf
 
 
-def _inputs(b=2, s_max=128, hkv=2, g=4):
-    """make_inputs (table-free) with random bytes everywhere in the latents (scales included: any misread byte
-    differs from the right one with high probability)."""
-    args = list(make_inputs(b, s_max, FMT, 32, dev="cpu", heads=(g * hkv, hkv), rope="none"))
+def _inputs(b=2, s_max=128, hkv=2, g=4, fmt=FMT):
+    """make_inputs (table-free, latents of ``fmt``) with random bytes everywhere in the latents (scales included:
+    any misread byte differs from the right one with high probability)."""
+    args = list(make_inputs(b, s_max, fmt, 32, dev="cpu", heads=(g * hkv, hkv), rope="none"))
     gen = torch.Generator().manual_seed(1)
     for i in (1, 2):
         args[i] = torch.randint(0, 256, args[i].shape, dtype=torch.uint8, generator=gen)
     return args
 
 
-def _launcher_layout(args, latent_k, latent_v, page_table=None, attn_mask=None, q=None):
+def _launcher_layout(args, latent_k, latent_v, page_table=None, attn_mask=None, q=None, fmt=FMT):
     return lat._mma_layout(args[0] if q is None else q, latent_k, latent_v, args[3], args[4], args[5], args[6],
-                           FMT, FMT, attn_mask, page_table, lat.DecodeConfig(mma=True))
+                           fmt, fmt, attn_mask, page_table, lat.DecodeConfig(mma=True))
 
 
 class _Recorder:
@@ -105,14 +108,18 @@ def _launch(args, latent_k, latent_v, page_table=None, kv_len=None):
         a[17] = kv_len
         a[14] = torch.tensor([kv_len - 1])  # the exact token's slot, inside the context as the op requires
     cfg = lat.default_config(a[0].shape[1] // a[3].shape[-3], 32, table_free=True, rank=32, rank_v=32,
-                             quantized_keys=True, code_bits=4)
+                             quantized_keys=True, code_bits=parse_latent_format(a[18]).bits)
     assert cfg.mma
     lat._launch("all", *a, config=cfg, page_table=page_table)
 
 
 def _kernel_reads(call, which: str, b: int, s: int, h: int) -> dict:
     """The byte addresses (relative to the latent's data pointer) that ``_mma_unit_kernel`` reads for sequence b,
-    slot s, KV head h, computed from the recorded arguments with the kernel's own arithmetic."""
+    slot s, KV head h, computed from the recorded arguments with the kernel's own arithmetic. Codes: at BITS 4
+    the head's 16 code byte columns in order; at BITS 8 its 32, indexed by coordinate, found by inverting the
+    kernel's word offsets (keys: word (w, q, c, b, e) at ``(col + 2q + 8b + e) CKW + 2c + w`` holds slots
+    ``8c + 4w + t`` of coordinate ``8b + 2q + e``; values: word (d, q, n, m, e) at ``(col + n + 16m + 8e) CVW + 4q
+    + d`` holds slots ``16q + 4d + t`` of coordinate ``n + 8(2m + e)``; byte t of a word is its slot t)."""
     _, a, kw = call
     meta = a[4] if which == "k" else a[5]
     scale_base, min_base = (a[18], a[19]) if which == "k" else (a[20], a[21])
@@ -127,22 +134,39 @@ def _kernel_reads(call, which: str, b: int, s: int, h: int) -> dict:
         w0 = b * stride_b + t * 16
     byte0 = 4 * w0 + s % 64
     first, blk = int(meta[h, 0]), int(meta[h, 1])
-    return dict(codes=[byte0 + (first + i) * col for i in range(16)],
+    if kw["BITS"] == 8:
+        sl, cw = s % 64, col // 4  # slot in the tile; CKW / CVW (words a column)
+        codes = []
+        for k in range(32):
+            if which == "k":
+                c, w, t = sl // 8, (sl % 8) // 4, sl % 4
+                bb, q, e = k // 8, (k % 8) // 2, k % 2
+                word = (first + 2 * q + 8 * bb + e) * cw + 2 * c + w
+            else:
+                q, d, t = sl // 16, (sl % 16) // 4, sl % 4
+                n, m, e = k % 8, k // 16, (k // 8) % 2
+                word = (first + n + 16 * m + 8 * e) * cw + 4 * q + d
+            codes.append(4 * (w0 + word) + t)
+    else:
+        codes = [byte0 + (first + i) * col for i in range(16)]
+    return dict(codes=codes,
                 scale=[byte0 + (2 * (scale_base + blk) + e) * col for e in (0, 1)],
                 min=[byte0 + (2 * (min_base + blk) + e) * col for e in (0, 1)])
 
 
-def _format_columns(offsets, h: int) -> dict:
-    """Head h's byte columns in a row of the format (latent_format's row layout, computed independently)."""
-    f = parse_latent_format(FMT)
+def _format_columns(offsets, h: int, fmt: str = FMT) -> dict:
+    """Head h's byte columns in a row of ``fmt`` (latent_format's row layout, computed independently): 16 code
+    bytes at int4 (two coordinates each), 32 at int8 (byte i = coordinate i)."""
+    f = parse_latent_format(fmt)
     n_code, nb = sum(f.code_bytes(offsets)), f.num_blocks(offsets)
     c0 = sum(f.code_bytes(offsets)[:h])
-    return dict(codes=list(range(c0, c0 + 16)), scale=[n_code + 2 * h, n_code + 2 * h + 1],
+    return dict(codes=list(range(c0, c0 + 32 * f.bits // 8)), scale=[n_code + 2 * h, n_code + 2 * h + 1],
                 min=[n_code + 2 * (nb + h), n_code + 2 * (nb + h) + 1])
 
 
-def _check_reads(call, which, latent, buf, offsets, logical):
-    """Every (sequence, slot < kv_len, head): the kernel's bytes equal the logical row's bytes (``logical(b, s)``)."""
+def _check_reads(call, which, latent, buf, offsets, logical, fmt=FMT):
+    """Every (sequence, slot < kv_len, head): the kernel's bytes equal the logical row's bytes (``logical(b, s)``)
+    of latents in ``fmt``."""
     base = latent.data_ptr() - buf.data_ptr()
     flat = buf
     grid, a, _ = call
@@ -154,7 +178,7 @@ def _check_reads(call, which, latent, buf, offsets, logical):
                 continue
             for h in range(hkv):
                 got = _kernel_reads(call, which, b, s, h)
-                want = _format_columns(offsets, h)
+                want = _format_columns(offsets, h, fmt)
                 for field in ("codes", "scale", "min"):
                     kb = [int(flat[base + x]) for x in got[field]]
                     assert kb == [int(row[c]) for c in want[field]], (which, field, b, s, h)
@@ -230,6 +254,21 @@ def test_unit_major_pages_must_hold_whole_tiles(on_fake_gpu, page, taken):
     assert (lay is not None and lay["UNIT"]) if taken else lay is None
 
 
+def test_int8_latents_take_the_unit_kernel_only_unit_major(on_fake_gpu):
+    """int8/32 latents through the launcher's guard: unit-major -> the unit kernel at BITS 8 (static and paged);
+    row-major -> neither MMA kernel (the row-major kernel reads 4-bit codes only)."""
+    args = _inputs(b=2, s_max=128, fmt=FMT8)
+    uk, _ = _unit_from(args[1])
+    uv, _ = _unit_from(args[2])
+    lay = _launcher_layout(args, uk, uv, fmt=FMT8)
+    assert lay["UNIT"] is True and lay["BITS"] == 8
+    assert _launcher_layout(args, args[1], args[2], fmt=FMT8) is None
+    pool = torch.randint(0, 256, (5, 64, args[1].shape[-1]), dtype=torch.uint8)
+    pk, _ = _unit_from(pool)
+    lay = _launcher_layout(args, pk, _unit_from(pool)[0], page_table=torch.tensor([[2, 0], [1, 3]]), fmt=FMT8)
+    assert lay["UNIT"] is True and lay["BITS"] == 8
+
+
 def test_cpu_calls_never_take_the_pass():
     args = _inputs(b=2, s_max=128)
     uk, _ = _unit_from(args[1])
@@ -239,9 +278,9 @@ def test_cpu_calls_never_take_the_pass():
 
 # ---- the arguments the launcher passes, read through the kernel's address arithmetic -----------------------------
 
-@pytest.mark.parametrize("g,hkv", [(4, 2), (2, 1), (8, 3)])
-def test_static_cache_launch_reads_the_named_bytes(recorded, g, hkv):
-    args = _inputs(b=3, s_max=192, hkv=hkv, g=g)
+@pytest.mark.parametrize("fmt,g,hkv", [(FMT, 4, 2), (FMT, 2, 1), (FMT, 8, 3), (FMT8, 8, 3)])
+def test_static_cache_launch_reads_the_named_bytes(recorded, fmt, g, hkv):
+    args = _inputs(b=3, s_max=192, hkv=hkv, g=g, fmt=fmt)
     uk, bk = _unit_from(args[1], pad_front=64)
     uv, bv = _unit_from(args[2], pad_front=512)
     # a batch slice: the kernel gets the slice's own data pointer and strides
@@ -255,20 +294,21 @@ def test_static_cache_launch_reads_the_named_bytes(recorded, g, hkv):
     grid, a, kw = call
     assert a[1].data_ptr() == uk[1].data_ptr() and a[2].data_ptr() == uv[1].data_ptr()
     assert kw["G"] == g and kw["PAGE"] == 0 and a[15] == 192 and a[14] == kv_len
+    assert kw["BITS"] == parse_latent_format(fmt).bits
     n_split_m, per = a[17], a[16]
     assert grid == (hkv, n_split_m, 2 * 1) and (n_split_m - 1) * per < -(-kv_len // 64) <= n_split_m * per
     # the kernel merges its slot groups before it stores: one split of G rows per program, all the merge reads
     (_, ra, _), = recorded["reduce"].calls
     assert ra[6] is a[6] and ra[7] is a[7] and ra[8] is a[8] and ra[13] == n_split_m
     assert a[6].numel() == 2 * hkv * 1 * n_split_m * g and a[8].numel() == a[6].numel() * 32
-    _check_reads(call, "k", uk[1:], bk, args[5], lambda b, s: args[1][1 + b, s])
-    _check_reads(call, "v", uv[1:], bv, args[6], lambda b, s: args[2][1 + b, s])
+    _check_reads(call, "k", uk[1:], bk, args[5], lambda b, s: args[1][1 + b, s], fmt)
+    _check_reads(call, "v", uv[1:], bv, args[6], lambda b, s: args[2][1 + b, s], fmt)
 
 
-@pytest.mark.parametrize("page", [64, 128])
-def test_paged_launch_reads_the_named_bytes(recorded, page):
+@pytest.mark.parametrize("fmt,page", [(FMT, 64), (FMT, 128), (FMT8, 128)])
+def test_paged_launch_reads_the_named_bytes(recorded, fmt, page):
     hkv, g, b = 2, 4, 2
-    args = _inputs(b=b, s_max=2 * page, hkv=hkv, g=g)
+    args = _inputs(b=b, s_max=2 * page, hkv=hkv, g=g, fmt=fmt)
     w = args[1].shape[-1]
     gen = torch.Generator().manual_seed(2)
     pool_k = torch.randint(0, 256, (5, page, w), dtype=torch.uint8, generator=gen)
@@ -281,6 +321,7 @@ def test_paged_launch_reads_the_named_bytes(recorded, page):
     assert not recorded["row"].calls and len(recorded["unit"].calls) == 1
     call = recorded["unit"].calls[0]
     assert call[2]["PAGE"] == page == call[2]["COL_K"] == call[2]["COL_V"]
+    assert call[2]["BITS"] == parse_latent_format(fmt).bits
 
     def logical(pool):
         def row(bb, s):
@@ -288,8 +329,8 @@ def test_paged_launch_reads_the_named_bytes(recorded, page):
             return None if p < 0 else pool[p, s % page]
         return row
 
-    _check_reads(call, "k", pk, bk, args[5], logical(pool_k))
-    _check_reads(call, "v", pv, bv, args[6], logical(pool_v))
+    _check_reads(call, "k", pk, bk, args[5], logical(pool_k), fmt)
+    _check_reads(call, "v", pv, bv, args[6], logical(pool_v), fmt)
 
 
 def test_row_major_latents_go_to_the_row_major_kernel(recorded):
