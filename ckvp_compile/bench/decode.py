@@ -349,6 +349,9 @@ class _Runner:
 
         a = self.args
         max_len = context + a.warmup + a.steps + 1 + a.profile_steps
+        page = getattr(a, "page_size", 0) if system.kind == "ckvp" else 0
+        if page:  # a paged store's length is whole pages
+            max_len = -(-max_len // page) * page
         row = DecodeRow(a.shape, self.layers, self.layers_full, self.row_name(system), system.kind, system.mode,
                         system.ratio, a.latent_format if system.kind == "ckvp" else None, batch, context, max_len,
                         max_batch,
@@ -370,7 +373,7 @@ class _Runner:
                 cache = dense_cache(self.config, batch, max_len, self.device, self.dtype)
             else:
                 cache = latent_cache(self.config, bases, batch, max_len, self.device, self.dtype, a.latent_format,
-                                     a.recent_window, getattr(a, "latent_layout", "row-major"))
+                                     a.recent_window, getattr(a, "latent_layout", "row-major"), page)
                 row.ranks = {"k": [list(r) for r in bases.k_ranks], "v": [list(r) for r in bases.v_ranks],
                              "group_size": a.group_size}
             fill_cache_(cache, context, seed=a.seed)
@@ -446,15 +449,17 @@ class _Runner:
     def row_name(self, system: System) -> str:
         """The rows' system name: ``system.name``, plus `` wN`` for a ckvp system with a recent window of N,
         `` K<=R`` with key ranks capped at R (``--max-key-rank``), the latent layout unless row-major
-        (``--latent-layout``: `` unit-major``, `` row-major/unit-major``, ...) and `` post-RoPE`` for key bases of
-        the cached keys (``--key-space post_rope``)."""
+        (``--latent-layout``: `` unit-major``, `` row-major/unit-major``, ...), `` pP`` for latents in pages of P
+        slots (``--page-size``) and `` post-RoPE`` for key bases of the cached keys (``--key-space post_rope``)."""
         if system.kind != "ckvp":
             return system.name
         w, cap = self.args.recent_window, getattr(self.args, "max_key_rank", None)
         lay = getattr(self.args, "latent_layout", "row-major")
         post = getattr(self.args, "key_space", "pre_rope") == "post_rope"
+        page = getattr(self.args, "page_size", 0)
         return (system.name + (f" w{w}" if w else "") + (f" K<={cap}" if cap else "")
-                + (f" {lay}" if lay != "row-major" else "") + (" post-RoPE" if post else ""))
+                + (f" {lay}" if lay != "row-major" else "") + (f" p{page}" if page else "")
+                + (" post-RoPE" if post else ""))
 
     # -- largest batch
     def max_batch_row(self, system: System, context: int) -> DecodeRow:
@@ -545,7 +550,7 @@ class _Runner:
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
     keep = ("shape", "systems", "batches", "contexts", "cells", "layers", "steps", "warmup", "latent_format",
             "group_size", "calib_tokens", "bases", "rank_block", "max_key_rank", "key_space", "latent_layout",
-            "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
+            "page_size", "compiler", "expert_gemm", "ballast", "budget_s", "margin_gb", "dtype", "seed")
     return {k: getattr(a, k) for k in keep if hasattr(a, k)}
 
 
@@ -671,6 +676,11 @@ def _parser() -> argparse.ArgumentParser:
                         "kernels.latent_layout): each slot's row contiguous (default), or each byte column contiguous "
                         "over the slots (unit-major), for both or as KEYS/VALUES (row-major/unit-major: the value "
                         "latents only); ckvp rows are then named '<system> <layout>'")
+    p.add_argument("--page-size", type=int, default=0, metavar="P",
+                   help="ckvp (speed shapes): page the latents in pools of P slots (CKVPStaticCache(page_size=P); "
+                        "each row's cache length rounded up to whole pages); ckvp rows are then named '<system> pP'. "
+                        "64 with --latent-layout unit-major: each 64-slot tile's byte columns contiguous, the MMA "
+                        "pass's fastest layout (default 0: not paged)")
     p.add_argument("--recent-window", type=int, default=0,
                    help="ckvp: keep the last N tokens' keys and values exact beside the latent (CKVPStaticCache("
                         "recent_window=N)), their bytes counted in the ratio (at --budget-len for the fixture); "
@@ -727,6 +737,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"--measure-windows must be in 1..--calib-windows ({a.calib_windows}), got {a.measure_windows}")
     if a.baselines and a.shape != "fixture":
         p.error("--baseline is for --shape fixture")
+    if a.page_size < 0 or (a.page_size and a.shape == "fixture"):
+        p.error(f"--page-size must be >= 0 and is for the speed shapes (the fixture's greedy check runs unpaged), "
+                f"got {a.page_size} with --shape {a.shape}")
     if a.shape == "fixture":
         if any(r < 1 for r in a.ratios):
             p.error("--ratios must be >= 1")

@@ -160,14 +160,15 @@ def dense_cache(config: Any, batch: int, max_cache_len: int, device: torch.devic
 
 def latent_cache(config: Any, bases: Any, batch: int, max_cache_len: int, device: torch.device | str,
                  dtype: torch.dtype, latent_format: str, recent_window: int = 0,
-                 latent_layout: str = "row-major") -> Any:
-    """A :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` (latents in ``latent_layout``, bases and the dense
-    recent window of ``recent_window`` tokens in ``dtype``)."""
+                 latent_layout: str = "row-major", page_size: int = 0) -> Any:
+    """A :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` (latents in ``latent_layout``, in pools of
+    ``page_size``-slot pages when > 0, bases and the dense recent window of ``recent_window`` tokens in ``dtype``).
+    Raises what the cache raises for a bad page size (CKVPConfigError)."""
     from ..runtime.hf_cache import CKVPStaticCache
 
     return CKVPStaticCache(config, bases, max_cache_len=max_cache_len, max_batch_size=batch, device=device,
                            dtype=dtype, latent_format=latent_format, latent_dtype=dtype, recent_window=recent_window,
-                           latent_layout=latent_layout)
+                           latent_layout=latent_layout, page_size=page_size)
 
 
 def fill_cache_(cache: Any, context: int, seed: int = 0) -> None:

@@ -350,6 +350,25 @@ def test_cli_recent_window_rows(tmp_path):
     assert meta["recent_window"] == 8 and four["status"] == "ok" and four["ratio_measured_at_budget"] >= 4.0, four
 
 
+def test_cli_page_size_rows(tmp_path):
+    """--page-size P: ckvp rows named '<system> <layout> pP' over latents in pools of P-slot pages (each row's cache
+    length rounded up to whole pages), the byte ratio met but for the pool's trash page, and the step run; the
+    setting recorded; a negative size, or one with the fixture's greedy check, is a usage error."""
+    out = tmp_path / "paged.json"
+    assert bench_cli(["decode", "--shape", "tiny", "--systems", "eager", "ckvp-4", "--batch", "2", "--context", "32",
+                      "--steps", "2", "--warmup", "1", "--compiler", "eager", "--device", "cpu", "--bases",
+                      "synthetic", "--latent-layout", "unit-major", "--page-size", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    eager, row = data["rows"]
+    assert eager["system"] == "eager" and eager["max_cache_len"] == 32 + 1 + 2 + 1, eager  # dense rows are not paged
+    assert row["system"] == "ckvp-4 unit-major p8" and row["status"] == "ok", row
+    # 36 slots -> 5 pages of 8 a sequence; the pool's trash page (one of 2 * 5 + 1, never data) is held bytes too
+    assert row["max_cache_len"] == 40 and 4.0 * 10 / 11 <= row["kv_ratio_measured"] < 4.0, row
+    assert data["meta"]["settings"]["page_size"] == 8
+    for argv in (["--shape", "tiny", "--page-size", "-8"], ["--shape", "fixture", "--page-size", "64"]):
+        assert bench_cli(["decode", *argv, "--device", "cpu"]) == 2
+
+
 def test_cli_key_rank_cap_rows(tmp_path):
     """--max-key-rank R: ckvp rows named '<system> K<=R', every key rank at most R, the byte ratio still met (the
     bytes went to the values), the setting recorded; a bad cap, or one with a planned bit plan, is a usage error."""
