@@ -247,6 +247,31 @@ def test_online_post_rope_bases_full_rank_equal_dense_without_rope_rebuild(famil
         online_bases(model, group_size=2, kv_ratio=1.0, key_space="after_rope")
 
 
+def test_online_post_rope_bases_under_partial_rope_full_rank_equal_dense():
+    """GPT-J rotates 8 of its 16 key channels per head (partial RoPE, ``rotary_dim=8``, interleaved pairs): online
+    post-RoPE bases at full rank span every cached key, rotated channels or not, so logits equal dense, and no graph
+    rebuilds RoPE (the rewrite treats the layers as ones without RoPE whatever part of the head rotates)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ckvp_compile.latent import online_bases
+
+    config = AutoConfig.for_model("gptj", hidden_size=64, rotary_dim=8, vocab_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=128, pad_token_id=None,
+                                  bos_token_id=None, eos_token_id=None, initializer_range=0.1,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    bases = online_bases(model, group_size=2, kv_ratio=1.0, key_space=POST)
+    assert bases.online and bases.key_space == POST
+    ids = torch.randint(0, 128, (2, PROMPT))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=CACHE)
+    rec = CompileRecorder()
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=2)
+    latent = hf_latent_logits(model, ids, cache, CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))
+    assert_close_all(eager, latent)
+    _assert_no_rope_rebuild(rec, 2)
+
+
 def test_online_bases_fit_the_keys_of_their_key_space():
     """Online bases at rank 1 per layer (D = 16, ratio 16) on keys confined to channel 0 and values of rank 1: the
     pre-RoPE keys of a prompt span one direction, so online pre-RoPE bases are exact; RoPE rotates them over the
