@@ -280,7 +280,9 @@ def main() -> int:
                     help="latent layouts of the MMA rows; LAYOUT@P: page pools of P slots (sweep only)")
     ap.add_argument("--split-d", default="-", help="DecodeConfig.reduce_split_d values (1 / 0 / -: the default)")
     ap.add_argument("--merges", default="-", help="DecodeConfig.one_pass_merge values (1 / 0 / -: the default)")
-    ap.add_argument("--formats", default="int4/32", help="latent formats (int4/32, int8/32: unit-major only)")
+    ap.add_argument("--formats", default="int4/32,int8/32",
+                    help="latent formats: --check draws from all, --sweep / --profile take the first (int8/32: "
+                         "unit-major latents only)")
     ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
     a = ap.parse_args()
     if a.out:
@@ -290,13 +292,13 @@ def main() -> int:
     if a.check:
         ok = run_check(a.out, tuple(a.formats.split(",")))
     if a.profile:
-        run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1], fmt=a.formats.split(",")[-1])
+        run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1], fmt=a.formats.split(",")[0])
     if a.sweep:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
                   [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
                   [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")],
-                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[-1])
+                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[0])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 
