@@ -451,8 +451,9 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # int4/32 rank 32, one whole call in CUDA-graph replay: batch 8, 32k 0.200 -> 0.079 ms, 128k 0.738 ->
             # 0.235; batch 32, 32k 0.749 -> 0.240, 128k 2.93 -> 0.858 (benchmarks/results/2026-12-04-mma-h200);
             # int8/32 (unit-major latents only; row-major ones keep the absorbed pass): batch 32, 128k 0.70 ms in
-            # 64-slot unit-major pages, 1.03 ms static (the word pass 4.63; benchmarks/results/2026-12-04-int8-mma-h200)
-            cfg = dataclasses.replace(cfg, mma=True, block_n_m=64, programs_m=3072)
+            # 64-slot unit-major pages, 1.03 ms static (the word pass 4.63; benchmarks/results/2026-12-04-int8-mma-h200);
+            # 8-bit codes at 1536 programs: batch 8, 32k 0.0598 against 0.0621 ms at 3072, the rest within 1% (r3)
+            cfg = dataclasses.replace(cfg, mma=True, block_n_m=64, programs_m=1536 if code_bits == 8 else 3072)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
