@@ -3,6 +3,7 @@
     ckvp-bench attention [--heads 32:8] [--batches 1 8 32] [--contexts 4096 32768 131072]
                          [--formats int4/32:256 int8/32:256] [--flex] [--budget-s 900] [--json OUT.json]
                          [--out OUT.md] [--device cuda] [--cuda-graphs] [--tiny] [--seed 0]
+                         [--key-space pre_rope|post_rope] [--latent-layout row-major|unit-major] [--page-size P]
 
 The layer: Mixtral-8x7B-shaped by default (``--heads 32:8``: 32 query heads, 8 KV heads, head_dim 128; ``16:16``
 for Qwen1.5-MoE), rotate_half RoPE over all 128 channels, one new token per sequence at the last slot; the cache
@@ -230,10 +231,15 @@ def paged_latents(args: tuple, page: int, layout: str = "row-major", seed: int =
     A unit-major pool of 64-slot pages holds each 64-slot tile's byte columns side by side: the MMA pass reads one
     head's tile as one contiguous run per latent.
 
+    Args:
+        args: the 20 arguments of :func:`make_inputs` (latents (B, T, W), uint8 or float, on any device).
+        page: P, slots per page; layout: the pools' layout; seed: the page permutation's seed (a CPU generator).
     Returns:
-        (the arguments with the pools in place of the latents, the (B, T / page) int32 page table).
+        (the arguments with the pools (same dtype and device as the latents) in place of the latents, the
+        (B, T / page) int32 page table on the latents' device).
     Raises:
-        ValueError: ``page`` < 1 or not dividing T.
+        ValueError: ``page`` < 1 or not dividing T, or a layout not in ``LAYOUTS`` (from ``to_layout``).
+    Source: vLLM's page table (Kwon et al., SOSP 2023), as :mod:`ckvp_compile.runtime.store` pages its latents.
     """
     from ckvp_compile.kernels.latent_layout import to_layout
 
@@ -514,19 +520,24 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
             ``CKVPStaticCache(latent_layout=...)`` stores them): ``"row-major"`` or ``"unit-major"`` (each byte
             column contiguous over the slots: the MMA pass's 16-byte column reads).
         page_size: P > 0: the latents in page pools of P slots at randomly permuted pages (:func:`paged_latents`,
-            as ``CKVPStaticCache(page_size=P)``); every context must be a multiple of P. 0: static latents.
+            as ``CKVPStaticCache(page_size=P)``); every context must be a multiple of P. 0: static latents. The
+            reference is computed from the static rows; ``op_rel_err`` checks the op on the timed layout / pool.
     Returns:
         ``{"versions": {torch, triton, gpu or cpu, ...}, "copy_bandwidth_GBps" (0 on CPU), "heads", "head_dim",
-        "group", "elapsed_s", "rows": [...]}``; a row has format, rank, heads, batch, context and either
+        "group", "key_space", "latent_layout", "page_size", "device", "elapsed_s", "rows": [...]}``; a row has format, rank, heads, batch, context and either
         ``skipped`` (the reason: memory, time budget) or ``error``, or bytes_latent / bytes_total (bytes one call
         reads, :func:`kernel_bytes`), dense_bytes, byte_ratio (dense / latent bytes), n_split, two_pass, config,
         ``kernel`` ("triton", "triton interpreter" or "not run: ..."), rel_err (and on CUDA op_rel_err) against
         the reference, and on CUDA ms, GBps, copy_share, the dense timings, dense_best_ms / dense_best,
         dense_GBps, speedup (dense ms / latent ms), mem_estimate_bytes and mem_peak_bytes.
     Raises:
-        ValueError: a bad format, rank, head split or an unavailable device.
+        ValueError: a bad format, rank, head split, page size (negative, or not dividing a context) or an
+            unavailable device.
     """
     from ckvp_compile.kernels.latent_attention_triton import default_config, latent_attention_triton
+
+    if page_size < 0 or (page_size and any(t % page_size for t in contexts)):
+        raise ValueError(f"page_size must be >= 0 and divide every context {list(contexts)}, got {page_size}")
 
     h, hkv = heads
     if hkv < 1 or h < hkv or h % hkv:
@@ -630,7 +641,10 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
     args = make_inputs(b, t, fmt, rank, seed=seed + b * 7 + t, dev=device, heads=heads, head_dim=d, group=group,
                        rope=rope)
     kw: dict = {}
-    static = args  # the reference (and the op's own check) read the static rows: the same values as any pool
+    want = ref_chunked(args, chunk)  # from the static rows: the same values as any layout or page pool holds
+    # the byte count's view of the static rows (shapes only: a pool holds the same rows plus a spare page)
+    static = ((args[0],) + tuple(torch.empty(x.shape, dtype=x.dtype, device="meta") for x in args[1:3])
+              + tuple(args[3:]))
     if page_size:
         args, kw["page_table"] = paged_latents(args, page_size, latent_layout, seed)
     elif latent_layout != "row-major":
@@ -650,7 +664,6 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
     row.update(bytes_latent=nbytes["latent"], bytes_total=nbytes["total"], dense_bytes=dense_bytes,
                byte_ratio=dense_bytes / nbytes["latent"], **shape, config=dataclasses.asdict(cfg), kernel=kernel_note,
                mem_estimate_bytes=est["rows"])
-    want = ref_chunked(static, chunk)
     if not row["kernel"].startswith("not run"):
         from ckvp_compile.kernels import latent_attention_triton as lat
 
@@ -665,7 +678,8 @@ def _latent_row(row: dict, b: int, t: int, fmt: str, rank: int, heads: tuple[int
             row.update(bytes_latent=nbytes["latent"], bytes_total=nbytes["total"])
         row["rel_err"] = rel_err(out, want)
         if on_cuda:
-            row["op_rel_err"] = rel_err(torch.ops.ckvp.latent_attention(*static), want)
+            op_out = torch.ops.ckvp.latent_attention(*args, page_table=kw.get("page_table"))  # the timed layout / pool
+            row["op_rel_err"] = rel_err(op_out, want)
         del out
     del want
     if not on_cuda:
@@ -800,8 +814,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(t < 1 for t in contexts):
         p.error(f"--contexts must be >= 1, got {contexts}")
     if args.page_size < 0 or (args.page_size and any(t % args.page_size for t in contexts)):
-        p.error(f"--page-size {args.page_size}: must be >= 0 and divide every context ({contexts}); fix: a page "
-                f"size such as 64 with contexts that are multiples of it")
+        common = math.gcd(*contexts)
+        p.error(f"--page-size {args.page_size}: must be >= 0 and divide every context ({contexts}); fix: a divisor "
+                f"of {common} (the contexts' greatest common divisor), e.g. --page-size "
+                f"{64 if common % 64 == 0 else common}")
     for fmt, rank in formats:
         f = parse_latent_format(fmt)
         if f.quantized and not f.mixed and f.bits not in (8, 4, 2):

@@ -348,9 +348,9 @@ class _Runner:
                                     kv_bytes_held, latent_cache)
 
         a = self.args
-        max_len = context + a.warmup + a.steps + 1 + a.profile_steps
+        max_len = plan_len = context + a.warmup + a.steps + 1 + a.profile_steps
         page = getattr(a, "page_size", 0) if system.kind == "ckvp" else 0
-        if page:  # a paged store's length is whole pages
+        if page:  # a paged store's length is whole pages (the ranks are planned for the slots used, as unpaged)
             max_len = -(-max_len // page) * page
         row = DecodeRow(a.shape, self.layers, self.layers_full, self.row_name(system), system.kind, system.mode,
                         system.ratio, a.latent_format if system.kind == "ckvp" else None, batch, context, max_len,
@@ -364,7 +364,7 @@ class _Runner:
         cache = fn = ballast = None
         self.clean()
         try:
-            bases = self.bases(system.ratio, batch, max_len) if system.kind == "ckvp" else None
+            bases = self.bases(system.ratio, batch, plan_len) if system.kind == "ckvp" else None
             if self.cuda():
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -679,8 +679,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=0, metavar="P",
                    help="ckvp (speed shapes): page the latents in pools of P slots (CKVPStaticCache(page_size=P); "
                         "each row's cache length rounded up to whole pages); ckvp rows are then named '<system> pP'. "
-                        "64 with --latent-layout unit-major: each 64-slot tile's byte columns contiguous, the MMA "
-                        "pass's fastest layout (default 0: not paged)")
+                        "64 with --latent-layout unit-major: each 64-slot tile's byte columns contiguous, the 8-bit "
+                        "MMA pass's fastest layout (default 0: not paged)")
     p.add_argument("--recent-window", type=int, default=0,
                    help="ckvp: keep the last N tokens' keys and values exact beside the latent (CKVPStaticCache("
                         "recent_window=N)), their bytes counted in the ratio (at --budget-len for the fixture); "
@@ -737,9 +737,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"--measure-windows must be in 1..--calib-windows ({a.calib_windows}), got {a.measure_windows}")
     if a.baselines and a.shape != "fixture":
         p.error("--baseline is for --shape fixture")
-    if a.page_size < 0 or (a.page_size and a.shape == "fixture"):
-        p.error(f"--page-size must be >= 0 and is for the speed shapes (the fixture's greedy check runs unpaged), "
-                f"got {a.page_size} with --shape {a.shape}")
+    if a.page_size < 0:
+        p.error(f"--page-size must be >= 0 (0: not paged), got {a.page_size}")
+    if a.page_size and a.shape == "fixture":
+        p.error("--page-size is for the speed shapes; the fixture's greedy check runs unpaged")
     if a.shape == "fixture":
         if any(r < 1 for r in a.ratios):
             p.error("--ratios must be >= 1")
@@ -772,6 +773,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"--batch takes positive integers or 'max', got {b!r}")
     if a.steps < 1 or a.warmup < 1 or any(c < 1 for c in a.contexts):
         p.error("--steps, --warmup and --context must be >= 1")
+    if a.page_size and a.page_size > min(a.contexts):
+        p.error(f"--page-size {a.page_size} is longer than the context {min(a.contexts)}: a page would hold mostly "
+                f"unused slots; fix: a page size of at most the shortest --context (64 for the MMA kernel's tiles)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -62,7 +62,7 @@ chain, not by bytes in flight: a cp.async pipeline through shared memory was no 
 8-bit codes (unit-major ``int8/32``, ``BITS = 8``): 701 SASS a tile for 1.8x the bytes, and the pass nears the
 memory roofline when each tile's columns are contiguous (a unit-major pool of 64-slot pages): batch 8, 128k 0.186 ms
 and batch 32, 128k 0.699 ms, 76.8% and 81.5% of the copy bandwidth, 5.1x and 5.4x dense SDPA (7.1x fewer bytes); in
-a static unit-major cache (64-byte column runs S_max apart) 54-55% (benchmarks/results/2026-12-04-int8-mma-h200).
+a static unit-major cache (64-byte column runs S_max apart) 50-55% (benchmarks/results/2026-12-04-int8-mma-h200).
 
 Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
 FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
@@ -975,8 +975,12 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
+        ValueError: ``bits`` not 4 or 8, or 8 without ``unit_major`` (the row-major kernel reads 4-bit codes only).
         Whatever Triton's compiler raises for a kernel it cannot build.
     """
+    if bits not in (4, 8) or (bits == 8 and not unit_major):
+        raise ValueError(f"bits must be 4, or 8 with unit_major=True (the row-major kernel reads 4-bit codes), got "
+                         f"bits={bits}, unit_major={unit_major}")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -328,7 +328,9 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
     rebuilds keys with one fp16 dot (``key_fp16``). ``table_free``: the call reads no RoPE table (rope form
     'none': a model without RoPE, or post-RoPE key bases, ``LatentBases.key_space``). ``code_bits``: the widest code
     of the key and value latents' uniform ``int`` formats (8, 4 or 2; None: not known); 8-bit codes keep the table-free
-    GQA calls off the word pass, which the H200 measured slower there.
+    GQA calls off the word pass, which the H200 measured slower there. Table-free rank-32 calls at G = 2, 4, 8 with
+    4- or 8-bit codes get ``mma`` (3072 programs at 4 bits, 1536 at 8; the launcher runs the MMA pass where its layout
+    applies: 8-bit codes only over unit-major latents, else the absorbed pass).
 
     G = 1 (Qwen1.5-MoE's 16:16 heads) and rank_pad <= 256: the basis block hoisted out of the tile loop, scores and
     value latent on the CUDA cores (run 10: 4.60 ms, rel err 4.0e-5, against 4.81 ms and 4.7e-4 with the value

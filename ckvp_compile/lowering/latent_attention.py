@@ -235,6 +235,8 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free:
                              code_bits=code_bits)
     if table_free and (cfg.words or cfg.lanes or cfg.absorbed or cfg.head_chunks):
         kind = "word" if cfg.words else "lane" if cfg.lanes else "absorbed" if cfg.absorbed else "chunk"
+        if cfg.mma:  # the MMA pass where the latents' layout allows it (CUDA, unit-major at 8 bits)
+            kind = f"MMA pass where the latents' layout allows, else its {kind}"
         return f"no RoPE tables, {g} query head(s) per KV head at rank {rank_max}: the plain kernel's {kind} pass"
     if autotuned:
         return None

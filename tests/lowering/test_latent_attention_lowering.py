@@ -69,6 +69,8 @@ def test_without_autotuning_the_plain_kernel_keeps_the_forms_the_template_lacks(
     for rank in (32, 96, 128):
         assert "word pass" in plain_kernel_preferred(32, 8, rank, table_free=True, code_bits=4)
     assert "absorbed pass" in plain_kernel_preferred(32, 8, 32, table_free=True, code_bits=8)
+    assert "MMA pass" in plain_kernel_preferred(32, 8, 32, table_free=True, code_bits=8)  # rank 32, 8-bit codes
+    assert "MMA pass" not in plain_kernel_preferred(32, 8, 96, table_free=True, code_bits=8)
     assert "one-pass" in plain_kernel_preferred(32, 8, 96, table_free=True, code_bits=8)
     # autotuned, only those one-pass chunk kernels keep the call from the template
     assert "lane pass" in plain_kernel_preferred(16, 16, 32, table_free=True, autotuned=True)
