@@ -72,7 +72,7 @@ def check_cases(n: int, seed: int = 0, formats: tuple[str, ...] = ("int4/32",)) 
             layout=layout, q_scale=rng.choice((1.0, 1.0, 30.0)),
             v_size=rng.choice((1.0, 1.0, 1e-3)), block_n=block_n,
             split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), maxnreg=rng.choice((None, None, 128)),
-            split_d=rng.choice((None, None, True, False)), ahead=rng.choice((1, 2))))
+            split_d=rng.choice((None, None, True, False))))
     return cases
 
 
@@ -93,8 +93,7 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
     rows, ok = [], True
     for p in check_cases(int(os.environ.get("MMA_CASES", "80")), formats=formats):
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
-                           maxnreg_m=p["maxnreg"], ahead_m=p["ahead"],
-                           **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
+                           maxnreg_m=p["maxnreg"], **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
         args = _inputs(p)
         want = _expected(args).float()
         a = list(_cuda(args))
@@ -169,7 +168,7 @@ def _versions() -> dict:
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
               maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,),
-              merges: list[bool | None] = (None,), fmt: str = "int4/32", aheads: list[int] = (1,)) -> None:
+              merges: list[bool | None] = (None,), fmt: str = "int4/32") -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs, paged_latents)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -197,12 +196,11 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                             continue
                         for sd in split_d:  # None: the default (the launcher's choice for the MMA pass)
                             for one in merges:
-                                for ah in aheads:
-                                    configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} split_d={sd} "
-                                                    f"one_pass={one} ahead={ah} {lay}",
-                                                    DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, maxnreg_m=mr,
-                                                                 one_pass_merge=one, ahead_m=ah,
-                                                                 **({} if sd is None else {"reduce_split_d": sd}))))
+                                configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} split_d={sd} one_pass={one}"
+                                                f" {lay}", DecodeConfig(mma=True, block_n_m=bn, programs_m=pr,
+                                                                        maxnreg_m=mr, one_pass_merge=one,
+                                                                        **({} if sd is None else
+                                                                           {"reduce_split_d": sd}))))
         um_args = None
         if "unit-major" in layouts:  # ("<layout>@<P>": page pools of P slots, bench.attention.paged_latents)
             from ckvp_compile.kernels.latent_layout import to_layout
@@ -285,7 +283,6 @@ def main() -> int:
     ap.add_argument("--formats", default="int4/32,int8/32",
                     help="latent formats: --check draws from all, --sweep / --profile take the first (int8/32: "
                          "unit-major latents only)")
-    ap.add_argument("--aheads", default="1", help="DecodeConfig.ahead_m values (unit-major tiles loaded ahead)")
     ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
     a = ap.parse_args()
     if a.out:
@@ -301,8 +298,7 @@ def main() -> int:
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
                   [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
                   [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")],
-                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[0],
-                  [int(x) for x in a.aheads.split(",")])
+                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[0])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

@@ -733,7 +733,7 @@ def _mma_unit_kernel(
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
-    COL_V: gl.constexpr, BITS: gl.constexpr = 4, AHEAD: gl.constexpr = 1,
+    COL_V: gl.constexpr, BITS: gl.constexpr = 4,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -746,8 +746,7 @@ def _mma_unit_kernel(
     benchmarks/results/2026-12-04-unit-major-h200, r13-r15.)
 
     BITS 8: latents of the ``int8`` format (one code a byte column; keys and values 16 words a lane a tile, see
-    :func:`_unit_step`), else ``int4``. AHEAD: unmasked tiles loaded ahead of the one computed (1 or 2; 2 keeps
-    twice the bytes in flight for two tiles' registers: the 8-bit pass waits on memory latency, Nsight Compute r5)."""
+    :func:`_unit_step`), else ``int4``."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -856,24 +855,7 @@ def _mma_unit_kernel(
 
     t_start, t_end, fast_end = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT)
     all_s = tok_s >= 0
-    if fast_end > t_start and AHEAD == 2:  # two tiles loaded ahead of the one computed (more bytes in flight)
-        kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-        tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
-        kb0, vb0, idx_b = _unit_base(gl.minimum(t_start + 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
-                                     stride_lvb, PAGE)
-        tile_b = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
-        for t in range(t_start, fast_end):
-            wk, wv, ks, km, vs, vm = tile_a
-            idx_c = idx_a
-            tile_a = tile_b
-            idx_a = idx_b
-            kb1, vb1, idx_b = _unit_base(gl.minimum(t + 2, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
-                                         stride_lvb, PAGE)
-            tile_b = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
-            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
-                                                sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, PAGE > 0, BITS)
-    elif fast_end > t_start:  # one tile loaded ahead of the one computed
+    if fast_end > t_start:  # one tile loaded ahead of the one computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
         for t in range(t_start, fast_end):
@@ -982,15 +964,14 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
-                     unit_major: bool = False, bits: int = 4, ahead: int = 1):
+                     unit_major: bool = False, bits: int = 4):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
         group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
             per page (0: a static cache); row_k / row_v: the latents' row strides in 4-byte words (40: 8 KV heads
             of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
-            a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path); ahead: unmasked tiles
-            loaded ahead (unit-major kernel).
+            a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1013,11 +994,11 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
-        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", AHEAD="constexpr")
+        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
-                                             BITS=bits, AHEAD=ahead))
+                                             BITS=bits))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,
