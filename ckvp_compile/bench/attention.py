@@ -524,12 +524,13 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
             reference is computed from the static rows; ``op_rel_err`` checks the op on the timed layout / pool.
     Returns:
         ``{"versions": {torch, triton, gpu or cpu, ...}, "copy_bandwidth_GBps" (0 on CPU), "heads", "head_dim",
-        "group", "key_space", "latent_layout", "page_size", "device", "elapsed_s", "rows": [...]}``; a row has format, rank, heads, batch, context and either
-        ``skipped`` (the reason: memory, time budget) or ``error``, or bytes_latent / bytes_total (bytes one call
-        reads, :func:`kernel_bytes`), dense_bytes, byte_ratio (dense / latent bytes), n_split, two_pass, config,
-        ``kernel`` ("triton", "triton interpreter" or "not run: ..."), rel_err (and on CUDA op_rel_err) against
-        the reference, and on CUDA ms, GBps, copy_share, the dense timings, dense_best_ms / dense_best,
-        dense_GBps, speedup (dense ms / latent ms), mem_estimate_bytes and mem_peak_bytes.
+        "group", "key_space", "latent_layout", "page_size", "device", "elapsed_s", "rows": [...]}``; a row has
+        format, rank, heads, batch, context and either ``skipped`` (the reason: memory, time budget) or ``error``,
+        or bytes_latent / bytes_total (bytes one call reads, :func:`kernel_bytes`), dense_bytes, byte_ratio (dense /
+        latent bytes), n_split, two_pass, config, ``kernel`` ("triton", "triton interpreter" or "not run: ..."),
+        rel_err (and on CUDA op_rel_err) against the reference, and on CUDA ms, GBps, copy_share, the dense timings,
+        dense_best_ms / dense_best, dense_GBps, speedup (dense ms / latent ms), mem_estimate_bytes and
+        mem_peak_bytes.
     Raises:
         ValueError: a bad format, rank, head split, page size (negative, or not dividing a context) or an
             unavailable device.
