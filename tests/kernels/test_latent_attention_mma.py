@@ -98,6 +98,35 @@ def test_dequant_asm_reads_the_coordinates_the_maps_name(seed, hkv):
                 assert got[2 * i + e] == want, (g, i, e)
 
 
+def _fields(krows, vrows, head, k_sb, k_mb):
+    """Per-slot fp16 fields of ``head`` read from the rows (scale / min fp16 indices ``k_sb`` / ``k_mb`` + head):
+    (key scale, key min, value scale, value min), each (t,) fp32."""
+    t = krows.shape[0]
+    return tuple(torch.tensor([_fp16_at(rows[n], base + head) for n in range(t)])
+                 for rows, base in ((krows, k_sb), (krows, k_mb), (vrows, k_sb), (vrows, k_mb)))
+
+
+def _emulated_tile(x, v, fields, c, qf, center):
+    """The pass's tile arithmetic from its operands: x (32, t) centred key codes and v (t, 32) centred value codes in
+    mma order, c (G, 32) the query coefficients in the same order (divided where a column carries 16 * code), qf the
+    (G, 32) folded query. The coefficients scaled into fp16's range and split hi + lo; scores with the
+    ``center * sum(c)`` and min terms; the weights ``p * vscale * 2^ve`` split into fp16 hi + lo. Returns (value
+    product / 2^ve (G, 32) before any column factor, the centred-min term (G, 1), the weights' sum (G, 1))."""
+    ks, km, vs, vm = fields
+    e_q = math.floor(math.log2(float(c.abs().max()))) - 13
+    c = c * 2.0 ** -e_q
+    hi = c.half()
+    lo = (c - hi.float()).half()
+    sc = (hi.float() @ x + lo.float() @ x) * 2.0 ** e_q  # sum_k c_k (code_k - center)
+    sumc = qf.sum(-1, keepdim=True)
+    s = (sc + center * sumc) * ks + km * sumc
+    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    ve = 14 - math.floor(math.log2(float(vs.max())))
+    w32 = p * (vs * 2.0 ** ve)
+    w = w32.half().float() + (w32 - w32.half().float()).half().float()  # fp16 hi + lo rows
+    return (w @ v) / 2.0 ** ve, (p * (vm + center * vs)).sum(-1, keepdim=True), p.sum(-1, keepdim=True)
+
+
 def _emulate(krows, vrows, koff, voff, head, qf):
     """The pass's arithmetic for one (KV head, query token) over slots 0..t-1 as one tile (t even): (G, 32) value
     latent, in the latent's coordinate order, from the packed rows through the dequantization asm."""
@@ -123,30 +152,15 @@ def _emulate(krows, vrows, koff, voff, head, qf):
             for i in range(4):
                 for e in range(2):
                     v[2 * p + e, g + 8 * i] = got[2 * i + e]
-    ks = torch.tensor([_fp16_at(krows[n], k_sb + head) for n in range(t)])
-    km = torch.tensor([_fp16_at(krows[n], k_mb + head) for n in range(t)])
-    vs = torch.tensor([_fp16_at(vrows[n], k_sb + head) for n in range(t)])
-    vm = torch.tensor([_fp16_at(vrows[n], k_mb + head) for n in range(t)])
-    # the folded query in mma order, /16 on the h = 1 coordinates, scaled into fp16's range, split hi + lo
+    # the folded query in mma order, /16 on the h = 1 coordinates
     kk = torch.arange(32)
     c = qf[:, [lam.key_coordinate(int(k)) for k in kk]] * torch.where((kk // 8) % 2 == 1, 1 / 16, 1.0)
-    e_q = math.floor(math.log2(float(c.abs().max()))) - 13
-    c = c * 2.0 ** -e_q
-    hi = c.half()
-    lo = (c - hi.float()).half()
-    sc = (hi.float() @ x + lo.float() @ x) * 2.0 ** e_q  # sum_k c_k (code_k - 8)
-    sumc = qf.sum(-1, keepdim=True)
-    s = (sc + 8 * sumc) * ks + km * sumc
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp2(s - m)
-    ve = 14 - math.floor(math.log2(float(vs.max())))
-    w32 = p * (vs * 2.0 ** ve)
-    w = w32.half().float() + (w32 - w32.half().float()).half().float()  # fp16 hi + lo rows
+    wv, mins, l_sum = _emulated_tile(x, v, _fields(krows, vrows, head, k_sb, k_mb), c, qf, 8.0)
     jj = torch.arange(32)
-    o = (w @ v) / torch.where((jj // 8) % 2 == 1, 16.0, 1.0) / 2.0 ** ve + (p * (vm + 8 * vs)).sum(-1, keepdim=True)
+    o = wv / torch.where((jj // 8) % 2 == 1, 16.0, 1.0) + mins  # odd column groups carry 16 * code
     out = torch.empty_like(o)
     out[:, [lam.value_coordinate(int(j)) for j in jj]] = o
-    return out / p.sum(-1, keepdim=True)
+    return out / l_sum
 
 
 @settings(max_examples=6, deadline=None)
@@ -226,24 +240,9 @@ def _emulate8(krows, vrows, off, head, qf, center=128.0):
                                      _column_word(vrows, c0 + k, s0 + 8 + 4 * d)], 8)
                 for u in range(4):
                     v[s0 + 4 * d + u, k], v[s0 + 8 + 4 * d + u, k] = got[2 * u], got[2 * u + 1]
-    ks = torch.tensor([_fp16_at(krows[n], k_sb + head) for n in range(t)])
-    km = torch.tensor([_fp16_at(krows[n], k_mb + head) for n in range(t)])
-    vs = torch.tensor([_fp16_at(vrows[n], k_sb + head) for n in range(t)])
-    vm = torch.tensor([_fp16_at(vrows[n], k_mb + head) for n in range(t)])
-    # the folded query in coordinate order (column k = coordinate k, none divided by 16), scaled, split hi + lo
-    e_q = math.floor(math.log2(float(qf.abs().max()))) - 13
-    c = qf * 2.0 ** -e_q
-    hi = c.half()
-    lo = (c - hi.float()).half()
-    sc = (hi.float() @ x + lo.float() @ x) * 2.0 ** e_q  # sum_k c_k (code_k - 128)
-    sumc = qf.sum(-1, keepdim=True)
-    s = (sc + center * sumc) * ks + km * sumc
-    p = torch.exp2(s - s.amax(-1, keepdim=True))
-    ve = 14 - math.floor(math.log2(float(vs.max())))
-    w32 = p * (vs * 2.0 ** ve)
-    w = w32.half().float() + (w32 - w32.half().float()).half().float()  # fp16 hi + lo rows
-    o = (w @ v) / 2.0 ** ve + (p * (vm + center * vs)).sum(-1, keepdim=True)  # column j = coordinate j
-    return o / p.sum(-1, keepdim=True)
+    # the folded query in coordinate order (column k = coordinate k, none divided by 16); column j = coordinate j
+    wv, mins, l_sum = _emulated_tile(x, v, _fields(krows, vrows, head, k_sb, k_mb), qf, qf, center)
+    return (wv + mins) / l_sum
 
 
 def _attention8(krows, vrows, off, head, qf):
