@@ -72,6 +72,7 @@ def check_cases(n: int, seed: int = 0, formats: tuple[str, ...] = ("int4/32",)) 
             layout=layout, q_scale=rng.choice((1.0, 1.0, 30.0)),
             v_size=rng.choice((1.0, 1.0, 1e-3)), block_n=block_n,
             split=rng.choice((None, None, 1, 3, 7)), programs=rng.choice((1536, 64)), maxnreg=rng.choice((None, None, 128)),
+            stages=rng.choice((0, 2, 4)) if layout == "unit-major" else 0,
             split_d=rng.choice((None, None, True, False))))
     return cases
 
@@ -93,7 +94,7 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
     rows, ok = [], True
     for p in check_cases(int(os.environ.get("MMA_CASES", "80")), formats=formats):
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
-                           maxnreg_m=p["maxnreg"], **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
+                           maxnreg_m=p["maxnreg"], stages_m=p["stages"], **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
         args = _inputs(p)
         want = _expected(args).float()
         a = list(_cuda(args))
@@ -132,10 +133,11 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
         del words
         from ckvp_compile.kernels.latent_layout import to_layout
 
-        lays = ((64, "unit-major"),) if fmt.startswith("int8") else ((64, "row-major"), (128, "row-major"),
-                                                                      (64, "unit-major"))
-        for bn, lay in lays:
-            cfg = DecodeConfig(mma=True, block_n_m=bn)
+        lays = ((64, "unit-major", 0), (64, "unit-major", 2))  # (stages: the unit-major kernel's cp.async ring)
+        if not fmt.startswith("int8"):
+            lays = ((64, "row-major", 0), (128, "row-major", 0)) + lays
+        for bn, lay, stages in lays:
+            cfg = DecodeConfig(mma=True, block_n_m=bn, stages_m=stages)
             a_, a32 = args, args32
             if lay != "row-major":
                 lk, lv = to_layout(args[1], lay), to_layout(args[2], lay)
@@ -147,7 +149,7 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
             del a_, a32
             good = ran and err32 <= TOL and err <= max(TOL, 1.1 * err_words)
             ok &= good
-            r = dict(b=b, t=t, format=fmt, block_n=bn, layout=lay, rel_err_fp32_out=err32, rel_err_bf16_out=err,
+            r = dict(b=b, t=t, format=fmt, block_n=bn, layout=lay, stages=stages, rel_err_fp32_out=err32, rel_err_bf16_out=err,
                      rel_err_words_bf16_out=err_words,
                      ran_mma=ran, n_split=lat._LAST_LAUNCH.get("n_split"))
             big.append(r)
@@ -168,7 +170,7 @@ def _versions() -> dict:
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
               maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,),
-              merges: list[bool | None] = (None,), fmt: str = "int4/32") -> None:
+              merges: list[bool | None] = (None,), fmt: str = "int4/32", stages: list[int] = (0,)) -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs, paged_latents)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -190,17 +192,19 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
         configs = [("default", default_config(4, 32, table_free=True))]
         for bn in block_ns:
             for pr in programs:
-                for mr in maxnregs:
+                for mr, sg in [(mr, sg) for mr in maxnregs for sg in stages]:
                     for lay in layouts:
                         if lay.startswith("unit-major") and bn != 64:  # (64-slot tiles only)
                             continue
+                        if sg and not lay.startswith("unit-major"):  # (the unit-major kernel's ring)
+                            continue
                         for sd in split_d:  # None: the default (the launcher's choice for the MMA pass)
                             for one in merges:
-                                configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} split_d={sd} one_pass={one}"
-                                                f" {lay}", DecodeConfig(mma=True, block_n_m=bn, programs_m=pr,
-                                                                        maxnreg_m=mr, one_pass_merge=one,
-                                                                        **({} if sd is None else
-                                                                           {"reduce_split_d": sd}))))
+                                configs.append((f"mma bn={bn} programs={pr} maxnreg={mr} stages={sg} split_d={sd} "
+                                                f"one_pass={one} {lay}",
+                                                DecodeConfig(mma=True, block_n_m=bn, programs_m=pr, maxnreg_m=mr,
+                                                             stages_m=sg, one_pass_merge=one,
+                                                             **({} if sd is None else {"reduce_split_d": sd}))))
         um_args = None
         if "unit-major" in layouts:  # ("<layout>@<P>": page pools of P slots, bench.attention.paged_latents)
             from ckvp_compile.kernels.latent_layout import to_layout
@@ -242,7 +246,7 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
             json.dump(dict(copy_Bps=bw, rows=rows, **_versions()), f, indent=1)
 
 
-def run_profile(shape: tuple[int, int], layout: str, calls: int = 3, fmt: str = "int4/32") -> None:
+def run_profile(shape: tuple[int, int], layout: str, calls: int = 3, fmt: str = "int4/32", stages: int = 0) -> None:
     """``calls`` eager calls of the MMA config at one (batch, context), for Nsight Compute (``-k`` picks the kernel,
     ``--launch-skip`` the call): no CUDA graphs, no dense baseline."""
     from ckvp_compile.bench.attention import make_inputs
@@ -259,7 +263,7 @@ def run_profile(shape: tuple[int, int], layout: str, calls: int = 3, fmt: str = 
         args, kw["page_table"] = paged_latents(args, int(layout.split("@")[1]), layout.split("@")[0])
     elif layout != "row-major":
         args = (args[0], to_layout(args[1], layout), to_layout(args[2], layout)) + tuple(args[3:])
-    cfg = DecodeConfig(mma=True, block_n_m=64)
+    cfg = DecodeConfig(mma=True, block_n_m=64, stages_m=stages)
     for _ in range(calls):
         latent_attention_triton(*args, config=cfg, **kw)
     torch.cuda.synchronize()
@@ -278,6 +282,7 @@ def main() -> int:
     ap.add_argument("--maxnregs", default="0", help="DecodeConfig.maxnreg_m values (0: None, the compiler's choice)")
     ap.add_argument("--layouts", default="row-major,unit-major",
                     help="latent layouts of the MMA rows; LAYOUT@P: page pools of P slots (sweep only)")
+    ap.add_argument("--stages", default="0", help="DecodeConfig.stages_m values (unit-major layouts; 0: registers)")
     ap.add_argument("--split-d", default="-", help="DecodeConfig.reduce_split_d values (1 / 0 / -: the default)")
     ap.add_argument("--merges", default="-", help="DecodeConfig.one_pass_merge values (1 / 0 / -: the default)")
     ap.add_argument("--formats", default="int4/32,int8/32",
@@ -292,13 +297,15 @@ def main() -> int:
     if a.check:
         ok = run_check(a.out, tuple(a.formats.split(",")))
     if a.profile:
-        run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1], fmt=a.formats.split(",")[0])
+        run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1], fmt=a.formats.split(",")[0],
+                    stages=int(a.stages.split(",")[0]))
     if a.sweep:
         run_sweep(a.out, [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")],
                   [int(x) for x in a.block_ns.split(",")], [int(x) for x in a.programs.split(",")],
                   [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
                   [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")],
-                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[0])
+                  [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[0],
+                  [int(x) for x in a.stages.split(",")])
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

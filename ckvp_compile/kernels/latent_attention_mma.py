@@ -77,7 +77,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 __all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS", "MAX_GRID_Y"]
 
@@ -93,6 +93,10 @@ MAX_GRID_Y = 65535
 RK = gl.constexpr(MMA_RANK)
 RV = gl.constexpr(MMA_RANK)
 ROWS = gl.constexpr(16)  # tensor-core rows: 8 for the query heads (hi), 8 for their remainders (lo)
+
+# cp.async of a pointer tensor into shared memory: Gluon's ``async_load`` (Triton 3.9; 3.6 names it
+# ``async_copy_global_to_shared``, which 3.9 keeps as a stub that raises)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 # One 32-bit word of 8 int4 codes -> four fp16x2 registers, centred: op j = (s, h) reads bits 4h (half e = 0) and
 # 16 + 4h (e = 1) of ``word >> 8s``; h = 1 carries 16 * code (1024 + 16 code - (1024 + 128)). Outputs: 2j + e.
@@ -684,6 +688,29 @@ def _unit_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
 
 
 @gluon.jit
+def _unit_issue(smem, st, lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
+    """cp.async of one unit-major tile's words (the ones :func:`_unit_load` reads) into stage ``st`` of ``smem``
+    (keys, values, and the four fields, each in its registers' shape), so each thread later reads back only what it
+    copied (no barrier). One commit group."""
+    sk, sv, sks, skm, svs, svm = smem
+    _async_load(sk.index(st), lk_w + kbase + koff)
+    _async_load(sv.index(st), lv_w + vbase + voff)
+    _async_load(sks.index(st), lk_w + kbase + foff_k[0])
+    _async_load(skm.index(st), lk_w + kbase + foff_k[1])
+    _async_load(svs.index(st), lv_w + vbase + foff_v[0])
+    _async_load(svm.index(st), lv_w + vbase + foff_v[1])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _unit_staged(smem, st, KL: gl.constexpr, VL: gl.constexpr, FL: gl.constexpr):
+    """Stage ``st``'s words back in registers (the layouts :func:`_unit_load` gives)."""
+    sk, sv, sks, skm, svs, svm = smem
+    return (sk.index(st).load(KL), sv.index(st).load(VL), sks.index(st).load(FL), skm.index(st).load(FL),
+            svs.index(st).load(FL), svm.index(st).load(FL))
+
+
+@gluon.jit
 def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
@@ -733,7 +760,7 @@ def _mma_unit_kernel(
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
-    COL_V: gl.constexpr, BITS: gl.constexpr = 4,
+    COL_V: gl.constexpr, BITS: gl.constexpr = 4, STAGES: gl.constexpr = 0,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -855,7 +882,44 @@ def _mma_unit_kernel(
 
     t_start, t_end, fast_end = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT)
     all_s = tok_s >= 0
-    if fast_end > t_start:  # one tile loaded ahead of the one computed
+    if STAGES > 0 and fast_end > t_start:  # a cp.async ring of STAGES tiles, STAGES - 1 in flight while one computes
+        if BITS == 8:
+            KSH: gl.constexpr = [STAGES, 2, 4, 8, 4, 2]
+            VSH: gl.constexpr = [STAGES, 4, 4, 8, 2, 2]
+            KOR: gl.constexpr = [0, 1, 2, 3, 4]
+            KREG: gl.constexpr = KWL8
+            VREG: gl.constexpr = VWL8
+        else:
+            KSH: gl.constexpr = [STAGES, 2, 4, 8, 4]
+            VSH: gl.constexpr = [STAGES, 4, 4, 8, 2]
+            KOR: gl.constexpr = [0, 1, 2, 3]
+            KREG: gl.constexpr = KWL
+            VREG: gl.constexpr = VWL
+        # (stage outermost) each thread's words contiguous (the word dim first), then the lanes: its vector loads
+        # hit 32 banks; fields (8 r, 4 q, 2 e, NWS, 2 lh): the lo / hi byte pair, then the lanes q + 4r
+        WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, KOR)
+        FIELDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 1, 0, 2, 3])
+        FSH: gl.constexpr = [STAGES, 8, 4, 2, NWS, 2]
+        smem = (gl.allocate_shared_memory(gl.int32, KSH, WORDS), gl.allocate_shared_memory(gl.int32, VSH, WORDS),
+                gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS),
+                gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS))
+        for i in gl.static_range(STAGES - 1):
+            kb0, vb0, _i0 = _unit_base(gl.minimum(t_start + i, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
+                                       stride_lvb, PAGE)
+            _unit_issue(smem, i, lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+        for t in range(t_start, fast_end):
+            j = t - t_start
+            kb1, vb1, _i1 = _unit_base(gl.minimum(t + STAGES - 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
+                                       stride_lvb, PAGE)
+            _unit_issue(smem, (j + STAGES - 1) % STAGES, lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+            _kb, _vb, idx_c = _unit_base(t, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+            async_copy.wait_group(STAGES - 1)
+            wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
+            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
+                                                sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
+                                                GROUPS, NWS, PLO, False, PAGE > 0, BITS)
+        async_copy.wait_group(0)
+    elif fast_end > t_start:  # one tile loaded ahead of the one computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
         for t in range(t_start, fast_end):
@@ -964,14 +1028,15 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
-                     unit_major: bool = False, bits: int = 4):
+                     unit_major: bool = False, bits: int = 4, stages: int = 0):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
         group: G (2, 4 or 8); nt: tensor-core column tiles per slot group (tile = 8 * nt * 8 / G slots); page: slots
             per page (0: a static cache); row_k / row_v: the latents' row strides in 4-byte words (40: 8 KV heads
             of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
-            a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path).
+            a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path); stages: the unit-major
+            kernel's cp.async ring (0: loads into registers one tile ahead).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -994,11 +1059,11 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
-        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr")
+        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
-                                             BITS=bits))
+                                             BITS=bits, STAGES=stages))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

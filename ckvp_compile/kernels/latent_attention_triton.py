@@ -255,7 +255,9 @@ class DecodeConfig:
     own kernel for unit-major latents, 1.4x faster there); it takes precedence over ``words`` and the rest.
     ``block_n_m`` (slots per tile of row-major latents: 64 or 128; unit-major tiles are 64), ``programs_m`` (about
     this many one-warp programs in all; ``split`` fixes the count instead), ``min_tiles_m`` (tiles per program
-    at least) and ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) apply to it."""
+    at least), ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) and ``stages_m`` (the
+    unit-major kernel's cp.async ring through shared memory, 2 or 4 tiles; 0: each tile's words loaded into
+    registers one tile ahead) apply to it."""
 
     block_n: int = 64
     block_r: int = 64
@@ -311,6 +313,7 @@ class DecodeConfig:
     programs_m: int = 3072
     min_tiles_m: int = 4
     maxnreg_m: int | None = None
+    stages_m: int = 0
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -2659,7 +2662,8 @@ def _launch(
         if mma["UNIT"]:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
-                COL_V=latent_v.stride(-1), BITS=mma["BITS"], num_warps=1, **_reg_cap(cfg.maxnreg_m))
+                COL_V=latent_v.stride(-1), BITS=mma["BITS"], STAGES=cfg.stages_m, num_warps=1,
+                **_reg_cap(cfg.maxnreg_m))
         else:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_attention_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True,
