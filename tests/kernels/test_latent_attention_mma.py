@@ -391,24 +391,37 @@ def test_launcher_leaves_cpu_calls_to_the_other_passes():
     assert not lat.default_config(1, 32, table_free=True, rank=32, quantized_keys=True, code_bits=4).mma
 
 
-@pytest.mark.parametrize("g,nt,page,unit,bits", [(4, 4, 0, False, 4), (2, 2, 0, False, 4), (8, 8, 0, False, 4),
-                                                 (4, 4, 128, False, 4), (4, 8, 0, False, 4), (2, 2, 0, True, 4),
-                                                 (4, 4, 0, True, 4), (8, 8, 0, True, 4), (4, 4, 128, True, 4),
-                                                 (4, 4, 0, True, 8)])
-def test_compiles_for_sm90_without_spills(g, nt, page, unit, bits):
+@pytest.mark.parametrize("g,nt,page,unit,bits,stages", [
+    (4, 4, 0, False, 4, 0), (2, 2, 0, False, 4, 0), (8, 8, 0, False, 4, 0), (4, 4, 128, False, 4, 0),
+    (4, 8, 0, False, 4, 0), (2, 2, 0, True, 4, 0), (4, 4, 0, True, 4, 0), (8, 8, 0, True, 4, 0),
+    (4, 4, 128, True, 4, 0), (4, 4, 0, True, 8, 0), (4, 4, 64, True, 8, 2), (8, 8, 0, True, 8, 4),
+    (2, 2, 0, True, 4, 4)])
+def test_compiles_for_sm90_without_spills(g, nt, page, unit, bits, stages):
     from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
 
     why = sm90_compile_available()
     if why:
         pytest.skip(why)
-    k = lam.compile_for_sm90(g, nt, page, unit_major=unit, **({"bits": bits} if bits != 4 else {}))
-    stats = ptxas_stats(k.asm["ptx"])
+    k = lam.compile_for_sm90(g, nt, page, unit_major=unit, **({"bits": bits} if bits != 4 else {}),
+                             **({"stages": stages} if stages else {}))
+    ptx = k.asm["ptx"]
+    stats = ptxas_stats(ptx)
     assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
-    assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
-    if unit:  # each lane reads 16 bytes of a value column and 8 of a key column at once
-        assert "ld.global.v4.b32" in k.asm["ptx"] and "ld.global.v2.b32" in k.asm["ptx"]
+    if not stages:
+        assert k.metadata.shared <= 64  # no shared-memory staging (a few bytes of reduction scratch at most)
+    else:  # the cp.async ring: per stage, a lane's key and value words (8 each a tile at 4 bits, 16 at 8) and its
+        # four fields' words (4 each, 8 at G = 8), 32 lanes, 4 bytes each; nothing else in shared memory
+        fields = 4 * (8 if g == 8 else 4)
+        assert k.metadata.shared == stages * 32 * 4 * (16 * bits // 4 + fields), k.metadata.shared
+        # 16-byte value copies (bypassing L1), 8-byte key copies, 4-byte field copies; vector reads back
+        for op in ("cp.async.cg.shared.global [%r{}], [%rd{}], 16", "cp.async.ca.shared.global", "cp.async.wait_group",
+                   "ld.shared.v4.b32", "ld.shared.v2.b32"):
+            assert op.split(" [")[0] in ptx, op
+    if unit:  # each lane reads 16 bytes of a value column and 8 of a key column at once (the staged kernel's
+        # masked tail tiles too)
+        assert "ld.global.v4.b32" in ptx and "ld.global.v2.b32" in ptx
     # the byte asm (its lop3 keeping bytes 0 and 2 under 1024) exactly where the codes are 8-bit
-    assert ("0x00ff00ff, 0x64006400, 0xea" in k.asm["ptx"]) == (bits == 8)
+    assert ("0x00ff00ff, 0x64006400, 0xea" in ptx) == (bits == 8)
 
 
 # ---- unit-major latents (_mma_unit_kernel): the operands built from the loaded words, mirrored in numpy. gl.join
