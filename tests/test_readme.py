@@ -26,7 +26,8 @@ def test_ci_runs_the_readme_commands():
     assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q' in README
     assert "python -m pytest -q" in ci
     # the same workers in both (pytest-xdist, from the test extra): CI times what the README promises
-    assert 'python -m pytest -q -n auto --maxprocesses 4\n' in README and "-n auto --maxprocesses 4 " in ci
+    assert ('python -m pytest -q -n auto --maxprocesses 4 --dist worksteal\n' in README
+            and "-n auto --maxprocesses 4 --dist worksteal " in ci)
 
 
 def test_gpt_fast_snippet_runs():
