@@ -7,11 +7,14 @@ scattered and unmapped pages; padded rows; bf16 / fp16 / fp32 queries; tiny valu
 default splits; 64- and 128-slot tiles), each against ``latent_attention_ref`` (fp32) and required to have run the
 MMA kernel; then batch 8 at 32k and 128k (Mixtral-8x7B's 32:8 heads, int4/32 rank 32, post-RoPE keys) against the
 chunked reference. ``--formats int8/32,int4/32``: both formats (8-bit cases unit-major, the pass's only layout for
-them). Exit 1 if any relative error exceeds 1e-3.
+them). Unit-major cases draw the kernel's cp.async ring (``stages_m`` 0, 2, 4), and :func:`stages_identity` requires
+the ring's outputs to equal the register path's bit for bit. Exit 1 if any relative error exceeds 1e-3 or an output
+differs.
 
 ``--sweep``: CUDA-graph replay of one whole call (query fold, MMA pass, merge) per (batch, context, tile, program
 target), with the default config (the word pass) and dense SDPA in the same run; JSON rows to ``--out``. A layout
-``unit-major@64`` puts the latents in a pool of 64-slot pages (``bench.attention.paged_latents``).
+``unit-major@64`` puts the latents in a pool of 64-slot pages (``bench.attention.paged_latents``); ``--stages 0,2,4``
+sweeps the unit-major kernel's cp.async ring.
 
 Usage (device tool, repository root): ``PYTHONPATH=. python3 benchmarks/mma_attention_gpu.py --check --sweep --out
 $OUT/mma``.
@@ -75,6 +78,44 @@ def check_cases(n: int, seed: int = 0, formats: tuple[str, ...] = ("int4/32",)) 
             stages=rng.choice((0, 2, 4)) if layout == "unit-major" else 0,
             split_d=rng.choice((None, None, True, False))))
     return cases
+
+
+def stages_identity() -> list[dict]:
+    """The unit-major kernel's cp.async ring (``stages_m`` 2, 4) must give bit-identical outputs to its register
+    path (0): the same words reach the same arithmetic. Over int4 / int8, G = 2, 4, 8, a static cache and 64-slot
+    pages with one page below the context unmapped (-1: that tile zeroed in both), and splits of 1, 2, 3 and many
+    tiles (``split`` fixes the split count; 1: every tile in one program)."""
+    from ckvp_compile.bench.attention import make_inputs, paged_latents
+    from ckvp_compile.kernels import latent_attention_triton as lat
+    from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, latent_attention_triton
+    from ckvp_compile.kernels.latent_layout import to_layout
+
+    rows = []
+    for fmt, heads, t, page, split in (("int8/32", (32, 8), 8192, 64, None), ("int8/32", (32, 8), 8192, 0, 3),
+                                       ("int4/32", (16, 8), 4096, 64, 2), ("int4/32", (64, 8), 4096, 0, None),
+                                       ("int8/32", (16, 8), 640, 64, 1), ("int8/32", (64, 8), 192, 64, 64),
+                                       ("int4/32", (32, 8), 1088, 0, 5)):
+        args = make_inputs(2, t, fmt, 32, seed=11, heads=heads, rope="none")
+        kw = {}
+        if page:
+            args, table = paged_latents(args, page, "unit-major")
+            table = table.clone()
+            table[1, table.shape[1] // 2] = -1  # an unmapped page below the context
+            kw["page_table"] = table
+        else:
+            args = (args[0], to_layout(args[1], "unit-major"), to_layout(args[2], "unit-major")) + tuple(args[3:])
+        outs = {}
+        for stages in (0, 2, 4):
+            lat._LAST_LAUNCH.clear()
+            outs[stages] = latent_attention_triton(*args, config=DecodeConfig(mma=True, split=split, stages_m=stages),
+                                                   **kw)
+            assert lat._LAST_LAUNCH.get("mma"), (fmt, heads, t, page, split)
+        r = dict(format=fmt, heads=list(heads), t=t, page=page, split=split, n_split=lat._LAST_LAUNCH.get("n_split"),
+                 identical=all(torch.equal(outs[0], outs[k]) for k in (2, 4)),
+                 finite=bool(torch.isfinite(outs[0]).all()))
+        rows.append(r)
+        print(("ok  " if r["identical"] else "BAD ") + "stages " + json.dumps(r), flush=True)
+    return rows
 
 
 def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> bool:
@@ -156,9 +197,11 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
             print(("ok  " if good else "BAD ") + json.dumps(r), flush=True)
         del args, args32, want, want32
         torch.cuda.empty_cache()
+    same = stages_identity()
+    ok &= all(r["identical"] for r in same)
     if out_dir:
         with open(os.path.join(out_dir, "check.json"), "w") as f:
-            json.dump(dict(ok=ok, tol=TOL, small=rows, large=big, **_versions()), f, indent=1)
+            json.dump(dict(ok=ok, tol=TOL, small=rows, large=big, stages_identity=same, **_versions()), f, indent=1)
     print("check", "PASSED" if ok else "FAILED", flush=True)
     return ok
 

@@ -691,7 +691,7 @@ def _unit_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
 def _unit_issue(smem, st, lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
     """cp.async of one unit-major tile's words (the ones :func:`_unit_load` reads) into stage ``st`` of ``smem``
     (keys, values, and the four fields, each in its registers' shape), so each thread later reads back only what it
-    copied (no barrier). One commit group."""
+    copied (correct without a barrier; Triton adds some around the ring all the same). One commit group."""
     sk, sv, sks, skm, svs, svm = smem
     _async_load(sk.index(st), lk_w + kbase + koff)
     _async_load(sv.index(st), lv_w + vbase + voff)
@@ -777,7 +777,7 @@ def _mma_unit_kernel(
 
     STAGES > 0 (2 or 4; ``DecodeConfig.stages_m``): the unmasked tiles go through a ring of STAGES shared-memory
     buffers filled by cp.async (:func:`_unit_issue`), STAGES - 1 tiles in flight while one is computed, each thread
-    copying the words it reads back (:func:`_unit_staged`; no barrier needed). The 8-bit pass is latency-bound in
+    copying the words it reads back (:func:`_unit_staged`; correct without the barriers Triton adds). The 8-bit pass is latency-bound in
     registers (Nsight Compute: 12 warps an SM at 166 registers, 40% of cycles without an eligible warp); staged, it
     takes 142 registers (G = 4, offline sm_90a) and 4 + 2 NWS KB of shared memory a stage (a lane's 32 key and
     value words and 16 NWS field words; 2 + 2 NWS KB at 4 bits). Its speed on the H200 is still to be measured (benchmarks/results/2026-12-04-staged-mma-h200);
@@ -911,15 +911,20 @@ def _mma_unit_kernel(
         smem = (gl.allocate_shared_memory(gl.int32, KSH, WORDS), gl.allocate_shared_memory(gl.int32, VSH, WORDS),
                 gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS),
                 gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS))
+        # (past the last tile an empty group keeps the count: wait_group(STAGES - 1) then still means "tile t landed")
         for i in gl.static_range(STAGES - 1):
-            kb0, vb0, _i0 = _unit_base(gl.minimum(t_start + i, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
-                                       stride_lvb, PAGE)
-            _unit_issue(smem, i, lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+            if t_start + i < fast_end:
+                kb0, vb0, _i0 = _unit_base(t_start + i, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+                _unit_issue(smem, i, lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+            else:
+                async_copy.commit_group()
         for t in range(t_start, fast_end):
             j = t - t_start
-            kb1, vb1, _i1 = _unit_base(gl.minimum(t + STAGES - 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
-                                       stride_lvb, PAGE)
-            _unit_issue(smem, (j + STAGES - 1) % STAGES, lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+            if t + STAGES - 1 < fast_end:
+                kb1, vb1, _i1 = _unit_base(t + STAGES - 1, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+                _unit_issue(smem, (j + STAGES - 1) % STAGES, lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+            else:
+                async_copy.commit_group()
             _kb, _vb, idx_c = _unit_base(t, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
             async_copy.wait_group(STAGES - 1)
             wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)

@@ -2377,6 +2377,7 @@ def latent_attention_triton(
     Raises:
         NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses (the op falls back to the
             reference before calling this).
+        ValueError: a ``config`` with ``stages_m`` other than 0, 2 or 4.
     Notes:
         Workspace: (B*Hkv*S*n_split*G) * (2 + next_pow2(Rv_max)) fp32, and with ``two_pass`` the scores
         (B*Hkv*S*G*kv_len fp32). Bytes read per call: the latent rows of [0, kv_len) once per query token,
@@ -2437,6 +2438,9 @@ def _launch(
                                 quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none",
                                 code_bits=max(kf.bits, vf.bits) if kf.quantized and vf.quantized else None)
     cfg = config
+    if cfg.stages_m not in (0, 2, 4):  # (shared memory grows by 4-8 KB a stage for each one-warp program)
+        raise ValueError(f"DecodeConfig.stages_m must be 0 (loads into registers), 2 or 4 (a cp.async ring of that "
+                         f"many tiles), got {cfg.stages_m!r}")
     chunks = absorbed = lanes = words = mma = None
     table_free_one_pass = mode == "all" and rope_form == "none" and not cfg.fuse_merge
     if table_free_one_pass and cfg.mma and not _interpreting():

@@ -24,6 +24,7 @@ without a GPU, and benchmarks/mma_attention_gpu.py checks the kernel itself agai
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -395,7 +396,7 @@ def test_launcher_leaves_cpu_calls_to_the_other_passes():
     (4, 4, 0, False, 4, 0), (2, 2, 0, False, 4, 0), (8, 8, 0, False, 4, 0), (4, 4, 128, False, 4, 0),
     (4, 8, 0, False, 4, 0), (2, 2, 0, True, 4, 0), (4, 4, 0, True, 4, 0), (8, 8, 0, True, 4, 0),
     (4, 4, 128, True, 4, 0), (4, 4, 0, True, 8, 0), (4, 4, 64, True, 8, 2), (8, 8, 0, True, 8, 4),
-    (2, 2, 0, True, 4, 4)])
+    (2, 2, 0, True, 4, 4), (4, 4, 128, True, 4, 2)])
 def test_compiles_for_sm90_without_spills(g, nt, page, unit, bits, stages):
     from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
 
@@ -414,9 +415,16 @@ def test_compiles_for_sm90_without_spills(g, nt, page, unit, bits, stages):
         fields = 4 * (8 if g == 8 else 4)
         assert k.metadata.shared == stages * 32 * 4 * (16 * bits // 4 + fields), k.metadata.shared
         # 16-byte value copies (bypassing L1), 8-byte key copies, 4-byte field copies; vector reads back
-        for op in ("cp.async.cg.shared.global [%r{}], [%rd{}], 16", "cp.async.ca.shared.global", "cp.async.wait_group",
-                   "ld.shared.v4.b32", "ld.shared.v2.b32"):
-            assert op.split(" [")[0] in ptx, op
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10, 0x10;", ptx)
+        assert re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 0x8, 0x8;", ptx)
+        assert re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 0x4, 0x4;", ptx)
+        assert "ld.shared.v4.b32" in ptx and "ld.shared.v2.b32" in ptx
+        # the group accounting: STAGES - 1 groups in the prologue and one an iteration, each the copies of a tile
+        # or empty past the last one (one commit after either branch), then the wait that leaves STAGES - 1 groups
+        # in flight, and the drain before the masked tail
+        assert ptx.count("cp.async.commit_group") == stages, ptx.count("cp.async.commit_group")
+        assert re.search(rf"cp\.async\.wait_group\s+{stages - 1};", ptx)
+        assert re.search(r"cp\.async\.wait_group\s+0;", ptx)
     if unit:  # each lane reads 16 bytes of a value column and 8 of a key column at once (the staged kernel's
         # masked tail tiles too)
         assert "ld.global.v4.b32" in ptx and "ld.global.v2.b32" in ptx
