@@ -257,7 +257,10 @@ class DecodeConfig:
     this many one-warp programs in all; ``split`` fixes the count instead), ``min_tiles_m`` (tiles per program
     at least), ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) and ``stages_m`` (the
     unit-major kernel's cp.async ring through shared memory, 2 or 4 tiles; 0: each tile's words loaded into
-    registers one tile ahead) apply to it."""
+    registers one tile ahead) apply to it.
+
+    Raises:
+        ValueError: ``stages_m`` other than 0, 2 or 4."""
 
     block_n: int = 64
     block_r: int = 64
@@ -314,6 +317,11 @@ class DecodeConfig:
     min_tiles_m: int = 4
     maxnreg_m: int | None = None
     stages_m: int = 0
+
+    def __post_init__(self):
+        if self.stages_m not in (0, 2, 4):  # (shared memory grows by 4-8 KB a stage for each one-warp program)
+            raise ValueError(f"DecodeConfig.stages_m must be 0 (loads into registers), 2 or 4 (a cp.async ring of "
+                             f"that many tiles), got {self.stages_m!r}")
 
 
 def default_config(group: int | None = None, rank_pad: int | None = None, paired: bool = False,
@@ -2377,7 +2385,6 @@ def latent_attention_triton(
     Raises:
         NotImplementedError: ``NYI: ...`` for inputs :func:`unsupported_reason` refuses (the op falls back to the
             reference before calling this).
-        ValueError: a ``config`` with ``stages_m`` other than 0, 2 or 4.
     Notes:
         Workspace: (B*Hkv*S*n_split*G) * (2 + next_pow2(Rv_max)) fp32, and with ``two_pass`` the scores
         (B*Hkv*S*G*kv_len fp32). Bytes read per call: the latent rows of [0, kv_len) once per query token,
@@ -2438,9 +2445,6 @@ def _launch(
                                 quantized_keys=kf.quantized and not kf.pow2, table_free=rope_form == "none",
                                 code_bits=max(kf.bits, vf.bits) if kf.quantized and vf.quantized else None)
     cfg = config
-    if cfg.stages_m not in (0, 2, 4):  # (shared memory grows by 4-8 KB a stage for each one-warp program)
-        raise ValueError(f"DecodeConfig.stages_m must be 0 (loads into registers), 2 or 4 (a cp.async ring of that "
-                         f"many tiles), got {cfg.stages_m!r}")
     chunks = absorbed = lanes = words = mma = None
     table_free_one_pass = mode == "all" and rope_form == "none" and not cfg.fuse_merge
     if table_free_one_pass and cfg.mma and not _interpreting():

@@ -568,3 +568,12 @@ def test_unit_major_int8_operands_hold_the_named_codes(g):
     kap, col = np.meshgrid(range(bt), range(32), indexing="ij")
     cc, grp, j = kap % 8, (kap // 8) % groups, kap // (8 * groups)
     assert np.array_equal(vb, vc[8 * cc + grp * nt + j, col] - 128.0)
+
+
+def test_stages_outside_the_ring_sizes_are_refused():
+    from ckvp_compile.kernels.latent_attention_triton import DecodeConfig
+
+    for bad in (1, 3, 8, -2):
+        with pytest.raises(ValueError, match="stages_m must be 0"):
+            DecodeConfig(mma=True, stages_m=bad)
+    assert DecodeConfig(stages_m=4).stages_m == 4
