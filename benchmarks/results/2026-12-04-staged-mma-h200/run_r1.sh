@@ -16,6 +16,10 @@ d = json.load(open(os.environ["OUT"] + "/r1/check.json"))
 rows = d["small"]
 print("ok", d["ok"], "cases", len(rows), "large", len(d["large"]),
       "stages", sorted({(r.get("kfmt"), r.get("layout"), r.get("stages")) for r in rows}, key=str))
+for r in d["large"]:
+    print("large", r["format"], r["b"], r["t"], r["layout"], r["stages"], r["rel_err_fp32_out"], r["rel_err_bf16_out"])
+for r in d["stages_identity"]:
+    print("identity", r)
 PY
 for F in int8/32 int4/32; do
   N=$(echo $F | tr -d /)
