@@ -95,8 +95,9 @@ def _run(n_examples: int) -> None:
     # tables or not: they compile and fit sm_90's shared memory
     # (rank 416: Mixtral at ratio 4 with G = 4, whose unrolled key rebuild needed 316 KB of shared memory and failed
     # to launch on the H200 until the defaults took the rank loop past rank 256)
-    # (one rank of each padding and path: ranks 12, 64, 128 and 256 took CI time for no path of their own)
-    for heads, ranks in (((16, 16), (8, 16, 32, 96, 416)), ((32, 8), (64, 96, 416))):
+    # (one rank of each path: the head chunks at 8, the grouped key pass at 32, the unrolled rebuild at 96, the rank
+    # loop at 416; the ranks between took CI time for no path of their own)
+    for heads, ranks in (((16, 16), (8, 32, 96, 416)), ((32, 8), (96, 416))):
         for r in ranks:
             for paired in (False, True):
                 rp = max(16, 1 << (r - 1).bit_length())
@@ -232,5 +233,5 @@ def test_kernels_compile_for_sm90():
 
 
 if __name__ == "__main__":
-    _run(int(os.environ.get(EXAMPLES_ENV, "8")))
+    _run(int(os.environ.get(EXAMPLES_ENV, "5")))
     print("compiled ok")
