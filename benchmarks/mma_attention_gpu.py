@@ -135,7 +135,8 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
     rows, ok = [], True
     for p in check_cases(int(os.environ.get("MMA_CASES", "80")), formats=formats):
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
-                           maxnreg_m=p["maxnreg"], stages_m=p["stages"], **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
+                           maxnreg_m=p["maxnreg"], stages_m=p["stages"],
+                           **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
         args = _inputs(p)
         want = _expected(args).float()
         a = list(_cuda(args))
@@ -190,7 +191,8 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
             del a_, a32
             good = ran and err32 <= TOL and err <= max(TOL, 1.1 * err_words)
             ok &= good
-            r = dict(b=b, t=t, format=fmt, block_n=bn, layout=lay, stages=stages, rel_err_fp32_out=err32, rel_err_bf16_out=err,
+            r = dict(b=b, t=t, format=fmt, block_n=bn, layout=lay, stages=stages, rel_err_fp32_out=err32,
+                     rel_err_bf16_out=err,
                      rel_err_words_bf16_out=err_words,
                      ran_mma=ran, n_split=lat._LAST_LAUNCH.get("n_split"))
             big.append(r)

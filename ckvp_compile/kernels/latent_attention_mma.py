@@ -777,11 +777,12 @@ def _mma_unit_kernel(
 
     STAGES > 0 (2 or 4; ``DecodeConfig.stages_m``): the unmasked tiles go through a ring of STAGES shared-memory
     buffers filled by cp.async (:func:`_unit_issue`), STAGES - 1 tiles in flight while one is computed, each thread
-    copying the words it reads back (:func:`_unit_staged`; correct without the barriers Triton adds). The 8-bit pass is latency-bound in
-    registers (Nsight Compute: 12 warps an SM at 166 registers, 40% of cycles without an eligible warp); staged, it
-    takes 142 registers (G = 4, offline sm_90a) and 4 + 2 NWS KB of shared memory a stage (a lane's 32 key and
-    value words and 16 NWS field words; 2 + 2 NWS KB at 4 bits). Its speed on the H200 is still to be measured (benchmarks/results/2026-12-04-staged-mma-h200);
-    the masked tail tiles keep the register path."""
+    copying the words it reads back (:func:`_unit_staged`; correct without the barriers Triton adds); the masked
+    tail tiles keep the register path. The 8-bit pass is latency-bound in registers (Nsight Compute: 12 warps an SM
+    at 166 registers, 40% of cycles without an eligible warp); staged, it takes 142 registers (G = 4, offline
+    sm_90a) and 4 + 2 NWS KB of shared memory a stage (a lane's 32 key and value words and 16 NWS field words;
+    2 + 2 NWS KB at 4 bits). Its speed on the H200 is still to be measured
+    (benchmarks/results/2026-12-04-staged-mma-h200)."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
