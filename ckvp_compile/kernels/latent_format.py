@@ -19,6 +19,10 @@ formats, named by a string that the ops take as a compile-time constant:
 ``"mix/32:..."`` a bit plan per KV head (``planner`` output): ``mix/<block>:<head 0>,<head 1>,...`` with each
                 head a ``+``-joined list of ``<bits>x<count>`` segments in coordinate order (e.g.
                 ``mix/32:8x32+4x64+2x32,8x32+4x32``); a head's counts sum to its rank. Bits 8, 4 or 2.
+``"int4/32-f8"`` ``-f8`` after the block of an ``int`` or ``mix`` format (``"int8/32-f8"``, ``"mix/32-f8:..."``):
+                each block's scale and minimum are one float8_e4m3fn byte each instead of fp16 (2 bytes of
+                metadata per block instead of 4: at 4 bits and blocks of 32, 4.5 bits per coordinate instead
+                of 5), the block scales of NVIDIA's NVFP4 and OCP MX formats, here with a minimum kept
 ==============  ==========================================================================================
 
 Quantized row layout (per token; ``nb_h = ceil(r_h / block)`` blocks for head h, ``NB = sum_h nb_h``,
@@ -35,6 +39,15 @@ stores ``min = lo`` rounded down to fp16 and ``scale = (hi - min) / (2**bits - 1
 every value lies in ``[min, min + (2**bits-1)*scale]`` and ``|dequantize(quantize(x)) - x| <= scale / 2``
 (KIVI's asymmetric per-token quantization, Liu et al., 2024; here along the latent coordinates of one token,
 which streams: a token is final when written, and no dense residual window is needed).
+
+An ``-f8`` block stores two float8_e4m3fn bytes, its *span* and its minimum, in the places of the fp16 scale and
+minimum: ``min = lo`` rounded down to e4m3, ``span = hi - min`` rounded up to e4m3, and the step is
+``scale = span * fp32(1 / (2**bits - 1))`` (:func:`f8_scale`; storing the span rather than the step keeps 8-bit
+blocks of small values out of e4m3's subnormals). The bound ``|dequantize(quantize(x)) - x| <= scale / 2`` holds
+as before, with a step at most 12.5% (e4m3's spacing) above the exact one: about 1.2x the fp16 format's squared
+error for 2 bytes less per block. Values must lie within ``|x| <= 192`` (:data:`F8_MAX`: the span then fits
+e4m3's 448): :func:`quantize_latent_ref` raises on CPU tensors; on a GPU, a block whose span or minimum e4m3 cannot
+hold stores NaN, which propagates (never plausible numbers), like fp16's overflow.
 
 A power-of-two (``mxint``) block with absolute maximum ``a`` takes ``e = ceil(log2(a / qmax))`` (clamped to
 [-126, 127]) and ``code = round(x / 2**e)``, so again ``|dequantize(quantize(x)) - x| <= 2**e / 2``; its row is
@@ -59,12 +72,12 @@ from .device_cache import check_not_capturing
 __all__ = ["LatentFormat", "TERNARY", "dequantize_latent_ref", "pack_codes", "pack_ternary", "parse_latent_format",
            "quantize_latent_ref", "unpack_codes", "unpack_ternary"]
 
-_FORMAT_RE = re.compile(r"^int(8|4|2)(?:/(\d+))?$")
+_FORMAT_RE = re.compile(r"^int(8|4|2)(?:/(\d+))?(-f8)?$")
 _MX_RE = re.compile(r"^mxint(8|4)(?:/(\d+))?$")
 _TERN_RE = re.compile(r"^tern(?:/(\d+))?$")
 #: ``bits`` of the ternary format (a marker: its codes take 1.6 bits, five to a byte)
 TERNARY = 1
-_MIX_RE = re.compile(r"^mix/(\d+):(.*)$")
+_MIX_RE = re.compile(r"^mix/(\d+)(-f8)?:(.*)$")
 _SEGMENT_RE = re.compile(r"^(8|4|2)x(\d+)$")
 _FP16_MAX = 65504.0
 
@@ -87,6 +100,16 @@ class LatentFormat:
     segments: tuple[tuple[tuple[int, int], ...], ...] | None = None
     #: ``mxint`` formats: symmetric codes with one power-of-two scale (an exponent byte) per block, no minimum
     pow2: bool = False
+    #: ``-f8`` formats: each block's scale and minimum are float8_e4m3fn bytes, not fp16
+    meta_f8: bool = False
+
+    @property
+    def meta_bytes(self) -> int:
+        """Bytes of metadata per block: 4 (fp16 scale and min), 2 (``-f8``: e4m3 scale and min), 1 (``mxint``:
+        an exponent byte), 2 (``tern``: an fp16 scale), 0 (``float``)."""
+        if not self.quantized:
+            return 0
+        return 1 if self.pow2 else 2 if (self.ternary or self.meta_f8) else 4
 
     @property
     def quantized(self) -> bool:
@@ -108,7 +131,8 @@ class LatentFormat:
         holding whole units of ``unit_bits`` bits of codes (8: bytes, 32: words): what the table-free one-pass
         decode kernels read (:mod:`.latent_attention_chunks`, :mod:`.latent_attention_absorbed`,
         :mod:`.latent_attention_lanes`). Raises nothing."""
-        return (self.quantized and not self.mixed and not self.pow2 and not self.ternary and self.bits in (8, 4, 2)
+        return (self.quantized and not self.mixed and not self.pow2 and not self.ternary and not self.meta_f8
+                and self.bits in (8, 4, 2)
                 and self.block > 0 and self.block & (self.block - 1) == 0 and self.block * self.bits >= unit_bits)
 
     def pieces(self, offsets: Sequence[int]) -> list[tuple[int, int, int, int]]:
@@ -157,8 +181,7 @@ class LatentFormat:
         """Last-dim size of the stored latent: R_tot for ``"float"``, the row bytes for quantized formats."""
         if not self.quantized:
             return int(offsets[-1])
-        meta = 1 if self.pow2 else 2 if self.ternary else 4  # bytes of scale (+ min) per block
-        return sum(self.code_bytes(offsets)) + meta * self.num_blocks(offsets)
+        return sum(self.code_bytes(offsets)) + self.meta_bytes * self.num_blocks(offsets)
 
     def bytes_per_token(self, offsets: Sequence[int], float_itemsize: int) -> int:
         """Bytes one token's row takes (``float_itemsize`` is the element size used for ``"float"``)."""
@@ -194,7 +217,7 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
     if mix is not None:
         block = int(mix.group(1))
         heads = []
-        for head in mix.group(2).split(","):
+        for head in mix.group(3).split(","):
             segs = []
             for seg in head.split("+"):
                 m = _SEGMENT_RE.match(seg)
@@ -205,7 +228,7 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
             heads.append(tuple(segs))
         if block < 8 or block % 8:
             raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of 8")
-        return LatentFormat(str(fmt), 0, block, tuple(heads))
+        return LatentFormat(str(fmt), 0, block, tuple(heads), meta_f8=mix.group(2) is not None)
     mx = _MX_RE.match(str(fmt))
     if mx is not None:
         bits, block = int(mx.group(1)), int(mx.group(2) or 32)
@@ -216,13 +239,15 @@ def parse_latent_format(fmt: "str | LatentFormat") -> LatentFormat:
     m = _FORMAT_RE.match(str(fmt))
     if m is None:
         raise ValueError(f"latent format must be 'float', 'int8', 'int4' or 'int2' (optionally '/block', e.g. "
-                         f"'int4/64'), 'mxint8' or 'mxint4' (power-of-two block scales), 'tern' (ternary), or a "
-                         f"'mix/<block>:...' bit plan, but got {fmt!r}")
+                         f"'int4/64', and '-f8' for e4m3 block scales, e.g. 'int4/32-f8'), 'mxint8' or 'mxint4' "
+                         f"(power-of-two block scales), 'tern' (ternary), or a 'mix/<block>[-f8]:...' bit plan, but "
+                         f"got {fmt!r}")
     bits, block = int(m.group(1)), int(m.group(2) or 32)
     if block < 1 or (block * bits) % 8:
         raise ValueError(f"latent format {fmt!r}: the block must be a positive multiple of {8 // bits} codes so "
                          f"that it fills whole bytes")
-    return LatentFormat(f"int{bits}/{block}", bits, block)
+    f8 = m.group(3) is not None
+    return LatentFormat(f"int{bits}/{block}" + ("-f8" if f8 else ""), bits, block, meta_f8=f8)
 
 
 def _pad_index(offsets: Sequence[int], fmt: LatentFormat, device: torch.device) -> torch.Tensor:
@@ -257,6 +282,63 @@ def _block_params(xb: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tens
     short = mn.float() + levels * scale.float() < hi
     scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
     return mn, scale
+
+
+#: largest latent magnitude an ``-f8`` block holds: its span (at most 2 * 192 plus the min's rounding, 16) stays
+#: within float8_e4m3fn's 448
+F8_MAX = 192.0
+
+
+@functools.lru_cache(maxsize=16)
+def _e4m3_grid(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every finite float8_e4m3fn value ascending, fp32; its byte, uint8), -0 left out; built once per device."""
+    check_not_capturing("the e4m3 rounding table", device)
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    vals = raw.view(torch.float8_e4m3fn).float()
+    keep = torch.isfinite(vals) & (raw != 0x80)
+    vals, raw = vals[keep], raw[keep]
+    order = torch.argsort(vals)
+    return vals[order].to(device), raw[order].to(device)
+
+
+def _e4m3_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float8_e4m3fn bytes (uint8, shape of ``x``) of ``x`` rounded up (``up``) or down to an e4m3 value; NaN (byte
+    0x7F) where ``x`` is NaN or has no e4m3 value on that side (above 448 rounding up, below -448 rounding down), so
+    that an unrepresentable block decodes to NaN, never to plausible numbers."""
+    vals, raw = _e4m3_grid(str(x.device))
+    xs = x.float().contiguous()
+    if up:
+        i = torch.searchsorted(vals, xs, right=False)
+        bad = i >= vals.numel()
+    else:
+        i = torch.searchsorted(vals, xs, right=True) - 1
+        bad = i < 0
+    out = raw[i.clamp_(0, vals.numel() - 1)]
+    return torch.where(bad | torch.isnan(xs), torch.full_like(out, 0x7F), out)
+
+
+def _e4m3_value(b: torch.Tensor) -> torch.Tensor:
+    """fp32 values of float8_e4m3fn bytes ``b`` (uint8)."""
+    return b.clone(memory_format=torch.contiguous_format).view(torch.float8_e4m3fn).float()
+
+
+def f8_scale(span: torch.Tensor, bits: int) -> torch.Tensor:
+    """The step of an ``-f8`` block from its stored span (fp32 values of the e4m3 bytes): ``span * fp32(1 / (2**bits
+    - 1))``, one fp32 product (what every decode kernel computes, bit for bit)."""
+    return span * torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32, device=span.device)
+
+
+def _block_meta(xb: torch.Tensor, bits: int, f8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block of ``xb`` (..., NB, block) fp32: (min, scale) as fp32 values, and the stored bytes of (scale,
+    min): fp16 (two bytes each, (..., 2*NB)) or, with ``f8``, float8_e4m3fn bytes (one each, (..., NB)) of the
+    block's span ``hi - min`` (rounded up) and min (rounded down), the step being :func:`f8_scale` of the span."""
+    if f8:
+        lo, hi = xb.amin(dim=-1), xb.amax(dim=-1)
+        mn = _e4m3_round(lo, up=False)
+        span = _e4m3_round(hi - _e4m3_value(mn), up=True)
+        return _e4m3_value(mn), f8_scale(_e4m3_value(span), bits), span, mn
+    mn, sc = _block_params(xb, bits)
+    return mn.float(), sc.float(), _fp16_bytes(sc), _fp16_bytes(mn)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -296,7 +378,12 @@ def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | Lat
     zf = z.float()
     # checked on the host only: on a GPU the check would synchronise every decode step (non-finite or
     # out-of-range latents then give non-finite scales, which propagate as NaN / inf, never plausible numbers)
-    if zf.numel() and not zf.is_cuda and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
+    limit = F8_MAX if f.meta_f8 else _FP16_MAX
+    if zf.numel() and not zf.is_cuda and not bool(torch.isfinite(zf).all() & (zf.abs() <= limit).all()):
+        if f.meta_f8:
+            raise ValueError(f"latent values must be finite and at most {F8_MAX:g} in magnitude to be quantized in "
+                             f"{f.name!r} (its e4m3 block spans hold up to 448); use the format without '-f8' (fp16 "
+                             f"block scales) for larger values")
         raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
     if f.mixed or f.ternary or f.pow2:
         return _quantize_pieces(zf, offsets, f)
@@ -307,13 +394,12 @@ def quantize_latent_ref(z: torch.Tensor, offsets: Sequence[int], fmt: "str | Lat
     xp = zf.new_zeros(*lead, padded[-1])
     xp[..., _pad_index(offsets, f, z.device)] = zf
     xb = xp.view(*lead, nb, f.block)
-    mn, scale = _block_params(xb, f.bits)
+    mn, scale, scale_bytes, mn_bytes = _block_meta(xb, f.bits, f.meta_f8)
     levels = (1 << f.bits) - 1
-    safe = torch.where(scale.float() > 0, scale.float(), 1.0)
-    codes = torch.round((xb - mn.float()[..., None]) / safe[..., None]).clamp_(0, levels).to(torch.uint8)
+    safe = torch.where(scale > 0, scale, 1.0)
+    codes = torch.round((xb - mn[..., None]) / safe[..., None]).clamp_(0, levels).to(torch.uint8)
     packed = pack_codes(codes.view(*lead, nb * f.block), f.bits)[..., _code_byte_index(offsets, f, z.device)]
-    return torch.cat((packed, scale.view(torch.uint8).view(*lead, 2 * nb),
-                      mn.view(torch.uint8).view(*lead, 2 * nb)), dim=-1)
+    return torch.cat((packed, scale_bytes, mn_bytes), dim=-1)
 
 
 def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str | LatentFormat") -> torch.Tensor:
@@ -344,8 +430,12 @@ def dequantize_latent_ref(rows: torch.Tensor, offsets: Sequence[int], fmt: "str 
     n_code_bytes = sum(f.code_bytes(offsets))
     packed = rows.new_zeros(*lead, nb * f.block * f.bits // 8)
     packed[..., _code_byte_index(offsets, f, rows.device)] = rows[..., :n_code_bytes]
-    scale = rows[..., n_code_bytes:n_code_bytes + 2 * nb].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
-    mn = rows[..., n_code_bytes + 2 * nb:].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
+    if f.meta_f8:
+        scale = f8_scale(_e4m3_value(rows[..., n_code_bytes:n_code_bytes + nb]), f.bits)
+        mn = _e4m3_value(rows[..., n_code_bytes + nb:])
+    else:
+        scale = _bytes_fp16(rows[..., n_code_bytes:n_code_bytes + 2 * nb])
+        mn = _bytes_fp16(rows[..., n_code_bytes + 2 * nb:])
     codes = unpack_codes(packed, f.bits)
     x = codes.view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]
     return x.view(*lead, nb * f.block)[..., _pad_index(offsets, f, rows.device)]
@@ -423,12 +513,12 @@ def _quantize_pieces(zf: torch.Tensor, offsets: Sequence[int], f: LatentFormat) 
             codes.append(pack_codes(c.view(*lead, nb * f.block), bits)[..., :-(-count * bits // 8)])
             scales.append((e + 127).to(torch.uint8))
             continue
-        mn, scale = _block_params(xb, bits)
-        safe = torch.where(scale.float() > 0, scale.float(), 1.0)
-        c = torch.round((xb - mn.float()[..., None]) / safe[..., None]).clamp_(0, (1 << bits) - 1).to(torch.uint8)
+        mn, scale, scale_bytes, mn_bytes = _block_meta(xb, bits, f.meta_f8)
+        safe = torch.where(scale > 0, scale, 1.0)
+        c = torch.round((xb - mn[..., None]) / safe[..., None]).clamp_(0, (1 << bits) - 1).to(torch.uint8)
         codes.append(pack_codes(c.view(*lead, nb * f.block), bits)[..., :-(-count * bits // 8)])
-        scales.append(_fp16_bytes(scale))
-        mins.append(_fp16_bytes(mn))
+        scales.append(scale_bytes)
+        mins.append(mn_bytes)
     if not codes:
         return torch.zeros(*lead, 0, dtype=torch.uint8, device=zf.device)
     return torch.cat(codes + scales + mins, dim=-1)
@@ -462,8 +552,12 @@ def _dequantize_pieces(rows: torch.Tensor, offsets: Sequence[int], f: LatentForm
             x = c.float() * _pow2_scale(e)[..., None]
             out[..., col:col + count] = x.view(*lead, nb * f.block)[..., :count]
             continue
-        scale = _bytes_fp16(rows[..., n_code + 2 * block0:n_code + 2 * (block0 + nb)])
-        mn = _bytes_fp16(rows[..., n_code + 2 * (nb_all + block0):n_code + 2 * (nb_all + block0 + nb)])
+        if f.meta_f8:
+            scale = f8_scale(_e4m3_value(rows[..., n_code + block0:n_code + block0 + nb]), bits)
+            mn = _e4m3_value(rows[..., n_code + nb_all + block0:n_code + nb_all + block0 + nb])
+        else:
+            scale = _bytes_fp16(rows[..., n_code + 2 * block0:n_code + 2 * (block0 + nb)])
+            mn = _bytes_fp16(rows[..., n_code + 2 * (nb_all + block0):n_code + 2 * (nb_all + block0 + nb)])
         x = unpack_codes(packed, bits).view(*lead, nb, f.block).float() * scale[..., None] + mn[..., None]
         out[..., col:col + count] = x.view(*lead, nb * f.block)[..., :count]
     return out
