@@ -687,7 +687,8 @@ def _parser() -> argparse.ArgumentParser:
                         "ckvp rows are then named '<system> wN' (default 0: none)")
     g.add_argument("--planned-format", default=None,
                    help="--latent-format planned: the bit plan's blocks, mix/<block> or mix/<block>v<value block> "
-                        "(as ckvp-bench fidelity's --latent-formats; default mix/32), e.g. mix/32v64")
+                        "(as ckvp-bench fidelity's --latent-formats; default mix/32), e.g. mix/32v64; '-f8' after "
+                        "them keeps each block's span and minimum in e4m3 (2 bytes, not 4), e.g. mix/32-f8")
     g.add_argument("--measure-windows", type=int, default=None,
                    help="--latent-format planned+measured: the first calibration windows the planner's errors are "
                         "measured on (default 8, or --calib-windows when fewer)")

@@ -19,7 +19,7 @@ head, K/V) from :func:`~ckvp_compile.latent.planner.plan_for_byte_ratio` instead
 as ``ckvp-bench fidelity``'s 'planned' allocations are (:func:`~ckvp_compile.bench.fidelity.config_bases`): options
 '+rot', '+fp8' and '+measured' (the planner's errors measured as the KL to dense on the first ``--measure-windows``
 calibration windows, :func:`~ckvp_compile.bench.fidelity.measured_errors_cache`; never on a prompt), blocks of the
-bit plan from ``--planned-format mix/<block>[v<value block>]``. Reported per ratio: the share of generated positions
+bit plan from ``--planned-format mix/<block>[v<value block>][-f8]``. Reported per ratio: the share of generated positions
 whose token equals dense (``agreement``), the mean length of the agreeing prefix (and per prompt, ``prefixes``), the
 greedy tokens (``generated``), and the measured byte ratios. ``--baseline kivi:BITS:GROUP:RESIDUAL`` adds rows of
 KIVI (arXiv:2402.02750; :mod:`ckvp_compile.bench.kivi`): the eager model over a dense cache fake-quantized as KIVI

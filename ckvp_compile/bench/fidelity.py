@@ -448,15 +448,15 @@ def measured_errors_cache(model: torch.nn.Module, windows: torch.Tensor, *, chun
     measured: dict[tuple, Any] = {}
 
     def measure_errors(group_size: int, full: Any, block: int, v_block: int, rotate: bool,
-                       basis_dtype: torch.dtype) -> Any:
+                       basis_dtype: torch.dtype, meta_f8: bool = False) -> Any:
         from ..latent.planner import measured_block_errors
         from .fidelity_layout import unit_kl_meter
 
-        key = (group_size, block, v_block, rotate, basis_dtype, getattr(full, "key_space", "pre_rope"))
+        key = (group_size, block, v_block, rotate, basis_dtype, getattr(full, "key_space", "pre_rope"), meta_f8)
         if key not in measured:
             t0 = time.perf_counter()
             meter = unit_kl_meter(model, windows, full, basis_dtype=basis_dtype, rotate=rotate, chunk=chunk,
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, meta_f8=meta_f8)
             measured[key] = measured_block_errors(full, meter, block=block, v_block=v_block)
             log(f"G={group_size} measured planner errors (blocks {block}/{v_block}, rotate {rotate}, "
                 f"{str(basis_dtype).removeprefix('torch.')} bases) on {windows.shape[0]} calibration windows "
@@ -481,7 +481,7 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
             :func:`run_fidelity`.
         log: where a skipped config is reported (default stderr).
         measure_errors: for '+measured': ``measure_errors(group_size, full_bases, block, v_block, rotate,
-            basis_dtype)`` -> the planner's measured ``block_errors``
+            basis_dtype, meta_f8)`` -> the planner's measured ``block_errors``
             (:func:`~ckvp_compile.latent.planner.measured_block_errors`).
         recent_window: the store's dense recent window (tokens): its bytes come off the budget.
         rank_block: for the configs that are not 'planned', as :func:`~ckvp_compile.latent.budget.bases_for_byte_ratio`
@@ -504,7 +504,8 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
     basis_dtype = torch.float8_e4m3fn if "fp8" in opts else latent_dtype
     residual = ALR_RESIDUAL_FORMAT if "alr" in opts else ""  # ALR-KVD: a 2-bit residual of K and V
     if alloc == "planned":  # rank and bits per (group, head, K/V): latent.planner; format 'mix/<block>[v<vb>]'
-        block, v_block = _mix_blocks(cfg.latent_format) if cfg.latent_format.startswith("mix/") else (32, 32)
+        block, v_block, meta_f8 = (_mix_blocks(cfg.latent_format) if cfg.latent_format.startswith("mix/")
+                                   else (32, 32, False))
         weights = {"k": moments.weights("k"), "v": moments.weights("v")} if basis == "weighted" else None
         full = moments.bases(1.0, "uniform")
         scales = measured = None
@@ -515,14 +516,14 @@ def config_bases(cfg: FidelityConfig, moments: Any, *, batch_size: int, window: 
         if "measured" in opts:  # the planner's errors measured on calibration windows, one unit at a time
             if measure_errors is None:
                 raise ValueError("'+measured' needs measure_errors (run_fidelity passes one)")
-            measured = measure_errors(cfg.group_size, full, block, v_block, rotate, basis_dtype)
+            measured = measure_errors(cfg.group_size, full, block, v_block, rotate, basis_dtype, meta_f8)
         bases = _or_skip(log, cfg, plan_for_byte_ratio, full,
                          cfg.kv_ratio, batch_size=batch_size, max_cache_len=window, block=block,
                          dense_dtype=dense_dtype, latent_dtype=latent_dtype, weights=weights, rotate=rotate,
                          basis_dtype=basis_dtype, residual_format=residual, error_scales=scales, v_block=v_block,
-                         block_errors=measured, recent_window=recent_window)
+                         block_errors=measured, recent_window=recent_window, meta_f8=meta_f8)
         fmt = "auto"
-        label = f"mix/{block}" + (f"v{v_block}" if v_block != block else "")
+        label = f"mix/{block}" + (f"v{v_block}" if v_block != block else "") + ("-f8" if meta_f8 else "")
     else:
         fmt = label = parse_latent_format(cfg.latent_format).name
         bases = _or_skip(log, cfg, bases_for_byte_ratio, moments, cfg.kv_ratio, fmt,
@@ -654,7 +655,8 @@ def _parser() -> argparse.ArgumentParser:
                         "windows, one (group, head, K/V) unit and block at a time (latent.planner."
                         "measured_block_errors). "
                         "'planned': rank and bits per (group, head, K/V) by latent.planner (format mix/<block>, "
-                        "default mix/32, or mix/<block>v<value block>, e.g. mix/32v64). E.g. planned+rot+fp8")
+                        "default mix/32, or mix/<block>v<value block>, e.g. mix/32v64; '-f8' after them: e4m3 block "
+                        "scales, e.g. mix/32-f8). E.g. planned+rot+fp8")
     p.add_argument("--measure-windows", type=int, default=None,
                    help="calibration windows the '+measured' planner measures on (the first ones; default 8, or "
                         "--calib-windows when fewer)")
@@ -711,18 +713,20 @@ def _allocation(text: str) -> str:
     return text
 
 
-def _mix_blocks(fmt: str) -> tuple[int, int]:
-    """(key block, value block) of a planned format label ``mix/<block>`` or ``mix/<block>v<value block>``.
+def _mix_blocks(fmt: str) -> tuple[int, int, bool]:
+    """(key block, value block, e4m3 block metadata) of a planned format label ``mix/<block>[v<value block>][-f8]``
+    (``-f8``: the plan's formats keep each block's span and minimum in e4m3, 2 bytes instead of 4).
 
     Raises:
         ValueError: another form.
     """
     body = fmt.removeprefix("mix/")
-    kb, _, vb = body.partition("v")
+    f8 = body.endswith("-f8")
+    kb, _, vb = body.removesuffix("-f8").partition("v")
     if not fmt.startswith("mix/") or not kb.isdigit() or (vb and not vb.isdigit()) or (_ and not vb):
-        raise ValueError(f"a planned format is 'mix/<block>' or 'mix/<block>v<value block>' (e.g. mix/32v64), "
-                         f"got {fmt!r}")
-    return int(kb), int(vb or kb)
+        raise ValueError(f"a planned format is 'mix/<block>' or 'mix/<block>v<value block>', optionally with '-f8' "
+                         f"(e4m3 block scales; e.g. mix/32v64, mix/32-f8), got {fmt!r}")
+    return int(kb), int(vb or kb), f8
 
 
 def _plot_title(st: dict[str, Any]) -> str:

@@ -334,7 +334,7 @@ def _evaluate(model: torch.nn.Module, windows: torch.Tensor, dense: Any, rec: di
 
 
 def unit_kl_meter(model: torch.nn.Module, windows: torch.Tensor, bases: Any, *, basis_dtype: torch.dtype,
-                  rotate: bool, chunk: int = 16, batch_size: int = 4) -> Any:
+                  rotate: bool, chunk: int = 16, batch_size: int = 4, meta_f8: bool = False) -> Any:
     """A ``measure`` for :func:`~ckvp_compile.latent.planner.measured_block_errors`: the KL divergence to the
     dense model (nats per predicted token) of ``windows`` (calibration windows: never the evaluated ones) when
     only one (kind, group, KV head) unit of the full-rank ``bases`` is compressed, through the eager chunked
@@ -342,7 +342,7 @@ def unit_kl_meter(model: torch.nn.Module, windows: torch.Tensor, bases: Any, *, 
 
     The unit's first ``rank`` principal components (rotated per ``block`` when ``rotate``, then rounded to
     ``basis_dtype`` as the store keeps them) carry its latent; the listed blocks are quantized per token with the
-    reference quantizer (``int<bits>/<block>``), the others exact; every other unit is dense. Results are cached.
+    reference quantizer (``int<bits>/<block>``, ``-f8`` with ``meta_f8``), the others exact; every other unit is dense. Results are cached.
     Bases of the keys as cached (``bases.key_space == 'post_rope'``) compress the keys after RoPE.
 
     Raises:
@@ -376,7 +376,7 @@ def unit_kl_meter(model: torch.nn.Module, windows: torch.Tensor, bases: Any, *, 
             for i, bits in quant.items():
                 cols = slice(i * block, min((i + 1) * block, rank))
                 n = cols.stop - cols.start
-                fmt = f"int{bits}/{block}"
+                fmt = f"int{bits}/{block}" + ("-f8" if meta_f8 else "")
                 z[..., cols] = dequantize_latent_ref(quantize_latent_ref(z[..., cols].contiguous(), [0, n], fmt),
                                                      [0, n], fmt)
             y = z @ p.T

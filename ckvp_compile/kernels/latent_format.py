@@ -69,7 +69,7 @@ import torch
 
 from .device_cache import check_not_capturing
 
-__all__ = ["LatentFormat", "TERNARY", "dequantize_latent_ref", "pack_codes", "pack_ternary", "parse_latent_format",
+__all__ = ["F8_MAX", "LatentFormat", "TERNARY", "dequantize_latent_ref", "f8_block_range", "f8_scale", "pack_codes", "pack_ternary", "parse_latent_format",
            "quantize_latent_ref", "unpack_codes", "unpack_ternary"]
 
 _FORMAT_RE = re.compile(r"^int(8|4|2)(?:/(\d+))?(-f8)?$")
@@ -328,15 +328,24 @@ def f8_scale(span: torch.Tensor, bits: int) -> torch.Tensor:
     return span * torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32, device=span.device)
 
 
+def f8_block_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
+    """An ``-f8`` block's stored minimum and span from its least and greatest values (any shape, fp32): ``(min,
+    span)`` as fp32 values and as float8_e4m3fn bytes (uint8): min = ``lo`` rounded down, span = ``hi - min``
+    rounded up (NaN where e4m3 holds no such value; see the module docstring). Raises nothing."""
+    mn = _e4m3_round(lo, up=False)
+    mn_value = _e4m3_value(mn)
+    span = _e4m3_round(hi - mn_value, up=True)
+    return mn_value, _e4m3_value(span), mn, span
+
+
 def _block_meta(xb: torch.Tensor, bits: int, f8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per block of ``xb`` (..., NB, block) fp32: (min, scale) as fp32 values, and the stored bytes of (scale,
     min): fp16 (two bytes each, (..., 2*NB)) or, with ``f8``, float8_e4m3fn bytes (one each, (..., NB)) of the
     block's span ``hi - min`` (rounded up) and min (rounded down), the step being :func:`f8_scale` of the span."""
     if f8:
-        lo, hi = xb.amin(dim=-1), xb.amax(dim=-1)
-        mn = _e4m3_round(lo, up=False)
-        span = _e4m3_round(hi - _e4m3_value(mn), up=True)
-        return _e4m3_value(mn), f8_scale(_e4m3_value(span), bits), span, mn
+        mn_value, span_value, mn, span = f8_block_range(xb.amin(dim=-1), xb.amax(dim=-1))
+        return mn_value, f8_scale(span_value, bits), span, mn
     mn, sc = _block_params(xb, bits)
     return mn.float(), sc.float(), _fp16_bytes(sc), _fp16_bytes(mn)
 

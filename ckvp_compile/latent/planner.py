@@ -7,8 +7,9 @@ calibration spectrum). Storing coordinate i costs bits and leaves an error; drop
 gives each block 0 (dropped), 2, 4 or 8 bits per coordinate, so that the total bytes per token meet the budget
 and the summed, trace-normalised expected error is small:
 
-* cost of a block kept at b bits, per token: ``n*b/8`` code bytes, 4 bytes of fp16 scale and minimum, and the
-  block's share of the bases (``n * G*D * basis_itemsize / tokens_sharing_the_bases``);
+* cost of a block kept at b bits, per token: ``n*b/8`` code bytes, 4 bytes of fp16 scale and minimum (2 of e4m3
+  span and minimum with ``meta_f8``), and the block's share of the bases (``n * G*D * basis_itemsize /
+  tokens_sharing_the_bases``);
 * expected error of a block kept at b bits: ``n * E[step^2] / 12`` with ``step = (max - min) / (2^b - 1)`` over
   the block's coordinates of one token (the per-token asymmetric quantizer of
   :mod:`ckvp_compile.kernels.latent_format`), estimated by Monte Carlo for Gaussian coordinates of the
@@ -57,14 +58,17 @@ BIT_CHOICES = (0, 2, 4, 8)
 
 def _block_errors(eig: torch.Tensor, block: int, samples: int, generator: torch.Generator,
                   weight: torch.Tensor | None = None, rotate: bool = False, noise: torch.Tensor | None = None,
-                  drop: torch.Tensor | None = None) -> list[dict[int, float]]:
+                  drop: torch.Tensor | None = None, meta_f8: bool = False) -> list[dict[int, float]]:
     """Per block of ``eig`` (descending variances): expected squared error at each of BIT_CHOICES, each
     coordinate's error times its ``weight`` (1 without weights). ``rotate``: the block's coordinates are rotated
     by :func:`~ckvp_compile.latent.rotation.block_rotation` before quantization (the range is then that of the
     rotated coordinates; the error stays isotropic within the block, so the weighting is unchanged).
     ``noise``: per coordinate, a factor on its quantization error (the attention's averaging of token-independent
     noise, :mod:`~ckvp_compile.latent.attention_noise`; 1 without). ``drop``: per coordinate, the error of
-    dropping it (default ``eig``). A kept block never costs more than dropping it."""
+    dropping it (default ``eig``). ``meta_f8``: the block's minimum and span are rounded to e4m3 as an ``-f8``
+    format stores them (:func:`~ckvp_compile.kernels.latent_format.f8_block_range`). A kept block never costs more
+    than dropping it."""
+    from ..kernels.latent_format import f8_block_range
     from .rotation import block_rotation
 
     out = []
@@ -76,7 +80,10 @@ def _block_errors(eig: torch.Tensor, block: int, samples: int, generator: torch.
         z = torch.randn(samples, lam.numel(), generator=generator, dtype=torch.float64) * lam.sqrt()
         if rotate:
             z = z @ block_rotation(lam.numel())
-        span = (z.amax(dim=1) - z.amin(dim=1)) ** 2
+        if meta_f8:
+            span = f8_block_range(z.amin(dim=1).float(), z.amax(dim=1).float())[1].double() ** 2
+        else:
+            span = (z.amax(dim=1) - z.amin(dim=1)) ** 2
         errs = {0: float((lost * w).sum())}
         for b in BIT_CHOICES[1:]:
             errs[b] = min(errs[0], float(span.mean()) / (12 * ((1 << b) - 1) ** 2) * float((w * nz).sum()))
@@ -150,7 +157,8 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
               weights: dict[str, Sequence[torch.Tensor]] | None = None, rotate: bool = False,
               error_scales: dict[str, Sequence[dict[str, torch.Tensor]]] | None = None,
               v_block: int | None = None,
-              block_errors: dict[tuple[str, int, int], Sequence[dict[int, float]]] | None = None) -> Any:
+              block_errors: dict[tuple[str, int, int], Sequence[dict[int, float]]] | None = None,
+              meta_f8: bool = False) -> Any:
     """Choose rank and bits per (group, KV head, K/V) for a byte budget (see the module docstring).
 
     Args:
@@ -183,9 +191,12 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
             for every bits in :data:`BIT_CHOICES` (0: the block dropped), in one unit common to every unit (e.g.
             KL divergence to the dense model, nats per token, :func:`measured_block_errors`); errors are then not
             normalised per unit. ``weights`` and ``error_scales`` do not apply. See :func:`measured_block_errors`.
+        meta_f8: plan ``mix/<block>-f8`` formats: e4m3 block spans and minimums, 2 bytes a block instead of 4
+            (:mod:`~ckvp_compile.kernels.latent_format`); the Gaussian error model rounds them as stored, and
+            ``block_errors`` must have been measured with them.
     Returns:
         :class:`~ckvp_compile.latent.LatentBases` with the planned ranks (the bases truncated, zero beyond each
-        head's rank), ``rank_allocation="planned"`` and the ``mix/{block}:...`` formats per group.
+        head's rank), ``rank_allocation="planned"`` and the ``mix/{block}[-f8]:...`` formats per group.
     Raises:
         CKVPConfigError: the bases are not full rank, or the budget cannot keep one block per unit at 2 bits.
     """
@@ -226,17 +237,19 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
                 lost = (eig if drop is None else drop).double().clamp_min(0)
                 trace = float((lost * (1 if w is None else w)).sum()) or 1.0
                 units.append((kind, g, h, trace, rows,
-                              _block_errors(eig, blocks[kind], samples, gen, w, rotate, noise, drop)))
+                              _block_errors(eig, blocks[kind], samples, gen, w, rotate, noise, drop, meta_f8)))
 
     def sizes(u: int) -> list[int]:
         rows, b = units[u][4], blocks[units[u][0]]
         return [min(b, rows - s) for s in range(0, rows, b)]
 
+    meta = 2 if meta_f8 else 4  # bytes of a block's scale (span) and minimum
+
     def cost(u: int, i: int, bits: int) -> float:
         if bits == 0:
             return 0.0
         n = sizes(u)[i]
-        return n * bits / 8 + 4 + n * units[u][4] * basis_itemsize / tokens_sharing_bases
+        return n * bits / 8 + meta + n * units[u][4] * basis_itemsize / tokens_sharing_bases
 
     state = [[0] * len(u[5]) for u in units]
     spent = 0.0
@@ -280,11 +293,11 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
         push(u, i)
         if was == 0:
             push(u, i + 1)
-    return _planned_bases(bases, units, state, sizes, blocks, rotate)
+    return _planned_bases(bases, units, state, sizes, blocks, rotate, meta_f8)
 
 
 def _planned_bases(bases: Any, units: Sequence, state: Sequence[list[int]], sizes: Any, blocks: dict[str, int],
-                   rotate: bool = False) -> Any:
+                   rotate: bool = False, meta_f8: bool = False) -> Any:
     """LatentBases truncated to the kept coordinates (blocks reordered by nothing: kept blocks keep their order,
     dropped blocks inside a unit's kept range are not allowed, so a dropped block ends the unit's rank)."""
     plans: dict[tuple[str, int], list[list[tuple[int, int]]]] = {}
@@ -311,7 +324,7 @@ def _planned_bases(bases: Any, units: Sequence, state: Sequence[list[int]], size
             kept = full[:, :, :rmax] * keep[:, None, :].to(full.dtype)
             basis.append(rotate_basis_blocks(kept, r, blocks[kind]) if rotate else kept)
             ranks.append(tuple(r))
-            formats.append(f"mix/{blocks[kind]}:" + ",".join("+".join(f"{b}x{c}" for b, c in segs) for segs in heads))
+            formats.append(f"mix/{blocks[kind]}{'-f8' if meta_f8 else ''}:" + ",".join("+".join(f"{b}x{c}" for b, c in segs) for segs in heads))
         new[f"{kind}_basis"], new[f"{kind}_ranks"], new[f"{kind}_formats"] = tuple(basis), tuple(ranks), tuple(formats)
     rotation = ""
     if rotate:
@@ -327,7 +340,7 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
                         error_scales: dict[str, Sequence[dict[str, torch.Tensor]]] | None = None,
                         v_block: int | None = None,
                         block_errors: dict[tuple[str, int, int], Sequence[dict[int, float]]] | None = None,
-                        recent_window: int = 0) -> Any:
+                        recent_window: int = 0, meta_f8: bool = False) -> Any:
     """:func:`plan_bits` at the budget that makes a store of these sequences hold ``kv_ratio`` times fewer bytes
     than a dense ``dense_dtype`` cache, counted as :func:`~ckvp_compile.latent.budget.store_bytes` counts them
     (latent rows with scales, slot positions, and the bases in ``latent_dtype`` padded to each group's largest
@@ -338,7 +351,7 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
     ``basis_dtype``: the dtype the store keeps the bases in (default ``latent_dtype``; e.g.
     ``torch.float8_e4m3fn`` halves their bytes), counted at its size. ``residual_format``: the ALR-KVD residual's
     format (e.g. ``"int2/64"``), whose bytes come off the budget first (the plan's error model ignores it).
-    ``error_scales``, ``v_block``, ``block_errors``: as :func:`plan_bits`. ``recent_window``: the store's dense
+    ``error_scales``, ``v_block``, ``block_errors``, ``meta_f8``: as :func:`plan_bits`. ``recent_window``: the store's dense
     recent window (tokens), whose bytes also come off the budget first
     (:func:`~ckvp_compile.latent.budget.window_bytes`).
 
@@ -359,7 +372,7 @@ def plan_for_byte_ratio(full_bases: Any, kv_ratio: float, *, batch_size: int = 1
     def attempt(per_token: float) -> tuple[Any, int]:
         planned = plan_bits(full_bases, per_token, block=block, tokens_sharing_bases=tokens, basis_itemsize=item,
                             weights=weights, rotate=rotate, error_scales=error_scales, v_block=v_block,
-                            block_errors=block_errors)
+                            block_errors=block_errors, meta_f8=meta_f8)
         planned = dataclasses.replace(planned, target_ratio=float(kv_ratio))
         return planned, store_bytes(planned, batch_size, max_cache_len, "auto", "auto", latent_dtype,
                                     basis_dtype=basis_dtype, residual_format=residual_format,

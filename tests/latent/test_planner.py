@@ -219,3 +219,36 @@ def test_value_block_and_value_noise_model(full):
     for fmt in averaged.v_formats:
         assert {bits for head in parse_latent_format(fmt).segments for bits, _ in head} == {2}
     assert sum(map(sum, averaged.v_ranks)) > sum(map(sum, plain.v_ranks))
+
+
+@given(ratio=st.sampled_from([3.0, 4.0, 6.0]), batch=st.integers(1, 3))
+@settings(max_examples=4, deadline=None)
+def test_f8_block_scales_buy_more_code_bits_at_the_same_ratio(full, ratio, batch):
+    """'-f8' plans (e4m3 span and minimum, 2 bytes a block) meet the ratio as the store counts them, and the 2 bytes
+    saved per block go to codes: never fewer code bits per token than the fp16-scale plan of the same budget."""
+    _, bases = full
+
+    def code_bits(planned):
+        return sum(b * c for kind in ("k", "v") for fmt in getattr(planned, f"{kind}_formats")
+                   for segs in parse_latent_format(fmt).segments for b, c in segs)
+
+    plans = {}
+    for f8 in (False, True):
+        planned = plan_for_byte_ratio(bases, ratio, batch_size=batch, max_cache_len=256, block=8, meta_f8=f8)
+        held = store_bytes(planned, batch, 256, "auto", "auto", torch.bfloat16)
+        assert dense_kv_bytes(planned, batch, 256, torch.bfloat16) / held >= ratio
+        assert all(parse_latent_format(f).meta_f8 == f8 for f in (*planned.k_formats, *planned.v_formats))
+        plans[f8] = planned
+    assert code_bits(plans[True]) >= code_bits(plans[False])
+
+
+def test_f8_error_model_rounds_the_span_up():
+    """The Gaussian error model of an '-f8' block is the fp16 one's with the span rounded up to e4m3: never less,
+    at most e4m3's spacing (12.5%) plus the minimum's rounding more in step, i.e. < 1.5x in squared error."""
+    eig = torch.linspace(4.0, 0.1, 24)
+    plain = _block_errors(eig, 8, 256, torch.Generator().manual_seed(1))
+    f8 = _block_errors(eig, 8, 256, torch.Generator().manual_seed(1), meta_f8=True)
+    for p, q in zip(plain, f8):
+        assert q[0] == p[0]
+        for b in (2, 4, 8):
+            assert p[b] <= q[b] <= 1.5 * p[b] or q[b] == q[0]

@@ -225,3 +225,99 @@ def test_rank_zero_heads_and_zero_rows_round_trip(fmt, offsets):
 ])
 def test_uniform_int_blocks_names_what_the_one_pass_kernels_read(fmt, unit_bits, expected):
     assert parse_latent_format(fmt).uniform_int_blocks(unit_bits) is expected
+
+
+# ---------------------------------------------------------------------------------------------- '-f8' block scales
+
+def _f8_steps(rows, offsets, fmt):
+    """Per packed coordinate, the step of its ``-f8`` block (span * fp32(1/levels)), and its bits."""
+    from ckvp_compile.kernels.latent_format import f8_scale
+
+    f = parse_latent_format(fmt)
+    n_code, nb = sum(f.code_bytes(offsets)), f.num_blocks(offsets)
+    span = rows[..., n_code:n_code + nb].clone(memory_format=torch.contiguous_format).view(torch.float8_e4m3fn).float()
+    steps, bits = torch.zeros(*rows.shape[:-1], int(offsets[-1])), torch.zeros(int(offsets[-1]))
+    for col, count, b, block0 in f.pieces(offsets):
+        blocks = block0 + torch.arange(count) // f.block
+        steps[..., col:col + count] = f8_scale(span[..., blocks], b)
+        bits[col:col + count] = b
+    return steps, bits
+
+
+@st.composite
+def f8_latents(draw):
+    """A latent within the ``-f8`` range and a uniform or mixed ``-f8`` format for it."""
+    block = draw(st.sampled_from([8, 16, 32, 64]))
+    ranks = draw(st.lists(st.integers(0, 40), min_size=1, max_size=3))
+    offsets = [0]
+    for r in ranks:
+        offsets.append(offsets[-1] + r)
+    if draw(st.booleans()) and sum(ranks):
+        heads = []
+        for r in ranks:
+            cuts = sorted(draw(st.lists(st.integers(1, max(r - 1, 1)), max_size=2, unique=True))) if r > 1 else []
+            counts = [b - a for a, b in zip([0, *cuts], [*cuts, r])] if r else []
+            heads.append("+".join(f"{draw(st.sampled_from([8, 4, 2]))}x{c}" for c in counts if c))
+        if all(heads):
+            fmt = f"mix/{block}-f8:" + ",".join(heads)
+        else:
+            fmt = f"int{draw(st.sampled_from([8, 4, 2]))}/{block}-f8"
+    else:
+        fmt = f"int{draw(st.sampled_from([8, 4, 2]))}/{block}-f8"
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    scale = draw(st.sampled_from([1e-3, 0.05, 1.0, 30.0]))
+    z = torch.randn(2, 3, offsets[-1], generator=g) * scale + draw(st.sampled_from([0.0, 0.5])) * scale
+    if draw(st.booleans()) and z.numel():  # a constant run and an extreme value
+        z[..., : min(3, z.shape[-1])] = 7.0
+        z[..., -1] = -191.0
+    return z, offsets, fmt
+
+
+@given(f8_latents())
+@settings(max_examples=40)
+def test_f8_formats_round_trip_within_half_a_step(data):
+    z, offsets, fmt = data
+    f = parse_latent_format(fmt)
+    assert f.meta_f8 and f.meta_bytes == 2 and not f.uniform_int_blocks()
+    rows = quantize_latent_ref(z, offsets, fmt)
+    assert rows.dtype == torch.uint8 and rows.shape == (*z.shape[:-1], f.row_width(offsets))
+    assert f.row_width(offsets) == sum(f.code_bytes(offsets)) + 2 * f.num_blocks(offsets)
+    x = dequantize_latent_ref(rows, offsets, fmt)
+    step, bits = _f8_steps(rows, offsets, fmt)
+    err = (x - z).abs()
+    bound = step / 2 + 1e-6 * (z.abs() + step * (2 ** bits))
+    assert bool((err <= bound).all()), float((err - bound).max())
+    # the e4m3 span is at most one e4m3 spacing (12.5%) plus the minimum's rounding above the exact range
+    levels = 2 ** bits - 1
+    assert bool((step * levels <= 192 * 2 + 16).all())
+
+
+def test_f8_rows_are_two_bytes_a_block_smaller_and_name_round_trips():
+    off = [0, 40, 47]
+    assert parse_latent_format("int4/32-f8").row_width(off) == parse_latent_format("int4/32").row_width(off) - 2 * 3
+    assert parse_latent_format("int4/32-f8").name == "int4/32-f8"
+    assert parse_latent_format("int8-f8").name == "int8/32-f8"
+    mix = parse_latent_format("mix/16-f8:8x16+4x24,2x7")
+    assert mix.meta_f8 and mix.block == 16 and mix.row_width(off) == 16 + 12 + 2 + 2 * (1 + 2 + 1)
+    assert parse_latent_format(mix.name) == mix
+    with pytest.raises(ValueError, match="-f8"):
+        parse_latent_format("int4/32-f16")
+
+
+def test_f8_metadata_is_the_rounded_span_and_minimum():
+    from ckvp_compile.kernels.latent_format import f8_block_range
+
+    z = torch.tensor([[-0.3, 0.1, 0.7, 0.05] * 8])  # one block of 32
+    rows = quantize_latent_ref(z, [0, 32], "int4/32-f8")
+    span, mn = rows[0, 16:17].view(torch.float8_e4m3fn).float(), rows[0, 17:18].view(torch.float8_e4m3fn).float()
+    assert float(mn) <= -0.3 and float(mn) > -0.3 * 1.13  # rounded down, within e4m3's spacing
+    assert float(mn + span) >= 0.7 and float(span) <= (0.7 - float(mn)) * 1.13
+    lo, hi = torch.tensor([-500.0, -1.0, float("nan")]), torch.tensor([1.0, 500.0, 1.0])
+    mn_v, span_v, _, _ = f8_block_range(lo, hi)
+    assert torch.isnan(mn_v[0]) and torch.isnan(span_v[1]) and torch.isnan(mn_v[2])  # unrepresentable: NaN
+
+
+def test_f8_values_beyond_its_range_are_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="without '-f8'"):
+        quantize_latent_ref(torch.tensor([[300.0, 0.0]]), [0, 2], "int8/32-f8")
+    quantize_latent_ref(torch.tensor([[300.0, 0.0]]), [0, 2], "int8/32")  # the fp16 format holds it
