@@ -1,5 +1,5 @@
 """Triton quantize / dequantize kernels for the latent storage formats ``int8`` / ``int4`` / ``int2``, ``tern`` and
-``mix`` (not ``mxint``).
+``mix`` (not ``mxint``), int and mix also with ``-f8`` block metadata.
 
 Layout, rounding rules and PyTorch references: :mod:`ckvp_compile.kernels.latent_format`
 (:func:`~ckvp_compile.kernels.latent_format.quantize_latent_ref`,
@@ -7,6 +7,7 @@ Layout, rounding rules and PyTorch references: :mod:`ckvp_compile.kernels.latent
 (uniform formats) or per (head, segment) (``mix``)::
 
     int / mix:  [ codes: piece 0 (cb_0 bytes), piece 1, ... | scales: NB fp16 | mins: NB fp16 ]
+    ... -f8:    [ codes: piece 0 (cb_0 bytes), piece 1, ... | spans: NB e4m3 | mins: NB e4m3 ]
     tern:       [ codes: head 0 (ceil(r_0 / 5) bytes), head 1, ... | scales: NB fp16 ]
 
 Integer kernels (grid ``(N, blocks)``, one program per (row, block); a block never straddles pieces):
@@ -19,9 +20,11 @@ Integer kernels (grid ``(N, blocks)``, one program per (row, block); a block nev
   (the fp16 neighbours are taken on the raw 16-bit pattern, as ``torch.nextafter`` does, signed zeros included);
   ``code = round_half_even((x - min) / scale)`` clamped to ``[0, levels]`` (scale 0 divides by 1), packs
   ``8 / bits`` codes per byte little-endian (first code in the lowest bits) and stores the block's code bytes
-  (only those inside the piece's ``cb``), its fp16 scale and fp16 min (little-endian bytes).
-* ``_dequant_kernel``: unpacks each coordinate's code from its byte, ``x = code * scale + min`` in fp32, and
-  writes only the piece's real coordinates (padding dropped).
+  (only those inside the piece's ``cb``), its fp16 scale and fp16 min (little-endian bytes). ``-f8`` (constexpr
+  ``F8``): ``min = lo`` rounded down and ``span = hi - min`` rounded up to float8_e4m3fn (``_e4m3_byte``, 0x7F NaN
+  where e4m3 holds no such value), ``scale = span * fp32(1 / levels)``, codes as above; one byte each.
+* ``_dequant_kernel``: unpacks each coordinate's code from its byte, ``x = code * scale + min`` in fp32 (``-f8``:
+  ``scale = span * fp32(1 / levels)``), and writes only the piece's real coordinates (padding dropped).
 
 ``mix`` formats: one launch of the same two kernels per bit width present (at most three: 8, 4, 2), each over the
 blocks of that width. The kernels are table-driven already (each block's column, real coordinates, first code
@@ -56,6 +59,14 @@ Exactness (what is bit-exact against the reference and why):
   so a fused multiply-add (Triton contracts by default) rounds exactly as PyTorch's separate multiply and add.
 * Round-half-to-even is computed from exact operations (``floor``, the exact difference ``y - floor(y)`` for
   ``0 <= y < 2**23``, comparisons with 0.5, the parity of the floor), equal to ``torch.round``.
+* ``-f8``: e4m3 rounding is integer arithmetic on the fp32 bit pattern and decoding an integer times a power of
+  two (no fp8 conversion: Triton's saturates on the GPU and needs compute capability >= 8.9), equal to the
+  reference's search of the e4m3 grid (tests/kernels/test_latent_quant_triton_f8.py: every e4m3 value and its
+  fp32 neighbours, every fp32 exponent and top 7 mantissa bits, +-0, subnormals, beyond +-448, inf, NaN); a zero
+  is always stored as 0x00, so there is no signed-zero case. ``span * fp32(1 / levels)`` is one product
+  (the constant rounded from fp64 as ``torch.tensor(1 / levels, dtype=torch.float32)``); ``code * scale`` is
+  then not exact, so ``_dequant_kernel`` runs with ``enable_fp_fusion=False`` for ``-f8`` (a multiply and an add,
+  as PyTorch), while the quantizer has no multiply feeding an add that is not exact.
 * Ternary: ``amax`` of absolute values is exact and sign-free (no signed-zero case); the code is a comparison of
   the correctly rounded quotient with +-0.5.
 
@@ -73,11 +84,12 @@ CUDA kernel of ``ckvp::latent_append`` (``ops.latent_attention_cuda``) quantizes
 :func:`quantize_latent_triton` (:func:`use_triton`). ``tern`` and ``mix`` are exact under the interpreter
 (tests/kernels/test_latent_quant_triton_tern_mix.py) and on the H200 at the same real shapes (tern/32, tern/64 and
 a mix/32 plan per head split: benchmarks/results/2026-11-29-latent-quant-h200/run2), so they are in
-:data:`GPU_CHECKED` too.
+:data:`GPU_CHECKED` too. ``-f8`` formats: see :data:`F8_GPU_CHECKED`.
 
 Errors: :class:`ValueError` for ``"float"`` or an ``mxint`` format, a wrong dtype / width of ``rows``, or (as the
-reference) a value that is not finite or beyond fp16's range; :class:`NotImplementedError` for a CPU tensor
-without the interpreter.
+reference) a value that is not finite or beyond fp16's range (``-f8``: beyond ``F8_MAX`` = 192; on a GPU values are
+not checked, and an ``-f8`` block beyond e4m3's range stores NaN and decodes to NaN); :class:`NotImplementedError`
+for a CPU tensor without the interpreter.
 
 Sources (read, not copied): KIVI (Liu et al., 2024, arXiv:2402.02750: asymmetric per-token / per-channel
 quantization with a scale and zero point per group); Triton documentation (``triton.language``: ``reshape``,
@@ -96,10 +108,10 @@ import triton
 import triton.language as tl
 
 from .device_cache import check_not_capturing
-from .latent_format import LatentFormat, parse_latent_format
+from .latent_format import F8_MAX, LatentFormat, parse_latent_format
 
 __all__ = ["APPEND_FP8_GPU_CHECKED", "APPEND_GPU_CHECKED", "APPEND_ONLINE_GPU_CHECKED", "APPEND_PAGED_GPU_CHECKED",
-           "APPEND_STRIDED_GPU_CHECKED",
+           "APPEND_STRIDED_GPU_CHECKED", "F8_GPU_CHECKED",
            "GPU_CHECKED", "TERN_TILE_BYTES", "USE_TRITON", "append_fusable", "append_gpu_checked",
            "dequantize_latent_triton", "format_family", "latent_append_triton", "quantize_latent_triton",
            "unsupported_reason", "use_triton"]
@@ -111,6 +123,12 @@ USE_TRITON = True
 #: ``benchmarks/latent_quant_gpu.py`` (int, tern, mix: benchmarks/results/2026-11-29-latent-quant-h200/run2);
 #: :func:`use_triton` is False for the others.
 GPU_CHECKED = frozenset({"int", "tern", "mix"})
+#: ``-f8`` formats (e4m3 block metadata) of the int and mix families: bit-equal to the reference under the
+#: interpreter (tests/kernels/test_latent_quant_triton_f8.py), not yet checked on a GPU (the GPU scripts
+#: ``benchmarks/latent_quant_gpu.py`` / ``latent_append_gpu.py`` do not list ``-f8`` formats yet), so
+#: :func:`use_triton` is False for them and the CUDA ``ckvp::latent_append`` quantizes them with the reference
+#: (fused append included). Set it once those pass with ``-f8`` formats on the GPU.
+F8_GPU_CHECKED = False
 #: :func:`latent_append_triton` (projection, quantization and row store fused) for the CUDA ``ckvp::latent_append``
 #: of int and mix formats: bit-equal under the interpreter, and checked on the H200 at real shapes by
 #: ``benchmarks/latent_append_gpu.py`` (benchmarks/results/2026-11-30-fused-append-h200: at G*D = 128 bit-equal;
@@ -137,7 +155,8 @@ _FP16_MAX = 65504.0
 
 
 def format_family(fmt: "str | LatentFormat") -> str:
-    """``"float"``, ``"int"`` (uniform int8/int4/int2), ``"mxint"``, ``"tern"`` or ``"mix"``.
+    """``"float"``, ``"int"`` (uniform int8/int4/int2), ``"mxint"``, ``"tern"`` or ``"mix"`` (an ``-f8`` format is in
+    its ``int`` or ``mix`` family).
 
     Raises:
         ValueError: an unknown format (from :func:`~ckvp_compile.kernels.latent_format.parse_latent_format`).
@@ -151,8 +170,8 @@ def format_family(fmt: "str | LatentFormat") -> str:
 def unsupported_reason(fmt: "str | LatentFormat", device: torch.device) -> str | None:
     """None when these kernels handle ``fmt`` on ``device``, else why not (a string).
 
-    Supported: uniform ``int8`` / ``int4`` / ``int2``, ``tern`` and ``mix`` formats (any valid block) on CUDA, or
-    any device under ``TRITON_INTERPRET=1``. Not: ``"float"``, ``mxint`` formats.
+    Supported: uniform ``int8`` / ``int4`` / ``int2``, ``tern`` and ``mix`` formats (any valid block; int and mix
+    also ``-f8``) on CUDA, or any device under ``TRITON_INTERPRET=1``. Not: ``"float"``, ``mxint`` formats.
     """
     f = parse_latent_format(fmt)
     if format_family(f) in ("float", "mxint"):
@@ -164,8 +183,11 @@ def unsupported_reason(fmt: "str | LatentFormat", device: torch.device) -> str |
 
 def use_triton(fmt: "str | LatentFormat", device: torch.device) -> bool:
     """True when the CUDA ``ckvp::latent_append`` should quantize ``fmt`` with these kernels: :data:`USE_TRITON`,
-    the format's family in :data:`GPU_CHECKED`, and :func:`unsupported_reason` None."""
-    return USE_TRITON and format_family(fmt) in GPU_CHECKED and unsupported_reason(fmt, device) is None
+    the format's family in :data:`GPU_CHECKED` (an ``-f8`` format also :data:`F8_GPU_CHECKED`), and
+    :func:`unsupported_reason` None. Raises ValueError for an unknown format."""
+    f = parse_latent_format(fmt)
+    return (USE_TRITON and format_family(f) in GPU_CHECKED and (F8_GPU_CHECKED or not f.meta_f8)
+            and unsupported_reason(f, device) is None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -218,31 +240,72 @@ def _check(fmt, device) -> LatentFormat:
 
 
 @triton.jit
+def _e4m3_byte(x, UP: tl.constexpr):
+    """float8_e4m3fn byte (int32) of fp32 ``x`` rounded up (``UP``) or down to an e4m3 value, as the reference's
+    ``_e4m3_round``: 0x7F (NaN) for NaN or with no e4m3 value on that side; zero is 0x00 (never -0). Integer
+    arithmetic on the fp32 bit pattern (exact on any GPU, no fp8 conversion, no flush of subnormals): |x| is
+    ``sig * 2**(e - 23)``; in its e4m3 binade ``b = max(e, -6)`` the e4m3 step is ``2**(b - 3)``, so the magnitude
+    byte is ``8 * (b + 6) + (sig >> (20 + b - e))``, plus one rounding the magnitude up past a nonzero remainder."""
+    bits = tl.minimum(tl.abs(x), 512.0).to(tl.int32, bitcast=True)  # beyond 448: 448 down, NaN up
+    ef = bits >> 23
+    sig = (bits & 0x7FFFFF) | tl.where(ef > 0, 0x800000, 0)
+    e = tl.maximum(ef, 1) - 127
+    b = tl.maximum(e, -6)
+    sh = tl.minimum(20 + b - e, 25)  # sig < 2**24: a shift of 25 or more leaves 0
+    n = sig >> sh
+    if UP:
+        mag_up = x > 0
+    else:
+        mag_up = x < 0
+    mag = 8 * (b + 6) + n + tl.where(mag_up & ((n << sh) != sig), 1, 0)
+    mag = tl.where(mag_up, mag, tl.minimum(mag, 0x7E))
+    byte = tl.where((x < 0) & (mag > 0), mag | 0x80, mag)
+    return tl.where((mag >= 0x7F) | (x != x), 0x7F, byte)
+
+
+@triton.jit
+def _e4m3_float(b):
+    """fp32 value of float8_e4m3fn bytes ``b`` (int32 in [0, 255]) by integer arithmetic (any GPU): magnitude
+    ``(8 * (E > 0) + M) * 2**(max(E, 1) - 10)`` of exponent field E and mantissa M, NaN for 0x7F / 0xFF."""
+    m = b & 0x7F
+    e = m >> 3
+    v = (tl.where(e > 0, 8, 0) + (m & 7)).to(tl.float32) * ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)
+    v = tl.where(m == 0x7F, float("nan"), v)
+    return tl.where(b >= 0x80, -v, v)
+
+
+@triton.jit
 def _quant_block_store(x, j, base, byte0, nbytes, blk, n_code, NB,
-                       BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, stride_w=1):
+                       BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, F8: tl.constexpr, stride_w=1):
     """Quantize one block ``x`` (BP,) fp32 (entries past the block's real coordinates already 0.0, the reference's
-    padding; ``j`` = arange(BP)) and store its code bytes, fp16 scale and fp16 min into the row at ``base``, byte i
-    of the row at ``base + i * stride_w`` (1: row-major; the slot count of a unit-major latent,
-    :mod:`~ckvp_compile.kernels.latent_layout`)."""
+    padding; ``j`` = arange(BP)) and store its code bytes, scale and min (fp16; ``F8``: e4m3 span and min) into the
+    row at ``base``, byte i of the row at ``base + i * stride_w`` (1: row-major; the slot count of a unit-major
+    latent, :mod:`~ckvp_compile.kernels.latent_layout`)."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     PER: tl.constexpr = 8 // BITS
     inblk = j < BLOCK
     lo = tl.min(tl.where(inblk, x, float("inf")), axis=0)
     hi = tl.max(tl.where(inblk, x, float("-inf")), axis=0)
 
-    # min: fp16(lo) rtne, one ulp down if above lo (nextafter towards -inf on the bit pattern)
-    mn16 = lo.to(tl.float16)
-    mu = mn16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    down = tl.where((mu & 0x7FFF) == 0, 0x8001, tl.where((mu & 0x8000) != 0, mu + 1, mu - 1))
-    mu = tl.where(mn16.to(tl.float32) > lo, down, mu)
-    mnf = mu.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if F8:  # min = lo rounded down, span = hi - min rounded up (e4m3 bytes); step = span * fp32(1 / levels)
+        mu = _e4m3_byte(lo, False)
+        mnf = _e4m3_float(mu)
+        su = _e4m3_byte(hi - mnf, True)
+        sf = _e4m3_float(su) * (1.0 / LEVELS)
+    else:
+        # min: fp16(lo) rtne, one ulp down if above lo (nextafter towards -inf on the bit pattern)
+        mn16 = lo.to(tl.float16)
+        mu = mn16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        down = tl.where((mu & 0x7FFF) == 0, 0x8001, tl.where((mu & 0x8000) != 0, mu + 1, mu - 1))
+        mu = tl.where(mn16.to(tl.float32) > lo, down, mu)
+        mnf = mu.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
-    # scale: fp16((hi - min) / levels) rtne, one ulp up if the range is not covered
-    s16 = tl.math.div_rn(hi - mnf, LEVELS * 1.0).to(tl.float16)
-    su = s16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    up = tl.where(su == 0x8000, 1, tl.where((su & 0x8000) != 0, su - 1, su + 1))
-    su = tl.where(mnf + LEVELS * s16.to(tl.float32) < hi, up, su)
-    sf = su.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        # scale: fp16((hi - min) / levels) rtne, one ulp up if the range is not covered
+        s16 = tl.math.div_rn(hi - mnf, LEVELS * 1.0).to(tl.float16)
+        su = s16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        up = tl.where(su == 0x8000, 1, tl.where((su & 0x8000) != 0, su - 1, su + 1))
+        su = tl.where(mnf + LEVELS * s16.to(tl.float32) < hi, up, su)
+        sf = su.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     safe = tl.where(sf > 0, sf, 1.0)
     y = tl.math.div_rn(x - mnf, safe)
@@ -258,14 +321,18 @@ def _quant_block_store(x, j, base, byte0, nbytes, blk, n_code, NB,
     k = tl.arange(0, BP // PER)
     tl.store(base + (byte0 + k) * stride_w, packed.to(tl.uint8), mask=k < nbytes)
 
-    two = tl.arange(0, 2)
-    tl.store(base + (n_code + 2 * blk + two) * stride_w, ((su >> (8 * two)) & 0xFF).to(tl.uint8))
-    tl.store(base + (n_code + 2 * NB + 2 * blk + two) * stride_w, ((mu >> (8 * two)) & 0xFF).to(tl.uint8))
+    if F8:
+        tl.store(base + (n_code + blk) * stride_w, su.to(tl.uint8))
+        tl.store(base + (n_code + NB + blk) * stride_w, mu.to(tl.uint8))
+    else:
+        two = tl.arange(0, 2)
+        tl.store(base + (n_code + 2 * blk + two) * stride_w, ((su >> (8 * two)) & 0xFF).to(tl.uint8))
+        tl.store(base + (n_code + 2 * NB + 2 * blk + two) * stride_w, ((mu >> (8 * two)) & 0xFF).to(tl.uint8))
 
 
 @triton.jit
 def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
-                  BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr):
+                  BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, F8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     zcol = tl.load(tab_ptr + t * 5)
@@ -275,7 +342,7 @@ def _quant_kernel(z_ptr, out_ptr, tab_ptr, z_stride, out_stride, n_code, NB,
     blk = tl.load(tab_ptr + t * 5 + 4)
     j = tl.arange(0, BP)
     x = tl.load(z_ptr + row * z_stride + zcol + j, mask=j < nval, other=0.0)  # ragged tail: 0.0 (the padding)
-    _quant_block_store(x, j, out_ptr + row * out_stride, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP)
+    _quant_block_store(x, j, out_ptr + row * out_stride, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP, F8)
 
 
 @triton.jit
@@ -283,7 +350,7 @@ def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_p
                    stride_xb, stride_xh, stride_xs, stride_xk, stride_bb, stride_bh, stride_bk, stride_br,
                    stride_ob, stride_os, stride_ow, stride_sl, stride_ptb, stride_ptp,
                    BITS: tl.constexpr, BLOCK: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
-                   PAGE: tl.constexpr):
+                   PAGE: tl.constexpr, F8: tl.constexpr):
     """One (token, block): project the token's stacked keys (or values) of the block's head onto the block's basis
     columns in fp32, quantize, store into the token's latent row (its slot, or its page's row when PAGE > 0). A
     slot outside [0, n_slots) is not written (no row of another sequence or outside the cache is touched)."""
@@ -317,12 +384,12 @@ def _append_kernel(x_ptr, basis_ptr, slots_ptr, out_ptr, pt_ptr, tab_ptr, head_p
             base = out_ptr + page * stride_ob + (slot % PAGE) * stride_os
         else:
             base = out_ptr + b * stride_ob + slot * stride_os
-        _quant_block_store(z, j, base, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP, stride_ow)
+        _quant_block_store(z, j, base, byte0, nbytes, blk, n_code, NB, BITS, BLOCK, BP, F8, stride_ow)
 
 
 @triton.jit
 def _dequant_kernel(rows_ptr, out_ptr, tab_ptr, rows_stride, out_stride, n_code, NB,
-                    BITS: tl.constexpr, BP: tl.constexpr):
+                    BITS: tl.constexpr, BP: tl.constexpr, F8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     zcol = tl.load(tab_ptr + t * 5)
@@ -338,14 +405,18 @@ def _dequant_kernel(rows_ptr, out_ptr, tab_ptr, rows_stride, out_stride, n_code,
     byte = tl.load(base + byte0 + j // PER, mask=ok, other=0).to(tl.int32)
     code = (byte >> ((j % PER) * BITS)) & MASK
 
-    two = tl.arange(0, 2)
-    sb = tl.load(base + n_code + 2 * blk + two).to(tl.int32)
-    mb = tl.load(base + n_code + 2 * NB + 2 * blk + two).to(tl.int32)
-    su = tl.sum(sb << (8 * two), axis=0)
-    mu = tl.sum(mb << (8 * two), axis=0)
-    sf = su.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    mnf = mu.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    x = code.to(tl.float32) * sf + mnf  # code * scale is exact: FMA or not, one rounding
+    if F8:  # code * scale is not exact here: launched without FMA contraction (enable_fp_fusion=False)
+        sf = _e4m3_float(tl.load(base + n_code + blk).to(tl.int32)) * (1.0 / MASK)
+        mnf = _e4m3_float(tl.load(base + n_code + NB + blk).to(tl.int32))
+    else:
+        two = tl.arange(0, 2)
+        sb = tl.load(base + n_code + 2 * blk + two).to(tl.int32)
+        mb = tl.load(base + n_code + 2 * NB + 2 * blk + two).to(tl.int32)
+        su = tl.sum(sb << (8 * two), axis=0)
+        mu = tl.sum(mb << (8 * two), axis=0)
+        sf = su.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        mnf = mu.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    x = code.to(tl.float32) * sf + mnf  # fp16: code * scale is exact, so FMA or not, one rounding
     tl.store(out_ptr + row * out_stride + zcol + j, x, mask=ok)
 
 
@@ -431,13 +502,15 @@ def quantize_latent_triton(z: torch.Tensor, offsets: Sequence[int], fmt: "str | 
     Args:
         z: (..., R_tot) float (any float dtype; computed in fp32), packed latent coordinates, ``R_tot = offsets[-1]``.
         offsets: Hkv+1 ints (non-decreasing; head h owns columns ``offsets[h]:offsets[h+1]``).
-        fmt: ``"int8"``, ``"int4/64"``, ``"int2/8"``, ``"tern/32"``, ``"mix/32:8x32+4x64,..."``, ...
+        fmt: ``"int8"``, ``"int4/64"``, ``"int2/8"``, ``"tern/32"``, ``"mix/32:8x32+4x64,..."``, ``"int4/32-f8"``,
+            ``"mix/32-f8:..."``, ...
     Returns:
         (..., row_bytes) uint8, bit-equal to the reference (see the module docstring for the signed-zero min).
         Launches: int 1, mix one per bit width present, tern 2.
     Raises:
         ValueError: ``fmt`` is ``"float"`` or ``mxint``, a mix plan does not match ``offsets``, ``z``'s last dim is
-            not ``offsets[-1]``, or a value is not finite or beyond fp16's range (|x| > 65504).
+            not ``offsets[-1]``, or (host tensors) a value is not finite or beyond fp16's range (|x| > 65504;
+            ``-f8``: |x| > 192, :data:`~ckvp_compile.kernels.latent_format.F8_MAX`).
         NotImplementedError: a non-CUDA tensor without ``TRITON_INTERPRET=1``.
     Reference: kernels/latent_format.py::quantize_latent_ref
     """
@@ -448,7 +521,11 @@ def quantize_latent_triton(z: torch.Tensor, offsets: Sequence[int], fmt: "str | 
     lead = z.shape[:-1]
     zf = z.float().reshape(lead.numel(), offsets[-1]).contiguous()
     # checked for host tensors only, as the reference does: on a GPU the check would synchronise every decode step
-    if zf.numel() and not zf.is_cuda and not bool(torch.isfinite(zf).all() & (zf.abs() <= _FP16_MAX).all()):
+    limit = F8_MAX if f.meta_f8 else _FP16_MAX
+    if zf.numel() and not zf.is_cuda and not bool(torch.isfinite(zf).all() & (zf.abs() <= limit).all()):
+        if f.meta_f8:
+            raise ValueError(f"latent values must be finite and at most {F8_MAX:g} in magnitude to be quantized in "
+                             f"{f.name!r} (its e4m3 block spans hold up to 448)")
         raise ValueError("latent values must be finite and within fp16 range (|x| <= 65504) to be quantized")
     groups, pack, n_code, nb, width = _tables(offsets, f.name, str(z.device))
     n = zf.shape[0]
@@ -461,7 +538,7 @@ def quantize_latent_triton(z: torch.Tensor, offsets: Sequence[int], fmt: "str | 
                                                   BLOCK=f.block, KB=TERN_TILE_BYTES)
         else:
             _quant_kernel[(n, tab.shape[0])](zf, out, tab, zf.stride(0), out.stride(0), n_code, nb,
-                                             BITS=bits, BLOCK=f.block, BP=bp)
+                                             BITS=bits, BLOCK=f.block, BP=bp, F8=f.meta_f8)
     return out.view(*lead, width)
 
 
@@ -537,7 +614,8 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
 
     Args: as :func:`ckvp_compile.kernels.reference.latent_append_ref`: latent (B, S_max, row_bytes) uint8 (or a
         page pool (N_pages + 1, P, row_bytes) with ``page_table``), x (B, Hkv, S, G*D) float, basis (Hkv, G*D,
-        R_max) or (B, Hkv, G*D, R_max) float, offsets Hkv+1 ints, slots (S,) int, fmt an ``int`` or ``mix`` format.
+        R_max) or (B, Hkv, G*D, R_max) float, offsets Hkv+1 ints, slots (S,) int, fmt an ``int`` or ``mix`` format
+        (``-f8`` included: an ``-f8`` block beyond e4m3's range stores NaN metadata, values are not checked).
     Returns:
         None; ``latent`` written in place at the slots' rows. Equal to the reference's bytes wherever the two fp32
         projections round a coordinate alike; elsewhere a code may differ by one step at a rounding tie, never
@@ -580,7 +658,7 @@ def latent_append_triton(latent: torch.Tensor, x: torch.Tensor, basis: torch.Ten
             x, basis, slots, latent, pt, tab, head, n_code, nb, s, k, trash, n_slots, *x.stride(), *bstr,
             *latent.stride(),
             slots.stride(0), *pt_strides,
-            BITS=bits, BLOCK=f.block, BP=bp, BK=bk, PAGE=page)
+            BITS=bits, BLOCK=f.block, BP=bp, BK=bk, PAGE=page, F8=f.meta_f8)
 
 
 def dequantize_latent_triton(rows: torch.Tensor, offsets: Sequence[int], fmt: "str | LatentFormat") -> torch.Tensor:
@@ -591,8 +669,8 @@ def dequantize_latent_triton(rows: torch.Tensor, offsets: Sequence[int], fmt: "s
         offsets: Hkv+1 ints.
         fmt: the format they were written with.
     Returns:
-        (..., R_tot) fp32, ``code * scale + min`` (tern: ``code * scale``) per coordinate, bit-equal to the
-        reference.
+        (..., R_tot) fp32, ``code * scale + min`` (tern: ``code * scale``; ``-f8``: ``scale = span * fp32(1 /
+        levels)``, NaN for a NaN span or min byte) per coordinate, bit-equal to the reference (NaN payloads aside).
     Raises:
         ValueError: ``fmt`` is ``"float"`` or ``mxint``, a mix plan does not match ``offsets``, or ``rows`` is not
             uint8 of the format's row width.
@@ -610,10 +688,11 @@ def dequantize_latent_triton(rows: torch.Tensor, offsets: Sequence[int], fmt: "s
     n = r2.shape[0]
     out = torch.empty(n, offsets[-1], dtype=torch.float32, device=rows.device)
     bp = triton.next_power_of_2(f.block)
+    opts = {"enable_fp_fusion": False} if f.meta_f8 else {}  # -f8: code * scale + min in two roundings, as torch
     for bits, tab in (groups if n else ()):
         if f.ternary:
             _tern_dequant_kernel[(n, tab.shape[0])](r2, out, tab, r2.stride(0), out.stride(0), n_code, BP=bp)
         else:
             _dequant_kernel[(n, tab.shape[0])](r2, out, tab, r2.stride(0), out.stride(0), n_code, nb,
-                                               BITS=bits, BP=bp)
+                                               BITS=bits, BP=bp, F8=f.meta_f8, **opts)
     return out.view(*lead, offsets[-1])

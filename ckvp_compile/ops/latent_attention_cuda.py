@@ -131,7 +131,8 @@ def latent_append_cuda(latent: torch.Tensor, x: torch.Tensor, basis: torch.Tenso
     :func:`ckvp_compile.ops.latent_kv.latent_append`): the reference projection, then the Triton quantizer
     (bit-equal to the reference, :mod:`ckvp_compile.kernels.latent_quant_triton`) for the formats
     :func:`~ckvp_compile.kernels.latent_quant_triton.use_triton` accepts (``USE_TRITON`` set and the format's family
-    checked on the GPU: ``GPU_CHECKED``); the reference otherwise. Once ``APPEND_GPU_CHECKED`` is set, int and mix
+    checked on the GPU: ``GPU_CHECKED``; an ``-f8`` format also ``F8_GPU_CHECKED``, else the reference quantizer
+    writes its e4m3 metadata); the reference otherwise. Once ``APPEND_GPU_CHECKED`` is set, int and mix
     formats take :func:`~ckvp_compile.kernels.latent_quant_triton.latent_append_triton` instead (projection,
     quantization and store fused in one launch) for the input kinds a GPU run checked
     (:func:`~ckvp_compile.kernels.latent_quant_triton.append_gpu_checked`) where it loads the tensors
