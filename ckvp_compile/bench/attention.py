@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from ckvp_compile.bench.output import write_result
 from ckvp_compile.kernels import reference as ref
-from ckvp_compile.kernels.latent_format import parse_latent_format
+from ckvp_compile.kernels.latent_format import f8_block_range, parse_latent_format
 
 __all__ = ["copy_bandwidth", "dense_times", "estimate_bytes", "kernel_bytes", "kernel_stats", "launch_shape",
            "main", "make_inputs", "make_latent", "paged_latents", "ref_chunked", "rel_err", "run", "to_markdown"]
@@ -96,8 +96,8 @@ def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator
         dev: the device.
     Returns:
         ``(latent, offsets)``: ``latent`` is (b, t, R_tot) bf16 N(0, 1) for ``"float"``, else (b, t, row_bytes)
-        uint8 with random codes and per-block fp16 scales / minimums (or exponent bytes) whose values span about
-        [-2, 2]; ``offsets`` the Hkv+1 packed column offsets.
+        uint8 with random codes and per-block fp16 scales / minimums (e4m3 spans / minimums for ``-f8``, exponent
+        bytes for ``mxint``) whose values span about [-2, 2]; ``offsets`` the Hkv+1 packed column offsets.
     Raises:
         ValueError: ``fmt`` does not parse, or a mix plan does not match ``ranks``.
     """
@@ -121,6 +121,10 @@ def make_latent(b: int, t: int, ranks: list[int], fmt: str, gen: torch.Generator
     levels = (1 << f.bits) - 1 if f.bits else 15  # a mix plan: any levels (kernel and reference read the same bytes)
     scale = (4.0 / levels) * (0.5 + torch.rand(b, t, nb, device=dev, generator=gen))  # range ~[2, 6] per block
     mins = -scale * levels / 2 + 0.2 * torch.randn(b, t, nb, device=dev, generator=gen)
+    if f.meta_f8:  # e4m3 span and minimum bytes (kernels/latent_format.py)
+        _, _, mn_bytes, span_bytes = f8_block_range(mins.float(), (mins + scale * levels).float())
+        rows[..., ncode:ncode + nb], rows[..., ncode + nb:] = span_bytes, mn_bytes
+        return rows, off
     rows[..., ncode:ncode + 2 * nb] = scale.half().view(torch.uint8)
     rows[..., ncode + 2 * nb:] = mins.half().view(torch.uint8)
     return rows, off

@@ -34,9 +34,10 @@ bf16 (fp32 or fp16 data, dequantized latents, softmax weights, rebuilt keys) is 
 and multiplied twice (``_dot_split``: about 16 mantissa bits, error ~1e-5 relative), which keeps the kernel
 within 1e-3 of the fp32 reference; a bf16 latent against a bf16 basis is one exact bf16 dot.
 
-Loads: a quantized block's fp16 scale and min are loaded once per row and broadcast over its coordinates;
-int4 / int2 codes are loaded as whole bytes and unpacked with ``tl.join``; host-checked alignments of the heads'
-columns, ranks and rotary half are passed as constexprs so that row loads vectorise (``cp.async`` 16 B).
+Loads: a quantized block's fp16 scale and min (``-f8`` formats: its e4m3 span and min bytes, constexpr META8) are
+loaded once per row and broadcast over its coordinates; int4 / int2 codes are loaded as whole bytes and unpacked
+with ``tl.join``; host-checked alignments of the heads' columns, ranks and rotary half are passed as constexprs so
+that row loads vectorise (``cp.async`` 16 B).
 
 Status (benchmarks/results/2026-11-29-latent-attention-h200, runs 3-7): exact under the interpreter; on the H200
 within 1e-3 of the reference at every measured row, but slow. Run 5 (two-pass, mxint8/32 rank 256): 10-12% of
@@ -107,6 +108,9 @@ MIX_GPU_CHECKED = True
 #: 16:16 ranks 8-96 and 32:8 rank 96 at batch 8, 32k, each call's error that of the row-major call;
 #: benchmarks/results/2026-12-01-largebatch-h200), though 1.14-1.94x slower there.
 STRIDED_LATENTS_GPU_CHECKED = True
+#: ``-f8`` latent formats (one e4m3 span and one e4m3 min byte per block): read by this module's kernels, equal to the
+#: reference under the interpreter (tests/kernels/test_latent_attention_f8.py); not yet run on a GPU.
+F8_META_GPU_CHECKED = False
 #: Register limits of one program (how to retune: raise only with a GPU run that checks spills and numerics).
 #: MAX_ROTATED_RANK: widest padded key rank DecodeConfig.rotate_basis applies to (its (rank, D/2) coefficient
 #: blocks stay on chip across the tile loop; at 128, paired, the key pass spills 54 registers and is still 1.4x
@@ -258,6 +262,8 @@ class DecodeConfig:
     at least), ``maxnreg_m`` (ptxas's register cap per thread; None: the compiler's choice) and ``stages_m`` (the
     unit-major kernel's cp.async ring through shared memory, 2 or 4 tiles; 0: each tile's words loaded into
     registers one tile ahead) apply to it.
+    The chunk, absorbed, lane, word and MMA passes read fp16 block metadata only: for ``-f8`` latents (e4m3 block
+    spans and mins) their layouts refuse, and the launcher runs the per-head kernels (which read both) instead.
 
     Raises:
         ValueError: ``stages_m`` other than 0, 2 or 4."""
@@ -520,6 +526,31 @@ def _fp16_at(ptr, step, mask):
 
 
 @triton.jit
+def _scale_min(rows, blk, scale_base, min_base, stride_w, mask, BITS: tl.constexpr, WORDS: tl.constexpr,
+               META8: tl.constexpr):
+    """fp32 (scale, min) of quantization blocks ``blk`` of the rows at ``rows`` (broadcast together; 0 where
+    ``~mask``): the fp16 scale and min at bytes ``scale_base + 2*blk`` and ``min_base + 2*blk`` (WORDS: loaded as the
+    16-bit words ``scale_base // 2 + blk``, ``min_base // 2 + blk`` of unit-stride rows), or META8 (``-f8`` formats)
+    the float8_e4m3fn span and min at bytes ``scale_base + blk`` and ``min_base + blk``, the scale being ``span *
+    fp32(1 / (2**BITS - 1))`` (one fp32 product, :func:`~ckvp_compile.kernels.latent_format.f8_scale`)."""
+    if META8:
+        sp = tl.load(rows + (scale_base + blk) * stride_w, mask=mask, other=0).to(tl.float8e4nv, bitcast=True)
+        mn = tl.load(rows + (min_base + blk) * stride_w, mask=mask, other=0).to(tl.float8e4nv, bitcast=True)
+        sc = sp.to(tl.float32) * (1.0 / ((1 << BITS) - 1))
+        mn = mn.to(tl.float32)
+    elif WORDS:
+        words = rows.to(tl.pointer_type(tl.uint16))
+        sc = tl.load(words + (scale_base // 2 + blk), mask=mask, other=0).to(tl.float16, bitcast=True)
+        mn = tl.load(words + (min_base // 2 + blk), mask=mask, other=0).to(tl.float16, bitcast=True)
+        sc = sc.to(tl.float32)
+        mn = mn.to(tl.float32)
+    else:
+        sc = _fp16_at(rows + (scale_base + 2 * blk) * stride_w, stride_w, mask)
+        mn = _fp16_at(rows + (min_base + 2 * blk) * stride_w, stride_w, mask)
+    return sc, mn
+
+
+@triton.jit
 def _latent_raw_codes(row_ptr, row_ok, col0, rank, lo, stride_w, C0: tl.constexpr, NROWS: tl.constexpr,
                       NCOLS: tl.constexpr, BITS: tl.constexpr, RANK_ALIGN: tl.constexpr, GATHER: tl.constexpr = False):
     """(NROWS, NCOLS) int32 codes of coordinates j = C0 + [0, NCOLS) of a quantized row (8, 4 or 2 bits; the code
@@ -572,19 +603,21 @@ def _unpack_codes(raw, NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.conste
 def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                  BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
-                 HALF_WORDS: tl.constexpr, MX: tl.constexpr = False, lo=0, GATHER: tl.constexpr = False):
+                 HALF_WORDS: tl.constexpr, MX: tl.constexpr = False, lo=0, GATHER: tl.constexpr = False,
+                 META8: tl.constexpr = False):
     """(NROWS, NCOLS) fp32 latent coordinates j = C0 + [0, NCOLS) of one head, rows starting at ``row_ptr``.
 
     Float format (BITS == 16): columns ``col0 + j``. Quantized: the code of coordinate j is bits
     ``(j % (8/BITS)) * BITS`` of byte ``col0 + j*BITS/8``; block ``blk0 + j // QBLOCK`` holds its fp16 scale at
-    byte ``scale_base + 2*blk`` and min at ``min_base + 2*blk``; value = code * scale + min. BLOCKWISE (QBLOCK
-    divides NCOLS and C0): each block's scale and min are loaded once per row and broadcast over its QBLOCK
-    coordinates; a tile inside one block (NCOLS <= QBLOCK, e.g. a rank-12 head of int4/32): that block's, once per
-    row, likewise; otherwise gathered per coordinate. COL_ALIGN / RANK_ALIGN: powers of two dividing ``col0`` /
-    ``rank`` (the compiler can then vectorise the row loads); HALF_WORDS: the scales and mins start at even bytes
-    of even-strided rows (loaded as 16-bit words). Zero where ``~row_ok``, ``j >= rank`` or ``j < lo`` (``lo``: a
-    mix piece's first coordinate, a multiple of QBLOCK; ``col0`` / ``blk0`` are then the byte and block the
-    head's coordinate 0 would have in that piece)."""
+    byte ``scale_base + 2*blk`` and min at ``min_base + 2*blk`` (META8, ``-f8`` formats: its e4m3 span at byte
+    ``scale_base + blk`` and min at ``min_base + blk``, :func:`_scale_min`); value = code * scale + min.
+    BLOCKWISE (QBLOCK divides NCOLS and C0): each block's scale and min are loaded once per row and broadcast over
+    its QBLOCK coordinates; a tile inside one block (NCOLS <= QBLOCK, e.g. a rank-12 head of int4/32): that block's,
+    once per row, likewise; otherwise gathered per coordinate. COL_ALIGN / RANK_ALIGN: powers of two dividing
+    ``col0`` / ``rank`` (the compiler can then vectorise the row loads); HALF_WORDS: the fp16 scales and mins start
+    at even bytes of even-strided rows (loaded as 16-bit words; not with META8). Zero where ``~row_ok``,
+    ``j >= rank`` or ``j < lo`` (``lo``: a mix piece's first coordinate, a multiple of QBLOCK; ``col0`` / ``blk0``
+    are then the byte and block the head's coordinate 0 would have in that piece)."""
     if COL_ALIGN > 1:
         col0 = (col0 // COL_ALIGN) * COL_ALIGN  # exact (the host checked it); tells the compiler the alignment
     if RANK_ALIGN > 1:
@@ -627,33 +660,20 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
                 kb = tl.arange(0, NCOLS // QBLOCK)
                 blk = blk0 + C0 // QBLOCK + kb
                 b_ok = row_ok[:, None] & (((C0 + kb * QBLOCK) < rank) & ((C0 + kb * QBLOCK) >= lo))[None, :]
-                if HALF_WORDS:
-                    words = row_ptr.to(tl.pointer_type(tl.uint16))
-                    sc = tl.load(words[:, None] + (scale_base // 2 + blk)[None, :], mask=b_ok, other=0)
-                    mn = tl.load(words[:, None] + (min_base // 2 + blk)[None, :], mask=b_ok, other=0)
-                    sc = sc.to(tl.float16, bitcast=True).to(tl.float32)
-                    mn = mn.to(tl.float16, bitcast=True).to(tl.float32)
-                else:
-                    sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
-                    mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, b_ok)
+                sc, mn = _scale_min(row_ptr[:, None], blk[None, :], scale_base, min_base, stride_w, b_ok, BITS,
+                                    HALF_WORDS, META8)
                 sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
                 mn = tl.reshape(tl.broadcast_to(mn[:, :, None], (NROWS, NCOLS // QBLOCK, QBLOCK)), (NROWS, NCOLS))
             elif ONE_BLOCK:
                 blk = blk0 + C0 // QBLOCK
                 b_ok = row_ok & (tl.full((NROWS,), B_START, tl.int32) < rank) & (tl.full((NROWS,), B_START, tl.int32) >= lo)
-                if HALF_WORDS:
-                    words = row_ptr.to(tl.pointer_type(tl.uint16))
-                    sc = tl.load(words + (scale_base // 2 + blk), mask=b_ok, other=0)
-                    mn = tl.load(words + (min_base // 2 + blk), mask=b_ok, other=0)
-                    sc = sc.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-                    mn = mn.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-                else:
-                    sc = _fp16_at(row_ptr + (scale_base + 2 * blk) * stride_w, stride_w, b_ok)[:, None]
-                    mn = _fp16_at(row_ptr + (min_base + 2 * blk) * stride_w, stride_w, b_ok)[:, None]
+                sc, mn = _scale_min(row_ptr, blk, scale_base, min_base, stride_w, b_ok, BITS, HALF_WORDS, META8)
+                sc = sc[:, None]
+                mn = mn[:, None]
             else:
                 blk = blk0 + cols // QBLOCK
-                sc = _fp16_at(row_ptr[:, None] + ((scale_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
-                mn = _fp16_at(row_ptr[:, None] + ((min_base + 2 * blk) * stride_w)[None, :], stride_w, ok)
+                sc, mn = _scale_min(row_ptr[:, None], blk[None, :], scale_base, min_base, stride_w, ok, BITS, False,
+                                    META8)
             z = tl.where(ok, code * sc + mn, 0.0)
     return z
 
@@ -661,11 +681,13 @@ def _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride
 @triton.jit
 def _latent_codes(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0: tl.constexpr,
                   NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, COL_ALIGN: tl.constexpr,
-                  RANK_ALIGN: tl.constexpr, HALF_WORDS: tl.constexpr, GATHER: tl.constexpr = False):
+                  RANK_ALIGN: tl.constexpr, HALF_WORDS: tl.constexpr, GATHER: tl.constexpr = False,
+                  META8: tl.constexpr = False):
     """One quantization block of a uniform ``int`` format, undecoded: ``(codes, scale, min)`` with codes (NROWS,
     NCOLS) fp32 holding the exact integer codes (0 where ``~row_ok`` or ``j >= rank``) and scale, min (NROWS,) fp32
     (0 where ``~row_ok``) of block ``blk0 + C0 // NCOLS``, so that :func:`_latent_tile` = ``codes * scale + min``
-    on the valid coordinates. NCOLS is the format's block (C0 a multiple of it)."""
+    on the valid coordinates. NCOLS is the format's block (C0 a multiple of it); META8: ``-f8`` block metadata
+    (:func:`_scale_min`)."""
     if COL_ALIGN > 1:
         col0 = (col0 // COL_ALIGN) * COL_ALIGN
     if RANK_ALIGN > 1:
@@ -675,15 +697,7 @@ def _latent_codes(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, strid
     code = tl.where(row_ok[:, None] & (cols < rank)[None, :], code.to(tl.float32), 0.0)  # odd ranks: no pad code
     blk = blk0 + C0 // NCOLS
     b_ok = row_ok & (tl.full((NROWS,), C0, tl.int32) < rank)  # the block holds valid coordinates
-    if HALF_WORDS:
-        words = row_ptr.to(tl.pointer_type(tl.uint16))
-        sc = tl.load(words + (scale_base // 2 + blk), mask=b_ok, other=0).to(tl.float16, bitcast=True)
-        mn = tl.load(words + (min_base // 2 + blk), mask=b_ok, other=0).to(tl.float16, bitcast=True)
-        sc = sc.to(tl.float32)
-        mn = mn.to(tl.float32)
-    else:
-        sc = _fp16_at(row_ptr + (scale_base + 2 * blk) * stride_w, stride_w, b_ok)
-        mn = _fp16_at(row_ptr + (min_base + 2 * blk) * stride_w, stride_w, b_ok)
+    sc, mn = _scale_min(row_ptr, blk, scale_base, min_base, stride_w, b_ok, BITS, HALF_WORDS, META8)
     return code, sc, mn
 
 
@@ -706,23 +720,25 @@ def _mm_codes(code, sc, mn, p, p_colsum, acc, FP8: tl.constexpr, F32_DOT: tl.con
 def _latent_load(row_ptr, row_ok, col0, blk0, rank, mix_row, scale_base, min_base, stride_w, C0: tl.constexpr,
                  NROWS: tl.constexpr, NCOLS: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                  BLOCKWISE: tl.constexpr, COL_ALIGN: tl.constexpr, RANK_ALIGN: tl.constexpr,
-                 HALF_WORDS: tl.constexpr, MX: tl.constexpr, GATHER: tl.constexpr = False):
+                 HALF_WORDS: tl.constexpr, MX: tl.constexpr, GATHER: tl.constexpr = False,
+                 META8: tl.constexpr = False):
     """:func:`_latent_tile` of a uniform format (BITS 16, 8, 4, 2), or of a ``mix`` bit plan (BITS 0): the sum of
     the head's 8-, 4- and 2-bit pieces, each read with its own constexpr width; ``mix_row`` points at the head's 12
-    int32 (col0, blk0, lo, hi) for bits 8, 4, 2 (an empty range where the head has no such piece)."""
+    int32 (col0, blk0, lo, hi) for bits 8, 4, 2 (an empty range where the head has no such piece). META8: ``-f8``
+    block metadata (e4m3 span and min bytes)."""
     if BITS == 0:
         z = _latent_tile(row_ptr, row_ok, tl.load(mix_row), tl.load(mix_row + 1), tl.load(mix_row + 3), scale_base,
                          min_base, stride_w, C0, NROWS, NCOLS, 8, QBLOCK, BLOCKWISE, COL_ALIGN, 1, HALF_WORDS,
-                         False, tl.load(mix_row + 2), GATHER)
+                         False, tl.load(mix_row + 2), GATHER, META8)
         z += _latent_tile(row_ptr, row_ok, tl.load(mix_row + 4), tl.load(mix_row + 5), tl.load(mix_row + 7),
                           scale_base, min_base, stride_w, C0, NROWS, NCOLS, 4, QBLOCK, BLOCKWISE, COL_ALIGN, 1,
-                          HALF_WORDS, False, tl.load(mix_row + 6), GATHER)
+                          HALF_WORDS, False, tl.load(mix_row + 6), GATHER, META8)
         z += _latent_tile(row_ptr, row_ok, tl.load(mix_row + 8), tl.load(mix_row + 9), tl.load(mix_row + 11),
                           scale_base, min_base, stride_w, C0, NROWS, NCOLS, 2, QBLOCK, BLOCKWISE, COL_ALIGN, 1,
-                          HALF_WORDS, False, tl.load(mix_row + 10), GATHER)
+                          HALF_WORDS, False, tl.load(mix_row + 10), GATHER, META8)
     else:
         z = _latent_tile(row_ptr, row_ok, col0, blk0, rank, scale_base, min_base, stride_w, C0, NROWS, NCOLS, BITS,
-                         QBLOCK, BLOCKWISE, COL_ALIGN, RANK_ALIGN, HALF_WORDS, MX, 0, GATHER)
+                         QBLOCK, BLOCKWISE, COL_ALIGN, RANK_ALIGN, HALF_WORDS, MX, 0, GATHER, META8)
     return z
 
 
@@ -1066,6 +1082,7 @@ def _latent_attention_split_kernel(
     D_PAD: tl.constexpr = 16, BLOCK_D: tl.constexpr = 16, BV_EXACT: tl.constexpr = False, NB: tl.constexpr = 16,
     MERGE_G_PAD: tl.constexpr = 16, ROT_BASIS: tl.constexpr = False, COS_EXACT: tl.constexpr = False,
     MERGE_SPLIT_BLOCK: tl.constexpr = 1, ROT_FP16: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
+    K_META8: tl.constexpr = False, V_META8: tl.constexpr = False,
 ):
     """One split of one (sequence, KV head, query token): partial (max, sum, absorbed value latent) in log2 units.
 
@@ -1075,7 +1092,8 @@ def _latent_attention_split_kernel(
     (N_pages + 1, PAGE, W) and ``pt_ptr`` the (B, S_max / PAGE) int32 page table (row stride ``stride_ptb``): slot t
     of sequence b is row t % PAGE of page table[b, t // PAGE], an unmapped page (-1) reads as zero rows;
     kmeta / vmeta (Hkv, 3) int32 = (first column or code byte, first block, rank); m / l (rows, n_split, G) and
-    acc (rows, n_split, G, RV_PAD) fp32 with rows = B*Hkv*S.
+    acc (rows, n_split, G, RV_PAD) fp32 with rows = B*Hkv*S. K_META8 / V_META8: ``-f8`` key / value latents (one
+    e4m3 span and one e4m3 min byte per block, at ``*_scale_base + blk`` and ``*_min_base + blk``).
 
     PHASE 0 does it all in one pass. The two-pass form (PHASE 1, then PHASE 2) keeps far fewer values live per
     program: PHASE 1 only rebuilds keys and stores the tile's scores (log2 units, masked and the exact tokens'
@@ -1181,7 +1199,7 @@ def _latent_attention_split_kernel(
                 k_col0, k_blk0, k_rank, kmeta_ptr + 12 * h, k_scale_base, k_min_base, qk_scale, c1, c2, rot_ok,
                 stride_lkw, stride_cp, stride_cw, stride_sp, stride_sw, stride_pb, stride_ps, stride_mt,
                 HALF, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, K_BITS, K_QBLOCK, MASK, F32_DOT, K_BLOCKWISE,
-                K_ALIGN, K_RALIGN, K_WORDS, K_MX, PAIRED_TABLE, COS_EXACT, ROT_FP16)
+                K_ALIGN, K_RALIGN, K_WORDS, K_MX, PAIRED_TABLE, COS_EXACT, ROT_FP16, K_META8)
         else:
             scores = _tile_scores(
                 lk_rows, ld_ok, bk_head, cos_ptr, sin_ptr, pos_ptr, mask_row, q_row0, q1, q2, q3, p1, p2, p3, b, offs,
@@ -1192,7 +1210,7 @@ def _latent_attention_split_kernel(
                 stride_sw, stride_pb, stride_ps, stride_mt, stride_qh, stride_qd,
                 G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK,
                 Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
-                PAIRED_TABLE, FMA_SCORES, G_LOOP, KEY_FP16, KEY_CODES, KEY_FP8, R_LOOP)
+                PAIRED_TABLE, FMA_SCORES, G_LOOP, KEY_FP16, KEY_CODES, KEY_FP8, R_LOOP, K_META8)
         if PHASE == 1:
             tl.store(sc_rows[:, None] + offs[None, :], scores, mask=head_ok[:, None] & row_ok[None, :])
         else:
@@ -1205,7 +1223,7 @@ def _latent_attention_split_kernel(
             V_GATHER: tl.constexpr = (BLOCK_N <= 16) and not (FMA_VALUES or VALUES_2D)  # K = BLOCK_N
             zv = _latent_load(lv_rows, ld_ok, v_col0, v_blk0, v_rank, vmeta_ptr + 12 * h, v_scale_base, v_min_base,
                               stride_lvw, 0, BLOCK_N, RV_PAD, V_BITS, V_QBLOCK, V_BLOCKWISE, V_ALIGN, V_RALIGN,
-                              V_WORDS, V_MX, V_GATHER)
+                              V_WORDS, V_MX, V_GATHER, V_META8)
             if VALUES_2D:
                 acc2 = acc2 * tl.sum(alpha, axis=0) + tl.sum(p, axis=0)[:, None] * zv
             elif FMA_VALUES:  # few query heads per KV head: exact fp32 products on the CUDA cores
@@ -1267,14 +1285,14 @@ def _rebuild_chunk(lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, 
                    K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr, ZK_EXACT: tl.constexpr, BK_EXACT: tl.constexpr,
                    F32_DOT: tl.constexpr, K_BLOCKWISE: tl.constexpr, HOIST: tl.constexpr, K_ALIGN: tl.constexpr,
                    K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr, K_MX: tl.constexpr, KEY_FP16: tl.constexpr,
-                   KEY_CODES: tl.constexpr, KEY_FP8: tl.constexpr):
+                   KEY_CODES: tl.constexpr, KEY_FP8: tl.constexpr, K_META8: tl.constexpr = False):
     """Add rank chunk [r0, r0 + BLOCK_R) of a tile's pre-RoPE key rebuild to ``x1``, ``x2``, ``x3`` (the rotated pairs'
     halves and the pass-through channels): the chunk of the latent times the same rows of the basis block (``p1``,
-    ``p2``, ``p3`` when HOIST, which has one chunk; loaded here otherwise)."""
+    ``p2``, ``p3`` when HOIST, which has one chunk; loaded here otherwise). K_META8: ``-f8`` key latents."""
     if KEY_CODES:  # one quantization block per chunk (BLOCK_R == K_QBLOCK), rebuilt in the code domain
         code, sc, mn = _latent_codes(lk_rows, ld_ok, k_col0, k_blk0, k_rank, k_scale_base, k_min_base,
                                      stride_lkw, r0, BLOCK_N, BLOCK_R, K_BITS, K_ALIGN, K_RALIGN, K_WORDS,
-                                     BLOCK_R <= 16)  # K = BLOCK_R: see _latent_raw_codes' GATHER
+                                     BLOCK_R <= 16, K_META8)  # K = BLOCK_R: see _latent_raw_codes' GATHER
         # this head's rows only (< k_rank), whatever the padding holds
         p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), k_rank, i1, i2, rot_ok, rest, rest_ok,
                                  stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
@@ -1286,7 +1304,7 @@ def _rebuild_chunk(lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, 
     else:
         z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw,
                          r0, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX,
-                         BLOCK_R <= 16)  # K = BLOCK_R: see _latent_raw_codes' GATHER
+                         BLOCK_R <= 16, K_META8)  # K = BLOCK_R: see _latent_raw_codes' GATHER
         if not HOIST:  # this chunk of the basis, from L2 (HOIST: the whole basis, loaded before the loop)
             p1, p2, p3 = _basis_rows(bk_head, r0 + tl.arange(0, BLOCK_R), rk_max, i1, i2, rot_ok, rest, rest_ok,
                                      stride_bkr, stride_bkd, p1, p2, p3, HAS_ROT, HAS_REST)
@@ -1335,11 +1353,13 @@ def _tile_scores(
     K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr, K_MX: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, FMA_SCORES: tl.constexpr, G_LOOP: tl.constexpr, KEY_FP16: tl.constexpr,
     KEY_CODES: tl.constexpr = False, KEY_FP8: tl.constexpr = False, R_LOOP: tl.constexpr = False,
+    K_META8: tl.constexpr = False,
 ):
     """(G_PAD, BLOCK_N) fp32 scores in log2 units of one tile of slots ``offs``: rebuild the pre-RoPE keys from the key
     latent and the basis block, rotate them at each slot's position, score the KV head's query heads, mask
     (``-inf`` where ``~col_ok``: past the context, or the exact tokens' slots). ``lk_rows``: the slots' latent row
-    pointers (BLOCK_N,), loaded where ``ld_ok`` (zero rows elsewhere: an unmapped page)."""
+    pointers (BLOCK_N,), loaded where ``ld_ok`` (zero rows elsewhere: an unmapped page). K_META8: ``-f8`` key
+    latents (e4m3 block spans and mins)."""
     # rebuild the tile's pre-RoPE keys, split into the rotated pairs' halves and the pass-through channels
     x1 = tl.zeros((BLOCK_N, HALF), tl.float32)
     x2 = tl.zeros((BLOCK_N, HALF), tl.float32)
@@ -1357,14 +1377,14 @@ def _tile_scores(
                 lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, k_blk0, k_rank, kmix_row, k_scale_base,
                 k_min_base, rk_max, i1, i2, rot_ok, rest, rest_ok, stride_lkw, stride_bkd, stride_bkr, HAS_ROT,
                 HAS_REST, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST,
-                K_ALIGN, K_RALIGN, K_WORDS, K_MX, KEY_FP16, KEY_CODES, KEY_FP8)
+                K_ALIGN, K_RALIGN, K_WORDS, K_MX, KEY_FP16, KEY_CODES, KEY_FP8, K_META8)
     else:
         for r0 in tl.static_range(0, RK_PAD, BLOCK_R):
             x1, x2, x3 = _rebuild_chunk(
                 lk_rows, ld_ok, bk_head, r0, x1, x2, x3, p1, p2, p3, k_col0, k_blk0, k_rank, kmix_row, k_scale_base,
                 k_min_base, rk_max, i1, i2, rot_ok, rest, rest_ok, stride_lkw, stride_bkd, stride_bkr, HAS_ROT,
                 HAS_REST, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, HOIST,
-                K_ALIGN, K_RALIGN, K_WORDS, K_MX, KEY_FP16, KEY_CODES, KEY_FP8)
+                K_ALIGN, K_RALIGN, K_WORDS, K_MX, KEY_FP16, KEY_CODES, KEY_FP8, K_META8)
     scores = tl.zeros((G_PAD, BLOCK_N), tl.float32)
     if HAS_ROT:
         pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb + offs * stride_ps, mask=col_ok, other=0).to(tl.int64)
@@ -1404,6 +1424,7 @@ def _tile_scores_rotated(
     BLOCK_N: tl.constexpr, K_BITS: tl.constexpr, K_QBLOCK: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
     K_BLOCKWISE: tl.constexpr, K_ALIGN: tl.constexpr, K_RALIGN: tl.constexpr, K_WORDS: tl.constexpr,
     K_MX: tl.constexpr, PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr, ROT_FP16: tl.constexpr = False,
+    K_META8: tl.constexpr = False,
 ):
     """:func:`_tile_scores` for one query head per KV head without rebuilding keys: RoPE moved onto the basis.
 
@@ -1416,9 +1437,9 @@ def _tile_scores_rotated(
     (BLOCK_N, HALF) x (HALF, RK_PAD) tensor-core products of the RoPE tables (hi/lo split, ~2^-16 relative) plus
     RK_PAD fp32 multiply-adds against the dequantized latent, instead of rebuilding D channels, rotating them
     and reducing D products: the rotation costs the tensor cores HALF*RK_PAD per table and slot, the CUDA cores
-    only RK_PAD. c3: (RK_PAD,) fp32. Returns (1, BLOCK_N) fp32 log2-unit scores."""
+    only RK_PAD. c3: (RK_PAD,) fp32. K_META8: ``-f8`` key latents. Returns (1, BLOCK_N) fp32 log2-unit scores."""
     z = _latent_load(lk_rows, ld_ok, k_col0, k_blk0, k_rank, kmix_row, k_scale_base, k_min_base, stride_lkw, 0,
-                     BLOCK_N, RK_PAD, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX)
+                     BLOCK_N, RK_PAD, K_BITS, K_QBLOCK, K_BLOCKWISE, K_ALIGN, K_RALIGN, K_WORDS, K_MX, False, K_META8)
     w = tl.zeros((BLOCK_N, RK_PAD), tl.float32)
     if HAS_ROT:
         w = _table_coefficients(w, cos_ptr, sin_ptr, pos_ptr, b, offs, col_ok, rot_ok, c1, c2, ea_hi, ea_lo, eb_hi,
@@ -1751,7 +1772,7 @@ def _latent_scores_heads_kernel(
     REST: tl.constexpr, HAS_ROT: tl.constexpr, HAS_REST: tl.constexpr, ROPE: tl.constexpr,
     PAIRED_TABLE: tl.constexpr, COS_EXACT: tl.constexpr, MASK: tl.constexpr, F32_DOT: tl.constexpr,
     WORDS: tl.constexpr, BLOCK_N: tl.constexpr, SLOT_BLOCK: tl.constexpr, PAGE: tl.constexpr = 0,
-    ROT_FP16: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
+    ROT_FP16: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None, META8: tl.constexpr = False,
 ):
     """The key pass (two-pass form, one query head per KV head) for a GROUP of KV heads: scores of every slot of
     one context split, for ``heads_per_group`` KV heads at once. Grid (n_split, B * n_groups, S).
@@ -1778,7 +1799,8 @@ def _latent_scores_heads_kernel(
 
     Shapes and strides: as ``_latent_attention_split_kernel`` (G = 1); scores stored to ``sc`` rows
     ``(b * Hkv + h) * S + s`` (stride_scr), log2 units, masked, ``-inf`` at the exact tokens' slots.
-    HB: a power of two >= 16 (the products' N) and >= heads_per_group."""
+    HB: a power of two >= 16 (the products' N) and >= heads_per_group. META8: ``-f8`` key latents (each block's
+    scale and min from its e4m3 span and min bytes, :func:`_scale_min`)."""
     c = tl.program_id(0)
     bg = tl.program_id(1)
     s = tl.program_id(2)
@@ -1856,15 +1878,8 @@ def _latent_scores_heads_kernel(
             else:
                 code = _unpack_codes(raw, BLOCK_N, NCOLS, BITS)
             b_ok = ld_ok[:, None] & has_blk[None, :]
-            if WORDS:
-                words = rows.to(tl.pointer_type(tl.uint16))
-                sc = tl.load(words[:, None] + (k_scale_base // 2 + blk)[None, :], mask=b_ok, other=0)
-                mn = tl.load(words[:, None] + (k_min_base // 2 + blk)[None, :], mask=b_ok, other=0)
-                sc = sc.to(tl.float16, bitcast=True).to(tl.float32)
-                mn = mn.to(tl.float16, bitcast=True).to(tl.float32)
-            else:
-                sc = _fp16_at(rows[:, None] + ((k_scale_base + 2 * blk) * stride_lkw)[None, :], stride_lkw, b_ok)
-                mn = _fp16_at(rows[:, None] + ((k_min_base + 2 * blk) * stride_lkw)[None, :], stride_lkw, b_ok)
+            sc, mn = _scale_min(rows[:, None], blk[None, :], k_scale_base, k_min_base, stride_lkw, b_ok, BITS, WORDS,
+                                META8)
             cw = _dot_split(code.to(tl.float32) * w, sel, tl.zeros((BLOCK_N, HB), tl.float32), False, True, F32_DOT)
             ws = _dot_split(w, sel, tl.zeros((BLOCK_N, HB), tl.float32), False, True, F32_DOT)
             acc = sc * cw + mn * ws
@@ -1934,6 +1949,9 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
     """Why :func:`latent_attention_triton` cannot run these (already validated) inputs, or None if it can.
 
     The op's CUDA kernel calls the reference whenever this returns a reason, so nothing unsupported runs wrong.
+    ``-f8`` formats (e4m3 block metadata) are read by the per-head, grouped and one-pass kernels of this module (the
+    chunk, absorbed, lane, word and MMA passes refuse them in their layouts, and the launcher then runs these); on
+    CUDA only once :data:`F8_META_GPU_CHECKED`.
     """
     if not (q.is_cuda or (_interpreting() and q.device.type == "cpu")):
         return f"device {q.device} (Triton needs CUDA, or TRITON_INTERPRET=1 on CPU)"
@@ -1948,6 +1966,8 @@ def unsupported_reason(q: torch.Tensor, latent_k: torch.Tensor, latent_v: torch.
                 return f"{name} {fmt!r} (a mix plan with two pieces of one width in a head, or off a block boundary)"
         elif f.quantized and f.bits not in (8, 4, 2):
             return f"{name} {fmt!r} (uniform int8/int4/int2, mxint8/mxint4 and mix formats only)"
+        if f.meta_f8 and q.is_cuda and not F8_META_GPU_CHECKED:
+            return f"{name} {fmt!r} (-f8 block metadata is not yet checked on a GPU: F8_META_GPU_CHECKED)"
         if not f.quantized and lat.dtype not in _FLOATS:
             return f"{name} 'float' with latent dtype {lat.dtype}"
         if lat.stride(-1) != 1:
@@ -2033,8 +2053,8 @@ _LAST_LAUNCH: dict[str, object] = {}
 
 
 def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[torch.Tensor, int, int, list]:
-    """((Hkv, 3) int32 per head: first column (float) or code byte, first block, rank; scale base; min base;
-    the first columns as ints).
+    """((Hkv, 3) int32 per head: first column (float) or code byte, first block, rank; scale base; min base (the
+    bytes where the blocks' scales, or ``-f8`` spans, and their mins start); the first columns as ints).
 
     Cached per (offsets, format, device): the tensor is built once, when the store is built for a store's layouts
     (:func:`~ckvp_compile.kernels.device_cache.prepare_device_tables`: outside any CUDA-graph memory pool).
@@ -2049,7 +2069,8 @@ def _head_meta(offsets: Sequence[int], fmt: str, device: torch.device) -> tuple[
         nb = [-(-r // f.block) for r in ranks]
         col0 = [sum(cb[:i]) for i in range(len(ranks))]
         blk0 = [sum(nb[:i]) for i in range(len(ranks))]
-        scale_base, min_base = sum(cb), sum(cb) + 2 * sum(nb)
+        scale_base = sum(cb)
+        min_base = scale_base + f.meta_bytes // 2 * sum(nb)  # fp16 scales (2 bytes a block) or -f8 spans (1)
     else:
         col0, blk0, scale_base, min_base = offsets[:-1], [0] * len(ranks), 0, 0
     key = (tuple(offsets), f.name, str(device))
@@ -2078,7 +2099,7 @@ def _mix_meta(offsets: list[int], f, device: torch.device) -> tuple[torch.Tensor
         rows[head][4 * slot:4 * slot + 4] = [byte - lo * bits // 8, blk - lo // f.block, lo, lo + count]
         byte += -(-count * bits // 8)
     scale_base = byte
-    min_base = byte + 2 * f.num_blocks(offsets)
+    min_base = byte + f.meta_bytes // 2 * f.num_blocks(offsets)  # fp16 scales, or -f8 spans (one byte a block)
     key = (tuple(offsets), f.name, str(device))
     if key not in _META:
         check_not_capturing("the latent attention head table", device)
@@ -2119,9 +2140,11 @@ def _ranks(offsets: Sequence[int]) -> list:
 
 
 def _words(f, latent: torch.Tensor, scale_base: int, min_base: int) -> bool:
-    """Quantized rows whose fp16 scales / mins sit at even byte addresses (even base, row and batch strides)."""
-    return (f.quantized and not f.pow2 and latent.stride(-1) == 1 and scale_base % 2 == 0 and min_base % 2 == 0
-            and latent.stride(0) % 2 == 0 and latent.stride(1) % 2 == 0 and latent.data_ptr() % 2 == 0)
+    """Quantized rows whose fp16 scales / mins sit at even byte addresses (even base, row and batch strides); never
+    ``-f8`` rows (one e4m3 byte each)."""
+    return (f.quantized and not f.pow2 and not f.meta_f8 and latent.stride(-1) == 1 and scale_base % 2 == 0
+            and min_base % 2 == 0 and latent.stride(0) % 2 == 0 and latent.stride(1) % 2 == 0
+            and latent.data_ptr() % 2 == 0)
 
 
 def _word_rows(latent_k: torch.Tensor, latent_v: torch.Tensor, k_fmt: str, v_fmt: str, k_offsets, v_offsets) -> bool:
@@ -2612,6 +2635,7 @@ def _launch(
         KEY_FP16=cfg.key_fp16 and not key_codes and not ((not kf.quantized and latent_k.dtype == bf16) or kf.pow2),
         KEY_CODES=key_codes,
         KEY_FP8=key_codes and kf.bits <= 4 and basis_k_block.dtype == torch.float8_e4m3fn and not f32_dot,
+        K_META8=kf.meta_f8, V_META8=vf.meta_f8,
         PAGE=0 if page_table is None else latent_k.shape[1], num_stages=cfg.num_stages,
         # (a runtime chunk start must be a quantization block's first coordinate: the sub-block tile forms
         # decide their scale loads from it at compile time)
@@ -2795,7 +2819,7 @@ def _launch(
                 COS_EXACT=rope != 0 and cos_table.dtype == bf16 and sin_table.dtype == bf16, MASK=mask_kind,
                 F32_DOT=f32_dot, WORDS=common["K_WORDS"], BLOCK_N=cfg.block_n, SLOT_BLOCK=16,
                 PAGE=common["PAGE"], ROT_FP16=cfg.rotate_fp16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                LOOP_STAGES=cfg.loop_stages, **_reg_cap(cfg.maxnreg))
+                LOOP_STAGES=cfg.loop_stages, META8=kf.meta_f8, **_reg_cap(cfg.maxnreg))
         else:
             if cfg.key_tiles:
                 k_per = max(1, int(cfg.key_tiles))

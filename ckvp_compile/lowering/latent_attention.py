@@ -18,8 +18,9 @@ When the template is not used (the reason is logged at DEBUG): a non-CUDA device
 one extern call: on CPU the reference, exactly as without this lowering), symbolic sizes, scores that would exceed
 ``MAX_SCORES_BYTES`` (the extern op then runs the two passes on slices of the batch, or the one-pass kernel for a
 long prefill whose one sequence exceeds it), per-sequence (online)
-bases, latent formats other than uniform ``int*`` / ``mxint*`` / ``float``, heads of unequal rank, or a mask that
-is not bool / float; these keep the op as an extern call, which still runs the Triton kernels on CUDA.
+bases, latent formats other than uniform ``int*`` / ``mxint*`` / ``float`` (``-f8`` ones too, until
+:data:`F8_META_TEMPLATE_GPU_CHECKED`), heads of unequal rank, or a mask that is not bool / float; these keep the op
+as an extern call, which still runs the Triton kernels on CUDA (or the reference, for inputs they refuse).
 
 Without max-autotune (one template config, nothing timed) ``ckvp::latent_attention`` also stays one extern call
 where the plain kernel's default has a form the template lacks (:func:`plain_kernel_preferred`): one query head per
@@ -36,6 +37,7 @@ template / extern-choice pattern of ``torch/_inductor/kernel/mm.py`` and ``flex_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -87,10 +89,14 @@ TEMPLATE_CONFIGS = (
 #: The fused kernel reads fp8 bases on the H200 (kernels.latent_attention_triton.FP8_BASES_GPU_CHECKED, run 7); this
 #: template, compiled by Inductor, has not been run with them there yet: until then such calls stay extern calls.
 FP8_BASES_TEMPLATE_GPU_CHECKED = False
+#: ``-f8`` key latents (e4m3 block spans and mins, K_META8): the template reads them, equal to the reference under the
+#: interpreter (tests/kernels/test_latent_attention_f8.py); until a GPU run checks it (and the plain kernel's
+#: kernels.latent_attention_triton.F8_META_GPU_CHECKED) such calls stay extern calls.
+F8_META_TEMPLATE_GPU_CHECKED = False
 
 _HELPERS = (lat._tile_scores, lat._rebuild_chunk, lat._basis_rows, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
             lat._fma_scores_pair, lat._latent_codes, lat._mm_codes, lat._latent_raw_codes,
-            lat._fp16_at, lat._rope_rows, lat._mask_tile, lat._additive_log2, lat._unpack_codes)
+            lat._fp16_at, lat._scale_min, lat._rope_rows, lat._mask_tile, lat._additive_log2, lat._unpack_codes)
 
 _SOURCE = r'''
 {{def_kernel("Q", "LK", "BK", "COS", "SIN", "POS", "SLOTS", "MASK")}}
@@ -131,7 +137,7 @@ _SOURCE = r'''
         {{stride("POS", 0)}}, {{stride("POS", 1)}}, M_ST, {{stride("Q", 1)}}, {{stride("Q", 3)}},
         G_PAD, HALF, REST, HAS_ROT, HAS_REST, ROPE, RK_PAD, BLOCK_N, BLOCK_R, K_BITS, K_QBLOCK, MASK_KIND,
         Q_EXACT, ZK_EXACT, BK_EXACT, F32_DOT, K_BLOCKWISE, False, K_ALIGN, 1, False, K_MX,
-        PAIRED_TABLE, FMA_SCORES, G_LOOP, False, KEY_CODES, False, R_LOOP)
+        PAIRED_TABLE, FMA_SCORES, G_LOOP, False, KEY_CODES, False, R_LOOP, {{K_META8 | default(False)}})
     idx_m = ((bh * S_Q + s) * G + gi)[:, None]
     idx_n = offs[None, :]
     mask = head_ok[:, None] & row_ok[None, :]
@@ -182,6 +188,9 @@ def template_refusal(q: Any, latent_k: Any, basis_k_block: Any, k_offsets: Seque
     f = parse_latent_format(k_fmt)
     if f.mixed or f.ternary or (f.quantized and f.bits not in (8, 4, 2)):
         return f"latent format {k_fmt!r}"
+    if f.meta_f8 and not (lat.F8_META_GPU_CHECKED and F8_META_TEMPLATE_GPU_CHECKED):
+        return (f"latent format {k_fmt!r} (-f8 block metadata: the template is not yet checked with it on a GPU, "
+                "F8_META_TEMPLATE_GPU_CHECKED)")
     ranks = {int(b) - int(a) for a, b in zip(k_offsets, k_offsets[1:])}
     if len(ranks) != 1:
         return f"heads of unequal rank {sorted(ranks)}"
@@ -207,7 +216,7 @@ def _autotuning() -> bool:
 
 def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free: bool = False,
                            rank_v: int | None = None, autotuned: bool = False,
-                           code_bits: int | None = None) -> str | None:
+                           code_bits: int | None = None, meta_f8: bool = False) -> str | None:
     """Why the plain kernel's default config should run the whole call instead of the template's first config when
     nothing is autotuned, or None. ``heads`` query heads over ``kv_heads`` KV heads, ``rank_max`` the widest key
     rank. The template has neither the rotated / grouped key passes nor the one pass over chunks of KV heads (one
@@ -224,8 +233,9 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free:
     0.230 ms against 0.501 for the one-pass form), the plain kernel runs it, autotuned or not: the template has no
     such form (``autotuned``: only that reason counts, the template competing otherwise). ``rank_v``: the widest
     value rank (None: as the keys). ``code_bits``: the widest code of the latents' uniform ``int`` formats (None: not
-    known), as ``default_config`` takes it. The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG``
-    as it is then.
+    known), as ``default_config`` takes it. ``meta_f8``: a latent has ``-f8`` block metadata, which the chunk,
+    absorbed, lane, word and MMA passes do not read (the plain kernel then runs its per-head kernels): those passes
+    do not count. The decision is made when the graph is compiled, from ``CKVP_DECODE_CONFIG`` as it is then.
 
     Raises:
         ValueError: ``CKVP_DECODE_CONFIG`` is set but not a JSON object of DecodeConfig fields.
@@ -233,6 +243,8 @@ def plain_kernel_preferred(heads: int, kv_heads: int, rank_max: int, table_free:
     g = heads // max(kv_heads, 1)
     cfg = lat.default_config(g, lat._np2(rank_max), paired=True, rank=rank_max, rank_v=rank_v, table_free=table_free,
                              code_bits=code_bits)
+    if meta_f8:  # those passes' layouts refuse -f8 latents
+        cfg = dataclasses.replace(cfg, words=False, lanes=0, absorbed=0, head_chunks=0, mma=False)
     if table_free and (cfg.words or cfg.lanes or cfg.absorbed or cfg.head_chunks):
         kind = "word" if cfg.words else "lane" if cfg.lanes else "absorbed" if cfg.absorbed else "chunk"
         if cfg.mma:  # the MMA pass where the latents' layout allows it (CUDA, unit-major at 8 bits)
@@ -313,7 +325,8 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
     if kf.quantized:
         cb = kf.code_bytes(k_offsets)[0]
         nb = -(-rank // kf.block)
-        scale_base, min_base = sum(kf.code_bytes(k_offsets)), sum(kf.code_bytes(k_offsets)) + 2 * kf.num_blocks(k_offsets)
+        scale_base = sum(kf.code_bytes(k_offsets))
+        min_base = scale_base + kf.meta_bytes // 2 * kf.num_blocks(k_offsets)  # fp16 scales, or -f8 spans (1 byte)
     else:
         cb, nb, scale_base, min_base = rank, 0, 0, 0
     rope = lat._ROPE_CODE[rope_form]
@@ -330,7 +343,7 @@ def tuned_latent_scores(q, latent_k, basis_k_block, k_offsets, cos_table, sin_ta
         HALF_VAL=half, HALF=lat._np2(half), REST=lat._np2(d - rd), HAS_ROT=rope != 0, HAS_REST=d > rd, ROPE=rope,
         RK_MAX=rk_max, RK_PAD=rk_pad, QK_SCALE=float(scale) * math.log2(math.e), K_RANK=rank,
         K_HEAD_COLS=cb, K_HEAD_BLOCKS=nb, K_SCALE_BASE=scale_base, K_MIN_BASE=min_base, K_BITS=kf.bits,
-        K_QBLOCK=max(kf.block, 1), K_MX=kf.pow2, Q_EXACT=q_.get_dtype() == torch.bfloat16,
+        K_QBLOCK=max(kf.block, 1), K_MX=kf.pow2, K_META8=kf.meta_f8, Q_EXACT=q_.get_dtype() == torch.bfloat16,
         ZK_EXACT=(not kf.quantized and lk.get_dtype() == torch.bfloat16) or kf.pow2,
         BK_EXACT=bk.get_dtype() in lat.BASIS_BF16_EXACT, F32_DOT=False, K_ALIGN=lat._align([cb]),
         PAIRED_TABLE=False, **_mask_meta(attn_mask, b, h, s, kv_len))
@@ -369,7 +382,8 @@ def tuned_latent_attention(q, latent_k, latent_v, basis_k_block, basis_v_block, 
         reason = plain_kernel_preferred(int(q.get_size()[1]), int(basis_k_block.get_size()[0]),
                                         int(basis_k_block.get_size()[2]), table_free=rope_form == "none",
                                         rank_v=int(basis_v_block.get_size()[-1]), autotuned=_autotuning(),
-                                        code_bits=_code_bits(k_fmt, v_fmt))
+                                        code_bits=_code_bits(k_fmt, v_fmt),
+                                        meta_f8=any(parse_latent_format(x).meta_f8 for x in (k_fmt, v_fmt)))
     if reason is not None:
         logger.debug("ckvp::latent_attention: one extern call (%s)", reason)
         return _api.fallback_handler(torch.ops.ckvp.latent_attention.default, add_to_fallback_set=False)(
