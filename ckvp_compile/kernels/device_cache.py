@@ -69,7 +69,7 @@ def _prepare(offsets: Sequence[int], fmt: str, basis_width: int, device: torch.d
     from . import latent_attention_triton as lat
     from . import latent_quant_triton as lq
     from . import reference as ref
-    from .latent_format import _code_byte_index, _pad_index, parse_latent_format
+    from .latent_format import _code_byte_index, _e4m3_grid, _pad_index, parse_latent_format
 
     offsets = [int(o) for o in offsets]
     f = parse_latent_format(fmt)
@@ -79,6 +79,8 @@ def _prepare(offsets: Sequence[int], fmt: str, basis_width: int, device: torch.d
     if f.quantized:
         _pad_index(offsets, f, device)
         _code_byte_index(offsets, f, device)
+    if f.meta_f8:  # the reference quantizer's e4m3 rounding table
+        _e4m3_grid(str(device))
     if lq.unsupported_reason(f, torch.device("cuda")) is None:  # formats the Triton quant kernels take
         lq._tables(tuple(offsets), f.name, str(device))
         if lq.format_family(f) in ("int", "mix"):  # latent_append_triton's (head, coordinate) table
