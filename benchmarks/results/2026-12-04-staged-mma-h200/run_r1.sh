@@ -2,11 +2,14 @@
 # r1 (one device call, repository root): the unit-major MMA pass with its tiles staged through shared memory by
 # cp.async (DecodeConfig.stages_m 2 / 4) against the register path (0): correctness, then a sweep in 64-slot
 # unit-major pages (int8 and int4) and in a static unit-major cache (int8), then Nsight Compute on stages 2.
+# PARTS (default all): a comma list of check, int8, int4, ncu, so that one device call (600 s at most) runs a part.
 set -u
 export PYTHONPATH=.:tests/kernels PYTHONUNBUFFERED=1
+PARTS=${PARTS:-check,int8,int4,ncu}
 R=$OUT/r1
 mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $R/gpu.txt
+if [[ ,$PARTS, == *,check,* ]]; then
 MMA_CASES=36 timeout 260 python3 benchmarks/mma_attention_gpu.py --check --out $R --formats int8/32,int4/32 \
     > $R/check.log 2>&1
 echo check rc=$?; tail -2 $R/check.log
@@ -21,8 +24,10 @@ for r in d["large"]:
 for r in d["stages_identity"]:
     print("identity", r)
 PY
+fi
 for F in int8/32 int4/32; do
   N=$(echo $F | tr -d /)
+  [[ ,$PARTS, == *,${N%32},* ]] || continue
   L=unit-major@64; [ $F = int8/32 ] && L=unit-major@64,unit-major
   timeout 200 python3 benchmarks/mma_attention_gpu.py --sweep --out $R/sweep-$N --block-ns 64 --layouts $L \
       --formats $F --programs 1536,3072 --stages 0,2,4 > $R/sweep-$N.log 2>&1
@@ -37,6 +42,7 @@ for r in d["rows"]:
           round(r["ms"], 4), round(100 * r["copy_share"], 1), round(r["speedup"], 2), r.get("regs"), ku)
 PY
 done
+[[ ,$PARTS, == *,ncu,* ]] || exit 0
 timeout 150 ncu --clock-control none --target-processes all -k regex:_mma_unit_kernel --launch-skip 1 \
     --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section MemoryWorkloadAnalysis --section SchedulerStats -o $R/um8_p64_s2 \
