@@ -324,7 +324,9 @@ def _e4m3_value(b: torch.Tensor) -> torch.Tensor:
 
 def f8_scale(span: torch.Tensor, bits: int) -> torch.Tensor:
     """The step of an ``-f8`` block from its stored span (fp32 values of the e4m3 bytes): ``span * fp32(1 / (2**bits
-    - 1))``, one fp32 product (what every decode kernel computes, bit for bit)."""
+    - 1))``, one fp32 product (what every decode kernel computes, bit for bit). ``span``: any shape, fp32, in the
+    latent's units; returns the same shape, fp32. Raises nothing. Source: e4m3 block scales as in OCP Microscaling
+    Formats v1.0 (2023) and NVIDIA's NVFP4; here the span of an asymmetric (KIVI-style) block."""
     return span * torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32, device=span.device)
 
 
@@ -332,7 +334,8 @@ def f8_block_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, to
                                                                  torch.Tensor]:
     """An ``-f8`` block's stored minimum and span from its least and greatest values (any shape, fp32): ``(min,
     span)`` as fp32 values and as float8_e4m3fn bytes (uint8): min = ``lo`` rounded down, span = ``hi - min``
-    rounded up (NaN where e4m3 holds no such value; see the module docstring). Raises nothing."""
+    rounded up (NaN where e4m3 holds no such value; see the module docstring). Raises nothing. Source: as
+    :func:`f8_scale`."""
     mn = _e4m3_round(lo, up=False)
     mn_value = _e4m3_value(mn)
     span = _e4m3_round(hi - mn_value, up=True)
