@@ -266,12 +266,14 @@ def _e4m3_byte(x, UP: tl.constexpr):
 @triton.jit
 def _e4m3_float(b):
     """fp32 value of float8_e4m3fn bytes ``b`` (int32 in [0, 255]) by integer arithmetic (any GPU): magnitude
-    ``(8 * (E > 0) + M) * 2**(max(E, 1) - 10)`` of exponent field E and mantissa M, NaN for 0x7F / 0xFF."""
+    ``(8 * (E > 0) + M) * 2**(max(E, 1) - 10)`` of exponent field E and mantissa M, NaN for 0x7F / 0xFF. The sign
+    bit is set by an integer OR: Triton 3.6 compiles ``-v`` as ``0 - v``, which decodes 0x80 (-0.0) as +0.0 (fixed
+    upstream by triton-lang/triton#10270; the interpreter negates correctly, so only a GPU shows it)."""
     m = b & 0x7F
     e = m >> 3
     v = (tl.where(e > 0, 8, 0) + (m & 7)).to(tl.float32) * ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)
     v = tl.where(m == 0x7F, float("nan"), v)
-    return tl.where(b >= 0x80, -v, v)
+    return (v.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -18,8 +18,8 @@ When the template is not used (the reason is logged at DEBUG): a non-CUDA device
 one extern call: on CPU the reference, exactly as without this lowering), symbolic sizes, scores that would exceed
 ``MAX_SCORES_BYTES`` (the extern op then runs the two passes on slices of the batch, or the one-pass kernel for a
 long prefill whose one sequence exceeds it), per-sequence (online)
-bases, latent formats other than uniform ``int*`` / ``mxint*`` / ``float`` (``-f8`` ones too, until
-:data:`F8_META_TEMPLATE_GPU_CHECKED`), heads of unequal rank, or a mask that is not bool / float; these keep the op
+bases, latent formats other than uniform ``int*`` / ``mxint*`` / ``float`` (``-f8`` ones too while
+:data:`F8_META_TEMPLATE_GPU_CHECKED` is off), heads of unequal rank, or a mask that is not bool / float; these keep the op
 as an extern call, which still runs the Triton kernels on CUDA (or the reference, for inputs they refuse).
 
 Without max-autotune (one template config, nothing timed) ``ckvp::latent_attention`` also stays one extern call
@@ -90,9 +90,10 @@ TEMPLATE_CONFIGS = (
 #: template, compiled by Inductor, has not been run with them there yet: until then such calls stay extern calls.
 FP8_BASES_TEMPLATE_GPU_CHECKED = False
 #: ``-f8`` key latents (e4m3 block spans and mins, K_META8): the template reads them, equal to the reference under the
-#: interpreter (tests/kernels/test_latent_attention_f8.py); until a GPU run checks it (and the plain kernel's
-#: kernels.latent_attention_triton.F8_META_GPU_CHECKED) such calls stay extern calls.
-F8_META_TEMPLATE_GPU_CHECKED = False
+#: interpreter (tests/kernels/test_latent_attention_f8.py) and on the H200, chosen by Inductor's autotuning and within
+#: 2.6e-4 of the reference (benchmarks/f8_meta_gpu.py, check 4; benchmarks/results/2026-12-05-f8-meta-h200/r1).
+#: Both this and kernels.latent_attention_triton.F8_META_GPU_CHECKED must hold, else such calls stay extern calls.
+F8_META_TEMPLATE_GPU_CHECKED = True
 
 _HELPERS = (lat._tile_scores, lat._rebuild_chunk, lat._basis_rows, lat._latent_load, lat._latent_tile, lat._dot_split, lat._mm, lat._mm16, lat._fma_scores,
             lat._fma_scores_pair, lat._latent_codes, lat._mm_codes, lat._latent_raw_codes,

@@ -14,7 +14,8 @@
 * The fast paths refuse ``-f8`` (no fp16 metadata read from ``-f8`` rows): with the same inputs in the fp16 format
   each table-free pass runs, with ``-f8`` it does not and the result still matches the reference; every layout
   function (chunk, absorbed, lane, word, MMA) returns None; the word loads are off; the head tables' byte bases;
-  ``unsupported_reason`` on CUDA names ``F8_META_GPU_CHECKED``; the template refuses them and
+  ``unsupported_reason`` on CUDA names ``F8_META_GPU_CHECKED`` while it is off; the template refuses them while
+  ``F8_META_TEMPLATE_GPU_CHECKED`` is off and takes them once it is on;
   ``plain_kernel_preferred`` does not count the passes that refuse them.
 """
 
@@ -324,10 +325,14 @@ def test_fast_paths_refuse_f8_formats():
     # on CUDA (a stand-in query: the format check comes first) -f8 goes to the reference until checked on a GPU
     q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     lat_t = torch.zeros(1, 4, 48, dtype=torch.uint8)
-    assert not lat.F8_META_GPU_CHECKED
-    for k_fmt, v_fmt in (("int4/32-f8", "int4/32"), ("int4/32", "int4/32-f8"), ("mix/32-f8:4x32", "int4/32")):
-        reason = lat.unsupported_reason(q, lat_t, lat_t, lat_t, lat_t, "none", None, lat_t, lat_t, k_fmt, v_fmt)
-        assert reason is not None and "-f8" in reason and "F8_META_GPU_CHECKED" in reason, (k_fmt, v_fmt, reason)
+    saved = lat.F8_META_GPU_CHECKED
+    try:
+        lat.F8_META_GPU_CHECKED = False  # (set since the H200 run; the refusal still guards a new flag's default)
+        for k_fmt, v_fmt in (("int4/32-f8", "int4/32"), ("int4/32", "int4/32-f8"), ("mix/32-f8:4x32", "int4/32")):
+            reason = lat.unsupported_reason(q, lat_t, lat_t, lat_t, lat_t, "none", None, lat_t, lat_t, k_fmt, v_fmt)
+            assert reason is not None and "-f8" in reason and "F8_META_GPU_CHECKED" in reason, (k_fmt, v_fmt, reason)
+    finally:
+        lat.F8_META_GPU_CHECKED = saved
 
 
 def test_lowering_refuses_or_plans_around_f8():
@@ -357,8 +362,15 @@ def test_lowering_refuses_or_plans_around_f8():
     q, basis = Node((2, 4, 1, 16), None, torch.bfloat16), Node((2, 16, 8), None, torch.bfloat16)
     row = Node((2, 64, 12), (64 * 12, 12, 1), torch.uint8)
     assert la.template_refusal(q, row, basis, [0, 8, 16], "rotate_half", None, 64, "int4/32") is None
-    reason = la.template_refusal(q, row, basis, [0, 8, 16], "rotate_half", None, 64, "int4/32-f8")
-    assert reason is not None and "F8_META_TEMPLATE_GPU_CHECKED" in reason
+    saved = la.F8_META_TEMPLATE_GPU_CHECKED
+    try:
+        la.F8_META_TEMPLATE_GPU_CHECKED = False
+        reason = la.template_refusal(q, row, basis, [0, 8, 16], "rotate_half", None, 64, "int4/32-f8")
+        assert reason is not None and "F8_META_TEMPLATE_GPU_CHECKED" in reason
+        la.F8_META_TEMPLATE_GPU_CHECKED = True  # checked on the H200: the template takes -f8 keys
+        assert la.template_refusal(q, row, basis, [0, 8, 16], "rotate_half", None, 64, "int4/32-f8") is None
+    finally:
+        la.F8_META_TEMPLATE_GPU_CHECKED = saved
     for heads, rank in ((16, 8), (16, 96), (32, 16), (32, 32), (32, 96)):
         fp16 = la.plain_kernel_preferred(heads, heads // (1 if heads == 16 else 4), rank, table_free=True,
                                          code_bits=4)
