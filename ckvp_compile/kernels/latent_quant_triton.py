@@ -124,11 +124,11 @@ USE_TRITON = True
 #: :func:`use_triton` is False for the others.
 GPU_CHECKED = frozenset({"int", "tern", "mix"})
 #: ``-f8`` formats (e4m3 block metadata) of the int and mix families: bit-equal to the reference under the
-#: interpreter (tests/kernels/test_latent_quant_triton_f8.py), not yet checked on a GPU (the GPU scripts
-#: ``benchmarks/latent_quant_gpu.py`` / ``latent_append_gpu.py`` do not list ``-f8`` formats yet), so
-#: :func:`use_triton` is False for them and the CUDA ``ckvp::latent_append`` quantizes them with the reference
-#: (fused append included). Set it once those pass with ``-f8`` formats on the GPU.
-F8_GPU_CHECKED = False
+#: interpreter (tests/kernels/test_latent_quant_triton_f8.py) and on the H200 (``benchmarks/f8_meta_gpu.py``,
+#: benchmarks/results/2026-12-05-f8-meta-h200: quantize / dequantize 60/60 bit-equal at 16k-64k rows, random bytes
+#: included, r2; the fused ``ckvp::latent_append`` 48/48 within its one-step rule, r1). While False, :func:`use_triton`
+#: is False for them and the CUDA ``ckvp::latent_append`` quantizes them with the reference.
+F8_GPU_CHECKED = True
 #: :func:`latent_append_triton` (projection, quantization and row store fused) for the CUDA ``ckvp::latent_append``
 #: of int and mix formats: bit-equal under the interpreter, and checked on the H200 at real shapes by
 #: ``benchmarks/latent_append_gpu.py`` (benchmarks/results/2026-11-30-fused-append-h200: at G*D = 128 bit-equal;
