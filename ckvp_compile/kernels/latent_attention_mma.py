@@ -73,6 +73,7 @@ layouts.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from triton.experimental import gluon
@@ -89,6 +90,21 @@ MMA_GROUPS = (2, 4, 8)
 
 #: CUDA's limit on a grid's second dimension: the splits along the context (a fixed ``split`` past it is cut to it).
 MAX_GRID_Y = 65535
+
+#: The unit-major kernel's loads from one address per lane and tensor (``_unit_lanes`` / ``_unit_load``: 619 SASS a
+#: 64-slot int8 tile at 128 registers instead of 765 at 167, offline sm_90a), instead of one 64-bit address per
+#: load (``_tile_load``). Equal to it in the offline compile tests; not yet run on a GPU, so off until a GPU run of
+#: benchmarks/mma_attention_gpu.py --check passes with it (benchmarks/results/2026-12-05-lane-loads-h200/run_r2.sh
+#: turns it on for its run through the environment: ``CKVP_MMA_LANE_LOADS=1``).
+LANE_LOADS_GPU_CHECKED = False
+
+
+def lane_loads() -> bool:
+    """Whether the unit-major kernel loads from one address per lane (:data:`LANE_LOADS_GPU_CHECKED`, or the
+    environment variable ``CKVP_MMA_LANE_LOADS=1`` / ``0`` for a GPU check either way). Raises nothing."""
+    env = os.environ.get("CKVP_MMA_LANE_LOADS")
+    return LANE_LOADS_GPU_CHECKED if env is None else env == "1"
+
 
 RK = gl.constexpr(MMA_RANK)
 RV = gl.constexpr(MMA_RANK)
@@ -674,10 +690,9 @@ def _unit_base(t, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE: gl.conste
 
 
 @gluon.jit
-def _unit_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
-    """One unit-major tile's words: key code columns (KW), value code columns (VW), and the four fp16 fields' byte
-    columns (key scale, key min, value scale, value min; FW each). Unmasked (rows stay in bounds; the caller zeroes
-    the fields of slots it must not read)."""
+def _tile_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
+    """:func:`_unit_load` from whole-tile word offsets (``koff``, ``voff``, ``foff_*``, of the tile's base): the same
+    words in the same layouts, each load with its own 64-bit address (the kernel's loads while ``LANES`` is off)."""
     wk = gl.load(lk_w + kbase + koff)
     wv = gl.load(lv_w + vbase + voff)
     ks = gl.load(lk_w + kbase + foff_k[0])
@@ -685,6 +700,89 @@ def _unit_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
     vs = gl.load(lv_w + vbase + foff_v[0])
     vm = gl.load(lv_w + vbase + foff_v[1])
     return wk, wv, ks, km, vs, vm
+
+
+@gluon.jit
+def _unit_load(kp, vp, fp_k, fp_v, kbase, vbase, CKW: gl.constexpr, CVW: gl.constexpr, KL: gl.constexpr,
+               VL: gl.constexpr, FL: gl.constexpr, NWS: gl.constexpr, BITS: gl.constexpr):
+    """One unit-major tile's words: key code columns (layout KL), value code columns (VL), and the four fp16 fields'
+    byte columns (key scale, key min, value scale, value min; FL each). Unmasked (rows stay in bounds; the caller
+    zeroes the fields of slots it must not read).
+
+    ``kp``, ``vp``, ``fp_*`` point at each lane's first word (its part of the offsets: see :func:`_unit_lanes`); the
+    tile's base (``kbase`` / ``vbase``, words) is added once per tensor and each load adds a constant column offset,
+    which the compiler folds into the load's immediate. (Offsets built over whole tiles gave each load its own 64-bit
+    address: 126 of the 8-bit loop's 765 SASS instructions; 15 of 644 this way, at the same 167 registers.)"""
+    t = kp + kbase
+    u = vp + vbase
+    if BITS == 8:  # keys (2 w, 4 q, 8 c, 4 b, 2 e) at columns 8b + e; values (4 d, 4 q, 8 n, 2 m, 2 e) at 16m + 8e
+        x = _join4(gl.join(gl.load(t), gl.load(t + CKW)), gl.join(gl.load(t + 8 * CKW), gl.load(t + 9 * CKW)),
+                   gl.join(gl.load(t + 16 * CKW), gl.load(t + 17 * CKW)),
+                   gl.join(gl.load(t + 24 * CKW), gl.load(t + 25 * CKW)))
+        wk = gl.convert_layout(gl.permute(x, [0, 1, 2, 4, 3]), KL)
+        y = gl.join(gl.join(gl.load(u), gl.load(u + 8 * CVW)), gl.join(gl.load(u + 16 * CVW), gl.load(u + 24 * CVW)))
+        wv = gl.convert_layout(gl.permute(y, [0, 1, 2, 4, 3]), VL)
+    else:  # keys (2 w, 4 q, 8 c, 4 b) at columns 4b; values (4 d, 4 q, 8 n, 2 m) at 8m
+        wk = gl.convert_layout(_join4(gl.load(t), gl.load(t + 4 * CKW), gl.load(t + 8 * CKW), gl.load(t + 12 * CKW)),
+                               KL)
+        wv = gl.convert_layout(gl.join(gl.load(u), gl.load(u + 8 * CVW)), VL)
+    ks = _field_load(fp_k[0] + kbase, CKW, NWS, FL)
+    km = _field_load(fp_k[1] + kbase, CKW, NWS, FL)
+    vs = _field_load(fp_v[0] + vbase, CVW, NWS, FL)
+    vm = _field_load(fp_v[1] + vbase, CVW, NWS, FL)
+    return wk, wv, ks, km, vs, vm
+
+
+@gluon.jit
+def _field_pair(t, k: gl.constexpr, CW: gl.constexpr):
+    """Word ``k`` of a field's low-byte column and of its high-byte column (CW words on): (8 r, 4 q, 2 lh)."""
+    return gl.join(gl.load(t + k), gl.load(t + (k + CW)))
+
+
+@gluon.jit
+def _field_load(t, CW: gl.constexpr, NWS: gl.constexpr, FL: gl.constexpr):
+    """A field's words (8 r, 4 q, 2 e, NWS, 2 lh) in layout FL from each lane's first word ``t``: word ``2e + i`` of
+    the low-byte column (lh = 0) and of the high-byte column."""
+    if NWS == 1:
+        z = gl.join(gl.reshape(_field_pair(t, 0, CW), [8, 4, 2, 1]), gl.reshape(_field_pair(t, 2, CW), [8, 4, 2, 1]))
+    else:
+        z = gl.join(gl.join(_field_pair(t, 0, CW), _field_pair(t, 1, CW)),
+                    gl.join(_field_pair(t, 2, CW), _field_pair(t, 3, CW)))  # (8 r, 4 q, 2 lh, 2 i, 2 e)
+    return gl.convert_layout(gl.permute(z, [0, 1, 4, 3, 2]), FL)
+
+
+@gluon.jit
+def _unit_lanes(lk_w, lv_w, k_col, v_col, k_fields, v_fields, CKW: gl.constexpr, CVW: gl.constexpr,
+                KL: gl.constexpr, VL: gl.constexpr, FL: gl.constexpr, G: gl.constexpr, NT: gl.constexpr,
+                BITS: gl.constexpr):
+    """Each lane's first word of a tile (offsets from the tile's base, :func:`_unit_base`) for :func:`_unit_load`:
+    keys (2 w, 4 q, 8 c) and values (4 d, 4 q, 8 n) in KL / VL without their last (register) dims, each field's low
+    byte column (8 r, 4 q) in FL without (e, i, lh). ``k_fields`` / ``v_fields``: the (scale, min) byte columns'
+    first fp16 units (``base + blk``). The same words as the kernel's whole-tile offsets (``koff``, ``voff``,
+    ``foff_*``) minus the constant column offsets :func:`_unit_load` adds."""
+    if BITS == 8:
+        K3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, KL))
+        V3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, VL))
+        KC: gl.constexpr = 2  # key columns: 8b + 2q + e
+    else:
+        K3: gl.constexpr = gl.SliceLayout(3, KL)
+        V3: gl.constexpr = gl.SliceLayout(3, VL)
+        KC: gl.constexpr = 1  # key columns: 4b + q
+    w = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, K3)))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K3)))
+    c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, K3)))
+    kp = lk_w + ((k_col + KC * q[None, :, None]) * CKW + 2 * c[None, None, :] + w[:, None, None])
+    d = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, V3)))
+    qv = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, V3)))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3)))
+    vp = lv_w + ((v_col + n[None, None, :]) * CVW + 4 * qv[None, :, None] + d[:, None, None])
+    F2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, FL)))
+    r = gl.arange(0, 8, layout=gl.SliceLayout(1, F2))
+    qf = gl.arange(0, 4, layout=gl.SliceLayout(0, F2))
+    fl = 4 * qf[None, :] + ((r // G) * NT // 4)[:, None]
+    fp_k = (lk_w + (fl + 2 * k_fields[0] * CKW), lk_w + (fl + 2 * k_fields[1] * CKW))
+    fp_v = (lv_w + (fl + 2 * v_fields[0] * CVW), lv_w + (fl + 2 * v_fields[1] * CVW))
+    return kp, vp, fp_k, fp_v
 
 
 @gluon.jit
@@ -760,7 +858,7 @@ def _mma_unit_kernel(
     k_scale_base, k_min_base, v_scale_base, v_min_base,
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
-    COL_V: gl.constexpr, BITS: gl.constexpr = 4, STAGES: gl.constexpr = 0,
+    COL_V: gl.constexpr, BITS: gl.constexpr = 4, STAGES: gl.constexpr = 0, LANES: gl.constexpr = False,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -879,6 +977,15 @@ def _mma_unit_kernel(
     # an fp16 field at fp16 unit u is byte columns 2u (low byte) and 2u + 1
     foff_k = ((2 * (k_scale_base + k_blk) + lh5) * CKW + fw5, (2 * (k_min_base + k_blk) + lh5) * CKW + fw5)
     foff_v = ((2 * (v_scale_base + v_blk) + lh5) * CVW + fw5, (2 * (v_min_base + v_blk) + lh5) * CVW + fw5)
+    if BITS == 8:
+        KREG: gl.constexpr = KWL8
+        VREG: gl.constexpr = VWL8
+    else:
+        KREG: gl.constexpr = KWL
+        VREG: gl.constexpr = VWL
+    kp, vp, fp_k, fp_v = _unit_lanes(lk_w, lv_w, k_col, v_col, (k_scale_base + k_blk, k_min_base + k_blk),
+                                     (v_scale_base + v_blk, v_min_base + v_blk), CKW, CVW, KREG, VREG, FWL, G, NT,
+                                     BITS)
     r_sel = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, FWL)))))
     r_sel = r_sel[:, None, None] + gl.zeros([8, 4, 2], gl.int32, gl.SliceLayout(3, gl.SliceLayout(4, FWL)))
 
@@ -896,14 +1003,10 @@ def _mma_unit_kernel(
             KSH: gl.constexpr = [STAGES, 2, 4, 8, 4, 2]
             VSH: gl.constexpr = [STAGES, 4, 4, 8, 2, 2]
             KOR: gl.constexpr = [0, 1, 2, 3, 4]
-            KREG: gl.constexpr = KWL8
-            VREG: gl.constexpr = VWL8
         else:
             KSH: gl.constexpr = [STAGES, 2, 4, 8, 4]
             VSH: gl.constexpr = [STAGES, 4, 4, 8, 2]
             KOR: gl.constexpr = [0, 1, 2, 3]
-            KREG: gl.constexpr = KWL
-            VREG: gl.constexpr = VWL
         # (stage outermost) each thread's words contiguous (the word dim first), then the lanes: its vector loads
         # hit 32 banks; fields (8 r, 4 q, 2 e, NWS, 2 lh): the lo / hi byte pair, then the lanes q + 4r
         WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, KOR)
@@ -935,13 +1038,19 @@ def _mma_unit_kernel(
         async_copy.wait_group(0)
     elif fast_end > t_start:  # one tile loaded ahead of the one computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-        tile_a = _unit_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+        if LANES:
+            tile_a = _unit_load(kp, vp, fp_k, fp_v, kb0, vb0, CKW, CVW, KREG, VREG, FWL, NWS, BITS)
+        else:
+            tile_a = _tile_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
         for t in range(t_start, fast_end):
             wk, wv, ks, km, vs, vm = tile_a
             idx_c = idx_a
             kb1, vb1, idx_a = _unit_base(gl.minimum(t + 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
                                          stride_lvb, PAGE)
-            tile_a = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+            if LANES:
+                tile_a = _unit_load(kp, vp, fp_k, fp_v, kb1, vb1, CKW, CVW, KREG, VREG, FWL, NWS, BITS)
+            else:
+                tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
                                                 sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
                                                 GROUPS, NWS, PLO, False, PAGE > 0, BITS)
@@ -954,7 +1063,10 @@ def _mma_unit_kernel(
         kb1, vb1, idx1 = _unit_base(r0 // BT, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         gs = r0 + tok_s
         ok_s = (gs >= t0) & (gs < kv_len) & ~_is_exact(gs, slots_ptr, n_exact)
-        wk, wv, ks, km, vs, vm = _unit_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+        if LANES:
+            wk, wv, ks, km, vs, vm = _unit_load(kp, vp, fp_k, fp_v, kb1, vb1, CKW, CVW, KREG, VREG, FWL, NWS, BITS)
+        else:
+            wk, wv, ks, km, vs, vm = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
                                             PLO, True, True, BITS)
@@ -1042,7 +1154,7 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
-                     unit_major: bool = False, bits: int = 4, stages: int = 0):
+                     unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1050,7 +1162,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             per page (0: a static cache); row_k / row_v: the latents' row strides in 4-byte words (40: 8 KV heads
             of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
             a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path); stages: the unit-major
-            kernel's cp.async ring (0: loads into registers one tile ahead).
+            kernel's cp.async ring (0: loads into registers one tile ahead); lanes: the unit-major kernel's
+            loads from one address per lane (None: :func:`lane_loads`).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1073,11 +1186,12 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
-        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr")
+        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
-                                             BITS=bits, STAGES=stages))
+                                             BITS=bits, STAGES=stages,
+                                             LANES=lane_loads() if lanes is None else lanes))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

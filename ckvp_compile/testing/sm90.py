@@ -200,7 +200,7 @@ def ptxas_stats(ptx: str, arch: str = "sm_90a") -> dict:
     Returns:
         dict with 'registers', 'spill_store_bytes', 'spill_load_bytes' (None where ptxas printed none),
         'sass_total' and 'sass_ops' (opcode -> count, most frequent first; predicates stripped; empty without
-        cuobjdump) and 'ptxas' (its last lines).
+        cuobjdump), 'sass' (the listing; "" without cuobjdump) and 'ptxas' (its last lines).
     """
     import triton
 
@@ -230,5 +230,5 @@ def ptxas_stats(ptx: str, arch: str = "sm_90a") -> dict:
             "spill_store_bytes": int(spill.group(1)) if spill else None,
             "spill_load_bytes": int(spill.group(2)) if spill else None,
             "sass_total": sum(ops.values()) or None,
-            "sass_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+            "sass_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])), "sass": sass,
             "ptxas": text.strip().splitlines()[-3:]}

@@ -432,6 +432,103 @@ def test_compiles_for_sm90_without_spills(g, nt, page, unit, bits, stages):
     assert ("0x00ff00ff, 0x64006400, 0xea" in ptx) == (bits == 8)
 
 
+@pytest.mark.parametrize("g,page,bits", [(4, 64, 8), (4, 64, 4), (8, 64, 8), (2, 64, 4), (4, 0, 8)])
+def test_lane_loads_compile_with_immediate_column_offsets(g, page, bits):
+    """The unit-major kernel's lane loads (``LANES``): no spills, no shared memory, and the code loads of a tile
+    share one address per lane (the column offsets are the loads' immediates: for 8-bit keys, columns 8b + e of
+    ``page or 4096`` bytes each)."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    k = lam.compile_for_sm90(g, g, page, unit_major=True, bits=bits, lanes=True)
+    stats = ptxas_stats(k.asm["ptx"])
+    assert stats["spill_store_bytes"] in (0, None)
+    assert k.metadata.shared <= 64
+    if not stats["sass"]:
+        pytest.skip("no cuobjdump bundled with this Triton")
+    col = page or 4096  # key codes: 8-byte loads of one column (two words a lane), offsets in bytes
+    regs: dict = {}
+    for reg, off in re.findall(r"LDG\.E\.64 R\d+, desc\[\w+\]\[(R\d+)\.64(?:\+0x([0-9a-f]+))?\]", stats["sass"]):
+        regs.setdefault(reg, set()).add(int(off or "0", 16))
+    want = {(8 * b + e) * col for b in range(4) for e in range(2)} if bits == 8 else {4 * b * col for b in range(4)}
+    assert any(want <= offs for offs in regs.values()), regs  # one lane address, the columns as immediates
+
+
+def _np_tile_offsets(g, bits, ckw, cvw, k_col, v_col, fields):
+    """The kernel's whole-tile word offsets (``koff``, ``voff``, ``foff_*`` of _mma_unit_kernel), in numpy."""
+    import numpy as np
+
+    nt, nws = g, (2 if g == 8 else 1)
+    if bits == 8:
+        w, q, c, b, e = np.ix_(range(2), range(4), range(8), range(4), range(2))
+        koff = (k_col + 2 * q + 8 * b + e) * ckw + 2 * c + w
+        d, q, n, m, e = np.ix_(range(4), range(4), range(8), range(2), range(2))
+        voff = (v_col + n + 16 * m + 8 * e) * cvw + 4 * q + d
+    else:
+        w, q, c, b = np.ix_(range(2), range(4), range(8), range(4))
+        koff = (k_col + q + 4 * b) * ckw + 2 * c + w
+        d, q, n, m = np.ix_(range(4), range(4), range(8), range(2))
+        voff = (v_col + n + 8 * m) * cvw + 4 * q + d
+    r, q, e, i, lh = np.ix_(range(8), range(4), range(2), range(nws), range(2))
+    fw = 4 * q + 2 * e + (r // g) * nt // 4 + i
+    foff = [(2 * f + lh) * cw + fw for f, cw in zip(fields, (ckw, ckw, cvw, cvw))]
+    return koff, voff, foff
+
+
+def _np_lane_offsets(g, bits, ckw, cvw, k_col, v_col, fields):
+    """The same words as _unit_lanes + _unit_load assemble them: each lane's first word plus constant column
+    offsets, joined (np.stack on a new last axis, as gl.join) and permuted as the kernel does."""
+    import numpy as np
+
+    j = lambda a, b: np.stack([a, b], -1)  # noqa: E731 - gl.join
+    nws = 2 if g == 8 else 1
+    w, q, c = np.ix_(range(2), range(4), range(8))
+    d, qv, n = np.ix_(range(4), range(4), range(8))
+    vl = (v_col + n) * cvw + 4 * qv + d
+    if bits == 8:
+        kl = (k_col + 2 * q) * ckw + 2 * c + w
+        x = _np_join4(*(j(kl + (8 * b) * ckw, kl + (8 * b + 1) * ckw) for b in range(4)))
+        koff = x.transpose(0, 1, 2, 4, 3)
+        y = j(j(vl, vl + 8 * cvw), j(vl + 16 * cvw, vl + 24 * cvw))
+        voff = y.transpose(0, 1, 2, 4, 3)
+    else:
+        kl = (k_col + q) * ckw + 2 * c + w
+        koff = _np_join4(kl, kl + 4 * ckw, kl + 8 * ckw, kl + 12 * ckw)
+        voff = j(vl, vl + 8 * cvw)
+    r, qf = np.ix_(range(8), range(4))
+    fl = 4 * qf + (r // g) * g // 4
+    foff = []
+    for f, cw in zip(fields, (ckw, ckw, cvw, cvw)):
+        t = fl + 2 * f * cw
+        pair = lambda k: j(t + k, t + k + cw)  # noqa: E731 - _field_pair
+        if nws == 1:
+            z = j(pair(0).reshape(8, 4, 2, 1), pair(2).reshape(8, 4, 2, 1))
+        else:
+            z = j(j(pair(0), pair(1)), j(pair(2), pair(3)))
+        foff.append(z.transpose(0, 1, 4, 3, 2))
+    return koff, voff, foff
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("col", [64, 128, 4096])
+def test_lane_loads_read_the_whole_tile_offsets(g, bits, col):
+    """_unit_lanes + _unit_load (lane base + constant column offsets, joined and permuted) name exactly the words the
+    whole-tile offsets name, element for element, for every head's first column and field units."""
+    import numpy as np
+
+    ckw = cvw = col // 4
+    for k_col, v_col, fields in ((0, 0, (16, 17, 16, 17)), (32, 64, (40, 42, 72, 74)), (96, 32, (100, 103, 36, 39))):
+        want = _np_tile_offsets(g, bits, ckw, cvw, k_col, v_col, fields)
+        got = _np_lane_offsets(g, bits, ckw, cvw, k_col, v_col, fields)
+        assert got[0].shape == want[0].shape and np.array_equal(got[0], want[0])
+        assert got[1].shape == want[1].shape and np.array_equal(got[1], want[1])
+        for a, b in zip(got[2], want[2]):
+            assert a.shape == b.shape and np.array_equal(a, b)
+
+
 # ---- unit-major latents (_mma_unit_kernel): the operands built from the loaded words, mirrored in numpy. gl.join
 # stacks along a new last dim, gl.split unstacks it, gl.permute / gl.reshape are transpose / C-order reshape; the asm
 # is executed by the PTX reader. Each operand must hold exactly the codes / fields of the slot and coordinate the
