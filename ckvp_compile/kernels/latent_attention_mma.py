@@ -63,6 +63,11 @@ chain, not by bytes in flight: a cp.async pipeline through shared memory was no 
 memory roofline when each tile's columns are contiguous (a unit-major pool of 64-slot pages): batch 8, 128k 0.186 ms
 and batch 32, 128k 0.699 ms, 76.8% and 81.5% of the copy bandwidth, 5.1x and 5.4x dense SDPA (7.1x fewer bytes); in
 a static unit-major cache (64-byte column runs S_max apart) 50-55% (benchmarks/results/2026-12-04-int8-mma-h200).
+Its loads alone (the same bytes, addresses, occupancy and one tile ahead) read at 90-102% of the copy bandwidth
+(benchmarks/unit_load_roofline.py), so the pass is bound by its instructions. Loads from one address per lane
+(:data:`LANE_LOADS_GPU_CHECKED`) cut a tile's SASS from 765 to 619 (the 64-bit address of each of 29 loads): batch
+8, 32k 0.054 ms (66.5%, 4.65x), batch 8, 128k 0.171 (83.4%, 5.51x), batch 32, 32k 0.170 (83.8%, 5.48x), batch 32,
+128k 0.648 (87.8%, 5.64x) (benchmarks/results/2026-12-05-lane-loads-h200, r2).
 
 Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
 FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
@@ -92,11 +97,11 @@ MMA_GROUPS = (2, 4, 8)
 MAX_GRID_Y = 65535
 
 #: The unit-major kernel's loads from one address per lane and tensor (``_unit_lanes`` / ``_unit_load``: 619 SASS a
-#: 64-slot int8 tile at 128 registers instead of 765 at 167, offline sm_90a), instead of one 64-bit address per
-#: load (``_tile_load``). Equal to it in the offline compile tests; not yet run on a GPU, so off until a GPU run of
-#: benchmarks/mma_attention_gpu.py --check passes with it (benchmarks/results/2026-12-05-lane-loads-h200/run_r2.sh
-#: turns it on for its run through the environment: ``CKVP_MMA_LANE_LOADS=1``).
-LANE_LOADS_GPU_CHECKED = False
+#: 64-slot int8 tile instead of 765, offline sm_90a), instead of one 64-bit address per load (``_tile_load``).
+#: Checked on the H200 (benchmarks/results/2026-12-05-lane-loads-h200, r2: 20 random cases at G = 2, 4, 8, int4 and
+#: int8, static and paged, and the large int8 / int4 cases, errors as before) and 7-8% faster there (int8/32, 64-slot
+#: pages: batch 8, 32k 0.054 ms, was 0.059; batch 32, 128k 0.648, was 0.699). ``CKVP_MMA_LANE_LOADS=0`` turns it off.
+LANE_LOADS_GPU_CHECKED = True
 
 
 def lane_loads() -> bool:
