@@ -717,7 +717,8 @@ def _unit_load(kp, vp, fp_k, fp_v, kbase, vbase, CKW: gl.constexpr, CVW: gl.cons
     ``kp``, ``vp``, ``fp_*`` point at each lane's first word (its part of the offsets: see :func:`_unit_lanes`); the
     tile's base (``kbase`` / ``vbase``, words) is added once per tensor and each load adds a constant column offset,
     which the compiler folds into the load's immediate. (Offsets built over whole tiles gave each load its own 64-bit
-    address: 126 of the 8-bit loop's 765 SASS instructions; 15 of 644 this way, at the same 167 registers.)"""
+    address: 126 of the 8-bit loop's 765 SASS instructions; 15 of 619 this way. Registers: 128 instead of 167 with
+    Triton 3.9's ptxas offline, 168 as before with Triton 3.6's on the H200.)"""
     t = kp + kbase
     u = vp + vbase
     if BITS == 8:  # keys (2 w, 4 q, 8 c, 4 b, 2 e) at columns 8b + e; values (4 d, 4 q, 8 n, 2 m, 2 e) at 16m + 8e
@@ -876,7 +877,8 @@ def _mma_unit_kernel(
     benchmarks/results/2026-12-04-unit-major-h200, r13-r15.)
 
     BITS 8: latents of the ``int8`` format (one code a byte column; keys and values 16 words a lane a tile, see
-    :func:`_unit_step`), else ``int4``.
+    :func:`_unit_step`), else ``int4``. LANES (:func:`lane_loads`): the register path's and the masked tail's loads
+    from one address per lane and tensor (:func:`_unit_load`), else from whole-tile offsets (:func:`_tile_load`).
 
     STAGES > 0 (2 or 4; ``DecodeConfig.stages_m``): the unmasked tiles go through a ring of STAGES shared-memory
     buffers filled by cp.async (:func:`_unit_issue`), STAGES - 1 tiles in flight while one is computed, each thread
