@@ -14,8 +14,9 @@ key codes, 2 KB of value codes, 256 B of key fields and 256 B of value fields, a
 
 If the loads alone reach the bandwidth the acceptance needs at the pass's 12 warps and one tile ahead, the pass is
 bound by its instructions; if they need more warps or more tiles in flight, by the bytes it keeps in flight.
-Reports time, GB/s and share of the copy bandwidth (as ``ckvp-bench attention`` measures it), next to a plain
-contiguous read of the same bytes::
+Reports time (median of CUDA events), GB/s and share of the copy bandwidth (``ckvp-bench attention``'s
+:func:`~ckvp_compile.bench.attention.copy_bandwidth`); the "contiguous read" rows are a naive one-block-per-program
+sum of the key pool (its time doubled for both pools), a sanity check, not a roofline::
 
     PYTHONPATH=. python benchmarks/unit_load_roofline.py --json $OUT/roof.json --out $OUT/roof.md
 """
@@ -31,6 +32,9 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ckvp_compile.bench.attention import copy_bandwidth  # noqa: E402
 
 TILE_WORDS = 512  # 2 KB of one head's codes (32 byte columns x 64 slots)
 FIELD_WORDS = 64  # 256 B of one head's four fp16 fields (4 columns x 64 slots, stored as two 2-byte-wide runs)
@@ -81,18 +85,11 @@ def _roof_group(k_ptr, v_ptr, pt_ptr, w, w1, n_tiles, page_words, field_base, of
 
 @triton.jit
 def _stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Sum words [p * BLOCK, (p + 1) * BLOCK) of ``x`` (n int32) into ``out[p]``."""
     p = tl.program_id(0)
     offs = p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0)
     tl.store(out_ptr + p, tl.sum(x, axis=0))
-
-
-def copy_bandwidth(gib: float = 2.0) -> float:
-    """Bytes read + written per second of a device-to-device copy (as ``ckvp-bench attention``)."""
-    n = int(gib * 2**30 / 4)
-    a = torch.empty(n, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() * 4 / (timed(lambda: b.copy_(a)) / 1e3)
 
 
 def timed(fn, n: int = 30) -> float:
