@@ -16,6 +16,10 @@ target), with the default config (the word pass) and dense SDPA in the same run;
 ``unit-major@64`` puts the latents in a pool of 64-slot pages (``bench.attention.paged_latents``); ``--stages 0,2,4``
 sweeps the unit-major kernel's cp.async ring.
 
+``--variants base,pscan,raw+vpair+pscan``: the unit-major kernel's switches (``RAW``, ``VPAIR``, ``PSCAN`` of
+latent_attention_mma, through their environment variables): the check draws one per random case and runs each on
+int8 cases with an unmapped page below the context (:func:`variants_check`); the sweep times each.
+
 Usage (device tool, repository root): ``PYTHONPATH=. python3 benchmarks/mma_attention_gpu.py --check --sweep --out
 $OUT/mma``.
 """
@@ -38,6 +42,65 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
 TOL = 1e-3
+
+#: The unit-major kernel's switches (ckvp_compile/kernels/latent_attention_mma.py), by the names ``--variants`` takes
+#: (joined by ``+``; ``base``: all off): uncentred 8-bit key codes, 8-bit value pairs from one word, the page scan.
+VARIANT_ENV = {"raw": "CKVP_MMA_RAW8", "vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN"}
+
+
+def set_variant(name: str) -> None:
+    """Set the environment the launcher reads on every call for variant ``name`` (e.g. ``raw+vpair+pscan``)."""
+    on = set(name.split("+")) - {"base"}
+    unknown = on - set(VARIANT_ENV)
+    if unknown:
+        raise ValueError(f"unknown variant parts {sorted(unknown)}; known: {sorted(VARIANT_ENV)} or base")
+    for part, env in VARIANT_ENV.items():
+        os.environ[env] = "1" if part in on else "0"
+
+
+def variants_check(variants: list[str]) -> list[dict]:
+    """Each variant against the fp32 reference on int8/32 unit-major latents (GQA 2, 4, 8; a static cache, and 64-
+    and 128-slot pages with a page below the context unmapped, which the reference reads as zero rows; splits of
+    1, 3 and many tiles; the new token exact, as ``make_inputs`` makes it), fp32 queries: relative error <= 1e-3,
+    and the MMA kernel ran."""
+    from ckvp_compile.bench.attention import make_inputs, paged_latents, ref_chunked, rel_err
+    from ckvp_compile.kernels import latent_attention_triton as lat
+    from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, latent_attention_triton
+    from ckvp_compile.kernels.latent_layout import to_layout
+
+    rows = []
+    for heads, t, page, split in (((32, 8), 8192, 64, None), ((16, 8), 4160, 128, 3), ((64, 8), 1024, 64, 1),
+                                  ((32, 8), 8192, 0, None), ((16, 8), 640, 0, 1), ((64, 8), 2048, 64, 64)):
+        args = make_inputs(2, t, "int8/32", 32, seed=13, heads=heads, rope="none")
+        args = (args[0].float(),) + tuple(args[1:])
+        kw, hole = {}, None
+        if page:
+            hole = (t // page) // 2  # sequence 1's middle page: unmapped, read as zero rows
+            lk, lv = args[1].clone(), args[2].clone()
+            lk[1, hole * page:(hole + 1) * page] = 0
+            lv[1, hole * page:(hole + 1) * page] = 0
+            want = ref_chunked((args[0], lk, lv) + tuple(args[3:]), 2)
+            pargs, table = paged_latents(args, page, "unit-major")
+            table = table.clone()
+            table[1, hole] = -1
+            kw["page_table"] = table
+        else:
+            want = ref_chunked(args, 2)
+            pargs = (args[0], to_layout(args[1], "unit-major"), to_layout(args[2], "unit-major")) + tuple(args[3:])
+        for v in variants:
+            set_variant(v)
+            lat._LAST_LAUNCH.clear()
+            out = latent_attention_triton(*pargs, config=DecodeConfig(mma=True, split=split), **kw)
+            r = dict(variant=v, heads=list(heads), t=t, page=page, hole=hole, split=split,
+                     ran_mma=bool(lat._LAST_LAUNCH.get("mma")), rel_err=rel_err(out, want),
+                     finite=bool(torch.isfinite(out).all()))
+            r["ok"] = r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL
+            rows.append(r)
+            print(("ok  " if r["ok"] else "BAD ") + "variant " + json.dumps(r), flush=True)
+        del args, pargs, want
+        torch.cuda.empty_cache()
+    set_variant("base")
+    return rows
 
 
 def _cuda(args):
@@ -118,7 +181,8 @@ def stages_identity() -> list[dict]:
     return rows
 
 
-def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> bool:
+def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",),
+              variants: tuple[str, ...] = ("base",)) -> bool:
     from test_latent_attention_triton import _expected, _inputs, _paged
 
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -133,7 +197,10 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
         return z[..., :w].copy_(t)
 
     rows, ok = [], True
+    vrng = random.Random(99)  # (its own draws: the cases stay those of earlier runs)
     for p in check_cases(int(os.environ.get("MMA_CASES", "80")), formats=formats):
+        p["variant"] = vrng.choice(variants)
+        set_variant(p["variant"])
         cfg = DecodeConfig(mma=True, block_n_m=p["block_n"], split=p["split"], programs_m=p["programs"],
                            maxnreg_m=p["maxnreg"], stages_m=p["stages"],
                            **({} if p["split_d"] is None else {"reduce_split_d": p["split_d"]}))
@@ -199,11 +266,15 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",)) -> b
             print(("ok  " if good else "BAD ") + json.dumps(r), flush=True)
         del args, args32, want, want32
         torch.cuda.empty_cache()
+    set_variant("base")
     same = stages_identity()
     ok &= all(r["identical"] for r in same)
+    var_rows = variants_check(list(variants)) if variants != ("base",) else []
+    ok &= all(r["ok"] for r in var_rows)
     if out_dir:
         with open(os.path.join(out_dir, "check.json"), "w") as f:
-            json.dump(dict(ok=ok, tol=TOL, small=rows, large=big, stages_identity=same, **_versions()), f, indent=1)
+            json.dump(dict(ok=ok, tol=TOL, small=rows, large=big, stages_identity=same, variants=var_rows,
+                           **_versions()), f, indent=1)
     print("check", "PASSED" if ok else "FAILED", flush=True)
     return ok
 
@@ -215,7 +286,8 @@ def _versions() -> dict:
 
 def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list[int], programs: list[int],
               maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,),
-              merges: list[bool | None] = (None,), fmt: str = "int4/32", stages: list[int] = (0,)) -> None:
+              merges: list[bool | None] = (None,), fmt: str = "int4/32", stages: list[int] = (0,),
+              variants: list[str] = ("base",)) -> None:
     from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
                                               make_inputs, paged_latents)
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -256,7 +328,9 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
 
             um_args = (args[0], to_layout(args[1], "unit-major"), to_layout(args[2], "unit-major")) + tuple(args[3:])
         paged = {lay: paged_latents(args, int(lay.split("@")[1]), lay.split("@")[0]) for lay in layouts if "@" in lay}
-        for name, cfg in configs:
+        runs = [(n_, c_, v_) for n_, c_ in configs for v_ in (variants if n_ != "default" else ["base"])]
+        for name, cfg, variant in runs:
+            set_variant(variant)
             kw = {}
             args_c = um_args if name.endswith("unit-major") else args
             if "@" in name.split()[-1]:
@@ -273,7 +347,7 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                 print(f"{b}x{t} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             nb = kernel_bytes(args, n_split, 32)  # (the static rows: a pool holds the same bytes)
-            row = dict(b=b, t=t, format=fmt, config=name, ms=ms, n_split=n_split, regs=regs, **ran,
+            row = dict(b=b, t=t, format=fmt, config=name, variant=variant, ms=ms, n_split=n_split, regs=regs, **ran,
                        bytes_latent=nb["latent"], bytes_total=nb["total"],
                        copy_share=nb["total"] / (ms * 1e-3) / bw, dense_ms=dense_ms, dense=dense,
                        speedup=dense_ms / ms, byte_ratio=dense_bytes / nb["latent"])
@@ -334,13 +408,17 @@ def main() -> int:
                     help="latent formats: --check draws from all, --sweep / --profile take the first (int8/32: "
                          "unit-major latents only)")
     ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
+    ap.add_argument("--variants", default="base",
+                    help="comma-separated unit-major kernel switches, each a '+'-joined subset of "
+                         f"{sorted(VARIANT_ENV)} or base: --check draws one per random case and checks each on "
+                         "int8 cases with an unmapped page; --sweep times each")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     ok = True
     if a.check:
-        ok = run_check(a.out, tuple(a.formats.split(",")))
+        ok = run_check(a.out, tuple(a.formats.split(",")), tuple(a.variants.split(",")))
     if a.profile:
         run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1], fmt=a.formats.split(",")[0],
                     stages=int(a.stages.split(",")[0]))
@@ -350,7 +428,7 @@ def main() -> int:
                   [int(x) or None for x in a.maxnregs.split(",")], a.layouts.split(","),
                   [None if x == "-" else bool(int(x)) for x in a.split_d.split(",")],
                   [None if x == "-" else bool(int(x)) for x in a.merges.split(",")], a.formats.split(",")[0],
-                  [int(x) for x in a.stages.split(",")])
+                  [int(x) for x in a.stages.split(",")], a.variants.split(","))
     print(f"done in {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
 

@@ -104,11 +104,58 @@ MAX_GRID_Y = 65535
 LANE_LOADS_GPU_CHECKED = True
 
 
+#: The unit-major kernel's 8-bit codes enter the tensor cores uncentred (``RAW``): ``prmt`` + ``lop3`` make fp16
+#: ``1024 + code`` and the ``sub.f16x2`` that centred them by 1024 + 128 is gone (64 of a 64-slot tile's 619 SASS
+#: instructions, offline sm_90a); the offset moves into the terms the pass adds anyway (``-1024 * sum(c)`` in the
+#: scores, ``min - 1024 * scale`` as the value's centred min). Costs about 9x the fp32 rounding of the centred
+#: codes (the products carry 1024 + code instead of code - 128; the emulation in
+#: tests/kernels/test_latent_attention_mma.py bounds it). Off until benchmarks/mma_attention_gpu.py passes on a GPU
+#: with it (``CKVP_MMA_RAW8=1``); ``CKVP_MMA_RAW8=0`` keeps it off.
+RAW_CODES_GPU_CHECKED = False
+
+#: In a paged cache a program first finds its split's first unmapped page (``PSCAN``: one vector load of up to 128
+#: page-table entries, :func:`_mapped_end`) and leaves the tiles from there to the masked loop, so the unmasked tiles
+#: run without the per-slot zeroing of the four fields for unmapped pages (32 ``FSEL`` of the 8-bit tile's 639 SASS,
+#: Triton 3.6). A test of the page inside the loop instead took 200 registers. Off until checked on a GPU
+#: (``CKVP_MMA_PAGE_SCAN=1`` / ``0``).
+PAGE_SCAN_GPU_CHECKED = False
+
+#: The unit-major kernel's 8-bit value operand from one word a slot pair (``VPAIR``): the value product's k order is
+#: permuted (:func:`_group_pairs`, free: a register choice in the weights' fp16 packing) so that a thread's k pair is
+#: two adjacent slots of one code column, and one ``prmt`` with 0x64 bytes turns two codes into fp16 ``1024 + code``
+#: (3 instructions a pair before: ``prmt`` of two words, ``lop3``, ``sub.f16x2``); the value's centred min takes
+#: the -1024. Off until checked on a GPU (``CKVP_MMA_VPAIR=1`` / ``0``).
+VPAIR_GPU_CHECKED = False
+
+
+def _switch(env_name: str, checked: bool) -> bool:
+    """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
+    env = os.environ.get(env_name)
+    return checked if env is None else env == "1"
+
+
 def lane_loads() -> bool:
     """Whether the unit-major kernel loads from one address per lane (:data:`LANE_LOADS_GPU_CHECKED`, or the
     environment variable ``CKVP_MMA_LANE_LOADS=1`` / ``0`` for a GPU check either way). Raises nothing."""
-    env = os.environ.get("CKVP_MMA_LANE_LOADS")
-    return LANE_LOADS_GPU_CHECKED if env is None else env == "1"
+    return _switch("CKVP_MMA_LANE_LOADS", LANE_LOADS_GPU_CHECKED)
+
+
+def raw_codes() -> bool:
+    """Whether the unit-major kernel's 8-bit codes stay uncentred in its operands (:data:`RAW_CODES_GPU_CHECKED`,
+    or ``CKVP_MMA_RAW8=1`` / ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_RAW8", RAW_CODES_GPU_CHECKED)
+
+
+def value_pairs() -> bool:
+    """Whether the unit-major kernel's 8-bit value operand takes a slot pair from one word (:data:`VPAIR_GPU_CHECKED`,
+    or ``CKVP_MMA_VPAIR=1`` / ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_VPAIR", VPAIR_GPU_CHECKED)
+
+
+def page_scan() -> bool:
+    """Whether the unit-major kernel leaves tiles from a split's first unmapped page to its masked loop instead of
+    zeroing per slot (:data:`PAGE_SCAN_GPU_CHECKED`, or ``CKVP_MMA_PAGE_SCAN=1`` / ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_PAGE_SCAN", PAGE_SCAN_GPU_CHECKED)
 
 
 RK = gl.constexpr(MMA_RANK)
@@ -199,6 +246,27 @@ def _group_tiles(pe, GROUPS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr):
 
 
 @gluon.jit
+def _group_pairs(p, GROUPS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr):
+    """(8 rows, 8 NT) weights in the scores' layout (column ``8j + c``) -> (8, 64) in the value product's k order of
+    ``VPAIR``: k = ``16 (grp NT / 2 + m) + 8h + 2q + e`` holds column ``8(2m + e) + 2q + h`` of row r where r's group
+    is grp, else 0. A thread's k pair (e = 0, 1) is then one score column of two adjacent column tiles, which read
+    adjacent slots (``8c + grp NT + j``), so the value operand's pair comes from one word of a code column."""
+    pe = gl.permute(gl.reshape(p, [8, NT // 2, 2, 4, 2]), [0, 1, 4, 3, 2])  # (r, m, h, q, e)
+    L5: gl.constexpr = pe.type.layout
+    r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))))
+    r = r[:, None, None, None, None] // G
+    if GROUPS == 1:
+        out = pe
+    elif GROUPS == 2:
+        out = gl.permute(gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1)), [0, 5, 1, 2, 3, 4])
+    else:
+        x = gl.join(gl.join(_keep_if(pe, r, 0), _keep_if(pe, r, 1)),
+                    gl.join(_keep_if(pe, r, 2), _keep_if(pe, r, 3)))  # (r, m, h, q, e, i0, i1): grp = 2 i1 + i0
+        out = gl.permute(x, [0, 6, 5, 1, 2, 3, 4])
+    return gl.reshape(out, [8, 64])
+
+
+@gluon.jit
 def _pow2(e):
     """fp32 2^e for int32 ``e`` in [-126, 127], exact."""
     return ((e + 127) << 23).to(gl.float32, bitcast=True)
@@ -286,14 +354,16 @@ def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_un
 def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                  L: gl.constexpr, AL: gl.constexpr, LS: gl.constexpr, BT: gl.constexpr, NT: gl.constexpr,
                  G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr,
-                 CENTER: gl.constexpr = 8.0):
+                 CENTER: gl.constexpr = 8.0, VPAIR: gl.constexpr = False):
     """One tile: the scores on the tensor cores, the online softmax (base 2), the value product. kb / vb: the key
     and value B operands (centred codes, fp16); ksf .. vmf: the per-slot scale / min fields (8, 8 NT) fp32 in the
     scores' layout LS. l_q / n_q: (8 rows, 4 lanes) per-lane partial sums of the weights and of weight x the
     value's centred min; ``ve``: the exponent of the power of two the weights carry (chosen per tile; the
     accumulator is rescaled exactly). MASKED: slots outside ``ok_s`` score -inf; ZERO: the fields of slots outside
     ``sok`` read as 0 (rows past the context, unmapped pages: their bytes may be anything). CENTER: what the
-    centred codes had subtracted (8 for 4-bit codes, 128 for 8-bit; ``sumc8`` is CENTER * sum(c))."""
+    value codes had subtracted (8 for 4-bit codes, 128 for 8-bit, -1024 for 8-bit ``1024 + code``; the caller's
+    ``sumc8`` carries the key codes' own). VPAIR: the value product's k order of :func:`_group_pairs` (``vb`` built
+    to match, :func:`_unit_step`)."""
     if ZERO:
         ksf = gl.where(sok, ksf, 0.0)
         kmf = gl.where(sok, kmf, 0.0)
@@ -328,8 +398,12 @@ def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit,
         p_lo = (pw - p_hi.to(gl.float32)).to(gl.float16)
     else:
         p_lo = gl.zeros([8, 8 * NT], gl.float16, LS)
-    ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
-    pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
+    if VPAIR:
+        ph = _group_pairs(p_hi, GROUPS, G, NT)
+        pl = _group_pairs(p_lo, GROUPS, G, NT)
+    else:
+        ph = _group_tiles(gl.reshape(p_hi, [8, NT, 8]), GROUPS, G, NT)
+        pl = _group_tiles(gl.reshape(p_lo, [8, NT, 8]), GROUPS, G, NT)
     pa = gl.convert_layout(gl.reshape(gl.permute(gl.join(ph, pl), [2, 0, 1]), [ROWS, BT]), AL)
     return m_new, l_q, n_q, mma_v2(pa, vb, acc), ve_t
 
@@ -391,6 +465,20 @@ def _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT: gl.constexp
     t_start = c * tiles_per_split
     t_end = gl.minimum(t_start + tiles_per_split, n_tiles)
     return t_start, t_end, gl.maximum(gl.minimum(t_end, gl.minimum(kv_len, lo_exact) // BT), t_start)
+
+
+@gluon.jit
+def _mapped_end(t_start, fast_end, b, pt_ptr, stride_ptb, PAGE: gl.constexpr):
+    """The first 64-slot tile in ``[t_start, fast_end)`` whose page is unmapped (-1) in sequence b's page table, else
+    ``fast_end``: 128 tiles' entries a vector load."""
+    SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+    end = fast_end
+    for c0 in range(t_start, fast_end, 128):
+        tt = c0 + gl.arange(0, 128, layout=SL)
+        ok = tt < fast_end
+        idx = gl.load(pt_ptr + b.to(gl.int64) * stride_ptb + tt // (PAGE // 64), mask=ok, other=0)
+        end = gl.minimum(end, gl.min(gl.where(ok & (idx < 0), tt, fast_end), axis=0))
+    return end
 
 
 @gluon.jit
@@ -594,6 +682,21 @@ _DEQ_BYTES_ASM = gl.constexpr(
     + "}\n")
 
 
+# The same without centring (``RAW``): outputs fp16 1024 + byte t of a / of b, exact (fp16 holds 1024..1279).
+_DEQ_BYTES_RAW_ASM = gl.constexpr(
+    "\n{\n.reg .b32 x;\n"
+    + "".join(f"prmt.b32 x, $8, $9, 0x0{4 + t}0{t};\nlop3.b32 x, x, 0x00ff00ff, 0x64006400, 0xea;\n"
+              f"mov.b32 {{${2 * t}, ${2 * t + 1}}}, x;\n" for t in range(4))
+    + "}\n")
+
+
+# 8-bit values, slot pairs within one word (``VPAIR``): one unit-major word (bytes t = 0..3: four slots of one
+# coordinate) -> fp16 1024 + byte t, one prmt with 0x64 bytes per pair of slots. Outputs: t.
+_DEQ_QUAD_RAW_ASM = gl.constexpr(
+    "\n{\n.reg .b32 c, x, y;\nmov.b32 c, 0x64646464;\nprmt.b32 x, $4, c, 0x5140;\nprmt.b32 y, $4, c, 0x5342;\n"
+    "mov.b32 {$0, $1}, x;\nmov.b32 {$2, $3}, y;\n}\n")
+
+
 @gluon.jit
 def _join4(a, b, c, d):
     """(..., 4) from four tensors, in argument order."""
@@ -629,6 +732,22 @@ def _dequant_bytes(a, b):
     d = gl.inline_asm_elementwise(_DEQ_BYTES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [a, b], dtype=(gl.float16,) * 8,
                                   is_pure=True, pack=1)
     return gl.join(_join4(d[0], d[2], d[4], d[6]), _join4(d[1], d[3], d[5], d[7]))
+
+
+@gluon.jit
+def _raw_bytes(a, b):
+    """:data:`_DEQ_BYTES_RAW_ASM`: :func:`_dequant_bytes` with the codes left as fp16 ``1024 + code``."""
+    d = gl.inline_asm_elementwise(_DEQ_BYTES_RAW_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [a, b],
+                                  dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    return gl.join(_join4(d[0], d[2], d[4], d[6]), _join4(d[1], d[3], d[5], d[7]))
+
+
+@gluon.jit
+def _raw_quads(w):
+    """:data:`_DEQ_QUAD_RAW_ASM` on each int32 word of ``w``: shape ``w.shape + (4 t,)`` fp16 ``1024 + byte t``."""
+    d = gl.inline_asm_elementwise(_DEQ_QUAD_RAW_ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 4, is_pure=True,
+                                  pack=1)
+    return _join4(d[0], d[1], d[2], d[3])
 
 
 @gluon.jit
@@ -818,7 +937,8 @@ def _unit_staged(smem, st, KL: gl.constexpr, VL: gl.constexpr, FL: gl.constexpr)
 def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
-               PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr, BITS: gl.constexpr = 4):
+               PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr, BITS: gl.constexpr = 4,
+               RAW: gl.constexpr = False, VPAIR: gl.constexpr = False):
     """One unit-major tile: the operands from the loaded words, then :func:`_online_step`.
 
     Keys: word (w, q, c, b) holds slots ``8c + 4w + t`` (t = 0..3) of code byte ``q + 4b`` (coordinates 2(q + 4b) + e):
@@ -831,30 +951,47 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
     BITS 8 (one code a byte): key word (w, q, c, b, e) holds slots ``8c + 4w + t`` of code byte (= coordinate)
     ``8b + 2q + e``, so the pair of words e = 0, 1 gives each slot's k pair as one fp16x2 (:func:`_dequant_bytes`)
     in the 4-bit path's order; value word (d, q, n, m, e) holds slots ``16q + 4d + t`` of coordinate
-    ``n + 8(2m + e)``, value column ``8(2m + e) + n`` holds that coordinate (column j = coordinate j)."""
+    ``n + 8(2m + e)``, value column ``8(2m + e) + n`` holds that coordinate (column j = coordinate j). RAW (BITS 8):
+    the key operand holds ``1024 + code`` (:func:`_raw_bytes`; the caller's ``sumc8`` is -1024 sum(c)). VPAIR (BITS
+    8): the value operand holds ``1024 + code`` with the k order of :func:`_group_pairs`: word (d = 2h + dd, q, n, m,
+    e) byte t is slot ``16q + 8h + u`` with ``u = 4 dd + t = grp NT + 2m' + e'``, so bytes (t, t + 1) are the k pair
+    e' = 0, 1 of (grp, m', h, q) (:func:`_raw_quads`: one prmt a pair); CENTER -1024."""
     ksf = _unit_fields(ks, r_f, LS, G, NT, NWS)
     kmf = _unit_fields(km, r_f, LS, G, NT, NWS)
     vsf = _unit_fields(vs, r_f, LS, G, NT, NWS)
     vmf = _unit_fields(vm, r_f, LS, G, NT, NWS)
     if BITS == 8:
         ka, kb_ = gl.split(wk)  # (2 w, 4 q, 8 c, 4 b), e = 0 / 1
-        x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+        if RAW:
+            x = _raw_bytes(ka, kb_)
+        else:
+            x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
     else:
         x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
     x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
     kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
-    if BITS == 8:  # value words (4 d, 4 q, 8 n, 2 m, 2 e) -> a: d = 0, 1; b: d = 2, 3
+    if BITS == 8 and VPAIR:  # value words (4 d, 4 q, 8 n, 2 cm, 2 ce): coordinate n + 16 cm + 8 ce
+        y = gl.reshape(_raw_quads(wv), [2, 2, 4, 8, 2, 2, 4])  # (h, dd, q, n, cm, ce, t)
+        y = gl.reshape(gl.permute(y, [0, 2, 3, 4, 5, 1, 6]), [2, 4, 8, 2, 2, GROUPS, NT // 2, 2])  # u -> (grp, m, e)
+        y = gl.permute(y, [5, 6, 0, 1, 7, 3, 4, 2])  # (grp, m, h, q, e, cm, ce, n)
+        vb = gl.convert_layout(gl.reshape(y, [BT, RV]), BL)
+    elif BITS == 8:  # value words (4 d, 4 q, 8 n, 2 m, 2 e) -> a: d = 0, 1; b: d = 2, 3
         v = gl.reshape(gl.permute(wv, [1, 2, 3, 4, 0]), [4, 8, 2, 2, 2, 2])  # (q, n, m, e, d // 2, d % 2)
         va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 3, 5, 4]))  # (q, n, m, e, d % 2)
-        y = gl.permute(_dequant_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])  # (q, n, m, d, 4 t, 2 e, 2 ab)
+        if RAW:
+            y = gl.permute(_raw_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])
+        else:
+            y = gl.permute(_dequant_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])  # (q, n, m, d, 4 t, 2 e, 2 ab)
     else:  # value words (4 d, 4 q, 8 n, 2 m) -> a: d = 0, 1; b: d = 2, 3
         v = gl.reshape(gl.permute(wv, [1, 2, 3, 0]), [4, 8, 2, 2, 2])  # (q, n, m, d // 2, d % 2)
         va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 4, 3]))  # (q, n, m, d % 2)
         y = _dequant_pairs(va, vb_)  # (q, n, m, d, 4 t, 2 e, 2 ab)
-    y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
-    vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
+    if not (BITS == 8 and VPAIR):
+        y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
+        vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
     return _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L,
-                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0)
+                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO,
+                        -1024.0 if VPAIR else (128.0 if BITS == 8 else 8.0), VPAIR)
 
 
 @gluon.jit
@@ -865,6 +1002,7 @@ def _mma_unit_kernel(
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
     COL_V: gl.constexpr, BITS: gl.constexpr = 4, STAGES: gl.constexpr = 0, LANES: gl.constexpr = False,
+    RAW: gl.constexpr = False, PSCAN: gl.constexpr = False, VPAIR: gl.constexpr = False,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -934,7 +1072,9 @@ def _mma_unit_kernel(
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
     sumc = _query_sums(q_row, G, LS)
-    sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
+    # what the operands' codes had subtracted: 8 (4-bit), 128 (8-bit), -1024 (8-bit RAW: fp16 1024 + code)
+    gl.static_assert(BITS == 8 or not (RAW or VPAIR), "RAW, VPAIR: 8-bit codes only")
+    sumc8 = sumc * (-1024.0 if RAW else (128.0 if BITS == 8 else 8.0))
 
     # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
     tok_s = (cols % 8)[None, :] * 8 + (rows // G)[:, None] * NT + (cols // 8)[None, :]
@@ -1004,6 +1144,11 @@ def _mma_unit_kernel(
     ve = 14 + gl.program_id(0) * 0
 
     t_start, t_end, fast_end = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT)
+    if PSCAN and PAGE > 0:  # unmapped pages go to the masked tiles: the unmasked ones need no per-slot zeroing
+        fast_end = _mapped_end(t_start, fast_end, b, pt_ptr, stride_ptb, PAGE)
+        ZFAST: gl.constexpr = False
+    else:
+        ZFAST: gl.constexpr = PAGE > 0
     all_s = tok_s >= 0
     if STAGES > 0 and fast_end > t_start:  # a cp.async ring of STAGES tiles, STAGES - 1 in flight while one computes
         if BITS == 8:
@@ -1041,7 +1186,7 @@ def _mma_unit_kernel(
             wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
                                                 sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, PAGE > 0, BITS)
+                                                GROUPS, NWS, PLO, False, ZFAST, BITS, RAW, VPAIR)
         async_copy.wait_group(0)
     elif fast_end > t_start:  # one tile loaded ahead of the one computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
@@ -1060,7 +1205,7 @@ def _mma_unit_kernel(
                 tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
                                                 sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, PAGE > 0, BITS)
+                                                GROUPS, NWS, PLO, False, ZFAST, BITS, RAW, VPAIR)
     for t in range(fast_end, t_end):
         t0 = t * BT
         if PAGE > 0:
@@ -1076,7 +1221,7 @@ def _mma_unit_kernel(
             wk, wv, ks, km, vs, vm = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
-                                            PLO, True, True, BITS)
+                                            PLO, True, True, BITS, RAW, VPAIR)
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
                  GROUPS, BITS)
 
@@ -1161,7 +1306,9 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
-                     unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None):
+                     unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
+                     raw: bool | None = None, pscan: bool | None = None, vpair: bool | None = None,
+                     maxnreg: int | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1170,7 +1317,11 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
             a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path); stages: the unit-major
             kernel's cp.async ring (0: loads into registers one tile ahead); lanes: the unit-major kernel's
-            loads from one address per lane (None: :func:`lane_loads`).
+            loads from one address per lane (None: :func:`lane_loads`); raw: uncentred 8-bit operands (None:
+            :func:`raw_codes`; 4-bit kernels ignore it); pscan: unmapped pages to the masked loop (None:
+            :func:`page_scan`);
+            vpair: 8-bit value pairs from one word (None: :func:`value_pairs`; 4-bit kernels ignore it).
+            maxnreg: ptxas's register cap (None: its own choice).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1193,14 +1344,19 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(10), 22, 23)}  # pointers; sequence / page strides
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
-        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr")
+        sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr",
+                   RAW="constexpr", PSCAN="constexpr", VPAIR="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
                                              BITS=bits, STAGES=stages,
-                                             LANES=lane_loads() if lanes is None else lanes))
+                                             LANES=lane_loads() if lanes is None else lanes,
+                                             RAW=bits == 8 and (raw_codes() if raw is None else raw),
+                                             PSCAN=page_scan() if pscan is None else pscan,
+                                             VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair)))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,
                                              ROW_V=row_v))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    options = {"num_warps": 1} if maxnreg is None else {"num_warps": 1, "maxnreg": maxnreg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
