@@ -44,8 +44,9 @@ sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 TOL = 1e-3
 
 #: The unit-major kernel's switches (ckvp_compile/kernels/latent_attention_mma.py), by the names ``--variants`` takes
-#: (joined by ``+``; ``base``: all off): uncentred 8-bit key codes, 8-bit value pairs from one word, the page scan.
-VARIANT_ENV = {"raw": "CKVP_MMA_RAW8", "vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN"}
+#: (joined by ``+``; ``base``: all off): uncentred 8-bit key codes, 8-bit value pairs from one word, the page scan,
+#: programmatic dependent launch of fold -> pass -> merge (latent_attention_triton.PDL_GPU_CHECKED).
+VARIANT_ENV = {"raw": "CKVP_MMA_RAW8", "vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL"}
 
 
 def set_variant(name: str) -> None:

@@ -96,10 +96,14 @@ def absorbed_heads(rank_pad_k: int, rank_pad_v: int, blocks_k: int, blocks_v: in
 def _fold_query_kernel(qf_ptr, q_ptr, bk_ptr, kmeta_ptr, Hkv, S, G, D, qk_scale,
                        stride_qb, stride_qh, stride_qs, stride_qd, stride_bkb, stride_bkh, stride_bkd, stride_bkr,
                        QP: tl.constexpr, D_PAD: tl.constexpr, RKP: tl.constexpr, RKF: tl.constexpr,
-                       Q_EXACT: tl.constexpr, BK_EXACT: tl.constexpr, F32_DOT: tl.constexpr):
+                       Q_EXACT: tl.constexpr, BK_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """``qf[b, s, h, g, j] = qk_scale * sum_d q[b, h*G+g, s, d] * basis_k[(b,) h, d, j]`` (fp32; 0 for j >= the
     head's rank), qf (B, S, Hkv, G, RKP) contiguous. Grid (B*S, Hkv). QP / RKF: the product's rows and columns
-    padded to the tensor cores' 16."""
+    padded to the tensor cores' 16. PDL: let the next launch (a programmatic dependent: the MMA pass) start at once
+    (``griddepcontrol.launch_dependents``; it waits for this grid before reading qf)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     bs = tl.program_id(0)
     h = tl.program_id(1)
     b = bs // S

@@ -698,6 +698,13 @@ _DEQ_QUAD_RAW_ASM = gl.constexpr(
 
 
 @gluon.jit
+def _gdc(op: gl.constexpr):
+    """``griddepcontrol.<op>`` (``wait`` or ``launch_dependents``): programmatic dependent launch's two
+    instructions (PTX ISA; a no-op in a grid launched without it)."""
+    gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _join4(a, b, c, d):
     """(..., 4) from four tensors, in argument order."""
     return gl.reshape(gl.join(gl.join(a, c), gl.join(b, d)), a.shape + [4])
@@ -1002,7 +1009,7 @@ def _mma_unit_kernel(
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
     COL_V: gl.constexpr, BITS: gl.constexpr = 4, STAGES: gl.constexpr = 0, LANES: gl.constexpr = False,
-    RAW: gl.constexpr = False, PSCAN: gl.constexpr = False, VPAIR: gl.constexpr = False,
+    RAW: gl.constexpr = False, PSCAN: gl.constexpr = False, VPAIR: gl.constexpr = False, PDL: gl.constexpr = False,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1017,6 +1024,12 @@ def _mma_unit_kernel(
     BITS 8: latents of the ``int8`` format (one code a byte column; keys and values 16 words a lane a tile, see
     :func:`_unit_step`), else ``int4``. LANES (:func:`lane_loads`): the register path's and the masked tail's loads
     from one address per lane and tensor (:func:`_unit_load`), else from whole-tile offsets (:func:`_tile_load`).
+    RAW / VPAIR (BITS 8; :func:`raw_codes`, :func:`value_pairs`): the key / value operands hold fp16 ``1024 + code``
+    (the value pairs from one word, in :func:`_group_pairs`' k order). PSCAN (:func:`page_scan`): tiles from the
+    split's first unmapped page on run in the masked loop (:func:`_mapped_end`), so the unmasked ones skip the
+    per-slot zeroing of unmapped pages. PDL (``latent_attention_triton.pdl_launches``): launched as a programmatic
+    dependent of the query fold: ``griddepcontrol.launch_dependents`` first (the merge may launch), then
+    ``griddepcontrol.wait`` before the folded query is read.
 
     STAGES > 0 (2 or 4; ``DecodeConfig.stages_m``): the unmasked tiles go through a ring of STAGES shared-memory
     buffers filled by cp.async (:func:`_unit_issue`), STAGES - 1 tiles in flight while one is computed, each thread
@@ -1058,10 +1071,14 @@ def _mma_unit_kernel(
 
     lk_w = lk_ptr.to(gl.pointer_type(gl.int32))
     lv_w = lv_ptr.to(gl.pointer_type(gl.int32))
+    if PDL:  # a programmatic dependent of the query fold: let the merge launch now, read qf after the fold's grid
+        _gdc("launch_dependents")
     k_col = gl.load(kmeta_ptr + 3 * h)  # first code byte (column)
     k_blk = gl.load(kmeta_ptr + 3 * h + 1)
     v_col = gl.load(vmeta_ptr + 3 * h)
     v_blk = gl.load(vmeta_ptr + 3 * h + 1)
+    if PDL:
+        _gdc("wait")
 
     q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
     ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True, BITS)
@@ -1308,7 +1325,7 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
                      raw: bool | None = None, pscan: bool | None = None, vpair: bool | None = None,
-                     maxnreg: int | None = None):
+                     maxnreg: int | None = None, pdl: bool = False):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1321,7 +1338,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             :func:`raw_codes`; 4-bit kernels ignore it); pscan: unmapped pages to the masked loop (None:
             :func:`page_scan`);
             vpair: 8-bit value pairs from one word (None: :func:`value_pairs`; 4-bit kernels ignore it).
-            maxnreg: ptxas's register cap (None: its own choice).
+            maxnreg: ptxas's register cap (None: its own choice); pdl: the unit-major kernel's programmatic
+            dependent launch instructions (``PDL``).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1345,7 +1363,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
         sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr",
-                   RAW="constexpr", PSCAN="constexpr", VPAIR="constexpr")
+                   RAW="constexpr", PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
@@ -1353,7 +1371,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              LANES=lane_loads() if lanes is None else lanes,
                                              RAW=bits == 8 and (raw_codes() if raw is None else raw),
                                              PSCAN=page_scan() if pscan is None else pscan,
-                                             VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair)))
+                                             VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair),
+                                             PDL=pdl))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

@@ -122,6 +122,24 @@ MAX_HEAD_DIM = 256
 MAX_RANK = 512
 MAX_GROUP = 64
 
+#: Programmatic dependent launch (PDL, sm_90+) along the MMA pass's three launches: the query fold lets the pass's
+#: programs start at once (``griddepcontrol.launch_dependents``), the pass reads the folded query only after
+#: ``griddepcontrol.wait`` and lets the merge start at once, and the merge loads the value basis and the query
+#: before it waits for the partials: each launch's latency and prologue overlap the kernel before it (batch 8, 32k
+#: on the H200: fold 2.3 us + pass 43 + merge 8 in a 54 us call). Every write stays after its kernel's wait. Off
+#: until checked on a GPU, CUDA-graph capture included (``CKVP_PDL=1`` / ``0``).
+PDL_GPU_CHECKED = False
+
+
+def pdl_launches(device: torch.device) -> bool:
+    """Whether the MMA pass's launches chain by programmatic dependent launch on ``device``
+    (:data:`PDL_GPU_CHECKED` or ``CKVP_PDL=1`` / ``0``; CUDA devices of compute capability 9.0 and later only,
+    never under the interpreter). Raises nothing."""
+    env = os.environ.get("CKVP_PDL")
+    on = PDL_GPU_CHECKED if env is None else env == "1"
+    return (on and device.type == "cuda" and not _interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -1593,10 +1611,11 @@ def _latent_attention_reduce_kernel(
     # meta-parameters
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK: tl.constexpr, BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr,
-    G_LOOP: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SPLIT_D: tl.constexpr = False,
+    G_LOOP: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SPLIT_D: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Merge the splits of one (sequence, KV head, query token), add the exact tokens, project, normalise
-    (:func:`_merge_row`).
+    (:func:`_merge_row`). PDL: launched as a programmatic dependent of the pass (:data:`PDL_GPU_CHECKED`): it waits
+    (``griddepcontrol.wait``) before anything else.
 
     Shapes: new_k / new_v (B, Hkv, n_exact, D) at slots (n_exact,) (-1: unused entry); basis_v (Hkv, D, Rv_max);
     out (B, H, S, D) q.dtype; the rest as in ``_latent_attention_split_kernel``. The exact tokens are taken NB at a
@@ -1606,6 +1625,8 @@ def _latent_attention_reduce_kernel(
     per slice); otherwise one program per (sequence, KV head, query token) projects every slice. G_LOOP:
     next_pow2(G); SPLIT_BLOCK: splits per tile of partials (:func:`merge_split_block`).
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     _merge_row(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
                Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
@@ -1634,7 +1655,7 @@ def _merge_splits_kernel(
     # meta-parameters
     G_PAD: tl.constexpr, G_SMALL: tl.constexpr, D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     BV_EXACT: tl.constexpr, F32_DOT: tl.constexpr, NB: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-    SPLIT_D: tl.constexpr,
+    SPLIT_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The merge of :func:`_latent_attention_reduce_kernel` for calls without an attention mask, in one pass over
     the partials (the MMA pass's merge). Same grid (B*Hkv, S, D_PAD / BLOCK_D if SPLIT_D else 1), workspaces, exact
@@ -1645,12 +1666,31 @@ def _merge_splits_kernel(
     and no second pass for the max. The exact tokens' scores are computed once per block of NB tokens, their values
     accumulated online in a (G_PAD, D) tile of their own, and the two parts combined at the end (FlashDecoding's
     merge; Dao et al., 2023). Scores are in log2 units (``qk_scale`` includes log2 e), as in the partials.
-    G_SMALL: next_pow2(G), the partials' tile; G_PAD (>= 16, the tensor cores' M): the products' rows."""
+    G_SMALL: next_pow2(G), the partials' tile; G_PAD (>= 16, the tensor cores' M): the products' rows. PDL: launched
+    as a programmatic dependent of the pass (:data:`PDL_GPU_CHECKED`): the value basis and the query are loaded
+    first, then ``griddepcontrol.wait`` before the partials (every write comes after it)."""
     bh = tl.program_id(0)
     s = tl.program_id(1)
     pid_d = tl.program_id(2)
     b = bh // Hkv
     h = bh % Hkv
+    # the value basis slice and the query heads: inputs of the call, not of the pass (loaded before PDL's wait)
+    g = tl.arange(0, G_PAD)
+    head_ok = g < G
+    heads = h * G + g
+    d = tl.arange(0, D_PAD)
+    if SPLIT_D:
+        dd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    else:
+        dd = tl.arange(0, BLOCK_D)
+    rv = tl.arange(0, RV_PAD)
+    bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
+    pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
+                 mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + (heads * stride_qh)[:, None]
+                + (d * stride_qd)[None, :], mask=head_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     GR: tl.constexpr = G_SMALL * RV_PAD
     gr = tl.arange(0, GR)
     gc = gr // RV_PAD  # each column's query head
@@ -1675,7 +1715,6 @@ def _merge_splits_kernel(
         a_run = a_run * alpha + tl.sum(w * a_t, axis=0)
         m_run = m_new
     # per head: max and sum (equal over a head's columns) and value latent, as G_PAD rows (rows >= G_SMALL empty)
-    g = tl.arange(0, G_PAD)
     REP: tl.constexpr = G_PAD // G_SMALL
     m_p = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(m_run, (G_SMALL, RV_PAD)), axis=1)[None, :], (REP, G_SMALL)),
                      (G_PAD,))
@@ -1686,21 +1725,8 @@ def _merge_splits_kernel(
     acc = tl.reshape(tl.broadcast_to(tl.reshape(a_run, (G_SMALL, RV_PAD))[None, :, :], (REP, G_SMALL, RV_PAD)),
                      (G_PAD, RV_PAD))
     acc = tl.where((g < G_SMALL)[:, None], acc, 0.0)
-    head_ok = g < G
-    heads = h * G + g
-    d = tl.arange(0, D_PAD)
-    if SPLIT_D:
-        dd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    else:
-        dd = tl.arange(0, BLOCK_D)
-    rv = tl.arange(0, RV_PAD)
-    bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
-    pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
-                 mask=(rv < rv_max)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
     o = _dot_split(acc, pv, tl.zeros((G_PAD, BLOCK_D), tl.float32), False, BV_EXACT, F32_DOT)
     # the exact tokens, online in their own (max, sum, values)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + (heads * stride_qh)[:, None]
-                + (d * stride_qd)[None, :], mask=head_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
     nk_head = nk_ptr + b.to(tl.int64) * stride_nkb + h * stride_nkh
     nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
     m_e = tl.full((G_PAD,), float("-inf"), tl.float32)
@@ -2423,11 +2449,12 @@ def latent_attention_triton(
 
 
 def _fold_query(q: torch.Tensor, basis_k_block: torch.Tensor, kmeta: torch.Tensor, rkp: int, qk_scale: float,
-                f32_dot: bool) -> torch.Tensor:
+                f32_dot: bool, pdl: bool = False) -> torch.Tensor:
     """The query folded into the key basis for the table-free one-pass kernels (absorbed and lane passes):
     ``latent_attention_absorbed._fold_query_kernel``'s (B, S, Hkv, G, rkp) fp32 ``qk_scale * P_h^T q`` (log2
-    units, 0 past each head's rank) for q (B, H, S, D) and basis_k_block (Hkv, D, R) or (B, Hkv, D, R). Records the
-    launch as ``_LAST_LAUNCH["fold"]``. Raises nothing beyond the kernel launch's own errors."""
+    units, 0 past each head's rank) for q (B, H, S, D) and basis_k_block (Hkv, D, R) or (B, Hkv, D, R). ``pdl``: the
+    next launch is its programmatic dependent (:func:`pdl_launches`). Records the launch as ``_LAST_LAUNCH["fold"]``.
+    Raises nothing beyond the kernel launch's own errors."""
     from . import latent_attention_absorbed as laa  # (that module imports this one's jit helpers)
 
     b, h, s, d = q.shape
@@ -2437,7 +2464,7 @@ def _fold_query(q: torch.Tensor, basis_k_block: torch.Tensor, kmeta: torch.Tenso
     _LAST_LAUNCH["fold"] = laa._fold_query_kernel[(b * s, hkv)](
         qf, q, basis_k_block, kmeta, hkv, s, g, d, qk_scale, *q.stride(), *_basis_strides(basis_k_block),
         QP=max(16, _np2(g)), D_PAD=_np2(d), RKP=rkp, RKF=max(16, rkp), Q_EXACT=q.dtype == torch.bfloat16,
-        BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, num_warps=4)
+        BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, PDL=pdl, num_warps=4)
     return qf
 
 
@@ -2687,8 +2714,12 @@ def _launch(
     _LAST_LAUNCH["lanes"] = 0 if lanes is None else lanes["NH"]
     _LAST_LAUNCH["words"] = words is not None
     _LAST_LAUNCH["mma"] = mma is not None
+    # fold -> MMA pass -> merge as programmatic dependent launches (each waits for its predecessor's grid before
+    # reading what it wrote; nothing runs between them)
+    pdl = mma is not None and mma["UNIT"] and not fuse and pdl_launches(q.device)
+    _LAST_LAUNCH["pdl"] = pdl
     if mma is not None:
-        qf = _fold_query(q, basis_k_block, kmeta, mma["module"].MMA_RANK, qk_scale, f32_dot)
+        qf = _fold_query(q, basis_k_block, kmeta, mma["module"].MMA_RANK, qk_scale, f32_dot, pdl)
         lam = mma["module"]
         common_args = (qf, latent_k, latent_v, slots, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
                        hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
@@ -2698,7 +2729,8 @@ def _launch(
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
                 COL_V=latent_v.stride(-1), BITS=mma["BITS"], STAGES=cfg.stages_m, LANES=lam.lane_loads(),
                 RAW=mma["BITS"] == 8 and lam.raw_codes(), PSCAN=lam.page_scan(),
-                VPAIR=mma["BITS"] == 8 and lam.value_pairs(), num_warps=1,
+                VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
+                **({"launch_pdl": True} if pdl else {}),
                 **_reg_cap(cfg.maxnreg_m))
         else:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_attention_kernel[(hkv, n_split_m, b * s)](
@@ -2872,7 +2904,8 @@ def _launch(
             *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *out.stride(),
             G_PAD=g_pad, G_SMALL=g_small, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d if split_d else d_pad,
             BV_EXACT=bv_exact,
-            F32_DOT=f32_dot, NB=nb, SPLIT_BLOCK=MERGE_SPLITS_BLOCK, SPLIT_D=split_d, num_warps=4,
+            F32_DOT=f32_dot, NB=nb, SPLIT_BLOCK=MERGE_SPLITS_BLOCK, SPLIT_D=split_d, PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )
     elif not fuse:
         _LAST_LAUNCH["reduce"] = _latent_attention_reduce_kernel[
@@ -2882,6 +2915,6 @@ def _launch(
             *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *mstrides, *out.stride(),
             G_PAD=g_pad, D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d, SPLIT_D=split_d,
             MASK=mask_kind, BV_EXACT=bv_exact, F32_DOT=f32_dot, num_warps=4, NB=nb, G_LOOP=_np2(g, 1),
-            SPLIT_BLOCK=split_block,
+            SPLIT_BLOCK=split_block, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         )
     return out.to(q.dtype)
