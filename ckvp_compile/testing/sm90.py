@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 __all__ = ["SM90_MAX_SHARED_BYTES", "CompiledKernel", "compile_latent_attention", "ptxas_stats",
-           "sm90_compile_available"]
+           "sm90_compile_available", "tile_loop"]
 
 #: Shared memory one block may use on sm_90 (H100 / H200: 227 KiB), in bytes; a kernel compiled past it is refused at
 #: launch (Triton's ``OutOfResources``), which a compile-only warm-up never reaches.
@@ -232,3 +232,24 @@ def ptxas_stats(ptx: str, arch: str = "sm_90a") -> dict:
             "sass_total": sum(ops.values()) or None,
             "sass_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])), "sass": sass,
             "ptxas": text.strip().splitlines()[-3:]}
+
+
+def tile_loop(sass: str, min_len: int = 300) -> list[str]:
+    """The instructions of the first loop of at least ``min_len`` instructions in a ``cuobjdump -sass`` listing (a
+    backward branch's target through the branch; the MMA pass's unmasked tile loop), predicates kept.
+
+    Args:
+        sass: the listing (``ptxas_stats(ptx)["sass"]``); min_len: the shortest loop taken (shorter ones are the
+            prologue's and the merge's helpers).
+    Returns:
+        The loop body's instructions, in address order.
+    Raises:
+        ValueError: no loop that long.
+    """
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    for addr, text in ins:
+        m = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and (addr - int(m.group(1), 16)) // 16 + 1 >= min_len:
+            lo = int(m.group(1), 16)
+            return [t for a, t in ins if lo <= a <= addr]
+    raise ValueError(f"no loop of {min_len} or more instructions in the listing")

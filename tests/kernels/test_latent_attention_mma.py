@@ -803,7 +803,7 @@ def test_fewer_instruction_variants_compile_for_sm90(kw):
     leaves its mark: the raw byte asm has no ``sub.f16x2`` by 0x64806480 where both are on, the quad asm's prmt
     with 0x64646464 where VPAIR is; the page scan's one vector load of page-table entries; fewer SASS
     instructions in the unmasked loop than the kernel without them, where cuobjdump is bundled."""
-    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available, tile_loop
 
     why = sm90_compile_available()
     if why:
@@ -824,12 +824,4 @@ def test_fewer_instruction_variants_compile_for_sm90(kw):
         pytest.skip("no cuobjdump bundled with this Triton")
     old = ptxas_stats(lam.compile_for_sm90(g, g, page, unit_major=True, bits=8, lanes=True, **base).asm["ptx"])
 
-    def loop_len(sass):
-        ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
-        addr = [(int(a, 16), t) for a, t in ins]
-        back = [(int(m.group(1), 16), a) for a, t in addr if "BRA" in t
-                for m in [re.search(r"0x([0-9a-f]+)", t)] if m and int(m.group(1), 16) < a]
-        lo, hi = next((lo, hi) for lo, hi in back if (hi - lo) // 16 > 300)
-        return sum(lo <= a <= hi for a, _ in addr)
-
-    assert loop_len(stats["sass"]) < loop_len(old["sass"])
+    assert len(tile_loop(stats["sass"])) < len(tile_loop(old["sass"]))
