@@ -1336,10 +1336,9 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             kernel's cp.async ring (0: loads into registers one tile ahead); lanes: the unit-major kernel's
             loads from one address per lane (None: :func:`lane_loads`); raw: uncentred 8-bit operands (None:
             :func:`raw_codes`; 4-bit kernels ignore it); pscan: unmapped pages to the masked loop (None:
-            :func:`page_scan`);
-            vpair: 8-bit value pairs from one word (None: :func:`value_pairs`; 4-bit kernels ignore it).
-            maxnreg: ptxas's register cap (None: its own choice); pdl: the unit-major kernel's programmatic
-            dependent launch instructions (``PDL``).
+            :func:`page_scan`); vpair: 8-bit value pairs from one word (None: :func:`value_pairs`; 4-bit kernels
+            ignore it); maxnreg: ptxas's register cap (None: its own choice); pdl: the unit-major kernel's
+            programmatic dependent launch instructions (``PDL``; the launch option is the launcher's).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
