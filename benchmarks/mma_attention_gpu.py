@@ -16,9 +16,10 @@ target), with the default config (the word pass) and dense SDPA in the same run;
 ``unit-major@64`` puts the latents in a pool of 64-slot pages (``bench.attention.paged_latents``); ``--stages 0,2,4``
 sweeps the unit-major kernel's cp.async ring.
 
-``--variants base,pscan,raw+vpair+pscan``: the unit-major kernel's switches (``RAW``, ``VPAIR``, ``PSCAN`` of
-latent_attention_mma, through their environment variables): the check draws one per random case and runs each on
-int8 cases with an unmapped page below the context (:func:`variants_check`); the sweep times each.
+``--variants base,pscan,vpair+pscan``: the unit-major kernel's switches (``VPAIR``, ``PSCAN`` of
+latent_attention_mma, ``pdl``: latent_attention_triton's programmatic dependent launch; through their environment
+variables): the check draws one per random case, the sweep times each; ``--check-variants`` runs sets on int8 cases
+with an unmapped page below the context (:func:`variants_check`).
 
 Usage (device tool, repository root): ``PYTHONPATH=. python3 benchmarks/mma_attention_gpu.py --check --sweep --out
 $OUT/mma``.
@@ -44,13 +45,13 @@ sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 TOL = 1e-3
 
 #: The unit-major kernel's switches (ckvp_compile/kernels/latent_attention_mma.py), by the names ``--variants`` takes
-#: (joined by ``+``; ``base``: all off): uncentred 8-bit key codes, 8-bit value pairs from one word, the page scan,
-#: programmatic dependent launch of fold -> pass -> merge (latent_attention_triton.PDL_GPU_CHECKED).
-VARIANT_ENV = {"raw": "CKVP_MMA_RAW8", "vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL"}
+#: (joined by ``+``; ``base``: all off): 8-bit value pairs from one word, the page scan, programmatic dependent
+#: launch of fold -> pass -> merge (latent_attention_triton.PDL_GPU_CHECKED).
+VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL"}
 
 
 def set_variant(name: str) -> None:
-    """Set the environment the launcher reads on every call for variant ``name`` (e.g. ``raw+vpair+pscan``)."""
+    """Set the environment the launcher reads on every call for variant ``name`` (e.g. ``vpair+pscan``)."""
     on = set(name.split("+")) - {"base"}
     unknown = on - set(VARIANT_ENV)
     if unknown:
@@ -61,16 +62,18 @@ def set_variant(name: str) -> None:
 
 def variants_check(variants: list[str]) -> list[dict]:
     """Each variant against the fp32 reference on int8/32 unit-major latents (GQA 2, 4, 8; a static cache, and 64-
-    and 128-slot pages with a page below the context unmapped, which the reference reads as zero rows; splits of
-    1, 3 and many tiles; the new token exact, as ``make_inputs`` makes it), fp32 queries: relative error <= 1e-3,
-    and the MMA kernel ran."""
+    and 128-slot pages with a page below the context unmapped, which the reference reads as zero rows, through the
+    register path and the cp.async ring (``stages_m`` 0 and 2); splits of 1, 3 and many tiles; the new token exact,
+    as ``make_inputs`` makes it), fp32 queries: relative error <= 1e-3, and the MMA kernel ran. A variant with
+    ``pdl`` is also captured in a CUDA graph and replayed three times: each replay must equal the eager output bit
+    for bit (programmatic launches in a graph keep their order)."""
     from ckvp_compile.bench.attention import make_inputs, paged_latents, ref_chunked, rel_err
     from ckvp_compile.kernels import latent_attention_triton as lat
     from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, latent_attention_triton
     from ckvp_compile.kernels.latent_layout import to_layout
 
     rows = []
-    for heads, t, page, split in (((32, 8), 8192, 64, None), ((16, 8), 4160, 128, 3), ((64, 8), 1024, 64, 1),
+    for heads, t, page, split in (((32, 8), 8192, 64, None), ((16, 8), 4224, 128, 3), ((64, 8), 1024, 64, 1),
                                   ((32, 8), 8192, 0, None), ((16, 8), 640, 0, 1), ((64, 8), 2048, 64, 64)):
         args = make_inputs(2, t, "int8/32", 32, seed=13, heads=heads, rope="none")
         args = (args[0].float(),) + tuple(args[1:])
@@ -88,14 +91,32 @@ def variants_check(variants: list[str]) -> list[dict]:
         else:
             want = ref_chunked(args, 2)
             pargs = (args[0], to_layout(args[1], "unit-major"), to_layout(args[2], "unit-major")) + tuple(args[3:])
-        for v in variants:
+        for v, stages in [(v_, s_) for v_ in variants for s_ in ((0, 2) if page else (0,))]:
             set_variant(v)
+            cfg = DecodeConfig(mma=True, split=split, stages_m=stages)
             lat._LAST_LAUNCH.clear()
-            out = latent_attention_triton(*pargs, config=DecodeConfig(mma=True, split=split), **kw)
-            r = dict(variant=v, heads=list(heads), t=t, page=page, hole=hole, split=split,
-                     ran_mma=bool(lat._LAST_LAUNCH.get("mma")), rel_err=rel_err(out, want),
-                     finite=bool(torch.isfinite(out).all()))
-            r["ok"] = r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL
+            out = latent_attention_triton(*pargs, config=cfg, **kw)
+            r = dict(variant=v, stages=stages, heads=list(heads), t=t, page=page, hole=hole, split=split,
+                     ran_mma=bool(lat._LAST_LAUNCH.get("mma")), pdl=bool(lat._LAST_LAUNCH.get("pdl")),
+                     rel_err=rel_err(out, want), finite=bool(torch.isfinite(out).all()))
+            r["ok"] = r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL and r["pdl"] == ("pdl" in v.split("+"))
+            if "pdl" in v.split("+"):  # captured and replayed: the same bits as the eager call
+                graph, s_ = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+                s_.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s_):
+                    latent_attention_triton(*pargs, config=cfg, **kw)  # (warm-up outside the capture)
+                torch.cuda.current_stream().wait_stream(s_)
+                with torch.cuda.graph(graph):
+                    g_out = latent_attention_triton(*pargs, config=cfg, **kw)
+                same = []
+                for _ in range(3):
+                    g_out.fill_(float("nan"))
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    same.append(bool(torch.equal(g_out, out)))
+                r["graph_replays_equal"] = same
+                r["ok"] = r["ok"] and all(same)
+                del graph, g_out
             rows.append(r)
             print(("ok  " if r["ok"] else "BAD ") + "variant " + json.dumps(r), flush=True)
         del args, pargs, want
@@ -183,7 +204,7 @@ def stages_identity() -> list[dict]:
 
 
 def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",),
-              variants: tuple[str, ...] = ("base",)) -> bool:
+              variants: tuple[str, ...] = ("base",), check_variants: tuple[str, ...] = ()) -> bool:
     from test_latent_attention_triton import _expected, _inputs, _paged
 
     from ckvp_compile.kernels import latent_attention_triton as lat
@@ -232,6 +253,7 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",),
         rows.append(row)
         print(("ok  " if good else "BAD ") + json.dumps(row), flush=True)
     big = []
+    set_variant("base")  # (the large cases as in earlier runs; the variants get their own cases below)
     from ckvp_compile.bench.attention import make_inputs, ref_chunked, rel_err
 
     for (b, t), fmt in [(bt, f) for f in formats for bt in ((8, 32768), (8, 131072), (32, 32768))]:
@@ -270,7 +292,7 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",),
     set_variant("base")
     same = stages_identity()
     ok &= all(r["identical"] for r in same)
-    var_rows = variants_check(list(variants)) if variants != ("base",) else []
+    var_rows = variants_check(list(check_variants)) if check_variants else []
     ok &= all(r["ok"] for r in var_rows)
     if out_dir:
         with open(os.path.join(out_dir, "check.json"), "w") as f:
@@ -289,8 +311,8 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
               maxnregs: list[int | None], layouts: list[str], split_d: list[bool | None] = (None,),
               merges: list[bool | None] = (None,), fmt: str = "int4/32", stages: list[int] = (0,),
               variants: list[str] = ("base",)) -> None:
-    from ckvp_compile.bench.attention import (copy_bandwidth, dense_times, graph_bench, kernel_bytes, kernel_times,
-                                              make_inputs, paged_latents)
+    from ckvp_compile.bench.attention import (LAST_TIMING, copy_bandwidth, dense_times, graph_bench, kernel_bytes,
+                                              kernel_times, make_inputs, paged_latents)
     from ckvp_compile.kernels import latent_attention_triton as lat
     from ckvp_compile.kernels.latent_attention_triton import DecodeConfig, default_config, latent_attention_triton
 
@@ -348,7 +370,8 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                 print(f"{b}x{t} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             nb = kernel_bytes(args, n_split, 32)  # (the static rows: a pool holds the same bytes)
-            row = dict(b=b, t=t, format=fmt, config=name, variant=variant, ms=ms, n_split=n_split, regs=regs, **ran,
+            row = dict(b=b, t=t, format=fmt, config=name, variant=variant, ms=ms, timing=LAST_TIMING.get("how"),
+                       n_split=n_split, regs=regs, **ran,
                        bytes_latent=nb["latent"], bytes_total=nb["total"],
                        copy_share=nb["total"] / (ms * 1e-3) / bw, dense_ms=dense_ms, dense=dense,
                        speedup=dense_ms / ms, byte_ratio=dense_bytes / nb["latent"])
@@ -411,15 +434,19 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
     ap.add_argument("--variants", default="base",
                     help="comma-separated unit-major kernel switches, each a '+'-joined subset of "
-                         f"{sorted(VARIANT_ENV)} or base: --check draws one per random case and checks each on "
-                         "int8 cases with an unmapped page; --sweep times each")
+                         f"{sorted(VARIANT_ENV)} or base: --check draws one per random case; --sweep times each")
+    ap.add_argument("--check-variants", default="",
+                    help="comma-separated switch sets that --check also runs on int8 cases with an unmapped page "
+                         "below the context, through the register path and the cp.async ring (pdl: CUDA-graph "
+                         "replays too)")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     ok = True
     if a.check:
-        ok = run_check(a.out, tuple(a.formats.split(",")), tuple(a.variants.split(",")))
+        ok = run_check(a.out, tuple(a.formats.split(",")), tuple(a.variants.split(",")),
+                       tuple(v for v in a.check_variants.split(",") if v))
     if a.profile:
         run_profile(tuple(map(int, a.profile.split(":"))), a.layouts.split(",")[-1], fmt=a.formats.split(",")[0],
                     stages=int(a.stages.split(",")[0]))

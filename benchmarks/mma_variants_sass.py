@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("base", "pscan", "raw", "vpair", "raw+vpair", "raw+vpair+pscan", "pscan+pdl")
+VARIANTS = ("base", "pscan", "vpair", "vpair+pscan", "pscan+pdl")
 CASES = ((4, 8, 64), (2, 8, 64), (8, 8, 64), (4, 8, 0), (4, 4, 64), (8, 4, 64))
 
 
@@ -30,7 +30,7 @@ def measure(g: int, bits: int, page: int, variant: str, maxnreg: int | None = No
     from ckvp_compile.testing.sm90 import ptxas_stats, tile_loop
 
     on = set(variant.split("+")) - {"base"}
-    k = compile_for_sm90(g, g, page, unit_major=True, bits=bits, lanes=True, raw="raw" in on, vpair="vpair" in on,
+    k = compile_for_sm90(g, g, page, unit_major=True, bits=bits, lanes=True, vpair="vpair" in on,
                          pscan="pscan" in on, pdl="pdl" in on, maxnreg=maxnreg)
     st = ptxas_stats(k.asm["ptx"])
     loop = tile_loop(st["sass"]) if st["sass"] else []
@@ -55,12 +55,12 @@ def main() -> int:
     rows = []
     for g, bits, page in CASES:
         for v in VARIANTS:
-            if bits == 4 and ("raw" in v or "vpair" in v):
+            if bits == 4 and "vpair" in v:
                 continue  # (8-bit switches)
             rows.append(measure(g, bits, page, v))
             r = rows[-1]
             print(g, bits, page, v, r["loop"], r["registers"], r["spill_store_bytes"], flush=True)
-    rows.append(measure(4, 8, 64, "raw+vpair+pscan", maxnreg=128))
+    rows.append(measure(2, 8, 64, "vpair+pscan", maxnreg=128))
     meta = dict(triton=triton.__version__, target="sm_90a", command=" ".join(sys.argv))
     if a.json:
         a.json.write_text(json.dumps(dict(rows=rows, **meta), indent=1))

@@ -104,15 +104,6 @@ MAX_GRID_Y = 65535
 LANE_LOADS_GPU_CHECKED = True
 
 
-#: The unit-major kernel's 8-bit codes enter the tensor cores uncentred (``RAW``): ``prmt`` + ``lop3`` make fp16
-#: ``1024 + code`` and the ``sub.f16x2`` that centred them by 1024 + 128 is gone (64 of a 64-slot tile's 619 SASS
-#: instructions, offline sm_90a); the offset moves into the terms the pass adds anyway (``-1024 * sum(c)`` in the
-#: scores, ``min - 1024 * scale`` as the value's centred min). Costs about 9x the fp32 rounding of the centred
-#: codes (the products carry 1024 + code instead of code - 128; the emulation in
-#: tests/kernels/test_latent_attention_mma.py bounds it). Off until benchmarks/mma_attention_gpu.py passes on a GPU
-#: with it (``CKVP_MMA_RAW8=1``); ``CKVP_MMA_RAW8=0`` keeps it off.
-RAW_CODES_GPU_CHECKED = False
-
 #: In a paged cache a program first finds its split's first unmapped page (``PSCAN``: one vector load of up to 128
 #: page-table entries, :func:`_mapped_end`) and leaves the tiles from there to the masked loop, so the unmasked tiles
 #: run without the per-slot zeroing of the four fields for unmapped pages (32 ``FSEL`` of the 8-bit tile's 639 SASS,
@@ -122,9 +113,10 @@ PAGE_SCAN_GPU_CHECKED = False
 
 #: The unit-major kernel's 8-bit value operand from one word a slot pair (``VPAIR``): the value product's k order is
 #: permuted (:func:`_group_pairs`, free: a register choice in the weights' fp16 packing) so that a thread's k pair is
-#: two adjacent slots of one code column, and one ``prmt`` with 0x64 bytes turns two codes into fp16 ``1024 + code``
-#: (3 instructions a pair before: ``prmt`` of two words, ``lop3``, ``sub.f16x2``); the value's centred min takes
-#: the -1024. Off until checked on a GPU (``CKVP_MMA_VPAIR=1`` / ``0``).
+#: two adjacent slots of one code column; one ``prmt`` with 0x64 bytes and one ``sub.f16x2`` turn two codes into
+#: fp16 ``code - 128`` (3 instructions a pair before: ``prmt`` of two words, ``lop3``, ``sub.f16x2``). The codes
+#: stay centred: uncentred values would carry a 1152-a-code offset through the whole split's fp32 accumulator.
+#: Off until checked on a GPU (``CKVP_MMA_VPAIR=1`` / ``0``).
 VPAIR_GPU_CHECKED = False
 
 
@@ -138,12 +130,6 @@ def lane_loads() -> bool:
     """Whether the unit-major kernel loads from one address per lane (:data:`LANE_LOADS_GPU_CHECKED`, or the
     environment variable ``CKVP_MMA_LANE_LOADS=1`` / ``0`` for a GPU check either way). Raises nothing."""
     return _switch("CKVP_MMA_LANE_LOADS", LANE_LOADS_GPU_CHECKED)
-
-
-def raw_codes() -> bool:
-    """Whether the unit-major kernel's 8-bit codes stay uncentred in its operands (:data:`RAW_CODES_GPU_CHECKED`,
-    or ``CKVP_MMA_RAW8=1`` / ``0``). Raises nothing."""
-    return _switch("CKVP_MMA_RAW8", RAW_CODES_GPU_CHECKED)
 
 
 def value_pairs() -> bool:
@@ -361,9 +347,8 @@ def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit,
     value's centred min; ``ve``: the exponent of the power of two the weights carry (chosen per tile; the
     accumulator is rescaled exactly). MASKED: slots outside ``ok_s`` score -inf; ZERO: the fields of slots outside
     ``sok`` read as 0 (rows past the context, unmapped pages: their bytes may be anything). CENTER: what the
-    value codes had subtracted (8 for 4-bit codes, 128 for 8-bit, -1024 for 8-bit ``1024 + code``; the caller's
-    ``sumc8`` carries the key codes' own). VPAIR: the value product's k order of :func:`_group_pairs` (``vb`` built
-    to match, :func:`_unit_step`)."""
+    value codes had subtracted (8 for 4-bit codes, 128 for 8-bit; the caller's ``sumc8`` carries the key codes'
+    own). VPAIR: the value product's k order of :func:`_group_pairs` (``vb`` built to match, :func:`_unit_step`)."""
     if ZERO:
         ksf = gl.where(sok, ksf, 0.0)
         kmf = gl.where(sok, kmf, 0.0)
@@ -682,18 +667,12 @@ _DEQ_BYTES_ASM = gl.constexpr(
     + "}\n")
 
 
-# The same without centring (``RAW``): outputs fp16 1024 + byte t of a / of b, exact (fp16 holds 1024..1279).
-_DEQ_BYTES_RAW_ASM = gl.constexpr(
-    "\n{\n.reg .b32 x;\n"
-    + "".join(f"prmt.b32 x, $8, $9, 0x0{4 + t}0{t};\nlop3.b32 x, x, 0x00ff00ff, 0x64006400, 0xea;\n"
-              f"mov.b32 {{${2 * t}, ${2 * t + 1}}}, x;\n" for t in range(4))
-    + "}\n")
-
-
 # 8-bit values, slot pairs within one word (``VPAIR``): one unit-major word (bytes t = 0..3: four slots of one
-# coordinate) -> fp16 1024 + byte t, one prmt with 0x64 bytes per pair of slots. Outputs: t.
-_DEQ_QUAD_RAW_ASM = gl.constexpr(
-    "\n{\n.reg .b32 c, x, y;\nmov.b32 c, 0x64646464;\nprmt.b32 x, $4, c, 0x5140;\nprmt.b32 y, $4, c, 0x5342;\n"
+# coordinate) -> fp16 byte t - 128: a prmt with 0x64 bytes makes two fp16 1024 + code at once, one sub.f16x2 centres
+# them (2 instructions a pair of codes, 3 from two words). Outputs: t.
+_DEQ_QUAD_ASM = gl.constexpr(
+    "\n{\n.reg .b32 c, b, x, y;\nmov.b32 c, 0x64646464;\nmov.b32 b, 0x64806480;\n"
+    "prmt.b32 x, $4, c, 0x5140;\nprmt.b32 y, $4, c, 0x5342;\nsub.f16x2 x, x, b;\nsub.f16x2 y, y, b;\n"
     "mov.b32 {$0, $1}, x;\nmov.b32 {$2, $3}, y;\n}\n")
 
 
@@ -742,17 +721,9 @@ def _dequant_bytes(a, b):
 
 
 @gluon.jit
-def _raw_bytes(a, b):
-    """:data:`_DEQ_BYTES_RAW_ASM`: :func:`_dequant_bytes` with the codes left as fp16 ``1024 + code``."""
-    d = gl.inline_asm_elementwise(_DEQ_BYTES_RAW_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [a, b],
-                                  dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    return gl.join(_join4(d[0], d[2], d[4], d[6]), _join4(d[1], d[3], d[5], d[7]))
-
-
-@gluon.jit
-def _raw_quads(w):
-    """:data:`_DEQ_QUAD_RAW_ASM` on each int32 word of ``w``: shape ``w.shape + (4 t,)`` fp16 ``1024 + byte t``."""
-    d = gl.inline_asm_elementwise(_DEQ_QUAD_RAW_ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 4, is_pure=True,
+def _dequant_quads(w):
+    """:data:`_DEQ_QUAD_ASM` on each int32 word of ``w``: shape ``w.shape + (4 t,)`` fp16 ``byte t - 128``."""
+    d = gl.inline_asm_elementwise(_DEQ_QUAD_ASM, "=h,=h,=h,=h,r", [w], dtype=(gl.float16,) * 4, is_pure=True,
                                   pack=1)
     return _join4(d[0], d[1], d[2], d[3])
 
@@ -945,7 +916,7 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
                PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr, BITS: gl.constexpr = 4,
-               RAW: gl.constexpr = False, VPAIR: gl.constexpr = False):
+               VPAIR: gl.constexpr = False):
     """One unit-major tile: the operands from the loaded words, then :func:`_online_step`.
 
     Keys: word (w, q, c, b) holds slots ``8c + 4w + t`` (t = 0..3) of code byte ``q + 4b`` (coordinates 2(q + 4b) + e):
@@ -958,37 +929,30 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
     BITS 8 (one code a byte): key word (w, q, c, b, e) holds slots ``8c + 4w + t`` of code byte (= coordinate)
     ``8b + 2q + e``, so the pair of words e = 0, 1 gives each slot's k pair as one fp16x2 (:func:`_dequant_bytes`)
     in the 4-bit path's order; value word (d, q, n, m, e) holds slots ``16q + 4d + t`` of coordinate
-    ``n + 8(2m + e)``, value column ``8(2m + e) + n`` holds that coordinate (column j = coordinate j). RAW (BITS 8):
-    the key operand holds ``1024 + code`` (:func:`_raw_bytes`; the caller's ``sumc8`` is -1024 sum(c)). VPAIR (BITS
-    8): the value operand holds ``1024 + code`` with the k order of :func:`_group_pairs`: word (d = 2h + dd, q, n, m,
-    e) byte t is slot ``16q + 8h + u`` with ``u = 4 dd + t = grp NT + 2m' + e'``, so bytes (t, t + 1) are the k pair
-    e' = 0, 1 of (grp, m', h, q) (:func:`_raw_quads`: one prmt a pair); CENTER -1024."""
+    ``n + 8(2m + e)``, value column ``8(2m + e) + n`` holds that coordinate (column j = coordinate j). VPAIR (BITS
+    8): the value operand in the k order of :func:`_group_pairs`: word (d = 2h + dd, q, n, m, e) byte t is slot
+    ``16q + 8h + u`` with ``u = 4 dd + t = grp NT + 2m' + e'``, so bytes (t, t + 1) are the k pair e' = 0, 1 of
+    (grp, m', h, q) (:func:`_dequant_quads`: prmt + sub.f16x2 a pair)."""
     ksf = _unit_fields(ks, r_f, LS, G, NT, NWS)
     kmf = _unit_fields(km, r_f, LS, G, NT, NWS)
     vsf = _unit_fields(vs, r_f, LS, G, NT, NWS)
     vmf = _unit_fields(vm, r_f, LS, G, NT, NWS)
     if BITS == 8:
         ka, kb_ = gl.split(wk)  # (2 w, 4 q, 8 c, 4 b), e = 0 / 1
-        if RAW:
-            x = _raw_bytes(ka, kb_)
-        else:
-            x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+        x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
     else:
         x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
     x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
     kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
     if BITS == 8 and VPAIR:  # value words (4 d, 4 q, 8 n, 2 cm, 2 ce): coordinate n + 16 cm + 8 ce
-        y = gl.reshape(_raw_quads(wv), [2, 2, 4, 8, 2, 2, 4])  # (h, dd, q, n, cm, ce, t)
+        y = gl.reshape(_dequant_quads(wv), [2, 2, 4, 8, 2, 2, 4])  # (h, dd, q, n, cm, ce, t)
         y = gl.reshape(gl.permute(y, [0, 2, 3, 4, 5, 1, 6]), [2, 4, 8, 2, 2, GROUPS, NT // 2, 2])  # u -> (grp, m, e)
         y = gl.permute(y, [5, 6, 0, 1, 7, 3, 4, 2])  # (grp, m, h, q, e, cm, ce, n)
         vb = gl.convert_layout(gl.reshape(y, [BT, RV]), BL)
     elif BITS == 8:  # value words (4 d, 4 q, 8 n, 2 m, 2 e) -> a: d = 0, 1; b: d = 2, 3
         v = gl.reshape(gl.permute(wv, [1, 2, 3, 4, 0]), [4, 8, 2, 2, 2, 2])  # (q, n, m, e, d // 2, d % 2)
         va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 3, 5, 4]))  # (q, n, m, e, d % 2)
-        if RAW:
-            y = gl.permute(_raw_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])
-        else:
-            y = gl.permute(_dequant_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])  # (q, n, m, d, 4 t, 2 e, 2 ab)
+        y = gl.permute(_dequant_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])  # (q, n, m, d, 4 t, 2 e, 2 ab)
     else:  # value words (4 d, 4 q, 8 n, 2 m) -> a: d = 0, 1; b: d = 2, 3
         v = gl.reshape(gl.permute(wv, [1, 2, 3, 0]), [4, 8, 2, 2, 2])  # (q, n, m, d // 2, d % 2)
         va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 4, 3]))  # (q, n, m, d % 2)
@@ -997,8 +961,7 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
         y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
         vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
     return _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L,
-                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO,
-                        -1024.0 if VPAIR else (128.0 if BITS == 8 else 8.0), VPAIR)
+                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0, VPAIR)
 
 
 @gluon.jit
@@ -1009,7 +972,7 @@ def _mma_unit_kernel(
     stride_lkb, stride_lvb,
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
     COL_V: gl.constexpr, BITS: gl.constexpr = 4, STAGES: gl.constexpr = 0, LANES: gl.constexpr = False,
-    RAW: gl.constexpr = False, PSCAN: gl.constexpr = False, VPAIR: gl.constexpr = False, PDL: gl.constexpr = False,
+    PSCAN: gl.constexpr = False, VPAIR: gl.constexpr = False, PDL: gl.constexpr = False,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1024,8 +987,8 @@ def _mma_unit_kernel(
     BITS 8: latents of the ``int8`` format (one code a byte column; keys and values 16 words a lane a tile, see
     :func:`_unit_step`), else ``int4``. LANES (:func:`lane_loads`): the register path's and the masked tail's loads
     from one address per lane and tensor (:func:`_unit_load`), else from whole-tile offsets (:func:`_tile_load`).
-    RAW / VPAIR (BITS 8; :func:`raw_codes`, :func:`value_pairs`): the key / value operands hold fp16 ``1024 + code``
-    (the value pairs from one word, in :func:`_group_pairs`' k order). PSCAN (:func:`page_scan`): tiles from the
+    VPAIR (BITS 8; :func:`value_pairs`): the value operand's slot pairs from one word each, in :func:`_group_pairs`'
+    k order. PSCAN (:func:`page_scan`): tiles from the
     split's first unmapped page on run in the masked loop (:func:`_mapped_end`), so the unmasked ones skip the
     per-slot zeroing of unmapped pages. PDL (``latent_attention_triton.pdl_launches``): launched as a programmatic
     dependent of the query fold: ``griddepcontrol.launch_dependents`` first (the merge may launch), then
@@ -1089,9 +1052,8 @@ def _mma_unit_kernel(
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
     sumc = _query_sums(q_row, G, LS)
-    # what the operands' codes had subtracted: 8 (4-bit), 128 (8-bit), -1024 (8-bit RAW: fp16 1024 + code)
-    gl.static_assert(BITS == 8 or not (RAW or VPAIR), "RAW, VPAIR: 8-bit codes only")
-    sumc8 = sumc * (-1024.0 if RAW else (128.0 if BITS == 8 else 8.0))
+    gl.static_assert(BITS == 8 or not VPAIR, "VPAIR: 8-bit codes only")
+    sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
 
     # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
     tok_s = (cols % 8)[None, :] * 8 + (rows // G)[:, None] * NT + (cols // 8)[None, :]
@@ -1203,7 +1165,7 @@ def _mma_unit_kernel(
             wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
                                                 sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, ZFAST, BITS, RAW, VPAIR)
+                                                GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
         async_copy.wait_group(0)
     elif fast_end > t_start:  # one tile loaded ahead of the one computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
@@ -1222,7 +1184,7 @@ def _mma_unit_kernel(
                 tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
                                                 sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, ZFAST, BITS, RAW, VPAIR)
+                                                GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
     for t in range(fast_end, t_end):
         t0 = t * BT
         if PAGE > 0:
@@ -1238,7 +1200,7 @@ def _mma_unit_kernel(
             wk, wv, ks, km, vs, vm = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
-                                            PLO, True, True, BITS, RAW, VPAIR)
+                                            PLO, True, True, BITS, VPAIR)
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
                  GROUPS, BITS)
 
@@ -1324,7 +1286,7 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
-                     raw: bool | None = None, pscan: bool | None = None, vpair: bool | None = None,
+                     pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
@@ -1334,9 +1296,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             of rank 32 at int4/32, 160-byte rows); unit_major: the unit-major kernel (columns of 4096 slots, or of
             a page); bits: the codes' width (8: the unit-major kernel's ``int8`` path); stages: the unit-major
             kernel's cp.async ring (0: loads into registers one tile ahead); lanes: the unit-major kernel's
-            loads from one address per lane (None: :func:`lane_loads`); raw: uncentred 8-bit operands (None:
-            :func:`raw_codes`; 4-bit kernels ignore it); pscan: unmapped pages to the masked loop (None:
-            :func:`page_scan`); vpair: 8-bit value pairs from one word (None: :func:`value_pairs`; 4-bit kernels
+            loads from one address per lane (None: :func:`lane_loads`); pscan: unmapped pages to the masked loop
+            (None: :func:`page_scan`); vpair: 8-bit value pairs from one word (None: :func:`value_pairs`; 4-bit kernels
             ignore it); maxnreg: ptxas's register cap (None: its own choice); pdl: the unit-major kernel's
             programmatic dependent launch instructions (``PDL``; the launch option is the launcher's).
     Returns:
@@ -1362,13 +1323,12 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
         sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr",
-                   RAW="constexpr", PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr")
+                   PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr")
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
                                              BITS=bits, STAGES=stages,
                                              LANES=lane_loads() if lanes is None else lanes,
-                                             RAW=bits == 8 and (raw_codes() if raw is None else raw),
                                              PSCAN=page_scan() if pscan is None else pscan,
                                              VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair),
                                              PDL=pdl))

@@ -2728,7 +2728,7 @@ def _launch(
             _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
                 COL_V=latent_v.stride(-1), BITS=mma["BITS"], STAGES=cfg.stages_m, LANES=lam.lane_loads(),
-                RAW=mma["BITS"] == 8 and lam.raw_codes(), PSCAN=lam.page_scan(),
+                PSCAN=lam.page_scan(),
                 VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
                 **({"launch_pdl": True} if pdl else {}),
                 **_reg_cap(cfg.maxnreg_m))

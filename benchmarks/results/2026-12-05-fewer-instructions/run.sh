@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # The unit-major MMA pass's switches on the H200, two device calls (repository root):
-#   bash run.sh check   correctness (random cases, each drawing a switch set; every set on int8 cases with an
-#                       unmapped page below the context; the large cases and the staged ring as before), ~9 min;
+#   bash run.sh check   correctness (random cases, each drawing a switch set; CHECK_VARIANTS on int8 cases
+#                       with an unmapped page below the context, ring and CUDA-graph replays included; the large cases and the staged ring as before), ~9 min;
 #   bash run.sh sweep   whole-call timings of each set in 64-slot int8 pages at batch 8 / 32, 32k / 128k, ~5 min.
 # Switches (ckvp_compile/kernels/latent_attention_mma.py, latent_attention_triton.py): pscan = unmapped pages to
-# the masked loop; raw = uncentred 8-bit key codes; vpair = value slot pairs from one word; pdl = programmatic
-# dependent launch of fold -> pass -> merge. Their *_GPU_CHECKED flags stay False until this passes.
+# the masked loop; vpair = 8-bit value slot pairs from one word; pdl = programmatic dependent launch of fold -> pass
+# -> merge. Their *_GPU_CHECKED flags stay False until this passes.
 set -u
 export PYTHONPATH=.:tests/kernels PYTHONUNBUFFERED=1
 R=$OUT/r1
 mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $R/gpu.txt
-V=${VARIANTS:-base,pscan,raw+vpair+pscan,pscan+pdl,raw+vpair+pscan+pdl}
+V=${VARIANTS:-base,pscan,vpair+pscan,pscan+pdl,vpair+pscan+pdl}
 if [ "${1:-check}" = check ]; then
 MMA_CASES=${MMA_CASES:-24} timeout ${CHECK_S:-560} python3 benchmarks/mma_attention_gpu.py --check --out $R \
-    --formats int8/32,int4/32 --variants $V > $R/check.log 2>&1
+    --formats int8/32,int4/32 --variants $V --check-variants ${CHECK_VARIANTS:-pscan,vpair+pscan+pdl} \
+    > $R/check.log 2>&1
 echo check rc=$?; grep -c "^ok" $R/check.log; grep "^BAD" $R/check.log | head -5; tail -1 $R/check.log
 exit 0
 fi
