@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The unit-major MMA pass's switches on the H200, two device calls (repository root):
 #   bash run.sh check   correctness (random cases, each drawing a switch set; CHECK_VARIANTS on int8 cases
-#                       with an unmapped page below the context, ring and CUDA-graph replays included; the large cases and the staged ring as before), ~9 min;
+#                       with an unmapped page below the context, ring and CUDA-graph replays included; the
+#                       large cases and the staged ring as before), ~9 min;
 #   bash run.sh sweep   whole-call timings of each set in 64-slot int8 pages at batch 8 / 32, 32k / 128k, ~5 min.
 # Switches (ckvp_compile/kernels/latent_attention_mma.py, latent_attention_triton.py): pscan = unmapped pages to
 # the masked loop; vpair = 8-bit value slot pairs from one word; pdl = programmatic dependent launch of fold -> pass
