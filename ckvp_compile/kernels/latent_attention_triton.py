@@ -134,7 +134,9 @@ PDL_GPU_CHECKED = False
 def pdl_launches(device: torch.device) -> bool:
     """Whether the MMA pass's launches chain by programmatic dependent launch on ``device``
     (:data:`PDL_GPU_CHECKED` or ``CKVP_PDL=1`` / ``0``; CUDA devices of compute capability 9.0 and later only,
-    never under the interpreter). Raises nothing."""
+    never under the interpreter). Raises nothing. Source: the CUDA Programming Guide's programmatic dependent launch
+    (``cudaLaunchAttributeProgrammaticStreamSerialization``, Triton's ``launch_pdl``) and the PTX ISA's
+    ``griddepcontrol``."""
     env = os.environ.get("CKVP_PDL")
     on = PDL_GPU_CHECKED if env is None else env == "1"
     return (on and device.type == "cuda" and not _interpreting()
