@@ -17,8 +17,8 @@ target), with the default config (the word pass) and dense SDPA in the same run;
 sweeps the unit-major kernel's cp.async ring.
 
 ``--variants base,pscan,vpair+pscan``: the unit-major kernel's switches (``VPAIR``, ``PSCAN`` of
-latent_attention_mma, ``pdl``: latent_attention_triton's programmatic dependent launch; through their environment
-variables): the check draws one per random case, the sweep times each; ``--check-variants`` runs sets on int8 cases
+latent_attention_mma, ``pdl``: latent_attention_triton's programmatic dependent launch, ``fmerge``: its merge in fp32
+multiply-adds; through their environment variables): the check draws one per random case, the sweep times each; ``--check-variants`` runs sets on int8 cases
 with an unmapped page below the context (:func:`variants_check`).
 
 Usage (device tool, repository root): ``PYTHONPATH=. python3 benchmarks/mma_attention_gpu.py --check --sweep --out
@@ -46,8 +46,9 @@ TOL = 1e-3
 
 #: The unit-major kernel's switches (ckvp_compile/kernels/latent_attention_mma.py), by the names ``--variants`` takes
 #: (joined by ``+``; ``base``: all off): 8-bit value pairs from one word, the page scan, programmatic dependent
-#: launch of fold -> pass -> merge (latent_attention_triton.PDL_GPU_CHECKED).
-VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL"}
+#: launch of fold -> pass -> merge (latent_attention_triton.PDL_GPU_CHECKED), the merge in fp32 multiply-adds one warp
+#: a query head (latent_attention_triton.FMA_MERGE_GPU_CHECKED).
+VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL", "fmerge": "CKVP_FMA_MERGE"}
 
 
 def set_variant(name: str) -> None:
@@ -98,8 +99,10 @@ def variants_check(variants: list[str]) -> list[dict]:
             out = latent_attention_triton(*pargs, config=cfg, **kw)
             r = dict(variant=v, stages=stages, heads=list(heads), t=t, page=page, hole=hole, split=split,
                      ran_mma=bool(lat._LAST_LAUNCH.get("mma")), pdl=bool(lat._LAST_LAUNCH.get("pdl")),
+                     fma_merge=bool(lat._LAST_LAUNCH.get("fma_merge")),
                      rel_err=rel_err(out, want), finite=bool(torch.isfinite(out).all()))
-            r["ok"] = r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL and r["pdl"] == ("pdl" in v.split("+"))
+            r["ok"] = (r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL and r["pdl"] == ("pdl" in v.split("+"))
+                       and r["fma_merge"] == ("fmerge" in v.split("+")))
             if "pdl" in v.split("+"):  # captured and replayed: the same bits as the eager call
                 graph, s_ = torch.cuda.CUDAGraph(), torch.cuda.Stream()
                 s_.wait_stream(torch.cuda.current_stream())
@@ -249,7 +252,8 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",),
         good = ran and finite and (err <= TOL or (p["dtype"] != torch.float32 and err <= min(4e-3, 1.1 * err_other)))
         ok &= good
         row = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in p.items()}
-        row.update(rel_err=err, rel_err_per_head=err_other, ran_mma=ran, finite=finite, n_split=n_split)
+        row.update(rel_err=err, rel_err_per_head=err_other, ran_mma=ran, finite=finite, n_split=n_split,
+                   fma_merge=bool(lat._LAST_LAUNCH.get("fma_merge")))
         rows.append(row)
         print(("ok  " if good else "BAD ") + json.dumps(row), flush=True)
     big = []

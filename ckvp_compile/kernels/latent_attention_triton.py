@@ -130,6 +130,26 @@ MAX_GROUP = 64
 #: until checked on a GPU, CUDA-graph capture included (``CKVP_PDL=1`` / ``0``).
 PDL_GPU_CHECKED = False
 
+#: The MMA pass's merge in fp32 multiply-adds, one warp per query head (:func:`_merge_fma_kernel`: no tensor-core
+#: tiles padded to 16 heads, no hi / lo splits, no per-head loop) instead of the per-head and one-pass
+#: merges, which take 7-8 us at every batch and context on the H200 (2,200 instructions a warp at 9.4 cycles each:
+#: batch 8, 32k, 8 us of a 54 us call). Off until checked on a GPU (``CKVP_FMA_MERGE=1`` / ``0``).
+FMA_MERGE_GPU_CHECKED = False
+
+#: Warps of a :func:`_merge_fma_kernel` program (one: its reductions stay in the warp, no shared memory or barriers).
+FMA_MERGE_WARPS = 1
+
+#: Splits of the partials :func:`_merge_fma_kernel` reads per step and head (the MMA pass's default grid makes about
+#: 24 a row at 8 KV heads: one step).
+FMA_MERGE_SPLITS = 32
+
+
+def fma_merge_on() -> bool:
+    """Whether the MMA pass's calls without an attention mask merge with :func:`_merge_fma_kernel`
+    (:data:`FMA_MERGE_GPU_CHECKED`, or ``CKVP_FMA_MERGE=1`` / ``0``). Raises nothing."""
+    env = os.environ.get("CKVP_FMA_MERGE")
+    return FMA_MERGE_GPU_CHECKED if env is None else env == "1"
+
 
 def pdl_launches(device: torch.device) -> bool:
     """Whether the MMA pass's launches chain by programmatic dependent launch on ``device``
@@ -187,7 +207,9 @@ class DecodeConfig:
     ``_merge_splits_kernel`` (one pass over the partials, each exact token's score computed once) where the call has
     no attention mask; None (the default): for the MMA pass where the merge is not split over D (H200, batch 32,
     32:8 heads: 7.1 us against 12.0; split over D at batch 8 the per-head merge is faster, 8.3 us against 12.6;
-    r17 of the same results); r_loop: rebuild keys over the rank chunks in a runtime loop
+    r17 of the same results); fma_merge: merge with ``_merge_fma_kernel`` (fp32 multiply-adds per query head on the
+    CUDA cores, one program per query head and 32-channel slice; it takes precedence over ``one_pass_merge``) where
+    the call has no attention mask; None (the default): for the MMA pass where :func:`fma_merge_on`; r_loop: rebuild keys over the rank chunks in a runtime loop
     (one ``block_r`` chunk of latent and basis live at a time, its loads software-pipelined over ``num_stages``,
     and only the chunks the KV head's rank reaches: rank 96 in chunks of 32 runs 3, not the padded 128's 4)
     instead of an unrolled one (no effect with a hoisted basis, which is one chunk); key_tiles: tiles per key-pass
@@ -313,6 +335,7 @@ class DecodeConfig:
     key_codes: bool = False
     reduce_split_d: bool | None = None
     one_pass_merge: bool | None = None
+    fma_merge: bool | None = None
     r_loop: bool = False
     key_tiles: int | None = None
     maxnreg: int | None = None
@@ -1760,6 +1783,113 @@ def _merge_splits_kernel(
              mask=head_ok[:, None] & (dd < D)[None, :])
 
 
+@triton.jit
+def _merge_fma_kernel(
+    # pointers
+    q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+    # sizes and scalars
+    Hkv, S, n_exact, n_split, qk_scale, G, D, rv_max,
+    # strides
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_nkb, stride_nkh, stride_nks, stride_nkd,
+    stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+    stride_bvb, stride_bvh, stride_bvd, stride_bvr,
+    stride_ob, stride_oh, stride_os, stride_od,
+    # meta-parameters
+    D_PAD: tl.constexpr, RV_PAD: tl.constexpr, BLOCK_D: tl.constexpr, NB: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """The merge of :func:`_merge_splits_kernel` (calls without an attention mask; same workspaces, exact tokens
+    and output) with one program per (sequence, KV head, query token x query head, BLOCK_D output channels): grid
+    (B*Hkv, S*G, D_PAD / BLOCK_D), in fp32 multiply-adds on the CUDA cores of one warp (FMA_MERGE_WARPS). No
+    tensor-core tiles padded to 16 heads, no hi / lo splits, no per-head loop; every reduction stays in the warp.
+    The per-head merge (``_latent_attention_reduce_kernel``) executed about 2,200 instructions a warp at 9.4 cycles
+    each, 2 warps a scheduler (H200 Nsight Compute, batch 8, 32k: 8 us of a 54 us call;
+    benchmarks/results/2026-12-04-unit-major-h200, r14-ncu); here each program does one head's share.
+
+    Order: the value basis slice and the query head, then the exact tokens (keys and values loaded with their slots,
+    not after them: an unused entry's row is read and zeroed, never used), scored and accumulated online; these
+    are inputs of the call, so with PDL (:data:`PDL_GPU_CHECKED`) all of it runs before ``griddepcontrol.wait``.
+    Then the head's partials (m, l (SPLIT_BLOCK,), value latent (SPLIT_BLOCK, RV_PAD)) merged online over the splits
+    (FlashDecoding's merge; Dao et al., 2023), projected by the value basis (RV_PAD x BLOCK_D multiply-adds),
+    combined with the exact tokens' part, normalised and stored. Scores in log2 units (``qk_scale`` includes log2
+    e), as in the partials. Rows with no token: 0 (SDPA's math path)."""
+    bh = tl.program_id(0)
+    sg = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    b = bh // Hkv
+    h = bh % Hkv
+    s = sg // G
+    g = sg % G
+    head = h * G + g
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    dd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dd_ok = dd < D
+    rv = tl.arange(0, RV_PAD)
+    bv_head = bv_ptr + b.to(tl.int64) * stride_bvb + h * stride_bvh
+    pv = tl.load(bv_head + (rv * stride_bvr)[:, None] + (dd * stride_bvd)[None, :],
+                 mask=(rv < rv_max)[:, None] & dd_ok[None, :], other=0.0).to(tl.float32)
+    qg = tl.load(q_ptr + b.to(tl.int64) * stride_qb + s * stride_qs + head * stride_qh + d * stride_qd, mask=d_ok,
+                 other=0.0).to(tl.float32)
+    nk_head = nk_ptr + b.to(tl.int64) * stride_nkb + h * stride_nkh
+    nv_head = nv_ptr + b.to(tl.int64) * stride_nvb + h * stride_nvh
+    # the exact tokens, online: max, sum, values
+    m_e = tl.max(tl.full((NB,), float("-inf"), tl.float32), axis=0)
+    l_e = tl.sum(tl.zeros((NB,), tl.float32), axis=0)
+    o_e = tl.zeros((BLOCK_D,), tl.float32)
+    for j0 in range(0, n_exact, NB):
+        j = j0 + tl.arange(0, NB)
+        j_ok = j < n_exact
+        used = tl.load(slots_ptr + j, mask=j_ok, other=-1) >= 0
+        k = tl.load(nk_head + (j * stride_nks)[:, None] + (d * stride_nkd)[None, :],
+                    mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.load(nv_head + (j * stride_nvs)[:, None] + (dd * stride_nvd)[None, :],
+                    mask=j_ok[:, None] & dd_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.where(used[:, None], v, 0.0)  # unused entries: whatever their rows hold, never a NaN product
+        sc = tl.where(used, tl.sum(tl.where(used[:, None], k, 0.0) * qg[None, :], axis=1) * qk_scale,
+                      float("-inf"))  # (NB,)
+        m_new = tl.maximum(m_e, tl.max(sc, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_e - m_use)  # 0 while m_e is -inf
+        p = tl.exp2(sc - m_use)
+        l_e = l_e * alpha + tl.sum(p, axis=0)
+        o_e = o_e * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_e = m_new
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    # the head's partials, online over the splits
+    row0 = (bh * S + s) * n_split
+    cb = tl.arange(0, SPLIT_BLOCK)
+    m_p = tl.max(tl.full((SPLIT_BLOCK,), float("-inf"), tl.float32), axis=0)
+    l_p = tl.sum(tl.zeros((SPLIT_BLOCK,), tl.float32), axis=0)
+    a_p = tl.zeros((RV_PAD,), tl.float32)
+    for c0 in range(0, n_split, SPLIT_BLOCK):
+        c = c0 + cb
+        c_ok = c < n_split
+        p_row = (row0 + c) * G + g  # (SPLIT_BLOCK,) this head's partials
+        m_c = tl.load(m_ptr + p_row, mask=c_ok, other=float("-inf"))
+        l_c = tl.load(l_ptr + p_row, mask=c_ok, other=0.0)
+        a_c = tl.load(acc_ptr + p_row.to(tl.int64)[:, None] * RV_PAD + rv[None, :], mask=c_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_p, tl.max(m_c, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_p - m_use)
+        w = tl.exp2(m_c - m_use)  # 0 for masked-off and empty splits
+        l_p = l_p * alpha + tl.sum(w * l_c, axis=0)
+        a_p = a_p * alpha + tl.sum(w[:, None] * a_c, axis=0)
+        m_p = m_new
+    o_p = tl.sum(a_p[:, None] * pv, axis=0)  # (BLOCK_D,): the value latent projected
+    m_all = tl.maximum(m_p, m_e)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w_p = tl.exp2(m_p - m_all)
+    w_e = tl.exp2(m_e - m_all)
+    l_all = l_p * w_p + l_e * w_e
+    inv = tl.where(l_all > 0, 1.0 / tl.where(l_all > 0, l_all, 1.0), 0.0)
+    o = (o_p * w_p + o_e * w_e) * inv
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + s * stride_os + head * stride_oh + dd * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=dd_ok)
+
+
 # ------------------------------------------------------------------------------------------------ launcher
 
 
@@ -2888,7 +3018,7 @@ def _launch(
             LOOP_STAGES=cfg.loop_stages_v if cfg.two_pass else cfg.loop_stages,
             **dict(common, G_PAD=g_small if fma_v and (fma_k or cfg.two_pass) else g_pad,
                    ROT_BASIS=rot_basis and not cfg.two_pass and fma_v and fma_k))
-    one_pass_merge = split_d = False
+    one_pass_merge = split_d = fma_merge = False
     if not fuse:
         split_d = cfg.reduce_split_d
         if split_d is None:
@@ -2897,9 +3027,24 @@ def _launch(
         if one_pass_merge is None:  # the MMA pass's many splits, where the output is not split over D
             one_pass_merge = mma is not None and not split_d
         one_pass_merge = one_pass_merge and attn_mask is None
+        fma_merge = cfg.fma_merge
+        if fma_merge is None:
+            fma_merge = mma is not None and fma_merge_on()
+        fma_merge = fma_merge and attn_mask is None
+        one_pass_merge = one_pass_merge and not fma_merge
         _LAST_LAUNCH["reduce_split_d"] = split_d
         _LAST_LAUNCH["one_pass_merge"] = one_pass_merge
-    if not fuse and one_pass_merge:
+        _LAST_LAUNCH["fma_merge"] = fma_merge
+    if not fuse and fma_merge:
+        _LAST_LAUNCH["reduce"] = _merge_fma_kernel[(b * hkv, s * g, d_pad // block_d if split_d else 1)](
+            q, new_k, new_v, basis_v_block, slots, m_ws, l_ws, acc_ws, out,
+            hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,
+            *q.stride(), *new_k.stride(), *new_v.stride(), *_basis_strides(basis_v_block), *out.stride(),
+            D_PAD=d_pad, RV_PAD=rv_pad, BLOCK_D=block_d if split_d else d_pad, NB=nb,
+            SPLIT_BLOCK=FMA_MERGE_SPLITS, PDL=pdl, num_warps=FMA_MERGE_WARPS,
+            **({"launch_pdl": True} if pdl else {}),
+        )
+    elif not fuse and one_pass_merge:
         _LAST_LAUNCH["reduce"] = _merge_splits_kernel[(b * hkv, s, d_pad // block_d if split_d else 1)](
             q, new_k, new_v, basis_v_block, slots, m_ws, l_ws, acc_ws, out,
             hkv, s, n_exact, n_split, qk_scale, g, d, rv_max,

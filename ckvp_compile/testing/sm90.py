@@ -136,8 +136,8 @@ def compile_latent_attention(args: tuple, config, page_table: torch.Tensor | Non
 
     sink: list = []
     names = ("_latent_attention_split_kernel", "_latent_attention_reduce_kernel", "_latent_scores_heads_kernel",
-             "_merge_splits_kernel")
-    tags = ("split", "reduce", "grouped key pass", "one-pass merge")
+             "_merge_splits_kernel", "_merge_fma_kernel")
+    tags = ("split", "reduce", "grouped key pass", "one-pass merge", "fma merge")
     saved = {n: getattr(lat, n) for n in names + ("_interpreting", "unsupported_reason")}
     saved_caches = {n: saved[n].device_caches for n in names if hasattr(saved[n], "device_caches")}
     saved_driver = getattr(triton_driver, "_active", None)

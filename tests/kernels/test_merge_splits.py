@@ -1,6 +1,7 @@
-"""The one-pass merge of split partials (``latent_attention_triton._merge_splits_kernel``), under the Triton
-interpreter: random calls without an attention mask through the launcher with ``one_pass_merge=True`` must match
-the PyTorch reference, and must really have run that merge.
+"""The merges of split partials for calls without an attention mask, under the Triton interpreter: the one-pass merge
+(``latent_attention_triton._merge_splits_kernel``, ``one_pass_merge=True``) and the fp32 multiply-add merge, one warp
+a query head (``_merge_fma_kernel``, ``fma_merge=True``): random calls through the launcher must match the PyTorch
+reference, and must really have run the merge drawn.
 
 The MMA pass (its default user) needs a GPU; here the per-head split kernels write the same partials (m, l and the
 value latent per split and query head), so the merge is checked on their output: GQA ratios 1-4 (G_PAD rounding),
@@ -49,8 +50,9 @@ def _check_cases(n_examples: int) -> None:
                  pos_dtype=torch.int32, win=draw(st.sampled_from((0, 1, 3, 40))),
                  unused=draw(st.sampled_from((0, 0, 2))))
         # one tile of 16 slots per split: 1 .. 7 splits (the fixed cases below take more than one tile of partials)
+        fma = draw(st.booleans())
         cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, min_tiles=1, block_n_v=16, target_programs=1,
-                           split=draw(st.sampled_from((None, 1, 3, 7))), one_pass_merge=True,
+                           split=draw(st.sampled_from((None, 1, 3, 7))), one_pass_merge=not fma, fma_merge=fma,
                            reduce_split_d=draw(st.booleans()))
         return p, cfg
 
@@ -59,7 +61,8 @@ def _check_cases(n_examples: int) -> None:
     def prop(case):
         p, cfg = case
         _check(p, cfg)
-        assert lat._LAST_LAUNCH["one_pass_merge"] is True, lat._LAST_LAUNCH
+        assert lat._LAST_LAUNCH["one_pass_merge"] is cfg.one_pass_merge, lat._LAST_LAUNCH
+        assert lat._LAST_LAUNCH["fma_merge"] is cfg.fma_merge, lat._LAST_LAUNCH
         assert lat._LAST_LAUNCH["reduce_split_d"] is cfg.reduce_split_d
 
     prop()
@@ -70,12 +73,19 @@ def _check_cases(n_examples: int) -> None:
                 dtype=torch.float32, pos_dtype=torch.int32, win=40, unused=2)
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, min_tiles=1, block_n_v=16, split=41,
                        one_pass_merge=True)
+    fcfg = dataclasses.replace(cfg, fma_merge=True)  # (it takes precedence over one_pass_merge)
     for split_d in (True, False):
-        _check(base, dataclasses.replace(cfg, reduce_split_d=split_d))
-        assert lat._LAST_LAUNCH["n_split"] == 41 and lat._LAST_LAUNCH["one_pass_merge"] is True
-    _check(dict(base, win=0, unused=0, kv_len=5, ratio=1), dataclasses.replace(cfg, split=3))  # empty splits
-    _check(dict(base, mask="bool", mask_shape="b1sk", mask_p=0.3), cfg)
+        for c in (cfg, fcfg):
+            _check(base, dataclasses.replace(c, reduce_split_d=split_d))
+            assert lat._LAST_LAUNCH["n_split"] == 41 and lat._LAST_LAUNCH["fma_merge"] is (c is fcfg)
+            assert lat._LAST_LAUNCH["one_pass_merge"] is (c is cfg)
+    for c in (cfg, fcfg):  # empty splits; two query tokens at GQA 4 in bf16 (the fma merge's (s, head) grid axis)
+        _check(dict(base, win=0, unused=0, kv_len=5, ratio=1), dataclasses.replace(c, split=3))
+    _check(dict(base, s=2, ratio=4, dtype=torch.bfloat16, win=3), dataclasses.replace(fcfg, split=7))
+    assert lat._LAST_LAUNCH["fma_merge"] is True
+    _check(dict(base, mask="bool", mask_shape="b1sk", mask_p=0.3), fcfg)
     assert lat._LAST_LAUNCH["one_pass_merge"] is False  # a mask: the per-head merge applies it
+    assert lat._LAST_LAUNCH["fma_merge"] is False
 
 
 def _main() -> None:
@@ -100,9 +110,10 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("split_d", [False, True])
-def test_one_pass_merge_compiles_for_sm90_without_spills(split_d):
-    """The merge at Mixtral's 32:8 heads, head_dim 128, rank 32 (the MMA pass's shapes), compiled for sm_90a: no
-    register spills (a first build padded the partials' tile to 16 heads and spilled: 850 us a call on the H200)."""
+def test_merges_compile_for_sm90_without_spills(split_d):
+    """The one-pass and fma merges at Mixtral's 32:8 heads, head_dim 128, rank 32 (the MMA pass's shapes), compiled
+    for sm_90a: no register spills (a first build of the one-pass merge padded the partials' tile to 16 heads and
+    spilled: 850 us a call on the H200); the fma merge's grid has a program per query head and channel slice."""
     from ckvp_compile.testing.sm90 import compile_latent_attention, ptxas_stats, sm90_compile_available
 
     why = sm90_compile_available()
@@ -112,8 +123,10 @@ def test_one_pass_merge_compiles_for_sm90_without_spills(split_d):
     from ckvp_compile.kernels.latent_attention_triton import DecodeConfig
 
     args = make_inputs(8, 4096, "int4/32", 32, dev="cpu", heads=(32, 8), rope="none")
-    kernels = compile_latent_attention(args, DecodeConfig(words=True, one_pass_merge=True, reduce_split_d=split_d))
-    merge = [k for k in kernels if k.name == "one-pass merge"]
-    assert len(merge) == 1 and merge[0].grid == (8 * 8, 1, 4 if split_d else 1)
-    stats = ptxas_stats(merge[0].compiled.asm["ptx"])
-    assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
+    for fma in (False, True):
+        cfg = DecodeConfig(words=True, one_pass_merge=True, fma_merge=fma, reduce_split_d=split_d)
+        merge = [k for k in compile_latent_attention(args, cfg) if k.name in ("one-pass merge", "fma merge")]
+        assert len(merge) == 1 and merge[0].name == ("fma merge" if fma else "one-pass merge"), merge
+        assert merge[0].grid == (8 * 8, 4 if fma else 1, 4 if split_d else 1)
+        stats = ptxas_stats(merge[0].compiled.asm["ptx"])
+        assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
