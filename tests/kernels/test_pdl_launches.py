@@ -49,12 +49,15 @@ def test_pdl_is_off_off_cuda_and_until_checked(monkeypatch):
 
 @pytest.mark.parametrize("on", [True, False])
 @pytest.mark.parametrize("b", [2, 64])  # the merge split over D (few rows) and the one-pass merge
-def test_launcher_chains_the_mma_launches_only_when_on(monkeypatch, on_fake_gpu, on, b):
-    rec = dict(unit=_Recorder(), reduce=_Recorder(), merge=_Recorder())
+@pytest.mark.parametrize("fma", [False, True])  # latent_attention_triton.fma_merge_on: the fma merge either way
+def test_launcher_chains_the_mma_launches_only_when_on(monkeypatch, on_fake_gpu, on, b, fma):
+    rec = dict(unit=_Recorder(), reduce=_Recorder(), merge=_Recorder(), fma=_Recorder())
     folds = []
     monkeypatch.setattr(lam, "_mma_unit_kernel", rec["unit"])
     monkeypatch.setattr(lat, "_latent_attention_reduce_kernel", rec["reduce"])
     monkeypatch.setattr(lat, "_merge_splits_kernel", rec["merge"])
+    monkeypatch.setattr(lat, "_merge_fma_kernel", rec["fma"])
+    monkeypatch.setattr(lat, "fma_merge_on", lambda: fma)
     monkeypatch.setattr(lat, "_interpreting", lambda: False)
     monkeypatch.setattr(lat, "unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(lat, "_fold_query", lambda q, *a, **k: folds.append(a) or torch.zeros(1))
@@ -71,9 +74,10 @@ def test_launcher_chains_the_mma_launches_only_when_on(monkeypatch, on_fake_gpu,
         lat._LAST_LAUNCH.clear()
         lat._LAST_LAUNCH.update(saved)
     (unit,) = rec["unit"].calls
-    merges = rec["reduce"].calls + rec["merge"].calls
+    merges = rec["reduce"].calls + rec["merge"].calls + rec["fma"].calls
     assert len(merges) == 1
-    assert (rec["merge"].calls != []) == (b == 64)  # the one-pass merge where the rows fill the SMs
+    assert (rec["fma"].calls != []) == fma
+    assert (rec["merge"].calls != []) == (b == 64 and not fma)  # the one-pass merge where the rows fill the SMs
     assert folds[0][-1] is on  # _fold_query's pdl argument
     for _, _, kw in (unit, merges[0]):
         assert kw["PDL"] is on
@@ -112,11 +116,13 @@ MERGE = dict(G_PAD=16, D_PAD=128, RV_PAD=32, BLOCK_D=128, BV_EXACT=True, F32_DOT
              SPLIT_D=False)
 
 
-@pytest.mark.parametrize("which", ["one-pass", "per-head"])
+@pytest.mark.parametrize("which", ["one-pass", "per-head", "fma"])
 def test_merge_waits_before_the_partials_and_its_stores(which):
     _skip_without_sm90()
     if which == "one-pass":
         kernel, cx = lat._merge_splits_kernel, dict(MERGE, G_SMALL=4)
+    elif which == "fma":
+        kernel, cx = lat._merge_fma_kernel, dict(D_PAD=128, RV_PAD=32, BLOCK_D=32, NB=16, SPLIT_BLOCK=32)
     else:
         kernel, cx = lat._latent_attention_reduce_kernel, dict(MERGE, MASK=0, G_LOOP=4)
     ptx = _compile(kernel, cx, True)
@@ -124,7 +130,7 @@ def test_merge_waits_before_the_partials_and_its_stores(which):
     pre = ptx[:ptx.index("griddepcontrol.wait")]
     assert "st.global" not in pre
     assert not re.search(r"ld\.global[.\w]*\.(b32|f32|v2\.b32|v4\.b32)", pre)  # no partials (fp32) before it
-    if which == "one-pass":  # the value basis and the query, before the wait
+    if which != "per-head":  # the value basis and the query (and the fma merge's exact tokens), before the wait
         assert re.search(r"ld\.global[.\w]*\.b16", pre)
     else:
         assert "ld.global" not in pre
