@@ -9,12 +9,12 @@ R=$OUT/r1
 mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $R/gpu.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> $R/gpu.txt
-MMA_CASES=${MMA_CASES:-16} MMA_LARGE=${MMA_LARGE:-0} timeout ${CHECK_S:-230} python3 benchmarks/mma_attention_gpu.py --check --out $R \
+MMA_CASES=${MMA_CASES:-16} MMA_LARGE=${MMA_LARGE:-0} timeout ${CHECK_S:-250} python3 benchmarks/mma_attention_gpu.py --check --out $R \
     --formats int8/32,int4/32 --variants base,pscan+fmerge,vpair+pscan+fmerge,vpair+pscan+pdl+fmerge \
     --check-variants pscan+fmerge,vpair+pscan+pdl+fmerge > $R/check.log 2>&1
 echo check rc=$?; grep -c "^ok" $R/check.log; grep "^BAD" $R/check.log | cut -c1-300 | head -5; tail -1 $R/check.log | cut -c1-200
 V=${VARIANTS:-base,pscan,pscan+fmerge,vpair+pscan+fmerge,vpair+pscan+pdl+fmerge}
-timeout ${SWEEP_S:-200} python3 benchmarks/mma_attention_gpu.py --sweep --out $R/sweep --block-ns 64 \
+timeout ${SWEEP_S:-190} python3 benchmarks/mma_attention_gpu.py --sweep --out $R/sweep --block-ns 64 \
     --layouts unit-major@64 --formats int8/32 --programs ${PROGRAMS:-1536,2112} --stages 0 --variants $V \
     --shapes 8:32768,8:131072,32:32768 > $R/sweep.log 2>&1
 echo sweep rc=$?
@@ -43,7 +43,7 @@ print(" ".join(f"{v}={0 if k in bad else 1}" for k, v in env.items()))
 PY
 )
 echo bench env: $ENV | tee $R/bench_env.txt
-env $ENV timeout ${BENCH_S:-130} \
+env $ENV timeout ${BENCH_S:-120} \
     python3 -m ckvp_compile.bench.cli attention --key-space post_rope --heads 32:8 --batches 8 32 \
     --contexts 32768 131072 --formats int8/32:32 int4/32:32 --cuda-graphs --latent-layout unit-major --page-size 64 \
     --json $R/attention-unit-major-p64.json --out $R/attention-unit-major-p64.md > $R/bench.log 2>&1
