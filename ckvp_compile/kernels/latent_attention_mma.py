@@ -107,17 +107,20 @@ LANE_LOADS_GPU_CHECKED = True
 #: In a paged cache a program first finds its split's first unmapped page (``PSCAN``: one vector load of up to 128
 #: page-table entries, :func:`_mapped_end`) and leaves the tiles from there to the masked loop, so the unmasked tiles
 #: run without the per-slot zeroing of the four fields for unmapped pages (32 ``FSEL`` of the 8-bit tile's 639 SASS,
-#: Triton 3.6). A test of the page inside the loop instead took 200 registers. Off until checked on a GPU
-#: (``CKVP_MMA_PAGE_SCAN=1`` / ``0``).
-PAGE_SCAN_GPU_CHECKED = False
+#: Triton 3.6). A test of the page inside the loop instead took 200 registers. Checked on the H200
+#: (benchmarks/results/2026-12-05-fewer-instructions, r1: random cases and int8 cases with an unmapped page below the
+#: context, register path and cp.async ring): 128 registers instead of 168, so 2112 programs run in one wave (the
+#: 8-bit default since): batch 8, 128k 0.165 ms against 0.199 at 2112 programs. ``CKVP_MMA_PAGE_SCAN=0`` turns it off.
+PAGE_SCAN_GPU_CHECKED = True
 
 #: The unit-major kernel's 8-bit value operand from one word a slot pair (``VPAIR``): the value product's k order is
 #: permuted (:func:`_group_pairs`, free: a register choice in the weights' fp16 packing) so that a thread's k pair is
 #: two adjacent slots of one code column; one ``prmt`` with 0x64 bytes and one ``sub.f16x2`` turn two codes into
 #: fp16 ``code - 128`` (3 instructions a pair before: ``prmt`` of two words, ``lop3``, ``sub.f16x2``). The codes
 #: stay centred: uncentred values would carry a 1152-a-code offset through the whole split's fp32 accumulator.
-#: Off until checked on a GPU (``CKVP_MMA_VPAIR=1`` / ``0``).
-VPAIR_GPU_CHECKED = False
+#: Checked on the H200 (benchmarks/results/2026-12-05-fewer-instructions, r1): at 2112 programs batch 32, 32k 0.159
+#: ms a call against 0.164, batch 8 within 1%. ``CKVP_MMA_VPAIR=0`` turns it off.
+VPAIR_GPU_CHECKED = True
 
 
 def _switch(env_name: str, checked: bool) -> bool:

@@ -133,8 +133,10 @@ PDL_GPU_CHECKED = False
 #: The MMA pass's merge in fp32 multiply-adds, one warp per query head (:func:`_merge_fma_kernel`: no tensor-core
 #: tiles padded to 16 heads, no hi / lo splits, no per-head loop) instead of the per-head and one-pass
 #: merges, which take 7-8 us at every batch and context on the H200 (2,200 instructions a warp at 9.4 cycles each:
-#: batch 8, 32k, 8 us of a 54 us call). Off until checked on a GPU (``CKVP_FMA_MERGE=1`` / ``0``).
-FMA_MERGE_GPU_CHECKED = False
+#: batch 8, 32k, 8 us of a 54 us call). Checked on the H200 (benchmarks/results/2026-12-05-fewer-instructions, r1:
+#: 24 int8 cases at GQA 2-8, batch 2 and 20, errors <= 5e-7 with fp32 outputs): 3.6-4.7 us a call where the others
+#: took 7.2-8.5 (batch 8, 32k: 52.3 against 56.7 us a call). ``CKVP_FMA_MERGE=0`` turns it off.
+FMA_MERGE_GPU_CHECKED = True
 
 #: Warps of a :func:`_merge_fma_kernel` program (one: its reductions stay in the warp, no shared memory or barriers).
 FMA_MERGE_WARPS = 1
@@ -516,8 +518,11 @@ def default_config(group: int | None = None, rank_pad: int | None = None, paired
             # 0.235; batch 32, 32k 0.749 -> 0.240, 128k 2.93 -> 0.858 (benchmarks/results/2026-12-04-mma-h200);
             # int8/32 (unit-major latents only; row-major ones keep the absorbed pass): batch 32, 128k 0.70 ms in
             # 64-slot unit-major pages, 1.03 ms static (the word pass 4.63; benchmarks/results/2026-12-04-int8-mma-h200);
-            # 8-bit codes at 1536 programs: batch 8, 32k 0.0598 against 0.0621 ms at 3072, the rest within 1% (r3)
-            cfg = dataclasses.replace(cfg, mma=True, block_n_m=64, programs_m=1536 if code_bits == 8 else 3072)
+            # 8-bit codes at 1536 programs: batch 8, 32k 0.0598 against 0.0621 ms at 3072, the rest within 1% (r3);
+            # at 2112 since the page scan took the kernel to 128 registers (16 one-warp programs an SM, 2112 one wave
+            # of the H200's 132 SMs): 64-slot pages, batch 8, 32k 0.0519 -> 0.0491 ms, 128k 0.170 -> 0.160; batch 32,
+            # 32k 0.171 -> 0.159 (benchmarks/results/2026-12-05-fewer-instructions, r1)
+            cfg = dataclasses.replace(cfg, mma=True, block_n_m=64, programs_m=2112 if code_bits == 8 else 3072)
     if paired:
         cfg = dataclasses.replace(cfg, paired_tables=True)
     override = _env_override(os.environ.get(CONFIG_ENV, ""))
