@@ -247,6 +247,7 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",),
         out = latent_attention_triton(*a, config=cfg, **kw).float().cpu()
         ran = bool(lat._LAST_LAUNCH.get("mma"))
         n_split = lat._LAST_LAUNCH.get("n_split")
+        fma_merge = bool(lat._LAST_LAUNCH.get("fma_merge"))  # (before the per-head call below resets it)
         err = float((out - want).norm() / want.norm().clamp_min(1e-6))
         finite = bool(torch.isfinite(out).all())
         # bf16 / fp16 outputs: the output's own rounding puts every kernel near or past 1e-3; there the pass must be
@@ -258,7 +259,7 @@ def run_check(out_dir: str | None, formats: tuple[str, ...] = ("int4/32",),
         ok &= good
         row = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in p.items()}
         row.update(rel_err=err, rel_err_per_head=err_other, ran_mma=ran, finite=finite, n_split=n_split,
-                   fma_merge=bool(lat._LAST_LAUNCH.get("fma_merge")))
+                   fma_merge=fma_merge)
         rows.append(row)
         print(("ok  " if good else "BAD ") + json.dumps(row), flush=True)
     var_rows = variants_check(list(check_variants)) if check_variants else []
