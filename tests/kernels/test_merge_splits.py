@@ -94,7 +94,7 @@ def _main() -> None:
     print("ok")
 
 
-def test_one_pass_merge_matches_reference_under_interpreter():
+def test_merges_match_reference_under_interpreter():
     """The random and fixed cases above, in a child process under the interpreter."""
     pytest.importorskip("triton")
     pytest.importorskip("hypothesis")
