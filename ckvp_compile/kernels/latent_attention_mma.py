@@ -994,8 +994,10 @@ def _mma_unit_kernel(
     k order. PSCAN (:func:`page_scan`): tiles from the
     split's first unmapped page on run in the masked loop (:func:`_mapped_end`), so the unmasked ones skip the
     per-slot zeroing of unmapped pages. PDL (``latent_attention_triton.pdl_launches``): launched as a programmatic
-    dependent of the query fold: ``griddepcontrol.launch_dependents`` first (the merge may launch), then
-    ``griddepcontrol.wait`` before the folded query is read.
+    dependent of the query fold: ``griddepcontrol.wait`` before the folded query is read, and
+    ``griddepcontrol.launch_dependents`` after the tile loops (the merge may launch; triggered at the start instead,
+    the merge's waiting programs made batch 8, 128k 16 us slower at 1536 programs on the H200,
+    benchmarks/results/2026-12-05-fewer-instructions r1).
 
     STAGES > 0 (2 or 4; ``DecodeConfig.stages_m``): the unmasked tiles go through a ring of STAGES shared-memory
     buffers filled by cp.async (:func:`_unit_issue`), STAGES - 1 tiles in flight while one is computed, each thread
@@ -1037,13 +1039,11 @@ def _mma_unit_kernel(
 
     lk_w = lk_ptr.to(gl.pointer_type(gl.int32))
     lv_w = lv_ptr.to(gl.pointer_type(gl.int32))
-    if PDL:  # a programmatic dependent of the query fold: let the merge launch now, read qf after the fold's grid
-        _gdc("launch_dependents")
     k_col = gl.load(kmeta_ptr + 3 * h)  # first code byte (column)
     k_blk = gl.load(kmeta_ptr + 3 * h + 1)
     v_col = gl.load(vmeta_ptr + 3 * h)
     v_blk = gl.load(vmeta_ptr + 3 * h + 1)
-    if PDL:
+    if PDL:  # a programmatic dependent of the query fold: read qf only after the fold's grid
         _gdc("wait")
 
     q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
@@ -1204,6 +1204,8 @@ def _mma_unit_kernel(
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
                                             PLO, True, True, BITS, VPAIR)
+    if PDL:  # the tiles are done: the merge may launch (it waits for this grid before it reads the partials)
+        _gdc("launch_dependents")
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
                  GROUPS, BITS)
 

@@ -124,10 +124,12 @@ MAX_GROUP = 64
 
 #: Programmatic dependent launch (PDL, sm_90+) along the MMA pass's three launches: the query fold lets the pass's
 #: programs start at once (``griddepcontrol.launch_dependents``), the pass reads the folded query only after
-#: ``griddepcontrol.wait`` and lets the merge start at once, and the merge loads the value basis and the query
-#: before it waits for the partials: each launch's latency and prologue overlap the kernel before it (batch 8, 32k
-#: on the H200: fold 2.3 us + pass 43 + merge 8 in a 54 us call). Every write stays after its kernel's wait. Off
-#: until checked on a GPU, CUDA-graph capture included (``CKVP_PDL=1`` / ``0``).
+#: ``griddepcontrol.wait`` and lets the merge launch after its tile loops, and the merge loads the value basis, the
+#: query (and, the fma merge, the exact tokens) before it waits for the partials: each launch's latency and prologue
+#: overlap the kernel before it. Every write stays after its kernel's wait. Checked on the H200 with the pass
+#: triggering at its start (benchmarks/results/2026-12-05-fewer-instructions, r1: correct, CUDA-graph replays bit-equal
+#: to eager calls) but mixed there: batch 8, 32k -1 us at 2112 programs, batch 8, 128k +16 us at 1536; off
+#: (``CKVP_PDL=1`` turns it on).
 PDL_GPU_CHECKED = False
 
 #: The MMA pass's merge in fp32 multiply-adds, one warp per query head (:func:`_merge_fma_kernel`: no tensor-core

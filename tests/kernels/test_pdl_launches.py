@@ -146,12 +146,14 @@ def test_fold_lets_the_pass_launch_and_does_not_wait():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_mma_pass_triggers_then_waits_before_the_folded_query(bits):
+def test_mma_pass_waits_before_the_folded_query_and_triggers_before_its_stores(bits):
     _skip_without_sm90()
     k = lam.compile_for_sm90(4, 4, 64, unit_major=True, bits=bits, lanes=True, pdl=True)
     ptx = k.asm["ptx"]
     trig, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
-    assert 0 <= trig < wait and ptx.count("griddepcontrol.wait") == 1
+    assert 0 <= wait < trig and ptx.count("griddepcontrol.wait") == 1 and ptx.count("launch_dependents") == 1
+    assert "st.global" not in ptx[:trig] and "st.global" in ptx[trig:]  # after the tile loops, before the partials'
+    # stores
     # before the wait: only the four head metadata words (key / value first column and block), no store
     pre = ptx[:wait]
     assert len(re.findall(r"ld\.global", pre)) == 4, re.findall(r"ld\.global.*", pre)
