@@ -89,10 +89,11 @@ class _Recorder:
 def recorded(monkeypatch, on_fake_gpu):
     """Run the real ``_launch`` on CPU tensors, every kernel it could reach replaced by a recorder."""
     saved = dict(lat._LAST_LAUNCH)
-    rec = dict(unit=_Recorder(), row=_Recorder(), reduce=_Recorder())
+    rec = dict(unit=_Recorder(), row=_Recorder(), reduce=_Recorder(), fma=_Recorder())
     monkeypatch.setattr(lam, "_mma_unit_kernel", rec["unit"])
     monkeypatch.setattr(lam, "_mma_attention_kernel", rec["row"])
     monkeypatch.setattr(lat, "_latent_attention_reduce_kernel", rec["reduce"])
+    monkeypatch.setattr(lat, "_merge_fma_kernel", rec["fma"])
     monkeypatch.setattr(lat, "_interpreting", lambda: False)
     monkeypatch.setattr(lat, "unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(lat, "_fold_query", lambda q, *a, **k: torch.zeros(1))
@@ -298,8 +299,13 @@ def test_static_cache_launch_reads_the_named_bytes(recorded, fmt, g, hkv):
     n_split_m, per = a[17], a[16]
     assert grid == (hkv, n_split_m, 2 * 1) and (n_split_m - 1) * per < -(-kv_len // 64) <= n_split_m * per
     # the kernel merges its slot groups before it stores: one split of G rows per program, all the merge reads
-    (_, ra, _), = recorded["reduce"].calls
-    assert ra[6] is a[6] and ra[7] is a[7] and ra[8] is a[8] and ra[13] == n_split_m
+    # (the fma merge where lat.fma_merge_on(), the default: m, l, acc and the split count one argument earlier than
+    # the per-head merge's, which also takes the mask)
+    merges = recorded["fma"].calls + recorded["reduce"].calls
+    assert len(merges) == 1 and (recorded["fma"].calls != []) == lat.fma_merge_on()
+    (_, ra, _), = merges
+    o = 5 if recorded["fma"].calls else 6
+    assert ra[o] is a[6] and ra[o + 1] is a[7] and ra[o + 2] is a[8] and ra[o + 7] == n_split_m
     assert a[6].numel() == 2 * hkv * 1 * n_split_m * g and a[8].numel() == a[6].numel() * 32
     _check_reads(call, "k", uk[1:], bk, args[5], lambda b, s: args[1][1 + b, s], fmt)
     _check_reads(call, "v", uv[1:], bv, args[6], lambda b, s: args[2][1 + b, s], fmt)
