@@ -18,8 +18,8 @@ sweeps the unit-major kernel's cp.async ring.
 
 ``--variants base,pscan,vpair+pscan``: the unit-major kernel's switches (``VPAIR``, ``PSCAN`` of
 latent_attention_mma, ``pdl``: latent_attention_triton's programmatic dependent launch, ``fmerge``: its merge in fp32
-multiply-adds; through their environment variables): the check draws one per random case, the sweep times each; ``--check-variants`` runs sets on int8 cases
-with an unmapped page below the context (:func:`variants_check`). ``MMA_CASES=N``: random check cases (80);
+multiply-adds; through their environment variables): the check draws one per random case, the sweep times each;
+``--check-variants`` runs sets on int8 cases with an unmapped page below the context (:func:`variants_check`). ``MMA_CASES=N``: random check cases (80);
 ``MMA_LARGE=0``: skip the check's large cases (switches off there) and the ring's identity check.
 
 Usage (device tool, repository root): ``PYTHONPATH=. python3 benchmarks/mma_attention_gpu.py --check --sweep --out

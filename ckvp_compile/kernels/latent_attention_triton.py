@@ -213,9 +213,10 @@ class DecodeConfig:
     32:8 heads: 7.1 us against 12.0; split over D at batch 8 the per-head merge is faster, 8.3 us against 12.6;
     r17 of the same results); fma_merge: merge with ``_merge_fma_kernel`` (fp32 multiply-adds per query head on the
     CUDA cores, one program per query head and 32-channel slice; it takes precedence over ``one_pass_merge``) where
-    the call has no attention mask; None (the default): for the MMA pass where :func:`fma_merge_on`; r_loop: rebuild keys over the rank chunks in a runtime loop
-    (one ``block_r`` chunk of latent and basis live at a time, its loads software-pipelined over ``num_stages``,
-    and only the chunks the KV head's rank reaches: rank 96 in chunks of 32 runs 3, not the padded 128's 4)
+    the call has no attention mask; None (the default): for the MMA pass where :func:`fma_merge_on`; r_loop: rebuild
+    keys over the rank chunks in a runtime loop (one ``block_r`` chunk of latent and basis live at a time, its loads
+    software-pipelined over ``num_stages``, and only the chunks the KV head's rank reaches: rank 96 in chunks of 32
+    runs 3, not the padded 128's 4)
     instead of an unrolled one (no effect with a hoisted basis, which is one chunk); key_tiles: tiles per key-pass
     program (two-pass form; None: the value pass's split of the context); maxnreg: the register cap of each
     thread of the key pass (ptxas ``.maxnreg``: more programs per SM, spills past it; None: the compiler's choice);
