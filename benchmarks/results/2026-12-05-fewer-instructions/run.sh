@@ -25,13 +25,4 @@ timeout ${SWEEP_S:-560} python3 benchmarks/mma_attention_gpu.py --sweep --out $R
     --layouts unit-major@64 --formats int8/32 --programs ${PROGRAMS:-1536,2112} --maxnregs ${MAXNREGS:-0} \
     --stages 0 --variants $V > $R/sweep.log 2>&1
 echo sweep rc=$?
-python3 - $R/sweep/sweep.json <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:
-    ku = r.get("kernel_us")
-    ku = {k.split(":")[1][:8]: round(v, 1) for k, v in ku.items()} if isinstance(ku, dict) else ku
-    print(r["b"], r["t"], r["variant"], r["config"].replace("mma bn=64 ", "").replace(" split_d=None one_pass=None", ""),
-          round(r["ms"] * 1000, 1), round(100 * r["copy_share"], 1), round(r["speedup_over_byte_ratio"], 3),
-          r.get("regs"), ku)
-PY
+python3 $(dirname $0)/sweep_rows.py $R/sweep/sweep.json

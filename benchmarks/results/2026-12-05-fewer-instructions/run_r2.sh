@@ -20,15 +20,4 @@ timeout ${SWEEP2_S:-60} python3 benchmarks/mma_attention_gpu.py --sweep --out $R
     --layouts unit-major@64 --formats int8/32 --programs 1536,2112 --stages 0 \
     --variants vpair+pscan+fmerge,vpair+pscan+pdl+fmerge --shapes 8:131072 >> $R/sweep.log 2>&1
 echo sweep rc=$?
-python3 - $R/sweep.log <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    if not line.startswith("{"):
-        continue
-    r = json.loads(line)
-    ku = r.get("kernel_us")
-    ku = {k.split(":")[1][:8]: round(v, 1) for k, v in ku.items()} if isinstance(ku, dict) else ku
-    print(r["b"], r["t"], r["variant"], r["config"].replace("mma bn=64 ", "").replace(" split_d=None one_pass=None", ""),
-          round(r["ms"] * 1000, 1), round(100 * r["copy_share"], 1), round(r["speedup_over_byte_ratio"], 3),
-          r.get("regs"), ku)
-PY
+python3 $(dirname $0)/sweep_rows.py $R/sweep.log
