@@ -661,7 +661,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="calibration windows the '+measured' planner measures on (the first ones; default 8, or "
                         "--calib-windows when fewer)")
     p.add_argument("--latent-formats", nargs="+", default=["float"],
-                   help="latent storage formats: float, int8, int4, int2, optionally /block (default: float)")
+                   help="latent storage formats: float, int8, int4, int2, optionally /block (default: float); for "
+                        "'planned' allocations mix/<block>[v<value block>][-f8] (their bit plans' blocks, e.g. "
+                        "mix/32v64, mix/32-f8)")
     p.add_argument("--rank-block", type=int, default=None,
                    help="ranks of the configs that are not 'planned' in whole blocks of this many latent coordinates "
                         "(1: any rank; default: the quantization block of a uniform quantized format unless that "
