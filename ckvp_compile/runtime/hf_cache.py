@@ -25,8 +25,38 @@ from .store import LatentKVStore
 _EAGER_ERROR = (
     "this is a ckvp latent KV cache: its dense K/V tensors hold no data and only a model compiled with "
     "torch.compile(..., backend='ckvp') can use it. Compile the model's forward with the ckvp backend, or use a "
-    "dense cache (transformers StaticCache) for eager runs."
+    "dense cache (transformers StaticCache) for eager runs. If the forward is compiled with the ckvp backend, "
+    "torch.compile split it at a graph break (an earlier error inside it, or unsupported code) and runs the cache "
+    "update outside the graph: call torch._dynamo.reset() and run again (TORCH_LOGS=graph_breaks shows the break)."
 )
+
+
+class _SplitFrames:
+    """Whether a :class:`CKVPConfigError` was raised while torch.compile traced a forward (see ``_config_error``)."""
+
+    pending = False
+
+
+def _config_error(message: str) -> CKVPConfigError:
+    """The error for a cache that does not fit the model; marks Dynamo's compiled frames for a reset.
+
+    Raised while torch.compile traces the forward, the error is a graph break: Dynamo compiles the frames up to it,
+    runs the rest eagerly (where the error is raised for real) and keeps those split frames, so every later call,
+    with a correct cache too, would run the cache update outside the graph. The mark (a side effect the compiled
+    prefix replays) makes the next ``CKVPStaticCache(...)`` call ``torch._dynamo.reset()``, which drops them
+    (other compiled functions in the process recompile on their next call). Under ``fullgraph=True`` nothing is
+    kept, and nothing is marked.
+    """
+    if torch.compiler.is_compiling():
+        _SplitFrames.pending = True
+    return CKVPConfigError(message)
+
+
+def _forget_split_frames() -> None:
+    """``torch._dynamo.reset()`` once after a :class:`CKVPConfigError` raised under torch.compile."""
+    if _SplitFrames.pending:
+        _SplitFrames.pending = False
+        torch._dynamo.reset()
 
 
 def _static_cache_base():
@@ -101,6 +131,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"config sliding_window={getattr(text, 'sliding_window', None)}), whose cache keeps only a window of "
                 f"recent tokens; the ckvp latent cache does not support it yet. Fix: use a dense cache "
                 f"(cache_implementation='static') with backend='ckvp', or a model without a sliding window.")
+        _forget_split_frames()
         _check_bases(bases, len(self.layers), num_kv, head_dim)
         k_format, v_format = _formats(latent_format)
         self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
@@ -123,14 +154,21 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 torch._dynamo.mark_static_address(t)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """As ``StaticCache.update``, traced by the ckvp backend; raises :class:`CKVPError` in eager code."""
+        """As ``StaticCache.update``, traced by the ckvp backend.
+
+        Raises:
+            CKVPConfigError: the model's K/V dtype or batch size is not the cache's (the message names the
+                argument to fix). Raised while torch.compile traces, it marks Dynamo's frames for a reset at the
+                next ``CKVPStaticCache(...)``, so the model compiles afresh with a correct cache.
+            CKVPError: called in eager code (not under the ckvp backend).
+        """
         if key_states.dtype != self.store.dtype:  # else SDPA fails while tracing, on mixed dtypes
-            raise CKVPConfigError(
+            raise _config_error(
                 f"this ckvp latent KV cache was built for {self.store.dtype} K/V, but the model's keys are "
                 f"{key_states.dtype}. Fix: CKVPStaticCache(..., dtype={key_states.dtype})."
             )
         if key_states.shape[0] != self.store.batch_size:  # else the cache write fails while tracing, on shapes
-            raise CKVPConfigError(
+            raise _config_error(
                 f"this ckvp latent KV cache holds max_batch_size={self.store.batch_size} sequences, but the model "
                 f"runs a batch of {key_states.shape[0]}. Fix: CKVPStaticCache(..., max_batch_size="
                 f"{key_states.shape[0]}) (a latent cache serves exactly its batch size)."
