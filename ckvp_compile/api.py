@@ -14,6 +14,7 @@ resident count, which the backend checks for every graph (``CKVPConfigError`` na
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -84,7 +85,12 @@ def compile(model: Any, *, expert_offload: int = 0, offload_options: Mapping[str
                     raise CKVPConfigError(
                         f"expert_offload must be in 1..{e} (experts kept resident per MoE layer; the model has {e} "
                         f"per layer; {e} keeps all on the device), or 0 for no offload, got {resident}")
-            offload_experts(target, resident=resident, **dict(offload_options or {}))
+            opts_off = dict(offload_options or {})
+            known = set(inspect.signature(offload_experts).parameters) - {"model", "resident"}
+            if set(opts_off) - known:
+                raise CKVPConfigError(f"offload_options {sorted(set(opts_off) - known)} are not options of "
+                                      f"ckvp_compile.offload_experts; the options are {sorted(known)}")
+            offload_experts(target, resident=resident, **opts_off)
     elif offload_options:
         raise CKVPConfigError("offload_options are given but expert_offload is 0; set expert_offload=C (1..E)")
     return torch.compile(model, backend="ckvp", options=opts, **torch_compile_kwargs)

@@ -188,7 +188,9 @@ def _run(argv: Sequence[str] | None) -> int:
     _check_writable(args.json, "--json")
     latent = _latent(args)
 
-    if args.prompt_len < 1 or args.prompt_len + (not args.no_decode) > args.max_cache_len:
+    if args.prompt_len < 1:
+        raise _UsageError(f"--prompt-len must be >= 1 (the prefill needs a token), got {args.prompt_len}")
+    if args.prompt_len + (not args.no_decode) > args.max_cache_len:
         raise _UsageError(f"--prompt-len {args.prompt_len} (+1 decode step) does not fit --max-cache-len "
                           f"{args.max_cache_len}; raise --max-cache-len or lower --prompt-len (>= 1)")
 

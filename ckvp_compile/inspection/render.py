@@ -119,7 +119,7 @@ def _graph_text(g: "GraphReport", full: bool) -> list[str]:
     else:
         out.append("no attention or MoE sites found in this graph")
     out.append(f"groups: {format_groups(g.plan.groups)}"
-               + (f" (latent groups rewritten: {', '.join(map(str, g.plan.latent_groups))})"
+               + (f" (latent cache in groups #{', #'.join(map(str, g.plan.latent_groups))})"
                   if g.plan.latent_groups else ""))
     out.append(f"KV bytes/token: {g.kv_bytes_line()}")
     out.append("decisions:" + ("" if g.plan.decisions else " none"))

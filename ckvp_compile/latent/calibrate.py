@@ -257,6 +257,10 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         raise CKVPConfigError(max_key_rank_error(max_key_rank))
     if key_space_error(key_space):
         raise CKVPConfigError(key_space_error(key_space))
+    for name, n in (("batch_size", batch_size), ("cache_len", cache_len)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise CKVPConfigError(f"{name} must be an int >= 1 (the cache the ranks are fitted for: batch_size "
+                                  f"sequences x cache_len slots), got {n!r}")
     if recent_window and latent_format is None:
         raise CKVPConfigError("recent_window is counted in bytes: give latent_format too (the format the cache "
                               "will store), so that the ranks leave room for the window")
@@ -519,6 +523,16 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
                            f"there is nothing to calibrate: {why}")
 
 
+def _check_token_ids(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Raise :class:`CKVPConfigError` for a sample with token ids outside the model's embedding table."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise CKVPConfigError(f"a calibration sample holds token ids in [{int(ids.min())}, {int(ids.max())}], but the "
+                              f"model embeds ids 0..{vocab - 1}. Fix: tokenize the samples with this model's "
+                              "tokenizer")
+
+
 def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int, max_cache_len: int | None,
              progress: bool, on_sample: Callable[[StackedKV], None] | None,
              on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None,
@@ -543,6 +557,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
         with torch.no_grad(), uncompiled_forward(model):
             for sample in tqdm(samples, total=total, desc="ckvp calibrate", unit="sample", disable=not progress):
                 ids = _as_batch(sample, device)
+                _check_token_ids(model, ids)
                 cache_len = ids.shape[1] if max_cache_len is None else max_cache_len
                 if cache_len < ids.shape[1]:
                     raise CKVPConfigError(f"max_cache_len={max_cache_len} is shorter than a sample of S={ids.shape[1]}"

@@ -66,6 +66,10 @@ def _static_cache_base():
 
 
 def _check_bases(bases: Any, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    if not all(hasattr(bases, a) for a in ("groups", "num_kv_heads", "head_dim")):
+        raise CKVPConfigError(
+            f"bases must be the LatentBases of this model, got {type(bases).__name__}. Fix: bases = "
+            "ckvp_compile.calibrate(model, samples, kv_ratio=...) (or LatentBases.load(path, model=model))")
     covered = sorted(layer for g in bases.groups for layer in g)
     if covered != list(range(num_layers)) or (bases.num_kv_heads, bases.head_dim) != (num_kv_heads, head_dim):
         raise CKVPConfigError(

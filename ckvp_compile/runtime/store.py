@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -176,8 +177,19 @@ class LatentKVStore:
                  latent_dtype: torch.dtype | None = None, basis_dtype: torch.dtype | None = None,
                  residual_format: str = "", recent_window: int = 0, page_size: int = 0,
                  num_pages: int | None = None, latent_layout: str = "row-major"):
-        if batch_size < 1 or max_cache_len < 1:
-            raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1, got {batch_size}, {max_cache_len}")
+        try:
+            sizes = (operator.index(batch_size), operator.index(max_cache_len))
+        except TypeError:
+            sizes = (0, 0)
+        if min(sizes) < 1 or isinstance(batch_size, bool):
+            raise CKVPConfigError(f"batch_size and max_cache_len must be >= 1 and ints, got {batch_size!r}, "
+                                  f"{max_cache_len!r}")
+        batch_size, max_cache_len = sizes
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise CKVPConfigError(f"device={str(device)!r}, but this torch build sees no CUDA device "
+                                  f"(torch {torch.__version__}). Fix: device='cpu', or run where a CUDA GPU is "
+                                  "visible")
         if isinstance(recent_window, bool) or not isinstance(recent_window, int) \
                 or not 0 <= recent_window < max_cache_len:
             raise CKVPConfigError(f"recent_window must be an int in [0, max_cache_len = {max_cache_len}), got "

@@ -505,7 +505,7 @@ def test_cli_kv_ratio_shows_the_latent_plan(tiny_latent, tmp_path, capsys):
     assert [r[:4] for r in rows] == [[str(g), f"{a}-{b}", ",".join(map(str, bases.k_ranks[g])),
                                       ",".join(map(str, bases.v_ranks[g]))] for g, (a, b) in enumerate(bases.groups)]
     assert all(r[6] == r[7] == "float" for r in rows)
-    assert "groups: [0-1] [2-3] (latent groups rewritten: 0, 1)" in text
+    assert "groups: [0-1] [2-3] (latent cache in groups #0, #1)" in text
     assert "page: 1 token (every token projected at its group's last layer); recent dense window: the current " \
            "call's tokens only" in text
 

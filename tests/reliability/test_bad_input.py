@@ -55,6 +55,8 @@ def test_bad_options_through_torch_compile_are_clear_and_leave_the_model_usable(
     (dict(kv_ratio=float("nan")), r"kv_ratio must be a number >= 1"),
     (dict(kv_ratio="4"), r"kv_ratio must be a number >= 1"),
     (dict(kv_ratio=4.0, latent_format="int9", cache_len=64), r"latent format must be .*'int9'"),
+    (dict(kv_ratio=2.0, latent_format="int8", cache_len=0), r"cache_len must be an int >= 1"),
+    (dict(kv_ratio=2.0, latent_format="int8", batch_size=-1), r"batch_size must be an int >= 1"),
 ])
 def test_a_kv_ratio_that_cannot_be_met_is_a_clear_error(model_and_bases, kwargs, message):
     model, _ = model_and_bases
@@ -68,11 +70,35 @@ def test_a_kv_ratio_that_cannot_be_met_is_a_clear_error(model_and_bases, kwargs,
     (dict(max_cache_len=8, latent_format="int9"), r"'int9'"),
     (dict(max_cache_len=8, latent_format=("int8",)), r"\(K, V\) pair"),
     (dict(max_cache_len=8, latent_dtype=torch.int8), r"latent_dtype must be a float dtype"),
+    (dict(max_cache_len=2.5), r"max_cache_len must be >= 1 and ints, got 1, 2.5"),
+    pytest.param(dict(max_cache_len=8, device="cuda"), r"sees no CUDA device.*Fix: device='cpu'",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
 ])
 def test_bad_cache_arguments_are_clear_errors(model_and_bases, kwargs, message):
     model, bases = model_and_bases
     with pytest.raises(CKVPConfigError, match=message):
         CKVPStaticCache(model.config, bases, **kwargs)
+
+
+def test_bases_that_are_not_latent_bases_name_calibrate(model_and_bases):
+    model, _ = model_and_bases
+    with pytest.raises(CKVPConfigError, match=r"bases must be the LatentBases .*got NoneType.*calibrate"):
+        CKVPStaticCache(model.config, None, max_cache_len=CACHE)
+
+
+def test_calibration_ids_outside_the_vocabulary_name_the_tokenizer(model_and_bases):
+    model, _ = model_and_bases
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(CKVPConfigError, match=rf"model embeds ids 0..{vocab - 1}.*tokenizer"):
+        calibrate(model, [torch.full((1, 8), vocab + 3)], group_size=1, kv_ratio=1.0, progress=False)
+
+
+def test_unknown_offload_options_list_the_valid_ones():
+    import ckvp_compile
+
+    model = build_hf_moe("mixtral", num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(CKVPConfigError, match=r"offload_options \['bogus'\] .*'lookahead'"):
+        ckvp_compile.compile(model, expert_offload=2, offload_options={"bogus": 1})
 
 
 @pytest.mark.parametrize("other", [dict(num_kv_heads=1), dict(head_dim=8), dict(num_layers=3)])
