@@ -64,6 +64,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import CKVPConfigError
 from ..kernels.latent_layout import STORE_LAYOUTS
 from .output import with_config_override
 
@@ -743,8 +744,14 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.page_size and a.shape == "fixture":
         p.error("--page-size is for the speed shapes; the fixture's greedy check runs unpaged")
     if a.shape == "fixture":
-        if any(r < 1 for r in a.ratios):
+        if any(not r >= 1 for r in a.ratios):  # (nan too)
             p.error("--ratios must be >= 1")
+        for flag, n in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens), ("--prompt-len", a.prompt_len),
+                        ("--calib-windows", a.calib_windows)):
+            if n < 1:
+                p.error(f"{flag} must be >= 1, got {n}")
+        if a.model is not None and not (a.model / "config.json").is_file():
+            p.error(f"--model {str(a.model)!r}: no config.json there (an HF model directory is expected)")
         if not a.ratios and not a.baselines:
             p.error("--ratios without a value runs no ckvp row: give --baseline kivi:BITS:GROUP:RESIDUAL")
         from .kivi import KIVIConfig
@@ -797,7 +804,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.shape == "fixture":
         from .decode_fixture import run_fixture
 
-        return run_fixture(a)
+        try:
+            return run_fixture(a)
+        except CKVPConfigError as e:  # arguments that only the model and its text can check
+            print(f"ckvp-bench decode: error: {e}", file=sys.stderr)
+            return 2
     return run_speed(a)
 
 

@@ -201,6 +201,10 @@ def run_fixture(args: argparse.Namespace) -> int:
     if model.config.vocab_size != 256:
         raise CKVPConfigError(f"{model_dir}: --shape fixture needs a byte-level model (vocab 256), got "
                               f"{model.config.vocab_size}")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and args.prompt_len + args.new_tokens > positions:
+        raise CKVPConfigError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} is past the model's "
+                              f"{positions} positions (max_position_embeddings); lower them")
     text = (model_dir / "eval_text.txt").read_bytes()
     calib_end = args.calib_windows * 256
     rest = len(text) - calib_end - args.prompt_len

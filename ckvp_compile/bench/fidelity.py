@@ -765,16 +765,31 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if not 1 <= args.measure_windows <= args.calib_windows:
         parser.error(f"--measure-windows must be in 1..--calib-windows ({args.calib_windows}), got "
                      f"{args.measure_windows}")
-    from ..latent.ranks import max_key_rank_error
+    from ..latent.ranks import max_key_rank_error, rank_block_error
 
     if max_key_rank_error(args.max_key_rank):
         parser.error("--max-key-rank: " + max_key_rank_error(args.max_key_rank))
+    if args.rank_block is not None and rank_block_error(args.rank_block):
+        parser.error("--rank-block: " + rank_block_error(args.rank_block))
     for name in ("window", "calib_windows", "eval_windows", "chunk", "batch"):
         if getattr(args, name) < (2 if name == "window" else 1):
             parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'window' else 1}, "
                          f"got {getattr(args, name)}")
     if not Path(args.model).is_dir():
         parser.error(f"--model {args.model!r}: not a model directory")
+    if any(not r >= 1 for r in args.kv_ratios):  # (nan too)
+        parser.error(f"--kv-ratios must be >= 1 (dense / latent bytes), got {args.kv_ratios}")
+    if any(g not in (1, 2, 4, 8) for g in args.group_sizes):
+        parser.error(f"--group-sizes must be among 1, 2, 4, 8 (layers per latent group), got {args.group_sizes}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    try:
+        torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device!r}: {e}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            parser.error(f"{flag} {path!r}: the directory {str(Path(path).parent)!r} does not exist (create it first)")
     text = Path(args.text) if args.text else Path(args.model) / "eval_text.txt"
     if not text.is_file():
         parser.error(f"--text {str(text)!r}: no such file")

@@ -123,8 +123,11 @@ class LatentCaches:
 
     def restore(self) -> None:
         """Give a gpt-fast model back the dense cache buffers it had before :meth:`gpt_fast` (no-op for HF)."""
+        from ..runtime.hf_cache import allow_eager_calls
+
         for m, k, v in self._saved:
             m.k_cache, m.v_cache = k, v
+            allow_eager_calls(m)
             if hasattr(m, "ckvp_store"):
                 del m.ckvp_store
         self._saved = []

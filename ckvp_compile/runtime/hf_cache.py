@@ -15,6 +15,7 @@ raises a :class:`~ckvp_compile.errors.CKVPError` saying so instead of computing 
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -27,7 +28,16 @@ _EAGER_ERROR = (
     "torch.compile(..., backend='ckvp') can use it. Compile the model's forward with the ckvp backend, or use a "
     "dense cache (transformers StaticCache) for eager runs. If the forward is compiled with the ckvp backend, "
     "torch.compile split it at a graph break (an earlier error inside it, or unsupported code) and runs the cache "
-    "update outside the graph: call torch._dynamo.reset() and run again (TORCH_LOGS=graph_breaks shows the break)."
+    "update outside the graph: call torch._dynamo.reset() and run again (TORCH_LOGS=graph_breaks shows the break; "
+    "a frame past torch._dynamo.config.recompile_limit also runs eagerly)."
+)
+_EAGER_ERROR_BUFFERS = (
+    "this module's k_cache / v_cache are ckvp latent-cache phantoms (use_latent_cache): they hold no data and only "
+    "a model compiled with torch.compile(..., backend='ckvp') can use them. Compile the model with the ckvp "
+    "backend, or, for eager runs, give the modules dense buffers again (new cache modules: gpt-fast's "
+    "setup_caches(...) keeps the caches of an unchanged shape). If the model is compiled with "
+    "the ckvp backend, torch.compile ran this module outside the graph (a graph break, or a frame past "
+    "torch._dynamo.config.recompile_limit): pass fullgraph=True to see why, or call torch._dynamo.reset()."
 )
 
 
@@ -240,4 +250,38 @@ def use_latent_cache(model: torch.nn.Module, bases: Any, latent_format: str | tu
         m.k_cache = store.phantom(i, "k")
         m.v_cache = store.phantom(i, "v")
         m.ckvp_store = store  # the model keeps its store alive (the phantom registry only holds weak refs)
+        _refuse_eager_calls(m)
     return store
+
+
+def _refuse_eager_calls(module: torch.nn.Module) -> None:
+    """Make the cache module's ``update`` and ``forward`` raise :class:`CKVPError` outside torch.compile.
+
+    Eagerly, ``k_cache[:, :, input_pos] = k`` writes into the phantom's one shared element (PyTorch only warns)
+    and later reads return it: wrong logits without an error. Under Dynamo the guard is the constant
+    ``is_compiling() == True`` and vanishes from the graph. The guard is a method bound to the module that calls
+    the class's own method. Idempotent.
+    """
+    for name in ("update", "forward"):
+        if name in vars(module) or not callable(getattr(type(module), name, None)):
+            continue  # no such method, or already an instance attribute (guarded, or a user's own override)
+
+        def guarded(self: torch.nn.Module, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                raise CKVPError(_EAGER_ERROR_BUFFERS)
+            return getattr(type(self), _name)(self, *args, **kwargs)
+
+        guarded._ckvp_refuses_eager = True  # type: ignore[attr-defined]
+        setattr(module, name, types.MethodType(guarded, module))
+
+
+def allow_eager_calls(module: torch.nn.Module) -> None:
+    """Undo :func:`use_latent_cache`'s eager guard on one cache module (after its dense buffers are put back).
+
+    Args:
+        module: a module :func:`use_latent_cache` bound (others are left as they are).
+    """
+    for name in ("update", "forward"):
+        bound = vars(module).get(name)
+        if getattr(getattr(bound, "__func__", None), "_ckvp_refuses_eager", False):
+            delattr(module, name)

@@ -115,6 +115,13 @@ def test_dynamic_shapes_compile():
     (["--batch", "0"], "--batch must be >= 1"),
     (["--latent-formats", "int9"], "--latent-formats"),
     (["--text", "/nonexistent.txt"], "no such file"),
+    # found by a second review (2026-12-05): tracebacks, or runs of empty tables / lost results
+    (["--group-sizes", "3"], "--group-sizes must be among 1, 2, 4, 8"),
+    (["--device", "bogus"], "--device 'bogus'"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--json", "/nonexistent-dir/x.json"], "does not exist (create it first)"),
+    (["--kv-ratios", "nan"], "--kv-ratios must be >= 1"),
+    (["--rank-block", "0"], "--rank-block: rank_block must be an int >= 1"),
 ])
 def test_bench_cli_bad_arguments_are_usage_errors(args, message, capsys):
     """ckvp-bench fidelity with bad arguments: tracebacks (OSError from from_pretrained, FileNotFoundError,
@@ -125,6 +132,28 @@ def test_bench_cli_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_cli(["fidelity", *args])
     assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--new-tokens", "-1"], "--new-tokens must be >= 1"),
+    (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["--calib-windows", "0"], "--calib-windows must be >= 1"),
+    (["--model", "/nonexistent"], "no config.json there"),
+    (["--ratios", "nan"], "--ratios must be >= 1"),
+    (["--prompt-len", "100000", "--prompts", "1"], "past the model's 4096 positions"),
+])
+def test_decode_fixture_bad_arguments_are_usage_errors(args, message, capsys):
+    """ckvp-bench decode --shape fixture: ZeroDivisionError, IndexError, an embedding error, CKVPConfigError
+    tracebacks, or a run far past the model's positions. One-line usage errors (status 2) instead."""
+    from ckvp_compile.bench.cli import main as bench_cli
+
+    try:
+        code = bench_cli(["decode", "--shape", "fixture", "--device", "cpu", "--compiler", "aot_eager", *args])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
     assert message in capsys.readouterr().err
 
 
@@ -684,3 +713,33 @@ def test_a_factor_after_rope_that_is_not_a_row_scale_is_refused(after, monkeypat
     step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
     with pytest.raises(UnsupportedGraphError, match=f"post_rope_key.*{reason}"), torch.no_grad():
         step(torch.arange(2)[None] + 3, torch.arange(2))
+
+
+def test_a_gpt_fast_latent_cache_used_eagerly_is_an_error_not_wrong_logits():
+    """Eagerly, ``k_cache[:, :, input_pos] = k`` wrote into the phantom's one shared element (PyTorch only warns) and
+    later reads returned it: logits off by up to 3.7 without an error, also when Dynamo ran a frame eagerly past its
+    recompile limit. The cache modules now refuse eager calls; the compiled model stays exact.
+    """
+    from ckvp_compile.errors import CKVPError
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2)).eval()
+    bases = calibrate(model, [torch.randint(0, 256, (1, 16))], group_size=2, kv_ratio=1.0, progress=False)
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        model.setup_caches(1, 16)
+        want = model(ids, torch.arange(6))
+        model.setup_caches(1, 16)
+        store = use_latent_cache(model, bases, latent_format="float")
+        with pytest.raises(CKVPError, match="latent-cache phantoms.*setup_caches"):
+            model(ids, torch.arange(6))
+        store = use_latent_cache(model, bases, latent_format="float")  # a second binding guards once
+        step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+        torch.testing.assert_close(step(ids, torch.arange(6)), want, rtol=2e-4, atol=2e-4)
+        model.setup_caches(1, 16)  # the same shape: gpt-fast keeps (zeroes) the caches, so still refused
+        with pytest.raises(CKVPError, match="latent-cache phantoms"):
+            model(ids, torch.arange(6))
+        model.setup_caches(1, 24)  # new KVCache modules with dense buffers: eager runs as before
+        torch.testing.assert_close(model(ids, torch.arange(6)), want, rtol=1e-5, atol=1e-5)
