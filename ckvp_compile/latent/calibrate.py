@@ -24,6 +24,7 @@ moment's eigenvectors are the right singular vectors of the stacked token matrix
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -258,7 +259,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
     if key_space_error(key_space):
         raise CKVPConfigError(key_space_error(key_space))
     for name, n in (("batch_size", batch_size), ("cache_len", cache_len)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 1:
             raise CKVPConfigError(f"{name} must be an int >= 1 (the cache the ranks are fitted for: batch_size "
                                   f"sequences x cache_len slots), got {n!r}")
     if recent_window and latent_format is None:
