@@ -732,10 +732,12 @@ def test_a_gpt_fast_latent_cache_used_eagerly_is_an_error_not_wrong_logits():
         model.setup_caches(1, 16)
         want = model(ids, torch.arange(6))
         model.setup_caches(1, 16)
-        store = use_latent_cache(model, bases, latent_format="float")
+        use_latent_cache(model, bases, latent_format="float")
         with pytest.raises(CKVPError, match="latent-cache phantoms.*setup_caches"):
             model(ids, torch.arange(6))
-        store = use_latent_cache(model, bases, latent_format="float")  # a second binding guards once
+        guard = model.layers[0].attention.kv_cache.update
+        use_latent_cache(model, bases, latent_format="float")  # a second binding keeps the one guard
+        assert model.layers[0].attention.kv_cache.update == guard
         step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
         torch.testing.assert_close(step(ids, torch.arange(6)), want, rtol=2e-4, atol=2e-4)
         model.setup_caches(1, 16)  # the same shape: gpt-fast keeps (zeroes) the caches, so still refused
