@@ -247,5 +247,5 @@ def test_kernels_compile_for_sm90(part):
 
 
 if __name__ == "__main__":
-    _run(int(os.environ.get(EXAMPLES_ENV, "5")), sys.argv[1] if len(sys.argv) > 1 else "defaults")
+    _run(int(os.environ.get(EXAMPLES_ENV, "3")), sys.argv[1] if len(sys.argv) > 1 else "defaults")
     print("compiled ok")

@@ -19,8 +19,9 @@ from ckvp_compile.testing import build_hf_moe
 CACHE = 24
 
 
-@pytest.mark.parametrize("fullgraph", [False, True])
-def test_compiled_model_works_after_a_mismatched_cache(fullgraph):
+def test_compiled_model_works_after_a_mismatched_cache():
+    """Without fullgraph (the HF recipe): the error, then a correct cache gives dense's tokens (fullgraph=True never
+    kept split frames)."""
     from transformers import StaticCache
 
     torch._dynamo.reset()
@@ -36,8 +37,7 @@ def test_compiled_model_works_after_a_mismatched_cache(fullgraph):
 
     dense = run(StaticCache(config=model.config, max_cache_len=CACHE))
     eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, backend="ckvp", options={"compiler": "aot_eager"},
-                                  fullgraph=fullgraph)
+    model.forward = torch.compile(eager_forward, backend="ckvp", options={"compiler": "aot_eager"})
     try:
         # a cache of another K/V dtype than the model's (fp32): the error names the dtype to pass
         bad = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, dtype=torch.float16)
@@ -49,10 +49,8 @@ def test_compiled_model_works_after_a_mismatched_cache(fullgraph):
         with pytest.raises(Exception, match=r"max_batch_size=2"):
             run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=1), two)
         assert run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE)).tolist() == dense.tolist()
-        if not fullgraph:  # the error itself, not Dynamo's wrapper (fullgraph reports it as an unsupported raise)
-            with pytest.raises(CKVPConfigError):
-                run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE, dtype=torch.float16))
-            assert run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE)).tolist() == dense.tolist()
+        with pytest.raises(CKVPConfigError):  # the error itself, not a Dynamo wrapper
+            run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE, dtype=torch.float16))
     finally:
         model.forward = eager_forward
         torch._dynamo.reset()
