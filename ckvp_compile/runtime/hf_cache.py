@@ -280,6 +280,10 @@ def allow_eager_calls(module: torch.nn.Module) -> None:
 
     Args:
         module: a module :func:`use_latent_cache` bound (others are left as they are).
+    Raises:
+        Nothing: a module without the guard is left as it is. The caller puts the dense ``k_cache`` / ``v_cache``
+        back first (as ``inspection.capture.LatentCaches.restore`` does); with phantoms left, eager calls compute
+        garbage again.
     """
     for name in ("update", "forward"):
         bound = vars(module).get(name)
