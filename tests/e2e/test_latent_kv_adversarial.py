@@ -108,49 +108,43 @@ def test_dynamic_shapes_compile():
         _assert_close_all(_run(step, model, ids, CKVPStaticCache(model.config, bases, max_cache_len=16), n=2), eager)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "/nonexistent"], "not a model directory"),
-    (["--from-json", "/nonexistent.json"], "no such file"),
-    (["--window", "0"], "--window must be >= 2"),
-    (["--batch", "0"], "--batch must be >= 1"),
-    (["--latent-formats", "int9"], "--latent-formats"),
-    (["--text", "/nonexistent.txt"], "no such file"),
+_FIDELITY = ["fidelity"]
+_DECODE_FIXTURE = ["decode", "--shape", "fixture", "--device", "cpu", "--compiler", "aot_eager"]
+
+
+@pytest.mark.parametrize("command,args,message", [
+    # ckvp-bench fidelity: tracebacks (OSError from from_pretrained, FileNotFoundError, ZeroDivisionError in
+    # split_windows, a negative view shape, the format's ValueError after the dense evaluation), exit status 1
+    (_FIDELITY, ["--model", "/nonexistent"], "not a model directory"),
+    (_FIDELITY, ["--from-json", "/nonexistent.json"], "no such file"),
+    (_FIDELITY, ["--window", "0"], "--window must be >= 2"),
+    (_FIDELITY, ["--batch", "0"], "--batch must be >= 1"),
+    (_FIDELITY, ["--latent-formats", "int9"], "--latent-formats"),
+    (_FIDELITY, ["--text", "/nonexistent.txt"], "no such file"),
     # found by a second review (2026-12-05): tracebacks, or runs of empty tables / lost results
-    (["--group-sizes", "3"], "--group-sizes must be among 1, 2, 4, 8"),
-    (["--device", "bogus"], "--device 'bogus'"),
-    (["--threads", "0"], "--threads must be >= 1"),
-    (["--json", "/nonexistent-dir/x.json"], "does not exist (create it first)"),
-    (["--kv-ratios", "nan"], "--kv-ratios must be >= 1"),
-    (["--rank-block", "0"], "--rank-block: rank_block must be an int >= 1"),
+    (_FIDELITY, ["--group-sizes", "3"], "--group-sizes must be among 1, 2, 4, 8"),
+    (_FIDELITY, ["--device", "bogus"], "--device 'bogus'"),
+    (_FIDELITY, ["--threads", "0"], "--threads must be >= 1"),
+    (_FIDELITY, ["--json", "/nonexistent-dir/x.json"], "does not exist (create it first)"),
+    (_FIDELITY, ["--kv-ratios", "nan"], "--kv-ratios must be >= 1"),
+    (_FIDELITY, ["--rank-block", "0"], "--rank-block: rank_block must be an int >= 1"),
+    # ckvp-bench decode --shape fixture: ZeroDivisionError, IndexError, an embedding error, CKVPConfigError
+    # tracebacks, or a run far past the model's positions
+    (_DECODE_FIXTURE, ["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (_DECODE_FIXTURE, ["--new-tokens", "-1"], "--new-tokens must be >= 1"),
+    (_DECODE_FIXTURE, ["--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (_DECODE_FIXTURE, ["--calib-windows", "0"], "--calib-windows must be >= 1"),
+    (_DECODE_FIXTURE, ["--model", "/nonexistent"], "no config.json there"),
+    (_DECODE_FIXTURE, ["--ratios", "nan"], "--ratios must be >= 1"),
+    (_DECODE_FIXTURE, ["--prompt-len", "100000", "--prompts", "1"], "past the model's 4096 positions"),
 ])
-def test_bench_cli_bad_arguments_are_usage_errors(args, message, capsys):
-    """ckvp-bench fidelity with bad arguments: tracebacks (OSError from from_pretrained, FileNotFoundError,
-    ZeroDivisionError in split_windows, a negative view shape, the format's ValueError after the dense
-    evaluation), exit status 1. They are one-line usage errors (status 2) before any model is loaded."""
-    from ckvp_compile.bench.cli import main as bench_cli
-
-    with pytest.raises(SystemExit) as exc:
-        bench_cli(["fidelity", *args])
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
-    (["--new-tokens", "-1"], "--new-tokens must be >= 1"),
-    (["--prompt-len", "0"], "--prompt-len must be >= 1"),
-    (["--calib-windows", "0"], "--calib-windows must be >= 1"),
-    (["--model", "/nonexistent"], "no config.json there"),
-    (["--ratios", "nan"], "--ratios must be >= 1"),
-    (["--prompt-len", "100000", "--prompts", "1"], "past the model's 4096 positions"),
-])
-def test_decode_fixture_bad_arguments_are_usage_errors(args, message, capsys):
-    """ckvp-bench decode --shape fixture: ZeroDivisionError, IndexError, an embedding error, CKVPConfigError
-    tracebacks, or a run far past the model's positions. One-line usage errors (status 2) instead."""
+def test_bench_cli_bad_arguments_are_usage_errors(command, args, message, capsys):
+    """ckvp-bench fidelity and decode --shape fixture with bad arguments: one-line usage errors (status 2, from
+    argparse's exit or the returned code) before any model is loaded, instead of the tracebacks listed above."""
     from ckvp_compile.bench.cli import main as bench_cli
 
     try:
-        code = bench_cli(["decode", "--shape", "fixture", "--device", "cpu", "--compiler", "aot_eager", *args])
+        code = bench_cli([*command, *args])
     except SystemExit as exc:
         code = exc.code
     assert code == 2
