@@ -113,7 +113,8 @@ def load(model_dir: Path, device: str, dtype: torch.dtype):
 
 
 def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
-    """Calibrate CKVP bases on text beside the model (not the prompt) and build a latent cache."""
+    """Calibrate CKVP bases on text beside the model (not the prompt) and build a latent cache: returns
+    ``(cache, bases)``."""
     from ckvp_compile.latent import calibrate
     from ckvp_compile.runtime.hf_cache import CKVPStaticCache
 
@@ -131,9 +132,10 @@ def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
                       latent_dtype=kv_dtype, recent_window=args.recent_window)
     print(f"calibrated CKVP bases on {len(samples)} x 256 tokens in {time.perf_counter() - start:.1f} s")
     print(bases.summary())
-    return CKVPStaticCache(model.config, bases, max_cache_len=max_cache_len, max_batch_size=1,
-                           device=args.device, dtype=dtype, latent_format=args.latent_format, latent_dtype=kv_dtype,
-                           recent_window=args.recent_window)
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=max_cache_len, max_batch_size=1,
+                            device=args.device, dtype=dtype, latent_format=args.latent_format, latent_dtype=kv_dtype,
+                            recent_window=args.recent_window)
+    return cache, bases
 
 
 def _generate_takes_cache() -> bool:
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cache = None
     if args.kv_ratio is not None:
-        cache = latent_cache(model, args.model, encode, args, input_ids.shape[1] + args.max_new_tokens)
+        cache, bases = latent_cache(model, args.model, encode, args, input_ids.shape[1] + args.max_new_tokens)
     from ckvp_compile import CKVPBackend, CKVPConfig, CompileRecorder
 
     recorder = CompileRecorder()
@@ -275,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"eager:              {eager_s:7.2f} s  ({n / eager_s:7.1f} tokens/s; best of 2 after a warm-up)")
     print(f"ckvp first call:    {first_s:7.2f} s  (includes compilation with compiler={args.compiler!r})")
     print(f"ckvp steady state:  {steady_s:7.2f} s  ({n / steady_s:7.1f} tokens/s; best of 2)")
+    # ckvp-inspect's --kv-ratio counts latent elements (16-bit equivalent), this script's counts bytes: pass the
+    # element ratio these bases reached, so that the report shows ranks like this run's
     print(f"what the backend found, rewrote or kept per layer, and why: ckvp-inspect --model {args.model}"
-          + (" --kv-ratio R (R in elements there; README, 'The inspection tool')" if cache is not None else ""))
+          + (f" --kv-ratio {bases.ratio():.3g} --latent-format {args.latent_format} --group-size {args.group_size} "
+             f"--text {args.model / 'eval_text.txt'} (--kv-ratio counts latent elements there: {bases.ratio():.3g} "
+             f"is the element ratio of this run's bases; README, 'The inspection tool')" if cache is not None else ""))
     if args.device == "cpu":
         print("(CPU timings are indicative only: a busy machine moves them, and on CPU the latent cache's ops run "
               "their PyTorch references; speed is measured on the GPU, see BENCHMARKS.md)")
