@@ -35,6 +35,7 @@ import torch.fx as fx
 from . import _compat
 from .analysis import GraphAnalysis, analyze
 from .analysis.graph import CAPTURE_UNSAFE_OPS, capture_unsafe_calls, op_name
+from .analysis.sites import UnsupportedSite, format_layers
 from .config import CKVPConfig
 from .errors import CKVPConfigError, CKVPError, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
@@ -186,9 +187,10 @@ class CKVPBackend:
                     msg.replace(" Left untouched.", "") + " (strict=True: set strict=False to compile it untouched)"
                 )
                 raise _compat.surface_through_dynamo(err)
-            if self.config.warn_unsupported:
-                warnings.warn(msg, UnsupportedPatternWarning, stacklevel=2)
             logger.info(msg)
+        if self.config.warn_unsupported:
+            for msg in _grouped_messages(plan.unsupported):
+                warnings.warn(msg, UnsupportedPatternWarning, stacklevel=2)
 
     def _run_torch_passes(
         self, gm: fx.GraphModule, passes: list[CKVPPass], record: GraphRecord, must_succeed: bool = False
@@ -240,6 +242,32 @@ class CKVPBackend:
         if patches.get("triton.cudagraphs") and any(getattr(t, "is_cuda", False) for t in example_inputs):
             _cudagraphs_off_for_host_syncs(gm, patches)
         return _compat.compile_with_inductor(gm, example_inputs, patches)
+
+
+def _grouped_messages(sites: Sequence[UnsupportedSite]) -> list[str]:
+    """The warning texts for ``sites``: one per (kind, fix) found in several layers, naming the layers
+    (``'ckvp: layers 0-7: <reason of the first> Left untouched. Fix: ...'``), so a model whose every layer has the
+    same pattern (a DynamicCache, say) warns once per graph rather than once per layer; a site alone, or one without
+    a layer, keeps :meth:`UnsupportedSite.message`. The reason shown is the first layer's; where the layers' reasons
+    differ the text says so (``ckvp-inspect`` and the INFO log list each). Never raises."""
+    groups: dict[tuple[str, str], list[UnsupportedSite]] = {}
+    out: list[tuple[int, str]] = []
+    for i, u in enumerate(sites):
+        if u.layer is None:
+            out.append((i, u.message()))
+        else:
+            groups.setdefault((u.kind, u.fix), []).append(u)
+    for members in groups.values():
+        first = members[0]
+        layers = sorted({u.layer for u in members})
+        if len(layers) == 1 and len(members) == 1:
+            out.append((sites.index(first), first.message()))
+            continue
+        same = all(u.reason == first.reason for u in members)
+        note = "" if same else f" (layer {first.layer}'s reason; the other layers' differ in detail: ckvp-inspect)"
+        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {format_layers(layers)}"
+        out.append((sites.index(first), f"ckvp: {where}: {first.reason}{note} Left untouched. Fix: {first.fix}"))
+    return [msg for _, msg in sorted(out, key=lambda item: item[0])]
 
 
 def _cudagraphs_off_for_host_syncs(gm: fx.GraphModule, patches: dict[str, Any]) -> None:

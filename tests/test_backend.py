@@ -79,6 +79,23 @@ def test_unsupported_pattern_warns_and_leaves_result_untouched(monkeypatch):
     torch.testing.assert_close(out, f(x))
 
 
+def test_the_same_unsupported_pattern_in_many_layers_warns_once(monkeypatch):
+    """A DynamicCache in every layer of an 8-layer model gave 8 near-identical warnings per graph (24 for a
+    generate() call): one warning now names the layers; a different kind still warns on its own."""
+    sites = tuple(UnsupportedSite("dynamic_cache", layer, f"the KV cache of layer {layer} grows by torch.cat.",
+                                  "use a StaticCache.") for layer in range(8))
+    other = UnsupportedSite("sliding_window", 3, "a sliding window of 4 keys.", "use full attention.")
+    monkeypatch.setattr(ckvp_compile.backend, "analyze", lambda gm: GraphAnalysis(unsupported=sites + (other,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(f, backend="ckvp", options={"compiler": "eager"})(torch.randn(3))
+    messages = [str(w.message) for w in caught if issubclass(w.category, UnsupportedPatternWarning)]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("ckvp: layers 0-7: the KV cache of layer 0 grows") and "differ in detail" in messages[0]
+    assert messages[0].endswith("Fix: use a StaticCache.")
+    assert messages[1] == other.message()
+
+
 def test_strict_raises_unsupported(monkeypatch):
     _fake_unsupported_analysis(monkeypatch)
     with pytest.raises(UnsupportedGraphError, match="strict=True"):

@@ -9,7 +9,7 @@ a node. Shapes use the dimension glossary of the package: ``H`` query heads, ``H
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 RopeForm = Literal["rotate_half", "interleaved", "complex"]
 CacheWriteForm = Literal["index_copy_", "setitem", "index_put_", "index_put"]
@@ -211,6 +211,20 @@ class UnsupportedSite:
         """Return the one-line warning text: layer, reason and fix."""
         where = f"layer {self.layer}: " if self.layer is not None else ""
         return f"ckvp: {where}{self.reason} Left untouched. Fix: {self.fix}"
+
+
+def format_layers(layers: Sequence[int]) -> str:
+    """Return layer indices as compact ranges: ``[0, 1, 2, 3, 5]`` -> ``'0-3,5'`` (``''`` when empty)."""
+    out: list[str] = []
+    items = sorted(set(layers))
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 #: The :class:`UnsupportedSite` kinds the attention analysis reports: they block a layer's KV-cache rewrite only.

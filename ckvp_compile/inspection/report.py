@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..analysis.sites import AttentionSite, GraphAnalysis, MoESite
+from ..analysis.sites import AttentionSite, GraphAnalysis, MoESite, format_layers
 from ..backend import CKVPBackend, CompileRecorder, GraphRecord
 from ..config import CKVPConfig
 from ..errors import CKVPWarning
@@ -44,20 +44,6 @@ DEFAULT_INSPECTION_COMPILER = "aot_eager"
 
 
 # ---------------------------------------------------------------------------------------------- formatting
-
-
-def format_layers(layers: Sequence[int]) -> str:
-    """Return layer indices as compact ranges: ``[0, 1, 2, 3, 5]`` -> ``'0-3,5'`` (``''`` when empty)."""
-    out: list[str] = []
-    items = sorted(set(layers))
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def format_groups(groups: Sequence[LayerGroup]) -> str:
