@@ -43,6 +43,7 @@ never raises.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -151,6 +152,7 @@ def attention_findings(graph: fx.Graph) -> list[LayerFinding]:
     findings: list[LayerFinding] = []
     written = written_cache_buffers(graph)
     claimed: set[fx.Node] = set()  # the written buffers an attention op reads, reported by a site or a pattern
+    own_writes: set[str] = set()  # the cache writes (node names) of the sites found so far, in graph order
     for cand in candidates:
         reads = buffers_read(cand.k, cand.v) & written.keys()
         try:
@@ -158,6 +160,14 @@ def attention_findings(graph: fx.Graph) -> list[LayerFinding]:
         except Exception:
             logger.debug("ckvp: attention at %s not analysed", cand.node.name, exc_info=True)
             site, bad, why = None, [], "its analysis failed (an unexpected graph form)"
+        if site is not None and site.k_cache is not None and site.v_cache is not None:
+            writes = (site.k_cache.write_node, site.v_cache.write_node)
+            if any(w in own_writes for w in writes):
+                # KV sharing (Gemma-4's num_kv_shared_layers): this attention reads the cache an earlier layer's
+                # attention writes and reads; it has no cache of its own (the earlier site carries the writes)
+                site = dataclasses.replace(site, k_cache=None, v_cache=None)
+            else:
+                own_writes.update(writes)
         items = list(bad) + ([site] if site is not None else [])
         if not items and reads:
             items = [UnsupportedSite(

@@ -357,6 +357,16 @@ def _weight_sha256(w: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _config_field(cfg: Any, name: str) -> Any:
+    """``cfg.name``, or None when absent or not one value for the whole model (transformers' heterogeneous
+    configs, e.g. Gemma-4's per-layer ``head_dim``, raise ``AmbiguousGlobalPerLayerAttributeError``, a
+    ``RuntimeError``, on global access). Raises nothing."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - any refusal of the global value means: no single value
+        return None
+
+
 def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> dict[str, Any]:
     """Return what identifies ``model`` for :meth:`LatentBases.load`: shape fields and one weight's hash.
 
@@ -375,7 +385,7 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
         cfg = cfg.get_text_config()
     fp: dict[str, Any] = {"architecture": type(model).__name__}
     for key, names in _CONFIG_FIELDS:
-        value = next((getattr(cfg, n) for n in names if isinstance(getattr(cfg, n, None), int)), None)
+        value = next((v for v in (_config_field(cfg, n) for n in names) if isinstance(v, int)), None)
         fp[key] = value
     if fp["head_dim"] is None and fp["hidden"] and fp["num_heads"]:
         fp["head_dim"] = fp["hidden"] // fp["num_heads"]

@@ -496,7 +496,15 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
         why = " ".join(dict.fromkeys(reasons))
     elif attn:
         layers = sorted({s.layer for s in attn})
-        if is_hf_causal_lm(model):
+        half = sorted({s.layer for s in attn if (s.k_cache is None) != (s.v_cache is None)})
+        if half:  # the cache is written and read, but one of K / V reaches the attention through ops not followed
+            which = sorted({"values" if s.v_cache is None else "keys" for s in attn if s.layer in half})
+            why = (f"the attention of layers {half} reads the KV cache the model writes, but its "
+                   f"{' and '.join(which)} reach the attention through ops the analysis does not follow from the "
+                   "cache (e.g. a chunk, repeat or concatenation of the cached values, as DiffLlama's differential "
+                   "attention does), so the latent cache could not rebuild what it reads. Fix: use a dense cache "
+                   "(cache_implementation='static') for this model.")
+        elif is_hf_causal_lm(model):
             impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
             fix = ("load the model with attn_implementation='sdpa' (or 'eager'), which writes the cache it is passed"
                    if impl not in ("sdpa", "eager") else
@@ -593,9 +601,55 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
                      attn_sumsq=sumsq, v_attended=attended, key_space=key_space)
 
 
+def _graphs_sharing_layer_numbers(analyses: list[GraphAnalysis]) -> int:
+    """How many graphs hold cache-writing attention when a layer number repeats among them, else 0.
+
+    Called on the graphs of calibrate's first prefill (one forward). Each graph's sites are numbered on their own;
+    a graph whose module paths carry no layer index is numbered by position (``UNNUMBERED_NOTE``), so when a
+    graph break splits the layers into one graph each (HF ``experts_implementation="eager"``, DBRX's and
+    JetMoE's expert loops), every layer is "layer 0" and the per-layer key / value records overwrite each other.
+
+    Args:
+        analyses: the :class:`GraphAnalysis` of every graph the first prefill compiled, in order.
+    Returns:
+        The number of graphs with cache-writing attention sites when some layer number appears in two or more of
+        them (a forward traced as several graphs); 0 otherwise.
+    Raises:
+        Nothing.
+    """
+    graphs_of: dict[int, set[int]] = {}
+    holding = 0
+    for i, a in enumerate(analyses):
+        layers = {s.layer for s in a.attention if s.k_cache is not None and s.v_cache is not None}
+        holding += bool(layers)
+        for layer in layers:
+            graphs_of.setdefault(layer, set()).add(i)
+    return holding if any(len(g) > 1 for g in graphs_of.values()) else 0
+
+
+def _split_graphs_error(model: torch.nn.Module, graphs: int) -> CKVPConfigError:
+    """The error for a model whose attention layers torch.compile traced into ``graphs`` separate graphs."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_experts_implementation", None)
+    can_set = getattr(model, "_can_set_experts_implementation", None)  # False: experts with a loop of their own
+    if impl == "eager" and callable(can_set) and can_set():
+        fix = ("load the model with experts_implementation='grouped_mm' (or call "
+               "model.set_experts_implementation('grouped_mm')), whose experts trace into one graph")
+    else:
+        fix = ("remove the graph break (TORCH_LOGS=graph_breaks shows where it is; a data-dependent loop over the "
+               "experts is the usual one), or use a dense cache for this model")
+    return CKVPConfigError(
+        f"calibrate: {type(model).__name__}'s forward was traced as several graphs, with attention layers in "
+        f"{graphs} of them (a graph break inside or between the layers), so its layers cannot be told apart and "
+        "the ckvp latent cache, which needs every layer of a group in one graph, cannot be used. Fix: " + fix + ".")
+
+
 def _layout(model: torch.nn.Module, backend: _RecordingBackend, group_size: int,
             on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None) -> dict[str, Any]:
     """After the first sample: the layer groups, Hkv, D, the fingerprint, and zeroed moment accumulators."""
+    split = _graphs_sharing_layer_numbers(backend.analyses)
+    if split:
+        raise _split_graphs_error(model, split)
     sites = [s for s in backend.sites() if ("k", s.layer) in backend.values and ("v", s.layer) in backend.values]
     groups = make_layer_groups(tuple(sites), group_size)
     if not groups:

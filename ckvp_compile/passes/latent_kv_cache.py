@@ -377,7 +377,8 @@ def _is_gqa_view(chain: list[fx.Node], start: fx.Node, shape: tuple[int, ...], n
     each KV head repeated H/Hkv times (or not at all with ``enable_gqa``) and the slots [0, kv_len); None otherwise.
 
     Conservative: a chain whose constants could mean something else after shrinking (S_max equal to another
-    dim, a slice bound beyond the probe's slots, or an int between s and S_max that is no known dim) is refused
+    dim, a slice bound beyond the probe's slots or counted from the end (negative), or an int between s and S_max
+    that is no known dim) is refused
     rather than guessed. Where S_max equals another dim (e.g. a cache as long as the head dim) the probe keeps
     all S_max slots instead, when that is at most :data:`_FULL_PROBE_NUMEL` elements: nothing is shrunk, so no
     constant needs reinterpreting, and the probe's distinct values still tell the slot axis from the other."""
@@ -388,7 +389,9 @@ def _is_gqa_view(chain: list[fx.Node], start: fx.Node, shape: tuple[int, ...], n
         s_probe = s_max
     if s_probe < s_max:
         ints, bounds = _chain_ints(chain)
-        if (s_max in dims or any(s_probe < abs(v) < s_max or abs(v) > s_max for v in bounds)
+        # a negative slice bound counts from the end: on the shrunk probe it would mean another slot than on S_max
+        # (``k[:, :, :-1]`` keeps S_max - 1 slots, the probe's 7 of 8 would read as kv_len 7)
+        if (s_max in dims or any(v < 0 or s_probe < v < s_max or v > s_max for v in bounds)
                 or any(s_probe < abs(v) < s_max and abs(v) not in dims for v in ints)):
             return None
     probe = torch.arange(b * hkv * s_probe * d, dtype=torch.float64).view(b, hkv, s_probe, d)
@@ -709,7 +712,12 @@ def _rope_tables(nodes: dict[str, fx.Node], site: AttentionSite, graph: fx.Graph
         max_depth=48,
     )
     if pos is None:
-        raise RuntimeError(f"layer {site.layer}: RoPE positions not identified")
+        src = cos if cos.op == "placeholder" else find_upstream(cos, lambda n: n.op == "placeholder", max_depth=48)
+        hint = "" if src is None else (
+            f": the cos / sin tables come from the graph input {src.name}, computed in an earlier graph (a graph break "
+            "before the layers, e.g. the data-dependent rescaling of dynamic or longrope RoPE; TORCH_LOGS=graph_breaks "
+            "shows it), so the latent store cannot tell which position each row belongs to")
+        raise RuntimeError(f"layer {site.layer}: RoPE positions not identified{hint}")
     with graph.inserting_after(max((pos, sin3), key=lambda n: list(graph.nodes).index(n))):
         pos2 = graph.call_method("reshape", (pos, 1, -1)) if len(shape_of(pos)) == 1 else pos  # (Bc or 1, S)
     return cos3, sin3, pos2, width

@@ -75,18 +75,58 @@ def _static_cache_base():
     return StaticCache
 
 
-def _check_bases(bases: Any, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+def _check_bases(bases: Any, layers: int | list[int], num_kv_heads: int, head_dim: int) -> None:
+    """Raise :class:`CKVPConfigError` unless ``bases`` cover exactly ``layers`` (a count: layers 0..n-1; or the
+    indices of the layers that keep a KV cache) with ``num_kv_heads`` KV heads of ``head_dim``."""
     if not all(hasattr(bases, a) for a in ("groups", "num_kv_heads", "head_dim")):
         raise CKVPConfigError(
             f"bases must be the LatentBases of this model, got {type(bases).__name__}. Fix: bases = "
             "ckvp_compile.calibrate(model, samples, kv_ratio=...) (or LatentBases.load(path, model=model))")
     covered = sorted(layer for g in bases.groups for layer in g)
-    if covered != list(range(num_layers)) or (bases.num_kv_heads, bases.head_dim) != (num_kv_heads, head_dim):
+    expected = list(range(layers)) if isinstance(layers, int) else sorted(layers)
+    if covered != expected or (bases.num_kv_heads, bases.head_dim) != (num_kv_heads, head_dim):
+        which = (f"{len(expected)} layers" if expected == list(range(len(expected))) else
+                 f"KV caches in layers {expected}")
         raise CKVPConfigError(
             f"the bases cover layers {covered} with Hkv={bases.num_kv_heads}, D={bases.head_dim}, but the model has "
-            f"{num_layers} layers with Hkv={num_kv_heads}, D={head_dim}. Fix: calibrate bases for this model "
+            f"{which} with Hkv={num_kv_heads}, D={head_dim}. Fix: calibrate bases for this model "
             "(ckvp_compile.calibrate)."
         )
+
+
+def _layer_kv_shape(cfg: Any) -> tuple[int, int]:
+    """(Hkv, D) of one (layer's) text config; global access that transformers refuses (a per-layer attribute of a
+    heterogeneous config) raises its ``RuntimeError``."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return num_kv, head_dim
+
+
+def _kv_shape(text: Any, layers: list[int]) -> tuple[int, int]:
+    """The (Hkv, D) every cached layer's K/V has, from the model's text config.
+
+    Args:
+        text: the text config (``config.get_text_config()``).
+        layers: indices of the layers that keep a KV cache.
+    Returns:
+        (num_kv_heads, head_dim), both ints.
+    Raises:
+        CKVPConfigError: a heterogeneous config (transformers' ``per_layer_config``, e.g. Gemma-4) whose layers
+            have different KV shapes; the latent store holds one shape.
+    """
+    try:
+        return _layer_kv_shape(text)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: read each layer's config
+        per_layer = getattr(text, "per_layer_config", None)
+        if per_layer is None:
+            raise
+    shapes = [_layer_kv_shape(per_layer[i]) for i in layers]
+    if len(set(shapes)) > 1:
+        raise CKVPConfigError(
+            f"this model's layers have different KV shapes (Hkv, D) {sorted(set(shapes))} (a per-layer config); "
+            "the ckvp latent cache holds one shape for every layer. Fix: use a dense cache "
+            "(cache_implementation='static') with backend='ckvp'.")
+    return shapes[0]
 
 
 class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
@@ -120,7 +160,9 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
             ``"row-major/unit-major"``): the latents' strides (:mod:`ckvp_compile.kernels.latent_layout`; same
             results; unit-major is slower on the H200).
     Raises:
-        CKVPConfigError: the bases do not match the model's layers, KV heads or head dim; an unknown format; a
+        CKVPConfigError: the bases do not match the model's layers, KV heads or head dim (only the layers that keep
+            a cache count: a KV-shared layer, which HF's StaticCache gives a ``DummyLayer``, reads an earlier
+            layer's); layers of different KV shapes (a per-layer config); a sliding-window layer; an unknown format; a
             recent_window outside [0, max_cache_len); a bad page_size / num_pages, or paging with a
             residual_format or online bases; (when used) the page pool runs out.
         CKVPError: (when used) any eager use; compile the model with ``backend="ckvp"``.
@@ -136,8 +178,9 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                  page_size: int = 0, num_pages: int | None = None, latent_layout: str = "row-major") -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        num_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        # layers that keep a cache: HF gives the others (KV-shared layers reading an earlier layer's keys and
+        # values, e.g. Gemma-4's num_kv_shared_layers; layers without attention) a DummyLayer, which stores nothing
+        cached = [i for i, layer in enumerate(self.layers) if callable(getattr(layer, "lazy_initialization", None))]
         sliding = [i for i, layer in enumerate(self.layers) if getattr(layer, "is_sliding", False)]
         if sliding:  # first: calibrate() covers only the full-attention layers of such a model
             raise CKVPConfigError(
@@ -146,12 +189,14 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"recent tokens; the ckvp latent cache does not support it yet. Fix: use a dense cache "
                 f"(cache_implementation='static') with backend='ckvp', or a model without a sliding window.")
         _forget_split_frames()
-        _check_bases(bases, len(self.layers), num_kv, head_dim)
+        num_kv, head_dim = _kv_shape(text, cached)
+        _check_bases(bases, cached, num_kv, head_dim)
         k_format, v_format = _formats(latent_format)
         self.store = LatentKVStore(bases, max_batch_size, max_cache_len, device, dtype, k_format, v_format,
                                    latent_dtype, basis_dtype, residual_format, recent_window, page_size, num_pages,
                                    latent_layout)
-        for i, layer in enumerate(self.layers):
+        for i in cached:
+            layer = self.layers[i]
             # HF's lazy_initialization sets the layer's shapes, dtype and flags, and allocates the dense K/V from
             # the probe's device: a meta probe allocates nothing (a real one would need one layer's dense cache,
             # which at large batch x context does not fit: the capacity the latent cache exists for)
