@@ -40,8 +40,9 @@ kind                       structure
                            loop over hit experts calls ``nonzero`` and Dynamo breaks the graph there)
 ``unsupported_router``     routing that :class:`~.sites.MoESite` cannot express: ops between the router and the
                            top-k (a score-correction bias, group-limited masking: DeepSeek-V3), routing weights
-                           not equal to the top-k values (gathered from the scores, scaled by a factor), or no
-                           softmax / sigmoid
+                           not equal to the top-k values (gathered from the scores, scaled by a factor), no
+                           softmax / sigmoid, or expert GEMMs whose ids come from no top-k (PhiMoE's sparsemixer:
+                           ``max`` and a masked second ``max``), reported per layer without a top-k finding
 ``unknown_experts_form``   a router -> top-k whose indices are used in the graph, but not by a known expert GEMM,
                            or expert GEMMs of several forms under one top-k
 ``unknown_combine``        expert GEMMs whose outputs are never multiplied by the routing weights
@@ -50,7 +51,9 @@ kind                       structure
 A top-k without expert GEMMs is only reported when it looks like a router: k < E <= 1024, a linear producing
 the E scores and a softmax / sigmoid, E not the vocabulary size (the rows of an embedding table in the graph),
 and, when the graph has numbered layers, the router linear inside one (``model.layers.3.mlp.gate``, not
-``lm_head``). This keeps a sampling top-k over vocabulary logits out of the report. Layer indices come from
+``lm_head``), and not when its router linear is also the router of a top-k that feeds experts found in the graph
+(a second top-k over the same scores: HF's load-balancing loss with ``output_router_logits=True``, which reads
+only the router's output). This keeps a sampling top-k over vocabulary logits out of the report. Layer indices come from
 the module paths (:func:`~.graph.assign_layer_indices`). :func:`find_moe_sites` never raises: a candidate
 whose analysis fails unexpectedly is logged at DEBUG and reported as ``UnsupportedSite(kind='analysis_error')``.
 
@@ -173,19 +176,23 @@ def moe_findings(graph: fx.Graph) -> list[LayerFinding]:
     gave either, with layer -1 until :func:`~.graph.number_findings` numbers them."""
     nodes = list(graph.nodes)
     topks = [n for n in nodes if op_name(n) == "topk"]
-    if not topks:
-        return []
     owned: dict[fx.Node, list[_ExpertGemm]] = {t: [] for t in topks}
+    orphans: list[_ExpertGemm] = []  # expert GEMMs under no top-k (routing by other means, e.g. PhiMoE's sparsemixer)
     for n in nodes:
         gemm = _classify_expert_gemm(n)
         if gemm is None:
             continue
-        owner = find_upstream(n, lambda m: op_name(m) == "topk", max_depth=64)
+        owner = find_upstream(n, lambda m: op_name(m) == "topk", max_depth=64) if topks else None
         if owner is not None:
             owned[owner].append(gemm)
+        else:
+            orphans.append(gemm)
+    if not topks and not orphans:
+        return []
 
     where = positions(graph)
-    context = _GraphContext(numbered=has_numbered_layers(graph), vocab=_vocabulary_sizes(nodes))
+    context = _GraphContext(numbered=has_numbered_layers(graph), vocab=_vocabulary_sizes(nodes),
+                            site_routers=_site_routers(t for t in topks if owned[t] or _offloaded(t)))
     findings: list[LayerFinding] = []
     for t in topks:
         anchor, path = t, module_path(t)
@@ -202,7 +209,40 @@ def moe_findings(graph: fx.Graph) -> list[LayerFinding]:
             )]
         if items:
             findings.append(LayerFinding(where[anchor], _layer_prefix_of(path, anchor), "moe", items))
-    return findings
+    return findings + _orphan_gemm_findings(orphans, findings, where)
+
+
+def _orphan_gemm_findings(orphans: list[_ExpertGemm], findings: list[LayerFinding],
+                          where: dict[fx.Node, int]) -> list[LayerFinding]:
+    """Report expert GEMMs that no top-k routes, one ``unsupported_router`` finding per layer prefix.
+
+    Args:
+        orphans: expert GEMMs (:func:`_classify_expert_gemm`) with no ``topk`` upstream of them.
+        findings: the findings already made from top-ks; a layer prefix among them gets nothing more (those
+            findings speak for the layer), and GEMMs without a layer prefix are reported only when there are none
+            (in an unnumbered graph a finding of its own would shift the positional numbering of the others).
+        where: node -> graph position.
+    Returns:
+        New :class:`~.graph.LayerFinding` objects (layer -1 until numbered), in graph order; [] when there are no
+        orphans. Nothing is rewritten for them: the layer runs as the model computes it.
+    """
+    taken = {f.prefix for f in findings if f.prefix is not None}
+    groups: dict[str | None, list[_ExpertGemm]] = {}
+    for g in orphans:
+        prefix = node_layer_prefix(g.node)
+        if (prefix is None and not findings) or (prefix is not None and prefix not in taken):
+            groups.setdefault(prefix, []).append(g)
+    out = []
+    for prefix, gemms in groups.items():
+        forms = sorted({g.form for g in gemms})
+        names = tuple(g.node.name for g in gemms)
+        out.append(LayerFinding(where[gemms[0].node], prefix, "moe", [UnsupportedSite(
+            "unsupported_router", -1,
+            f"expert GEMMs {list(names)} ({', '.join(forms)}) are routed by expert ids that do not come from a "
+            "top-k (e.g. PhiMoE's sparsemixer, which picks experts with max and a masked second max); only "
+            "softmax/sigmoid -> top-k routing is read.",
+            "none: the layer runs as the model computes it (routing other than top-k is NYI).", names)]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -215,6 +255,32 @@ class _GraphContext:
 
     numbered: bool
     vocab: frozenset[int]
+    site_routers: frozenset[fx.Node] = frozenset()
+
+
+def _site_routers(topks: Iterable[fx.Node]) -> frozenset[fx.Node]:
+    """The router linears of the top-ks that own expert GEMMs or feed an expert offloader (the MoE sites' routers).
+
+    Args:
+        topks: ``topk`` nodes that have expert GEMMs (or a ``ckvp::offload_experts`` call) downstream.
+    Returns:
+        The set of router ``linear`` / ``matmul`` nodes those top-ks read (through views and one scoring op); a
+        top-k whose router cannot be traced contributes nothing. Never raises.
+    """
+    found = set()
+    for t in topks:
+        shape = shape_of(t.args[0]) if t.args and isinstance(t.args[0], fx.Node) else None
+        if shape:
+            linear = _trace_router(t, shape[-1]).linear
+            if linear is not None:
+                found.add(linear)
+    return frozenset(found)
+
+
+def _offloaded(topk: fx.Node) -> bool:
+    """True when the top-k's expert indices feed an expert offloader's op (``ckvp::offload_experts``)."""
+    indices = _topk_indices(topk)
+    return indices is not None and any(op_name(u) == "ckvp::offload_experts" for u in _through_views(indices))
 
 
 def _vocabulary_sizes(nodes: Iterable[fx.Node]) -> frozenset[int]:
@@ -702,6 +768,12 @@ def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[
     router = _trace_router(topk, num_experts)
     if router.linear is None or (router.scoring is None and not _has_scoring_after(topk)):
         return none
+    if router.linear in context.site_routers:
+        # a second top-k over the scores of a router whose own top-k feeds experts found in this graph (or an
+        # expert offloader): HF's
+        # load-balancing loss (output_router_logits=True) or routing statistics. It reads the router's output only,
+        # which the expert rewrite keeps, so it is neither a MoE site nor a reason to leave the layer's site alone.
+        return none
     if context.numbered and node_layer_prefix(router.linear) is None:
         return none
     layer = -1
@@ -714,6 +786,12 @@ def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[
             f"{where}: the expert indices leave the graph and no experts are in it (a graph break before the "
             "experts, e.g. HF experts_implementation=\"eager\", whose loop over hit experts calls nonzero).",
             _GRAPH_BREAK_FIX, nodes))
+    elif any(op_name(u) in ("scatter", "scatter_") for u in _through_views(indices)):
+        out.append(UnsupportedSite(
+            "unknown_experts_form", layer,
+            f"{where}: the top-k scores are scattered back over all {num_experts} experts and no expert GEMM is "
+            "gathered by the expert indices (dense experts: every expert computes every token, scaled by its "
+            "score, e.g. Llama-4).", "none: the layer runs as the model computes it (dense experts are NYI).", nodes))
     else:
         out.append(UnsupportedSite(
             "unknown_experts_form", layer,
@@ -729,8 +807,17 @@ def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[
 
 
 def _has_scoring_after(topk: fx.Node) -> bool:
+    """True when the top-k values are scored after the selection: ``softmax`` / ``sigmoid`` of them, or of them
+    scattered back over all E experts (Llama-4: ``full_like(logits, -inf).scatter_(1, ids, values).sigmoid()``)."""
     values = _topk_values(topk)
-    return values is not None and any(op_name(u) in _SCORING for u in _through_views(values))
+    if values is None:
+        return False
+    for u in _through_views(values):
+        if op_name(u) in _SCORING:
+            return True
+        if op_name(u) in ("scatter", "scatter_") and any(op_name(v) in _SCORING for v in _through_views(u)):
+            return True
+    return False
 
 
 # ----------------------------------------------------------------------------------------------------------------

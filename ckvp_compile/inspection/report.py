@@ -30,6 +30,7 @@ from ..backend import CKVPBackend, CompileRecorder, GraphRecord
 from ..config import CKVPConfig
 from ..errors import CKVPWarning
 from ..passes import CKVPPass, PassResult
+from ..passes.expert_gemm import SKIPPED_SITE_NOTE, ExpertGemmPass
 from ..plan import LayerGroup, Plan
 from ..latent.capture import uncompiled_forward
 from .capture import LatentCaches, is_gpt_fast, is_hf_causal_lm, load_model_dir, run_phases
@@ -198,9 +199,15 @@ class GraphReport(GraphRecord):
                 for layer in self.analysis.layers]
 
     def decision_lines(self) -> list[str]:
-        """Return the plan's decisions folded by (kind, verdict, reason): 'attention [0-7]: kept: <reason>'."""
+        """Return the plan's decisions folded by (kind, verdict, reason): 'attention [0-7]: kept: <reason>'. A MoE
+        site the plan meant to rewrite but the expert GEMM pass left as it was (its note says why) shows as kept
+        with the pass's reason: the plan is made before the pass reads the site in detail."""
+        left = {layer: note for r in self.pass_results if r.name == ExpertGemmPass.name
+                for layer, note in r.notes if note.startswith(SKIPPED_SITE_NOTE)}
         folded: dict[tuple[str, bool, str], list[int]] = {}
         for d in self.plan.decisions:
+            if d.kind == "moe" and d.rewrite and d.layer in left:
+                d = dataclasses.replace(d, rewrite=False, reason=f"the expert GEMM pass: {left[d.layer]}")
             folded.setdefault((d.kind, d.rewrite, d.reason), []).append(d.layer)
         return [f"{kind} [{format_layers(layers)}]: {'rewrite' if rewrite else 'kept'}: {reason}"
                 for (kind, rewrite, reason), layers in folded.items()]

@@ -89,6 +89,10 @@ _INPLACE = {"index_add_", "scatter_add_", "index_put_", "add_", "copy_", "masked
             "setitem", "iadd", "itruediv", "imul", "div_", "mul_"}
 
 
+#: How a note of :class:`ExpertGemmPass` starts when the whole site was left as the model computes it (its other
+#: notes speak of a rewritten site's shared expert): reports reconcile the plan's "rewrite" with it.
+SKIPPED_SITE_NOTE = "experts left as the model computes them (not rewritten)"
+
 #: Shape guards Dynamo emits for data-dependent sizes; dead with the tensor they check.
 _GUARDS = {"getitem", "sym_size", "ge", "le", "gt", "lt", "eq", "and_", "_assert_scalar", "_check_is_size",
            "sym_constrain_range", "sym_constrain_range_for_size", "_check"}
@@ -125,8 +129,9 @@ class ExpertGemmPass(CKVPPass):
         sites: the MoE sites the plan decided to rewrite (from the analysis of the graph this pass runs on).
     Attributes:
         skipped: the sites left untouched by the last :meth:`apply`, with reasons (also warned).
-        notes: layer -> why its shared expert was left as the model computes it, for the sites rewritten by the
-            last :meth:`apply` (also warned; :class:`~ckvp_compile.passes.base.PassResult` ``notes``).
+        notes: layer -> what the last :meth:`apply` left as the model computes it there and why: the whole site
+            (the reason in ``skipped``) or, for a rewritten site, its shared expert (also warned;
+            :class:`~ckvp_compile.passes.base.PassResult` ``notes``, printed by ckvp-inspect).
     """
 
     name = "expert_gemm"
@@ -154,6 +159,9 @@ class ExpertGemmPass(CKVPPass):
                 rw = _understand(graph, site)
             except _Skip as why:
                 self.skipped.append(SkippedSite(site.layer, str(why)))
+                # also a note, so the PassResult (ckvp-inspect's "passes:" section) says why this planned site kept
+                # the model's own experts; the warning alone leaves the report claiming nothing about it
+                self.notes[site.layer] = f"{SKIPPED_SITE_NOTE}: {why}"
                 warnings.warn(f"ckvp: layer {site.layer}: the expert GEMM rewrite does not apply: {why}. Left "
                               "untouched (the model's own experts run). Fix: report the model with the output of "
                               "ckvp-inspect.", UnsupportedPatternWarning, stacklevel=2)

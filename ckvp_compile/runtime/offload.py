@@ -559,10 +559,28 @@ def _live_sources(model: torch.nn.Module, nxt: dict[str, Any], this: dict[str, A
     return sources
 
 
+def _overrides_gate(mod: torch.nn.Module) -> bool:
+    """Whether ``mod``'s class replaces transformers' gate step (``_apply_gate``: ``act(gate) * up`` by default) with
+    its own, e.g. DeepSeek-V4's clamp of gate and up to ``swiglu_limit``. False where transformers has no such hook."""
+    gate = getattr(type(mod), "_apply_gate", None)
+    if gate is None:
+        return False
+    try:
+        from transformers.integrations import moe as hf_moe
+    except ImportError:  # a transformers without the hook's module: any _apply_gate is the class's own
+        return True
+    return gate is not getattr(hf_moe, "_default_apply_gate", None)
+
+
 def _check_experts_module(name: str, mod: torch.nn.Module) -> None:
+    """Raise :class:`CKVPConfigError` unless ``mod`` computes plain SwiGLU experts over fused (E, 2I, Dm)
+    ``gate_up_proj`` and (E, Dm, I) ``down_proj``: what :class:`OffloadedExperts` computes in its place."""
     bad = [f"{flag}={getattr(mod, flag)}" for flag, ok in (("is_transposed", False), ("is_concatenated", True),
-                                                           ("has_bias", False), ("has_gate", True))
+                                                           ("has_bias", False), ("has_gate", True),
+                                                           ("has_post_expert_norm", False))
            if getattr(mod, flag, ok) != ok]
+    if _overrides_gate(mod):
+        bad.append(f"{type(mod).__name__} has its own gate step (_apply_gate, e.g. a clamp of gate and up)")
     act = getattr(mod, "act_fn", None)
     probe = torch.linspace(-4, 4, 17)
     if act is None or not torch.allclose(act(probe), F.silu(probe)):
@@ -571,6 +589,18 @@ def _check_experts_module(name: str, mod: torch.nn.Module) -> None:
         raise CKVPConfigError(f"offload_experts: experts module {name!r} is not a SwiGLU experts module with fused "
                               f"(E, 2I, Dm) gate_up_proj and (E, Dm, I) down_proj ({', '.join(bad)}); only that "
                               "layout (HF Mixtral / Qwen-MoE / OLMoE in transformers 5.x) can be offloaded")
+
+
+def _check_offload_types(**options: Any) -> None:
+    """Raise :class:`CKVPConfigError` naming the option unless ``resident`` / ``margin`` / ``lookahead`` are ints
+    (``__index__``: numpy ints too; not bools: Python's ``True == 1``) and ``prefetch`` / ``measure_stalls`` are bools; before any module moves, so
+    a bad value leaves the model as it was (``margin=1.5`` used to be accepted, then broke every forward)."""
+    for name, value in options.items():
+        flag = name in ("prefetch", "measure_stalls")
+        ok = isinstance(value, bool) if flag else not isinstance(value, bool) and hasattr(type(value), "__index__")
+        if not ok:
+            raise CKVPConfigError(f"offload_experts: {name} must be {'True or False' if flag else 'an int'}, got "
+                                  f"{value!r} ({type(value).__name__})")
 
 
 def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, lookahead: int = 1,
@@ -599,6 +629,8 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
     """
     if predictor not in PREDICTORS:
         raise CKVPConfigError(f"predictor must be one of {list(PREDICTORS)}, got {predictor!r}")
+    _check_offload_types(resident=resident, margin=margin, lookahead=lookahead, prefetch=prefetch,
+                         measure_stalls=measure_stalls)
     layers = _find_moe_layers(model)
     if not layers:
         raise CKVPConfigError("offload_experts: the model has no experts module with fused 3-D gate_up_proj and "
