@@ -230,7 +230,10 @@ def _deepseek_v4_clamped():
 def _muse_spark_post_norm():
     """A tiny MuseSpark text model (experts with a post-expert RMSNorm)."""
     from transformers import AutoConfig, AutoModel
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    if "muse_spark_text" not in CONFIG_MAPPING_NAMES:  # added after transformers 5.17 (the GPU image's)
+        pytest.skip("this transformers has no MuseSpark model")
     cfg = AutoConfig.for_model(
         "muse_spark_text", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, moe_hidden_size=32,
