@@ -593,8 +593,9 @@ def _check_experts_module(name: str, mod: torch.nn.Module) -> None:
 
 def _check_offload_types(**options: Any) -> None:
     """Raise :class:`CKVPConfigError` naming the option unless ``resident`` / ``margin`` / ``lookahead`` are ints
-    (``__index__``: numpy ints too; not bools: Python's ``True == 1``) and ``prefetch`` / ``measure_stalls`` are bools; before any module moves, so
-    a bad value leaves the model as it was (``margin=1.5`` used to be accepted, then broke every forward)."""
+    (``__index__``: numpy ints too; not bools: Python's ``True == 1``) and ``prefetch`` / ``measure_stalls`` are
+    bools. Called before any module moves, so a bad value leaves the model as it was (``margin=1.5`` used to be
+    accepted, then broke every forward)."""
     for name, value in options.items():
         flag = name in ("prefetch", "measure_stalls")
         ok = isinstance(value, bool) if flag else not isinstance(value, bool) and hasattr(type(value), "__index__")
