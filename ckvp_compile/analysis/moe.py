@@ -769,10 +769,10 @@ def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[
     if router.linear is None or (router.scoring is None and not _has_scoring_after(topk)):
         return none
     if router.linear in context.site_routers:
-        # a second top-k over the scores of a router whose own top-k feeds experts found in this graph (or an
-        # expert offloader): HF's
-        # load-balancing loss (output_router_logits=True) or routing statistics. It reads the router's output only,
-        # which the expert rewrite keeps, so it is neither a MoE site nor a reason to leave the layer's site alone.
+        # a second top-k over the scores of a router whose own top-k feeds experts found in this graph (or an expert
+        # offloader): HF's load-balancing loss (output_router_logits=True) or routing statistics. It reads the
+        # router's output only, which the expert rewrite keeps, so it is neither a MoE site nor a reason to leave
+        # the layer's site alone.
         return none
     if context.numbered and node_layer_prefix(router.linear) is None:
         return none
@@ -786,7 +786,7 @@ def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[
             f"{where}: the expert indices leave the graph and no experts are in it (a graph break before the "
             "experts, e.g. HF experts_implementation=\"eager\", whose loop over hit experts calls nonzero).",
             _GRAPH_BREAK_FIX, nodes))
-    elif any(op_name(u) in ("scatter", "scatter_") for u in _through_views(indices)):
+    elif any(op_name(u) in _SCATTERS for u in _through_views(indices)):
         out.append(UnsupportedSite(
             "unknown_experts_form", layer,
             f"{where}: the top-k scores are scattered back over all {num_experts} experts and no expert GEMM is "
@@ -806,6 +806,10 @@ def _analyse_routerless_experts(topk: fx.Node, context: _GraphContext) -> tuple[
     return out, router.linear, module_path(router.linear)
 
 
+#: In-place and out-of-place scatters (scores written back over all E experts: Llama-4's dense experts).
+_SCATTERS = ("scatter", "scatter_")
+
+
 def _has_scoring_after(topk: fx.Node) -> bool:
     """True when the top-k values are scored after the selection: ``softmax`` / ``sigmoid`` of them, or of them
     scattered back over all E experts (Llama-4: ``full_like(logits, -inf).scatter_(1, ids, values).sigmoid()``)."""
@@ -815,7 +819,7 @@ def _has_scoring_after(topk: fx.Node) -> bool:
     for u in _through_views(values):
         if op_name(u) in _SCORING:
             return True
-        if op_name(u) in ("scatter", "scatter_") and any(op_name(v) in _SCORING for v in _through_views(u)):
+        if op_name(u) in _SCATTERS and any(op_name(v) in _SCORING for v in _through_views(u)):
             return True
     return False
 
