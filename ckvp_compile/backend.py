@@ -1,8 +1,10 @@
 """The ``ckvp`` torch.compile backend: analysis -> plan -> rewrite -> inner compiler.
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
-``torch.compile(model, backend="ckvp", options={...})`` works without importing this package. Do not also
-call ``torch._dynamo.register_backend`` here: the first lookup would then fail with "duplicate name".
+``torch.compile(model, backend="ckvp", options={...})`` works without importing this package once it is installed.
+Run from a source tree (``PYTHONPATH=.``, no entry point), importing ``ckvp_compile`` registers the name instead
+(:func:`_register_from_source_tree`); never both: with the entry point present, a lookup that loads it would
+otherwise fail with "duplicate name".
 
 Flow for each graph Dynamo captures:
 
@@ -476,3 +478,23 @@ def ckvp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str
     except CKVPConfigError as exc:
         raise _compat.surface_through_dynamo(exc) from None
     return CKVPBackend(config)(gm, example_inputs)
+
+
+def _register_from_source_tree(entry_point_names: Any = None) -> bool:
+    """Register ``"ckvp"`` with Dynamo unless an installed distribution's ``torch_dynamo_backends`` entry point
+    already names it (Dynamo then loads :func:`ckvp_backend` from there, and a second registration would raise
+    "duplicate name"). Returns whether it registered. ``entry_point_names``: the entry point names to assume
+    (tests); default: the installed ones (``importlib.metadata``)."""
+    if entry_point_names is None:
+        from importlib.metadata import entry_points
+        entry_point_names = entry_points(group="torch_dynamo_backends").names
+    if "ckvp" in entry_point_names:
+        return False
+    try:
+        torch._dynamo.register_backend(ckvp_backend, name="ckvp")
+    except AssertionError:  # already registered (a reload of this module)
+        return False
+    return True
+
+
+_register_from_source_tree()

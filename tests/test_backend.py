@@ -31,6 +31,26 @@ def test_entry_point_without_import():
     assert vals == pytest.approx([1.8414709848] * 3)
 
 
+def test_source_tree_import_registers_the_name():
+    """Run from a source tree (``PYTHONPATH=.``, as on the GPU image), no entry point names 'ckvp': importing the
+    package registers it, so ``backend="ckvp"`` resolves; with the entry point present it does not register (a
+    second registration would make the entry point's load fail with "duplicate name")."""
+    code = (
+        "import importlib.metadata as md, torch\n"
+        "real = md.entry_points\n"
+        "md.entry_points = lambda **kw: real(**kw).select(name='no-such-backend') if kw else real()\n"
+        "import ckvp_compile\n"
+        "from ckvp_compile.backend import _register_from_source_tree\n"
+        "assert not _register_from_source_tree(['ckvp'])\n"
+        "out = torch.compile(lambda x: x.sin() + 1, backend='ckvp')(torch.ones(3))\n"
+        "assert torch._dynamo.lookup_backend('ckvp') is ckvp_compile.ckvp_backend\n"
+        "print(out.tolist())\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert eval(res.stdout.strip().splitlines()[-1]) == pytest.approx([1.8414709848] * 3)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_inner_compilers_match_eager(compiler):
     x = torch.randn(4, 5)
