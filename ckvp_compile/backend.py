@@ -376,6 +376,9 @@ class _StoreArgs:
         #: graph's first call on it, before any kernel reads its tables (the pass recorded it for plan.store)
         self.rope_writer = plan.rope_writer
         self._rope_noted: weakref.WeakSet = weakref.WeakSet()
+        #: the key projection weight the bases' fingerprint hashes (LatentBases.check_weight), once per bases object
+        self.k_weight_input, self.k_weight_path = plan.k_weight_input, plan.k_weight_path
+        self._bases_checked: dict[int, tuple[Any, int, int]] = {}
         if self.paged and self.slot_probe is None:
             logger.info("ckvp: paged latent store: this graph's cache slots cannot be read from its inputs (%s), so "
                         "every page of every sequence is mapped at its first call (correct, no memory saved by "
@@ -420,6 +423,7 @@ class _StoreArgs:
                     "switching, or keep one cache layout per compiled model"
                 )
             store = hit[0]
+            self.check_bases(store, args)
             if store.online and not self.fits_online_bases and not store.online_fitted:
                 raise CKVPError(
                     "ckvp: this cache uses online latent bases, which are fitted from each sequence's prompt at its "
@@ -434,6 +438,22 @@ class _StoreArgs:
             return out
 
         return run
+
+    def check_bases(self, store: LatentKVStore, args: Sequence[Any]) -> None:
+        """At the first call with each bases object (and again if the weight changes), check that the store's bases
+        were calibrated with this model's key projection weight (``LatentBases.check_weight``; raises
+        CKVPConfigError naming the fix)."""
+        if self.k_weight_input is None:
+            return
+        bases, weight = store.bases, args[self.k_weight_input]
+        key = (weakref.ref(bases), id(weight), getattr(weight, "_version", 0))
+        seen = self._bases_checked.get(id(bases))
+        if seen is not None and seen[0]() is bases and seen[1:] == key[1:]:
+            return
+        bases.check_weight(weight, self.k_weight_path, source="the latent bases of this ckvp cache")
+        if len(self._bases_checked) > 64:  # stale entries of bases that are gone
+            self._bases_checked = {k: v for k, v in self._bases_checked.items() if v[0]() is not None}
+        self._bases_checked[id(bases)] = key
 
     def map_pages(self, store: LatentKVStore, args: Sequence[Any]) -> None:
         """Map the pages of a paged ``store`` that a call with ``args`` (the graph's original inputs) touches: slots

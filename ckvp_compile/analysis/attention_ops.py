@@ -94,6 +94,19 @@ def is_weight(node: Any) -> bool:
     return isinstance(base, fx.Node) and base.op in ("placeholder", "get_attr") and shape is not None and len(shape) <= 2
 
 
+def weight_source(proj: fx.Node | None) -> fx.Node | None:
+    """The placeholder / get_attr node of the weight a projection node (linear / matmul) multiplies by, through
+    views; None when ``proj`` is None or has no parameter-like operand (:func:`is_weight`)."""
+    if proj is None:
+        return None
+    for n in proj.all_input_nodes:
+        if is_weight(n):
+            while n.op not in ("placeholder", "get_attr") and n.args and isinstance(n.args[0], fx.Node):
+                n = n.args[0]
+            return n
+    return None
+
+
 def product_operands(n: fx.Node) -> tuple[str | None, list[fx.Node]]:
     """(einsum equation or None, the two tensor operands) of a matmul / einsum node."""
     if op_name(n) == "einsum":

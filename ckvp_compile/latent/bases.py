@@ -312,6 +312,39 @@ class LatentBases:
                 f"{source} were calibrated on another model: {_describe(stored)}, but the model is "
                 f"{_describe(actual)} ({detail}); {_RECALIBRATE}")
 
+    def check_weight(self, weight: Any, path: str | None, *, source: str = "these latent bases") -> None:
+        """Raise unless ``weight`` is the key projection weight these bases were calibrated with (same shape and
+        values rounded to bf16: :func:`model_fingerprint`'s ``k_weight_sha256``). The backend calls it at the first
+        call of a compiled graph on each cache, with the graph's input that the fingerprinted layer's key projection
+        multiplies by: bases kept in memory and handed to a cache for another model of the same shape (another
+        checkpoint, a fine-tune) would otherwise run without error at a lower fidelity than calibrated.
+
+        Args:
+            weight: the graph input (any dtype / device; a non-tensor or non-float one is not checked).
+            path: its attribute path below the compiled module (``model.layers.0.self_attn.k_proj.weight``), or
+                None. Nothing is checked when it does not name the fingerprint's ``k_weight`` (a suffix of either
+                counts: the compiled root may be the model or a module inside or around it), when the fingerprint
+                has no hash (bases built by hand), or for online bases (fitted to each prompt).
+        Raises:
+            CKVPConfigError: the hashes differ; names both and the fix (re-run calibrate, or, to use these bases
+                anyway, ``bases.model_fingerprint["k_weight_sha256"] = None``).
+        """
+        fp = self.model_fingerprint
+        name, sha = fp.get("k_weight"), fp.get("k_weight_sha256")
+        if self.online or not name or not sha or not path:
+            return
+        if not (path == name or path.endswith("." + name) or name.endswith("." + path)):
+            return
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.is_meta:
+            return
+        actual = _weight_sha256(weight)
+        if actual != sha:
+            raise CKVPConfigError(
+                f"{source} were calibrated on another model: the key projection {name} they were fitted with has "
+                f"sha256 {sha[:12]} (shape and values rounded to bf16), this model's {path} has {actual[:12]} "
+                f"({_describe(fp)}). Another checkpoint of the same shape gets bases that do not fit its keys: "
+                f"{_RECALIBRATE}; to use these bases anyway, set bases.model_fingerprint['k_weight_sha256'] = None.")
+
     # ------------------------------------------------------------------ report
     def summary(self) -> str:
         """Return a text table: group, layers, ranks per head (K / V), retained energy per head (%)."""

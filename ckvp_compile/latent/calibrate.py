@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis import AttentionSite, GraphAnalysis, analyze
-from ..analysis.attention_ops import is_weight
+from ..analysis.attention_ops import weight_source
 from ..analysis.graph import node_map, op_name, shape_of
 from ..config import GROUP_SIZES, CKVPConfig
 from ..errors import CKVPConfigError, CKVPError
@@ -404,14 +404,8 @@ class _RecordingBackend:
 
 def _projection_weight(proj: fx.Node | None) -> str | None:
     """Name of the weight placeholder a projection node multiplies by (None when not found)."""
-    if proj is None:
-        return None
-    for n in proj.all_input_nodes:
-        if is_weight(n):
-            while n.op not in ("placeholder", "get_attr") and n.args and isinstance(n.args[0], fx.Node):
-                n = n.args[0]
-            return n.name
-    return None
+    w = weight_source(proj)
+    return None if w is None else w.name
 
 
 def _layout_perm(value: fx.Node, k_out: str | None) -> tuple[int, ...] | None:

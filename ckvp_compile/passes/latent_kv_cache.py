@@ -79,6 +79,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from .. import _compat
+from ..analysis.attention_ops import weight_source
 from ..analysis.graph import dtype_of, find_upstream, node_map, op_name, shape_of
 from ..analysis.rope import table_key
 from ..analysis.sites import AttentionSite
@@ -116,6 +117,10 @@ class LatentRewritePlan:
         rope_writer: filled by the pass: None when the graph writes no RoPE tables, else whether the graph proves
             the tables it writes paired (:attr:`~ckvp_compile.analysis.sites.RopeSite.tables_paired`); every store
             the graph runs on records it (``LatentKVStore.note_rope_writer``).
+        k_weight_input, k_weight_path: filled by the pass: index (among the graph's original inputs) and attribute
+            path of the weight the key projection of the bases' first layer multiplies by, the weight their
+            fingerprint hashes (``LatentBases.check_weight``, at the first call on each store); None when this graph
+            does not rewrite that layer or the weight is not a graph input.
     """
 
     store: Any
@@ -127,6 +132,8 @@ class LatentRewritePlan:
     slot_inputs: list[int] = field(default_factory=list)
     slot_probe_note: str = ""
     rope_writer: bool | None = None
+    k_weight_input: int | None = None
+    k_weight_path: str | None = None
 
 
 class LatentKVCachePass(CKVPPass):
@@ -161,8 +168,9 @@ class LatentKVCachePass(CKVPPass):
                           for w in (site.k_cache, site.v_cache)]
             probe, slot_inputs, note = _slot_probe(graph, list(dict.fromkeys(slot_nodes)))
             self.plan.slot_probe, self.plan.slot_inputs, self.plan.slot_probe_note = probe, slot_inputs, note
-        inputs = _StoreInputs(graph)
         sites = [site for gr in self.plan.groups for site in gr.sites]
+        self.plan.k_weight_input, self.plan.k_weight_path = _fingerprint_weight(graph, nodes, store, sites)
+        inputs = _StoreInputs(graph)
         first = next((site for site in sites if site.rope is not None), sites[0])  # (a no-RoPE layer has no tables)
         _check_one_rope_table(nodes, first, sites)
         cos_n, sin_n, pos_n, width = _rope_tables(nodes, first, graph)
@@ -540,6 +548,21 @@ def _alias_root(n: Any) -> Any:
 def _mutates(n: fx.Node) -> bool:
     """Whether ``n`` writes one of its inputs (see :func:`_written`)."""
     return bool(_written(n))
+
+
+def _fingerprint_weight(graph: fx.Graph, nodes: dict[str, fx.Node], store: Any,
+                        sites: list[AttentionSite]) -> tuple[int | None, str | None]:
+    """(input index, attribute path) of the key projection weight of the store's bases' first layer (the one their
+    fingerprint hashes, ``calibrate``), when this graph rewrites that layer and the weight is a graph input (Dynamo
+    lifts parameters to inputs); (None, None) otherwise."""
+    groups = getattr(getattr(store, "bases", None), "groups", None)
+    if not groups:
+        return None, None
+    site = next((s for s in sites if s.layer == groups[0][0]), None)
+    w = weight_source(nodes.get(site.k_proj)) if site is not None and site.k_proj is not None else None
+    if w is None or w.op != "placeholder":
+        return None, None
+    return graph.find_nodes(op="placeholder").index(w), _compat.input_attr_path(w)
 
 
 def _slot_probe(graph: fx.Graph, slot_nodes: list[fx.Node]) -> tuple[fx.GraphModule | None, list[int], str]:
