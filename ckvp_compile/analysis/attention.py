@@ -30,6 +30,10 @@ in_place``          positional write (``k.mul_(s)``, ``v[:, :, :n].add_(b)``, ``
                     second positional write): the change persists in a dense cache, a latent keeps only one write
 ``written_after_    the key / value written into the cache is changed in place after the write (``k.mul_(s)``
 cache_write``       after ``k_cache[:, :, pos] = k``): the dense cache holds the value before, a latent after
+``rope_positions``  the cached key's RoPE tables are not a function of one position per token
+                    (:func:`~.rope.rope_position_reason`): multimodal RoPE (mrope, Qwen-VL / GLM-4V / ERNIE-VL)
+                    fed several position streams, (3, B, S) or (4, B, S) position ids, or positions shifted per
+                    sequence (Qwen-VL's ``rope_deltas``); the latent store keeps one table row per position
 ``unrecognised_     a KV-cache buffer (4-D, written in place: ``index_copy_`` / ``setitem`` /
 attention``         ``index_put_``) that no understood attention reads: the attention op was not recognised
                     (e.g. scores from ``baddbmm``), or it was found but its heads / RoPE / key path could
@@ -79,7 +83,16 @@ from .kv_cache import (
     written_cache_buffers,
 )
 from .masks import sliding_window
-from .rope import RopeMatch, RowScale, cached_key_layout, match_rope, match_row_scale, rope_residue, tables_paired
+from .rope import (
+    RopeMatch,
+    RowScale,
+    cached_key_layout,
+    match_rope,
+    match_row_scale,
+    rope_position_reason,
+    rope_residue,
+    tables_paired,
+)
 from .sites import AttentionSite, RopeSite, UnsupportedSite
 
 logger = logging.getLogger(__name__)
@@ -99,6 +112,12 @@ _MLA_FIX = "nothing to do, ckvp leaves MLA as is."
 _POST_ROPE_FIX = (
     "NYI: keys changed after RoPE (a norm or scale, e.g. HunYuan-MoE's key_layernorm) cannot use the latent cache; "
     "with a dense cache the model compiles and runs as before."
+)
+_ROPE_POSITIONS_FIX = (
+    "NYI: the layer keeps the model's own attention and a dense cache (a ckvp latent cache cannot be used with these "
+    "positions). For text-only input to a multimodal-RoPE model, pass position_ids of shape (B, S) (one stream: "
+    "the streams are then equal, plain RoPE, which the latent cache rebuilds exactly); with images or video, use a "
+    "dense cache (transformers StaticCache) with backend=\"ckvp\"."
 )
 _UNRECOGNISED_FIX = (
     "NYI: the layer is left as written and runs as before with a dense cache (a ckvp latent cache cannot be used); "
@@ -288,6 +307,14 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node],
             reason=f"the cached key is not exactly RoPE of the projected key: {residue}; a latent of the pre-RoPE key "
                    "would rebuild keys without it.",
             fix=_POST_ROPE_FIX, nodes=(c.node.name, rope_k.out.name))], None
+    k_shape = shape_of(new_k)
+    positions_why = (rope_position_reason(rope_k, k_shape[2])
+                     if rope_k is not None and k_cache is not None and k_shape and len(k_shape) == 4 else None)
+    if positions_why is not None:  # (without a cache write nothing is rebuilt from the tables)
+        return None, [UnsupportedSite(
+            kind="rope_positions", layer=layer, reason=positions_why, fix=_ROPE_POSITIONS_FIX,
+            nodes=(c.node.name, rope_k.out.name) + tuple(t.name for t in (rope_k.cos, rope_k.sin) if t is not None))
+        ], None
     k_in = rope_k.x_in if rope_k is not None else new_k
     k_proj = _projection_upstream(k_in)
     if rope_k is None and (k_proj is None or _has_table_input(k_proj, new_k)):

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph import VIEW_LIKE, arg, op_name, shape_of, strip_views
+from .graph import VIEW_LIKE, arg, dtype_of, find_upstream, op_name, placeholder_source, shape_of, strip_views
 
 #: Ops a RoPE computation is written with (walked through when collecting its region).
 _ROPE_OPS = frozenset(
@@ -1376,3 +1376,159 @@ def _flattens_pair_stack(node: fx.Node) -> bool:
             and s_src is not None and s_out is not None and dim in (-1, len(s_src) - 1)
             and len(s_out) == len(s_src) - 1 and s_out[-1] == 2 * s_src[-2]
             and tuple(s_out[:-1]) == tuple(s_src[:-2]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the positions the RoPE tables are computed from
+
+
+#: Dtypes of position information (position ids, offsets such as Qwen-VL's rope_deltas, masks).
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+#: Ops that read only the metadata (dtype, device, shape) of the operands at these argument positions.
+_META_ARGS = {"type_as": (1,), "to": (1,), "expand_as": (1,), "view_as": (1,), "reshape_as": (1,),
+              "zeros_like": (0,), "ones_like": (0,), "empty_like": (0,), "full_like": (0,), "new_zeros": (0,),
+              "new_ones": (0,), "new_empty": (0,), "new_full": (0,), "new_tensor": (0,)}
+#: How many nodes :func:`rope_position_reason` visits above the tables before it gives up (and refuses).
+_MAX_TABLE_NODES = 4096
+
+
+def rope_positions(table: fx.Node | None, seq_len: int) -> fx.Node | None:
+    """The positions a RoPE table of the new tokens is computed from: the nearest int32 / int64 tensor shaped (S,)
+    or (B, S) above ``table`` (Hugging Face's ``position_ids``, gpt-fast's ``input_pos``), or None.
+
+    What the latent store keys the tables by (``ckvp.rope_table_update``: one row per position); whether the tables
+    are a function of these positions alone is :func:`rope_position_reason`'s question.
+    """
+    if not isinstance(table, fx.Node):
+        return None
+
+    def is_positions(n: fx.Node) -> bool:
+        shape = shape_of(n)
+        return dtype_of(n) in (torch.int64, torch.int32) and shape is not None and len(shape) in (1, 2) \
+            and shape[-1] == seq_len
+
+    return find_upstream(table, is_positions, max_depth=48)
+
+
+def rope_position_reason(m: RopeMatch, seq_len: int) -> str | None:
+    """Why the latent store cannot key ``m``'s tables by one position per token, or None when it can (or when the
+    positions are not found at all, which the rewrite reports itself).
+
+    The store keeps one cos / sin row per position, shared by the batch and by every call on the cache
+    (``ckvp.rope_table_update``: ``cos_table[positions] = cos``), and rebuilds a cached key with the row of its
+    slot's position. That is exact when the tables are a function of the positions :func:`rope_positions` finds.
+    Walking up from ``m.cos`` and ``m.sin`` (data arguments only: not the dtype reference of ``type_as`` / ``to``,
+    nor sizes; including the values written in place into a node of the way, e.g. Qwen3-VL's
+    ``freqs_thw[..., idx] = freq[dim, ..., idx]``) and stopping at those positions, no other position information
+    may enter: an integer or bool graph input that is not a module buffer or parameter, or an integer tensor
+    created in the graph shaped like positions (last dim S). Refused:
+
+    * multimodal RoPE (mrope: Qwen2/2.5/3-VL, Qwen3-VL-MoE, GLM-4V(-MoE), ERNIE-4.5-VL-MoE, Qwen3-Omni-MoE) fed
+      position ids of several streams, (3, B, S) or (4, B, S) with the text positions first: no (B, S) positions
+      are found, or the ones found are not all of it (``arange(...).expand(3, B, -1) + rope_deltas``, Qwen-VL's
+      decode positions after an image, where two sequences of the batch write the same position with different
+      tables). With streams that differ a token's tables are not a function of one position.
+    * any other table that takes in position information besides the positions found.
+
+    Args:
+        m: the :func:`match_rope` result of a cached key; ``m.cos`` (and ``m.sin``) its tables.
+        seq_len: S, the new tokens of the call (dim 2 of the key written to the cache).
+    Returns:
+        A sentence (ending with a period) naming the position streams and the inputs found, or None. Never raises:
+        an unexpected graph form is a refusal.
+    """
+    try:
+        return _rope_position_reason(m, seq_len)
+    except Exception:  # analysis never raises on unknown patterns
+        return "the positions its RoPE tables are computed from could not be checked."
+
+
+def _rope_position_reason(m: RopeMatch, seq_len: int) -> str | None:
+    tables = [t for t in (m.cos, m.sin) if isinstance(t, fx.Node)]
+    if not tables:
+        return None
+    pos = rope_positions(m.cos, seq_len)
+    visited = _table_inputs(tables, pos)
+    if visited is None:
+        return "the computation of its RoPE tables is too large to check which positions it takes in."
+    streams = []
+    for n in visited:
+        shape = shape_of(n)
+        if n is not pos and dtype_of(n) in _INDEX_DTYPES and shape and len(shape) >= 3 and shape[-1] == seq_len \
+                and shape[0] > 1:
+            streams.append(n)
+    foreign = [n for n in visited if n is not pos and _position_input(n, seq_len)]
+    if pos is None and not streams:
+        return None  # no positions at all: the rewrite says so ("RoPE positions not identified")
+    if pos is not None and not foreign:
+        return None
+    tables_text = " / ".join(t.name for t in tables)
+    inputs = ", ".join(f"{n.name} {tuple(shape_of(n) or ())}" for n in sorted(foreign)[:4])
+    if streams:
+        s = max(streams, key=lambda n: len(shape_of(n) or ()))
+        shape = shape_of(s)
+        head = (f"its RoPE tables {tables_text} are computed from {shape[0]} position streams ({s.name}, shaped "
+                f"{tuple(shape)}): multimodal RoPE (mrope, e.g. temporal / height / width positions of an image or "
+                "video)")
+        if pos is None:
+            found = ", with no single position per token"
+        else:
+            found = f"; the positions {pos.name} {tuple(shape_of(pos) or ())} are not all of it"
+        found += f" (position inputs: {inputs})" if inputs else ""
+    else:
+        head = f"its RoPE tables {tables_text} take in {inputs} besides the positions {pos.name}"
+        found = ""
+    return (f"{head}{found}. The latent cache keeps one RoPE table row per position, shared by the sequences of "
+            "the batch, and rebuilds each cached key from its position's row: with position streams that differ (or "
+            "positions shifted per sequence) a token's tables are not its position's, and the rebuilt keys would "
+            "differ from the cached ones.")
+
+
+def _position_input(n: fx.Node, seq_len: int) -> bool:
+    """``n`` brings position information into a table: an integer / bool graph input other than a module buffer or
+    parameter, or an integer tensor made in the graph (no tensor input) shaped like positions (last dim S)."""
+    if dtype_of(n) not in _INDEX_DTYPES:
+        return False
+    if n.op == "placeholder":
+        return not is_module_state(n)
+    if n.op in ("call_function", "call_method") and not n.all_input_nodes:
+        shape = shape_of(n)
+        return bool(shape) and shape[-1] == seq_len
+    return False
+
+
+def is_module_state(node: fx.Node) -> bool:
+    """True for a ``get_attr`` node, or a placeholder that is a module buffer or parameter (by its Dynamo source,
+    ``..._buffers['inv_freq']``, or, the source gone, its name, ``l_self_modules_rotary_emb_buffers_inv_freq_``):
+    model state, the same at every call, unlike the call's inputs."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "placeholder":
+        return False
+    source = placeholder_source(node) or node.name
+    return "_buffers" in source or "_parameters" in source
+
+
+def _table_inputs(tables: list[fx.Node], stop: fx.Node | None) -> set[fx.Node] | None:
+    """The nodes the tables' values depend on, up to ``stop`` (not walked through): data arguments only (see
+    :data:`_META_ARGS`; nodes of no tensor value, sizes, are not walked through), and the values written in place
+    into a node of the way (:func:`_writers`). None past :data:`_MAX_TABLE_NODES` nodes."""
+    seen: set[fx.Node] = set()
+    frontier = list(tables)
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > _MAX_TABLE_NODES:
+            return None
+        if n is stop or not isinstance(_example(n), torch.Tensor):
+            continue
+        meta = _META_ARGS.get(op_name(n), ())
+        for i, a in enumerate(n.args):
+            if i not in meta:
+                fx.node.map_arg(a, frontier.append)
+        fx.node.map_arg(n.kwargs, frontier.append)
+        for w in _writers(n):
+            frontier.extend(x for x in w.all_input_nodes if x is not n)
+    return seen

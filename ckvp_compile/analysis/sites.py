@@ -194,7 +194,8 @@ class UnsupportedSite:
             'no_cache_write', 'unknown_experts_form', 'unrecognised_attention' (a KV-cache
             write that no understood attention reads), 'cache_written_in_place' (a KV cache also written in
             place besides its positional write), 'written_after_cache_write' (a key / value changed in
-            place after its cache write).
+            place after its cache write), 'rope_positions' (RoPE tables not a function of one position per token:
+            multimodal RoPE fed several position streams).
         layer: layer index, or None when not attributable to a layer.
         reason: one sentence saying what was found and why it cannot be used.
         fix: one sentence saying what the user can do.
@@ -231,7 +232,7 @@ def format_layers(layers: Sequence[int]) -> str:
 #: Every other kind (router, experts form, combine, analysis errors of a MoE) blocks the layer's expert rewrite only.
 ATTENTION_UNSUPPORTED_KINDS = frozenset({"mla_attention", "dynamic_cache", "sliding_window", "post_rope_key",
                                          "unrecognised_attention", "cache_written_in_place",
-                                         "written_after_cache_write"})
+                                         "written_after_cache_write", "rope_positions"})
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ from torch.fx.node import map_arg
 from .. import _compat
 from ..analysis.attention_ops import weight_source
 from ..analysis.graph import dtype_of, find_upstream, node_map, op_name, shape_of
-from ..analysis.rope import table_key
+from ..analysis.rope import is_module_state, rope_positions, table_key
 from ..analysis.sites import AttentionSite
 from .base import CKVPPass
 
@@ -726,16 +726,11 @@ def _rope_tables(nodes: dict[str, fx.Node], site: AttentionSite, graph: fx.Graph
         cos3 = graph.call_method("reshape", (cos_n, bc, -1, width))
     with graph.inserting_after(cos3):
         sin3 = graph.call_method("reshape", (sin_n, bc, -1, width))
-    pos = find_upstream(
-        cos,
-        lambda n: dtype_of(n) in (torch.int64, torch.int32)
-        and shape_of(n) is not None
-        and len(shape_of(n)) in (1, 2)
-        and shape_of(n)[-1] == s,
-        max_depth=48,
-    )
+    pos = rope_positions(cos, s)  # (the analysis checked that the tables take in no other position information)
     if pos is None:
-        src = cos if cos.op == "placeholder" else find_upstream(cos, lambda n: n.op == "placeholder", max_depth=48)
+        # a table from an earlier graph (not a module buffer such as inv_freq, which every RoPE reads)
+        src = cos if cos.op == "placeholder" else find_upstream(
+            cos, lambda n: n.op == "placeholder" and not is_module_state(n), max_depth=48)
         hint = "" if src is None else (
             f": the cos / sin tables come from the graph input {src.name}, computed in an earlier graph (a graph break "
             "before the layers, e.g. the data-dependent rescaling of dynamic or longrope RoPE; TORCH_LOGS=graph_breaks "
