@@ -151,10 +151,6 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
     # read leaves the layer's attention free to use a latent cache, and the other way round)
     unsupported_attention = {u.layer for u in analysis.unsupported
                              if u.layer is not None and u.kind in ATTENTION_UNSUPPORTED_KINDS}
-    attention_why: dict[int, UnsupportedSite] = {}  # the first attention pattern of each layer, for blocking errors
-    for u in analysis.unsupported:
-        if u.layer is not None and u.kind in ATTENTION_UNSUPPORTED_KINDS:
-            attention_why.setdefault(u.layer, u)
     unsupported_moe = {u.layer for u in analysis.unsupported
                        if u.layer is not None and u.kind not in ATTENTION_UNSUPPORTED_KINDS}
     sites = analysis.attention_by_layer()
@@ -178,10 +174,7 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
                 elif layer not in binding.layers:
                     reason = f"layer {layer}'s cache is not the store's"
                 elif layer in unsupported_attention:
-                    # named here: the error raised for it comes before the warnings would
-                    u = attention_why[layer]
-                    reason = (f"layer {layer}'s attention has an unsupported pattern ({u.kind}): "
-                              f"{u.reason.rstrip('.')} (fix: {u.fix.rstrip('.')})")
+                    reason = f"layer {layer}'s attention has an unsupported pattern (see the warnings)"
                 elif site.k_cache.position_node is None or site.v_cache.position_node is None:
                     reason = f"layer {layer}: cache write positions not identified"
                 elif site.rope is not None and (site.rope.k_in is None or site.rope.cos is None):

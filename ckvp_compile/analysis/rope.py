@@ -408,13 +408,34 @@ def table_key(node: fx.Node | None, by_value: bool = False, _memo: dict[fx.Node,
     elif node.op in ("call_function", "call_method") and _depth < _MAX_PAIR_DEPTH and not _impure(node):
         try:
             args = fx.node.map_aggregate((node.args, dict(node.kwargs)), lambda a: (
-                table_key(a, by_value, memo, _depth + 1) if isinstance(a, fx.Node) else a))
+                _SubKey(table_key(a, by_value, memo, _depth + 1)) if isinstance(a, fx.Node) else a))
             key = (node.op, node.target, _freeze(args))
             hash(key)
         except Exception:  # analysis never raises on unknown patterns
             key = node
     memo[node] = key
     return key
+
+
+class _SubKey:
+    """An argument's :func:`table_key` inside its user's key, as it is: hashed once and not frozen again. (Frozen again
+    at every level, a key grew by a factor of about 2.6 per producer hop: 16 hops of Qwen3-VL's multimodal RoPE
+    tables took 30 s per graph to describe.)"""
+
+    __slots__ = ("key", "_hash")
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self._hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _SubKey) and self._hash == other._hash and self.key == other.key)
+
+    def __repr__(self) -> str:
+        return repr(self.key)
 
 
 #: Largest module buffer :func:`table_key` compares by value (elements).
@@ -1420,8 +1441,8 @@ def rope_position_reason(m: RopeMatch, seq_len: int) -> str | None:
     Walking up from ``m.cos`` and ``m.sin`` (data arguments only: not the dtype reference of ``type_as`` / ``to``,
     nor sizes; including the values written in place into a node of the way, e.g. Qwen3-VL's
     ``freqs_thw[..., idx] = freq[dim, ..., idx]``) and stopping at those positions, no other position information
-    may enter: an integer or bool graph input that is not a module buffer or parameter, or an integer tensor
-    created in the graph shaped like positions (last dim S). Refused:
+    may enter: no integer or bool tensor that is a graph input, a module buffer or constant, or made in the graph
+    from no tensor (float buffers such as ``inv_freq`` are the model's, the same for every position). Refused:
 
     * multimodal RoPE (mrope: Qwen2/2.5/3-VL, Qwen3-VL-MoE, GLM-4V(-MoE), ERNIE-4.5-VL-MoE, Qwen3-Omni-MoE) fed
       position ids of several streams, (3, B, S) or (4, B, S) with the text positions first: no (B, S) positions
@@ -1457,7 +1478,7 @@ def _rope_position_reason(m: RopeMatch, seq_len: int) -> str | None:
         if n is not pos and dtype_of(n) in _INDEX_DTYPES and shape and len(shape) >= 3 and shape[-1] == seq_len \
                 and shape[0] > 1:
             streams.append(n)
-    foreign = [n for n in visited if n is not pos and _position_input(n, seq_len)]
+    foreign = [n for n in visited if n is not pos and _position_input(n)]
     if pos is None and not streams:
         return None  # no positions at all: the rewrite says so ("RoPE positions not identified")
     if pos is not None and not foreign:
@@ -1484,17 +1505,13 @@ def _rope_position_reason(m: RopeMatch, seq_len: int) -> str | None:
             "differ from the cached ones.")
 
 
-def _position_input(n: fx.Node, seq_len: int) -> bool:
-    """``n`` brings position information into a table: an integer / bool graph input other than a module buffer or
-    parameter, or an integer tensor made in the graph (no tensor input) shaped like positions (last dim S)."""
+def _position_input(n: fx.Node) -> bool:
+    """``n`` brings position information into a table: an integer / bool tensor that is a graph input, a module
+    buffer or constant (a shift per sequence is no less one for being constant) or made in the graph from no tensor
+    (``arange``, ``tensor``)."""
     if dtype_of(n) not in _INDEX_DTYPES:
         return False
-    if n.op == "placeholder":
-        return not is_module_state(n)
-    if n.op in ("call_function", "call_method") and not n.all_input_nodes:
-        shape = shape_of(n)
-        return bool(shape) and shape[-1] == seq_len
-    return False
+    return n.op in ("placeholder", "get_attr") or (n.op in ("call_function", "call_method") and not n.all_input_nodes)
 
 
 def is_module_state(node: fx.Node) -> bool:

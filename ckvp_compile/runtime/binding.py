@@ -85,5 +85,6 @@ def bind_latent_store(graph: fx.Graph, example_inputs: Sequence[Any], analysis: 
                 break
     if binding is not None:
         for layer, u in refused.items():
-            binding.problems.setdefault(layer, f"its attention was refused ({u.kind}): {u.reason}")
+            binding.problems.setdefault(  # with the fix: the error raised for it comes before the warnings would
+                layer, f"its attention was refused ({u.kind}): {u.reason.rstrip('.')} (fix: {u.fix.rstrip('.')})")
     return binding

@@ -74,16 +74,19 @@ def _check_cases(n_examples: int) -> None:
     cfg = DecodeConfig(block_n=16, block_r=16, num_warps=1, min_tiles=1, block_n_v=16, split=41,
                        one_pass_merge=True)
     fcfg = dataclasses.replace(cfg, fma_merge=True)  # (it takes precedence over one_pass_merge)
+    # (one sequence and KV head for the four long calls: the interpreter's time grows with the programs, and the
+    # corner is the split count; two of each in the calls below)
+    one = dict(base, b=1, hkv=1, rk=[12], rv=[7])
     for split_d in (True, False):
         for c in (cfg, fcfg):
-            _check(base, dataclasses.replace(c, reduce_split_d=split_d))
+            _check(one, dataclasses.replace(c, reduce_split_d=split_d))
             assert lat._LAST_LAUNCH["n_split"] == 41 and lat._LAST_LAUNCH["fma_merge"] is (c is fcfg)
             assert lat._LAST_LAUNCH["one_pass_merge"] is (c is cfg)
     for c in (cfg, fcfg):  # empty splits; two query tokens at GQA 4 in bf16 (the fma merge's (s, head) grid axis)
         _check(dict(base, win=0, unused=0, kv_len=5, ratio=1), dataclasses.replace(c, split=3))
-    _check(dict(base, s=2, ratio=4, dtype=torch.bfloat16, win=3), dataclasses.replace(fcfg, split=7))
+    _check(dict(base, s=2, ratio=4, dtype=torch.bfloat16, win=3, kv_len=7 * 16 + 5), dataclasses.replace(fcfg, split=7))
     assert lat._LAST_LAUNCH["fma_merge"] is True
-    _check(dict(base, mask="bool", mask_shape="b1sk", mask_p=0.3), fcfg)
+    _check(dict(base, mask="bool", mask_shape="b1sk", mask_p=0.3, kv_len=100, win=20), dataclasses.replace(fcfg, split=5))
     assert lat._LAST_LAUNCH["one_pass_merge"] is False  # a mask: the per-head merge applies it
     assert lat._LAST_LAUNCH["fma_merge"] is False
 
