@@ -551,7 +551,8 @@ def _check_fixed(part: int) -> None:
     _check(dict(base, rk=[48, 12], rv=[40, 9], kfmt="mix/32:8x32+4x16,4x12", vfmt="mix/32:8x32+2x8,8x9",
                 mask="bool", mask_shape="b1sk", s=2), cfg)
     # planned mix bit plans (8 / 4 / 2-bit pieces per head, ragged last blocks), one- and two-pass, hoisted basis
-    mix = dict(base, rk=[64, 40], rv=[7, 9], kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1",
+    # (one sequence: the plans are per head; batches are covered above, and the interpreter's time is per program)
+    mix = dict(base, b=1, rk=[64, 40], rv=[7, 9], kfmt="mix/8:8x16+4x32+2x16,4x24+2x16", vfmt="mix/8:4x7,8x8+2x1",
                mask="bool", mask_shape="b1sk", s=2)
     _check(mix, cfg)
     _check(dict(mix, rope="interleaved", dtype=torch.bfloat16, basis_dtype=torch.float8_e4m3fn),
