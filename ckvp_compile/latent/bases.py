@@ -51,7 +51,7 @@ from .ranks import (
 )
 
 __all__ = ["BASES", "FORMAT_NAME", "FORMAT_VERSION", "KEY_SPACES", "LatentBases", "build_latent_bases",
-           "check_target_ratio", "key_space_error", "model_fingerprint"]
+           "check_target_ratio", "fingerprint_weights_match", "key_space_error", "model_fingerprint"]
 
 Kind = Literal["k", "v"]
 #: ``format`` entry of a saved file's metadata.
@@ -305,7 +305,9 @@ class LatentBases:
         """
         stored = self.model_fingerprint
         actual = model_fingerprint(model, stored.get("k_weight"))
-        diff = [k for k in sorted(set(stored) | set(actual)) if stored.get(k) != actual.get(k)]
+        diff = [k for k in sorted(set(stored) | set(actual)) if k not in _HASH_KEYS and stored.get(k) != actual.get(k)]
+        if not fingerprint_weights_match(stored, actual):
+            diff.append(_HASH_KEYS[0])
         if diff:
             detail = "; ".join(f"{k}: calibrated {stored.get(k)!r}, model {actual.get(k)!r}" for k in diff)
             raise CKVPConfigError(
@@ -314,7 +316,7 @@ class LatentBases:
 
     def check_weight(self, weight: Any, path: str | None, *, source: str = "these latent bases") -> None:
         """Raise unless ``weight`` is the key projection weight these bases were calibrated with (same shape and
-        values rounded to bf16: :func:`model_fingerprint`'s ``k_weight_sha256``). The backend calls it at the first
+        values rounded to bf16, or to fp16 then bf16: :func:`fingerprint_weights_match`). The backend calls it at the first
         call of a compiled graph on each cache, with the graph's input that the fingerprinted layer's key projection
         multiplies by: bases kept in memory and handed to a cache for another model of the same shape (another
         checkpoint, a fine-tune) would otherwise run without error at a lower fidelity than calibrated.
@@ -338,7 +340,8 @@ class LatentBases:
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.is_meta:
             return
         actual = _weight_sha256(weight)
-        if actual != sha:
+        wide = _weight_sha256(weight.to(torch.float16)) if _wide_float(weight) else None
+        if not fingerprint_weights_match(fp, {_HASH_KEYS[0]: actual, _HASH_KEYS[1]: wide}):
             raise CKVPConfigError(
                 f"{source} were calibrated on another model: the key projection {name} they were fitted with has "
                 f"sha256 {sha[:12]} (shape and values rounded to bf16), this model's {path} has {actual[:12]} "
@@ -382,6 +385,24 @@ def _describe(fp: dict[str, Any]) -> str:
             f"{fp.get('k_weight')} sha256 {sha[:12]})")
 
 
+_HASH_KEYS = ("k_weight_sha256", "k_weight_sha256_fp16")
+
+
+def fingerprint_weights_match(stored: dict[str, Any], actual: dict[str, Any]) -> bool:
+    """Whether two :func:`model_fingerprint` results hash the same key projection weight up to a 16-bit rounding:
+    equal ``k_weight_sha256`` (None on both sides included), or a hash in common between the two (the fp32 model
+    and its fp16 copy; fingerprints saved before ``k_weight_sha256_fp16`` existed have only the first)."""
+    if stored.get(_HASH_KEYS[0]) == actual.get(_HASH_KEYS[0]):
+        return True
+    mine = {stored.get(k) for k in _HASH_KEYS} - {None}
+    theirs = {actual.get(k) for k in _HASH_KEYS} - {None}
+    return bool(mine & theirs)
+
+
+def _wide_float(w: Any) -> bool:
+    return isinstance(w, torch.Tensor) and w.is_floating_point() and w.element_size() > 2
+
+
 def _weight_sha256(w: torch.Tensor) -> str:
     """sha256 of a weight's shape and its values rounded to bf16 (so fp32 / bf16 / fp16 copies agree)."""
     t = w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
@@ -410,8 +431,10 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
     Returns:
         JSON-serialisable dict: ``architecture`` (class name), ``num_layers``, ``hidden``, ``num_heads``,
         ``num_kv_heads``, ``head_dim`` (from ``model.config``, HF or gpt-fast names; None when absent),
-        ``k_weight`` (the parameter hashed) and ``k_weight_sha256`` (its values rounded to bf16, so the same
-        model in another dtype or on another device matches).
+        ``k_weight`` (the parameter hashed), ``k_weight_sha256`` (its shape and values rounded to bf16, so the
+        same model in bf16 / fp32 or on another device matches) and ``k_weight_sha256_fp16`` (for a weight wider
+        than 16 bits: the same after a rounding to fp16, so the model cast to fp16 matches too; else None).
+        :func:`fingerprint_weights_match` compares two fingerprints' hashes.
     """
     cfg = getattr(model, "config", None)
     if cfg is not None and callable(getattr(cfg, "get_text_config", None)):
@@ -426,7 +449,11 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
     if k_weight is None or k_weight not in params:
         k_weight = next((n for n, p in params.items() if p.dim() >= 2), k_weight)
     fp["k_weight"] = k_weight
-    fp["k_weight_sha256"] = _weight_sha256(params[k_weight]) if k_weight in params else None
+    w = params.get(k_weight) if k_weight is not None else None
+    fp["k_weight_sha256"] = _weight_sha256(w) if w is not None else None
+    # a weight wider than 16 bits also as fp16 would have it: fp32 -> fp16 -> bf16 differs from fp32 -> bf16 in ~6%
+    # of the values (double rounding), so without it the model cast to fp16 would not match its own bases
+    fp["k_weight_sha256_fp16"] = _weight_sha256(w.to(torch.float16)) if _wide_float(w) else None
     return fp
 
 
