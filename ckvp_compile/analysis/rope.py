@@ -1528,7 +1528,7 @@ def is_module_state(node: fx.Node) -> bool:
 
 def _table_inputs(tables: list[fx.Node], stop: fx.Node | None) -> set[fx.Node] | None:
     """The nodes the tables' values depend on, up to ``stop`` (not walked through): data arguments only (see
-    :data:`_META_ARGS`; nodes of no tensor value, sizes, are not walked through), and the values written in place
+    :data:`_META_ARGS`; nodes whose value is a number, sizes, are not walked through), and the values written in place
     into a node of the way (:func:`_writers`). None past :data:`_MAX_TABLE_NODES` nodes."""
     seen: set[fx.Node] = set()
     frontier = list(tables)
@@ -1539,8 +1539,8 @@ def _table_inputs(tables: list[fx.Node], stop: fx.Node | None) -> set[fx.Node] |
         seen.add(n)
         if len(seen) > _MAX_TABLE_NODES:
             return None
-        if n is stop or not isinstance(_example(n), torch.Tensor):
-            continue
+        if n is stop or isinstance(_example(n), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            continue  # (a size is no data; a split's tuple of tensors, or a node without a value, is walked)
         meta = _META_ARGS.get(op_name(n), ())
         for i, a in enumerate(n.args):
             if i not in meta:
