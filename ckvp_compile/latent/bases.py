@@ -305,7 +305,8 @@ class LatentBases:
         """
         stored = self.model_fingerprint
         actual = model_fingerprint(model, stored.get("k_weight"))
-        diff = [k for k in sorted(set(stored) | set(actual)) if k not in _HASH_KEYS and stored.get(k) != actual.get(k)]
+        diff = [k for k in sorted(set(stored) | set(actual))
+                if k not in _HASH_KEYS and stored.get(k) != actual.get(k)]
         if not fingerprint_weights_match(stored, actual):
             diff.append(_HASH_KEYS[0])
         if diff:
@@ -316,10 +317,10 @@ class LatentBases:
 
     def check_weight(self, weight: Any, path: str | None, *, source: str = "these latent bases") -> None:
         """Raise unless ``weight`` is the key projection weight these bases were calibrated with (same shape and
-        values rounded to bf16, or to fp16 then bf16: :func:`fingerprint_weights_match`). The backend calls it at the first
-        call of a compiled graph on each cache, with the graph's input that the fingerprinted layer's key projection
-        multiplies by: bases kept in memory and handed to a cache for another model of the same shape (another
-        checkpoint, a fine-tune) would otherwise run without error at a lower fidelity than calibrated.
+        values rounded to bf16, or to fp16 then bf16: :func:`fingerprint_weights_match`). The backend calls it at
+        the first call of a compiled graph on each cache, with the graph's input that the fingerprinted layer's key
+        projection multiplies by: bases kept in memory and handed to a cache for another model of the same shape
+        (another checkpoint, a fine-tune) would otherwise run without error at a lower fidelity than calibrated.
 
         Args:
             weight: the graph input (any dtype / device; a non-tensor or non-float one is not checked).
@@ -404,7 +405,8 @@ def _wide_float(w: Any) -> bool:
 
 
 def _weight_sha256(w: torch.Tensor) -> str:
-    """sha256 of a weight's shape and its values rounded to bf16 (so fp32 / bf16 / fp16 copies agree)."""
+    """sha256 of a weight's shape and its values rounded to bf16 (so fp32 and bf16 copies agree; an fp32 weight's
+    fp16 copy rounds otherwise: :func:`model_fingerprint` hashes that rounding too)."""
     t = w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
     h = hashlib.sha256(str(tuple(t.shape)).encode())
     h.update(t.numpy().tobytes())
