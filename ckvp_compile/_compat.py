@@ -364,24 +364,6 @@ def copy_dynamo_graph_metadata(src: fx.GraphModule, dst: fx.GraphModule) -> None
         node._dynamo_source = sources.get(node.name)
 
 
-def input_attr_path(node: fx.Node) -> str | None:
-    """The dotted attribute path, below the compiled function's root, of the module attribute a Dynamo graph
-    placeholder stands for (``model.layers.0.self_attn.k_proj.weight`` for the source
-    ``L['self']._modules['model']._modules['layers']._modules['0']...._parameters['weight']``), read off Dynamo's
-    source (``node.meta["grapharg"]`` or ``node._dynamo_source``); None when the node has none or it is not such a
-    chain of item accesses (a global, a computed value)."""
-    import re
-
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None) or getattr(node, "_dynamo_source", None)
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name
-    if not isinstance(name, str) or not re.fullmatch(r"L\['[^']+'\](?:\.?_?\w*\['[^']+'\])+", name):
-        return None
-    keys = re.findall(r"\['([^']+)'\]", name)[1:]  # the root local (self / the model) dropped
-    return ".".join(keys) or None
-
-
 def mark_static_placeholder(node: fx.Node) -> None:
     """Mark a placeholder a pass appended as a static input (fixed address across calls: AOTAutograd then lists it
     among the static input indices and Inductor's CUDA graphs neither copy it nor skip the graph when it is

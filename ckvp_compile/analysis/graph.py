@@ -163,6 +163,19 @@ def placeholder_source(node: fx.Node) -> str | None:
     return node.target if isinstance(node.target, str) else None
 
 
+def placeholder_attr_path(node: fx.Node) -> str | None:
+    """Return the dotted attribute path, below the compiled function's root local, of the module parameter or buffer
+    a Dynamo placeholder stands for: ``model.layers.0.self_attn.k_proj.weight`` for the source
+    ``L['self']._modules['model']...._parameters['weight']`` (:func:`placeholder_source`); None for a node without
+    a source or one that is not an attribute of a root local (``L['x']``, a global)."""
+    source = placeholder_source(node)
+    if not source or not source.startswith("L["):
+        return None
+    path = _normalise_path(re.sub(r"^L\[['\"][^'\"]+['\"]\]", "", source))
+    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts) or None
+
+
 def module_path(node: fx.Node) -> str:
     """Return the innermost module path from ``nn_module_stack`` (``model.layers.3.self_attn``), or ''.
 

@@ -80,7 +80,7 @@ from torch.fx.node import map_arg
 
 from .. import _compat
 from ..analysis.attention_ops import weight_source
-from ..analysis.graph import dtype_of, find_upstream, node_map, op_name, shape_of
+from ..analysis.graph import dtype_of, find_upstream, node_map, op_name, placeholder_attr_path, shape_of
 from ..analysis.rope import is_module_state, rope_positions, table_key
 from ..analysis.sites import AttentionSite
 from .base import CKVPPass
@@ -562,7 +562,7 @@ def _fingerprint_weight(graph: fx.Graph, nodes: dict[str, fx.Node], store: Any,
     w = weight_source(nodes.get(site.k_proj)) if site is not None and site.k_proj is not None else None
     if w is None or w.op != "placeholder":
         return None, None
-    return graph.find_nodes(op="placeholder").index(w), _compat.input_attr_path(w)
+    return graph.find_nodes(op="placeholder").index(w), placeholder_attr_path(w)
 
 
 def _slot_probe(graph: fx.Graph, slot_nodes: list[fx.Node]) -> tuple[fx.GraphModule | None, list[int], str]:
