@@ -483,6 +483,9 @@ def _check_fixed(part: int) -> None:
         return
     from ckvp_compile.kernels.latent_attention_triton import latent_scores_triton
 
+    # one sequence from here on: batches run in parts 0 and 1 (and the property), and the interpreter's time is per
+    # program
+    base = dict(base, b=1)
     # RoPE moved onto the basis (rotate_basis, one query head per KV head, hoisted basis): every RoPE form, paired
     # and unpaired tables, pass-through channels (rd < d), bf16 tables (exact operands), masks, quantized latents;
     # the rotated path must really run (ROT_BASIS in the key pass's launch). Each form runs once, with one of the four
@@ -537,7 +540,8 @@ def _check_fixed(part: int) -> None:
         torch.equal = real_equal
     assert torch.equal(outs[0], outs[1]) and float((outs[0] - want).norm() / want.norm()) <= TOL
     # power-of-two formats with bf16 inputs: exact bf16 operands, one product per rebuild
-    _check(dict(base, rk=[32, 16], rv=[16, 24], kfmt="mxint8/32", vfmt="mxint4/8", dtype=torch.bfloat16), cfg)
+    # (two sequences: bf16 outputs, where one sequence's 64 values leave output-rounding flips to chance against TOL)
+    _check(dict(base, b=2, rk=[32, 16], rv=[16, 24], kfmt="mxint8/32", vfmt="mxint4/8", dtype=torch.bfloat16), cfg)
     # fp8 bases (the store's basis_dtype=float8_e4m3fn / e5m2): exact in bf16, read by the kernel without a split;
     # with fp32 inputs (the query split into bf16 hi + lo) and bf16 ones (e4m3 bases with bf16 inputs also run in the
     # planned mix and key_codes cases below)
