@@ -27,3 +27,34 @@ def _seed_and_reset():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+#: The slowest self-contained tests (30-90 s each on a 2-core CI machine; `.ci/run` lists the 80 slowest), longest
+#: first. They run before the rest so that pytest-xdist's workers end on short tests instead of one worker finishing a
+#: long one alone (longest-processing-time-first scheduling). Prefixes of node ids; a renamed test just keeps its
+#: place. Only tests without module-scoped fixtures: moving one would build its module's fixture twice.
+_RUN_FIRST = (
+    "tests/e2e/test_latent_kv.py::test_fixture_latent_cache_compiles_with_inductor",
+    "tests/kernels/test_sm90_compile.py::test_kernels_compile_for_sm90",
+    "tests/kernels/test_latent_attention_triton.py::test_kernels_match_reference_under_interpreter",
+    "tests/e2e/test_equivalence.py::test_fixture_model_full_inductor",
+    "tests/kernels/test_latent_attention_words.py::test_words_kernel_matches_reference_under_interpreter",
+    "tests/kernels/test_latent_attention_lanes.py::test_lanes_kernel_matches_reference_under_interpreter",
+    "tests/kernels/test_latent_quant_triton.py::test_kernels_match_reference_under_interpreter",
+    "tests/reliability/test_fuzz_latent.py::",
+    "tests/reliability/test_cudagraph_capture_safety.py::test_gpu_capture_script_cpu_smoke",
+    "tests/kernels/test_latent_attention_absorbed.py::test_absorbed_kernel_matches_reference_under_interpreter",
+    "tests/kernels/test_latent_quant_triton_tern_mix.py::test_kernels_match_reference_under_interpreter",
+    "tests/kernels/test_merge_splits.py::test_merges_match_reference_under_interpreter",
+    "tests/kernels/test_latent_attention_f8.py::test_f8_latents_match_reference_under_interpreter",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run :data:`_RUN_FIRST` first, in its order; every other test keeps its collection order."""
+
+    def rank(item) -> int:
+        nodeid = item.nodeid.replace("\\", "/")
+        return next((i for i, p in enumerate(_RUN_FIRST) if nodeid.startswith(p)), len(_RUN_FIRST))
+
+    items.sort(key=rank)  # stable

@@ -340,17 +340,20 @@ def _check_fixed(part: int) -> None:
             assert chunk_mod._LAST_LAUNCH["rot_basis"], (case, dict(chunk_mod._LAST_LAUNCH))
         return
     if part == 1:
+        # paged cases at two sequences; the rest (no batch logic of their own) at one: the interpreter's time is per
+        # program, and batches run in part 0, the slices below and the property
+        one = dict(base, b=1)
         for pcfg in (cfg, dataclasses.replace(cfg, two_pass=False, reduce_split_d=True)):
             _check(dict(base, rk=[12, 5], rv=[7, 9], page=4, seed=3, s=2, mask="bool", mask_shape="b1sk"), pcfg)
         # the merge split over 32-channel slices of D = 64 (two programs per row), with exact window tokens
-        _check(dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
+        _check(dict(one, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add"),
                dataclasses.replace(cfg, reduce_split_d=True))
         # a recent window kept dense: 19 exact tokens for 2 queries, 4 entries unused (-1), one- and two-pass
         for wcfg in (cfg, dataclasses.replace(cfg, two_pass=False)):
-            _check(dict(base, rk=[12, 5], rv=[7, 9], s=2, win=17, unused=4, mask="bool", mask_shape="b1sk"), wcfg)
-            _check(dict(base, rk=[12, 5], rv=[7, 9], s=1, win=8, unused=8, mask="add"), wcfg)  # only -1 besides one
-        _check(dict(base, rk=[12, 5], rv=[7, 9], online=True, mask="bool", mask_shape="b1sk"), cfg)  # online bases
-        _check(dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
+            _check(dict(one, rk=[12, 5], rv=[7, 9], s=2, win=17, unused=4, mask="bool", mask_shape="b1sk"), wcfg)
+            _check(dict(one, rk=[12, 5], rv=[7, 9], s=1, win=8, unused=8, mask="add"), wcfg)  # only -1 besides one
+        _check(dict(one, rk=[12, 5], rv=[7, 9], online=True, mask="bool", mask_shape="b1sk"), cfg)  # online bases
+        _check(dict(one, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2), cfg)  # every row masked: zeros
         # the merge fused into the value pass (last-arriving split merges): two-pass (counters zeroed by the key pass)
         # and one-pass (zeroed by the launcher), with window tokens (two-pass: D = 64, two 32-channel slices;
         # one-pass: unused ring entries), and every row masked (both).
@@ -369,11 +372,11 @@ def _check_fixed(part: int) -> None:
         fused = dataclasses.replace(cfg, fuse_merge=True)
         lat_mod.torch.empty = dirty_empty
         try:
-            masked = dict(base, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2)
-            for fcfg, fcase in ((fused, dict(base, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add")),
+            masked = dict(one, rk=[12, 5], rv=[7, 9], mask="bool", mask_p=1.1, s=2)
+            for fcfg, fcase in ((fused, dict(one, d=64, rd=32, rk=[40, 5], rv=[33, 9], s=2, win=5, mask="add")),
                                 (fused, masked),
                                 (dataclasses.replace(fused, two_pass=False),
-                                 dict(base, rk=[12, 5], rv=[7, 9], s=1, win=17, unused=4, mask="bool",
+                                 dict(one, rk=[12, 5], rv=[7, 9], s=1, win=17, unused=4, mask="bool",
                                       mask_shape="b1sk")),
                                 (dataclasses.replace(fused, two_pass=False), masked)):
                 _check(fcase, fcfg)
@@ -440,6 +443,7 @@ def _check_fixed(part: int) -> None:
                    dataclasses.replace(tcfg, split=10, fuse_merge=True))
         finally:
             lat_mod.MERGE_TILE_VALUES, lat_mod.FUSED_MERGE_TILE_VALUES = saved_tile
+        base = dict(base, b=1)  # one sequence from here on (batches: parts 0 and 1, the property)
         _check(dict(base, rk=[30, 17], rv=[20, 3], kfmt="int2/8", vfmt="float", rope="complex", rd=32, s=5,
                     mask="add"), DecodeConfig(block_n=16, block_r=16, num_warps=1))  # chunked prefill, 2 R chunks
         # the two halves as separate launches (the ops ckvp::latent_scores / ckvp::latent_attention_from_scores)

@@ -58,7 +58,8 @@ def _main() -> None:
         assert lat._LAST_LAUNCH["words"] == expected, (p, cfg, lay, dict(lat._LAST_LAUNCH))
         return expected
 
-    eq = dict(seed=1, b=2, hkv=4, ratio=1, d=32, kv_len=37, s=1, extra=3, rk=[16] * 4, rv=[16] * 4, kfmt="int4/32",
+    # one sequence (the interpreter's time is per program), two where the batch is part of the case
+    eq = dict(seed=1, b=1, hkv=4, ratio=1, d=32, kv_len=37, s=1, extra=3, rk=[16] * 4, rv=[16] * 4, kfmt="int4/32",
               vfmt="int4/32", rope="none", rd=0, mask=None, mask_shape="bhsk", mask_p=0.3, dtype=torch.bfloat16,
               pos_dtype=torch.int32)
     cfg0 = DecodeConfig(words=True, num_warps=1, min_tiles=1, target_programs=4, block_n_w=16, loop_stages_w=None)
@@ -68,14 +69,14 @@ def _main() -> None:
     assert not check(eq, dataclasses.replace(cfg0, lanes=16)) and lat._LAST_LAUNCH["lanes"] > 0
     for case, c in (
             # G = 4: four slot groups per tensor-core row; unequal ranks, a rank-0 head, bool mask of one row
-            (dict(eq, ratio=4, rk=[24, 40, 8, 0], rv=[32, 8, 16, 16], mask="bool", mask_shape="b1sk"), cfg0),
+            (dict(eq, b=2, ratio=4, rk=[24, 40, 8, 0], rv=[32, 8, 16, 16], mask="bool", mask_shape="b1sk"), cfg0),
             # a head wholly masked by finfo.min (the clamp before the log2 conversion)
             (dict(g4, mask="finfo", s=2, win=3, dtype=torch.float32), dataclasses.replace(cfg0, loop_stages_w=2)),
             # several quantization blocks per head (int4/8 keys: 5 blocks at rank 40; int2/16 values), G = 3
             (dict(eq, hkv=2, ratio=3, rk=[40, 32], rv=[16, 32], kfmt="int4/8", vfmt="int2/16", s=2, win=17,
                   unused=2, mask="add"), dataclasses.replace(cfg0, split=2)),
             # int8 keys and values, pages, padded rows, several blocks per head (int8/4, int8/8)
-            (dict(eq, ratio=2, rk=[12, 4, 0, 8], rv=[8, 8, 4, 0], page=4, seed=3, layout="padded",
+            (dict(eq, b=2, ratio=2, rk=[12, 4, 0, 8], rv=[8, 8, 4, 0], page=4, seed=3, layout="padded",
                   kfmt="int8/4", vfmt="int8/8"), dataclasses.replace(cfg0, block_n_w=32, loop_stages_w=2)),
             # value ranks wider than the key ranks, per-head masks, fp32 (a strict 1e-3)
             (dict(g4, rk=[32, 16, 16, 8], kfmt="int8/32", vfmt="int2/32", rv=[32, 64, 16, 48], s=2, win=3,
@@ -84,7 +85,7 @@ def _main() -> None:
             (dict(eq, ratio=5, hkv=3, kv_len=150, rk=[8, 24, 16], rv=[4, 12, 8], kfmt="int4/8", vfmt="int8/4",
                   dtype=torch.float16), dataclasses.replace(cfg0, split=2)),
             # per-sequence (online, 4-D) bases: the query fold and the value projection step per sequence
-            (dict(g4, rk=[24, 40, 8, 0], rv=[32, 8, 16, 16], online=True, seed=5), cfg0)):
+            (dict(g4, b=2, rk=[24, 40, 8, 0], rv=[32, 8, 16, 16], online=True, seed=5), cfg0)):
         assert check(case, c), case
     # small value latents (block scales near 7e-5 and 7e-6; int8 ones smaller still) and no exact token: the
     # weights' power-of-two scaling per tile keeps p * scale out of fp16's subnormals (1.3e-3 and 1.3e-2 before)
