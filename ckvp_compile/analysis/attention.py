@@ -78,6 +78,7 @@ from .kv_cache import (
     grown_cache,
     late_value_writes,
     mla_evidence,
+    positional_writes,
     stray_cache_writes,
     trace_kv,
     written_cache_buffers,
@@ -127,6 +128,10 @@ _IN_PLACE_FIX = (
     "NYI: a cache changed in place besides its positional write stays dense (a ckvp latent cache cannot be used); "
     "change the keys / values before writing them, or change copies of them (k = k * s, not k.mul_(s))."
 )
+_STEPS_FIX = (
+    "compile the model's one-step forward and loop over the steps outside the compiled function (as "
+    "transformers' generate() does); or keep a dense cache for this function."
+)
 _SLIDING_FIX = (
     "NYI: sliding-window layers stay dense; keep them out of ckvp, or run the model without a sliding "
     "window if it allows (sliding_window=None / use_sliding_window=False)."
@@ -172,10 +177,14 @@ def attention_findings(graph: fx.Graph) -> list[LayerFinding]:
     written = written_cache_buffers(graph)
     claimed: set[fx.Node] = set()  # the written buffers an attention op reads, reported by a site or a pattern
     own_writes: set[str] = set()  # the cache writes (node names) of the sites found so far, in graph order
+    readers: dict[fx.Node, int] = {}  # attention ops reading each written buffer (two or more: several steps)
+    for cand in candidates:
+        for b in buffers_read(cand.k, cand.v) & written.keys():
+            readers[b] = readers.get(b, 0) + 1
     for cand in candidates:
         reads = buffers_read(cand.k, cand.v) & written.keys()
         try:
-            site, bad, why = _analyse(cand, -1, nodes)
+            site, bad, why = _analyse(cand, -1, nodes, readers)
         except Exception:
             logger.debug("ckvp: attention at %s not analysed", cand.node.name, exc_info=True)
             site, bad, why = None, [], "its analysis failed (an unexpected graph form)"
@@ -248,10 +257,11 @@ def _unread_cache_findings(written: dict[fx.Node, list[fx.Node]], claimed: set[f
 # one attention
 
 
-def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node],
+def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node], readers: dict[fx.Node, int] | None = None,
              ) -> tuple[AttentionSite | None, list[UnsupportedSite], str | None]:
     """Interpret one attention op: (its site, [], None), (None, the unsupported patterns it shows, None), or
-    (None, [], why it is not understood)."""
+    (None, [], why it is not understood). ``readers``: how many attention ops of the graph read each written cache
+    buffer (several decode steps in one graph write and read each cache once a step)."""
     kt, vt = trace_kv(c.k), trace_kv(c.v)
     bad = _unsupported(c, kt, vt, layer)
     if bad:
@@ -262,6 +272,17 @@ def _analyse(c: AttentionOp, layer: int, nodes: dict[str, fx.Node],
         return None, [], f"its keys come from {kt.base.name}, a buffer with no positional write before it"
     for cache, trace in ((k_cache, kt), (v_cache, vt)):
         stray = stray_cache_writes(trace, cache, nodes) if cache is not None else []
+        buffer = nodes[cache.cache_node] if cache is not None else None
+        if stray and (readers or {}).get(buffer, 1) > 1 and set(stray) <= set(positional_writes(buffer)):
+            writes = sorted(stray + [nodes[cache.write_node]])
+            return None, [UnsupportedSite(
+                kind="cache_written_in_place", layer=layer,
+                reason=f"the {'key' if cache.kind == 'k' else 'value'} cache {cache.cache_node} is written at "
+                       f"positions {len(writes)} times in this graph ({', '.join(w.name for w in writes)}) and read "
+                       f"by {readers[buffer]} attention ops: the compiled call holds several steps (a loop over "
+                       "decode steps, or draft and verify, traced into one graph), and the latent cache is rewritten "
+                       "for one positional write per layer and call.",
+                fix=_STEPS_FIX, nodes=(c.node.name,) + tuple(w.name for w in writes))], None
         if stray:
             return None, [UnsupportedSite(
                 kind="cache_written_in_place", layer=layer,

@@ -739,3 +739,59 @@ def test_a_gpt_fast_latent_cache_used_eagerly_is_an_error_not_wrong_logits():
             model(ids, torch.arange(6))
         model.setup_caches(1, 24)  # new KVCache modules with dense buffers: eager runs as before
         torch.testing.assert_close(model(ids, torch.arange(6)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_several_decode_steps_in_one_graph_are_refused_with_that_reason_and_the_model_stays_usable():
+    """One compiled function that runs two decode steps (a loop over steps, draft and verify) writes each layer's
+    cache twice and reads it twice. With a dense cache the backend leaves it as written (equal to eager, warned with
+    that reason); on a latent cache it refuses with that reason (it was reported as a cache changed in place), and the
+    one-step compiled forward then decodes as before."""
+    import warnings
+
+    from ckvp_compile import CKVPError, UnsupportedPatternWarning
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    def build():
+        torch.manual_seed(0)
+        m = GptFastMoE(GptFastConfig(n_layer=2, vocab_size=128)).eval()
+        m.setup_caches(max_batch_size=1, max_seq_length=32)
+        return m
+
+    def two_steps(m):
+        def fn(tok, pos):
+            first = m(tok, pos)
+            return first, m(first[:, -1:].argmax(-1), pos + 1)
+        return fn
+
+    prompt, pos = torch.tensor([[1, 2, 3]]), torch.arange(3)
+    tok, at = torch.tensor([[4]]), torch.tensor([3])
+    with torch.no_grad():
+        eager = build()
+        eager(prompt, pos)
+        want = two_steps(eager)(tok, at)
+
+        dense = build()
+        dense(prompt, pos)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            got = torch.compile(two_steps(dense), backend="ckvp", options={"compiler": "aot_eager"})(tok, at)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        messages = [str(w.message) for w in record if issubclass(w.category, UnsupportedPatternWarning)]
+        assert any("several steps" in m and "written at positions 2 times" in m for m in messages), messages
+
+        model = build()
+        bases = calibrate(model, [torch.randint(0, 128, (1, 12)) for _ in range(2)], group_size=2, kv_ratio=1.0,
+                          progress=False)
+        model.setup_caches(max_batch_size=1, max_seq_length=32)
+        use_latent_cache(model, bases)
+        step = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"})
+        step(prompt, pos)
+        with pytest.raises(CKVPError, match="several steps") as err:
+            torch.compile(two_steps(model), backend="ckvp", options={"compiler": "aot_eager"})(tok, at)
+        assert "one-step forward" in str(err.value)
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"})
+        first = step(tok, at)  # the failed call wrote nothing: the next step decodes at the same position
+        torch.testing.assert_close(first, want[0], rtol=2e-4, atol=2e-4)  # full-rank latents: close to dense
