@@ -277,12 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"eager:              {eager_s:7.2f} s  ({n / eager_s:7.1f} tokens/s; best of 2 after a warm-up)")
     print(f"ckvp first call:    {first_s:7.2f} s  (includes compilation with compiler={args.compiler!r})")
     print(f"ckvp steady state:  {steady_s:7.2f} s  ({n / steady_s:7.1f} tokens/s; best of 2)")
-    # ckvp-inspect's --kv-ratio counts latent elements (16-bit equivalent), this script's counts bytes: pass the
-    # element ratio these bases reached, so that the report shows ranks like this run's
-    print(f"what the backend found, rewrote or kept per layer, and why: ckvp-inspect --model {args.model}"
-          + (f" --kv-ratio {bases.ratio():.3g} --latent-format {args.latent_format} --group-size {args.group_size} "
-             f"--text {args.model / 'eval_text.txt'} (--kv-ratio counts latent elements there: {bases.ratio():.3g} "
-             f"is the element ratio of this run's bases; README, 'The inspection tool')" if cache is not None else ""))
+    # the same bases (saved) and the same rewrites, so that the report shows this run's ranks, formats and sites
+    inspect = f"ckvp-inspect --model {args.model}"
+    if cache is not None:
+        import tempfile
+
+        saved = Path(tempfile.gettempdir()) / "ckvp_generate_bases.safetensors"
+        bases.save(saved)
+        inspect += f" --bases {saved}"
+    if args.expert_gemm == "on":
+        inspect += """ --options '{"enable_expert_gemm": true}'"""
+    print(f"what the backend found, rewrote or kept per layer, and why: {inspect}")
     if args.device == "cpu":
         print("(CPU timings are indicative only: a busy machine moves them, and on CPU the latent cache's ops run "
               "their PyTorch references; speed is measured on the GPU, see BENCHMARKS.md)")

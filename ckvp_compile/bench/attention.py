@@ -575,7 +575,7 @@ def run(formats: Sequence[tuple[str, int]], batches: Sequence[int], contexts: Se
     start = time.perf_counter()
     versions = _versions(device)
     bw = copy_bandwidth(device)
-    log(f"versions {versions}; copy bandwidth {bw / 1e9:.0f} GB/s")
+    log(f"versions {versions}; copy bandwidth " + (f"{bw / 1e9:.0f} GB/s" if bw else "not measured (CPU)"))
     label = f"{h}:{hkv}"
     timer = graph_bench if cuda_graphs else bench
     rows: list[dict] = []

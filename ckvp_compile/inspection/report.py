@@ -434,6 +434,7 @@ def inspect_model(
         CKVPModelLoadError: ``model_or_dir`` is a path that is not a loadable model directory.
         CKVPConfigError: an unknown option or a bad value; bad latent options, bases calibrated for another
             model, or a kv_ratio the model cannot reach (the message names the range).
+        TypeError: ``model_or_dir`` is neither a module / callable nor a path.
         ValueError: no ``example_inputs`` for a model that needs them, prompt/cache lengths that do not fit,
             or ``latent`` with ``example_inputs`` or a model that is neither an HF causal LM nor gpt-fast style.
         UnsupportedGraphError: ``strict=True`` and a site the rewrites cannot use.
@@ -446,8 +447,11 @@ def inspect_model(
     if isinstance(model_or_dir, (str, Path)):
         name = Path(model_or_dir).name or str(model_or_dir)
         model = load_model_dir(model_or_dir)
-    else:
+    elif isinstance(model_or_dir, torch.nn.Module) or callable(model_or_dir):
         name, model = type(model_or_dir).__name__, model_or_dir
+    else:
+        raise TypeError(f"inspect: give a torch.nn.Module (or a callable) or the path of a local Hugging Face model "
+                        f"directory, got {type(model_or_dir).__name__}")
     start = time.perf_counter()
     caches, source = None, ""
     if latent_opts is not None:

@@ -301,8 +301,12 @@ class LatentBases:
         """Raise unless ``model``'s :func:`model_fingerprint` equals the calibrated model's.
 
         Raises:
-            CKVPConfigError: naming both models, the fields that differ, and the fix (re-run calibrate).
+            CKVPConfigError: naming both models, the fields that differ, and the fix (re-run calibrate); or
+                ``model`` is not a ``torch.nn.Module``.
         """
+        if not isinstance(model, torch.nn.Module):
+            raise CKVPConfigError(f"{source}: model must be the torch.nn.Module the bases are for (e.g. "
+                                  f"LatentBases.load(path, model=model)), got {type(model).__name__}")
         stored = self.model_fingerprint
         actual = model_fingerprint(model, stored.get("k_weight"))
         diff = [k for k in sorted(set(stored) | set(actual))

@@ -233,7 +233,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
         CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / key_space /
-            samples (kv_ratio's message names the achievable range), no attention layer with a usable KV-cache write
+            max_cache_len / samples (kv_ratio's message names the achievable range), or with ``latent_format`` an
+            unknown format or a non-float dense_dtype / latent_dtype (all checked before the first sample runs), no attention layer with a usable KV-cache write
             (the reason is given), or an encoder-decoder model (``config.is_encoder_decoder``).
     Notes:
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
@@ -265,6 +266,21 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
     if recent_window and latent_format is None:
         raise CKVPConfigError("recent_window is counted in bytes: give latent_format too (the format the cache "
                               "will store), so that the ranks leave room for the window")
+    _check_collect_args(group_size, max_cache_len)
+    # the byte budget's arguments are checked before any sample runs (a typo must not cost a calibration run, nor
+    # use up a one-shot iterable of samples)
+    if latent_format is not None:
+        from ..kernels.latent_format import parse_latent_format
+
+        try:
+            parse_latent_format(latent_format)
+        except (ValueError, TypeError) as e:
+            raise CKVPConfigError(f"latent_format: {e}") from None
+        for name, dt in (("dense_dtype", dense_dtype), ("latent_dtype", latent_dtype)):
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise CKVPConfigError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16: the "
+                                      f"{'dense cache the ratio is counted against' if name == 'dense_dtype' else 'bases'}"
+                                      f"' element type), got {dt!r}")
 
     def check_groups(groups: tuple[tuple[int, ...], ...], hkv: int, d: int) -> None:
         check_target_ratio(kv_ratio, sum(map(len, groups)) * hkv * d * 2, 2 * len(groups) * hkv)
@@ -536,14 +552,24 @@ def _check_token_ids(model: torch.nn.Module, ids: torch.Tensor) -> None:
                               "tokenizer")
 
 
+def _check_collect_args(group_size: Any, max_cache_len: Any) -> None:
+    """``group_size`` one of :data:`GROUP_SIZES` (an int: 4.0 is refused, as :class:`CKVPConfig` does) and
+    ``max_cache_len`` None or an int >= 1; else :class:`CKVPConfigError` naming the fix."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
+        raise CKVPConfigError(f"group_size must be one of {list(GROUP_SIZES)} (an int), got {group_size!r}")
+    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not hasattr(max_cache_len, "__index__")
+                                      or operator.index(max_cache_len) < 1):
+        raise CKVPConfigError(f"max_cache_len must be an int >= 1 (the static cache's slots), or None (each sample's "
+                              f"length), got {max_cache_len!r}")
+
+
 def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_size: int, max_cache_len: int | None,
              progress: bool, on_sample: Callable[[StackedKV], None] | None,
              on_groups: Callable[[tuple[tuple[int, ...], ...], int, int], None] | None,
              attended_values: bool = False, key_space: str = "pre_rope") -> KVMoments:
     from tqdm.auto import tqdm
 
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
-        raise CKVPConfigError(f"group_size must be one of {list(GROUP_SIZES)}, got {group_size!r}")
+    _check_collect_args(group_size, max_cache_len)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # else an IndexError in the cache write
         raise CKVPConfigError(
             f"calibrate: {type(model).__name__} is an encoder-decoder model (cross-attention over the encoder's "

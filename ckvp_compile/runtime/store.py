@@ -206,14 +206,19 @@ class LatentKVStore:
             vfs = _group_formats(v_format, getattr(bases, "v_formats", ()), ngroups)
         except ValueError as e:
             raise CKVPConfigError(str(e)) from None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise CKVPConfigError(f"dtype must be a floating torch.dtype, the model's K/V dtype (e.g. torch.float32 "
+                                  f"or torch.bfloat16), got {dtype!r}")
         latent_dtype = latent_dtype or dtype
-        if not latent_dtype.is_floating_point:
-            raise CKVPConfigError(f"latent_dtype must be a float dtype (the dtype of 'float' latents), got "
-                                  f"{latent_dtype}; for integer latents pass k_format/v_format='int8' etc.")
+        if not isinstance(latent_dtype, torch.dtype) or not latent_dtype.is_floating_point:
+            raise CKVPConfigError(f"latent_dtype must be a floating torch.dtype (the dtype of 'float' latents and, by "
+                                  f"default, of the bases), got {latent_dtype!r}; for integer latents choose the "
+                                  "latent format instead (CKVPStaticCache(latent_format='int8'), or the store's "
+                                  "k_format / v_format)")
         basis_dtype = basis_dtype or latent_dtype
-        if not basis_dtype.is_floating_point:
-            raise CKVPConfigError(f"basis_dtype must be a float dtype (e.g. torch.bfloat16 or torch.float8_e4m3fn), "
-                                  f"got {basis_dtype}")
+        if not isinstance(basis_dtype, torch.dtype) or not basis_dtype.is_floating_point:
+            raise CKVPConfigError(f"basis_dtype must be a floating torch.dtype (e.g. torch.bfloat16 or "
+                                  f"torch.float8_e4m3fn), got {basis_dtype!r}")
         self.bases = bases
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
         self.device, self.dtype = torch.device(device), dtype

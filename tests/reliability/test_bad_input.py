@@ -69,7 +69,11 @@ def test_a_kv_ratio_that_cannot_be_met_is_a_clear_error(model_and_bases, kwargs,
     (dict(max_cache_len=8, max_batch_size=0), r"batch_size .* must be >= 1"),
     (dict(max_cache_len=8, latent_format="int9"), r"'int9'"),
     (dict(max_cache_len=8, latent_format=("int8",)), r"\(K, V\) pair"),
-    (dict(max_cache_len=8, latent_dtype=torch.int8), r"latent_dtype must be a float dtype"),
+    (dict(max_cache_len=8, latent_dtype=torch.int8), r"latent_dtype must be a floating torch.dtype.*latent_format"),
+    (dict(max_cache_len=8, latent_dtype="bfloat16"), r"latent_dtype must be a floating torch.dtype"),
+    (dict(max_cache_len=8, dtype=torch.int32), r"dtype must be a floating torch.dtype, the model's K/V dtype"),
+    (dict(max_cache_len=8, dtype="float32"), r"dtype must be a floating torch.dtype, the model's K/V dtype"),
+    (dict(max_cache_len=8, basis_dtype="float8_e4m3fn"), r"basis_dtype must be a floating torch.dtype"),
     (dict(max_cache_len=2.5), r"max_cache_len must be >= 1 and ints, got 1, 2.5"),
     pytest.param(dict(max_cache_len=8, device="cuda"), r"sees no CUDA device.*Fix: device='cpu'",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
@@ -91,6 +95,44 @@ def test_calibration_ids_outside_the_vocabulary_name_the_tokenizer(model_and_bas
     vocab = model.get_input_embeddings().num_embeddings
     with pytest.raises(CKVPConfigError, match=rf"model embeds ids 0..{vocab - 1}.*tokenizer"):
         calibrate(model, [torch.full((1, 8), vocab + 3)], group_size=1, kv_ratio=1.0, progress=False)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(latent_format="int3"), r"latent_format: .*'int3'"),
+    (dict(latent_format="int8", latent_dtype="bf16"), r"latent_dtype must be a floating torch.dtype"),
+    (dict(latent_format="int8", dense_dtype=torch.bool), r"dense_dtype must be a floating torch.dtype"),
+    (dict(max_cache_len=20.5), r"max_cache_len must be an int >= 1 .* or None"),
+    (dict(max_cache_len="32"), r"max_cache_len must be an int >= 1"),
+    (dict(group_size=4.0), r"group_size must be one of \[1, 2, 4, 8\] \(an int\)"),
+])
+def test_bad_calibrate_arguments_fail_before_the_first_sample(model_and_bases, kwargs, message):
+    """A typo in calibrate()'s budget or cache arguments is refused before any sample runs: a one-shot iterable of
+    samples is left unused (found by review: the format and dtypes were checked after the whole calibration run, a
+    float max_cache_len failed inside transformers, group_size=4.0 was accepted)."""
+    model, _ = model_and_bases
+    taken = []
+
+    def samples():
+        for _ in range(3):
+            taken.append(1)
+            yield torch.randint(0, 256, (1, 12))
+
+    with pytest.raises(CKVPConfigError, match=message):
+        calibrate(model, samples(), **dict(dict(group_size=2, kv_ratio=1.0, progress=False), **kwargs))
+    assert not taken
+
+
+def test_bases_checked_against_something_other_than_a_model_is_a_clear_error(model_and_bases):
+    _, bases = model_and_bases
+    with pytest.raises(CKVPConfigError, match=r"model must be the torch.nn.Module .* got str"):
+        bases.check_model("models/tiny-mixtral-pystdlib")
+
+
+def test_inspect_of_something_other_than_a_model_names_what_it_takes():
+    import ckvp_compile
+
+    with pytest.raises(TypeError, match=r"torch.nn.Module .* or the path of a local Hugging Face model directory"):
+        ckvp_compile.inspect(42)
 
 
 def test_unknown_offload_options_list_the_valid_ones():
