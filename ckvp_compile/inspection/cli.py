@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inner compiler (default: options' compiler, else aot_eager: records the post-grad "
                         "graph without code generation)")
     p.add_argument("--no-decode", action="store_true", help="compile the prefill only, no decode step")
-    p.add_argument("--full", action="store_true", help="print whole diffs (default: the first 40 lines each)")
+    p.add_argument("--full", action="store_true",
+                   help="print whole diffs (default: the first 40 lines each, each line cut to 240 characters)")
     p.add_argument("--max-cache-len", type=int, default=128, help="static cache length (default 128)")
     p.add_argument("--prompt-len", type=int, default=8, help="prefill length in tokens (default 8)")
     p.add_argument("--traceback", action="store_true", help="show the traceback when compiling fails")

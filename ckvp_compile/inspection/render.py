@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 #: Lines of each diff shown by the text renderer unless ``full=True``.
 TEXT_DIFF_LINES = 40
 
+#: Characters of one diff line shown by the text renderer unless ``full=True`` (a graph's ``forward(...)`` signature
+#: is one line of many kilobytes).
+TEXT_DIFF_WIDTH = 240
+
 #: Options shown in the header (the rest are in ``to_dict()['options']``).
 _HEADER_OPTIONS = ("compiler", "mode", "group_size", "enable_latent_kv", "enable_expert_gemm", "strict")
 
@@ -101,7 +105,10 @@ def _diff_text(d: "GraphDiff", full: bool) -> list[str]:
     out = [f"diff {d.title}: {d.stat()}"]
     if d.changed:
         shown = d.lines if full else d.lines[:TEXT_DIFF_LINES]
-        out += [("    " + ln).rstrip() for ln in shown]
+        for ln in shown:
+            if not full and len(ln) > TEXT_DIFF_WIDTH:
+                ln = f"{ln[:TEXT_DIFF_WIDTH]} ... ({len(ln) - TEXT_DIFF_WIDTH} more characters)"
+            out.append(("    " + ln).rstrip())
         if len(shown) < len(d.lines):
             out.append(f"    ... {len(d.lines) - len(shown)} more diff lines (--full, or to_text(full=True), "
                        "shows them all)")
@@ -143,7 +150,8 @@ def render_text(report: "InspectionReport", *, full: bool = False) -> str:
 
     Args:
         report: the inspection report.
-        full: show every diff line (default: the first :data:`TEXT_DIFF_LINES` of each diff).
+        full: show every diff line whole (default: the first :data:`TEXT_DIFF_LINES` of each diff, each cut to
+            :data:`TEXT_DIFF_WIDTH` characters).
     Returns:
         The text, ending with a newline.
     """

@@ -657,3 +657,19 @@ def test_pass_notes_and_added_ops_are_shown_per_pass():
             "ckvp.latent_append x1") in text
     assert "latent_kv_cache note, layers [0-1]: hand-written attention" in text
     assert "latent_kv_cache note, layers [0-1]: hand-written attention" in "".join(check_html(report.to_html()).text)
+
+
+def test_text_diff_cuts_long_lines_unless_full():
+    """A graph's forward(...) signature is one diff line of many kilobytes: the text view cuts it to TEXT_DIFF_WIDTH
+    characters and says how many more there are; ``full`` shows it whole (found by a new-user trial: the report's
+    first lines flooded the terminal)."""
+    from ckvp_compile.inspection.render import TEXT_DIFF_WIDTH, _diff_text
+    from ckvp_compile.inspection.report import GraphDiff
+
+    long = "def forward(self, " + ", ".join(f"arg{i}_1" for i in range(2000)) + "):"
+    d = GraphDiff.of("dynamo", "torch graph", "x = 1\n", long + "\nx = 2\n")
+    short, full = _diff_text(d, full=False), _diff_text(d, full=True)
+    cut = [ln for ln in short if "more characters)" in ln]
+    assert len(cut) == 1 and len(cut[0]) < TEXT_DIFF_WIDTH + 60
+    assert f"({len('+' + long) - TEXT_DIFF_WIDTH} more characters)" in cut[0]
+    assert any(ln.strip() == "+" + long for ln in full)
