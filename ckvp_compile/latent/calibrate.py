@@ -233,9 +233,10 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
         CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / key_space /
-            max_cache_len / samples (kv_ratio's message names the achievable range), or with ``latent_format`` an
-            unknown format or a non-float dense_dtype / latent_dtype (all checked before the first sample runs), no attention layer with a usable KV-cache write
-            (the reason is given), or an encoder-decoder model (``config.is_encoder_decoder``).
+            max_cache_len / samples (kv_ratio's message names the achievable range), with ``latent_format`` an
+            unknown format or a non-float dense_dtype / latent_dtype (all checked before the first sample runs), no
+            attention layer with a usable KV-cache write (the reason is given), or an encoder-decoder model
+            (``config.is_encoder_decoder``).
     Notes:
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
         their next call. A ``model.forward`` already replaced by ``torch.compile(model.forward, ...)`` is set aside
@@ -276,11 +277,11 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             parse_latent_format(latent_format)
         except (ValueError, TypeError) as e:
             raise CKVPConfigError(f"latent_format: {e}") from None
-        for name, dt in (("dense_dtype", dense_dtype), ("latent_dtype", latent_dtype)):
+        for name, dt, of in (("dense_dtype", dense_dtype, "the dense cache the ratio is counted against"),
+                             ("latent_dtype", latent_dtype, "the bases and float latents")):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-                raise CKVPConfigError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16: the "
-                                      f"{'dense cache the ratio is counted against' if name == 'dense_dtype' else 'bases'}"
-                                      f"' element type), got {dt!r}")
+                raise CKVPConfigError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16), the element type "
+                                      f"of {of}; got {dt!r}")
 
     def check_groups(groups: tuple[tuple[int, ...], ...], hkv: int, d: int) -> None:
         check_target_ratio(kv_ratio, sum(map(len, groups)) * hkv * d * 2, 2 * len(groups) * hkv)
