@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -280,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     # the same bases (saved) and the same rewrites, so that the report shows this run's ranks, formats and sites
     inspect = f"ckvp-inspect --model {args.model}"
     if cache is not None:
-        import tempfile
-
         saved = Path(tempfile.gettempdir()) / "ckvp_generate_bases.safetensors"
         bases.save(saved)
         inspect += f" --bases {saved}"

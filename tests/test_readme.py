@@ -30,25 +30,9 @@ def test_ci_runs_the_readme_commands():
             and "-n auto --maxprocesses 4 --dist worksteal " in ci)
 
 
-def test_gpt_fast_snippet_runs():
-    block = README.split("### A gpt-fast-style model")[1].split("```python")[1].split("```")[0]
-    # Same code, with the cheap inner compiler: full Inductor on CPU would add ~40 s of C++ compilation.
-    block = block.replace('backend="ckvp"', 'backend="ckvp", options={"compiler": "aot_eager"}')
-    assert 'options={"compiler": "aot_eager"}' in block
-    scope = {"torch": torch}
-    exec(compile(block, "README gpt-fast snippet", "exec"), scope)
-    assert scope["logits"].shape[:2] == (1, 1)
-    assert f"# {scope['logits'].shape}" in block  # the printed shape the README shows
-
-
 def _snippet(heading: str) -> str:
     """The first ```python block after ``heading``."""
     return README.split(heading)[1].split("```python")[1].split("```")[0]
-
-
-def _run_snippet(block: str, name: str, scope: dict) -> dict:
-    exec(compile(block, name, "exec"), scope)
-    return scope
 
 
 def _cheap(block: str, replacements: dict[str, str]) -> str:
@@ -57,6 +41,22 @@ def _cheap(block: str, replacements: dict[str, str]) -> str:
         assert block.count(old) == 1, (old, block)
         block = block.replace(old, new)
     return block
+
+
+def _run_snippet(block: str, name: str) -> dict:
+    """Run ``block`` as a script; returns its globals."""
+    scope: dict = {}
+    exec(compile(block, name, "exec"), scope)
+    return scope
+
+
+def test_gpt_fast_snippet_runs():
+    # Same code, with the cheap inner compiler: full Inductor on CPU would add ~40 s of C++ compilation.
+    block = _cheap(_snippet("### A gpt-fast-style model"),
+                   {'backend="ckvp"': 'backend="ckvp", options={"compiler": "aot_eager"}'})
+    scope = _run_snippet(block, "README gpt-fast snippet")
+    assert scope["logits"].shape[:2] == (1, 1)
+    assert f"# {scope['logits'].shape}" in block  # the printed shape the README shows
 
 
 def test_hf_generate_snippet_runs(capsys):
@@ -68,7 +68,7 @@ def test_hf_generate_snippet_runs(capsys):
         'backend="ckvp")': 'backend="ckvp", options={"compiler": "aot_eager"})',
         "max_new_tokens=32": "max_new_tokens=8",
     })
-    scope = _run_snippet(block, "README generate() snippet", {})
+    scope = _run_snippet(block, "README generate() snippet")
     out, ids, model = scope["out"], scope["ids"], scope["model"]
     assert out.shape == (1, ids.shape[1] + 8)
     assert capsys.readouterr().out == bytes(out[0, ids.shape[1]:].tolist()).decode() + "\n"
@@ -91,7 +91,7 @@ def test_latent_cache_recipe_runs(tmp_path, monkeypatch, capsys):
         'backend="ckvp")': 'backend="ckvp", options={"compiler": "aot_eager"})',
         "max_new_tokens=64": "max_new_tokens=8",
     })
-    scope = _run_snippet(block, "README latent recipe", {})
+    scope = _run_snippet(block, "README latent recipe")
     assert (tmp_path / "bases.safetensors").is_file()
     assert scope["out"].shape[1] == scope["ids"].shape[1] + 8
     ratio = float(capsys.readouterr().out.strip().splitlines()[-1])

@@ -793,5 +793,5 @@ def test_several_decode_steps_in_one_graph_are_refused_with_that_reason_and_the_
         assert "one-step forward" in str(err.value)
         torch._dynamo.reset()
         step = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"})
-        first = step(tok, at)  # the failed call wrote nothing: the next step decodes at the same position
+        first = step(tok, at)  # the refused call raised at compile time: the one-step forward decodes this position
         torch.testing.assert_close(first, want[0], rtol=2e-4, atol=2e-4)  # full-rank latents: close to dense
