@@ -48,8 +48,10 @@ TOL = 1e-3
 #: The unit-major kernel's switches (ckvp_compile/kernels/latent_attention_mma.py), by the names ``--variants`` takes
 #: (joined by ``+``; ``base``: all off): 8-bit value pairs from one word, the page scan, programmatic dependent
 #: launch of fold -> pass -> merge (latent_attention_triton.PDL_GPU_CHECKED), the merge in fp32 multiply-adds one warp
-#: a query head (latent_attention_triton.FMA_MERGE_GPU_CHECKED).
-VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL", "fmerge": "CKVP_FMA_MERGE"}
+#: a query head (latent_attention_triton.FMA_MERGE_GPU_CHECKED), the unit-major pass's own query fold and split merge
+#: (latent_attention_mma.FOLD_GPU_CHECKED, MERGE_GPU_CHECKED; the merge in the pass replaces fmerge's launch).
+VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL", "fmerge": "CKVP_FMA_MERGE",
+               "fold": "CKVP_MMA_FOLD", "merge": "CKVP_MMA_MERGE"}
 
 
 def set_variant(name: str) -> None:
@@ -102,13 +104,18 @@ def variants_check(variants: list[str]) -> list[dict]:
             cfg = DecodeConfig(mma=True, split=split, stages_m=stages)
             lat._LAST_LAUNCH.clear()
             out = latent_attention_triton(*pargs, config=cfg, **kw)
+            parts = set(v.split("+"))
             r = dict(variant=v, stages=stages, batch=batch, heads=list(heads), t=t, page=page, hole=hole, split=split,
                      ran_mma=bool(lat._LAST_LAUNCH.get("mma")), pdl=bool(lat._LAST_LAUNCH.get("pdl")),
                      fma_merge=bool(lat._LAST_LAUNCH.get("fma_merge")),
+                     mma_fold=bool(lat._LAST_LAUNCH.get("mma_fold")), mma_merge=bool(lat._LAST_LAUNCH.get("mma_merge")),
                      rel_err=rel_err(out, want), finite=bool(torch.isfinite(out).all()))
-            r["ok"] = (r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL and r["pdl"] == ("pdl" in v.split("+"))
-                       and r["fma_merge"] == ("fmerge" in v.split("+")))
-            if "pdl" in v.split("+"):  # captured and replayed: the same bits as the eager call
+            in_pass = bool(parts & {"fold", "merge"})
+            r["ok"] = (r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL
+                       and r["pdl"] == ("pdl" in parts and not in_pass)
+                       and r["fma_merge"] == ("fmerge" in parts and "merge" not in parts)
+                       and r["mma_fold"] == ("fold" in parts) and r["mma_merge"] == ("merge" in parts))
+            if parts & {"pdl", "merge"}:  # captured and replayed: the same bits as the eager call
                 graph, s_ = torch.cuda.CUDAGraph(), torch.cuda.Stream()
                 s_.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s_):

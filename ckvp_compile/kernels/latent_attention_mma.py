@@ -123,6 +123,20 @@ PAGE_SCAN_GPU_CHECKED = True
 VPAIR_GPU_CHECKED = True
 
 
+#: The unit-major kernel folds the query into the key basis itself (:func:`_fold_rows`: two or four bf16 tensor-core
+#: products per 32 channels, hi / lo splits of the query and of a non-bf16 basis), instead of reading the fold
+#: kernel's output (``latent_attention_absorbed._fold_query_kernel``): one launch fewer a call. Off until checked on
+#: the GPU; ``CKVP_MMA_FOLD=1`` turns it on.
+FOLD_GPU_CHECKED = False
+
+#: The unit-major kernel merges the splits itself: the last program of each (sequence, KV head, query token) to store
+#: its split (an arrival counter, acquire-release atomics; the counter reset by that program) merges the row's
+#: partials, scores and adds the exact tokens, projects the value latent through the value basis and stores the
+#: output (:func:`_merge_in_pass`), instead of a merge launch. Off until checked on the GPU; ``CKVP_MMA_MERGE=1``
+#: turns it on.
+MERGE_GPU_CHECKED = False
+
+
 def _switch(env_name: str, checked: bool) -> bool:
     """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
     env = os.environ.get(env_name)
@@ -141,6 +155,18 @@ def value_pairs() -> bool:
     return _switch("CKVP_MMA_VPAIR", VPAIR_GPU_CHECKED)
 
 
+def fold_in_pass() -> bool:
+    """Whether the unit-major kernel folds the query itself (:data:`FOLD_GPU_CHECKED`, or ``CKVP_MMA_FOLD=1`` /
+    ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_FOLD", FOLD_GPU_CHECKED)
+
+
+def merge_in_pass() -> bool:
+    """Whether the unit-major kernel's last program of each row merges the splits (:data:`MERGE_GPU_CHECKED`, or
+    ``CKVP_MMA_MERGE=1`` / ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_MERGE", MERGE_GPU_CHECKED)
+
+
 def page_scan() -> bool:
     """Whether the unit-major kernel leaves tiles from a split's first unmapped page to its masked loop instead of
     zeroing per slot (:data:`PAGE_SCAN_GPU_CHECKED`, or ``CKVP_MMA_PAGE_SCAN=1`` / ``0``). Raises nothing."""
@@ -154,6 +180,9 @@ ROWS = gl.constexpr(16)  # tensor-core rows: 8 for the query heads (hi), 8 for t
 # cp.async of a pointer tensor into shared memory: Gluon's ``async_load`` (Triton 3.9; 3.6 names it
 # ``async_copy_global_to_shared``, which 3.9 keeps as a stub that raises)
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+# a CTA barrier: Gluon's ``barrier`` (Triton 3.9; 3.6 names it ``thread_barrier``)
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # One 32-bit word of 8 int4 codes -> four fp16x2 registers, centred: op j = (s, h) reads bits 4h (half e = 0) and
 # 16 + 4h (e = 1) of ``word >> 8s``; h = 1 carries 16 * code (1024 + 16 code - (1024 + 128)). Outputs: 2j + e.
@@ -967,6 +996,205 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
                         AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0, VPAIR)
 
 
+# ---- the fold and the merge inside the unit-major pass (FOLD, MERGE)
+
+
+@gluon.jit
+def _rows_of_heads(x, G: gl.constexpr):
+    """(G, N) -> (8, N): row r holds head ``r % G`` (the scores' rows: 8 // G slot groups of G query heads)."""
+    if G == 8:
+        out = x
+    elif G == 4:
+        out = gl.reshape(gl.permute(gl.join(x, x), [2, 0, 1]), [8, x.shape[1]])
+    else:
+        out = gl.reshape(gl.permute(gl.join(gl.join(x, x), gl.join(x, x)), [2, 3, 0, 1]), [8, x.shape[1]])
+    return out
+
+
+@gluon.jit
+def _bf16_rows(x, AL: gl.constexpr):
+    """(8, K) fp32 -> (16, K) bf16 in AL: rows 0..7 ``bf16(x)``, rows 8..15 the remainder ``bf16(x - hi)`` (a tensor
+    core product of both halves summed over the row pairs keeps about 16 bits of x)."""
+    x_hi = x.to(gl.bfloat16)
+    x_lo = (x - x_hi.to(gl.float32)).to(gl.bfloat16)
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(x_hi, x_lo), [2, 0, 1]), [ROWS, x.shape[1]]), AL)
+
+
+@gluon.jit
+def _fold_rows(q_ptr, bk_ptr, b, h, s_q, D, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd, stride_bkb,
+               stride_bkh, stride_bkd, stride_bkr, G: gl.constexpr, D_PAD: gl.constexpr, Q_EXACT: gl.constexpr,
+               BK_EXACT: gl.constexpr, L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr):
+    """The folded query ``qk_scale * P_h^T q`` of this (sequence, token, KV head) on the tensor cores: (8, 32) fp32,
+    row r for query head ``h G + r % G`` (log2 units; ``_fold_query_kernel``'s values). q (B, H, S, D): bf16 as it
+    is (Q_EXACT; rows 8..15 of the product zero), else split into bf16 hi (rows 0..7) + lo (rows 8..15); the basis
+    block (Hkv, D, 32) or (B, Hkv, D, 32) in chunks of 32 channels (vector loads along its rows, then to the
+    operand's layout), split into hi + lo (two products) unless bf16-exact (BK_EXACT). D <= D_PAD."""
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                        order=[1, 0])
+    r8 = gl.arange(0, 8, layout=gl.SliceLayout(1, WL))
+    q_rows = q_ptr + b.to(gl.int64) * stride_qb + s_q * stride_qs + (h * G + r8 % G) * stride_qh
+    bk_head = bk_ptr + b.to(gl.int64) * stride_bkb + h * stride_bkh
+    acc = gl.zeros([ROWS, RK], gl.float32, L)
+    for d0 in range(0, D_PAD, 32):
+        ka = d0 + gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
+        x = gl.load(q_rows[:, None] + (ka * stride_qd)[None, :], mask=(ka < D)[None, :] & (r8 >= 0)[:, None],
+                    other=0.0)
+        if Q_EXACT:  # bf16: rows 8..15 zero
+            x = x.to(gl.bfloat16)
+            a = gl.convert_layout(gl.reshape(gl.permute(gl.join(x, gl.zeros_like(x)), [2, 0, 1]), [ROWS, 32]), AL)
+        else:
+            a = _bf16_rows(x.to(gl.float32), AL)
+        dw = d0 + gl.arange(0, 32, layout=gl.SliceLayout(1, WL))
+        rw = gl.arange(0, RK, layout=gl.SliceLayout(0, WL))
+        w = gl.load(bk_head + (dw * stride_bkd)[:, None] + (rw * stride_bkr)[None, :],
+                    mask=(dw < D)[:, None] & (rw >= 0)[None, :], other=0.0)
+        if BK_EXACT:  # vector loads along the basis rows, to the operand's layout through shared memory
+            acc = mma_v2(a, gl.convert_layout(w.to(gl.bfloat16), BL), acc)
+        else:
+            w = w.to(gl.float32)
+            w_hi = w.to(gl.bfloat16)
+            acc = mma_v2(a, gl.convert_layout(w_hi, BL), acc)
+            acc = mma_v2(a, gl.convert_layout((w - w_hi.to(gl.float32)).to(gl.bfloat16), BL), acc)
+    return gl.sum(gl.reshape(acc, [2, 8, RK]), axis=0) * qk_scale
+
+
+@gluon.jit
+def _query_operand_regs(c8, G: gl.constexpr, GROUPS: gl.constexpr, KS: gl.constexpr, AL: gl.constexpr,
+                        BITS: gl.constexpr):
+    """:func:`_query_operand` (unit-major) from the folded query in registers: ``c8`` (8, 32) fp32, row r for head
+    ``r % G`` (:func:`_fold_rows`). Returns the (16, KS) fp16 operand in AL and its power of two (fp32)."""
+    if GROUPS == 1:
+        x = c8
+    elif GROUPS == 2:
+        x = gl.reshape(gl.permute(gl.join(c8, c8), [0, 2, 1]), [8, KS])
+    else:
+        x = gl.reshape(gl.permute(gl.join(gl.join(c8, c8), gl.join(c8, c8)), [0, 2, 3, 1]), [8, KS])
+    LX: gl.constexpr = x.type.layout
+    r = gl.arange(0, 8, layout=gl.SliceLayout(1, LX))
+    k = gl.arange(0, KS, layout=gl.SliceLayout(0, LX))
+    if BITS == 8:
+        f = gl.where(k >= 0, 1.0, 1.0)
+    else:
+        f = gl.where(k % 2 == 1, 0.0625, 1.0)
+    cf = gl.where((r // G)[:, None] == (k // RK)[None, :], x * f[None, :], 0.0)
+    amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
+    e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
+    e_q = gl.minimum(gl.maximum(e_q, -126), 114)
+    cf = gl.convert_layout(gl.reshape(gl.permute(gl.join(cf, cf), [2, 0, 1]), [ROWS, KS]), AL) * _pow2(-e_q)
+    c_hi = cf.to(gl.float16)
+    c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
+    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
+    return gl.where((ra < 8)[:, None], c_hi, c_lo), _pow2(e_q)
+
+
+@gluon.jit
+def _rows_vec(x, G: gl.constexpr, LOUT: gl.constexpr):
+    """(G,) -> (8,) in layout LOUT: element r holds head ``r % G``."""
+    return gl.convert_layout(gl.reshape(_rows_of_heads(x[:, None], G), [8]), LOUT)
+
+
+@gluon.jit
+def _merge_in_pass(q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, b, h, s_q, Hkv, S,
+                   n_exact, n_split, D, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd, stride_nkb,
+                   stride_nkh, stride_nks, stride_nkd, stride_nvb, stride_nvh, stride_nvs, stride_nvd, stride_bvb,
+                   stride_bvh, stride_bvd, stride_bvr, stride_ob, stride_oh, stride_os, stride_od,
+                   G: gl.constexpr, D_PAD: gl.constexpr, RV_PAD: gl.constexpr, BV_EXACT: gl.constexpr,
+                   L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr):
+    """The merge of ``latent_attention_triton._merge_fma_kernel`` for one (sequence, KV head, query token), its G
+    query heads at once in this warp: the row's n_split partials merged online (FlashDecoding; 8 splits a step, 4
+    lanes across them), the exact tokens (new_k / new_v at ``slots``, -1 unused) scored from q (a first pass for
+    their max and sum, a second per 32 output channels for their values), the value latent weighted, split bf16 hi /
+    lo and projected by the value basis block ((B,) Hkv, D, 32) on the tensor cores (hi / lo again unless
+    BV_EXACT), normalised and stored into out (B, H, S, D). Rows with no token: 0. Scores in log2 units."""
+    SB: gl.constexpr = 8
+    P3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[4, 1, 8], warps_per_cta=[1, 1, 1],
+                                        order=[2, 1, 0])
+    M2: gl.constexpr = gl.SliceLayout(2, P3)
+    row0 = (((b * Hkv + h) * S + s_q) * n_split).to(gl.int64)
+    cs = gl.arange(0, SB, layout=gl.SliceLayout(1, M2))
+    gs = gl.arange(0, G, layout=gl.SliceLayout(0, M2))
+    js = gl.arange(0, RV, layout=gl.SliceLayout(0, gl.SliceLayout(1, P3)))
+    m_p = gl.full([G], -float("inf"), gl.float32, gl.SliceLayout(0, M2))
+    l_p = gl.zeros([G], gl.float32, gl.SliceLayout(0, M2))
+    a_p = gl.zeros([G, RV], gl.float32, gl.SliceLayout(0, P3))
+    for c0 in range(0, n_split, SB):
+        c = c0 + cs
+        ok = (c < n_split)[:, None] & (gs >= 0)[None, :]
+        prow = (row0 + c)[:, None] * G + gs[None, :]
+        m_c = gl.load(m_ptr + prow, mask=ok, other=-float("inf"))
+        l_c = gl.load(l_ptr + prow, mask=ok, other=0.0)
+        a_c = gl.load(acc_ptr + (prow * RV_PAD)[:, :, None] + js[None, None, :],
+                      mask=ok[:, :, None] & (js >= 0)[None, None, :], other=0.0)
+        m_new = gl.maximum(m_p, gl.max(m_c, axis=0))
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        w = gl.exp2(m_c - m_use[None, :])  # 0 for masked-off and empty splits
+        alpha = gl.exp2(m_p - m_use)
+        l_p = l_p * alpha + gl.sum(w * l_c, axis=0)
+        a_p = a_p * gl.convert_layout(alpha, gl.SliceLayout(1, gl.SliceLayout(0, P3)))[:, None] \
+            + gl.sum(w[:, :, None] * a_c, axis=0)
+        m_p = m_new
+
+    # the exact tokens' max and sum (pass 1): q (G, D_PAD), one token a step
+    QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
+                                        order=[1, 0])
+    QR: gl.constexpr = gl.SliceLayout(1, QL)
+    rq = gl.arange(0, G, layout=QR)
+    dq = gl.arange(0, D_PAD, layout=gl.SliceLayout(0, QL))
+    dq_ok = dq < D
+    qg = gl.load(q_ptr + b.to(gl.int64) * stride_qb + s_q * stride_qs + ((h * G + rq) * stride_qh)[:, None]
+                 + (dq * stride_qd)[None, :], mask=dq_ok[None, :] & (rq >= 0)[:, None], other=0.0).to(gl.float32)
+    nk_head = nk_ptr + b.to(gl.int64) * stride_nkb + h * stride_nkh
+    nv_head = nv_ptr + b.to(gl.int64) * stride_nvb + h * stride_nvh
+    m_e = gl.full([G], -float("inf"), gl.float32, QR)
+    l_e = gl.zeros([G], gl.float32, QR)
+    for j in range(0, n_exact):
+        used = gl.load(slots_ptr + j) >= 0
+        kj = gl.load(nk_head + j * stride_nks + dq * stride_nkd, mask=dq_ok & used, other=0.0).to(gl.float32)
+        sc = gl.where(used, gl.sum(qg * kj[None, :], axis=1) * qk_scale, -float("inf"))
+        m_new = gl.maximum(m_e, sc)
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        l_e = l_e * gl.exp2(m_e - m_use) + gl.exp2(sc - m_use)
+        m_e = m_new
+
+    # the row's max, the latent's weight, the normaliser (per head)
+    m_pq = gl.convert_layout(m_p, QR)
+    m_all = gl.maximum(m_pq, m_e)
+    m_all = gl.where(m_all == -float("inf"), 0.0, m_all)
+    w_p = gl.exp2(m_pq - m_all)
+    l_all = gl.convert_layout(l_p, QR) * w_p + l_e * gl.exp2(m_e - m_all)
+    inv = gl.where(l_all > 0, 1.0 / gl.where(l_all > 0, l_all, 1.0), 0.0)
+    aw = a_p * gl.convert_layout(w_p, gl.SliceLayout(1, gl.SliceLayout(0, P3)))[:, None]
+    av = _bf16_rows(_rows_of_heads(aw, G), AL)  # (16, 32): rows r, 8 + r for head r % G
+
+    # per 32 output channels: the value latent projected (tensor cores) + the exact tokens' values (pass 2)
+    zero_o = gl.zeros([ROWS, 32], gl.float32, L)
+    LO: gl.constexpr = gl.sum(gl.reshape(zero_o, [2, 8, 32]), axis=0).type.layout
+    LR: gl.constexpr = gl.SliceLayout(1, LO)
+    ro = gl.arange(0, 8, layout=LR)
+    kb = gl.arange(0, RV, layout=gl.SliceLayout(1, BL))
+    bv_head = bv_ptr + b.to(gl.int64) * stride_bvb + h * stride_bvh
+    inv_o = _rows_vec(inv, G, LR)
+    out_rows = out_ptr + b.to(gl.int64) * stride_ob + s_q * stride_os + (h * G + ro) * stride_oh
+    for d0 in range(0, D_PAD, 32):
+        nb = d0 + gl.arange(0, 32, layout=gl.SliceLayout(0, BL))
+        pv = gl.load(bv_head + (kb * stride_bvr)[:, None] + (nb * stride_bvd)[None, :],
+                     mask=(nb < D)[None, :] & (kb >= 0)[:, None], other=0.0).to(gl.float32)
+        pv_hi = pv.to(gl.bfloat16)
+        o = mma_v2(av, pv_hi, zero_o)
+        if not BV_EXACT:
+            o = mma_v2(av, (pv - pv_hi.to(gl.float32)).to(gl.bfloat16), o)
+        o = gl.sum(gl.reshape(o, [2, 8, 32]), axis=0)
+        do = d0 + gl.arange(0, 32, layout=gl.SliceLayout(0, LO))
+        for j in range(0, n_exact):
+            used = gl.load(slots_ptr + j) >= 0
+            kj = gl.load(nk_head + j * stride_nks + dq * stride_nkd, mask=dq_ok & used, other=0.0).to(gl.float32)
+            pj = gl.where(used, gl.exp2(gl.sum(qg * kj[None, :], axis=1) * qk_scale - m_all), 0.0)
+            vj = gl.load(nv_head + j * stride_nvs + do * stride_nvd, mask=(do < D) & used, other=0.0).to(gl.float32)
+            o = o + _rows_vec(pj, G, LR)[:, None] * vj[None, :]
+        gl.store(out_rows[:, None] + (do * stride_od)[None, :], (o * inv_o[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=(ro < G)[:, None] & (do < D)[None, :])
+
+
 @gluon.jit
 def _mma_unit_kernel(
     qf_ptr, lk_ptr, lv_ptr, slots_ptr, kmeta_ptr, vmeta_ptr, m_ptr, l_ptr, acc_ptr, pt_ptr, stride_ptb,
@@ -976,6 +1204,12 @@ def _mma_unit_kernel(
     G: gl.constexpr, RV_PAD: gl.constexpr, PAGE: gl.constexpr, PLO: gl.constexpr, COL_K: gl.constexpr,
     COL_V: gl.constexpr, BITS: gl.constexpr = 4, STAGES: gl.constexpr = 0, LANES: gl.constexpr = False,
     PSCAN: gl.constexpr = False, VPAIR: gl.constexpr = False, PDL: gl.constexpr = False,
+    q_ptr=None, bk_ptr=None, nk_ptr=None, nv_ptr=None, bv_ptr=None, out_ptr=None, cnt_ptr=None, D=0, qk_scale=1.0,
+    stride_qb=0, stride_qh=0, stride_qs=0, stride_qd=0, stride_bkb=0, stride_bkh=0, stride_bkd=0, stride_bkr=0,
+    stride_nkb=0, stride_nkh=0, stride_nks=0, stride_nkd=0, stride_nvb=0, stride_nvh=0, stride_nvs=0, stride_nvd=0,
+    stride_bvb=0, stride_bvh=0, stride_bvd=0, stride_bvr=0, stride_ob=0, stride_oh=0, stride_os=0, stride_od=0,
+    FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
+    Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1006,7 +1240,14 @@ def _mma_unit_kernel(
     at 166 registers, 40% of cycles without an eligible warp); staged, it takes 142 registers (G = 4, offline
     sm_90a) and 4 + 2 NWS KB of shared memory a stage (a lane's 32 key and value words and 16 NWS field words;
     2 + 2 NWS KB at 4 bits). Its speed on the H200 is still to be measured
-    (benchmarks/results/2026-12-04-staged-mma-h200)."""
+    (benchmarks/results/2026-12-04-staged-mma-h200).
+
+    FOLD (:func:`fold_in_pass`): the query folded here (:func:`_fold_rows`; q (B, H, S, D), the key basis block and
+    ``qk_scale`` in log2 units), qf not read. MERGE (:func:`merge_in_pass`): after storing its split, each program
+    adds 1 to its row's arrival counter (``cnt`` (B * Hkv * S,) int32, zero before the call and left zero after it);
+    the last one resets it and merges the row into out (:func:`_merge_in_pass`; new_k / new_v (B, Hkv, n_exact, D),
+    the value basis block, out (B, H, S, D)). D_PAD: D rounded up to a power of two >= 32; Q_EXACT: q is bf16;
+    BK_EXACT / BV_EXACT: the bases are bf16-exact (one tensor-core product, not hi + lo)."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1046,15 +1287,20 @@ def _mma_unit_kernel(
     if PDL:  # a programmatic dependent of the query fold: read qf only after the fold's grid
         _gdc("wait")
 
-    q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
-    ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True, BITS)
-
     zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
     LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
     zero_s0 = gl.zeros([8, 8 * NT], gl.float32, LS)
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
-    sumc = _query_sums(q_row, G, LS)
+    if FOLD:
+        c8 = _fold_rows(q_ptr, bk_ptr, b, h, s_q, D, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd,
+                        stride_bkb, stride_bkh, stride_bkd, stride_bkr, G, D_PAD, Q_EXACT, BK_EXACT, L, AL, BL)
+        ca, k_unit = _query_operand_regs(c8, G, GROUPS, KS, AL, BITS)
+        sumc = gl.convert_layout(gl.sum(c8, axis=1), gl.SliceLayout(1, LS))
+    else:
+        q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
+        ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True, BITS)
+        sumc = _query_sums(q_row, G, LS)
     gl.static_assert(BITS == 8 or not VPAIR, "VPAIR: 8-bit codes only")
     sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
 
@@ -1208,6 +1454,17 @@ def _mma_unit_kernel(
         _gdc("launch_dependents")
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
                  GROUPS, BITS)
+    if MERGE:
+        _barrier()  # every lane's partial stores precede the release below
+        row = (b * Hkv + h) * S + s_q
+        arrived = gl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:  # the row's last split: reset its counter for the next call, then merge
+            gl.store(cnt_ptr + row, 0)
+            _merge_in_pass(q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, b, h, s_q, Hkv,
+                           S, n_exact, n_split, D, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd, stride_nkb,
+                           stride_nkh, stride_nks, stride_nkd, stride_nvb, stride_nvh, stride_nvs, stride_nvd,
+                           stride_bvb, stride_bvh, stride_bvd, stride_bvr, stride_ob, stride_oh, stride_os, stride_od,
+                           G, D_PAD, RV_PAD, BV_EXACT, L, AL, BL)
 
 
 def mma_layout(group: int, k_fmt, v_fmt, k_offsets, v_offsets, rk_max: int, rv_max: int, layouts: tuple,
@@ -1292,7 +1549,8 @@ def mma_splits(kv_len: int, block_n: int, rows: int, target: int, fixed: int | N
 def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40, row_v: int = 40,
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
                      pscan: bool | None = None, vpair: bool | None = None,
-                     maxnreg: int | None = None, pdl: bool = False):
+                     maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
+                     exact_bases: bool = True):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1304,7 +1562,9 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             loads from one address per lane (None: :func:`lane_loads`); pscan: unmapped pages to the masked loop
             (None: :func:`page_scan`); vpair: 8-bit value pairs from one word (None: :func:`value_pairs`; 4-bit kernels
             ignore it); maxnreg: ptxas's register cap (None: its own choice); pdl: the unit-major kernel's
-            programmatic dependent launch instructions (``PDL``; the launch option is the launcher's).
+            programmatic dependent launch instructions (``PDL``; the launch option is the launcher's); fold / merge:
+            the unit-major kernel's query fold and split merge in the pass (``FOLD`` / ``MERGE``; bf16 q, bases, new
+            tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1329,6 +1589,15 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
         sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr",
                    PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr")
+        sig.update({n: "*bf16" for n in ("q_ptr", "bk_ptr", "nk_ptr", "nv_ptr", "bv_ptr", "out_ptr")})
+        sig.update(cnt_ptr="*i32", D="i32", qk_scale="fp32")
+        sig.update({f"stride_{t}{x}": "i32" for t, xs in (("q", "bhsd"), ("bk", "bhdr"), ("nk", "bhsd"), ("nv", "bhsd"),
+                                                           ("bv", "bhdr"), ("o", "bhsd")) for x in xs})
+        unit = ("stride_qd", "stride_bkr", "stride_nkd", "stride_nvd", "stride_bvr", "stride_od")
+        sig.update({n: "constexpr" for n in unit})  # (a launch specialises unit strides the same way)
+        sig.update(FOLD="constexpr", MERGE="constexpr", D_PAD="constexpr", Q_EXACT="constexpr", BK_EXACT="constexpr",
+                   BV_EXACT="constexpr")
+        attrs.update({(i,): [["tt.divisibility", 16]] for i in range(36, 44)})  # q_ptr .. cnt_ptr, D
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
@@ -1336,7 +1605,9 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              LANES=lane_loads() if lanes is None else lanes,
                                              PSCAN=page_scan() if pscan is None else pscan,
                                              VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair),
-                                             PDL=pdl))
+                                             PDL=pdl, FOLD=fold, MERGE=merge, D_PAD=128, Q_EXACT=True,
+                                             BK_EXACT=exact_bases, **{n: 1 for n in unit},
+                                             BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

@@ -2588,6 +2588,27 @@ def latent_attention_triton(
                    v_fmt, config, page_table=page_table)
 
 
+#: Arrival counters of the unit-major pass's own merge, per CUDA device: (n,) int32, zero between calls (each row's
+#: last program resets its counter), allocated outside CUDA-graph capture and grown as needed.
+_COUNTERS: dict = {}
+
+
+def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int32 zeros for ``latent_attention_mma._mma_unit_kernel``'s MERGE: a kept buffer of the device (the
+    kernel leaves it zeroed), or, while a CUDA graph is being captured on a device without a large enough one, a
+    fresh ``torch.zeros`` (its memset is captured; a buffer allocated now would come from the graph's private pool).
+    Calls that run at the same time on two streams of one device must not both use the pass's merge (they would
+    share counters): ``CKVP_MMA_MERGE=0``. Raises nothing beyond allocation errors."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf[:n]
+
+
 def _fold_query(q: torch.Tensor, basis_k_block: torch.Tensor, kmeta: torch.Tensor, rkp: int, qk_scale: float,
                 f32_dot: bool, pdl: bool = False) -> torch.Tensor:
     """The query folded into the key basis for the table-free one-pass kernels (absorbed and lane passes):
@@ -2856,11 +2877,29 @@ def _launch(
     _LAST_LAUNCH["mma"] = mma is not None
     # fold -> MMA pass -> merge as programmatic dependent launches (each waits for its predecessor's grid before
     # reading what it wrote; nothing runs between them)
-    pdl = mma is not None and mma["UNIT"] and not fuse and pdl_launches(q.device)
+    # the unit-major pass's own query fold and split merge (latent_attention_mma.fold_in_pass / merge_in_pass)
+    fold_in = mma is not None and mma["UNIT"] and mma["module"].fold_in_pass()
+    merge_in = mma is not None and mma["UNIT"] and mma["module"].merge_in_pass()
+    _LAST_LAUNCH["mma_fold"] = fold_in
+    _LAST_LAUNCH["mma_merge"] = merge_in
+    pdl = mma is not None and mma["UNIT"] and not fuse and not (fold_in or merge_in) and pdl_launches(q.device)
     _LAST_LAUNCH["pdl"] = pdl
     if mma is not None:
-        qf = _fold_query(q, basis_k_block, kmeta, mma["module"].MMA_RANK, qk_scale, f32_dot, pdl)
         lam = mma["module"]
+        qf = q if fold_in else _fold_query(q, basis_k_block, kmeta, lam.MMA_RANK, qk_scale, f32_dot, pdl)
+        in_pass = {}
+        if fold_in or merge_in:  # (read only where on: the kernel's defaults stand in otherwise)
+            in_pass = dict(
+                q_ptr=q, bk_ptr=basis_k_block, nk_ptr=new_k, nv_ptr=new_v, bv_ptr=basis_v_block, out_ptr=out,
+                cnt_ptr=_arrival_counters(rows, q.device) if merge_in else slots, D=d, qk_scale=qk_scale,
+                **dict(zip(("stride_qb", "stride_qh", "stride_qs", "stride_qd"), q.stride())),
+                **dict(zip(("stride_bkb", "stride_bkh", "stride_bkd", "stride_bkr"), _basis_strides(basis_k_block))),
+                **dict(zip(("stride_nkb", "stride_nkh", "stride_nks", "stride_nkd"), new_k.stride())),
+                **dict(zip(("stride_nvb", "stride_nvh", "stride_nvs", "stride_nvd"), new_v.stride())),
+                **dict(zip(("stride_bvb", "stride_bvh", "stride_bvd", "stride_bvr"), _basis_strides(basis_v_block))),
+                **dict(zip(("stride_ob", "stride_oh", "stride_os", "stride_od"), out.stride())),
+                FOLD=fold_in, MERGE=merge_in, D_PAD=max(32, _np2(d)), Q_EXACT=q.dtype == bf16,
+                BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, BV_EXACT=basis_v_block.dtype in BASIS_BF16_EXACT)
         common_args = (qf, latent_k, latent_v, slots, kmeta, vmeta, m_ws, l_ws, acc_ws, pt, pt_stride,
                        hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
                        k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2, latent_k.stride(0) // 4, latent_v.stride(0) // 4)
@@ -2871,7 +2910,10 @@ def _launch(
                 PSCAN=lam.page_scan(),
                 VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
                 **({"launch_pdl": True} if pdl else {}),
-                **_reg_cap(cfg.maxnreg_m))
+                **_reg_cap(cfg.maxnreg_m), **in_pass)
+            if merge_in:  # the pass's last program of each row merged it into out
+                _LAST_LAUNCH["fma_merge"] = _LAST_LAUNCH["one_pass_merge"] = False
+                return out.to(q.dtype)
         else:
             _LAST_LAUNCH["mma_kernel"] = lam._mma_attention_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, NT=mma["NT"], RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True,
