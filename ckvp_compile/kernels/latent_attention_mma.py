@@ -1101,12 +1101,12 @@ def _merge_in_pass(q_ptr, nk_ptr, nv_ptr, bv_ptr, slots_ptr, m_ptr, l_ptr, acc_p
                    G: gl.constexpr, D_PAD: gl.constexpr, RV_PAD: gl.constexpr, BV_EXACT: gl.constexpr,
                    L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr):
     """The merge of ``latent_attention_triton._merge_fma_kernel`` for one (sequence, KV head, query token), its G
-    query heads at once in this warp: the row's n_split partials merged online (FlashDecoding; 8 splits a step, 4
-    lanes across them), the exact tokens (new_k / new_v at ``slots``, -1 unused) scored from q (a first pass for
+    query heads at once in this warp: the row's n_split partials merged online (FlashDecoding; 32 / G splits a
+    step, 4 lanes across them), the exact tokens (new_k / new_v at ``slots``, -1 unused) scored from q (a first pass for
     their max and sum, a second per 32 output channels for their values), the value latent weighted, split bf16 hi /
     lo and projected by the value basis block ((B,) Hkv, D, 32) on the tensor cores (hi / lo again unless
     BV_EXACT), normalised and stored into out (B, H, S, D). Rows with no token: 0. Scores in log2 units."""
-    SB: gl.constexpr = 8
+    SB: gl.constexpr = 32 // G  # splits a step: 32 partial values a lane
     P3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[4, 1, 8], warps_per_cta=[1, 1, 1],
                                         order=[2, 1, 0])
     M2: gl.constexpr = gl.SliceLayout(2, P3)

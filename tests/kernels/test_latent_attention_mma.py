@@ -799,3 +799,34 @@ def test_fewer_instruction_variants_compile_for_sm90(kw):
     old = ptxas_stats(base_ptx)
 
     assert len(tile_loop(stats["sass"])) < len(tile_loop(old["sass"]))
+
+
+@pytest.mark.parametrize("g,bits,exact", [(4, 8, True), (2, 8, True), (8, 8, True), (4, 4, True), (4, 8, False)])
+def test_fold_and_merge_in_pass_compile_for_sm90(g, bits, exact):
+    """``FOLD`` + ``MERGE`` (the pass's own query fold and split merge) compile for sm_90a without spills in the tile
+    loop (at most 32 bytes elsewhere), with the
+    fold on the tensor cores (bf16 products: two per 32 channels where the bases are not bf16-exact, else one) and
+    the merge behind one acquire-release atomic, and take no more registers than the pass without them where it
+    fits 128 (G = 4, 8-bit: 16 one-warp programs an SM; elsewhere at most 4 more); their loops stay out of the tile
+    loop (within 3% of its length: the fold costs up to 16 register moves a tile)."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available, tile_loop
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    kw = dict(unit_major=True, bits=bits, lanes=True, pscan=True, vpair=True)
+    k = lam.compile_for_sm90(g, g, 64, fold=True, merge=True, exact_bases=exact, **kw)
+    base = lam.compile_for_sm90(g, g, 64, **kw)
+    ptx, base_ptx = k.asm["ptx"], base.asm["ptx"]
+    st, st0 = ptxas_stats(ptx), ptxas_stats(base_ptx)
+    assert (st["spill_store_bytes"] or 0) <= 32, st["ptxas"]  # (a few words in the prologue / merge at most)
+    assert "atom.global.gpu.acq_rel.add" in ptx and "atom." not in base_ptx
+    bf16_mma = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    assert bf16_mma == (2 if exact else 4) * 4 * 2  # fold + projection: 4 n-tiles of 8, 2 k-steps (hi / lo: x2)
+    if st["registers"] is not None and st0["registers"] is not None:
+        assert st["registers"] <= max(st0["registers"], 128) + 4 * (st0["registers"] > 128)
+    if not st["sass"]:
+        pytest.skip("no cuobjdump bundled with this Triton")
+    loop = tile_loop(st["sass"])
+    assert len(loop) <= 1.03 * len(tile_loop(st0["sass"]))
+    assert not [t for t in loop if "LDL" in t or "STL" in t]  # no spill traffic in the tile loop

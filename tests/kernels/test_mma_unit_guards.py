@@ -111,7 +111,7 @@ def _launch(args, latent_k, latent_v, page_table=None, kv_len=None):
     cfg = lat.default_config(a[0].shape[1] // a[3].shape[-3], 32, table_free=True, rank=32, rank_v=32,
                              quantized_keys=True, code_bits=parse_latent_format(a[18]).bits)
     assert cfg.mma
-    lat._launch("all", *a, config=cfg, page_table=page_table)
+    return lat._launch("all", *a, config=cfg, page_table=page_table)
 
 
 def _kernel_reads(call, which: str, b: int, s: int, h: int) -> dict:
@@ -369,3 +369,67 @@ def test_layout_of_agrees_with_the_strides_it_stands_for(shape):
                         assert addr == (bi * r + s) * row + c
         if got == "unit-major":  # the unit kernel's stride guard holds then too
             assert y.stride(-1) == y.shape[1] or y.shape[-1] == 1
+
+
+# ---- the pass's own query fold and split merge (CKVP_MMA_FOLD / CKVP_MMA_MERGE) -----------------------------------
+
+@pytest.mark.parametrize("fold,merge", [(True, False), (False, True), (True, True), (False, False)])
+def test_fold_and_merge_in_pass_replace_their_launches(recorded, monkeypatch, fold, merge):
+    """With the switches on, the launcher skips the fold kernel and / or the merge launch and hands the pass what
+    they read: q, the bases, the exact tokens, the output, the strides, and (merge) a zeroed int32 counter a row
+    that the kernel leaves zeroed; off, none of it (the kernel's defaults stand in)."""
+    monkeypatch.setenv("CKVP_MMA_FOLD", "1" if fold else "0")
+    monkeypatch.setenv("CKVP_MMA_MERGE", "1" if merge else "0")
+    monkeypatch.setattr(lat, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    folds = []
+    monkeypatch.setattr(lat, "_fold_query", lambda q, *a, **k: folds.append(q) or torch.zeros(1))
+    hkv, g, b = 2, 4, 3
+    args = _inputs(b=b, s_max=128, hkv=hkv, g=g, fmt=FMT8)
+    uk, _ = _unit_from(args[1])
+    uv, _ = _unit_from(args[2])
+    out = _launch(args, uk, uv, kv_len=100)
+    (grid, a, kw), = recorded["unit"].calls
+    merges = recorded["fma"].calls + recorded["reduce"].calls
+    assert (len(folds) == 0) == fold and (len(merges) == 0) == merge
+    assert lat._LAST_LAUNCH["mma_fold"] is fold and lat._LAST_LAUNCH["mma_merge"] is merge
+    if not (fold or merge):
+        assert "FOLD" not in kw and "q_ptr" not in kw
+        return
+    assert kw["FOLD"] is fold and kw["MERGE"] is merge and kw["D_PAD"] == 128 and kw["D"] == 128
+    q = args[0]
+    assert kw["q_ptr"] is q and (a[0] is q) == fold  # qf: the fold kernel's output, or q where it is not read
+    assert kw["bk_ptr"] is args[3] and kw["bv_ptr"] is args[4] and kw["nk_ptr"] is args[12]
+    assert kw["nv_ptr"] is args[13]
+    assert (kw["stride_qb"], kw["stride_qh"], kw["stride_qs"], kw["stride_qd"]) == q.stride()
+    assert (kw["stride_nkb"], kw["stride_nkh"], kw["stride_nks"], kw["stride_nkd"]) == args[12].stride()
+    assert kw["Q_EXACT"] == (q.dtype == torch.bfloat16)
+    assert kw["BK_EXACT"] == (args[3].dtype in lat.BASIS_BF16_EXACT)
+    assert abs(kw["qk_scale"] - args[16] * 1.4426950408889634) < 1e-9
+    o = kw["out_ptr"]
+    assert o.shape == q.shape and (kw["stride_ob"], kw["stride_oh"], kw["stride_os"], kw["stride_od"]) == o.stride()
+    if merge:
+        assert out is o  # the pass's last programs write the output; nothing runs after it
+        cnt = kw["cnt_ptr"]
+        assert cnt.dtype == torch.int32 and cnt.numel() == b * hkv * 1 and not cnt.any()
+        # kept for the next call (the kernel leaves it zeroed), and grown, never shrunk, for a larger one
+        assert lat._arrival_counters(b * hkv, torch.device("cpu")).data_ptr() == cnt.data_ptr()
+
+
+def test_arrival_counters_are_fresh_while_a_graph_is_captured(monkeypatch):
+    """During CUDA-graph capture without a large enough kept buffer: a fresh zeroed one (a buffer kept from inside
+    the capture would come from the graph's private pool); outside it the kept one grows."""
+    monkeypatch.setattr(lat, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    dev = torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    a = lat._arrival_counters(10, dev)
+    assert a.numel() == 10 and not a.any() and lat._COUNTERS == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    kept = lat._arrival_counters(10, dev)
+    assert kept.numel() == 10 and lat._COUNTERS[0].numel() >= 4096
+    big = lat._arrival_counters(10_000, dev)
+    assert big.numel() == 10_000 and lat._COUNTERS[0].numel() == 10_000 and not big.any()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert lat._arrival_counters(500, dev).data_ptr() == big.data_ptr()  # large enough: the kept one, in capture too
