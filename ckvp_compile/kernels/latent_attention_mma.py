@@ -125,15 +125,18 @@ VPAIR_GPU_CHECKED = True
 
 #: The unit-major kernel folds the query into the key basis itself (:func:`_fold_rows`: two or four bf16 tensor-core
 #: products per 32 channels, hi / lo splits of the query and of a non-bf16 basis), instead of reading the fold
-#: kernel's output (``latent_attention_absorbed._fold_query_kernel``): one launch fewer a call. Off until checked on
-#: the GPU; ``CKVP_MMA_FOLD=1`` turns it on.
+#: kernel's output (``latent_attention_absorbed._fold_query_kernel``): one launch fewer a call. Checked on an H100
+#: (benchmarks/results/2026-12-06-fold-merge-in-pass, r1: 56 cases within 1e-4) and slower there: batch 8, 32k
+#: 64.3 us a call against 63.7 (the fold's dependent steps before the first tile cost more than its launch). Off;
+#: ``CKVP_MMA_FOLD=1`` turns it on.
 FOLD_GPU_CHECKED = False
 
 #: The unit-major kernel merges the splits itself: the last program of each (sequence, KV head, query token) to store
 #: its split (an arrival counter, acquire-release atomics; the counter reset by that program) merges the row's
 #: partials, scores and adds the exact tokens, projects the value latent through the value basis and stores the
-#: output (:func:`_merge_in_pass`), instead of a merge launch. Off until checked on the GPU; ``CKVP_MMA_MERGE=1``
-#: turns it on.
+#: output (:func:`_merge_in_pass`), instead of a merge launch. Checked on an H100 (same run: correct, CUDA-graph
+#: replays bit-equal) and slower there: 67.9 us a call against 63.7 (one warp's serial chain over the row's partials,
+#: about 8 us, where the merge launch's 1,024 warps take 3.6). Off; ``CKVP_MMA_MERGE=1`` turns it on.
 MERGE_GPU_CHECKED = False
 
 
