@@ -54,9 +54,15 @@ VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": 
                "fold": "CKVP_MMA_FOLD", "merge": "CKVP_MMA_MERGE"}
 
 
+#: The latent loads' cache hint (``CKVP_MMA_HINT``, latent_attention_mma.load_hint), by variant part.
+HINT_VALUES = {"evict": "1", "cg": "2"}
+
+
 def set_variant(name: str) -> None:
     """Set the environment the launcher reads on every call for variant ``name`` (e.g. ``vpair+pscan``)."""
     on = set(name.split("+")) - {"base"}
+    os.environ["CKVP_MMA_HINT"] = next((HINT_VALUES[p] for p in on if p in HINT_VALUES), "0")
+    on -= set(HINT_VALUES)
     unknown = on - set(VARIANT_ENV)
     if unknown:
         raise ValueError(f"unknown variant parts {sorted(unknown)}; known: {sorted(VARIANT_ENV)} or base")

@@ -170,6 +170,14 @@ def merge_in_pass() -> bool:
     return _switch("CKVP_MMA_MERGE", MERGE_GPU_CHECKED)
 
 
+def load_hint() -> int:
+    """The unit-major kernel's cache hint for its latent loads (``CKVP_MMA_HINT``: 0 none, the default; 1
+    ``evict_first``; 2 ``.cg``): a GPU experiment, the bytes are read once. Raises nothing (other values read as
+    0)."""
+    v = os.environ.get("CKVP_MMA_HINT", "0")
+    return int(v) if v in ("0", "1", "2") else 0
+
+
 def page_scan() -> bool:
     """Whether the unit-major kernel leaves tiles from a split's first unmapped page to its masked loop instead of
     zeroing per slot (:data:`PAGE_SCAN_GPU_CHECKED`, or ``CKVP_MMA_PAGE_SCAN=1`` / ``0``). Raises nothing."""
@@ -840,8 +848,21 @@ def _tile_load(lk_w, lv_w, kbase, vbase, koff, voff, foff_k, foff_v):
 
 
 @gluon.jit
+def _ld(p, HINT: gl.constexpr):
+    """``gl.load(p)`` with the latent loads' cache hint (:func:`load_hint`): 0 none, 1 ``evict_first``, 2 ``.cg``
+    (L2 only; ptxas refuses the two together)."""
+    if HINT == 1:
+        x = gl.load(p, eviction_policy="evict_first")
+    elif HINT == 2:
+        x = gl.load(p, cache_modifier=".cg")
+    else:
+        x = gl.load(p)
+    return x
+
+
+@gluon.jit
 def _unit_load(kp, vp, fp_k, fp_v, kbase, vbase, CKW: gl.constexpr, CVW: gl.constexpr, KL: gl.constexpr,
-               VL: gl.constexpr, FL: gl.constexpr, NWS: gl.constexpr, BITS: gl.constexpr):
+               VL: gl.constexpr, FL: gl.constexpr, NWS: gl.constexpr, BITS: gl.constexpr, HINT: gl.constexpr = 0):
     """One unit-major tile's words: key code columns (layout KL), value code columns (VL), and the four fp16 fields'
     byte columns (key scale, key min, value scale, value min; FL each). Unmasked (rows stay in bounds; the caller
     zeroes the fields of slots it must not read).
@@ -854,38 +875,41 @@ def _unit_load(kp, vp, fp_k, fp_v, kbase, vbase, CKW: gl.constexpr, CVW: gl.cons
     t = kp + kbase
     u = vp + vbase
     if BITS == 8:  # keys (2 w, 4 q, 8 c, 4 b, 2 e) at columns 8b + e; values (4 d, 4 q, 8 n, 2 m, 2 e) at 16m + 8e
-        x = _join4(gl.join(gl.load(t), gl.load(t + CKW)), gl.join(gl.load(t + 8 * CKW), gl.load(t + 9 * CKW)),
-                   gl.join(gl.load(t + 16 * CKW), gl.load(t + 17 * CKW)),
-                   gl.join(gl.load(t + 24 * CKW), gl.load(t + 25 * CKW)))
+        x = _join4(gl.join(_ld(t, HINT), _ld(t + CKW, HINT)),
+                   gl.join(_ld(t + 8 * CKW, HINT), _ld(t + 9 * CKW, HINT)),
+                   gl.join(_ld(t + 16 * CKW, HINT), _ld(t + 17 * CKW, HINT)),
+                   gl.join(_ld(t + 24 * CKW, HINT), _ld(t + 25 * CKW, HINT)))
         wk = gl.convert_layout(gl.permute(x, [0, 1, 2, 4, 3]), KL)
-        y = gl.join(gl.join(gl.load(u), gl.load(u + 8 * CVW)), gl.join(gl.load(u + 16 * CVW), gl.load(u + 24 * CVW)))
+        y = gl.join(gl.join(_ld(u, HINT), _ld(u + 8 * CVW, HINT)),
+                    gl.join(_ld(u + 16 * CVW, HINT), _ld(u + 24 * CVW, HINT)))
         wv = gl.convert_layout(gl.permute(y, [0, 1, 2, 4, 3]), VL)
     else:  # keys (2 w, 4 q, 8 c, 4 b) at columns 4b; values (4 d, 4 q, 8 n, 2 m) at 8m
-        wk = gl.convert_layout(_join4(gl.load(t), gl.load(t + 4 * CKW), gl.load(t + 8 * CKW), gl.load(t + 12 * CKW)),
-                               KL)
-        wv = gl.convert_layout(gl.join(gl.load(u), gl.load(u + 8 * CVW)), VL)
-    ks = _field_load(fp_k[0] + kbase, CKW, NWS, FL)
-    km = _field_load(fp_k[1] + kbase, CKW, NWS, FL)
-    vs = _field_load(fp_v[0] + vbase, CVW, NWS, FL)
-    vm = _field_load(fp_v[1] + vbase, CVW, NWS, FL)
+        wk = gl.convert_layout(_join4(_ld(t, HINT), _ld(t + 4 * CKW, HINT), _ld(t + 8 * CKW, HINT),
+                                      _ld(t + 12 * CKW, HINT)), KL)
+        wv = gl.convert_layout(gl.join(_ld(u, HINT), _ld(u + 8 * CVW, HINT)), VL)
+    ks = _field_load(fp_k[0] + kbase, CKW, NWS, FL, HINT)
+    km = _field_load(fp_k[1] + kbase, CKW, NWS, FL, HINT)
+    vs = _field_load(fp_v[0] + vbase, CVW, NWS, FL, HINT)
+    vm = _field_load(fp_v[1] + vbase, CVW, NWS, FL, HINT)
     return wk, wv, ks, km, vs, vm
 
 
 @gluon.jit
-def _field_pair(t, k: gl.constexpr, CW: gl.constexpr):
+def _field_pair(t, k: gl.constexpr, CW: gl.constexpr, HINT: gl.constexpr = 0):
     """Word ``k`` of a field's low-byte column and of its high-byte column (CW words on): (8 r, 4 q, 2 lh)."""
-    return gl.join(gl.load(t + k), gl.load(t + (k + CW)))
+    return gl.join(_ld(t + k, HINT), _ld(t + (k + CW), HINT))
 
 
 @gluon.jit
-def _field_load(t, CW: gl.constexpr, NWS: gl.constexpr, FL: gl.constexpr):
+def _field_load(t, CW: gl.constexpr, NWS: gl.constexpr, FL: gl.constexpr, HINT: gl.constexpr = 0):
     """A field's words (8 r, 4 q, 2 e, NWS, 2 lh) in layout FL from each lane's first word ``t``: word ``2e + i`` of
     the low-byte column (lh = 0) and of the high-byte column."""
     if NWS == 1:
-        z = gl.join(gl.reshape(_field_pair(t, 0, CW), [8, 4, 2, 1]), gl.reshape(_field_pair(t, 2, CW), [8, 4, 2, 1]))
+        z = gl.join(gl.reshape(_field_pair(t, 0, CW, HINT), [8, 4, 2, 1]),
+                    gl.reshape(_field_pair(t, 2, CW, HINT), [8, 4, 2, 1]))
     else:
-        z = gl.join(gl.join(_field_pair(t, 0, CW), _field_pair(t, 1, CW)),
-                    gl.join(_field_pair(t, 2, CW), _field_pair(t, 3, CW)))  # (8 r, 4 q, 2 lh, 2 i, 2 e)
+        z = gl.join(gl.join(_field_pair(t, 0, CW, HINT), _field_pair(t, 1, CW, HINT)),
+                    gl.join(_field_pair(t, 2, CW, HINT), _field_pair(t, 3, CW, HINT)))  # (8 r, 4 q, 2 lh, 2 i, 2 e)
     return gl.convert_layout(gl.permute(z, [0, 1, 4, 3, 2]), FL)
 
 
@@ -1213,6 +1237,7 @@ def _mma_unit_kernel(
     stride_bvb=0, stride_bvh=0, stride_bvd=0, stride_bvr=0, stride_ob=0, stride_oh=0, stride_os=0, stride_od=0,
     FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
     Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
+    HINT: gl.constexpr = 0,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1250,7 +1275,8 @@ def _mma_unit_kernel(
     adds 1 to its row's arrival counter (``cnt`` (B * Hkv * S,) int32, zero before the call and left zero after it);
     the last one resets it and merges the row into out (:func:`_merge_in_pass`; new_k / new_v (B, Hkv, n_exact, D),
     the value basis block, out (B, H, S, D)). D_PAD: D rounded up to a power of two >= 32; Q_EXACT: q is bf16;
-    BK_EXACT / BV_EXACT: the bases are bf16-exact (one tensor-core product, not hi + lo)."""
+    BK_EXACT / BV_EXACT: the bases are bf16-exact (one tensor-core product, not hi + lo). HINT (:func:`load_hint`):
+    the cache hint of the latent loads (lane loads)."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1422,7 +1448,7 @@ def _mma_unit_kernel(
     elif fast_end > t_start:  # one tile loaded ahead of the one computed
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         if LANES:
-            tile_a = _unit_load(kp, vp, fp_k, fp_v, kb0, vb0, CKW, CVW, KREG, VREG, FWL, NWS, BITS)
+            tile_a = _unit_load(kp, vp, fp_k, fp_v, kb0, vb0, CKW, CVW, KREG, VREG, FWL, NWS, BITS, HINT)
         else:
             tile_a = _tile_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
         for t in range(t_start, fast_end):
@@ -1431,7 +1457,7 @@ def _mma_unit_kernel(
             kb1, vb1, idx_a = _unit_base(gl.minimum(t + 1, fast_end - 1), b, pt_ptr, stride_ptb, stride_lkb,
                                          stride_lvb, PAGE)
             if LANES:
-                tile_a = _unit_load(kp, vp, fp_k, fp_v, kb1, vb1, CKW, CVW, KREG, VREG, FWL, NWS, BITS)
+                tile_a = _unit_load(kp, vp, fp_k, fp_v, kb1, vb1, CKW, CVW, KREG, VREG, FWL, NWS, BITS, HINT)
             else:
                 tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
@@ -1447,7 +1473,8 @@ def _mma_unit_kernel(
         gs = r0 + tok_s
         ok_s = (gs >= t0) & (gs < kv_len) & ~_is_exact(gs, slots_ptr, n_exact)
         if LANES:
-            wk, wv, ks, km, vs, vm = _unit_load(kp, vp, fp_k, fp_v, kb1, vb1, CKW, CVW, KREG, VREG, FWL, NWS, BITS)
+            wk, wv, ks, km, vs, vm = _unit_load(kp, vp, fp_k, fp_v, kb1, vb1, CKW, CVW, KREG, VREG, FWL, NWS, BITS,
+                                                HINT)
         else:
             wk, wv, ks, km, vs, vm = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
@@ -1553,7 +1580,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
-                     exact_bases: bool = True):
+                     exact_bases: bool = True, hint: int = 0):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1567,7 +1594,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             ignore it); maxnreg: ptxas's register cap (None: its own choice); pdl: the unit-major kernel's
             programmatic dependent launch instructions (``PDL``; the launch option is the launcher's); fold / merge:
             the unit-major kernel's query fold and split merge in the pass (``FOLD`` / ``MERGE``; bf16 q, bases, new
-            tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo).
+            tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo); hint:
+            the latent loads' cache hint (``HINT``, :func:`load_hint`).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1599,7 +1627,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
         unit = ("stride_qd", "stride_bkr", "stride_nkd", "stride_nvd", "stride_bvr", "stride_od")
         sig.update({n: "constexpr" for n in unit})  # (a launch specialises unit strides the same way)
         sig.update(FOLD="constexpr", MERGE="constexpr", D_PAD="constexpr", Q_EXACT="constexpr", BK_EXACT="constexpr",
-                   BV_EXACT="constexpr")
+                   BV_EXACT="constexpr", HINT="constexpr")
         attrs.update({(i,): [["tt.divisibility", 16]] for i in range(36, 44)})  # q_ptr .. cnt_ptr, D
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
@@ -1609,7 +1637,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              PSCAN=page_scan() if pscan is None else pscan,
                                              VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair),
                                              PDL=pdl, FOLD=fold, MERGE=merge, D_PAD=128, Q_EXACT=True,
-                                             BK_EXACT=exact_bases, **{n: 1 for n in unit},
+                                             BK_EXACT=exact_bases, **{n: 1 for n in unit}, HINT=hint,
                                              BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
