@@ -830,3 +830,26 @@ def test_fold_and_merge_in_pass_compile_for_sm90(g, bits, exact):
     loop = tile_loop(st["sass"])
     assert len(loop) <= 1.03 * len(tile_loop(st0["sass"]))
     assert not [t for t in loop if "LDL" in t or "STL" in t]  # no spill traffic in the tile loop
+
+
+@pytest.mark.parametrize("hint,mark", [(1, "L1::evict_first"), (2, "ld.global.cg.")])
+def test_load_hints_reach_the_latent_loads(hint, mark):
+    """``HINT`` (``CKVP_MMA_HINT``) puts its cache modifier on the tile's latent loads (the 16-byte ones among them)
+    and nowhere without it."""
+    from ckvp_compile.testing.sm90 import sm90_compile_available
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    kw = dict(unit_major=True, bits=8, lanes=True, pscan=True, vpair=True)
+    ptx = lam.compile_for_sm90(4, 4, 64, hint=hint, **kw).asm["ptx"]
+    base = lam.compile_for_sm90(4, 4, 64, **kw).asm["ptx"]
+    assert any(mark in line and ".v4." in line for line in ptx.splitlines()) and mark not in base
+
+
+def test_load_hint_reads_only_known_values(monkeypatch):
+    for v, want in (("1", 1), ("2", 2), ("0", 0), ("3", 0), ("x", 0)):
+        monkeypatch.setenv("CKVP_MMA_HINT", v)
+        assert lam.load_hint() == want
+    monkeypatch.delenv("CKVP_MMA_HINT")
+    assert lam.load_hint() == 0
