@@ -140,6 +140,15 @@ FOLD_GPU_CHECKED = False
 MERGE_GPU_CHECKED = False
 
 
+#: The unit-major kernel's latent loads carry ``evict_first`` (``L1::evict_first.L2::cache_hint``): the latent is
+#: read once a call, and the hint leaves L2 to what the next launches read again (the folded query, the partials, the
+#: bases, the next call's query). Measured on an H100 (benchmarks/results/2026-12-06-fold-merge-in-pass, r2 and r3,
+#: two interleaved repeats; int8/32, 64-slot pages, CUDA-graph replay): batch 8, 32k 61.3-61.8 us a call against
+#: 63.4-63.6 (the fold and merge kernels faster too: 1.8 / 3.3 us against 2.2 / 3.6), batch 8, 128k and batch 32,
+#: 32k 1-1.2% faster, batch 32, 128k 0.3%; ``.cg`` (2) was 1-3% slower. Numerics unchanged (a cache hint).
+LOAD_HINT_GPU_CHECKED = 1
+
+
 def _switch(env_name: str, checked: bool) -> bool:
     """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
     env = os.environ.get(env_name)
@@ -171,10 +180,12 @@ def merge_in_pass() -> bool:
 
 
 def load_hint() -> int:
-    """The unit-major kernel's cache hint for its latent loads (``CKVP_MMA_HINT``: 0 none, the default; 1
-    ``evict_first``; 2 ``.cg``): a GPU experiment, the bytes are read once. Raises nothing (other values read as
+    """The unit-major kernel's cache hint for its latent loads: :data:`LOAD_HINT_GPU_CHECKED`, or
+    ``CKVP_MMA_HINT`` (0 none; 1 ``evict_first``; 2 ``.cg``, L2 only). Raises nothing (other values read as
     0)."""
-    v = os.environ.get("CKVP_MMA_HINT", "0")
+    v = os.environ.get("CKVP_MMA_HINT")
+    if v is None:
+        return LOAD_HINT_GPU_CHECKED
     return int(v) if v in ("0", "1", "2") else 0
 
 
@@ -1580,7 +1591,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
-                     exact_bases: bool = True, hint: int = 0):
+                     exact_bases: bool = True, hint: int | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1595,7 +1606,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             programmatic dependent launch instructions (``PDL``; the launch option is the launcher's); fold / merge:
             the unit-major kernel's query fold and split merge in the pass (``FOLD`` / ``MERGE``; bf16 q, bases, new
             tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo); hint:
-            the latent loads' cache hint (``HINT``, :func:`load_hint`).
+            the latent loads' cache hint (``HINT``; None: :func:`load_hint`).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1637,7 +1648,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              PSCAN=page_scan() if pscan is None else pscan,
                                              VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair),
                                              PDL=pdl, FOLD=fold, MERGE=merge, D_PAD=128, Q_EXACT=True,
-                                             BK_EXACT=exact_bases, **{n: 1 for n in unit}, HINT=hint,
+                                             BK_EXACT=exact_bases, **{n: 1 for n in unit},
+                                             HINT=load_hint() if hint is None else hint,
                                              BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,

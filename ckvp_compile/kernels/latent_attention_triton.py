@@ -2910,7 +2910,7 @@ def _launch(
                 PSCAN=lam.page_scan(),
                 VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
                 **({"launch_pdl": True} if pdl else {}),
-                **_reg_cap(cfg.maxnreg_m), **in_pass, **({"HINT": lam.load_hint()} if lam.load_hint() else {}))
+                **_reg_cap(cfg.maxnreg_m), **in_pass, HINT=lam.load_hint())
             if merge_in:  # the pass's last program of each row merged it into out
                 _LAST_LAUNCH["fma_merge"] = _LAST_LAUNCH["one_pass_merge"] = False
                 return out.to(q.dtype)
