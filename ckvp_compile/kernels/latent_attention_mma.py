@@ -1059,6 +1059,32 @@ def _bf16_rows(x, AL: gl.constexpr):
 
 
 @gluon.jit
+def _fold_chunk(acc, q_rows, bk_head, d0, D, stride_qd, stride_bkd, stride_bkr, WL: gl.constexpr, AL: gl.constexpr,
+                BL: gl.constexpr, Q_EXACT: gl.constexpr, BK_EXACT: gl.constexpr):
+    """One 32-channel step of :func:`_fold_rows`: ``acc`` (16, 32) fp32 plus q[:, d0:d0+32] @ P[d0:d0+32, :]."""
+    r8 = gl.arange(0, 8, layout=gl.SliceLayout(1, WL))
+    ka = d0 + gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
+    x = gl.load(q_rows[:, None] + (ka * stride_qd)[None, :], mask=(ka < D)[None, :] & (r8 >= 0)[:, None], other=0.0)
+    if Q_EXACT:  # bf16: rows 8..15 zero
+        x = x.to(gl.bfloat16)
+        a = gl.convert_layout(gl.reshape(gl.permute(gl.join(x, gl.zeros_like(x)), [2, 0, 1]), [ROWS, 32]), AL)
+    else:
+        a = _bf16_rows(x.to(gl.float32), AL)
+    dw = d0 + gl.arange(0, 32, layout=gl.SliceLayout(1, WL))
+    rw = gl.arange(0, RK, layout=gl.SliceLayout(0, WL))
+    w = gl.load(bk_head + (dw * stride_bkd)[:, None] + (rw * stride_bkr)[None, :],
+                mask=(dw < D)[:, None] & (rw >= 0)[None, :], other=0.0)
+    if BK_EXACT:  # vector loads along the basis rows, to the operand's layout through shared memory
+        acc = mma_v2(a, gl.convert_layout(w.to(gl.bfloat16), BL), acc)
+    else:
+        w = w.to(gl.float32)
+        w_hi = w.to(gl.bfloat16)
+        acc = mma_v2(a, gl.convert_layout(w_hi, BL), acc)
+        acc = mma_v2(a, gl.convert_layout((w - w_hi.to(gl.float32)).to(gl.bfloat16), BL), acc)
+    return acc
+
+
+@gluon.jit
 def _fold_rows(q_ptr, bk_ptr, b, h, s_q, D, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd, stride_bkb,
                stride_bkh, stride_bkd, stride_bkr, G: gl.constexpr, D_PAD: gl.constexpr, Q_EXACT: gl.constexpr,
                BK_EXACT: gl.constexpr, L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr):
@@ -1066,33 +1092,23 @@ def _fold_rows(q_ptr, bk_ptr, b, h, s_q, D, qk_scale, stride_qb, stride_qh, stri
     row r for query head ``h G + r % G`` (log2 units; ``_fold_query_kernel``'s values). q (B, H, S, D): bf16 as it
     is (Q_EXACT; rows 8..15 of the product zero), else split into bf16 hi (rows 0..7) + lo (rows 8..15); the basis
     block (Hkv, D, 32) or (B, Hkv, D, 32) in chunks of 32 channels (vector loads along its rows, then to the
-    operand's layout), split into hi + lo (two products) unless bf16-exact (BK_EXACT). D <= D_PAD."""
+    operand's layout), split into hi + lo (two products) unless bf16-exact (BK_EXACT). D <= D_PAD. With bf16 q and
+    basis the chunks are unrolled (their loads issued together: one round trip, not D_PAD / 32); otherwise a loop
+    (unrolled, the hi / lo splits took 142-180 registers)."""
     WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
                                         order=[1, 0])
     r8 = gl.arange(0, 8, layout=gl.SliceLayout(1, WL))
     q_rows = q_ptr + b.to(gl.int64) * stride_qb + s_q * stride_qs + (h * G + r8 % G) * stride_qh
     bk_head = bk_ptr + b.to(gl.int64) * stride_bkb + h * stride_bkh
     acc = gl.zeros([ROWS, RK], gl.float32, L)
-    for d0 in range(0, D_PAD, 32):
-        ka = d0 + gl.arange(0, 32, layout=gl.SliceLayout(0, WL))
-        x = gl.load(q_rows[:, None] + (ka * stride_qd)[None, :], mask=(ka < D)[None, :] & (r8 >= 0)[:, None],
-                    other=0.0)
-        if Q_EXACT:  # bf16: rows 8..15 zero
-            x = x.to(gl.bfloat16)
-            a = gl.convert_layout(gl.reshape(gl.permute(gl.join(x, gl.zeros_like(x)), [2, 0, 1]), [ROWS, 32]), AL)
-        else:
-            a = _bf16_rows(x.to(gl.float32), AL)
-        dw = d0 + gl.arange(0, 32, layout=gl.SliceLayout(1, WL))
-        rw = gl.arange(0, RK, layout=gl.SliceLayout(0, WL))
-        w = gl.load(bk_head + (dw * stride_bkd)[:, None] + (rw * stride_bkr)[None, :],
-                    mask=(dw < D)[:, None] & (rw >= 0)[None, :], other=0.0)
-        if BK_EXACT:  # vector loads along the basis rows, to the operand's layout through shared memory
-            acc = mma_v2(a, gl.convert_layout(w.to(gl.bfloat16), BL), acc)
-        else:
-            w = w.to(gl.float32)
-            w_hi = w.to(gl.bfloat16)
-            acc = mma_v2(a, gl.convert_layout(w_hi, BL), acc)
-            acc = mma_v2(a, gl.convert_layout((w - w_hi.to(gl.float32)).to(gl.bfloat16), BL), acc)
+    if Q_EXACT and BK_EXACT:
+        for d0 in gl.static_range(0, D_PAD, 32):
+            acc = _fold_chunk(acc, q_rows, bk_head, d0, D, stride_qd, stride_bkd, stride_bkr, WL, AL, BL, Q_EXACT,
+                              BK_EXACT)
+    else:
+        for d0 in range(0, D_PAD, 32):
+            acc = _fold_chunk(acc, q_rows, bk_head, d0, D, stride_qd, stride_bkd, stride_bkr, WL, AL, BL, Q_EXACT,
+                              BK_EXACT)
     return gl.sum(gl.reshape(acc, [2, 8, RK]), axis=0) * qk_scale
 
 
@@ -1122,7 +1138,13 @@ def _query_operand_regs(c8, G: gl.constexpr, GROUPS: gl.constexpr, KS: gl.conste
     c_hi = cf.to(gl.float16)
     c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
     ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
-    return gl.where((ra < 8)[:, None], c_hi, c_lo), _pow2(e_q)
+    ca = gl.where((ra < 8)[:, None], c_hi, c_lo)
+    # through shared memory: read back, the operand lands in the registers the tile loop's mma takes as they are
+    # (built in registers, ptxas copied its 16 registers into place every tile)
+    SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    sm = gl.allocate_shared_memory(gl.float16, [ROWS, KS], SH)
+    sm.store(ca)
+    return sm.load(AL), _pow2(e_q)
 
 
 @gluon.jit
