@@ -125,10 +125,11 @@ VPAIR_GPU_CHECKED = True
 
 #: The unit-major kernel folds the query into the key basis itself (:func:`_fold_rows`: two or four bf16 tensor-core
 #: products per 32 channels, hi / lo splits of the query and of a non-bf16 basis), instead of reading the fold
-#: kernel's output (``latent_attention_absorbed._fold_query_kernel``): one launch fewer a call. Checked on an H100
-#: (benchmarks/results/2026-12-06-fold-merge-in-pass, r1: 56 cases within 1e-4) and slower there: batch 8, 32k
-#: 64.3 us a call against 63.7 (the fold's dependent steps before the first tile cost more than its launch). Off;
-#: ``CKVP_MMA_FOLD=1`` turns it on.
+#: kernel's output (``latent_attention_absorbed._fold_query_kernel``): one launch fewer a call. Checked on H100s
+#: (benchmarks/results/2026-12-06-fold-merge-in-pass, r1 and r4: 78 cases within 1e-4) and slower there: batch 8,
+#: 32k 65.2-65.4 us a call against 62.9-63.1 in r4, 0.5-1.8% at the larger shapes (each program's fold is a chain
+#: of dependent steps before its first tile, and costs more than the fold launch). Off; ``CKVP_MMA_FOLD=1`` turns
+#: it on.
 FOLD_GPU_CHECKED = False
 
 #: The unit-major kernel merges the splits itself: the last program of each (sequence, KV head, query token) to store
