@@ -2589,8 +2589,10 @@ def latent_attention_triton(
 
 
 #: Arrival counters of the unit-major pass's own merge, per CUDA device: (n,) int32, zero between calls (each row's
-#: last program resets its counter), allocated outside CUDA-graph capture and grown as needed.
+#: last program resets its counter), allocated outside CUDA-graph capture and grown as needed. A grown-out buffer is
+#: kept too (_RETIRED_COUNTERS): a graph captured with it still writes it on every replay.
 _COUNTERS: dict = {}
+_RETIRED_COUNTERS: list = []
 
 
 def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
@@ -2604,6 +2606,8 @@ def _arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         if torch.cuda.is_current_stream_capturing():
             return torch.zeros(n, dtype=torch.int32, device=device)
+        if key in _COUNTERS:
+            _RETIRED_COUNTERS.append(_COUNTERS[key])
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf[:n]

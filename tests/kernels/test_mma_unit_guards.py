@@ -429,7 +429,10 @@ def test_arrival_counters_are_fresh_while_a_graph_is_captured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     kept = lat._arrival_counters(10, dev)
     assert kept.numel() == 10 and lat._COUNTERS[0].numel() >= 4096
+    monkeypatch.setattr(lat, "_RETIRED_COUNTERS", [])
     big = lat._arrival_counters(10_000, dev)
     assert big.numel() == 10_000 and lat._COUNTERS[0].numel() == 10_000 and not big.any()
+    # the grown-out buffer stays alive: a CUDA graph captured with it still writes it on every replay
+    assert [t.data_ptr() for t in lat._RETIRED_COUNTERS] == [kept.data_ptr()]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert lat._arrival_counters(500, dev).data_ptr() == big.data_ptr()  # large enough: the kept one, in capture too
