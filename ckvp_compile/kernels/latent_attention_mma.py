@@ -67,7 +67,10 @@ Its loads alone (the same bytes, addresses, occupancy and one tile ahead) read a
 (benchmarks/unit_load_roofline.py), so the pass is bound by its instructions. Loads from one address per lane
 (:data:`LANE_LOADS_GPU_CHECKED`) cut a tile's SASS from 765 to 619 (the 64-bit address of each of 29 loads): batch
 8, 32k 0.054 ms (66.5%, 4.65x), batch 8, 128k 0.171 (83.4%, 5.51x), batch 32, 32k 0.170 (83.8%, 5.48x), batch 32,
-128k 0.648 (87.8%, 5.64x) (benchmarks/results/2026-12-05-lane-loads-h200, r2).
+128k 0.648 (87.8%, 5.64x) (benchmarks/results/2026-12-05-lane-loads-h200, r2). With the page scan, value pairs,
+the fp32 merge and ``evict_first`` on the latent loads (:data:`LOAD_HINT_GPU_CHECKED`): batch 8, 32k 0.046 ms (78%,
+5.14x), batch 8, 128k 0.159 (90%, 5.82x), batch 32, 32k 0.159-0.163 (88-90%, 5.65-5.79x), batch 32, 128k 0.625
+(91%, 5.84x) (benchmarks/results/2026-12-06-fold-merge-in-pass, r5, two runs).
 
 Sources (read, not copied): Marlin (arXiv:2408.11743) and FasterTransformer (the 0x6400 int4 -> fp16 conversion),
 FlashAttention-2 (arXiv:2307.08691: online softmax, P reused from the accumulator layout), FlashDecoding (split-KV
