@@ -183,3 +183,20 @@ def test_cpu_without_tiny_is_refused_before_any_work(extra, monkeypatch, capsys)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--device cpu needs --tiny" in err and "--device cuda on a GPU machine" in err, err
+
+
+def test_markdown_reports_the_speedup_over_the_byte_ratio():
+    """The report's row carries speedup / byte ratio (acceptance 2's measure), from the row's own numbers; '-' where
+    no dense baseline ran."""
+    from ckvp_compile.bench.attention import to_markdown
+
+    base = dict(format="int8/32", rank=32, batch=8, context=32768, rel_err=7e-5, ms=0.046, bytes_total=153.5e6,
+                GBps=3321.0, copy_share=0.781, byte_ratio=7.11)
+    timed = dict(base, dense_best="sdpa_eager", dense_best_ms=0.2365, speedup=0.2365 / 0.046,
+                 speedup_over_byte_ratio=0.2365 / 0.046 / 7.11)
+    result = dict(versions={"gpu": "test"}, copy_bandwidth_GBps=4250.0, heads="32:8", head_dim=128, group=4,
+                  elapsed_s=1.0, rows=[timed, dict(base, context=131072)])
+    md = to_markdown(result, "ckvp-bench attention")
+    assert "| of byte ratio | note |" in md
+    rows = [ln for ln in md.splitlines() if ln.startswith("| int8/32")]
+    assert rows[0].split(" | ")[-2] == "0.723" and rows[1].split(" | ")[-2] == "-"
