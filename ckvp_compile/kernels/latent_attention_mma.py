@@ -476,12 +476,20 @@ def _query_operand(q_row, G: gl.constexpr, GROUPS: gl.constexpr, KS: gl.constexp
     r8 = ra % 8
     cf = gl.load(q_row + ((r8 % G) * RK)[:, None] + coord[None, :])
     cf = gl.where((r8 // G)[:, None] == (ka // RK)[None, :], cf * gl.where(x16 == 1, 0.0625, 1.0)[None, :], 0.0)
+    return _hi_lo_operand(cf, AL)
+
+
+@gluon.jit
+def _hi_lo_operand(cf, AL: gl.constexpr):
+    """(16, KS) fp32 coefficients in AL (rows 8..15 a copy of rows 0..7) -> the fp16 operand (rows 0..7 hi, 8..15
+    the remainder lo) after scaling the largest to [2^13, 2^14), and that power of two's inverse (fp32)."""
     amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
     e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
     e_q = gl.minimum(gl.maximum(e_q, -126), 114)  # the largest coefficient to [2^13, 2^14): fp16, full precision
     cf = cf * _pow2(-e_q)
     c_hi = cf.to(gl.float16)
     c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
+    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
     return gl.where((ra < 8)[:, None], c_hi, c_lo), _pow2(e_q)
 
 
@@ -1135,20 +1143,14 @@ def _query_operand_regs(c8, G: gl.constexpr, GROUPS: gl.constexpr, KS: gl.conste
     else:
         f = gl.where(k % 2 == 1, 0.0625, 1.0)
     cf = gl.where((r // G)[:, None] == (k // RK)[None, :], x * f[None, :], 0.0)
-    amax = gl.max(gl.max(gl.abs(cf), axis=1), axis=0)
-    e_q = gl.where(amax > 0, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 13, 0)
-    e_q = gl.minimum(gl.maximum(e_q, -126), 114)
-    cf = gl.convert_layout(gl.reshape(gl.permute(gl.join(cf, cf), [2, 0, 1]), [ROWS, KS]), AL) * _pow2(-e_q)
-    c_hi = cf.to(gl.float16)
-    c_lo = (cf - c_hi.to(gl.float32)).to(gl.float16)
-    ra = gl.arange(0, ROWS, layout=gl.SliceLayout(1, AL))
-    ca = gl.where((ra < 8)[:, None], c_hi, c_lo)
+    ca, k_unit = _hi_lo_operand(gl.convert_layout(gl.reshape(gl.permute(gl.join(cf, cf), [2, 0, 1]), [ROWS, KS]), AL),
+                                AL)
     # through shared memory: read back, the operand lands in the registers the tile loop's mma takes as they are
     # (built in registers, ptxas copied its 16 registers into place every tile)
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     sm = gl.allocate_shared_memory(gl.float16, [ROWS, KS], SH)
     sm.store(ca)
-    return sm.load(AL), _pow2(e_q)
+    return sm.load(AL), k_unit
 
 
 @gluon.jit
