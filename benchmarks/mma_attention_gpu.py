@@ -56,18 +56,23 @@ VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": 
 
 #: The latent loads' cache hint (``CKVP_MMA_HINT``, latent_attention_mma.load_hint), by variant part.
 HINT_VALUES = {"evict": "1", "cg": "2"}
+#: The first tile prefetched into L2 before the query (``CKVP_MMA_EARLY``, latent_attention_mma.early_tile): ``pre``;
+#: without it 0.
+EARLY_VALUES = {"pre": "1"}
 
 
 def set_variant(name: str) -> None:
     """Set the environment the launcher reads on every call for variant ``name`` (e.g. ``vpair+pscan``; a load
-    hint part sets ``CKVP_MMA_HINT``, none sets it to 0). Raises ValueError for an unknown part."""
+    hint part sets ``CKVP_MMA_HINT``, ``pre`` sets ``CKVP_MMA_EARLY``; none of a kind sets it to 0). Raises
+    ValueError for an unknown part."""
     on = set(name.split("+")) - {"base"}
     os.environ["CKVP_MMA_HINT"] = next((HINT_VALUES[p] for p in on if p in HINT_VALUES), "0")
-    on -= set(HINT_VALUES)
+    os.environ["CKVP_MMA_EARLY"] = next((EARLY_VALUES[p] for p in on if p in EARLY_VALUES), "0")
+    on -= set(HINT_VALUES) | set(EARLY_VALUES)
     unknown = on - set(VARIANT_ENV)
     if unknown:
         raise ValueError(f"unknown variant parts {sorted(unknown)}; known: {sorted(VARIANT_ENV)}, one of "
-                         f"{sorted(HINT_VALUES)}, or base")
+                         f"{sorted(HINT_VALUES)}, {sorted(EARLY_VALUES)}, or base")
     for part, env in VARIANT_ENV.items():
         os.environ[env] = "1" if part in on else "0"
 
@@ -460,7 +465,8 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="B:T", help="three eager calls at one shape, for ncu")
     ap.add_argument("--variants", default="base",
                     help="comma-separated unit-major kernel switches, each a '+'-joined subset of "
-                         f"{sorted(VARIANT_ENV)} (plus at most one load hint of {sorted(HINT_VALUES)}) or base: "
+                         f"{sorted(VARIANT_ENV)} (plus at most one load hint of {sorted(HINT_VALUES)}, and the first "
+                         f"tile's L2 prefetch {sorted(EARLY_VALUES)}) or base: "
                          "--check draws one per random case; --sweep times each")
     ap.add_argument("--check-variants", default="",
                     help="comma-separated switch sets that --check also runs on int8 cases with an unmapped page "

@@ -152,6 +152,18 @@ MERGE_GPU_CHECKED = False
 #: 32k 1-1.2% faster, batch 32, 128k 0.3%; ``.cg`` (2) was 1-3% slower. Numerics unchanged (a cache hint).
 LOAD_HINT_GPU_CHECKED = 1
 
+#: The unit-major kernel prefetches its split's first tile into L2 before it reads the folded query (``EARLY``,
+#: :func:`early_tile`): in 64-slot pages the programs of a page's KV heads each bulk-prefetch a share of it
+#: (``cp.async.bulk.prefetch.L2``, two a program from lane 0), otherwise each lane its columns' runs; no registers
+#: held (128 at G = 4, 8-bit, as without). The tile's DRAM latency then overlaps the query's loads and operand
+#: build instead of following them. Checked on an H100 (benchmarks/results/2026-12-06-early-tile, r1 and r2: random
+#: and unmapped-page cases within 1e-3, CUDA-graph replays bit-equal under PDL): two interleaved repeats at the four
+#: int8/32 acceptance shapes, batch 8, 32k 59.0-60.2 us a call against 60.7-61.8 (-2.6%), batch 8, 128k -1%,
+#: batch 32, 32k -0.6%, batch 32, 128k within 0.3%. The first tile loaded into registers there instead took 133
+#: registers (15 programs an SM: +20%), and prefetching one or two tiles ahead inside the loop 5% more SASS a tile
+#: (+7-14%).
+EARLY_TILE_GPU_CHECKED = True
+
 
 def _switch(env_name: str, checked: bool) -> bool:
     """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
@@ -191,6 +203,12 @@ def load_hint() -> int:
     if v is None:
         return LOAD_HINT_GPU_CHECKED
     return int(v) if v in ("0", "1", "2") else 0
+
+
+def early_tile() -> bool:
+    """Whether the unit-major kernel prefetches its first tile into L2 before it reads the folded query (``EARLY``):
+    :data:`EARLY_TILE_GPU_CHECKED`, or ``CKVP_MMA_EARLY=1`` / ``0``. Raises nothing."""
+    return _switch("CKVP_MMA_EARLY", EARLY_TILE_GPU_CHECKED)
 
 
 def page_scan() -> bool:
@@ -750,6 +768,58 @@ def _gdc(op: gl.constexpr):
 
 
 @gluon.jit
+def _prefetch_l2(p):
+    """``prefetch.global.L2`` of the line holding each element's address (PTX ISA; no registers held, nothing
+    returned): the data is on its way into L2 before the loads that read it are issued."""
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [p], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bulk_prefetch_l2(pk, nk, pv, nv):
+    """``cp.async.bulk.prefetch.L2.global`` of ``nk`` bytes from ``pk`` and ``nv`` from ``pv`` (scalars: 16-byte
+    aligned addresses, sizes multiples of 16), issued by lane 0 alone (PTX ISA, sm_90: the bulk copy engine fetches
+    the runs into L2; no registers held, nothing returned)."""
+    gl.inline_asm_elementwise(
+        "{\n.reg .pred p;\n.reg .u32 l;\nmov.u32 l, %laneid;\nsetp.eq.u32 p, l, 0;\n"
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n@p cp.async.bulk.prefetch.L2.global [$3], $4;\n}\n// $0",
+        "=r,l,r,l,r", [pk, nk, pv, nv], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_tile(lk_w, lv_w, kbase, vbase, k_col, v_col, k_fields, v_fields, share, CKW: gl.constexpr,
+                   CVW: gl.constexpr, BITS: gl.constexpr):
+    """Prefetch one unit-major tile (the words :func:`_unit_load` reads from ``kbase`` / ``vbase``) into L2. In
+    64-slot pages (columns of 64 bytes, 16 words) the tile is the whole page, every head's columns: the programs of
+    its KV heads share it out, ``share`` = (first byte, bytes) of this program's part of the key page and of the
+    value page (:func:`_page_shares`), two bulk prefetches from lane 0. Otherwise this head's code columns' 64-byte
+    runs and field byte columns (lane l: code column ``l % (4 * BITS)``, field column ``l % 4``; 4 prefetches a
+    lane)."""
+    if CKW == 16 and CVW == 16:
+        _bulk_prefetch_l2((lk_w + kbase).to(gl.pointer_type(gl.int8)) + share[0], share[1],
+                          (lv_w + vbase).to(gl.pointer_type(gl.int8)) + share[2], share[3])
+    else:
+        PL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+        lane = gl.arange(0, 32, layout=PL)
+        col = lane % (4 * BITS)
+        _prefetch_l2(lk_w + kbase + (k_col + col) * CKW)
+        _prefetch_l2(lv_w + vbase + (v_col + col) * CVW)
+        f = lane % 4
+        _prefetch_l2(lk_w + kbase + (2 * gl.where(f < 2, k_fields[0], k_fields[1]) + f % 2) * CKW)
+        _prefetch_l2(lv_w + vbase + (2 * gl.where(f < 2, v_fields[0], v_fields[1]) + f % 2) * CVW)
+
+
+@gluon.jit
+def _page_shares(h, Hkv, stride_lkb, stride_lvb):
+    """KV head h's part of a key page and of a value page for :func:`_prefetch_tile` (strides in 4-byte words; the
+    parts in 16-byte multiples, the last one shorter): (key first byte, key bytes, value first byte, value bytes)."""
+    ck = ((stride_lkb * 4 + Hkv - 1) // Hkv + 15) // 16 * 16
+    cv = ((stride_lvb * 4 + Hkv - 1) // Hkv + 15) // 16 * 16
+    k0 = gl.minimum(h * ck, stride_lkb * 4)
+    v0 = gl.minimum(h * cv, stride_lvb * 4)
+    return k0, gl.minimum(ck, stride_lkb * 4 - k0), v0, gl.minimum(cv, stride_lvb * 4 - v0)
+
+
+@gluon.jit
 def _join4(a, b, c, d):
     """(..., 4) from four tensors, in argument order."""
     return gl.reshape(gl.join(gl.join(a, c), gl.join(b, d)), a.shape + [4])
@@ -1276,7 +1346,7 @@ def _mma_unit_kernel(
     stride_bvb=0, stride_bvh=0, stride_bvd=0, stride_bvr=0, stride_ob=0, stride_oh=0, stride_os=0, stride_od=0,
     FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
     Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
-    HINT: gl.constexpr = 0,
+    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1315,7 +1385,8 @@ def _mma_unit_kernel(
     the last one resets it and merges the row into out (:func:`_merge_in_pass`; new_k / new_v (B, Hkv, n_exact, D),
     the value basis block, out (B, H, S, D)). D_PAD: D rounded up to a power of two >= 32; Q_EXACT: q is bf16;
     BK_EXACT / BV_EXACT: the bases are bf16-exact (one tensor-core product, not hi + lo). HINT (:func:`load_hint`):
-    the cache hint of the latent loads (lane loads)."""
+    the cache hint of the latent loads (lane loads). EARLY (:func:`early_tile`): the split's first tile prefetched
+    into L2 (:func:`_prefetch_tile`) before the folded query is read."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1352,25 +1423,13 @@ def _mma_unit_kernel(
     k_blk = gl.load(kmeta_ptr + 3 * h + 1)
     v_col = gl.load(vmeta_ptr + 3 * h)
     v_blk = gl.load(vmeta_ptr + 3 * h + 1)
-    if PDL:  # a programmatic dependent of the query fold: read qf only after the fold's grid
-        _gdc("wait")
 
     zero_s = gl.zeros([ROWS, 8 * NT], gl.float32, L)
     LS: gl.constexpr = gl.sum(gl.reshape(zero_s, [2, 8, 8 * NT]), axis=0).type.layout
     zero_s0 = gl.zeros([8, 8 * NT], gl.float32, LS)
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
-    if FOLD:
-        c8 = _fold_rows(q_ptr, bk_ptr, b, h, s_q, D, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd,
-                        stride_bkb, stride_bkh, stride_bkd, stride_bkr, G, D_PAD, Q_EXACT, BK_EXACT, L, AL, BL)
-        ca, k_unit = _query_operand_regs(c8, G, GROUPS, KS, AL, BITS)
-        sumc = gl.convert_layout(gl.sum(c8, axis=1), gl.SliceLayout(1, LS))
-    else:
-        q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
-        ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True, BITS)
-        sumc = _query_sums(q_row, G, LS)
     gl.static_assert(BITS == 8 or not VPAIR, "VPAIR: 8-bit codes only")
-    sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
 
     # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
     tok_s = (cols % 8)[None, :] * 8 + (rows // G)[:, None] * NT + (cols // 8)[None, :]
@@ -1445,51 +1504,75 @@ def _mma_unit_kernel(
         ZFAST: gl.constexpr = False
     else:
         ZFAST: gl.constexpr = PAGE > 0
+    # EARLY (early_tile): the split's first tile prefetched into L2 before the (folded) query is read, whose loads
+    # and operand build it overlaps (under PDL also the fold's end); no registers held. The tile is in bounds even
+    # where it will run masked (an unmapped page: page 0). What is read here (latents, slots, page table) the call's
+    # earlier launches wrote, finished before the fold started.
+    if EARLY:
+        kb0, vb0, _i0 = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+        _prefetch_tile(lk_w, lv_w, kb0, vb0, k_col, v_col, (k_scale_base + k_blk, k_min_base + k_blk),
+                       (v_scale_base + v_blk, v_min_base + v_blk), _page_shares(h, Hkv, stride_lkb, stride_lvb),
+                       CKW, CVW, BITS)
+    if PDL:  # a programmatic dependent of the query fold: read qf only after the fold's grid
+        _gdc("wait")
+    if FOLD:
+        c8 = _fold_rows(q_ptr, bk_ptr, b, h, s_q, D, qk_scale, stride_qb, stride_qh, stride_qs, stride_qd,
+                        stride_bkb, stride_bkh, stride_bkd, stride_bkr, G, D_PAD, Q_EXACT, BK_EXACT, L, AL, BL)
+        ca, k_unit = _query_operand_regs(c8, G, GROUPS, KS, AL, BITS)
+        sumc = gl.convert_layout(gl.sum(c8, axis=1), gl.SliceLayout(1, LS))
+    else:
+        q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
+        ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True, BITS)
+        sumc = _query_sums(q_row, G, LS)
+    sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
     all_s = tok_s >= 0
-    if STAGES > 0 and fast_end > t_start:  # a cp.async ring of STAGES tiles, STAGES - 1 in flight while one computes
-        if BITS == 8:
-            KSH: gl.constexpr = [STAGES, 2, 4, 8, 4, 2]
-            VSH: gl.constexpr = [STAGES, 4, 4, 8, 2, 2]
-            KOR: gl.constexpr = [0, 1, 2, 3, 4]
-        else:
-            KSH: gl.constexpr = [STAGES, 2, 4, 8, 4]
-            VSH: gl.constexpr = [STAGES, 4, 4, 8, 2]
-            KOR: gl.constexpr = [0, 1, 2, 3]
-        # (stage outermost) each thread's words contiguous (the word dim first), then the lanes: its vector loads
-        # hit 32 banks; fields (8 r, 4 q, 2 e, NWS, 2 lh): the lo / hi byte pair, then the lanes q + 4r
-        WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, KOR)
-        FIELDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 1, 0, 2, 3])
-        FSH: gl.constexpr = [STAGES, 8, 4, 2, NWS, 2]
-        smem = (gl.allocate_shared_memory(gl.int32, KSH, WORDS), gl.allocate_shared_memory(gl.int32, VSH, WORDS),
-                gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS),
-                gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS))
-        # (past the last tile an empty group keeps the count: wait_group(STAGES - 1) then still means "tile t landed")
-        for i in gl.static_range(STAGES - 1):
-            if t_start + i < fast_end:
-                kb0, vb0, _i0 = _unit_base(t_start + i, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-                _unit_issue(smem, i, lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
-            else:
-                async_copy.commit_group()
-        for t in range(t_start, fast_end):
-            j = t - t_start
-            if t + STAGES - 1 < fast_end:
-                kb1, vb1, _i1 = _unit_base(t + STAGES - 1, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-                _unit_issue(smem, (j + STAGES - 1) % STAGES, lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
-            else:
-                async_copy.commit_group()
-            _kb, _vb, idx_c = _unit_base(t, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-            async_copy.wait_group(STAGES - 1)
-            wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
-            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
-                                                sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
-        async_copy.wait_group(0)
-    elif fast_end > t_start:  # one tile loaded ahead of the one computed
+    if STAGES == 0:  # the register path's first tile
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         if LANES:
             tile_a = _unit_load(kp, vp, fp_k, fp_v, kb0, vb0, CKW, CVW, KREG, VREG, FWL, NWS, BITS, HINT)
         else:
             tile_a = _tile_load(lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+    if STAGES > 0:
+        if fast_end > t_start:  # a cp.async ring of STAGES tiles, STAGES - 1 in flight while one computes
+            if BITS == 8:
+                KSH: gl.constexpr = [STAGES, 2, 4, 8, 4, 2]
+                VSH: gl.constexpr = [STAGES, 4, 4, 8, 2, 2]
+                KOR: gl.constexpr = [0, 1, 2, 3, 4]
+            else:
+                KSH: gl.constexpr = [STAGES, 2, 4, 8, 4]
+                VSH: gl.constexpr = [STAGES, 4, 4, 8, 2]
+                KOR: gl.constexpr = [0, 1, 2, 3]
+            # (stage outermost) each thread's words contiguous (the word dim first), then the lanes: its vector loads
+            # hit 32 banks; fields (8 r, 4 q, 2 e, NWS, 2 lh): the lo / hi byte pair, then the lanes q + 4r
+            WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, KOR)
+            FIELDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 1, 0, 2, 3])
+            FSH: gl.constexpr = [STAGES, 8, 4, 2, NWS, 2]
+            smem = (gl.allocate_shared_memory(gl.int32, KSH, WORDS), gl.allocate_shared_memory(gl.int32, VSH, WORDS),
+                    gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS),
+                    gl.allocate_shared_memory(gl.int32, FSH, FIELDS), gl.allocate_shared_memory(gl.int32, FSH, FIELDS))
+            # (past the last tile an empty group keeps the count: wait_group(STAGES - 1) then still means "tile t
+            # landed")
+            for i in gl.static_range(STAGES - 1):
+                if t_start + i < fast_end:
+                    kb0, vb0, _i0 = _unit_base(t_start + i, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+                    _unit_issue(smem, i, lk_w, lv_w, kb0, vb0, koff, voff, foff_k, foff_v)
+                else:
+                    async_copy.commit_group()
+            for t in range(t_start, fast_end):
+                j = t - t_start
+                if t + STAGES - 1 < fast_end:
+                    kb1, vb1, _i1 = _unit_base(t + STAGES - 1, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+                    _unit_issue(smem, (j + STAGES - 1) % STAGES, lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
+                else:
+                    async_copy.commit_group()
+                _kb, _vb, idx_c = _unit_base(t, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+                async_copy.wait_group(STAGES - 1)
+                wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
+                m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
+                                                    sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
+                                                    NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
+            async_copy.wait_group(0)
+    else:  # one tile loaded ahead of the one computed (the first before the query)
         for t in range(t_start, fast_end):
             wk, wv, ks, km, vs, vm = tile_a
             idx_c = idx_a
@@ -1499,9 +1582,9 @@ def _mma_unit_kernel(
                 tile_a = _unit_load(kp, vp, fp_k, fp_v, kb1, vb1, CKW, CVW, KREG, VREG, FWL, NWS, BITS, HINT)
             else:
                 tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
-            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca, sumc,
-                                                sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G,
-                                                GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
+            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
+                                                sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
+                                                NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
     for t in range(fast_end, t_end):
         t0 = t * BT
         if PAGE > 0:
@@ -1619,7 +1702,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
-                     exact_bases: bool = True, hint: int | None = None):
+                     exact_bases: bool = True, hint: int | None = None, early: bool | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1634,7 +1717,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             programmatic dependent launch instructions (``PDL``; the launch option is the launcher's); fold / merge:
             the unit-major kernel's query fold and split merge in the pass (``FOLD`` / ``MERGE``; bf16 q, bases, new
             tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo); hint:
-            the latent loads' cache hint (``HINT``; None: :func:`load_hint`).
+            the latent loads' cache hint (``HINT``; None: :func:`load_hint`); early: the first tile before the folded
+            query in L2 (``EARLY``; None: :func:`early_tile`).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1666,7 +1750,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
         unit = ("stride_qd", "stride_bkr", "stride_nkd", "stride_nvd", "stride_bvr", "stride_od")
         sig.update({n: "constexpr" for n in unit})  # (a launch specialises unit strides the same way)
         sig.update(FOLD="constexpr", MERGE="constexpr", D_PAD="constexpr", Q_EXACT="constexpr", BK_EXACT="constexpr",
-                   BV_EXACT="constexpr", HINT="constexpr")
+                   BV_EXACT="constexpr", HINT="constexpr", EARLY="constexpr")
         attrs.update({(i,): [["tt.divisibility", 16]] for i in range(36, 44)})  # q_ptr .. cnt_ptr, D
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
@@ -1678,6 +1762,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              PDL=pdl, FOLD=fold, MERGE=merge, D_PAD=128, Q_EXACT=True,
                                              BK_EXACT=exact_bases, **{n: 1 for n in unit},
                                              HINT=load_hint() if hint is None else hint,
+                                             EARLY=early_tile() if early is None else early,
                                              BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,

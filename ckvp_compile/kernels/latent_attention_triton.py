@@ -155,6 +155,13 @@ def fma_merge_on() -> bool:
     return FMA_MERGE_GPU_CHECKED if env is None else env == "1"
 
 
+def _prefetches(lam, latent_k: torch.Tensor, latent_v: torch.Tensor) -> dict:
+    """The unit-major pass's L2 prefetch of its first tile (``EARLY``: latent_attention_mma.early_tile), off unless
+    the latents start on 16-byte boundaries (the bulk prefetch's alignment)."""
+    aligned = latent_k.data_ptr() % 16 == 0 and latent_v.data_ptr() % 16 == 0
+    return dict(EARLY=lam.early_tile() and aligned)
+
+
 def pdl_launches(device: torch.device) -> bool:
     """Whether the MMA pass's launches chain by programmatic dependent launch on ``device``
     (:data:`PDL_GPU_CHECKED` or ``CKVP_PDL=1`` / ``0``; CUDA devices of compute capability 9.0 and later only,
@@ -2914,7 +2921,8 @@ def _launch(
                 PSCAN=lam.page_scan(),
                 VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
                 **({"launch_pdl": True} if pdl else {}),
-                **_reg_cap(cfg.maxnreg_m), **in_pass, HINT=lam.load_hint())
+                **_reg_cap(cfg.maxnreg_m), **in_pass, HINT=lam.load_hint(),
+                **_prefetches(lam, latent_k, latent_v))
             if merge_in:  # the pass's last program of each row merged it into out
                 _LAST_LAUNCH["fma_merge"] = _LAST_LAUNCH["one_pass_merge"] = False
                 return out.to(q.dtype)

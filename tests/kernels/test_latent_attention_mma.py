@@ -862,3 +862,42 @@ def test_load_hint_reads_only_known_values(monkeypatch):
         assert lam.load_hint() == want
     monkeypatch.delenv("CKVP_MMA_HINT")
     assert lam.load_hint() == lam.LOAD_HINT_GPU_CHECKED == 1  # evict_first since the H100 runs
+
+
+@pytest.mark.parametrize("page", [64, 0])
+def test_first_tile_prefetched_before_the_query(page):
+    """``EARLY`` (``CKVP_MMA_EARLY``): the split's first tile goes into L2 before the programmatic wait for the
+    fold and the folded query's loads: in 64-slot pages two bulk prefetches (the program's share of the key and
+    value pages), otherwise 4 per-lane prefetches; no other change to the tile loop, and no more registers."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available, tile_loop
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    kw = dict(unit_major=True, bits=8, lanes=True, pscan=True, vpair=True, pdl=True, hint=1)
+    ptx = lam.compile_for_sm90(4, 4, page, early=True, **kw).asm["ptx"]
+    base = lam.compile_for_sm90(4, 4, page, early=False, **kw).asm["ptx"]
+    mark = "cp.async.bulk.prefetch.L2.global" if page == 64 else "prefetch.global.L2 "
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    at = [i for i, line in enumerate(lines) if mark in line]
+    assert len(at) == (2 if page == 64 else 4) and max(at) < wait, (at, wait)
+    assert mark not in base and "prefetch" not in base
+    st, st0 = ptxas_stats(ptx), ptxas_stats(base)
+    if st["registers"] is not None and st0["registers"] is not None:
+        assert st["registers"] <= max(st0["registers"], 128)
+    if st["sass"] and st0["sass"]:
+        assert len(tile_loop(st["sass"])) == len(tile_loop(st0["sass"]))
+
+
+def test_first_tile_prefetch_needs_aligned_latents(monkeypatch):
+    """The launcher asks for the bulk prefetch only where both latents start on 16-byte boundaries; the switch
+    reads ``CKVP_MMA_EARLY``."""
+    from ckvp_compile.kernels import latent_attention_triton as lat
+
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    monkeypatch.setenv("CKVP_MMA_EARLY", "1")
+    assert lam.early_tile() and lat._prefetches(lam, buf, buf) == dict(EARLY=True)
+    assert lat._prefetches(lam, buf[4:], buf) == dict(EARLY=False)
+    monkeypatch.setenv("CKVP_MMA_EARLY", "0")
+    assert lat._prefetches(lam, buf, buf) == dict(EARLY=False)

@@ -154,8 +154,12 @@ def test_mma_pass_waits_before_the_folded_query_and_triggers_before_its_stores(b
     assert 0 <= wait < trig and ptx.count("griddepcontrol.wait") == 1 and ptx.count("launch_dependents") == 1
     assert "st.global" not in ptx[:trig] and "st.global" in ptx[trig:]  # after the tile loops, before the partials'
     # stores
-    # before the wait: only the four head metadata words (key / value first column and block), no store
+    # before the wait: only scalar loads of what the call's earlier launches wrote (the four head metadata words, the
+    # exact tokens' slots, the split's page-table entries) and the first tile's L2 prefetch (EARLY); the folded
+    # query (vector loads) after it; no store
     pre = ptx[:wait]
-    assert len(re.findall(r"ld\.global", pre)) == 4, re.findall(r"ld\.global.*", pre)
-    assert "st.global" not in pre
+    loads = re.findall(r"ld\.global\S*", pre)
+    assert 4 < len(loads) <= 10 and all(x in ("ld.global.b32", "ld.global.b64") for x in loads), loads
+    assert re.search(r"ld\.global\.v\d", ptx[wait:]) and not re.search(r"ld\.global(\.\S+)?\.v\d", pre)
+    assert "st.global" not in pre and pre.count("cp.async.bulk.prefetch.L2") == 2
     assert "griddepcontrol" not in lam.compile_for_sm90(4, 4, 64, unit_major=True, bits=bits, lanes=True).asm["ptx"]
