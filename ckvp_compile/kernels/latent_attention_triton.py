@@ -129,8 +129,15 @@ MAX_GROUP = 64
 #: overlap the kernel before it. Every write stays after its kernel's wait. Checked on the H200 with the pass
 #: triggering at its start (benchmarks/results/2026-12-05-fewer-instructions, r1: correct, CUDA-graph replays bit-equal
 #: to eager calls) but mixed there: batch 8, 32k -1 us at 2112 programs, batch 8, 128k +16 us at 1536; off
-#: (``CKVP_PDL=1`` turns it on).
+#: (``CKVP_PDL=1`` turns it on) except for short splits (:data:`PDL_MAX_TILES`).
 PDL_GPU_CHECKED = False
+
+#: PDL on by default where the MMA pass's splits have at most this many 64-slot tiles, i.e. where the launches' fixed
+#: costs are a large share of a call. With the pass triggering after its tile loops and its first tile prefetched
+#: (H100, benchmarks/results/2026-12-06-early-tile, r3 and r4, two interleaved repeats each, int8/32 at 2112
+#: programs): batch 8, 32k (16 tiles a split) 58.5-58.7 us a call against 59.2-59.4 without; at 64 tiles a split
+#: (batch 8, 128k; batch 32, 32k and 128k) -0.3% to +0.8%.
+PDL_MAX_TILES = 16
 
 #: The MMA pass's merge in fp32 multiply-adds, one warp per query head (:func:`_merge_fma_kernel`: no tensor-core
 #: tiles padded to 16 heads, no hi / lo splits, no per-head loop) instead of the per-head and one-pass
@@ -162,14 +169,17 @@ def _prefetches(lam, latent_k: torch.Tensor, latent_v: torch.Tensor) -> dict:
     return dict(EARLY=lam.early_tile() and aligned)
 
 
-def pdl_launches(device: torch.device) -> bool:
-    """Whether the MMA pass's launches chain by programmatic dependent launch on ``device``
-    (:data:`PDL_GPU_CHECKED` or ``CKVP_PDL=1`` / ``0``; CUDA devices of compute capability 9.0 and later only,
-    never under the interpreter). Raises nothing. Source: the CUDA Programming Guide's programmatic dependent launch
-    (``cudaLaunchAttributeProgrammaticStreamSerialization``, Triton's ``launch_pdl``) and the PTX ISA's
-    ``griddepcontrol``."""
+def pdl_launches(device: torch.device, tiles_per_split: int | None = None) -> bool:
+    """Whether the MMA pass's launches chain by programmatic dependent launch on ``device``: ``CKVP_PDL=1`` / ``0``,
+    else :data:`PDL_GPU_CHECKED`, or splits of ``tiles_per_split`` <= :data:`PDL_MAX_TILES` tiles; CUDA devices of
+    compute capability 9.0 and later only, never under the interpreter. Raises nothing. Source: the CUDA Programming
+    Guide's programmatic dependent launch (``cudaLaunchAttributeProgrammaticStreamSerialization``, Triton's
+    ``launch_pdl``) and the PTX ISA's ``griddepcontrol``."""
     env = os.environ.get("CKVP_PDL")
-    on = PDL_GPU_CHECKED if env is None else env == "1"
+    if env is not None:
+        on = env == "1"
+    else:
+        on = PDL_GPU_CHECKED or (tiles_per_split is not None and tiles_per_split <= PDL_MAX_TILES)
     return (on and device.type == "cuda" and not _interpreting()
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
@@ -2893,7 +2903,8 @@ def _launch(
     merge_in = mma is not None and mma["UNIT"] and mma["module"].merge_in_pass()
     _LAST_LAUNCH["mma_fold"] = fold_in
     _LAST_LAUNCH["mma_merge"] = merge_in
-    pdl = mma is not None and mma["UNIT"] and not fuse and not (fold_in or merge_in) and pdl_launches(q.device)
+    pdl = (mma is not None and mma["UNIT"] and not fuse and not (fold_in or merge_in)
+           and pdl_launches(q.device, tiles_per_split))
     _LAST_LAUNCH["pdl"] = pdl
     if mma is not None:
         lam = mma["module"]

@@ -42,6 +42,12 @@ def test_pdl_is_off_off_cuda_and_until_checked(monkeypatch):
     assert lat.pdl_launches(torch.device("cuda", 0)) is False
     monkeypatch.delenv("CKVP_PDL")
     assert lat.pdl_launches(torch.device("cuda", 0)) is lat.PDL_GPU_CHECKED
+    # by default on for short splits only (the fixed costs' share), whatever PDL_GPU_CHECKED says for the others
+    assert lat.pdl_launches(torch.device("cuda", 0), lat.PDL_MAX_TILES) is True
+    assert lat.pdl_launches(torch.device("cuda", 0), lat.PDL_MAX_TILES + 1) is lat.PDL_GPU_CHECKED
+    monkeypatch.setenv("CKVP_PDL", "0")
+    assert lat.pdl_launches(torch.device("cuda", 0), 1) is False
+    monkeypatch.delenv("CKVP_PDL")
     monkeypatch.setattr(lat, "_interpreting", lambda: True)
     monkeypatch.setenv("CKVP_PDL", "1")
     assert lat.pdl_launches(torch.device("cuda", 0)) is False
@@ -61,7 +67,7 @@ def test_launcher_chains_the_mma_launches_only_when_on(monkeypatch, on_fake_gpu,
     monkeypatch.setattr(lat, "_interpreting", lambda: False)
     monkeypatch.setattr(lat, "unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(lat, "_fold_query", lambda q, *a, **k: folds.append(a) or torch.zeros(1))
-    monkeypatch.setattr(lat, "pdl_launches", lambda device: on)
+    monkeypatch.setattr(lat, "pdl_launches", lambda device, tiles_per_split=None: on)
     monkeypatch.setattr(lat, "_sm_count", lambda device: 100)  # rows B * Hkv: 4 split over D, 128 not
     saved = dict(lat._LAST_LAUNCH)
     try:
