@@ -810,13 +810,17 @@ def _prefetch_tile(lk_w, lv_w, kbase, vbase, k_col, v_col, k_fields, v_fields, s
 
 @gluon.jit
 def _page_shares(h, Hkv, stride_lkb, stride_lvb):
-    """KV head h's part of a key page and of a value page for :func:`_prefetch_tile` (strides in 4-byte words; the
-    parts in 16-byte multiples, the last one shorter): (key first byte, key bytes, value first byte, value bytes)."""
-    ck = ((stride_lkb * 4 + Hkv - 1) // Hkv + 15) // 16 * 16
-    cv = ((stride_lvb * 4 + Hkv - 1) // Hkv + 15) // 16 * 16
-    k0 = gl.minimum(h * ck, stride_lkb * 4)
-    v0 = gl.minimum(h * cv, stride_lvb * 4)
-    return k0, gl.minimum(ck, stride_lkb * 4 - k0), v0, gl.minimum(cv, stride_lvb * 4 - v0)
+    """KV head h's part of a key page and of a value page for :func:`_prefetch_tile` (strides in 4-byte words, pages
+    of 64 slots: multiples of 64 bytes): (key first byte, key bytes, value first byte, value bytes), in 16-byte
+    multiples, inside the page and never empty (the last parts shorter, or overlapping where a page has fewer
+    16-byte runs than heads)."""
+    pk = stride_lkb * 4
+    pv = stride_lvb * 4
+    ck = ((pk + Hkv - 1) // Hkv + 15) // 16 * 16
+    cv = ((pv + Hkv - 1) // Hkv + 15) // 16 * 16
+    k0 = gl.minimum(h * ck, pk - 16)
+    v0 = gl.minimum(h * cv, pv - 16)
+    return k0, gl.minimum(ck, pk - k0), v0, gl.minimum(cv, pv - v0)
 
 
 @gluon.jit
