@@ -97,11 +97,15 @@ def _fold_query_kernel(qf_ptr, q_ptr, bk_ptr, kmeta_ptr, Hkv, S, G, D, qk_scale,
                        stride_qb, stride_qh, stride_qs, stride_qd, stride_bkb, stride_bkh, stride_bkd, stride_bkr,
                        QP: tl.constexpr, D_PAD: tl.constexpr, RKP: tl.constexpr, RKF: tl.constexpr,
                        Q_EXACT: tl.constexpr, BK_EXACT: tl.constexpr, F32_DOT: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, PDL_WAIT: tl.constexpr = False):
     """``qf[b, s, h, g, j] = qk_scale * sum_d q[b, h*G+g, s, d] * basis_k[(b,) h, d, j]`` (fp32; 0 for j >= the
     head's rank), qf (B, S, Hkv, G, RKP) contiguous. Grid (B*S, Hkv). QP / RKF: the product's rows and columns
     padded to the tensor cores' 16. PDL: let the next launch (a programmatic dependent: the MMA pass) start at once
-    (``griddepcontrol.launch_dependents``; it waits for this grid before reading qf)."""
+    (``griddepcontrol.launch_dependents``; it waits for this grid before reading qf). PDL_WAIT: this launch is itself
+    a programmatic dependent of the kernel before it: ``griddepcontrol.wait`` first (before the trigger, so that the
+    MMA pass's reads before its own wait still follow every earlier kernel)."""
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     bs = tl.program_id(0)

@@ -169,6 +169,19 @@ def _prefetches(lam, latent_k: torch.Tensor, latent_v: torch.Tensor) -> dict:
     return dict(EARLY=lam.early_tile() and aligned)
 
 
+#: The query fold itself launched as a programmatic dependent of whatever kernel precedes the call (its
+#: ``griddepcontrol.wait`` before it reads q), where the MMA pass's launches chain by PDL: the launch's latency then
+#: overlaps that kernel's end. Off until measured on the GPU (``CKVP_PDL_FOLD=1`` turns it on).
+PDL_FOLD_GPU_CHECKED = False
+
+
+def pdl_fold() -> bool:
+    """Whether the query fold is launched as a programmatic dependent of the kernel before it, where the MMA pass's
+    launches chain by PDL (:data:`PDL_FOLD_GPU_CHECKED`, or ``CKVP_PDL_FOLD=1`` / ``0``). Raises nothing."""
+    env = os.environ.get("CKVP_PDL_FOLD")
+    return PDL_FOLD_GPU_CHECKED if env is None else env == "1"
+
+
 def pdl_launches(device: torch.device, tiles_per_split: int | None = None) -> bool:
     """Whether the MMA pass's launches chain by programmatic dependent launch on ``device``: ``CKVP_PDL=1`` / ``0``,
     else :data:`PDL_GPU_CHECKED`, or splits of ``tiles_per_split`` <= :data:`PDL_MAX_TILES` tiles; CUDA devices of
@@ -2635,7 +2648,8 @@ def _fold_query(q: torch.Tensor, basis_k_block: torch.Tensor, kmeta: torch.Tenso
     """The query folded into the key basis for the table-free one-pass kernels (absorbed and lane passes):
     ``latent_attention_absorbed._fold_query_kernel``'s (B, S, Hkv, G, rkp) fp32 ``qk_scale * P_h^T q`` (log2
     units, 0 past each head's rank) for q (B, H, S, D) and basis_k_block (Hkv, D, R) or (B, Hkv, D, R). ``pdl``: the
-    next launch is its programmatic dependent (:func:`pdl_launches`). Records the launch as ``_LAST_LAUNCH["fold"]``.
+    next launch is its programmatic dependent (:func:`pdl_launches`), and with :func:`pdl_fold` this launch is one of
+    the kernel before it. Records the launch as ``_LAST_LAUNCH["fold"]``.
     Raises nothing beyond the kernel launch's own errors."""
     from . import latent_attention_absorbed as laa  # (that module imports this one's jit helpers)
 
@@ -2646,7 +2660,8 @@ def _fold_query(q: torch.Tensor, basis_k_block: torch.Tensor, kmeta: torch.Tenso
     _LAST_LAUNCH["fold"] = laa._fold_query_kernel[(b * s, hkv)](
         qf, q, basis_k_block, kmeta, hkv, s, g, d, qk_scale, *q.stride(), *_basis_strides(basis_k_block),
         QP=max(16, _np2(g)), D_PAD=_np2(d), RKP=rkp, RKF=max(16, rkp), Q_EXACT=q.dtype == torch.bfloat16,
-        BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, PDL=pdl, num_warps=4)
+        BK_EXACT=basis_k_block.dtype in BASIS_BF16_EXACT, F32_DOT=f32_dot, PDL=pdl, num_warps=4,
+        **({"PDL_WAIT": True, "launch_pdl": True} if pdl and pdl_fold() else {}))
     return qf
 
 

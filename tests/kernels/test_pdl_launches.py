@@ -8,7 +8,7 @@ tests check what decides correctness before that:
 * the launcher (the real ``_launch``, kernels recorded) passes ``launch_pdl`` and ``PDL`` to the pass and to the
   merge, and ``pdl`` to the fold, exactly when it is on, and never on the other passes;
 * compiled for sm_90a, each kernel has its instructions where the chain needs them: the fold
-  ``griddepcontrol.launch_dependents`` and no wait; the pass ``launch_dependents`` before ``wait``, and before
+  ``griddepcontrol.launch_dependents`` and no wait (with ``PDL_WAIT``, ``pdl_fold``: a wait first, before any load); the pass ``launch_dependents`` before ``wait``, and before
   ``wait`` only its four head-metadata loads (none of the folded query); the merge ``wait`` before any fp32 load (the partials) and before any store
   (only the bf16 value basis and query are read before it); without PDL, none of them.
 """
@@ -149,6 +149,40 @@ def test_fold_lets_the_pass_launch_and_does_not_wait():
     ptx = _compile(laa._fold_query_kernel, cx, True)
     assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" not in ptx
     assert "griddepcontrol" not in _compile(laa._fold_query_kernel, cx, False)
+
+
+def test_fold_as_a_dependent_waits_before_it_reads_and_triggers():
+    """PDL_WAIT (``pdl_fold``): the fold waits for the kernel before it first, before any load, then lets the MMA
+    pass launch (whose reads before its own wait then follow every earlier kernel)."""
+    _skip_without_sm90()
+    cx = dict(QP=16, D_PAD=128, RKP=32, RKF=32, Q_EXACT=True, BK_EXACT=True, F32_DOT=False, PDL_WAIT=True)
+    ptx = _compile(laa._fold_query_kernel, cx, True)
+    wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    assert 0 <= wait < trig and "ld.global" not in ptx[:wait] and "ld.global" in ptx[trig:]
+
+
+def test_fold_waits_only_when_asked(monkeypatch, on_fake_gpu):
+    """The launcher launches the fold as a programmatic dependent (``launch_pdl``, ``PDL_WAIT``) only where the
+    chain is on and ``pdl_fold`` says so (``CKVP_PDL_FOLD``; off by default)."""
+    calls = []
+
+    class _Fold:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(k)
+
+    monkeypatch.setattr(laa, "_fold_query_kernel", _Fold())
+    q = torch.zeros(1, 4, 1, 16)
+    bk = torch.zeros(1, 16, 32)
+    meta = torch.zeros(3, dtype=torch.int32)
+    for env, pdl, want in ((None, True, False), ("1", True, True), ("1", False, False), ("0", True, False)):
+        if env is None:
+            monkeypatch.delenv("CKVP_PDL_FOLD", raising=False)
+        else:
+            monkeypatch.setenv("CKVP_PDL_FOLD", env)
+        lat._fold_query(q, bk, meta, 32, 1.0, False, pdl)
+        kw = calls[-1]
+        assert kw.get("launch_pdl", False) is want and kw.get("PDL_WAIT", False) is want and kw["PDL"] is pdl
+    assert lat.PDL_FOLD_GPU_CHECKED is False
 
 
 @pytest.mark.parametrize("bits", [8, 4])
