@@ -207,7 +207,8 @@ def load_hint() -> int:
 
 def early_tile() -> bool:
     """Whether the unit-major kernel prefetches its first tile into L2 before it reads the folded query (``EARLY``):
-    :data:`EARLY_TILE_GPU_CHECKED`, or ``CKVP_MMA_EARLY=1`` / ``0``. Raises nothing."""
+    :data:`EARLY_TILE_GPU_CHECKED`, or ``CKVP_MMA_EARLY=1`` / ``0``. Raises nothing. Source: the PTX ISA's
+    ``prefetch`` and ``cp.async.bulk.prefetch`` (sm_90)."""
     return _switch("CKVP_MMA_EARLY", EARLY_TILE_GPU_CHECKED)
 
 

@@ -177,7 +177,8 @@ PDL_FOLD_GPU_CHECKED = False
 
 def pdl_fold() -> bool:
     """Whether the query fold is launched as a programmatic dependent of the kernel before it, where the MMA pass's
-    launches chain by PDL (:data:`PDL_FOLD_GPU_CHECKED`, or ``CKVP_PDL_FOLD=1`` / ``0``). Raises nothing."""
+    launches chain by PDL (:data:`PDL_FOLD_GPU_CHECKED`, or ``CKVP_PDL_FOLD=1`` / ``0``). Raises nothing. Source:
+    the CUDA Programming Guide's programmatic dependent launch."""
     env = os.environ.get("CKVP_PDL_FOLD")
     return PDL_FOLD_GPU_CHECKED if env is None else env == "1"
 

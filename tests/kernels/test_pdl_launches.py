@@ -3,14 +3,18 @@
 Nothing here runs on a GPU (benchmarks/mma_attention_gpu.py ``--variants pdl`` does, CUDA graphs included). These
 tests check what decides correctness before that:
 
-* :func:`~ckvp_compile.kernels.latent_attention_triton.pdl_launches` is off off CUDA, under the interpreter, below
-  sm_90 and while :data:`PDL_GPU_CHECKED` is False unless ``CKVP_PDL=1``;
+* :func:`~ckvp_compile.kernels.latent_attention_triton.pdl_launches` is off off CUDA, under the interpreter and below
+  sm_90; on sm_90 ``CKVP_PDL=1`` / ``0`` decides, else :data:`PDL_GPU_CHECKED` or a split of at most
+  :data:`PDL_MAX_TILES` tiles;
 * the launcher (the real ``_launch``, kernels recorded) passes ``launch_pdl`` and ``PDL`` to the pass and to the
-  merge, and ``pdl`` to the fold, exactly when it is on, and never on the other passes;
+  merge, and ``pdl`` to the fold, exactly when it is on, and never on the other passes; the fold waits itself only
+  with ``pdl_fold``;
 * compiled for sm_90a, each kernel has its instructions where the chain needs them: the fold
-  ``griddepcontrol.launch_dependents`` and no wait (with ``PDL_WAIT``, ``pdl_fold``: a wait first, before any load); the pass ``launch_dependents`` before ``wait``, and before
-  ``wait`` only its four head-metadata loads (none of the folded query); the merge ``wait`` before any fp32 load (the partials) and before any store
-  (only the bf16 value basis and query are read before it); without PDL, none of them.
+  ``griddepcontrol.launch_dependents`` and no wait (with ``PDL_WAIT``: a wait first, before any load); the pass
+  ``wait`` before ``launch_dependents``, and before ``wait`` only scalar loads of what earlier launches wrote (head
+  metadata, exact-token slots, page-table entries) and its first tile's L2 prefetch, none of the folded query; the
+  merge ``wait`` before any fp32 load (the partials) and before any store (only the bf16 value basis and query are
+  read before it); without PDL, none of them.
 """
 
 from __future__ import annotations
@@ -161,7 +165,7 @@ def test_fold_as_a_dependent_waits_before_it_reads_and_triggers():
     assert 0 <= wait < trig and "ld.global" not in ptx[:wait] and "ld.global" in ptx[trig:]
 
 
-def test_fold_waits_only_when_asked(monkeypatch, on_fake_gpu):
+def test_fold_waits_only_when_asked(monkeypatch):
     """The launcher launches the fold as a programmatic dependent (``launch_pdl``, ``PDL_WAIT``) only where the
     chain is on and ``pdl_fold`` says so (``CKVP_PDL_FOLD``; off by default)."""
     calls = []
