@@ -18,6 +18,7 @@ BENCHMARKS.md). With ``--dense`` nothing is lossy, and the exit status is 1 unle
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -281,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     # the same bases (saved) and the same rewrites, so that the report shows this run's ranks, formats and sites
     inspect = f"ckvp-inspect --model {args.model}"
     if cache is not None:
-        saved = Path(tempfile.gettempdir()) / "ckvp_generate_bases.safetensors"
+        fd, name = tempfile.mkstemp(prefix="ckvp_generate_bases_", suffix=".safetensors")  # one file a run
+        os.close(fd)
+        saved = Path(name)
         bases.save(saved)
         inspect += f" --bases {saved}"
     if args.expert_gemm == "on":

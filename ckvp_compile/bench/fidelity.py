@@ -214,9 +214,10 @@ class DenseReference:
 
 def _nll_and_argmax(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-window NLL sum over positions 1..W-1 (float64), the argmax predictions (B, W-1) and the
-    log-probabilities (B, W-1, V) float64 of the predicting positions 0..W-2."""
+    log-probabilities (B, W-1, V) float64 of the predicting positions 0..W-2, on the device of ``logits`` (``ids``
+    may be elsewhere: the windows of a GPU run stay where the caller keeps them)."""
     lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
-    nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
+    nll = -lp.gather(-1, ids[:, 1:, None].to(lp.device)).squeeze(-1).sum(-1)
     return nll, logits[:, :-1].argmax(-1), lp
 
 
