@@ -124,6 +124,11 @@ class CKVPBackend:
         config = self.config
         analysis = analyze(gm)
         if config.expert_offload:
+            if _needs_grad(example_inputs):  # (checked first: a traced graph-break there reads as an unknown MoE)
+                raise _compat.surface_through_dynamo(UnsupportedGraphError(
+                    "ckvp: expert offload is inference-only, but this call needs gradients (grad mode is on and "
+                    "parameters require grad). Fix: run the model under torch.no_grad() or torch.inference_mode() "
+                    "(HF generate() does); to train, load the model without offloading its experts."))
             _check_expert_offload(gm, analysis, config.expert_offload)
         binding = bind_latent_store(gm.graph, example_inputs, analysis)
         plan = make_plan(analysis, config, binding)

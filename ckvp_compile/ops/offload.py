@@ -101,5 +101,16 @@ def _(hidden, topk_ids, topk_weights, handle, layer) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
 
+def _no_backward(ctx, grad):
+    raise CKVPConfigError("ckvp::offload_experts is inference-only: a backward reached the offloaded experts (the "
+                          "forward ran with grad mode on). Fix: run the model under torch.no_grad() or "
+                          "torch.inference_mode() (HF generate() does); to train, load the model without offloading "
+                          "its experts")
+
+
+# a backward through the op raises the error above (torch's own, without it, names no fix)
+offload_experts.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 #: op name -> its Python handle (read by :func:`ckvp_compile.ops.register_all`).
 OPS = {"offload_experts": offload_experts}

@@ -333,7 +333,10 @@ class ExpertOffloader:
             raise CKVPConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
         if hidden.dtype != self.dtype or hidden.device != self.device or hidden.shape[-1] != self.dm:
             raise CKVPShapeError(f"hidden must be (T, {self.dm}) {self.dtype} on {self.device} (the offloaded experts' "
-                                 f"dtype and device), got {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
+                                 f"dtype and device), got {tuple(hidden.shape)} {hidden.dtype} on {hidden.device}. "
+                                 "The offloaded experts keep the dtype and device they had at offload time "
+                                 "(model.to() does not move them): cast or move the model before "
+                                 "ckvp_compile.offload_experts, or load it again and offload it again")
         if self._host_versions[layer] is not None and self._host_version(layer) != self._host_versions[layer]:
             self._refill(layer)  # the host store was written in place (a state-dict tensor): slots follow
         if self._sources is not None and self._changed(layer):
@@ -459,8 +462,23 @@ class OffloadedExperts(torch.nn.Module):
         self.handle, self.layer, self.num_experts = handle, layer, num_experts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """(T, Dm), (T, A) int, (T, A) float -> (T, Dm) hidden_states.dtype (see :class:`ExpertOffloader`)."""
+        """(T, Dm), (T, A) int, (T, A) float -> (T, Dm) hidden_states.dtype (see :class:`ExpertOffloader`). Inference
+        only: a backward through it raises CKVPConfigError (``ckvp::offload_experts``)."""
         return torch.ops.ckvp.offload_experts(hidden_states, top_k_index, top_k_weights, self.handle, self.layer)
+
+    def __deepcopy__(self, memo: dict) -> "OffloadedExperts":
+        """Refused: a copy would share this layer's offloader (one host store and device cache by handle), so
+        changing the copy's expert weights would change the original's. Raises CKVPConfigError naming the fix."""
+        raise CKVPConfigError("copy.deepcopy of a model whose experts are offloaded would share the offloader with "
+                              "the original (loading weights into the copy would change both). Fix: copy the model "
+                              "before ckvp_compile.offload_experts and offload each copy, or load it again")
+
+    def __reduce_ex__(self, protocol: int):
+        """Refused (``torch.save(model)``, pickling): the module holds only a handle into this process's offloader.
+        Raises CKVPConfigError naming the fix (save ``model.state_dict()``, which holds the expert weights)."""
+        raise CKVPConfigError("an expert-offloaded model cannot be pickled (torch.save(model)): its experts live in "
+                              "this process's offloader. Fix: save model.state_dict() (it holds the full expert "
+                              "weights) and load it into a new model, then offload that")
 
     def extra_repr(self) -> str:
         return f"handle={self.handle}, layer={self.layer}, num_experts={self.num_experts}"

@@ -491,3 +491,24 @@ def test_acceptance_memory_check_names_its_worst_row():
     assert "18.0 MiB on the device of which 2.0 MiB is allocated beside the cache's own tensors (16.0 MiB)" in line
     line = next(x for x in _acceptance([row(7.98, 2**30, 2**30 - 2**20, 64)], []) if x.startswith("4. "))
     assert "worst deviation 0.2%" in line and "**met**" in line
+
+
+def test_fixture_trained_context_is_where_its_loss_jumps():
+    """FIXTURE_TRAINED_CONTEXT is a measured property of the bundled model: its next-byte loss on held-out text is
+    low up to that position and far higher past it (the fixture bench warns beyond it)."""
+    from transformers import AutoModelForCausalLM
+
+    from ckvp_compile.bench.decode_fixture import FIXTURE_TRAINED_CONTEXT, default_model_dir
+
+    d = default_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, local_files_only=True).eval()
+    text = (d / "eval_text.txt").read_bytes()
+    n = 2 * FIXTURE_TRAINED_CONTEXT
+    ids = torch.tensor([list(text[i:i + n]) for i in range(100_000, 100_000 + 4 * n, n)])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1),
+                                            reduction="none").view(ids.shape[0], -1)
+    inside = float(nll[:, FIXTURE_TRAINED_CONTEXT // 2:FIXTURE_TRAINED_CONTEXT - 1].mean())
+    past = float(nll[:, FIXTURE_TRAINED_CONTEXT + 16:].mean())
+    assert inside < 1.0 and past > 2 * inside, (inside, past)

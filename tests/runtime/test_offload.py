@@ -335,3 +335,35 @@ def test_router_without_a_weight_keeps_the_last_fold(fixture_windows):
     torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(handle.predictors[0][0], before)
     handle.close()
+
+
+def test_copies_grads_and_casts_of_an_offloaded_model_name_the_fix(fixture_windows):
+    """What an offloaded model cannot do fails with an error that names the fix, and the model stays usable: a deep
+    copy or a pickle (they would share, or lose, the offloader), a backward (inference-only op), a forward after
+    ``model.to(dtype)`` (the experts keep their offload-time dtype)."""
+    import pickle
+
+    from ckvp_compile.errors import CKVPError, CKVPShapeError
+
+    plain = load_fixture_model()
+    model = load_fixture_model()
+    handle = offload_experts(model, resident=2)
+    ids = fixture_windows[0]
+    with pytest.raises(CKVPConfigError, match="copy the model before ckvp_compile.offload_experts"):
+        copy.deepcopy(model)
+    with pytest.raises(CKVPConfigError, match=r"save model.state_dict\(\)"):
+        pickle.dumps(model)
+    out = model(ids).logits  # grad mode on: the forward runs, a backward is refused
+    assert out.requires_grad
+    with pytest.raises(CKVPConfigError, match=r"inference-only.*torch.no_grad\(\)"):
+        out.sum().backward()
+    compiled = torch.compile(model.forward, backend="ckvp",
+                             options={"compiler": "aot_eager", "expert_offload": 2})
+    with pytest.raises(CKVPError, match=r"expert offload is inference-only.*torch.no_grad\(\)"):
+        compiled(ids)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)  # still usable
+        with pytest.raises(CKVPShapeError, match="cast or move the model before ckvp_compile.offload_experts"):
+            model.to(torch.bfloat16)(ids)
+    handle.close()
