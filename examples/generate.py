@@ -95,6 +95,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--budget-len must be >= 1 (a cache length in tokens, e.g. 4096), got {args.budget_len}")
     if args.recent_window < 0:
         p.error(f"--recent-window must be >= 0 (tokens kept exact; 0: none), got {args.recent_window}")
+    if args.kv_ratio is not None and args.recent_window >= args.budget_len:
+        p.error(f"--recent-window {args.recent_window} must be below --budget-len {args.budget_len}: the window's "
+                "exact tokens come out of the byte budget counted at that length")
 
 
 def load(model_dir: Path, device: str, dtype: torch.dtype):

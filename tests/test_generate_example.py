@@ -36,6 +36,7 @@ def example(monkeypatch):
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--budget-len", "0"], "--budget-len must be >= 1"),
     (["--recent-window", "-1"], "--recent-window must be >= 0"),
+    (["--recent-window", "4096"], "--recent-window 4096 must be below --budget-len 4096"),
     (["--device", "tpu"], "use cpu, cuda or cuda:N"),
     (["--group-size", "3"], "invalid choice"),
     (["--dense", "--kv-ratio", "4"], "--dense keeps a dense cache and --kv-ratio asks for a latent one"),
