@@ -62,6 +62,8 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
 DEFAULT_GROUP_SIZE = 4
 #: ``ckvp-bench decode --shape fixture --calib-windows`` default; fixture rows of runs with another count are labelled.
 DEFAULT_CALIB_WINDOWS = 16
+#: ``ckvp-bench decode --shape fixture``'s default ``--prompt-len`` (rows of other prompt lengths are labelled)
+DEFAULT_PROMPT_LEN = 128
 
 
 def _key(r: dict[str, Any]) -> tuple:
@@ -147,9 +149,10 @@ def _fixture_label(meta: dict[str, Any], row: dict[str, Any]) -> str:
     """A fixture row's latent format, with a planned row's non-default bit-plan blocks (``mix/64``), the run's dense
     recent window, key-rank cap, non-default latent group size (``G=1``), post-RoPE key bases (``--key-space
     post_rope``) and non-default calibration windows when it had them (other calibration windows also move the
-    prompts, which start after them: ``bench.decode_fixture``)."""
+    prompts, which start after them: ``bench.decode_fixture``); every row of a run with prompts of another length
+    than the default 128 tokens says so (its dense floor too: agreement depends on the context)."""
     w, cap, g = meta.get("recent_window") or 0, meta.get("max_key_rank"), meta.get("group_size")
-    cw = meta.get("calib_windows")
+    cw, pl = meta.get("calib_windows"), meta.get("prompt_len")
     latent = row["latent_format"] and row["ratio_requested"] is not None  # not dense, nor its bf16-KV floor
     blocks = row.get("planned_format") or meta.get("planned_format")
     return ((row["latent_format"] or "-") + (f" {blocks}" if latent and blocks not in (None, "mix/32") else "")
@@ -158,7 +161,8 @@ def _fixture_label(meta: dict[str, Any], row: dict[str, Any]) -> str:
             + (f", G={g}" if latent and g not in (None, DEFAULT_GROUP_SIZE) else "")
             + (", post-RoPE keys" if latent and meta.get("key_space") == "post_rope" else "")
             + (f", {cw} calibration windows (other prompts)" if latent and cw not in (None, DEFAULT_CALIB_WINDOWS)
-               else ""))
+               else "")
+            + (f", {pl}-token prompts" if pl not in (None, DEFAULT_PROMPT_LEN) else ""))
 
 
 def _fixture_section(datas: Sequence[dict[str, Any]], plots: dict[str, str]) -> list[str]:

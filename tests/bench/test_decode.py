@@ -172,7 +172,7 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     # a fixture run with another group size is labelled too (its latent rows only)
     fx = json.loads(fixture.read_text())
     assert fx["meta"]["calib_windows"] == 1 and fx["meta"]["key_space"] == "pre_rope"
-    fx["meta"]["calib_windows"] = 16  # the default: not labelled
+    fx["meta"].update(calib_windows=16, prompt_len=128)  # the defaults: not labelled
     fixture.write_text(json.dumps(fx))
     fx["meta"]["group_size"] = 1
     fx_g1 = tmp_path / "fixture_g1.json"
@@ -185,11 +185,16 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     fx["meta"].update(calib_windows=16, key_space="post_rope")
     fx_post = tmp_path / "fixture_post.json"
     fx_post.write_text(json.dumps(fx))
-    assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), str(fx_c64), str(fx_post), "--markdown",
-                      str(md)]) == 0
+    # ... and one with longer prompts: all its rows, the dense floor's too (agreement depends on the context)
+    fx["meta"].update(key_space="pre_rope", prompt_len=448)
+    fx_448 = tmp_path / "fixture_448.json"
+    fx_448.write_text(json.dumps(fx))
+    assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), str(fx_c64), str(fx_post), str(fx_448),
+                      "--markdown", str(md)]) == 0
     text = md.read_text()
     assert "| 4x | int4, G=1 |" in text and "| 4x | int4 |" in text and "| dense | dense, bf16 KV |" in text
     assert "| 4x | int4, 64 calibration windows (other prompts) |" in text and "| 4x | int4, post-RoPE keys |" in text
+    assert "| 4x | int4, 448-token prompts |" in text and "| dense | dense, bf16 KV, 448-token prompts |" in text
 
 
 def test_fixture_planned_rotated_fp8_bases(tmp_path):
