@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import CKVPConfigError, CKVPError
-from .store import LatentKVStore
+from .store import COPY_REFUSED, LatentKVStore
 
 _EAGER_ERROR = (
     "this is a ckvp latent KV cache: its dense K/V tensors hold no data and only a model compiled with "
@@ -244,9 +244,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
     def __deepcopy__(self, memo: dict) -> "CKVPStaticCache":
         """Refused (HF's prompt-reuse recipe deep-copies a prefilled cache): raises CKVPConfigError naming the fix
         (a new cache, prefilled again); a copy's tensors would not be registered with the compiled graphs."""
-        raise CKVPConfigError("a ckvp latent KV cache cannot be copied (copy.deepcopy): the compiled graphs find its "
-                              "latent store by the addresses of its tensors, which a copy does not have. Fix: to "
-                              "reuse a prompt, build a new cache with the same arguments and prefill the prompt into it")
+        raise CKVPConfigError(COPY_REFUSED)
 
     def reset(self) -> None:
         """Start over (a new ``generate()``): zero the store's latents and every layer's length counter, and unmap

@@ -127,6 +127,12 @@ class StoreBytes:
         return self.dense_elements * size / max(1, held)
 
 
+#: Why a latent store, and a cache holding one, refuses ``copy.deepcopy``, and the fix.
+COPY_REFUSED = ("a ckvp latent KV cache cannot be copied (copy.deepcopy): the compiled graphs find its latent store by "
+                "the addresses of its tensors, which a copy does not have. Fix: to reuse a prompt, build a new cache "
+                "with the same arguments and prefill the prompt into it")
+
+
 class LatentKVStore:
     """Device tensors of the cross-layer latent KV cache of one cache (B sequences, S_max slots).
 
@@ -383,9 +389,7 @@ class LatentKVStore:
     def __deepcopy__(self, memo: dict) -> "LatentKVStore":
         """Refused: raises CKVPConfigError naming the fix (a new cache, prefilled again); the compiled graphs find a
         store by its tensors' addresses, which a copy would not have."""
-        raise CKVPConfigError("a ckvp latent KV cache cannot be copied (copy.deepcopy): the compiled graphs find its "
-                              "latent store by the addresses of its tensors, which a copy does not have. Fix: to "
-                              "reuse a prompt, build a new cache with the same arguments and prefill the prompt into it")
+        raise CKVPConfigError(COPY_REFUSED)
 
     def reset(self) -> None:
         """Forget every sequence (a new ``generate()`` call): zero latents and slot positions (and online bases),
