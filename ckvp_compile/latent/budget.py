@@ -22,7 +22,7 @@ from ..kernels.latent_layout import padded_units
 from .ranks import max_key_rank_error, rank_block_error
 
 __all__ = ["AUTO_RANK_BLOCK_SLACK", "bases_for_byte_ratio", "default_rank_block", "dense_kv_bytes", "fit_byte_ratio",
-           "store_bytes", "window_bytes"]
+           "format_pair", "store_bytes", "window_bytes"]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -150,7 +150,8 @@ def fit_byte_ratio(build: Callable[[float], Any], target: float, max_elements_ra
     return best
 
 
-def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "float", *, batch_size: int = 1,
+def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str | tuple[str, str] = "float", *,
+                         batch_size: int = 1,
                          max_cache_len: int = 4096, rank_allocation: str = "energy", basis: str = "pca",
                          dense_dtype: torch.dtype = torch.bfloat16,
                          latent_dtype: torch.dtype = torch.bfloat16, basis_dtype: torch.dtype | None = None,
@@ -163,7 +164,9 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         kv_ratio: dense bytes / store bytes (latents, slot positions and bases; not the RoPE tables) for
             ``batch_size`` sequences of ``max_cache_len`` slots; 1.0 means full rank (a control: the store then
             holds more than the dense cache).
-        latent_format: storage of the latents (``"float"`` = ``latent_dtype``, ``"int8"``, ``"int4/64"``, ...).
+        latent_format: storage of the latents (``"float"`` = ``latent_dtype``, ``"int8"``, ``"int4/64"``, ...), one
+            format for keys and values or a (K, V) pair of them (as ``CKVPStaticCache(latent_format=...)`` takes; the
+            ranks are allocated by energy alone, whatever each side's bytes per coordinate).
         batch_size, max_cache_len: the cache the ratio is counted for (the bases are shared by the batch).
         rank_allocation, basis: as for :func:`~ckvp_compile.latent.calibrate` ('weighted' bases get the ranks
             the 'pca' fit chose).
@@ -172,11 +175,13 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         basis_dtype: dtype of the bases on the device when not ``latent_dtype`` (e.g. ``torch.float8_e4m3fn``).
         rotate: rotate each head's columns in blocks of the format's quantization block
             (:func:`~ckvp_compile.latent.rotation.rotate_basis_blocks`: equal-variance coordinates per block,
-            same subspace); recorded as ``rotation="hadamard/<block>"``. Needs a quantized format.
+            same subspace); recorded as ``rotation="hadamard/<block>"``. Needs a quantized format (one block for
+            keys and values).
         residual_format: '' or the ALR-KVD residual's format (e.g. ``"int2/64"``), whose bytes count.
         recent_window: the store's dense recent window (tokens), whose bytes count (:func:`window_bytes`).
         rank_block: ranks in whole blocks of this many coordinates (:func:`~ckvp_compile.latent.allocate_ranks`);
-            None (default): the format's quantization block for a uniform quantized format (each head's codes
+            None (default): the format's quantization block for a uniform quantized format (of a pair: the larger
+            block where both are uniform quantized and one block divides the other, else 1; each head's codes
             fill whole blocks and start aligned in the latent row: the decode kernel loads them as vectors)
             unless those coarser steps overshoot ``kv_ratio`` by more than :data:`AUTO_RANK_BLOCK_SLACK` (small
             models, where one step is a large share of the budget), then 1 (any rank), as for other formats.
@@ -187,34 +192,33 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
         :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
         ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
     Raises:
-        CKVPConfigError: an unknown format, a ratio no rank reaches, a ``rank_block`` that is not an int >= 1, a
+        CKVPConfigError: an unknown format (or not a name or a (K, V) pair of names), a ratio no rank reaches, a ``rank_block`` that is not an int >= 1, a
             ``max_key_rank`` that is not None or an int >= 1, or one that leaves too few coordinates for
             ``kv_ratio`` (more than 5% above it with every unit at its cap; the message names the reachable ratio).
     """
     _check_target(kv_ratio)
-    try:
-        parsed = parse_latent_format(latent_format)
-    except ValueError as e:
-        raise CKVPConfigError(str(e)) from None
-    fmt = parsed.name
+    kfmt, vfmt = format_pair(latent_format)
     auto = rank_block is None
     if auto:
-        rank_block = default_rank_block(fmt)
+        rank_block = default_rank_block((kfmt, vfmt))
     if rank_block_error(rank_block):
         raise CKVPConfigError(rank_block_error(rank_block) + " (or None: the format's block)")
     if max_key_rank_error(max_key_rank):
         raise CKVPConfigError(max_key_rank_error(max_key_rank))
     cap = {"max_key_rank": max_key_rank} if max_key_rank is not None else {}  # moments without the option work
     _check_window(recent_window)
-    if rotate and not parse_latent_format(fmt).quantized:
-        raise CKVPConfigError("rotate=True needs a quantized latent format (its blocks are what is rotated)")
+    if rotate:
+        blocks = {parse_latent_format(f).block if parse_latent_format(f).quantized else None for f in (kfmt, vfmt)}
+        if None in blocks or len(blocks) > 1:
+            raise CKVPConfigError("rotate=True needs quantized latent formats of one block for keys and values (their "
+                                  f"blocks are what is rotated), got {(kfmt, vfmt) if kfmt != vfmt else kfmt!r}")
     if kv_ratio == 1.0:
         full = moments.bases(1.0, rank_allocation, basis, rank_block=rank_block, **cap)
-        out = dataclasses.replace(full, k_formats=(fmt,) * len(full.groups), v_formats=(fmt,) * len(full.groups))
-        return _rotated(out, fmt) if rotate else out
+        out = dataclasses.replace(full, k_formats=(kfmt,) * len(full.groups), v_formats=(vfmt,) * len(full.groups))
+        return _rotated(out, kfmt) if rotate else out
 
     def byte_ratio(b: Any) -> float:
-        return _byte_ratio(b, fmt, batch_size=batch_size, max_cache_len=max_cache_len, dense_dtype=dense_dtype,
+        return _byte_ratio(b, kfmt, vfmt, batch_size=batch_size, max_cache_len=max_cache_len, dense_dtype=dense_dtype,
                            latent_dtype=latent_dtype, basis_dtype=basis_dtype, residual_format=residual_format,
                            recent_window=recent_window)
 
@@ -240,9 +244,30 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
     # 'weighted' bases keep the ranks of the 'pca' fit, hence its bytes
     out = pca if basis == "pca" else moments.bases(pca.target_ratio, rank_allocation, basis, rank_block=rank_block,
                                                    **cap)
-    n = len(out.groups)  # the format the ranks were fitted for: a cache with latent_format="auto" uses it
-    out = dataclasses.replace(out, k_formats=(fmt,) * n, v_formats=(fmt,) * n)
-    return _rotated(out, fmt) if rotate else out
+    n = len(out.groups)  # the formats the ranks were fitted for: a cache with latent_format="auto" uses them
+    out = dataclasses.replace(out, k_formats=(kfmt,) * n, v_formats=(vfmt,) * n)
+    return _rotated(out, kfmt) if rotate else out
+
+
+def format_pair(latent_format: Any) -> tuple[str, str]:
+    """The (key, value) latent format names of ``latent_format``: one format name for both, or a (K, V) pair.
+
+    Raises:
+        CKVPConfigError: neither a format name nor a pair of them, or an unknown format (the message lists the
+            known ones).
+    """
+    if isinstance(latent_format, str):
+        names = (latent_format, latent_format)
+    elif isinstance(latent_format, (tuple, list)) and len(latent_format) == 2:
+        names = tuple(latent_format)
+    else:
+        raise CKVPConfigError(f"latent_format must be a format name (e.g. 'int4') or a (K, V) pair of them (e.g. "
+                              f"('int4', 'int8')), got {latent_format!r}")
+    try:
+        k, v = (parse_latent_format(n).name for n in names)
+    except (ValueError, TypeError) as e:
+        raise CKVPConfigError(f"latent_format: {e}") from None
+    return k, v
 
 
 #: How far above the requested byte ratio the default whole-block ranks of :func:`bases_for_byte_ratio` may land
@@ -250,19 +275,24 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str = "fl
 AUTO_RANK_BLOCK_SLACK = 0.05
 
 
-def _byte_ratio(b: Any, fmt: str, *, batch_size: int, max_cache_len: int, dense_dtype: torch.dtype,
+def _byte_ratio(b: Any, kfmt: str, vfmt: str, *, batch_size: int, max_cache_len: int, dense_dtype: torch.dtype,
                 latent_dtype: torch.dtype, basis_dtype: torch.dtype | None, residual_format: str, recent_window: int,
                 **_: Any) -> float:
-    """Dense bytes / store bytes of bases ``b`` stored in ``fmt`` (see :func:`store_bytes`)."""
+    """Dense bytes / store bytes of bases ``b`` with keys stored in ``kfmt``, values in ``vfmt`` (see
+    :func:`store_bytes`)."""
     return (dense_kv_bytes(b, batch_size, max_cache_len, dense_dtype)
-            / store_bytes(b, batch_size, max_cache_len, fmt, fmt, latent_dtype, basis_dtype=basis_dtype,
+            / store_bytes(b, batch_size, max_cache_len, kfmt, vfmt, latent_dtype, basis_dtype=basis_dtype,
                           residual_format=residual_format, recent_window=recent_window))
 
 
-def default_rank_block(latent_format: str) -> int:
+def default_rank_block(latent_format: str | tuple[str, str]) -> int:
     """The ``rank_block`` :func:`bases_for_byte_ratio` uses by default for ``latent_format``: the quantization block
-    of a uniform quantized format (``"int4"`` -> 32, ``"int2/16"`` -> 16), else 1. Raises ValueError for an
-    unknown format."""
+    of a uniform quantized format (``"int4"`` -> 32, ``"int2/16"`` -> 16), else 1; for a (K, V) pair, the larger of
+    the two blocks where both are > 1 and one divides the other (whole blocks on both sides), else 1. Raises
+    ValueError for an unknown format (CKVPConfigError for a malformed pair)."""
+    if not isinstance(latent_format, str):
+        k, v = (default_rank_block(f) for f in format_pair(latent_format))
+        return max(k, v) if k > 1 and v > 1 and max(k, v) % min(k, v) == 0 else 1
     f = parse_latent_format(latent_format)
     return int(f.block) if f.quantized and not f.mixed and f.block > 1 else 1
 

@@ -184,7 +184,7 @@ class KVMoments:
 def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: CKVPConfig | None = None, *,
               group_size: int | None = None, kv_ratio: float = 4.0, rank_allocation: str = "energy",
               basis: str = "pca", max_cache_len: int | None = None, progress: bool = True,
-              latent_format: str | None = None, batch_size: int = 1, cache_len: int = 4096,
+              latent_format: str | tuple[str, str] | None = None, batch_size: int = 1, cache_len: int = 4096,
               dense_dtype: torch.dtype = torch.bfloat16, latent_dtype: torch.dtype = torch.bfloat16,
               recent_window: int = 0, rank_block: int | None = None,
               max_key_rank: int | None = None, key_space: str = "pre_rope") -> LatentBases:
@@ -209,7 +209,8 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             G=4 with 'uniform' ranks it lowers the perplexity rise, see benchmarks/results).
         max_cache_len: static cache length; default each sample's S.
         progress: show a tqdm bar over the samples.
-        latent_format: when given (``"float"``, ``"int8"``, ``"int4"``, ...: the format the cache will store),
+        latent_format: when given (``"float"``, ``"int8"``, ``"int4"``, ..., or a (K, V) pair such as
+            ``("int4", "int8")``: the format the cache will store),
             ranks are fitted so that a cache of ``batch_size`` sequences x ``cache_len`` slots holds
             ``kv_ratio`` times fewer bytes than a dense ``dense_dtype`` cache, counting the latent rows, slot
             positions and the bases in ``latent_dtype``
@@ -271,12 +272,9 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
     # the byte budget's arguments are checked before any sample runs (a typo must not cost a calibration run, nor
     # use up a one-shot iterable of samples)
     if latent_format is not None:
-        from ..kernels.latent_format import parse_latent_format
+        from .budget import format_pair
 
-        try:
-            parse_latent_format(latent_format)
-        except (ValueError, TypeError) as e:
-            raise CKVPConfigError(f"latent_format: {e}") from None
+        format_pair(latent_format)
         for name, dt, of in (("dense_dtype", dense_dtype, "the dense cache the ratio is counted against"),
                              ("latent_dtype", latent_dtype, "the bases and float latents")):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:

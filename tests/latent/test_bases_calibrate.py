@@ -368,25 +368,66 @@ def test_fixture_model_ratio_4_group_4():
                 assert bases.retained_fraction(g, h, kind) > 0.9
 
 
-@pytest.mark.parametrize("fmt", ["float", "int8", "int4/16"])
+@pytest.mark.parametrize("fmt", ["float", "int8", "int4/16", ("int4/16", "int8/32"), ["float", "int4"]])
 def test_calibrate_to_a_byte_ratio_meets_it_on_the_store(fmt):
-    """calibrate(latent_format=...) fits ranks so that the store of that format, bases and scales counted, holds
-    kv_ratio times fewer bytes than a bf16 dense cache; and it keeps as much rank as that allows."""
+    """calibrate(latent_format=...) fits ranks so that the store of that format (or (K, V) pair of formats, as the
+    cache takes), bases and scales counted, holds kv_ratio times fewer bytes than a bf16 dense cache; and it keeps
+    as much rank as that allows."""
     from ckvp_compile.kernels.latent_format import parse_latent_format
     from ckvp_compile.latent.budget import store_bytes
     from ckvp_compile.runtime.store import LatentKVStore
     from ckvp_compile.testing import build_hf_moe
 
+    kfmt, vfmt = (fmt, fmt) if isinstance(fmt, str) else fmt
     model = build_hf_moe("mixtral", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16)
     samples = [torch.randint(0, 256, (1, 24)) for _ in range(2)]
     bases = calibrate(model, samples, group_size=2, kv_ratio=3.0, progress=False, latent_format=fmt, batch_size=2,
                       cache_len=256)
-    assert bases.k_formats == bases.v_formats == (parse_latent_format(fmt).name,) * len(bases.groups)
-    store = LatentKVStore(bases, 2, 256, "cpu", torch.float32, latent_dtype=torch.bfloat16)  # 'auto': the format
+    assert bases.k_formats == (parse_latent_format(kfmt).name,) * len(bases.groups)
+    assert bases.v_formats == (parse_latent_format(vfmt).name,) * len(bases.groups)
+    store = LatentKVStore(bases, 2, 256, "cpu", torch.float32, latent_dtype=torch.bfloat16)  # 'auto': the formats
     nb = store.nbytes()
     assert nb.ratio_vs(torch.bfloat16) >= 3.0
-    assert store_bytes(bases, 2, 256, fmt, fmt, torch.bfloat16) == nb.per_sequence_state + nb.bases
+    assert store_bytes(bases, 2, 256, kfmt, vfmt, torch.bfloat16) == nb.per_sequence_state + nb.bases
     assert bases.ratio() < 3.0 or fmt == "float"  # quantized latents buy rank beyond the element ratio
+
+
+def test_byte_ratio_format_pairs_and_their_refusals():
+    """A (K, V) format pair: the default rank block is the larger block where one divides the other, else 1 (any
+    rank); rotation needs one quantized block on both sides; a format that is neither a name nor a pair of names is
+    a CKVPConfigError naming both forms, raised by calibrate before any sample runs."""
+    from ckvp_compile.latent.budget import bases_for_byte_ratio, default_rank_block, format_pair
+    from ckvp_compile.testing import build_hf_moe
+
+    assert format_pair("int4") == ("int4/32", "int4/32") and format_pair(("int4/16", "float")) == ("int4/16", "float")
+    assert [default_rank_block(p) for p in (("int4/16", "int8/32"), ("int8/32", "int4/32"), ("int4/16", "float"),
+                                            ("int4/32", "mix/32:4x16+2x16"))] == [32, 32, 1, 1]
+    torch.manual_seed(0)
+    model = build_hf_moe("mixtral", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+    moments = collect_kv_moments(model, [torch.randint(0, 256, (1, 64))], group_size=2, progress=False)
+    for pair, step in ((("int4/16", "int8/32"), 32), (("int4/16", "float"), 1)):
+        def fit(block):
+            b = bases_for_byte_ratio(moments, 3.0, pair, batch_size=2, max_cache_len=256, rank_block=block)
+            return b.k_ranks, b.v_ranks
+
+        blocked, auto = fit(step), fit(None)
+        assert auto in (blocked, fit(1))  # whole blocks, or any rank where they overshoot the ratio (the slack rule)
+        assert all(r in rank_steps(64, step) for rs in (*blocked[0], *blocked[1]) for r in rs)
+    rotated = bases_for_byte_ratio(moments, 3.0, ("int4/16", "int8/16"), batch_size=2, max_cache_len=256, rotate=True)
+    assert rotated.rotation == "hadamard/16"
+    for pair in (("int4/16", "int8/32"), ("int4", "float")):
+        with pytest.raises(CKVPConfigError, match="rotate=True needs quantized latent formats of one block"):
+            bases_for_byte_ratio(moments, 3.0, pair, rotate=True)
+    for bad in (("int4",), ("int4", "int8", "int8"), 4, None, ("int4", "int5")):
+        with pytest.raises(CKVPConfigError, match="latent_format"):
+            bases_for_byte_ratio(moments, 3.0, bad)
+
+    def samples():
+        raise AssertionError("a sample ran before the format was checked")
+        yield
+
+    with pytest.raises(CKVPConfigError, match=r"a \(K, V\) pair"):
+        calibrate(model, samples(), kv_ratio=3.0, progress=False, latent_format=("int4",))
 
 
 def test_byte_ratio_ranks_fill_whole_quantization_blocks_by_default():
