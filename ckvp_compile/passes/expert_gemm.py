@@ -225,8 +225,7 @@ def _understand(graph: fx.Graph, site: MoESite) -> _Rewrite:
     i = site.ffn_dim
     e = site.num_experts
     if _shape(down) != (e, dm, i):
-        raise _Skip(f"down weight {down.name} is {_shape(down)}, expected (E, Dm, I) = {(e, dm, i)} (a transposed "
-                    "experts layout is NYI)")
+        raise _Skip(_weight_shape_reason(f"down weight {down.name}", _shape(down), (e, dm, i), "(E, Dm, I)"))
     gate, up = _gate_up_roles(ups, e, dm, i)
     x = _experts_input(x, down)
     combine = [c for c in (moe_analysis._find_combine(g.node) for g in downs) if c is not None]
@@ -802,6 +801,16 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(s) if s is not None else None
 
 
+def _weight_shape_reason(what: str, shape: tuple | None, want: tuple[int, int, int], dims: str) -> str:
+    """Why a stacked expert weight of ``shape`` is not the ``want`` = (E, ., .) the site's router and GEMMs imply."""
+    if shape is not None and len(shape) == 3 and tuple(shape[1:]) == want[1:] and shape[0] < want[0]:
+        return (f"the router scores E = {want[0]} experts but {what} stacks {shape[0]}: router outputs without "
+                "expert weights (null / zero-computation experts, as in MoE++ or LongCat-Flash) are NYI")
+    transposed = shape is not None and sorted(shape) == sorted(want)
+    return (f"{what} is {shape}, expected {dims} = {want}"
+            + (" (a transposed experts layout is NYI)" if transposed else ""))
+
+
 def _gate_up_roles(ups, e: int, dm: int, i: int) -> tuple[tuple[fx.Node, int | None], tuple[fx.Node, int | None]]:
     """Return ((gate weight, half), (up weight, half)) from the activation structure ``silu(gate) * up``."""
     weights = list(dict.fromkeys(g.weight for g in ups))
@@ -816,7 +825,8 @@ def _gate_up_roles(ups, e: int, dm: int, i: int) -> tuple[tuple[fx.Node, int | N
     if len(weights) == 1:  # fused gate_up (E, 2I, Dm): which chunk feeds the silu
         w = weights[0]
         if _shape(w) != (e, 2 * i, dm):
-            raise _Skip(f"fused gate/up weight {w.name} is {_shape(w)}, expected (E, 2I, Dm) = {(e, 2 * i, dm)}")
+            raise _Skip(_weight_shape_reason(f"fused gate/up weight {w.name}", _shape(w), (e, 2 * i, dm),
+                                             "(E, 2I, Dm)"))
         src = strip_views(silu.args[0], moe_analysis._EXTRA_VIEWS)
         if not (op_name(src) == "getitem" and isinstance(src.args[0], fx.Node) and op_name(src.args[0]) == "chunk"
                 and src.args[1] in (0, 1) and _chunks_in_two_last_dim(src.args[0])):
@@ -831,7 +841,7 @@ def _gate_up_roles(ups, e: int, dm: int, i: int) -> tuple[tuple[fx.Node, int | N
         up_w = [w for w in weights if w is not gate_w[0]][0]
         for w in (gate_w[0], up_w):
             if _shape(w) != (e, i, dm):
-                raise _Skip(f"gate/up weight {w.name} is {_shape(w)}, expected (E, I, Dm) = {(e, i, dm)}")
+                raise _Skip(_weight_shape_reason(f"gate/up weight {w.name}", _shape(w), (e, i, dm), "(E, I, Dm)"))
         return (gate_w[0], None), (up_w, None)
     raise _Skip(f"expected a fused gate_up weight or separate gate and up weights, found {len(weights)} weights")
 

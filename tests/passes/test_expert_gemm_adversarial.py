@@ -319,12 +319,13 @@ class _WhereLoopMoE(torch.nn.Module):
     """An eager loop over range(E): ``token, slot = torch.where(ids == e)`` (or of a one-hot mask), the expert's
     tokens ``x[token]``, its routing weights ``w[token, slot]``, summed with ``index_add_`` at ``token``. ``variant``
     changes which indices the weights are gathered with, which mask picks the tokens, or which experts the loop
-    visits. T == A (4 tokens, top-4 of 6 experts), so ``w[slot, token]`` has the plain form's shape."""
+    visits, or adds a router output no weights stack. T == A (4 tokens, top-4 of 6 experts), so ``w[slot, token]`` has the plain form's shape."""
 
     def __init__(self, variant: str, dim: int = 16, num_experts: int = 6, ffn: int = 8) -> None:
         super().__init__()
         self.variant = variant
-        self.gate = torch.nn.Linear(dim, num_experts, bias=False)
+        # "null_expert": the router scores one more expert than the weights stack (a zero-computation expert)
+        self.gate = torch.nn.Linear(dim, num_experts + (variant == "null_expert"), bias=False)
         self.gate_up = torch.nn.Parameter(torch.randn(num_experts, 2 * ffn, dim) * 0.3)
         self.down = torch.nn.Parameter(torch.randn(num_experts, dim, ffn) * 0.3)
 
@@ -333,7 +334,7 @@ class _WhereLoopMoE(torch.nn.Module):
         w, ids = torch.topk(F.softmax(self.gate(x), -1), x.shape[0], dim=-1)
         w = w / w.sum(-1, keepdim=True)
         acc = torch.zeros_like(x)
-        mask = F.one_hot(ids, num_classes=e_count).permute(2, 1, 0)  # (E, A, T)
+        mask = F.one_hot(ids, num_classes=self.gate.out_features).permute(2, 1, 0)  # (E, A, T)
         for e in range(e_count - 1 if v == "skips_an_expert" else e_count):
             if v == "one_hot":
                 slot, token = torch.where(mask[e])
@@ -365,6 +366,7 @@ class _WhereLoopMoE(torch.nn.Module):
     ("ids_transposed_coords_swapped", "token"),
     ("other_expert", "expert"),
     ("skips_an_expert", "expert"),
+    ("null_expert", "the router scores E = 7 experts but down weight"),
 ])
 def test_eager_loop_weights_gathered_with_the_where_that_picked_the_tokens(variant, reason):
     """An eager loop's expert e must read the tokens ``where`` found for expert e, weight each with ``w[token,
@@ -374,8 +376,9 @@ def test_eager_loop_weights_gathered_with_the_where_that_picked_the_tokens(varia
     model = _WhereLoopMoE(variant).eval()
     x = torch.randn(4, 16)
     with torch.no_grad():
-        plain = _WhereLoopMoE("where_ids").eval()
-        plain.load_state_dict(model.state_dict())
-        assert torch.allclose(model(x), plain(x), atol=1e-5) == (reason is None)  # the variants differ
+        if variant != "null_expert":  # (its router has one more output)
+            plain = _WhereLoopMoE("where_ids").eval()
+            plain.load_state_dict(model.state_dict())
+            assert torch.allclose(model(x), plain(x), atol=1e-5) == (reason is None)  # the variants differ
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         check_rewritten_or_refused(model, x, reason)
