@@ -387,9 +387,10 @@ def _check_fixed(part: int) -> None:
         # a broadcast mask shared), or the one-pass kernel where one sequence's scores alone exceed the cap
         saved_cap = lat_mod.MAX_SCORES_BYTES
         try:
-            sbase = dict(base, b=5, rk=[12, 5], rv=[7, 9], s=2, win=3)
+            sbase = dict(base, b=3, rk=[12, 5], rv=[7, 9], s=2, win=3)
             per_seq = sbase["hkv"] * sbase["ratio"] * sbase["s"] * sbase["kv_len"] * 4
-            lat_mod.MAX_SCORES_BYTES = 2 * per_seq  # 5 sequences: 3 slices (1, 2, 2)
+            lat_mod.MAX_SCORES_BYTES = 2 * per_seq  # 3 sequences: 2 slices (1, 2); 5: 3 slices (1, 2, 2)
+            assert lat_mod.score_batch_slices(3, 4, 2, 37) == [(0, 1), (1, 3)]
             assert lat_mod.score_batch_slices(5, 4, 2, 37) == [(0, 1), (1, 3), (3, 5)]
             for scase, scfg in ((dict(sbase, mask="add", mask_shape="bhsk", online=True), cfg),
                                 (dict(sbase, mask="bool", mask_shape="1hsk", page=4, seed=5), cfg),
@@ -401,10 +402,10 @@ def _check_fixed(part: int) -> None:
                                               fma_scores=True, fma_values=True, rotate_basis=True, head_group=2,
                                               paired_tables=True))):
                 _check(scase, scfg)
-                assert lat_mod._LAST_LAUNCH["batch_slices"] == 3, scase
+                assert lat_mod._LAST_LAUNCH["batch_slices"] == 2, scase
                 assert lat_mod._LAST_LAUNCH["head_group"] == scfg.head_group, (scase, lat_mod._LAST_LAUNCH)
             lat_mod.MAX_SCORES_BYTES = per_seq - 4  # one sequence's scores do not fit: the one-pass kernel
-            assert lat_mod.score_batch_slices(5, 4, 2, 37) is None
+            assert lat_mod.score_batch_slices(3, 4, 2, 37) is None
             _check(dict(sbase, mask="add", mask_shape="bhsk"), cfg)
             assert lat_mod._LAST_LAUNCH["batch_slices"] == 1 and "scores" not in lat_mod._LAST_LAUNCH
         finally:
