@@ -290,6 +290,9 @@ class LatentBases:
                 max_key_rank=None if meta.get("max_key_rank") is None else int(meta["max_key_rank"]),
                 key_space=str(meta.get("key_space", "pre_rope")),
             )
+            why = _corrupt_values(bases, meta)
+            if why:
+                raise ValueError(why)
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
             raise CKVPConfigError(f"{str(path)!r} holds corrupt ckvp latent bases ({type(exc).__name__}: {exc}); "
                                   f"{_RECALIBRATE}") from None
@@ -310,7 +313,7 @@ class LatentBases:
         stored = self.model_fingerprint
         actual = model_fingerprint(model, stored.get("k_weight"))
         diff = [k for k in sorted(set(stored) | set(actual))
-                if k not in _HASH_KEYS and stored.get(k) != actual.get(k)]
+                if k not in (*_HASH_KEYS, _SAMPLE_KEY) and stored.get(k) != actual.get(k)]
         if not fingerprint_weights_match(stored, actual):
             diff.append(_HASH_KEYS[0])
         if diff:
@@ -346,7 +349,8 @@ class LatentBases:
             return
         actual = _weight_sha256(weight)
         wide = _weight_sha256(weight.to(torch.float16)) if _wide_float(weight) else None
-        if not fingerprint_weights_match(fp, {_HASH_KEYS[0]: actual, _HASH_KEYS[1]: wide}):
+        if not fingerprint_weights_match(fp, {_HASH_KEYS[0]: actual, _HASH_KEYS[1]: wide,
+                                             _SAMPLE_KEY: _weight_sample(weight)}):
             raise CKVPConfigError(
                 f"{source} were calibrated on another model: the key projection {name} they were fitted with has "
                 f"sha256 {sha[:12]} (shape and values rounded to bf16), this model's {path} has {actual[:12]} "
@@ -383,6 +387,51 @@ class LatentBases:
                 + (f", key_space={self.key_space!r})" if self.key_space != "pre_rope" else ")"))
 
 
+#: How far a loaded basis's kept columns may be from orthonormal (max |P_r^T P_r - I|): an fp8 copy of an exact
+#: basis stays within about 0.01 (its rounding errors average out over a column), a rescaled or foreign one does not.
+ORTHONORMAL_TOL = 0.05
+
+
+def _corrupt_values(bases: "LatentBases", meta: dict[str, Any]) -> str | None:
+    """What makes loaded ``bases`` unusable beyond their shapes (checked by ``__post_init__``), or None: ranks that are
+    not JSON ints, metadata numbers out of range, bases or spectra that are not finite floats, and (except online
+    bases, zero placeholders) kept basis columns that are not orthonormal within :data:`ORTHONORMAL_TOL`."""
+    for kind in ("k", "v"):
+        if not all(type(r) is int for rs in meta[f"{kind}_ranks"] for r in rs):
+            return f"{kind}_ranks {meta[f'{kind}_ranks']} are not all ints"
+    if type(meta["group_size"]) is not int or not max(map(len, bases.groups)) <= bases.group_size:
+        return f"group_size {meta['group_size']!r} is not an int >= every group's {max(map(len, bases.groups))} layers"
+    if not (bases.target_ratio == bases.target_ratio and 0 < bases.target_ratio < float("inf")):
+        return f"target_ratio {bases.target_ratio} is not a positive number"
+    if bases.num_tokens < 0 or (bases.max_key_rank is not None and bases.max_key_rank < 1):
+        return f"num_tokens {bases.num_tokens} < 0 or max_key_rank {bases.max_key_rank} < 1"
+    from ..kernels.latent_format import parse_latent_format
+
+    for kind in ("k", "v"):
+        fmts = meta.get(f"{kind}_formats", [])
+        if not isinstance(fmts, list) or len(fmts) not in (0, len(bases.groups)):
+            return f"{kind}_formats {fmts!r} is not a list of one format per group ({len(bases.groups)}) or empty"
+        for f in fmts:
+            try:
+                parse_latent_format(f)
+            except (ValueError, TypeError) as exc:
+                return f"{kind}_formats: {exc}"
+    for kind in ("k", "v"):
+        for g, (p, e, ranks) in enumerate(zip(bases.basis(kind), bases.eigenvalues(kind), bases.ranks(kind))):
+            for name, t in ((f"{kind}_basis.{g}", p), (f"{kind}_eigenvalues.{g}", e)):
+                if not t.is_floating_point() or not bool(torch.isfinite(t.float()).all()):
+                    return f"{name} is not a finite float tensor (dtype {t.dtype})"
+            if bases.online:
+                continue
+            for h, r in enumerate(ranks):
+                cols = p[h, :, :r].double()
+                err = float((cols.mT @ cols - torch.eye(r, dtype=torch.float64)).abs().max())
+                if err > ORTHONORMAL_TOL:
+                    return (f"the {r} kept columns of {kind}_basis.{g}, head {h}, are not orthonormal "
+                            f"(max |P^T P - I| = {err:.3g} > {ORTHONORMAL_TOL})")
+    return None
+
+
 def _describe(fp: dict[str, Any]) -> str:
     sha = fp.get("k_weight_sha256") or "?"
     return (f"{fp.get('architecture')} (L={fp.get('num_layers')}, hidden={fp.get('hidden')}, "
@@ -391,17 +440,39 @@ def _describe(fp: dict[str, Any]) -> str:
 
 
 _HASH_KEYS = ("k_weight_sha256", "k_weight_sha256_fp16")
+_SAMPLE_KEY = "k_weight_sample"
+#: Values of the fingerprinted weight kept in :func:`model_fingerprint` (at evenly spaced flat positions).
+SAMPLE_VALUES = 64
 
 
 def fingerprint_weights_match(stored: dict[str, Any], actual: dict[str, Any]) -> bool:
-    """Whether two :func:`model_fingerprint` results hash the same key projection weight up to a 16-bit rounding:
-    equal ``k_weight_sha256`` (None on both sides included), or a hash in common between the two (the fp32 model
-    and its fp16 copy; fingerprints saved before ``k_weight_sha256_fp16`` existed have only the first)."""
+    """Whether two :func:`model_fingerprint` results hold the same key projection weight up to a 16-bit rounding:
+    equal ``k_weight_sha256`` (None on both sides included), a hash in common between the two (the fp32 model and
+    its fp16 copy), or, where both keep ``k_weight_sample``, the same shape and every sampled value within 2^-8 of
+    the other (relative): the bf16 and fp16 copies of one checkpoint, whose roundings differ (fingerprints saved
+    before these fields existed have only the first hash). A fine-tune that moved no sampled value by 0.4% also
+    matches; its keys are as close to the calibrated ones."""
     if stored.get(_HASH_KEYS[0]) == actual.get(_HASH_KEYS[0]):
         return True
     mine = {stored.get(k) for k in _HASH_KEYS} - {None}
     theirs = {actual.get(k) for k in _HASH_KEYS} - {None}
-    return bool(mine & theirs)
+    if mine & theirs:
+        return True
+    a, b = stored.get(_SAMPLE_KEY), actual.get(_SAMPLE_KEY)
+    try:
+        if not a or not b or list(a["shape"]) != list(b["shape"]) or len(a["values"]) != len(b["values"]):
+            return False
+        return all(abs(x - y) <= 2.0 ** -8 * max(abs(x), abs(y)) + 2.0 ** -24 for x, y in zip(a["values"], b["values"]))
+    except (KeyError, TypeError):  # a malformed record matches nothing
+        return False
+
+
+def _weight_sample(w: torch.Tensor) -> dict[str, Any]:
+    """``{"shape": [...], "values": [...]}``: :data:`SAMPLE_VALUES` values of ``w`` (as floats) at evenly spaced
+    positions of its flattened form."""
+    flat = w.detach().reshape(-1)
+    idx = torch.linspace(0, max(flat.numel() - 1, 0), min(SAMPLE_VALUES, flat.numel())).long().to(flat.device)
+    return {"shape": list(w.shape), "values": [float(v) for v in flat[idx].double().cpu()]}
 
 
 def _wide_float(w: Any) -> bool:
@@ -415,6 +486,13 @@ def _weight_sha256(w: torch.Tensor) -> str:
     h = hashlib.sha256(str(tuple(t.shape)).encode())
     h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+def plain_module(model: Any) -> Any:
+    """``model`` itself, or the module a ``torch.compile(module)`` wrapper (``OptimizedModule``, which keeps it as
+    ``_orig_mod``) holds. Raises nothing."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(model, torch.nn.Module) and isinstance(inner, torch.nn.Module) else model
 
 
 def _config_field(cfg: Any, name: str) -> Any:
@@ -431,7 +509,8 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
     """Return what identifies ``model`` for :meth:`LatentBases.load`: shape fields and one weight's hash.
 
     Args:
-        model: a HF causal LM, a gpt-fast style model, or any ``nn.Module``.
+        model: a HF causal LM, a gpt-fast style model, or any ``nn.Module`` (a ``torch.compile`` wrapper of one:
+            the module it holds).
         k_weight: parameter name of the first attention layer's key projection (found by calibrate from the
             graph); None or absent from the model: the first parameter of rank >= 2 is hashed instead.
     Returns:
@@ -439,9 +518,11 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
         ``num_kv_heads``, ``head_dim`` (from ``model.config``, HF or gpt-fast names; None when absent),
         ``k_weight`` (the parameter hashed), ``k_weight_sha256`` (its shape and values rounded to bf16, so the
         same model in bf16 / fp32 or on another device matches) and ``k_weight_sha256_fp16`` (for a weight wider
-        than 16 bits: the same after a rounding to fp16, so the model cast to fp16 matches too; else None).
-        :func:`fingerprint_weights_match` compares two fingerprints' hashes.
+        than 16 bits: the same after a rounding to fp16, so the model cast to fp16 matches too; else None),
+        ``k_weight_sample`` (its shape and :data:`SAMPLE_VALUES` of its values: the bf16 and fp16 copies of one
+        checkpoint hash differently). :func:`fingerprint_weights_match` compares two fingerprints' weights.
     """
+    model = plain_module(model)
     cfg = getattr(model, "config", None)
     if cfg is not None and callable(getattr(cfg, "get_text_config", None)):
         cfg = cfg.get_text_config()
@@ -460,6 +541,7 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
     # a weight wider than 16 bits also as fp16 would have it: fp32 -> fp16 -> bf16 differs from fp32 -> bf16 in ~6%
     # of the values (double rounding), so without it the model cast to fp16 would not match its own bases
     fp["k_weight_sha256_fp16"] = _weight_sha256(w.to(torch.float16)) if _wide_float(w) else None
+    fp[_SAMPLE_KEY] = _weight_sample(w) if isinstance(w, torch.Tensor) and w.is_floating_point() else None
     return fp
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -21,8 +22,8 @@ from ..kernels.latent_format import parse_latent_format
 from ..kernels.latent_layout import padded_units
 from .ranks import max_key_rank_error, rank_block_error
 
-__all__ = ["AUTO_RANK_BLOCK_SLACK", "bases_for_byte_ratio", "default_rank_block", "dense_kv_bytes", "fit_byte_ratio",
-           "format_pair", "store_bytes", "window_bytes"]
+__all__ = ["AUTO_RANK_BLOCK_SLACK", "bases_for_byte_ratio", "check_budget_args", "default_rank_block", "dense_kv_bytes",
+           "fit_byte_ratio", "format_pair", "store_bytes", "window_bytes"]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -197,6 +198,9 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str | tup
             ``kv_ratio`` (more than 5% above it with every unit at its cap; the message names the reachable ratio).
     """
     _check_target(kv_ratio)
+    check_budget_args(batch_size, max_cache_len, dense_dtype, latent_dtype)
+    if basis_dtype is not None:
+        check_budget_args(1, 1, basis_dtype, basis_dtype, names=("basis_dtype", "basis_dtype"))
     kfmt, vfmt = format_pair(latent_format)
     auto = rank_block is None
     if auto:
@@ -247,6 +251,22 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str | tup
     n = len(out.groups)  # the formats the ranks were fitted for: a cache with latent_format="auto" uses them
     out = dataclasses.replace(out, k_formats=(kfmt,) * n, v_formats=(vfmt,) * n)
     return _rotated(out, kfmt) if rotate else out
+
+
+def check_budget_args(batch_size: Any, cache_len: Any, dense_dtype: Any, latent_dtype: Any, *,
+                      names: tuple[str, str] = ("dense_dtype", "latent_dtype"),
+                      len_name: str = "max_cache_len") -> None:
+    """Raise :class:`CKVPConfigError` (naming the fix) unless the cache a byte ratio is counted for is valid:
+    ``batch_size`` and ``cache_len`` ints >= 1, ``dense_dtype`` and ``latent_dtype`` floating ``torch.dtype``s."""
+    for name, n in (("batch_size", batch_size), (len_name, cache_len)):
+        if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 1:
+            raise CKVPConfigError(f"{name} must be an int >= 1 (the cache the byte ratio is counted for: batch_size "
+                                  f"sequences x {len_name} slots), got {n!r}")
+    for name, dt, of in ((names[0], dense_dtype, "the dense cache the ratio is counted against"),
+                         (names[1], latent_dtype, "the bases and float latents")):
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise CKVPConfigError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16), the element type "
+                                  f"of {of}; got {dt!r}")
 
 
 def format_pair(latent_format: Any) -> tuple[str, str]:

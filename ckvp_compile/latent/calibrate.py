@@ -23,10 +23,11 @@ moment's eigenvectors are the right singular vectors of the stacked token matrix
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -37,7 +38,8 @@ from ..analysis.graph import node_map, op_name, shape_of
 from ..config import GROUP_SIZES, CKVPConfig
 from ..errors import CKVPConfigError, CKVPError
 from ..plan import make_layer_groups
-from .bases import BASES, LatentBases, build_latent_bases, check_target_ratio, key_space_error, model_fingerprint
+from .bases import (BASES, LatentBases, build_latent_bases, check_target_ratio, key_space_error, model_fingerprint,
+                    plain_module)
 from .capture import is_gpt_fast, is_hf_causal_lm, prefill, uncompiled_forward
 from .ranks import RANK_ALLOCATIONS, max_key_rank_error, rank_block_error
 
@@ -236,13 +238,15 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / key_space /
             max_cache_len / samples (kv_ratio's message names the achievable range), with ``latent_format`` an
             unknown format or a non-float dense_dtype / latent_dtype (all checked before the first sample runs), no
-            attention layer with a usable KV-cache write (the reason is given), or an encoder-decoder model
-            (``config.is_encoder_decoder``).
+            attention layer with a usable KV-cache write (the reason is given), an encoder-decoder model
+            (``config.is_encoder_decoder``), or weights not loaded (on the meta device).
     Notes:
+        Runs the model in eval mode (no dropout or router jitter; each module's mode is put back after) and under
+        ``torch.no_grad()``; a ``torch.compile(model)`` wrapper is calibrated through the module it holds.
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
         their next call. A ``model.forward`` already replaced by ``torch.compile(model.forward, ...)`` is set aside
-        while the samples run (its original forward is traced) and put back after. Memory: one sample's K and V of every layer in float64, plus 2 * Hkv * (G*D)^2 float64
-        per group. Runs under ``torch.no_grad()``.
+        while the samples run (its original forward is traced) and put back after. Memory: one sample's K and V
+        of every layer in float64, plus 2 * Hkv * (G*D)^2 float64 per group.
     Source: xKV (Chang et al. 2025, arXiv:2503.18893), cross-layer SVD; DESIGN.md "CKVP in numbers".
     """
     if config is not None and not isinstance(config, CKVPConfig):
@@ -261,25 +265,17 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         raise CKVPConfigError(max_key_rank_error(max_key_rank))
     if key_space_error(key_space):
         raise CKVPConfigError(key_space_error(key_space))
-    for name, n in (("batch_size", batch_size), ("cache_len", cache_len)):
-        if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 1:
-            raise CKVPConfigError(f"{name} must be an int >= 1 (the cache the ranks are fitted for: batch_size "
-                                  f"sequences x cache_len slots), got {n!r}")
     if recent_window and latent_format is None:
         raise CKVPConfigError("recent_window is counted in bytes: give latent_format too (the format the cache "
                               "will store), so that the ranks leave room for the window")
     _check_collect_args(group_size, max_cache_len)
     # the byte budget's arguments are checked before any sample runs (a typo must not cost a calibration run, nor
     # use up a one-shot iterable of samples)
-    if latent_format is not None:
-        from .budget import format_pair
+    from .budget import check_budget_args, format_pair
 
+    check_budget_args(batch_size, cache_len, dense_dtype, latent_dtype, len_name="cache_len")
+    if latent_format is not None:
         format_pair(latent_format)
-        for name, dt, of in (("dense_dtype", dense_dtype, "the dense cache the ratio is counted against"),
-                             ("latent_dtype", latent_dtype, "the bases and float latents")):
-            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-                raise CKVPConfigError(f"{name} must be a floating torch.dtype (e.g. torch.bfloat16), the element type "
-                                      f"of {of}; got {dt!r}")
 
     def check_groups(groups: tuple[tuple[int, ...], ...], hkv: int, d: int) -> None:
         check_target_ratio(kv_ratio, sum(map(len, groups)) * hkv * d * 2, 2 * len(groups) * hkv)
@@ -541,6 +537,19 @@ def _no_site_error(model: torch.nn.Module, backend: _RecordingBackend) -> CKVPCo
                            f"there is nothing to calibrate: {why}")
 
 
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block every submodule of ``model`` is in eval mode (no dropout, no router jitter: a training-mode
+    model would sample them into the bases); each module's own mode is put back after. Raises nothing."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def _check_token_ids(model: torch.nn.Module, ids: torch.Tensor) -> None:
     """Raise :class:`CKVPConfigError` for a sample with token ids outside the model's embedding table."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -575,6 +584,13 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
             "output); the ckvp latent KV cache is for decoder-only causal LMs. Fix: use a dense cache for this "
             "model (its compiled graphs are left untouched)."
         )
+    model = plain_module(model)  # calibration traces the model's own forward with a recording backend of its own
+    meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if meta is not None:
+        raise CKVPConfigError(f"calibrate: the model's weights are not loaded ({meta} is on the meta device); "
+                              "calibration runs the model on its samples. Fix: load the weights first (e.g. "
+                              "from_pretrained(...) onto a real device, or model.to_empty(device=...) then "
+                              "load_state_dict(...))")
     device = _device_of(model)
     backend = _RecordingBackend(key_space)
     state: dict[str, Any] = {}
@@ -582,7 +598,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
         total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
-        with torch.no_grad(), uncompiled_forward(model):
+        with torch.no_grad(), uncompiled_forward(model), _eval_mode(model):
             for sample in tqdm(samples, total=total, desc="ckvp calibrate", unit="sample", disable=not progress):
                 ids = _as_batch(sample, device)
                 _check_token_ids(model, ids)
