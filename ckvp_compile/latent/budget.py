@@ -193,9 +193,11 @@ def bases_for_byte_ratio(moments: Any, kv_ratio: float, latent_format: str | tup
         :class:`~ckvp_compile.latent.LatentBases` with ``latent_format`` recorded as every group's
         ``k_formats`` / ``v_formats`` (a cache built with ``latent_format="auto"``, the default, stores that).
     Raises:
-        CKVPConfigError: an unknown format (or not a name or a (K, V) pair of names), a ratio no rank reaches, a ``rank_block`` that is not an int >= 1, a
-            ``max_key_rank`` that is not None or an int >= 1, or one that leaves too few coordinates for
-            ``kv_ratio`` (more than 5% above it with every unit at its cap; the message names the reachable ratio).
+        CKVPConfigError: an unknown format (or not a name or a (K, V) pair of names), batch_size / max_cache_len
+            < 1, a non-float dense_dtype / latent_dtype / basis_dtype, rotate=True with formats of unequal or no
+            blocks, a ratio no rank reaches, a ``rank_block`` that is not an int >= 1, a ``max_key_rank`` that is not
+            None or an int >= 1, or one that leaves too few coordinates for ``kv_ratio`` (more than 5% above it with
+            every unit at its cap; the message names the reachable ratio).
     """
     _check_target(kv_ratio)
     check_budget_args(batch_size, max_cache_len, dense_dtype, latent_dtype)

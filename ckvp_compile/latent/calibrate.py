@@ -236,8 +236,9 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
         CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / key_space /
-            max_cache_len / samples (kv_ratio's message names the achievable range), with ``latent_format`` an
-            unknown format or a non-float dense_dtype / latent_dtype (all checked before the first sample runs), no
+            max_cache_len / samples (kv_ratio's message names the achievable range), an unknown ``latent_format``
+            (or not a (K, V) pair of names), batch_size / cache_len < 1, a non-float dense_dtype / latent_dtype
+            (all checked before the first sample runs), no
             attention layer with a usable KV-cache write (the reason is given), an encoder-decoder model
             (``config.is_encoder_decoder``), or weights not loaded (on the meta device).
     Notes:

@@ -319,7 +319,8 @@ class _WhereLoopMoE(torch.nn.Module):
     """An eager loop over range(E): ``token, slot = torch.where(ids == e)`` (or of a one-hot mask), the expert's
     tokens ``x[token]``, its routing weights ``w[token, slot]``, summed with ``index_add_`` at ``token``. ``variant``
     changes which indices the weights are gathered with, which mask picks the tokens, or which experts the loop
-    visits, or adds a router output no weights stack. T == A (4 tokens, top-4 of 6 experts), so ``w[slot, token]`` has the plain form's shape."""
+    visits, or adds a router output no weights stack. T == A (4 tokens, top-4 of 6 experts), so ``w[slot, token]``
+    has the plain form's shape."""
 
     def __init__(self, variant: str, dim: int = 16, num_experts: int = 6, ffn: int = 8) -> None:
         super().__init__()
