@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -36,7 +37,7 @@ from ..analysis import AttentionSite, GraphAnalysis, analyze
 from ..analysis.attention_ops import weight_source
 from ..analysis.graph import node_map, op_name, shape_of
 from ..config import GROUP_SIZES, CKVPConfig
-from ..errors import CKVPConfigError, CKVPError
+from ..errors import CKVPConfigError, CKVPError, CKVPWarning
 from ..plan import make_layer_groups
 from .bases import (BASES, LatentBases, build_latent_bases, check_target_ratio, key_space_error, model_fingerprint,
                     plain_module)
@@ -242,6 +243,7 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             attention layer with a usable KV-cache write (the reason is given), an encoder-decoder model
             (``config.is_encoder_decoder``), or weights not loaded (on the meta device).
     Notes:
+        Warns (:class:`~ckvp_compile.CKVPWarning`) for a sample longer than ``config.max_position_embeddings``.
         Runs the model in eval mode (no dropout or router jitter; each module's mode is put back after) and under
         ``torch.no_grad()``; a ``torch.compile(model)`` wrapper is calibrated through the module it holds.
         Resets Dynamo (``torch._dynamo.reset()``) before and after, so other compiled functions recompile on
@@ -551,6 +553,19 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             m.training = training
 
 
+def _warn_past_max_positions(model: torch.nn.Module, length: int, warned: set[int]) -> None:
+    """Warn (:class:`CKVPWarning`, once per length) when a sample is longer than the model's
+    ``config.max_position_embeddings``: the model runs, but its keys there are out of the distribution it was
+    trained on, and the bases would be fitted to them."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and length > limit and length not in warned:
+        warned.add(length)
+        warnings.warn(f"calibrate: a sample of {length} tokens is longer than the model's max_position_embeddings "
+                      f"({limit}); its keys past that position are outside what the model was trained on and the "
+                      f"bases will be fitted to them. Fix: use samples of at most {limit} tokens.", CKVPWarning,
+                      stacklevel=4)
+
+
 def _check_token_ids(model: torch.nn.Module, ids: torch.Tensor) -> None:
     """Raise :class:`CKVPConfigError` for a sample with token ids outside the model's embedding table."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -595,6 +610,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
     device = _device_of(model)
     backend = _RecordingBackend(key_space)
     state: dict[str, Any] = {}
+    warned: set[int] = set()
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
@@ -603,6 +619,7 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
             for sample in tqdm(samples, total=total, desc="ckvp calibrate", unit="sample", disable=not progress):
                 ids = _as_batch(sample, device)
                 _check_token_ids(model, ids)
+                _warn_past_max_positions(model, ids.shape[1], warned)
                 cache_len = ids.shape[1] if max_cache_len is None else max_cache_len
                 if cache_len < ids.shape[1]:
                     raise CKVPConfigError(f"max_cache_len={max_cache_len} is shorter than a sample of S={ids.shape[1]}"

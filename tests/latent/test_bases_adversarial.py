@@ -150,3 +150,21 @@ def test_byte_ratio_arguments_are_checked():
             bases_for_byte_ratio(moments, 2.0, "int4", **kwargs)
     with pytest.raises(CKVPConfigError, match="cache_len must be an int >= 1"):
         calibrate(_model(), _samples(1), progress=False, latent_format="int4", cache_len=0)
+
+
+def test_samples_past_the_models_positions_warn_once_per_length():
+    """A sample longer than config.max_position_embeddings runs (RoPE extends) but its keys are out of distribution:
+    one CKVPWarning per such length, naming the limit; samples within it warn nothing."""
+    import warnings
+
+    from ckvp_compile import CKVPWarning
+
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calibrate(model, _samples(2, 16), group_size=2, kv_ratio=2.0, progress=False)
+        assert not [w for w in caught if issubclass(w.category, CKVPWarning)]
+        calibrate(model, [*_samples(2, 24), *_samples(1, 20)], group_size=2, kv_ratio=2.0, progress=False)
+    got = [str(w.message) for w in caught if issubclass(w.category, CKVPWarning)]
+    assert len(got) == 2 and all("max_position_embeddings (16)" in m for m in got), got
+    assert "a sample of 24 tokens" in got[0] and "a sample of 20 tokens" in got[1]
