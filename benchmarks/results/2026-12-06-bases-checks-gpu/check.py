@@ -7,7 +7,8 @@ import tempfile
 
 import torch
 
-from ckvp_compile import CKVPStaticCache, LatentBases, calibrate
+from ckvp_compile import LatentBases, calibrate
+from ckvp_compile.runtime.hf_cache import CKVPStaticCache
 from ckvp_compile.testing import build_hf_moe
 
 out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
