@@ -42,24 +42,36 @@ _EAGER_ERROR_BUFFERS = (
 
 
 class _SplitFrames:
-    """Whether a :class:`CKVPConfigError` was raised while torch.compile traced a forward (see ``_config_error``)."""
+    """Whether a :class:`CKVPConfigError` was raised while torch.compile traced a forward (see
+    ``_raise_config_error``)."""
 
     pending = False
 
 
-def _config_error(message: str) -> CKVPConfigError:
-    """The error for a cache that does not fit the model; marks Dynamo's compiled frames for a reset.
+def _raise_config_error(message: str, compiling: bool) -> None:
+    """Raise the error for a cache that does not fit the model, from outside the traced code; mark Dynamo's compiled
+    frames for a reset.
 
-    Raised while torch.compile traces the forward, the error is a graph break: Dynamo compiles the frames up to it,
-    runs the rest eagerly (where the error is raised for real) and keeps those split frames, so every later call,
-    with a correct cache too, would run the cache update outside the graph. The mark (a side effect the compiled
-    prefix replays) makes the next ``CKVPStaticCache(...)`` call ``torch._dynamo.reset()``, which drops them
-    (other compiled functions in the process recompile on their next call). Under ``fullgraph=True`` nothing is
-    kept, and nothing is marked.
+    Dynamo breaks the graph at this call (``torch.compiler.disable``) and runs it eagerly, so the user gets the
+    :class:`CKVPConfigError` itself (torch 2.11's Dynamo failed to trace a ``raise`` of it in the cache update, with
+    an internal AssertionError). Dynamo compiles the frames up to the call and keeps those split frames, so every
+    later call, with a correct cache too, would run the cache update outside the graph. The mark makes the next
+    ``CKVPStaticCache(...)`` call ``torch._dynamo.reset()``, which drops them (other compiled functions in the
+    process recompile on their next call). ``compiling``: ``torch.compiler.is_compiling()`` at the call site (here,
+    outside the trace, it is always False); nothing is marked for an eager call.
     """
-    if torch.compiler.is_compiling():
+    if compiling:
         _SplitFrames.pending = True
-    return CKVPConfigError(message)
+    raise CKVPConfigError(message)
+
+
+#: Why fullgraph=True stops at the cache check (Dynamo's message names the reason; the graph break is the point).
+_MISFIT_REASON = ("the CKVPStaticCache does not fit the model (its dtype or max_batch_size): compile without "
+                  "fullgraph=True to get the CKVPConfigError that names the fix")
+try:
+    _raise_config_error = torch.compiler.disable(_raise_config_error, reason=_MISFIT_REASON)
+except TypeError:  # a torch without disable(reason=...)
+    _raise_config_error = torch.compiler.disable(_raise_config_error)
 
 
 def _forget_split_frames() -> None:
@@ -222,16 +234,16 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
             CKVPError: called in eager code (not under the ckvp backend).
         """
         if key_states.dtype != self.store.dtype:  # else SDPA fails while tracing, on mixed dtypes
-            raise _config_error(
+            _raise_config_error(
                 f"this ckvp latent KV cache was built for {self.store.dtype} K/V, but the model's keys are "
-                f"{key_states.dtype}. Fix: CKVPStaticCache(..., dtype={key_states.dtype})."
-            )
+                f"{key_states.dtype}. Fix: CKVPStaticCache(..., dtype={key_states.dtype}).",
+                torch.compiler.is_compiling())
         if key_states.shape[0] != self.store.batch_size:  # else the cache write fails while tracing, on shapes
-            raise _config_error(
+            _raise_config_error(
                 f"this ckvp latent KV cache holds max_batch_size={self.store.batch_size} sequences, but the model "
                 f"runs a batch of {key_states.shape[0]}. Fix: CKVPStaticCache(..., max_batch_size="
-                f"{key_states.shape[0]}) (a latent cache serves exactly its batch size)."
-            )
+                f"{key_states.shape[0]}) (a latent cache serves exactly its batch size).",
+                torch.compiler.is_compiling())
         if not torch.compiler.is_compiling():
             raise CKVPError(_EAGER_ERROR)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
