@@ -1,6 +1,7 @@
 """GPU smoke of the 2026-12-06 calibration / bases-file changes: calibrate a CUDA model (bf16) in training mode
 (modes restored, same bases as eval), save, load for its fp16 copy (fingerprint samples on the GPU), the backend's
-first-call weight check, and a compiled latent-cache generation (CKVPStaticCache) equal in length to eager's."""
+first-call weight check, a cache of the wrong dtype (the CKVPConfigError itself), and a compiled latent-cache
+generation (CKVPStaticCache)."""
 import json
 import sys
 import tempfile
@@ -30,9 +31,17 @@ LatentBases.load(path, model=fp16)
 want.check_weight(fp16.model.layers[0].self_attn.k_proj.weight, "model.layers.0.self_attn.k_proj.weight")
 out["fp16_copy_accepted"] = True
 ids = samples[0][:, :16]
-cache = CKVPStaticCache(model.config, want, max_cache_len=48, max_batch_size=1)
 model.forward = torch.compile(model.forward, backend="ckvp")
+try:  # a cache of the default dtype (fp32) for a bf16 model: the CKVPConfigError naming the fix (torch 2.11 too)
+    model.generate(ids, past_key_values=CKVPStaticCache(model.config, want, max_cache_len=48, max_batch_size=1),
+                   max_new_tokens=4, do_sample=False, disable_compile=True)
+    out["dtype_misfit_error"] = None
+except Exception as e:  # noqa: BLE001
+    out["dtype_misfit_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+cache = CKVPStaticCache(model.config, want, max_cache_len=48, max_batch_size=1, dtype=torch.bfloat16)
 gen = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False, disable_compile=True)
 out["generated_tokens"] = int(gen.shape[1] - ids.shape[1])
 print(json.dumps(out))
-sys.exit(0 if out["train_mode_restored"] and out["train_equals_eval"] and out["generated_tokens"] == 16 else 1)
+ok = (out["train_mode_restored"] and out["train_equals_eval"] and out["generated_tokens"] == 16
+      and str(out["dtype_misfit_error"]).startswith("CKVPConfigError"))
+sys.exit(0 if ok else 1)
