@@ -33,12 +33,14 @@ out["fp16_copy_accepted"] = True
 ids = samples[0][:, :16]
 model.forward = torch.compile(model.forward, backend="ckvp")
 try:  # a cache of the default dtype (fp32) for a bf16 model: the CKVPConfigError naming the fix (torch 2.11 too)
-    model.generate(ids, past_key_values=CKVPStaticCache(model.config, want, max_cache_len=48, max_batch_size=1),
+    model.generate(ids, past_key_values=CKVPStaticCache(model.config, want, max_cache_len=48, max_batch_size=1, device=dev),
                    max_new_tokens=4, do_sample=False, disable_compile=True)
     out["dtype_misfit_error"] = None
 except Exception as e:  # noqa: BLE001
     out["dtype_misfit_error"] = f"{type(e).__name__}: {str(e)[:160]}"
-cache = CKVPStaticCache(model.config, want, max_cache_len=48, max_batch_size=1, dtype=torch.bfloat16)
+print(json.dumps(out), flush=True)
+cache = CKVPStaticCache(model.config, want, max_cache_len=48, max_batch_size=1, dtype=torch.bfloat16,
+                        device=dev)
 gen = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False, disable_compile=True)
 out["generated_tokens"] = int(gen.shape[1] - ids.shape[1])
 print(json.dumps(out))
