@@ -30,7 +30,7 @@ def skip_repeated_language_patches() -> bool:
     helper inside the kernel patches again (``_patch_lang``: ``inspect.getmembers`` over ``tl``, ``tl.core``,
     ``tl.math`` and ``tl.tensor``), which finds them already patched and changes nothing, at about 0.5 ms a call.
     This skips a helper's patch when the modules it sees (``tl`` / ``tl.core`` in its globals) were already patched
-    in the current launch; the first launch of each kernel and any helper seeing a module not yet patched run the
+    in the current launch; every kernel launch, and any helper seeing a module not yet patched, runs the
     interpreter's own patch. What the kernels compute is unchanged (the kernel tests compare with references).
 
     Returns:
