@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         os.close(fd)
         saved = Path(name)
         bases.save(saved)
-        inspect += f" --bases {saved}"
+        inspect += (f" --bases {saved} --latent-dtype {str(store.latent_dtype).removeprefix('torch.')}"
+                    f" --max-cache-len {store.max_cache_len}")
     if args.expert_gemm == "on":
         inspect += """ --options '{"enable_expert_gemm": true}'"""
     print(f"what the backend found, rewrote or kept per layer, and why: {inspect}")

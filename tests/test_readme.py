@@ -96,3 +96,18 @@ def test_latent_cache_recipe_runs(tmp_path, monkeypatch, capsys):
     assert scope["out"].shape[1] == scope["ids"].shape[1] + 8
     ratio = float(capsys.readouterr().out.strip().splitlines()[-1])
     assert 3.6 <= ratio <= 4.6, ratio  # "about 4.1 here"
+
+
+def test_expert_offload_snippet_runs(capsys):
+    """The README's expert-offload snippet, copied alone: offload in place with 2 of 4 experts resident, compile,
+    generate, and print the offloader's statistics (the cheap inner compiler; fewer tokens)."""
+    block = _cheap(_snippet("### Expert offload"), {
+        '"models/tiny-mixtral-pystdlib"': repr(str(ROOT / "models" / "tiny-mixtral-pystdlib")),
+        'offload_options={"margin": 1})': 'offload_options={"margin": 1}, options={"compiler": "aot_eager"})',
+        "max_new_tokens=32": "max_new_tokens=4",
+    })
+    scope = _run_snippet(block, "README expert offload snippet")
+    assert scope["out"].shape[1] == scope["ids"].shape[1] + 4
+    stats = scope["ckvp_compile"].offloader_of(scope["model"]).stats().to_dict()
+    assert stats["lookups"] > 0 and 0 <= stats["hit_rate"] <= 1
+    assert "hit_rate" in capsys.readouterr().out

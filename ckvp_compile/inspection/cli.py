@@ -4,6 +4,7 @@
                  [--no-decode] [--full] [--traceback]
                  [--kv-ratio R [--rank-allocation energy|uniform] [--group-size G] [--text FILE]
                   [--calibration-samples N] [--save-bases FILE] | --bases FILE] [--latent-format FMT]
+                 [--latent-dtype bfloat16|float16|float32] [--max-cache-len N] [--prompt-len N]
 
 With ``--kv-ratio`` (calibrate bases now, on a few random-token samples or windows of ``--text``) or ``--bases``
 (a file from ``LatentBases.save``) the model runs with a ckvp latent KV cache, so the latent rewrite really
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 PROG = "ckvp-inspect"
+#: ``--latent-dtype`` choices (torch dtype names)
+LATENT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class _UsageError(Exception):
@@ -66,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--latent-format", metavar="FMT",
                      help="latent storage: auto (default: the bases' own formats, e.g. a planned bit plan, else "
                           "float), float, int8, int4 or int2, optionally /block (e.g. int4/64), or K,V (e.g. int8,int4)")
+    lat.add_argument("--latent-dtype", choices=LATENT_DTYPES,
+                     help="dtype of float latents and of the bases on the device (default: the model's, float32 "
+                          "here); examples/generate.py keeps them in bfloat16, and the report then also counts "
+                          "the dense cache in this dtype")
     lat.add_argument("--rank-allocation", choices=("energy", "uniform"),
                      help="with --kv-ratio: per-head ranks by retained energy (default) or one rank everywhere")
     lat.add_argument("--group-size", type=int, choices=(1, 2, 4, 8),
@@ -87,7 +94,8 @@ def _latent(args: argparse.Namespace) -> Any:
                                        ("--text", args.text), ("--calibration-samples", args.calibration_samples),
                                        ("--save-bases", args.save_bases)) if v is not None]
     if args.kv_ratio is None and args.bases is None:
-        given = calibration_only + (["--latent-format"] if args.latent_format is not None else [])
+        given = calibration_only + [f for f, v in (("--latent-format", args.latent_format),
+                                                   ("--latent-dtype", args.latent_dtype)) if v is not None]
         if given:
             raise _UsageError(f"{given[0]} needs a latent cache: add --kv-ratio R (calibrate now) or --bases FILE")
         return None
@@ -100,6 +108,10 @@ def _latent(args: argparse.Namespace) -> Any:
     fields: dict[str, Any] = {"kv_ratio": args.kv_ratio, "bases": args.bases}
     if args.latent_format is not None:
         fields["latent_format"] = args.latent_format
+    if args.latent_dtype is not None:
+        import torch
+
+        fields["latent_dtype"] = getattr(torch, args.latent_dtype)
     for name in ("rank_allocation", "group_size", "text"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)

@@ -271,6 +271,8 @@ class LatentReport:
             dense_equivalent, dense_elements), in bytes.
         ratio: dense / per-sequence state bytes, measured on the store. ratio_with_bases:
             ``StoreBytes.ratio_vs(dtype)``: the bases counted too, at this B and S_max.
+            ratio_with_bases_latent_dtype: ``StoreBytes.ratio_vs(latent_dtype)``: the same against a dense cache
+            in the latent dtype (what ``examples/generate.py`` reports for its bf16 store beside an fp32 model).
         bases: the :class:`~ckvp_compile.latent.LatentBases` themselves (``save()`` them to reuse); not in
             :meth:`to_dict`.
     """
@@ -290,6 +292,7 @@ class LatentReport:
     ratio: float
     ratio_with_bases: float
     bases: Any = dataclasses.field(default=None, repr=False, compare=False)
+    ratio_with_bases_latent_dtype: float | None = None
 
     @classmethod
     def of(cls, store: Any, source: str) -> "LatentReport":
@@ -320,14 +323,20 @@ class LatentReport:
             max_cache_len=store.max_cache_len, groups=tuple(rows), dense_bytes_per_token=dense,
             latent_bytes_per_token=latent, store_bytes=dataclasses.asdict(nb), ratio=nb.ratio,
             ratio_with_bases=nb.ratio_vs(store.dtype), bases=bases,
+            ratio_with_bases_latent_dtype=nb.ratio_vs(store.latent_dtype),
         )
 
     # ------------------------------------------------------------------ display lines
     def bytes_line(self) -> str:
-        """Return 'KV bytes/token per sequence: dense D -> latent L (R x smaller)'."""
-        return (f"KV bytes/token per sequence: dense {self.dense_bytes_per_token} -> latent "
-                f"{self.latent_bytes_per_token} ({self.dense_bytes_per_token / self.latent_bytes_per_token:.2f}x "
-                f"smaller; latent rows + 4-byte slot position)")
+        """Return 'KV bytes/token per sequence: dense D -> latent L (R x smaller)'; where the latent dtype is not the
+        KV dtype (e.g. a bf16 store beside an fp32 model), also the ratio against a dense cache in the latent dtype."""
+        d, lat = self.dense_bytes_per_token, self.latent_bytes_per_token
+        also = ""
+        if self.latent_dtype != self.dtype:
+            d2 = d // getattr(torch, self.dtype).itemsize * getattr(torch, self.latent_dtype).itemsize
+            also = f"; against a {self.latent_dtype} dense cache ({d2}) {d2 / lat:.2f}x"
+        return (f"KV bytes/token per sequence: dense {d} ({self.dtype}) -> latent {lat} ({d / lat:.2f}x smaller"
+                f"{also}; latent rows + 4-byte slot position)")
 
     def store_line(self) -> str:
         """Return the store's measured bytes (``nbytes()``) at its B and S_max, with both ratios."""
@@ -337,7 +346,9 @@ class LatentReport:
         return (f"store at B={self.batch_size}, S_max={self.max_cache_len} (nbytes()): latents {b['latent']} + slot "
                 f"positions {b['slot_positions']}{paged} = {b['latent'] + b['slot_positions'] + pages} B per-sequence "
                 f"state vs dense {b['dense_equivalent']} B: ratio {self.ratio:.2f}x; bases {b['bases']} B and RoPE "
-                f"tables {b['rope_tables']} B (model constants); with the bases counted {self.ratio_with_bases:.2f}x")
+                f"tables {b['rope_tables']} B (model constants); with the bases counted {self.ratio_with_bases:.2f}x"
+                + (f" ({self.ratio_with_bases_latent_dtype:.2f}x against a {self.latent_dtype} dense cache)"
+                   if self.latent_dtype != self.dtype and self.ratio_with_bases_latent_dtype is not None else ""))
 
     def header_line(self) -> str:
         """Return the bases' source, shape and dtypes in one line."""

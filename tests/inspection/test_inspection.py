@@ -514,7 +514,9 @@ def test_cli_kv_ratio_shows_the_latent_plan(tiny_latent, tmp_path, capsys):
     store.ensure_rope_tables(bases.head_dim)  # (S_max, D) cos and sin, allocated by the rewrite (rotate-half)
     nb = store.nbytes()
     per_token = nb.per_sequence_state // 128
-    assert f"KV bytes/token per sequence: dense 1024 -> latent {per_token} " in text  # 4 L * 2 Hkv * 16 D * 2 * 4 B
+    # 4 L * 2 Hkv * 16 D * 2 * 4 B; latents in the model's dtype: no second ratio
+    assert f"KV bytes/token per sequence: dense 1024 (float32) -> latent {per_token} ({1024 / per_token:.2f}x " \
+           "smaller; latent rows" in text
     assert (f"latents {nb.latent} + slot positions {nb.slot_positions} = {nb.per_sequence_state} B per-sequence "
             f"state vs dense {nb.dense_equivalent} B: ratio {nb.ratio:.2f}x; bases {nb.bases} B") in text
     assert f"KV bytes/token: 1024 -> {per_token} ({1024 / per_token:.2f}x smaller" in text
@@ -538,7 +540,29 @@ def test_cli_kv_ratio_shows_the_latent_plan(tiny_latent, tmp_path, capsys):
     page = html_path.read_text()
     parsed = check_html(page)
     assert 'class="latent"' in page and "<th>K ranks/head</th>" in page
-    assert f"dense 1024 -&gt; latent {per_token}" in page and "recent dense window" in "".join(parsed.text)
+    assert f"dense 1024 (float32) -&gt; latent {per_token}" in page and "recent dense window" in "".join(parsed.text)
+
+
+def test_cli_latent_dtype_counts_against_that_dense_cache(tiny_latent, capsys):
+    """--latent-dtype bfloat16 (examples/generate.py's store beside an fp32 model): bf16 bases, and the bytes and
+    ratios also against a bf16 dense cache, as generate.py prints them (StoreBytes.ratio_vs(bfloat16))."""
+    from ckvp_compile.runtime.store import LatentKVStore
+
+    model_dir, bases_path, _, bases = tiny_latent
+    assert main(["--model", str(model_dir), "--bases", str(bases_path), "--latent-dtype", "bfloat16",
+                 "--max-cache-len", "16", "--prompt-len", "4", "--no-decode"]) == 0
+    text = capsys.readouterr().out
+    store = LatentKVStore(bases, 1, 16, "cpu", torch.float32, latent_dtype=torch.bfloat16)
+    store.ensure_rope_tables(bases.head_dim)
+    nb = store.nbytes()
+    per_token = nb.per_sequence_state // 16
+    assert "KV dtype float32, latent dtype bfloat16" in text
+    assert (f"dense 1024 (float32) -> latent {per_token} ({1024 / per_token:.2f}x smaller; against a bfloat16 dense "
+            f"cache (512) {512 / per_token:.2f}x;") in text
+    fp32_bases = LatentKVStore(bases, 1, 16, "cpu", torch.float32).nbytes().bases
+    assert f"bases {nb.bases} B" in text and nb.bases == fp32_bases // 2
+    assert (f"with the bases counted {nb.ratio_vs(torch.float32):.2f}x ({nb.ratio_vs(torch.bfloat16):.2f}x against a "
+            "bfloat16 dense cache)") in text
 
 
 def test_latent_format_changes_the_bytes(tiny_latent):
@@ -611,6 +635,8 @@ def test_latent_inspection_of_a_gpt_fast_model_restores_its_caches():
         (["--kv-ratio", "2", "--bases", "b.safetensors"], "not allowed with argument"),
         (["--kv-ratio", "2", "--latent-format", "int3"], "--latent-format: latent format must be 'float'"),
         (["--latent-format", "int8"], "--latent-format needs a latent cache: add --kv-ratio R"),
+        (["--latent-dtype", "bfloat16"], "--latent-dtype needs a latent cache: add --kv-ratio R"),
+        (["--kv-ratio", "2", "--latent-dtype", "int8"], "invalid choice"),
         (["--group-size", "2"], "--group-size needs a latent cache"),
         (["--kv-ratio", "2", "--group-size", "3"], "invalid choice"),
         (["--kv-ratio", "2", "--rank-allocation", "best"], "invalid choice"),
