@@ -39,7 +39,7 @@ from .analysis import GraphAnalysis, analyze
 from .analysis.graph import CAPTURE_UNSAFE_OPS, capture_unsafe_calls, op_name
 from .analysis.sites import UnsupportedSite, format_layers
 from .config import CKVPConfig
-from .errors import CKVPConfigError, CKVPError, UnsupportedGraphError, UnsupportedPatternWarning
+from .errors import CKVPConfigError, CKVPError, CKVPWarning, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
 from .passes.latent_kv_cache import LatentKVCachePass, LatentRewritePlan
 from .plan import EXPERT_GEMM_OFF, Plan, make_plan
@@ -350,6 +350,15 @@ def _needs_grad(example_inputs: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
+#: Warned (once per cache) at a multi-token call on online bases already fitted since the last reset.
+ONLINE_BASES_NOT_REFITTED = (
+    "ckvp: this cache's online latent bases were fitted at the first call after cache.reset(); this later call of "
+    "several tokens (the next chunk of a chunked prefill, generate(prefill_chunk_size=...), or a new turn on the "
+    "same cache) is projected onto them without refitting, which loses accuracy when the first call held only "
+    "part of the prompt. Fix: pass the whole prompt in the first call (prefill_chunk_size=None), or use calibrated "
+    "bases (ckvp_compile.calibrate)")
+
+
 class _StoreArgs:
     """Supplies the latent-store tensors the rewritten graph takes as extra inputs, per call.
 
@@ -435,6 +444,9 @@ class _StoreArgs:
                     "prefill; the first call after cache.reset() must hold at least 2 tokens (a prompt of one token "
                     "cannot fit them). Use calibrated bases (ckvp_compile.calibrate) for one-token prompts."
                 )
+            if store.online and self.fits_online_bases and store.online_fitted and not store.online_refit_warned:
+                store.online_refit_warned = True  # once per cache
+                warnings.warn(ONLINE_BASES_NOT_REFITTED, CKVPWarning, stacklevel=2)
             if self.paged:
                 self.map_pages(store, args)
             out = compiled(*args, *self.tensors(store))

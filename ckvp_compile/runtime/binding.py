@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
+from ..analysis.kv_cache import positional_writes
 from ..analysis.sites import ATTENTION_UNSUPPORTED_KINDS, GraphAnalysis
 from .store import LatentKVStore, lookup_phantom
 
@@ -87,4 +88,19 @@ def bind_latent_store(graph: fx.Graph, example_inputs: Sequence[Any], analysis: 
         for layer, u in refused.items():
             binding.problems.setdefault(  # with the fix: the error raised for it comes before the warnings would
                 layer, f"its attention was refused ({u.kind}): {u.reason.rstrip('.')} (fix: {u.fix.rstrip('.')})")
+    # a write into a phantom that no attention site of this graph reads: the graph was split between the cache write
+    # and the attention (a graph break), so the rewrite cannot pair them and the write would hit the phantom
+    for i, node in enumerate(placeholders[:len(example_inputs)]):
+        hit = lookup_phantom(example_inputs[i])
+        if hit is None or not positional_writes(node):
+            continue
+        store, layer, kind = hit
+        if binding is None:
+            binding = LatentBinding(store, i)
+        if layer not in binding.layers and layer not in binding.problems:
+            binding.problems[layer] = (
+                f"its {kind.upper()} cache is written in this graph but no attention here reads it: the graph breaks "
+                "between the cache write and the attention (e.g. generate(output_attentions=True) with SDPA, or a "
+                "print / logging call in the attention forward; torch._dynamo.explain(model.forward)(...) lists the "
+                "breaks); remove the break")
     return binding

@@ -41,27 +41,21 @@ _EAGER_ERROR_BUFFERS = (
 )
 
 
-class _SplitFrames:
-    """Whether a :class:`CKVPConfigError` was raised while torch.compile traced a forward (see
-    ``_raise_config_error``)."""
-
-    pending = False
-
-
 def _raise_config_error(message: str, compiling: bool) -> None:
-    """Raise the error for a cache that does not fit the model, from outside the traced code; mark Dynamo's compiled
-    frames for a reset.
+    """Raise the error for a cache that does not fit the model, from outside the traced code, and drop Dynamo's
+    compiled frames.
 
     Dynamo breaks the graph at this call (``torch.compiler.disable``) and runs it eagerly, so the user gets the
     :class:`CKVPConfigError` itself (torch 2.11's Dynamo failed to trace a ``raise`` of it in the cache update, with
-    an internal AssertionError). Dynamo compiles the frames up to the call and keeps those split frames, so every
-    later call, with a correct cache too, would run the cache update outside the graph. The mark makes the next
-    ``CKVPStaticCache(...)`` call ``torch._dynamo.reset()``, which drops them (other compiled functions in the
-    process recompile on their next call). ``compiling``: ``torch.compiler.is_compiling()`` at the call site (here,
-    outside the trace, it is always False); nothing is marked for an eager call.
+    an internal AssertionError). Dynamo has compiled the frames up to the call, split at it, and would keep them: a
+    later call, with a correct cache too (even one built before this error), would reuse the split frames and run the
+    cache update as a graph of its own, without its attention (an unclear error at the write into the latent cache's
+    placeholder). So it ``torch._dynamo.reset()`` s first (other compiled functions in the process recompile on their
+    next call). ``compiling``: ``torch.compiler.is_compiling()`` at the call site (here, outside the trace, it is
+    always False); an eager call resets nothing.
     """
     if compiling:
-        _SplitFrames.pending = True
+        torch._dynamo.reset()
     raise CKVPConfigError(message)
 
 
@@ -72,13 +66,6 @@ try:
     _raise_config_error = torch.compiler.disable(_raise_config_error, reason=_MISFIT_REASON)
 except TypeError:  # a torch without disable(reason=...)
     _raise_config_error = torch.compiler.disable(_raise_config_error)
-
-
-def _forget_split_frames() -> None:
-    """``torch._dynamo.reset()`` once after a :class:`CKVPConfigError` raised under torch.compile."""
-    if _SplitFrames.pending:
-        _SplitFrames.pending = False
-        torch._dynamo.reset()
 
 
 def _static_cache_base():
@@ -200,7 +187,6 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"config sliding_window={getattr(text, 'sliding_window', None)}), whose cache keeps only a window of "
                 f"recent tokens; the ckvp latent cache does not support it yet. Fix: use a dense cache "
                 f"(cache_implementation='static') with backend='ckvp', or a model without a sliding window.")
-        _forget_split_frames()
         num_kv, head_dim = _kv_shape(text, cached)
         _check_bases(bases, cached, num_kv, head_dim)
         k_format, v_format = _formats(latent_format)

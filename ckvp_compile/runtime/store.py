@@ -274,6 +274,8 @@ class LatentKVStore:
                 self.basis_v = [p.to(self.device, basis_dtype).contiguous() for p in bases.v_basis]
             #: host-side: whether the online bases were fitted by a prefill since the last reset (no device sync)
             self.online_fitted = False
+            #: host-side: whether a later multi-token call was warned about (backend.ONLINE_BASES_NOT_REFITTED)
+            self.online_refit_warned = False
             self.slot_pos = torch.zeros(b, s, device=self.device, dtype=torch.int32)
             self.recent_window = recent_window
             #: per layer: the dense recent window's ring (see the module docstring); empty dicts without a window

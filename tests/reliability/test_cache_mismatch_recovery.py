@@ -3,7 +3,9 @@
 ``CKVPStaticCache.update`` raises its dtype / batch-size errors while torch.compile traces the forward. Dynamo
 treats an uncaught error there as a graph break and keeps the frames it split at it, so (before the fix) every later
 call, with a correct cache too, ran the cache update outside the graph and failed with the eager-use error. Found by
-an adversarial review (2026-12-05); the next ``CKVPStaticCache(...)`` now resets Dynamo after such an error.
+an adversarial review (2026-12-05); the next ``CKVPStaticCache(...)`` then reset Dynamo after such an error, which
+missed a cache built before it (found by the next review, 2026-12-06: the write into the latent cache's placeholder
+failed); now the error itself resets Dynamo before it is raised.
 """
 
 from __future__ import annotations
@@ -40,14 +42,18 @@ def test_compiled_model_works_after_a_mismatched_cache():
     model.forward = torch.compile(eager_forward, backend="ckvp", options={"compiler": "aot_eager"})
     try:
         # a cache of another K/V dtype than the model's (fp32): the error names the dtype to pass
+        built_before = CKVPStaticCache(model.config, bases, max_cache_len=CACHE)
         bad = CKVPStaticCache(model.config, bases, max_cache_len=CACHE, dtype=torch.float16)
         with pytest.raises(Exception, match=r"dtype=torch\.float32"):
             run(bad)
+        assert run(built_before).tolist() == dense.tolist()  # a cache built before the error works too
         assert run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE)).tolist() == dense.tolist()
         # a cache for one sequence, a batch of two: the error names max_batch_size
         two = ids.repeat(2, 1)
+        built_before.reset()
         with pytest.raises(Exception, match=r"max_batch_size=2"):
             run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE, max_batch_size=1), two)
+        assert run(built_before).tolist() == dense.tolist()
         assert run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE)).tolist() == dense.tolist()
         with pytest.raises(CKVPConfigError):  # the error itself, not a Dynamo wrapper
             run(CKVPStaticCache(model.config, bases, max_cache_len=CACHE, dtype=torch.float16))
