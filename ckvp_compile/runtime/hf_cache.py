@@ -50,8 +50,8 @@ def _raise_config_error(message: str, compiling: bool) -> None:
     an internal AssertionError). Dynamo has compiled the frames up to the call, split at it, and would keep them: a
     later call, with a correct cache too (even one built before this error), would reuse the split frames and run the
     cache update as a graph of its own, without its attention (an unclear error at the write into the latent cache's
-    placeholder). So it ``torch._dynamo.reset()`` s first (other compiled functions in the process recompile on their
-    next call). ``compiling``: ``torch.compiler.is_compiling()`` at the call site (here, outside the trace, it is
+    placeholder). So it calls ``torch._dynamo.reset()`` first (other compiled functions in the process recompile on
+    their next call). ``compiling``: ``torch.compiler.is_compiling()`` at the call site (here, outside the trace, it is
     always False); an eager call resets nothing.
     """
     if compiling:
