@@ -99,8 +99,9 @@ def bind_latent_store(graph: fx.Graph, example_inputs: Sequence[Any], analysis: 
             binding = LatentBinding(store, i)
         if layer not in binding.layers and layer not in binding.problems:
             binding.problems[layer] = (
-                f"its {kind.upper()} cache is written in this graph but no attention here reads it: the graph breaks "
-                "between the cache write and the attention (e.g. generate(output_attentions=True) with SDPA, or a "
-                "print / logging call in the attention forward; torch._dynamo.explain(model.forward)(...) lists the "
-                "breaks); remove the break")
+                f"its {kind.upper()} cache is written in this graph but no attention recognised here reads it: "
+                "either the graph breaks between the cache write and the attention (e.g. "
+                "generate(output_attentions=True) with SDPA, or a print / logging call in the attention forward; "
+                "torch._dynamo.explain(model.forward)(...) lists the breaks): remove the break; or the attention is "
+                "not one the analysis reads (see the warnings)")
     return binding
