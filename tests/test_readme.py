@@ -111,3 +111,15 @@ def test_expert_offload_snippet_runs(capsys):
     stats = scope["ckvp_compile"].offloader_of(scope["model"]).stats().to_dict()
     assert stats["lookups"] > 0 and 0 <= stats["hit_rate"] <= 1
     assert "hit_rate" in capsys.readouterr().out
+
+
+def test_equivalence_check_snippet_runs(capsys):
+    """The README's check_equivalence snippet, copied alone (one example instead of four: each compiles)."""
+    block = _cheap(_snippet("### Checking your own model"), {
+        '"models/tiny-mixtral-pystdlib"': repr(str(ROOT / "models" / "tiny-mixtral-pystdlib")),
+        "max_examples=4": "max_examples=1, max_prompt_len=4, max_decode_steps=1",
+    })
+    scope = _run_snippet(block, "README equivalence snippet")
+    assert scope["report"].passed and scope["report"].examples == 1
+    out = capsys.readouterr().out
+    assert out.startswith("ckvp equivalence check, dense cache (exact): passed (1 example;")

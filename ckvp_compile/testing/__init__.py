@@ -10,8 +10,11 @@ Modules:
     decoding: :func:`prefill_decode_logits`, :func:`capture_dynamo_graphs`, :func:`capture_prefill_decode_graphs`.
     strategies: Hypothesis strategies for model shapes.
     bases: :func:`random_orthonormal_bases`, latent bases for store and kernel tests.
+    equivalence: :func:`check_equivalence`, the property-based check of the backend on a user's own model
+        (compiled against eager on Hypothesis-drawn prompts; needs ``hypothesis`` when called).
 """
 
+from .equivalence import EquivalenceError, EquivalenceReport, check_equivalence
 from .models import (
     EXPERTS_IMPLEMENTATIONS,
     FIXTURE_MODEL_DIR,
@@ -26,6 +29,9 @@ from .models import (
 )
 
 __all__ = [
+    "EquivalenceError",
+    "EquivalenceReport",
+    "check_equivalence",
     "EXPERTS_IMPLEMENTATIONS",
     "FIXTURE_MODEL_DIR",
     "HF_FAMILIES",

@@ -1,0 +1,290 @@
+"""Property-based equivalence tests of the ``ckvp`` backend on your own model: compiled against eager.
+
+    from ckvp_compile.testing import check_equivalence
+
+    check_equivalence(model, options={"enable_expert_gemm": True}).raise_if_failed()   # dense cache: exact
+    check_equivalence(model, bases=bases, max_logit_error=1.0).raise_if_failed()        # latent cache: a bound
+
+Hypothesis (MacIver et al., JOSS 2019) draws the batch size, the prompt length, the prompt's tokens and the number
+of decode steps. Each example runs a static-cache prefill and greedy decode steps twice: on the eager model over a
+dense cache (the reference), and on ``torch.compile(model, backend="ckvp", options=...)`` over a dense cache, or,
+with ``bases``, over a :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` of those bases. The compiled run is
+fed the reference's greedy tokens (teacher forcing), so one near-tie cannot make the two runs part. Every call's
+logits are compared: with a dense cache the backend promises the eager result, so within the logits dtype's
+tolerance (``torch.testing.assert_close``'s defaults, or ``rtol`` / ``atol``); with a latent cache, a lossy
+compression, within ``max_logit_error`` (absolute, in logits). A failing example (a mismatch, or an error raised
+by the compiled run) is shrunk by Hypothesis to the smallest one it finds (fewest sequences, shortest prompt,
+fewest steps) and reported with its prompt.
+
+Every example compiles afresh (``torch._dynamo.reset()`` first): a latent cache's compiled graphs are specific to
+its batch size, and a check must not reuse what an earlier example compiled. The model itself is not changed
+(``model.forward`` stays as it was; the compiled module wraps it). Hypothesis' example database is off (nothing
+is written to the working directory) and the run is reproducible for a given ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CKVPConfigError, CKVPError
+from ..latent.capture import hf_step_kwargs, make_static_cache
+from .gpt_fast import GptFastMoE
+
+__all__ = ["EquivalenceError", "EquivalenceFailure", "EquivalenceReport", "check_equivalence"]
+
+
+class EquivalenceError(CKVPError, AssertionError):
+    """:meth:`EquivalenceReport.raise_if_failed` on a failed check; the message is the report's text."""
+
+
+@dataclass(frozen=True)
+class EquivalenceFailure:
+    """The smallest failing example Hypothesis found.
+
+    Attributes:
+        batch: B, sequences in the batch. prompt: the (B, S) prompt token ids, as lists. decode_steps: N.
+        call: which call failed: 0 the prefill, i >= 1 the i-th decode step (None: the run raised before any
+            logits came back).
+        max_abs_error: the largest |compiled - eager| logit difference of that call (nan when it raised).
+        message: what failed: the tolerance exceeded, or the exception's type and text.
+    """
+
+    batch: int
+    prompt: list[list[int]]
+    decode_steps: int
+    call: int | None
+    max_abs_error: float
+    message: str
+
+
+@dataclass
+class EquivalenceReport:
+    """The outcome of :func:`check_equivalence`.
+
+    Attributes:
+        passed: every example agreed.
+        examples: examples run (Hypothesis' generation and shrinking phases together).
+        max_abs_error: the largest |compiled - eager| logit difference over the agreeing examples.
+        mode: ``"dense cache (exact)"`` or ``"latent cache (bound 0.5)"``-style text.
+        failure: the smallest failing example, or None.
+    """
+
+    passed: bool
+    examples: int
+    max_abs_error: float
+    mode: str
+    failure: EquivalenceFailure | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_text(self) -> str:
+        """Return the report as a few lines of text."""
+        head = (f"ckvp equivalence check, {self.mode}: {'passed' if self.passed else 'FAILED'} "
+                f"({self.examples} example{'' if self.examples == 1 else 's'}; largest |logit difference| of the "
+                f"agreeing ones {self.max_abs_error:.3g})")
+        if self.failure is None:
+            return head
+        f = self.failure
+        where = "before any logits" if f.call is None else ("at the prefill" if f.call == 0 else
+                                                            f"at decode step {f.call}")
+        return (f"{head}\nsmallest failing example: batch {f.batch}, prompt length {len(f.prompt[0])}, "
+                f"{f.decode_steps} decode step(s), {where}: {f.message}\nprompt token ids: {f.prompt}")
+
+    __str__ = to_text
+
+    def raise_if_failed(self) -> "EquivalenceReport":
+        """Return the report when it passed; raise :class:`EquivalenceError` (its text) otherwise."""
+        if not self.passed:
+            raise EquivalenceError(self.to_text())
+        return self
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise CKVPConfigError("check_equivalence: the model's config has no vocab_size; pass vocab_size=")
+    return vocab
+
+
+def _first_param(model: torch.nn.Module) -> torch.Tensor:
+    p = next(iter(model.parameters()), None)
+    if p is None:
+        raise CKVPConfigError("check_equivalence: the model has no parameters; pass a causal LM")
+    return p
+
+
+def _check_args(model: Any, options: Any, bases: Any, max_examples: Any, max_batch: Any, max_prompt_len: Any,
+                max_decode_steps: Any, max_logit_error: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise CKVPConfigError(f"check_equivalence: model must be a torch.nn.Module (a Hugging Face causal LM or a "
+                              f"gpt-fast-style model), got {type(model).__name__}")
+    if options is not None and not isinstance(options, Mapping):
+        raise CKVPConfigError(f"check_equivalence: options must be a dict of ckvp options, got "
+                              f"{type(options).__name__}")
+    for name, value, low in (("max_examples", max_examples, 1), ("max_batch", max_batch, 1),
+                             ("max_prompt_len", max_prompt_len, 1), ("max_decode_steps", max_decode_steps, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise CKVPConfigError(f"check_equivalence: {name} must be an int >= {low}, got {value!r}")
+    if bases is None and max_logit_error is not None:
+        raise CKVPConfigError("check_equivalence: max_logit_error bounds a latent cache's error; with a dense cache "
+                              "(bases=None) the check is exact: pass rtol / atol to loosen it instead")
+    if bases is not None:
+        bound = max_logit_error
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < math.inf:
+            raise CKVPConfigError(f"check_equivalence: with bases (a lossy latent cache) pass max_logit_error, a "
+                                  f"finite bound > 0 on |compiled - eager| logits, got {max_logit_error!r}")
+        if isinstance(model, GptFastMoE) or hasattr(model, "setup_caches"):
+            raise CKVPConfigError("check_equivalence: a gpt-fast-style model's latent cache (use_latent_cache) is not "
+                                  "checked here yet; check its dense cache (bases=None), or a Hugging Face model's "
+                                  "latent cache")
+
+
+def _run(model: torch.nn.Module, fn: Any, ids: torch.Tensor, steps: int, tokens: list[torch.Tensor] | None,
+         cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill ``ids`` then ``steps`` decode calls through ``fn``; feed ``tokens`` (teacher forcing) or the argmax.
+    Returns every call's logits in float32 ((B, S, V) for the prefill, (B, 1, V) a step) and the tokens fed."""
+    gpt_fast = hasattr(model, "setup_caches")
+    outs, fed = [], []
+
+    def call(x: torch.Tensor, start: int) -> torch.Tensor:
+        if gpt_fast:
+            out = fn(x, torch.arange(start, start + x.shape[1], device=x.device))
+        else:
+            out = fn(**hf_step_kwargs(model, x, cache, start))
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        return logits.float()
+
+    with torch.no_grad():
+        outs.append(call(ids, 0))
+        for i in range(steps):
+            nxt = tokens[i] if tokens is not None else outs[-1][:, -1].argmax(dim=-1, keepdim=True)
+            fed.append(nxt)
+            outs.append(call(nxt, ids.shape[1] + i))
+    return outs, fed
+
+
+def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | None = None, bases: Any = None,
+                      latent_format: str | tuple[str, str] = "auto", max_logit_error: float | None = None,
+                      rtol: float | None = None, atol: float | None = None, max_examples: int = 8,
+                      max_batch: int = 2, max_prompt_len: int = 16, max_decode_steps: int = 4, seed: int = 0,
+                      shrink: bool = True) -> EquivalenceReport:
+    """Check, on random prompts, that ``torch.compile(model, backend="ckvp", options=...)`` computes what the eager
+    model computes (see the module docstring).
+
+    Args:
+        model: a Hugging Face causal LM (``transformers`` 5.x, static cache) or a gpt-fast-style model (with
+            ``setup_caches(max_batch_size, max_seq_length)``; dense cache only), in eval mode, on its device.
+        options: ckvp options for the compiled model (``CKVPConfig`` keys), e.g. ``{"enable_expert_gemm": True}``
+            or ``{"compiler": "aot_eager"}`` (fast to compile; runs the rewritten graph op by op).
+        bases: :class:`~ckvp_compile.latent.LatentBases` of this model: the compiled run uses a latent cache of
+            them (``CKVPStaticCache(..., latent_format=latent_format)``, the model's dtype); needs max_logit_error.
+        latent_format: the latent cache's storage format (as for ``CKVPStaticCache``).
+        max_logit_error: with ``bases``: the largest allowed |compiled - eager| logit difference at any call.
+        rtol, atol: with a dense cache: the tolerance (default: ``torch.testing.assert_close``'s for the logits'
+            dtype, e.g. 1.3e-6 / 1e-5 for float32, 1.6e-2 / 1e-5 for bfloat16).
+        max_examples: examples Hypothesis generates (each compiles once; shrinking a failure runs more).
+        max_batch (B), max_prompt_len (S), max_decode_steps (N): upper bounds of the drawn sizes (B, S >= 1,
+            N >= 0); the caches hold S + N tokens.
+        seed: Hypothesis' seed (the same seed draws the same examples).
+        shrink: shrink a failure to a smaller example (off: report the first failure found).
+    Returns:
+        An :class:`EquivalenceReport`; ``.raise_if_failed()`` raises :class:`EquivalenceError` on a failure.
+    Raises:
+        CKVPConfigError: a bad argument (the message names the fix); ImportError: Hypothesis is not installed
+            (``pip install hypothesis``, or the ``test`` extra).
+    Source: property-based testing with Hypothesis (MacIver et al., "Hypothesis: A new approach to property-based
+        testing", JOSS 2019); the same check as this package's own tests (tests/e2e/test_equivalence.py).
+    """
+    _check_args(model, options, bases, max_examples, max_batch, max_prompt_len, max_decode_steps, max_logit_error)
+    try:
+        from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+        from hypothesis import seed as hypothesis_seed
+        from hypothesis import strategies as st
+    except ImportError as exc:  # pragma: no cover - the test extra installs it
+        raise ImportError("check_equivalence needs Hypothesis: pip install hypothesis (or ckvp-compile[test])") from exc
+    from ..config import CKVPConfig
+
+    opts = dict(options or {})
+    CKVPConfig.from_options(opts)  # a bad option: CKVPConfigError now, not inside the first compile
+    vocab = _vocab_size(model)
+    param = _first_param(model)
+    device, dtype = param.device, param.dtype
+    gpt_fast = hasattr(model, "setup_caches")
+    mode = ("dense cache (exact)" if bases is None else f"latent cache (bound {max_logit_error:g})")
+    state: dict[str, Any] = {"examples": 0, "max_err": 0.0, "failure": None}
+
+    def new_cache(b: int, length: int, latent: bool) -> Any:
+        if gpt_fast:
+            model.setup_caches(b, length)
+            return None
+        if latent:
+            from ..runtime.hf_cache import CKVPStaticCache
+
+            return CKVPStaticCache(model.config, bases, max_cache_len=length, max_batch_size=b, device=device,
+                                   dtype=dtype, latent_format=latent_format)
+        return make_static_cache(model, length)
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> str | None:
+        if bases is not None:
+            err = (got - want).abs().max().item()
+            return None if err <= max_logit_error else (
+                f"|logit difference| {err:.4g} > max_logit_error {max_logit_error:g}")
+        try:
+            kw = {} if rtol is None and atol is None else {"rtol": rtol or 0.0, "atol": atol or 0.0}
+            torch.testing.assert_close(got.to(dtype), want.to(dtype), **kw)
+        except AssertionError as exc:
+            return " ".join(str(exc).split())
+        return None
+
+    @given(data=st.data(), b=st.integers(1, max_batch), s=st.integers(1, max_prompt_len),
+           n=st.integers(0, max_decode_steps))
+    def example(data: Any, b: int, s: int, n: int) -> None:
+        state["examples"] += 1
+        prompt = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=s, max_size=s), min_size=b,
+                                    max_size=b), label="prompt")
+        ids = torch.tensor(prompt, dtype=torch.long, device=device)
+        want, fed = _run(model, model, ids, n, None, new_cache(b, s + n, latent=False))
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ckvp", options=opts)
+        failure = None
+        try:
+            got, _ = _run(model, compiled, ids, n, fed, new_cache(b, s + n, latent=bases is not None))
+        except Exception as exc:  # noqa: BLE001 - any error of the compiled run is the finding
+            failure = EquivalenceFailure(b, prompt, n, None, float("nan"), f"{type(exc).__name__}: {exc}")
+        else:
+            errs = [(g - w).abs().max().item() for g, w in zip(got, want)]
+            for call, (g, w) in enumerate(zip(got, want)):
+                why = close(g, w)
+                if why is not None:
+                    failure = EquivalenceFailure(b, prompt, n, call, errs[call], why)
+                    break
+            if failure is None:
+                state["max_err"] = max(state["max_err"], max(errs))
+        finally:
+            torch._dynamo.reset()
+        if failure is not None:
+            state["failure"] = failure  # Hypothesis replays the smallest failing example last
+            raise AssertionError(failure.message)
+
+    phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
+    run = settings(max_examples=max_examples, deadline=None, database=None, phases=phases, print_blob=False,
+                   verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))(hypothesis_seed(seed)(example))
+    try:
+        run()
+    except Exception:  # the failure (AssertionError, or Hypothesis' Flaky* when a replay passed) is in state
+        if state["failure"] is None:
+            raise
+    finally:
+        if gpt_fast:  # leave the model with caches of the largest drawn size, zeroed
+            model.setup_caches(max_batch, max_prompt_len + max_decode_steps)
+    failure = state["failure"]
+    return EquivalenceReport(passed=failure is None, examples=state["examples"], max_abs_error=state["max_err"],
+                             mode=mode, failure=failure,
+                             settings=dict(options=opts, max_examples=max_examples, max_batch=max_batch,
+                                           max_prompt_len=max_prompt_len, max_decode_steps=max_decode_steps,
+                                           seed=seed, latent_format=latent_format))

@@ -1,0 +1,99 @@
+"""ckvp_compile.testing.check_equivalence: the property-based check users run on their own models.
+
+It must pass where the backend is exact (a dense cache, the expert rewrite on, HF and gpt-fast models) and at
+full rank, find a real discrepancy (a perturbed expert op; a lossy latent cache under a tight bound), shrink it to
+the smallest example, say so in its report and error, refuse bad arguments naming the fix, and leave the model as
+it was. Tiny models and ``compiler="aot_eager"`` keep it fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckvp_compile.errors import CKVPConfigError
+from ckvp_compile.latent import calibrate
+from ckvp_compile.testing import GptFastConfig, GptFastMoE, build_hf_moe
+from ckvp_compile.testing.equivalence import EquivalenceError, check_equivalence
+
+FAST = {"compiler": "aot_eager"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    bases = calibrate(model, [torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(i))
+                              for i in range(2)], group_size=2, kv_ratio=4, progress=False)
+    return model, bases
+
+
+def test_dense_cache_with_the_expert_rewrite_passes_and_leaves_the_model(tiny):
+    model, _ = tiny
+    forward = model.forward
+    report = check_equivalence(model, options={**FAST, "enable_expert_gemm": True}, max_examples=2,
+                               max_prompt_len=6, max_decode_steps=2)
+    assert report.raise_if_failed() is report and report.passed and report.examples == 2
+    assert report.failure is None and report.max_abs_error < 1e-4 and "passed" in report.to_text()
+    assert model.forward == forward  # the model is not rewritten: eager calls still run eagerly
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_a_wrong_expert_op_is_found_and_shrunk(tiny, monkeypatch):
+    """The compiled model's expert op perturbed by 1e-3 relative: the dense check (exact) must fail, at the prefill
+    of the smallest example (one sequence, one token)."""
+    import ckvp_compile.kernels.moe_reference as moe_ref
+
+    model, _ = tiny
+    true_ref = moe_ref.moe_experts_ref
+    monkeypatch.setattr(moe_ref, "moe_experts_ref", lambda *a, **k: true_ref(*a, **k) * 1.001)
+    report = check_equivalence(model, options={**FAST, "enable_expert_gemm": True}, max_examples=2, max_batch=2,
+                               max_prompt_len=3, max_decode_steps=1)
+    assert not report.passed
+    f = report.failure
+    assert (f.batch, len(f.prompt[0]), f.call) == (1, 1, 0) and f.max_abs_error > 0
+    assert "Tensor-likes are not close" in f.message
+    with pytest.raises(EquivalenceError, match=r"smallest failing example: batch 1, prompt length 1"):
+        report.raise_if_failed()
+
+
+def test_latent_cache_error_bound(tiny):
+    """At 4x the latent cache's logits differ from dense's (a lossy cache): a bound of 1e-4 fails at the first decode
+    step (the prefill attends its own tokens exactly), a bound of 20 passes; no shrinking here (fast)."""
+    model, bases = tiny
+    tight = check_equivalence(model, options=FAST, bases=bases, max_logit_error=1e-4, max_examples=2,
+                              max_prompt_len=4, max_decode_steps=2, shrink=False, seed=1)
+    assert not tight.passed and tight.failure.call >= 1 and "> max_logit_error 0.0001" in tight.failure.message
+    loose = check_equivalence(model, options=FAST, bases=bases, max_logit_error=20.0, max_examples=2,
+                              max_prompt_len=4, max_decode_steps=2, seed=1)
+    assert loose.passed and 0 < loose.max_abs_error <= 20.0 and "latent cache (bound 20)" in loose.to_text()
+
+
+def test_full_rank_latent_cache_is_near_exact(tiny):
+    model, _ = tiny
+    full = calibrate(model, [torch.randint(0, 256, (1, 12)) for _ in range(2)], group_size=2, kv_ratio=1.0,
+                     progress=False)
+    report = check_equivalence(model, options=FAST, bases=full, max_logit_error=1e-3, max_examples=2,
+                               max_prompt_len=5, max_decode_steps=2)
+    assert report.passed, report.to_text()
+
+
+def test_gpt_fast_model_dense_cache():
+    model = GptFastMoE(GptFastConfig(vocab_size=128)).eval()
+    report = check_equivalence(model, options=FAST, max_examples=2, max_prompt_len=5, max_decode_steps=2)
+    assert report.passed, report.to_text()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(model="not a model"), "must be a torch.nn.Module"),
+    (dict(max_examples=0), "max_examples must be an int >= 1"),
+    (dict(max_decode_steps=-1), "max_decode_steps must be an int >= 0"),
+    (dict(max_logit_error=0.5), "with a dense cache (bases=None) the check is exact"),
+    (dict(bases="B"), "pass max_logit_error"),
+    (dict(bases="B", max_logit_error=float("inf")), "pass max_logit_error"),
+    (dict(options={"group_size": 3}), "group_size"),
+])
+def test_bad_arguments_name_the_fix(tiny, kwargs, needle):
+    kwargs = {"model": tiny[0], **kwargs}
+    with pytest.raises(CKVPConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        check_equivalence(kwargs.pop("model"), **kwargs)
