@@ -1,0 +1,57 @@
+"""Probe 2 of the B=2, S>=2 prefill mismatch under Inductor (prefill_probe.json): every ckvp::latent_attention
+call's Triton result against the reference on the same tensors, with the tensors' shapes and strides.
+
+Run: PYTHONPATH=. python3 benchmarks/results/2026-12-06-session-gpu/stride_probe.py OUT.json
+"""
+import json
+import sys
+
+import torch
+
+import ckvp_compile.ops.latent_attention_cuda as cuda_ops
+from ckvp_compile.kernels import reference as ref
+from ckvp_compile.latent import calibrate
+from ckvp_compile.latent.capture import make_static_cache
+from ckvp_compile.runtime.hf_cache import CKVPStaticCache
+from ckvp_compile.testing import load_fixture_model
+from ckvp_compile.testing.equivalence import _run
+
+calls = []
+triton_fn = cuda_ops.latent_attention_triton
+
+
+def recording(*args, page_table=None):
+    out = triton_fn(*args, page_table=page_table)
+    want = ref.latent_attention_ref(*args, page_table)
+    names = ("q", "latent_k", "latent_v", "basis_k_block", "basis_v_block", "k_offsets", "v_offsets", "cos_table",
+             "sin_table", "slot_pos", "rope_form", "rotary_dim", "new_k", "new_v", "slots", "attn_mask", "scale",
+             "kv_len", "k_fmt", "v_fmt")
+    info = {n: (list(a.shape), list(a.stride()), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a)
+            for n, a in zip(names, args) if n not in ("k_offsets", "v_offsets")}
+    info["err_vs_ref"] = (out.float() - want.float()).abs().max().item()
+    info["out_stride"] = list(out.stride())
+    calls.append(info)
+    return out
+
+
+cuda_ops.latent_attention_triton = recording
+model = load_fixture_model().to("cuda", torch.bfloat16).eval()
+text = open("models/tiny-mixtral-pystdlib/eval_text.txt", "rb").read()
+samples = [torch.tensor([list(text[i * 256:(i + 1) * 256])], device="cuda") for i in range(8)]
+bases = calibrate(model, samples, kv_ratio=4, progress=False)
+res = {}
+for compiler in ("inductor", "aot_eager"):
+    calls.clear()
+    b, s = 2, 4
+    ids = torch.tensor([list(text[5000 + 97 * i: 5000 + 97 * i + s]) for i in range(b)], device="cuda")
+    want, fed = _run(model, model, ids, 0, None, make_static_cache(model, s + 1))
+    torch._dynamo.reset()
+    comp = torch.compile(model, backend="ckvp", options={"compiler": compiler})
+    cache = CKVPStaticCache(model.config, bases, max_cache_len=s + 1, max_batch_size=b, device="cuda",
+                            dtype=torch.bfloat16)
+    got, _ = _run(model, comp, ids, 0, None, cache)
+    res[compiler] = dict(prefill_err=(got[0] - want[0]).abs().max().item(), calls=calls[:2],
+                         n_calls=len(calls), call_errs=[c["err_vs_ref"] for c in calls])
+    print(compiler, res[compiler]["prefill_err"], res[compiler]["call_errs"], flush=True)
+    print(json.dumps(calls[:1]), flush=True)
+json.dump(res, open(sys.argv[1], "w"), indent=1)
