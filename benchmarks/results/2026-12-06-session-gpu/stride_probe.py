@@ -35,6 +35,17 @@ def recording(*args, page_table=None):
 
 
 cuda_ops.latent_attention_triton = recording
+reasons = []
+reason_fn = cuda_ops.unsupported_reason
+
+
+def recording_reason(q, *args, **kwargs):
+    r = reason_fn(q, *args, **kwargs)
+    reasons.append((list(q.shape), list(q.stride()), r))
+    return r
+
+
+cuda_ops.unsupported_reason = recording_reason
 model = load_fixture_model().to("cuda", torch.bfloat16).eval()
 text = open("models/tiny-mixtral-pystdlib/eval_text.txt", "rb").read()
 samples = [torch.tensor([list(text[i * 256:(i + 1) * 256])], device="cuda") for i in range(8)]
@@ -42,6 +53,7 @@ bases = calibrate(model, samples, kv_ratio=4, progress=False)
 res = {}
 for compiler in ("inductor", "aot_eager"):
     calls.clear()
+    reasons.clear()
     b, s = 2, 4
     ids = torch.tensor([list(text[5000 + 97 * i: 5000 + 97 * i + s]) for i in range(b)], device="cuda")
     want, fed = _run(model, model, ids, 0, None, make_static_cache(model, s + 1))
@@ -51,7 +63,8 @@ for compiler in ("inductor", "aot_eager"):
                             dtype=torch.bfloat16)
     got, _ = _run(model, comp, ids, 0, None, cache)
     res[compiler] = dict(prefill_err=(got[0] - want[0]).abs().max().item(), calls=calls[:2],
-                         n_calls=len(calls), call_errs=[c["err_vs_ref"] for c in calls])
+                         n_calls=len(calls), call_errs=[c["err_vs_ref"] for c in calls], reasons=reasons[:3],
+                         n_reasons=len(reasons))
     print(compiler, res[compiler]["prefill_err"], res[compiler]["call_errs"], flush=True)
-    print(json.dumps(calls[:1]), flush=True)
+    print(json.dumps(calls[:1]), reasons[:2], flush=True)
 json.dump(res, open(sys.argv[1], "w"), indent=1)
