@@ -2,9 +2,11 @@
 differ from dense by 2.65 (CUDA, Inductor). Per (compiler, B, S): max |compiled - eager| of the prefill logits and
 of one decode step (teacher-forced), fixture in bf16, the same bases for every row.
 
-Run: PYTHONPATH=. python3 benchmarks/results/2026-12-06-session-gpu/prefill_probe.py OUT.json
+Run: PYTHONPATH=. python3 benchmarks/results/2026-12-06-session-gpu/prefill_probe.py OUT.json (DENSE=1: a dense
+cache instead, to see whether Inductor alone, without the latent rewrite, shows it; not run yet)
 """
 import json
+import os
 import sys
 
 import torch
@@ -20,6 +22,7 @@ text = open("models/tiny-mixtral-pystdlib/eval_text.txt", "rb").read()
 samples = [torch.tensor([list(text[i * 256:(i + 1) * 256])], device="cuda") for i in range(8)]
 bases = calibrate(model, samples, kv_ratio=4, progress=False)
 rows = []
+DENSE = os.environ.get("DENSE") == "1"
 for compiler in ("inductor", "aot_eager"):
     for b, s in ((1, 1), (2, 1), (2, 2), (1, 4), (2, 4), (2, 16)):
         ids = torch.tensor([list(text[5000 + 97 * i: 5000 + 97 * i + s]) for i in range(b)], device="cuda")
@@ -27,8 +30,9 @@ for compiler in ("inductor", "aot_eager"):
         want, fed = _run(model, model, ids, 1, None, make_static_cache(model, s + 1))
         torch._dynamo.reset()
         comp = torch.compile(model, backend="ckvp", options={"compiler": compiler})
-        cache = CKVPStaticCache(model.config, bases, max_cache_len=s + 1, max_batch_size=b, device="cuda",
-                                dtype=torch.bfloat16)
+        cache = (make_static_cache(model, s + 1) if DENSE else  # DENSE=1: the same rows with a dense cache
+                 CKVPStaticCache(model.config, bases, max_cache_len=s + 1, max_batch_size=b, device="cuda",
+                                 dtype=torch.bfloat16))
         try:
             got, _ = _run(model, comp, ids, 1, fed, cache)
             errs = [round((g - w).abs().max().item(), 4) for g, w in zip(got, want)]
