@@ -165,6 +165,8 @@ class CKVPBackend:
         gm = self._run_torch_passes(gm, torch_passes, record, must_succeed=bool(plan.latent_groups))
         record.dynamo_after = gm.code
         latent = next((p for p in torch_passes if isinstance(p, LatentKVCachePass)), None)
+        if latent is not None and batched_prefill_at_risk(latent.plan, config.compiler):
+            warnings.warn(BATCHED_PREFILL_RISK, CKVPWarning, stacklevel=2)
         if latent is not None:
             store_inputs = _StoreArgs(latent.plan)
             example_inputs = list(example_inputs) + _compat.static_fake_inputs(store_inputs.tensors(latent.plan.store))
@@ -357,6 +359,24 @@ ONLINE_BASES_NOT_REFITTED = (
     "same cache) is projected onto them without refitting, which loses accuracy when the first call held only "
     "part of the prompt. Fix: pass the whole prompt in the first call (prefill_chunk_size=None), or use calibrated "
     "bases (ckvp_compile.calibrate)")
+
+
+#: Warned at compile time where the open batched-prefill bug can give wrong logits (see batched_prefill_at_risk).
+BATCHED_PREFILL_RISK = (
+    "ckvp: known open bug: on CUDA with compiler='inductor', a latent cache's prefill for a batch of 2 or more "
+    "sequences gave wrong logits in a GPU check (benchmarks/results/2026-12-06-session-gpu; decode steps and one "
+    "sequence were right). Until it is fixed: prefill one sequence per cache, or compile with "
+    "options={'compiler': 'aot_eager'} for the prefill, and check with "
+    "ckvp_compile.testing.check_equivalence(model, bases=..., max_logit_error=...)")
+
+
+def batched_prefill_at_risk(plan: Any, compiler: str) -> bool:
+    """Whether a rewritten graph is one the open batched-prefill bug affects: a latent store on CUDA of batch size
+    >= 2, a call writing several tokens per sequence (``LatentRewritePlan.multi_token``), Inductor as the inner
+    compiler (benchmarks/results/2026-12-06-session-gpu: wrong there, right under aot_eager and at batch 1)."""
+    store = plan.store
+    return (compiler == "inductor" and bool(plan.multi_token) and getattr(store, "batch_size", 1) >= 2
+            and torch.device(getattr(store, "device", "cpu")).type == "cuda")
 
 
 class _StoreArgs:
