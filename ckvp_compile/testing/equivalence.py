@@ -197,7 +197,9 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
         seed: Hypothesis' seed (the same seed draws the same examples).
         shrink: shrink a failure to a smaller example (off: report the first failure found).
     Returns:
-        An :class:`EquivalenceReport`; ``.raise_if_failed()`` raises :class:`EquivalenceError` on a failure.
+        An :class:`EquivalenceReport`; ``.raise_if_failed()`` raises :class:`EquivalenceError` on a failure. Each
+        example calls ``torch._dynamo.reset()``, so other compiled functions of the process recompile on their next
+        call; a gpt-fast-style model is left with zeroed caches of (max_batch, max_prompt_len + max_decode_steps).
     Raises:
         CKVPConfigError: a bad argument (the message names the fix); ImportError: Hypothesis is not installed
             (``pip install hypothesis``, or the ``test`` extra).
