@@ -44,10 +44,11 @@ def _logits(out: Any) -> torch.Tensor:
 
 def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_decode: int, *,
                           compile_fn: Callable[[torch.nn.Module], Callable] | None = None,
-                          max_cache_len: int = 64, compile_prefill: bool = True) -> list[torch.Tensor]:
+                          max_cache_len: int = 64, compile_prefill: bool = True, cache: Any = None,
+                          tokens: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Run a static-cache prefill then ``n_decode`` greedy decode steps; return every call's logits.
 
-    A fresh cache is used per call (a new ``StaticCache``; for gpt-fast, ``setup_caches`` zeroes or
+    A fresh cache is used per call (a new ``StaticCache``, or ``cache``; for gpt-fast, ``setup_caches`` zeroes or
     reallocates the per-layer caches). ``step = compile_fn(model) if compile_fn else model`` is what runs, e.g.
     ``compile_fn=lambda m: torch.compile(m, backend="ckvp")``. Runs under ``torch.no_grad()``.
 
@@ -60,6 +61,9 @@ def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_dec
         compile_prefill: with False the prefill runs on the uncompiled model and only decode steps go through
             ``step`` (what ``generate()`` does): the HF ``StaticCache`` buffers then exist, marked static, before
             the first compiled call.
+        cache: a HF model's cache to use instead of a new ``StaticCache`` (e.g. a ``CKVPStaticCache``, fresh).
+        tokens: teacher forcing: step i feeds ``tokens[i]`` ((B, 1) long, e.g. another run's argmax) instead of
+            this run's argmax; at least ``n_decode`` of them.
     Returns:
         [prefill logits (B, S, V), step 1 logits (B, 1, V), ..., step n_decode logits (B, 1, V)].
     Raises:
@@ -75,7 +79,7 @@ def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_dec
     with torch.no_grad():
         if gpt_fast:
             model.setup_caches(bsz, max_cache_len)
-        else:
+        elif cache is None:
             cache = make_static_cache(model, max_cache_len)
         step = compile_fn(model) if compile_fn is not None else model
 
@@ -86,7 +90,7 @@ def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_dec
 
         outs = [call(input_ids, 0, step if compile_prefill else model)]
         for i in range(n_decode):
-            next_ids = outs[-1][:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+            next_ids = tokens[i] if tokens is not None else outs[-1][:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
             outs.append(call(next_ids, seqlen + i, step))
     return outs
 

@@ -31,8 +31,8 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import CKVPConfigError, CKVPError
-from ..latent.capture import hf_step_kwargs, make_static_cache
-from .gpt_fast import GptFastMoE
+from ..latent.capture import make_static_cache
+from .decoding import prefill_decode_logits
 
 __all__ = ["EquivalenceError", "EquivalenceFailure", "EquivalenceReport", "check_equivalence"]
 
@@ -138,34 +138,10 @@ def _check_args(model: Any, options: Any, bases: Any, max_examples: Any, max_bat
         if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < math.inf:
             raise CKVPConfigError(f"check_equivalence: with bases (a lossy latent cache) pass max_logit_error, a "
                                   f"finite bound > 0 on |compiled - eager| logits, got {max_logit_error!r}")
-        if isinstance(model, GptFastMoE) or hasattr(model, "setup_caches"):
+        if hasattr(model, "setup_caches"):
             raise CKVPConfigError("check_equivalence: a gpt-fast-style model's latent cache (use_latent_cache) is not "
                                   "checked here yet; check its dense cache (bases=None), or a Hugging Face model's "
                                   "latent cache")
-
-
-def _run(model: torch.nn.Module, fn: Any, ids: torch.Tensor, steps: int, tokens: list[torch.Tensor] | None,
-         cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefill ``ids`` then ``steps`` decode calls through ``fn``; feed ``tokens`` (teacher forcing) or the argmax.
-    Returns every call's logits in float32 ((B, S, V) for the prefill, (B, 1, V) a step) and the tokens fed."""
-    gpt_fast = hasattr(model, "setup_caches")
-    outs, fed = [], []
-
-    def call(x: torch.Tensor, start: int) -> torch.Tensor:
-        if gpt_fast:
-            out = fn(x, torch.arange(start, start + x.shape[1], device=x.device))
-        else:
-            out = fn(**hf_step_kwargs(model, x, cache, start))
-        logits = out if isinstance(out, torch.Tensor) else out.logits
-        return logits.float()
-
-    with torch.no_grad():
-        outs.append(call(ids, 0))
-        for i in range(steps):
-            nxt = tokens[i] if tokens is not None else outs[-1][:, -1].argmax(dim=-1, keepdim=True)
-            fed.append(nxt)
-            outs.append(call(nxt, ids.shape[1] + i))
-    return outs, fed
 
 
 def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | None = None, bases: Any = None,
@@ -225,8 +201,7 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     state: dict[str, Any] = {"examples": 0, "max_err": 0.0, "failure": None}
 
     def new_cache(b: int, length: int, latent: bool) -> Any:
-        if gpt_fast:
-            model.setup_caches(b, length)
+        if gpt_fast:  # prefill_decode_logits calls its setup_caches
             return None
         if latent:
             from ..runtime.hf_cache import CKVPStaticCache
@@ -260,12 +235,16 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
         prompt = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=s, max_size=s), min_size=b,
                                     max_size=b), label="prompt")
         ids = torch.tensor(prompt, dtype=torch.long, device=device)
-        want, fed = _run(model, model, ids, n, None, new_cache(b, s + n, latent=False))
+        want = [x.float() for x in prefill_decode_logits(model, ids, n, max_cache_len=s + n,
+                                                         cache=new_cache(b, s + n, latent=False))]
+        fed = [w[:, -1].argmax(dim=-1, keepdim=True) for w in want[:-1]]
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="ckvp", options=opts)
         failure = None
         try:
-            got, _ = _run(model, compiled, ids, n, fed, new_cache(b, s + n, latent=bases is not None))
+            got = [x.float() for x in prefill_decode_logits(
+                model, ids, n, compile_fn=lambda m: compiled, max_cache_len=s + n, tokens=fed,
+                cache=new_cache(b, s + n, latent=bases is not None))]
         except Exception as exc:  # noqa: BLE001 - any error of the compiled run is the finding
             failure = EquivalenceFailure(b, prompt, n, None, float("nan"), f"{type(exc).__name__}: {exc}")
         else:

@@ -13,7 +13,7 @@ import ckvp_compile.backend as backend
 from ckvp_compile.latent import calibrate
 from ckvp_compile.runtime.hf_cache import CKVPStaticCache
 from ckvp_compile.testing import build_hf_moe
-from ckvp_compile.testing.equivalence import _run
+from ckvp_compile.testing import prefill_decode_logits
 
 
 @pytest.mark.parametrize("device, batch, multi, compiler, risky", [
@@ -46,7 +46,8 @@ def test_the_pass_marks_prefill_graphs_multi_token(monkeypatch):
     compiled = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"})
     try:
         cache = CKVPStaticCache(model.config, bases, max_cache_len=8, max_batch_size=2)
-        _run(model, compiled, torch.randint(0, 256, (2, 5)), 2, None, cache)
+        prefill_decode_logits(model, torch.randint(0, 256, (2, 5)), 2, compile_fn=lambda m: compiled, max_cache_len=8,
+                              cache=cache)
     finally:
         torch._dynamo.reset()
     assert seen[0] == (True, 2) and (False, 2) in seen[1:], seen

@@ -14,7 +14,16 @@ from ckvp_compile.latent import calibrate
 from ckvp_compile.latent.capture import make_static_cache
 from ckvp_compile.runtime.hf_cache import CKVPStaticCache
 from ckvp_compile.testing import load_fixture_model
-from ckvp_compile.testing.equivalence import _run
+from ckvp_compile.testing import prefill_decode_logits
+
+
+def _run(model, fn, ids, steps, tokens, cache):
+    """Prefill + ``steps`` decode calls through ``fn`` (teacher-forced by ``tokens``): float logits and the argmax
+    tokens (the driver the runs used, since folded into testing.prefill_decode_logits)."""
+    outs = [x.float() for x in prefill_decode_logits(model, ids, steps, compile_fn=lambda m: fn,
+                                                     max_cache_len=ids.shape[1] + 1, tokens=tokens, cache=cache)]
+    return outs, [o[:, -1].argmax(dim=-1, keepdim=True) for o in outs[:-1]]
+
 
 calls = []
 triton_fn = cuda_ops.latent_attention_triton
