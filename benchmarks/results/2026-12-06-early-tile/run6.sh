@@ -13,7 +13,7 @@ timeout ${SWEEP_S:-100} python3 benchmarks/mma_attention_gpu.py --sweep --out $R
   --block-ns 64 --layouts unit-major@64 --formats int8/32 --programs 2112 --stages 0 --variants $V,$V > $R/sweep.txt 2>&1
 echo "sweep rc=$?"
 grep -o '"b": [0-9]*\|"t": [0-9]*\|"variant": "[^"]*"\|"ms": [0-9.e-]*\|"speedup_over_byte_ratio": [0-9.]*' $R/sweep.txt | paste - - - - -
-for i in 1 2; do
+for i in ${BENCH_RUNS:-1 2}; do
   timeout 120 python3 -m ckvp_compile.bench.cli attention --key-space post_rope --heads 32:8 --batches 8 32 \
       --contexts 32768 131072 --formats int8/32:32 --cuda-graphs --latent-layout unit-major --page-size 64 \
       --json $R/attention-run$i.json --out $R/attention-run$i.md > /tmp/bench$i.log 2>&1
