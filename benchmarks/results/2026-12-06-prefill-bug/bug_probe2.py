@@ -127,3 +127,39 @@ def _repeat():
         rows.append(dict(use_triton=use, **err(2, 2, lambda m: torch.compile(m, backend="ckvp"), cache)))
     cuda_ops.USE_TRITON = True
     return rows
+
+
+@section("rotary")
+def _rotary():
+    """The model's rotary embedding alone, compiled with Inductor, against eager: cos / sin of position_ids (B, S)."""
+    rot = model.model.rotary_emb
+    rows = []
+    for b, s in ((2, 2), (1, 4), (2, 4), (2, 1), (3, 2)):
+        x = torch.zeros(b, s, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(s, device="cuda").expand(b, s).contiguous()
+        with torch.no_grad():
+            cw, sw = rot(x, pos)
+            torch._dynamo.reset()
+            cg, sg = torch.compile(rot)(x, pos)
+        rows.append(dict(b=b, s=s, cos_err=(cg.float() - cw.float()).abs().max().item(),
+                         sin_err=(sg.float() - sw.float()).abs().max().item()))
+    torch._dynamo.reset()
+    return rows
+
+
+@section("bmm")
+def _bmm():
+    """Inductor's RoPE frequency bmm with its buffers' strides (output_code of r1: (2, 32, 1) strides (32, 1, 64) times
+    (2, 1, 2) strides (2, 4, 1)), at several storage offsets, against the contiguous product."""
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b, s in ((2, 2), (2, 4), (3, 2), (1, 4)):
+        for off in (0, 1, 2, 4, 8, 16):
+            a_base = torch.randn(4096, device="cuda", generator=g)
+            b_base = torch.randn(4096, device="cuda", generator=g)
+            a = a_base.as_strided((b, 32, 1), (32, 1, 64), off)
+            bb = b_base.as_strided((b, 1, s), (s, 4 if s <= 4 else s * 2, 1), off)
+            want = a.contiguous() @ bb.contiguous()
+            got = torch.bmm(a, bb)
+            rows.append(dict(b=b, s=s, off=off, err=(got - want).abs().max().item()))
+    return rows
