@@ -6,8 +6,10 @@ Sections (OUT/probe2.json):
   plain      torch.compile(model) with Inductor and no ckvp, dense StaticCache: is it PyTorch / transformers alone?
   experts    the same with experts_implementation="eager", and with "grouped_mm" (is it the grouped_mm experts?)
   moe_block  layer 0's sparse MoE block alone, compiled (Inductor) against eager, on (B, S, 256) random bf16 inputs
-  repeat     the ckvp backend (latent 4x, Inductor) at batch 2 x 2 tokens twice, and twice with the latent attention
-             op's reference kernel (USE_TRITON False): is the error deterministic?
+  repeat     the ckvp backend (latent 4x, Inductor; with this commit's OuterProductPass) at batch 2 x 2 tokens, with the
+             latent attention op's Triton kernels and with its reference (USE_TRITON False), then at other shapes
+  rotary     the model's rotary embedding alone, compiled, against eager
+  bmm        Inductor's RoPE bmm operand strides (from r1's output code) in eager torch.bmm, against contiguous ones
 
 Run: PYTHONPATH=. python3 benchmarks/results/2026-12-06-prefill-bug/bug_probe2.py OUT_DIR
 """
@@ -65,67 +67,24 @@ def err(b, s, compile_fn, cache_fn=None):
                 per_seq=[round((got[i] - want[i]).abs().max().item(), 4) for i in range(b)])
 
 
-SHAPES = ((2, 2), (1, 4), (2, 4), (3, 2))
+SHAPES = ((2, 2), (1, 4), (2, 4))
 
 
-@section("plain")
-def _plain():
-    return [err(b, s, torch.compile) for b, s in SHAPES]
-
-
-@section("experts")
-def _experts():
-    rows = []
-    for impl in ("eager", "batched_mm", "grouped_mm"):
-        try:
-            model.set_experts_implementation(impl)
-        except Exception as exc:  # noqa: BLE001
-            rows.append(dict(impl=impl, error=str(exc)[:300]))
-            continue
-        for b, s in ((2, 2), (2, 4)):
-            rows.append(dict(impl=impl, compiler="inductor", **err(b, s, torch.compile)))
-            rows.append(dict(impl=impl, compiler="ckvp dense", **err(
-                b, s, lambda m: torch.compile(m, backend="ckvp"))))
-    model.set_experts_implementation("grouped_mm")
-    return rows
-
-
-@section("moe_block")
-def _moe_block():
-    layer = model.model.layers[0]
-    block = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+@section("bmm")
+def _bmm():
+    """Inductor's RoPE frequency bmm with its buffers' strides (output_code of r1: (2, 32, 1) strides (32, 1, 64) times
+    (2, 1, 2) strides (2, 4, 1)), at several storage offsets, against the contiguous product."""
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for b, s in ((2, 2), (1, 4), (2, 4), (4, 1), (8, 8)):
-        x = torch.randn(b, s, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
-        with torch.no_grad():
-            want = block(x)
-            want = want[0] if isinstance(want, tuple) else want
-            torch._dynamo.reset()
-            got = torch.compile(block)(x)
-            got = got[0] if isinstance(got, tuple) else got
-            flat = torch.compile(block)(x.reshape(1, b * s, -1))
-            flat = flat[0] if isinstance(flat, tuple) else flat
-        rows.append(dict(b=b, s=s, err=round((got.float() - want.float()).abs().max().item(), 4),
-                         err_as_one_sequence=round((flat.float().reshape(want.shape) - want.float()).abs().max().item(), 4)))
-    torch._dynamo.reset()
-    return rows
-
-
-@section("repeat")
-def _repeat():
-    samples = [torch.tensor([list(text[i * 256:(i + 1) * 256])], device="cuda") for i in range(8)]
-    bases = calibrate(model, samples, kv_ratio=4, progress=False)
-
-    def cache(b, s):
-        return CKVPStaticCache(model.config, bases, max_cache_len=s + 1, max_batch_size=b, device="cuda",
-                               dtype=torch.bfloat16)
-
-    rows = []
-    for use in (True, True, False, False):
-        cuda_ops.USE_TRITON = use
-        rows.append(dict(use_triton=use, **err(2, 2, lambda m: torch.compile(m, backend="ckvp"), cache)))
-    cuda_ops.USE_TRITON = True
+    for b, s in ((2, 2), (2, 4), (3, 2), (1, 4)):
+        for off in (0, 1, 2, 4, 8, 16):
+            a_base = torch.randn(4096, device="cuda", generator=g)
+            b_base = torch.randn(4096, device="cuda", generator=g)
+            a = a_base.as_strided((b, 32, 1), (32, 1, 64), off)
+            bb = b_base.as_strided((b, 1, s), (s, 4 if s <= 4 else s * 2, 1), off)
+            want = a.contiguous() @ bb.contiguous()
+            got = torch.bmm(a, bb)
+            rows.append(dict(b=b, s=s, off=off, err=(got - want).abs().max().item()))
     return rows
 
 
@@ -147,19 +106,64 @@ def _rotary():
     return rows
 
 
-@section("bmm")
-def _bmm():
-    """Inductor's RoPE frequency bmm with its buffers' strides (output_code of r1: (2, 32, 1) strides (32, 1, 64) times
-    (2, 1, 2) strides (2, 4, 1)), at several storage offsets, against the contiguous product."""
+@section("plain")
+def _plain():
+    return [err(b, s, torch.compile) for b, s in SHAPES]
+
+
+@section("repeat")
+def _repeat():
+    samples = [torch.tensor([list(text[i * 256:(i + 1) * 256])], device="cuda") for i in range(8)]
+    bases = calibrate(model, samples, kv_ratio=4, progress=False)
+
+    def cache(b, s):
+        return CKVPStaticCache(model.config, bases, max_cache_len=s + 1, max_batch_size=b, device="cuda",
+                               dtype=torch.bfloat16)
+
+    rows = []
+    for use in (True, False):
+        cuda_ops.USE_TRITON = use
+        rows.append(dict(use_triton=use, **err(2, 2, lambda m: torch.compile(m, backend="ckvp"), cache)))
+    cuda_ops.USE_TRITON = True
+    for b, s in ((2, 4), (2, 8), (3, 2), (2, 1), (1, 4)):
+        rows.append(dict(use_triton=True, **err(b, s, lambda m: torch.compile(m, backend="ckvp"), cache)))
+    return rows
+
+
+@section("experts")
+def _experts():
+    rows = []
+    for impl in ("eager", "grouped_mm"):
+        try:
+            model.set_experts_implementation(impl)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(dict(impl=impl, error=str(exc)[:300]))
+            continue
+        for b, s in ((2, 2),):
+            rows.append(dict(impl=impl, compiler="inductor", **err(b, s, torch.compile)))
+            rows.append(dict(impl=impl, compiler="ckvp dense", **err(
+                b, s, lambda m: torch.compile(m, backend="ckvp"))))
+    model.set_experts_implementation("grouped_mm")
+    return rows
+
+
+@section("moe_block")
+def _moe_block():
+    layer = model.model.layers[0]
+    block = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for b, s in ((2, 2), (2, 4), (3, 2), (1, 4)):
-        for off in (0, 1, 2, 4, 8, 16):
-            a_base = torch.randn(4096, device="cuda", generator=g)
-            b_base = torch.randn(4096, device="cuda", generator=g)
-            a = a_base.as_strided((b, 32, 1), (32, 1, 64), off)
-            bb = b_base.as_strided((b, 1, s), (s, 4 if s <= 4 else s * 2, 1), off)
-            want = a.contiguous() @ bb.contiguous()
-            got = torch.bmm(a, bb)
-            rows.append(dict(b=b, s=s, off=off, err=(got - want).abs().max().item()))
+    for b, s in ((2, 2), (1, 4), (8, 8)):
+        x = torch.randn(b, s, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            want = block(x)
+            want = want[0] if isinstance(want, tuple) else want
+            torch._dynamo.reset()
+            got = torch.compile(block)(x)
+            got = got[0] if isinstance(got, tuple) else got
+            flat = torch.compile(block)(x.reshape(1, b * s, -1))
+            flat = flat[0] if isinstance(flat, tuple) else flat
+        rows.append(dict(b=b, s=s, err=round((got.float() - want.float()).abs().max().item(), 4),
+                         err_as_one_sequence=round((flat.float().reshape(want.shape) - want.float()).abs().max().item(), 4)))
+    torch._dynamo.reset()
     return rows
