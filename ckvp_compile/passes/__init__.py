@@ -8,9 +8,7 @@
 experts become one ``ckvp::moe_experts`` call; it runs on the Dynamo graph, where the analysis named the site's
 nodes). 'post_grad': :class:`~ckvp_compile.passes.store_write_order.StoreWriteOrderPass` when the latent store is
 rewritten (each functionalized store write after the reads of the value it overwrites, so that Inductor writes
-the store in place instead of cloning it every step); on every graph,
-:class:`~ckvp_compile.passes.outer_product.OuterProductPass` (matrix products over a length-1 contraction, the
-rotary embedding's angles, as broadcast multiplies: Inductor's CUDA ``bmm`` of them was wrong at batch >= 2).
+the store in place instead of cloning it every step).
 """
 
 from __future__ import annotations
@@ -28,14 +26,10 @@ def build_passes(plan, analysis=None, binding=None) -> tuple[list[CKVPPass], lis
         plan: the decisions. analysis: the graph's :class:`GraphAnalysis` (needed when a rewrite is planned).
         binding: the graph's latent-store binding (needed for the latent KV rewrite).
     Returns:
-        The passes of each stage; with nothing planned, the torch stage is empty and the post-grad stage holds
-        only :class:`~ckvp_compile.passes.outer_product.OuterProductPass` (which leaves a graph without such a
-        product as it is).
+        The passes of each stage; both empty when nothing is rewritten.
     """
-    from .outer_product import OuterProductPass
-
     torch_passes: list[CKVPPass] = []
-    post_grad_passes: list[CKVPPass] = [OuterProductPass()]
+    post_grad_passes: list[CKVPPass] = []
     if plan.latent_groups:
         from .latent_kv_cache import GroupRewrite, LatentKVCachePass, LatentRewritePlan
 
