@@ -165,8 +165,9 @@ class CKVPBackend:
         gm = self._run_torch_passes(gm, torch_passes, record, must_succeed=bool(plan.latent_groups))
         record.dynamo_after = gm.code
         latent = next((p for p in torch_passes if isinstance(p, LatentKVCachePass)), None)
-        if latent is not None and batched_prefill_at_risk(latent.plan, config.compiler):
-            warnings.warn(BATCHED_PREFILL_RISK, CKVPWarning, stacklevel=2)
+        at_risk = grouped_mm_experts_at_risk(analysis, plan, example_inputs, config.compiler)
+        if at_risk:
+            warnings.warn(GROUPED_MM_EXPERTS_RISK.format(layers=_layer_list(at_risk)), CKVPWarning, stacklevel=2)
         if latent is not None:
             store_inputs = _StoreArgs(latent.plan)
             example_inputs = list(example_inputs) + _compat.static_fake_inputs(store_inputs.tensors(latent.plan.store))
@@ -361,22 +362,38 @@ ONLINE_BASES_NOT_REFITTED = (
     "bases (ckvp_compile.calibrate)")
 
 
-#: Warned at compile time where the open batched-prefill bug can give wrong logits (see batched_prefill_at_risk).
-BATCHED_PREFILL_RISK = (
-    "ckvp: known open bug: on CUDA with compiler='inductor', a latent cache's prefill for a batch of 2 or more "
-    "sequences gave wrong logits in a GPU check (benchmarks/results/2026-12-06-session-gpu; decode steps and one "
-    "sequence were right). Until it is fixed: prefill one sequence per cache, or compile with "
-    "options={'compiler': 'aot_eager'} for the prefill, and check with "
-    "ckvp_compile.testing.check_equivalence(model, bases=..., max_logit_error=...)")
+#: Warned at compile time for graphs :func:`grouped_mm_experts_at_risk` finds ({layers}: their layer numbers).
+GROUPED_MM_EXPERTS_RISK = (
+    "ckvp: layers {layers} keep transformers' grouped_mm experts (sort, histc, torch._grouped_mm), which Inductor "
+    "compiles here on CUDA. In GPU checks (torch 2.11 on an H100 and an H200, benchmarks/results/"
+    "2026-12-06-prefill-bug) that compiled code gave wrong logits, different from run to run and sometimes NaN, at "
+    "prefills of 2 to 32 tokens in all, of 1 to 3 sequences (plain torch.compile too, without ckvp), while ckvp's own expert "
+    "GEMM was right in every run. Fix: options={{'enable_expert_gemm': True}}; or compiler='aot_eager'; check with "
+    "ckvp_compile.testing.check_equivalence(model, options=...)")
 
 
-def batched_prefill_at_risk(plan: Any, compiler: str) -> bool:
-    """Whether a rewritten graph is one the open batched-prefill bug affects: a latent store on CUDA of batch size
-    >= 2, a call writing several tokens per sequence (``LatentRewritePlan.multi_token``), Inductor as the inner
-    compiler (benchmarks/results/2026-12-06-session-gpu: wrong there, right under aot_eager and at batch 1)."""
-    store = plan.store
-    return (compiler == "inductor" and bool(plan.multi_token) and getattr(store, "batch_size", 1) >= 2
-            and torch.device(getattr(store, "device", "cpu")).type == "cuda")
+def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequence[Any], compiler: str) -> list[int]:
+    """Layers whose MoE experts stay transformers' ``grouped_mm`` form (not rewritten by the expert GEMM pass) in a
+    graph Inductor compiles for CUDA: the case the GPU checks of benchmarks/results/2026-12-06-prefill-bug found
+    wrong (plain ``torch.compile`` too). Empty when nothing is at risk.
+
+    Args:
+        analysis: the graph's :class:`GraphAnalysis`. plan: its :class:`Plan`. example_inputs: the graph's inputs
+            (their devices tell CUDA). compiler: the inner compiler ('inductor' is the one affected).
+    Returns: ascending layer numbers. Raises nothing.
+    """
+    if compiler != "inductor" or not any(getattr(getattr(x, "device", None), "type", None) == "cuda"
+                                         for x in example_inputs):
+        return []
+    rewritten = {d.layer for d in plan.decisions if d.kind == "moe" and d.rewrite}
+    return sorted({m.layer for m in analysis.moe if m.experts_form == "grouped_mm" and m.layer not in rewritten})
+
+
+def _layer_list(layers: Sequence[int]) -> str:
+    """'0-7' for a run of consecutive layers, else '0, 2, 5'."""
+    if layers and list(layers) == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(str(x) for x in layers)
 
 
 class _StoreArgs:

@@ -108,8 +108,6 @@ class LatentRewritePlan:
         extra_inputs: filled by the pass: names of the store tensors appended as graph inputs, in order.
         fits_online_bases: filled by the pass: the graph fits online bases (a multi-token call), so running it
             may start a sequence; a graph that does not (decode) needs them fitted first.
-        multi_token: filled by the pass: some group writes more than one token per sequence in a call (a prefill
-            or a chunk of one), or a number not known at compile time.
         slot_probe: filled by the pass for a paged store: a small graph that computes, from the graph inputs
             at ``slot_inputs``, the cache slots every group writes (a tuple of (S,) int tensors), so that the
             runtime reads the call's highest slot before running it; None when the slots cannot be computed
@@ -130,7 +128,6 @@ class LatentRewritePlan:
     store_input_index: int
     extra_inputs: list[str] = field(default_factory=list)
     fits_online_bases: bool = False
-    multi_token: bool = False
     slot_probe: fx.GraphModule | None = None
     slot_inputs: list[int] = field(default_factory=list)
     slot_probe_note: str = ""
@@ -271,8 +268,6 @@ class LatentKVCachePass(CKVPPass):
                 xv = graph.call_function(torch.cat, (v_nodes, -1))
             fit_after = xv
             new_tokens = shape_of(v_nodes[0])
-            if new_tokens is None or new_tokens[2] != 1:
-                self.plan.multi_token = True
             if store.online and new_tokens is not None and new_tokens[2] > 1:
                 for lat_basis, x, offsets in ((bas_k, xk, store.k_offsets[g]), (bas_v, xv, store.v_offsets[g])):
                     with graph.inserting_after(fit_after):

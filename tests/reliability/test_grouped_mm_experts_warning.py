@@ -1,0 +1,70 @@
+"""transformers' grouped_mm experts compiled by Inductor on CUDA gave wrong logits in GPU checks (torch 2.11, an
+H100 and an H200: benchmarks/results/2026-12-06-prefill-bug; plain torch.compile too), ckvp's expert GEMM rewrite
+right in every run. The backend warns when it hands such experts to Inductor for CUDA; these tests check when
+(the decision is made from the analysis, the plan and the inputs' devices: no GPU needed), and that a real HF
+graph's grouped_mm experts are the ones found."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ckvp_compile.backend as backend
+from ckvp_compile.testing import build_hf_moe
+
+
+def _site(layer, form="grouped_mm"):
+    return SimpleNamespace(layer=layer, experts_form=form)
+
+
+def _decision(layer, rewrite):
+    return SimpleNamespace(kind="moe", layer=layer, rewrite=rewrite)
+
+
+@pytest.mark.parametrize("device, compiler, forms, rewrites, want", [
+    ("cuda", "inductor", ["grouped_mm"] * 3, [False] * 3, [0, 1, 2]),
+    ("cuda:0", "inductor", ["grouped_mm", "grouped_mm"], [True, False], [1]),  # layer 0 rewritten
+    ("cuda", "inductor", ["grouped_mm"], [True], []),  # enable_expert_gemm: ckvp's own GEMM
+    ("cuda", "inductor", ["batched_mm", "loop"], [False, False], []),  # other forms were not seen wrong
+    ("cuda", "aot_eager", ["grouped_mm"], [False], []),  # no Inductor codegen
+    ("cpu", "inductor", ["grouped_mm"], [False], []),  # CPU: right in every CPU test
+])
+def test_which_layers_are_at_risk(device, compiler, forms, rewrites, want):
+    analysis = SimpleNamespace(moe=[_site(i, f) for i, f in enumerate(forms)])
+    plan = SimpleNamespace(decisions=[_decision(i, r) for i, r in enumerate(rewrites)])
+    inputs = [3, torch.empty(2), SimpleNamespace(device=torch.device(device))]  # (a device without a GPU)
+    assert backend.grouped_mm_experts_at_risk(analysis, plan, inputs, compiler) == want
+
+
+def _cuda_input():
+    return SimpleNamespace(device=torch.device("cuda"))
+
+
+def test_layer_list_text():
+    assert backend._layer_list([0, 1, 2, 3]) == "0-3"
+    assert backend._layer_list([0, 2]) == "0, 2" and backend._layer_list([4]) == "4"
+
+
+def test_hf_grouped_mm_experts_are_found_and_the_warning_names_them(monkeypatch):
+    """A Mixtral graph with grouped_mm experts (bf16: aten._grouped_mm) compiled as if for CUDA: the warning names
+    every layer; with enable_expert_gemm none."""
+    monkeypatch.setattr(backend, "grouped_mm_experts_at_risk",
+                        lambda a, p, x, c, real=backend.grouped_mm_experts_at_risk: real(
+                            a, p, [_cuda_input()], "inductor" if c == "aot_eager" else c))
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 5))
+    for options, want in (({"compiler": "aot_eager"}, True),
+                          ({"compiler": "aot_eager", "enable_expert_gemm": True}, False)):
+        torch._dynamo.reset()
+        with pytest.warns() as caught:
+            with torch.no_grad():
+                torch.compile(model, backend="ckvp", options=options)(ids)
+        texts = [str(w.message) for w in caught if issubclass(w.category, backend.CKVPWarning)]
+        hit = [t for t in texts if "grouped_mm experts" in t]
+        assert bool(hit) is want, texts
+        if want:
+            assert hit[0].startswith("ckvp: layers 0, 1 keep transformers' grouped_mm experts")
+            assert "enable_expert_gemm': True" in hit[0]
+    torch._dynamo.reset()
