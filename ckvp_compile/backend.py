@@ -362,14 +362,14 @@ ONLINE_BASES_NOT_REFITTED = (
     "bases (ckvp_compile.calibrate)")
 
 
-#: Warned at compile time for graphs :func:`grouped_mm_experts_at_risk` finds ({layers}: their layer numbers).
+#: Warned at compile time for graphs :func:`grouped_mm_experts_at_risk` finds ({layers}: "layer 3" / "layers 0-7").
 GROUPED_MM_EXPERTS_RISK = (
-    "ckvp: layers {layers} keep transformers' grouped_mm experts (sort, histc, torch._grouped_mm), which Inductor "
-    "compiles here on CUDA. In GPU checks (torch 2.11 on an H100 and an H200, benchmarks/results/"
+    "ckvp: the experts of {layers} stay transformers' grouped_mm experts (sort, histc, torch._grouped_mm), which "
+    "Inductor compiles here for CUDA. In GPU checks (torch 2.11 on an H100 and an H200, benchmarks/results/"
     "2026-12-06-prefill-bug) that compiled code gave wrong logits, different from run to run and sometimes NaN, at "
-    "prefills of 2 to 32 tokens in all, of 1 to 3 sequences (plain torch.compile too, without ckvp), while ckvp's own expert "
-    "GEMM was right in every run. Fix: options={{'enable_expert_gemm': True}}; or compiler='aot_eager'; check with "
-    "ckvp_compile.testing.check_equivalence(model, options=...)")
+    "prefills of 2 to 32 tokens in all, of 1 to 3 sequences (plain torch.compile too, without ckvp), while ckvp's "
+    "own expert GEMM was right in every run. Fix: options={{'enable_expert_gemm': True}} (or compiler='aot_eager'); "
+    "check with ckvp_compile.testing.check_equivalence(model, options=...)")
 
 
 def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequence[Any], compiler: str) -> list[int]:
@@ -390,10 +390,12 @@ def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequenc
 
 
 def _layer_list(layers: Sequence[int]) -> str:
-    """'0-7' for a run of consecutive layers, else '0, 2, 5'."""
-    if layers and list(layers) == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
-        return f"{layers[0]}-{layers[-1]}"
-    return ", ".join(str(x) for x in layers)
+    """'layer 3', 'layers 0-7' (three or more consecutive layers) or 'layers 0, 2, 5'."""
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    if len(layers) > 2 and list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}-{layers[-1]}"
+    return "layers " + ", ".join(str(x) for x in layers)
 
 
 class _StoreArgs:

@@ -43,8 +43,8 @@ def _cuda_input():
 
 
 def test_layer_list_text():
-    assert backend._layer_list([0, 1, 2, 3]) == "0-3"
-    assert backend._layer_list([0, 2]) == "0, 2" and backend._layer_list([4]) == "4"
+    assert backend._layer_list([0, 1, 2, 3]) == "layers 0-3"
+    assert backend._layer_list([0, 2]) == "layers 0, 2" and backend._layer_list([4]) == "layer 4"
 
 
 def test_hf_grouped_mm_experts_are_found_and_the_warning_names_them(monkeypatch):
@@ -65,6 +65,6 @@ def test_hf_grouped_mm_experts_are_found_and_the_warning_names_them(monkeypatch)
         hit = [t for t in texts if "grouped_mm experts" in t]
         assert bool(hit) is want, texts
         if want:
-            assert hit[0].startswith("ckvp: layers 0, 1 keep transformers' grouped_mm experts")
+            assert hit[0].startswith("ckvp: the experts of layers 0, 1 stay transformers' grouped_mm experts")
             assert "enable_expert_gemm': True" in hit[0]
     torch._dynamo.reset()
