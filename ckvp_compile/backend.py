@@ -368,8 +368,8 @@ GROUPED_MM_EXPERTS_RISK = (
     "Inductor compiles here for CUDA. In GPU checks (torch 2.11 on an H100 and an H200, benchmarks/results/"
     "2026-12-06-prefill-bug) that compiled code gave wrong logits, different from run to run and sometimes NaN, at "
     "prefills of 2 to 32 tokens in all, of 1 to 3 sequences (plain torch.compile too, without ckvp), while ckvp's "
-    "own expert GEMM was right in every run. Fix: options={{'enable_expert_gemm': True}} (or compiler='aot_eager'); "
-    "check with ckvp_compile.testing.check_equivalence(model, options=...)")
+    "own expert GEMM was right in all 8 runs (dense cache). Fix: options={{'enable_expert_gemm': True}} (or "
+    "compiler='aot_eager'); check with ckvp_compile.testing.check_equivalence(model, options=...)")
 
 
 def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequence[Any], compiler: str) -> list[int]:

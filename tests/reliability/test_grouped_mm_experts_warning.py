@@ -1,6 +1,6 @@
 """transformers' grouped_mm experts compiled by Inductor on CUDA gave wrong logits in GPU checks (torch 2.11, an
 H100 and an H200: benchmarks/results/2026-12-06-prefill-bug; plain torch.compile too), ckvp's expert GEMM rewrite
-right in every run. The backend warns when it hands such experts to Inductor for CUDA; these tests check when
+right in all 8 runs. The backend warns when it hands such experts to Inductor for CUDA; these tests check when
 (the decision is made from the analysis, the plan and the inputs' devices: no GPU needed), and that a real HF
 graph's grouped_mm experts are the ones found."""
 
