@@ -42,7 +42,7 @@ from .config import CKVPConfig
 from .errors import CKVPConfigError, CKVPError, CKVPWarning, UnsupportedGraphError, UnsupportedPatternWarning
 from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
 from .passes.latent_kv_cache import LatentKVCachePass, LatentRewritePlan
-from .plan import EXPERT_GEMM_OFF, Plan, make_plan
+from .plan import EXPERT_GEMM_AUTO_OFF, EXPERT_GEMM_OFF, Plan, make_plan
 from .runtime.binding import bind_latent_store
 from .runtime.store import LatentKVStore, lookup_phantom
 
@@ -89,12 +89,22 @@ EXPERT_GEMM_GRAD = ("this call needs gradients and ckvp::moe_experts is inferenc
                     "or torch.inference_mode() to rewrite it")
 
 
-def _grad_skipped_experts(plan: Plan) -> Plan:
-    """``plan`` (made with the expert rewrite switched off for a call that needs gradients) with its MoE
-    decisions saying so, rather than advising to set ``enable_expert_gemm=True``, which the user did."""
+def _with_expert_reason(plan: Plan, reason: str) -> Plan:
+    """``plan`` (made with the expert rewrite switched off) with its MoE decisions giving ``reason`` instead of
+    advising to set ``enable_expert_gemm=True`` (which the user did, or left to 'auto')."""
     return dataclasses.replace(plan, decisions=tuple(
-        dataclasses.replace(d, reason=EXPERT_GEMM_GRAD) if d.kind == "moe" and d.reason == EXPERT_GEMM_OFF else d
+        dataclasses.replace(d, reason=reason) if d.kind == "moe" and d.reason in (EXPERT_GEMM_OFF, EXPERT_GEMM_AUTO_OFF)
+        else d
         for d in plan.decisions))
+
+
+def resolve_expert_gemm(config: CKVPConfig, example_inputs: Sequence[Any]) -> CKVPConfig:
+    """``config`` with ``enable_expert_gemm='auto'`` resolved to True for a graph that runs on CUDA (some input is a
+    CUDA tensor) without gradients; otherwise ``config`` unchanged (the plan keeps an unresolved 'auto' off).
+    Raises nothing."""
+    if config.enable_expert_gemm == "auto" and _on_cuda(example_inputs) and not _needs_grad(example_inputs):
+        return dataclasses.replace(config, enable_expert_gemm=True)
+    return config
 
 
 class CKVPBackend:
@@ -121,7 +131,7 @@ class CKVPBackend:
         self.extra_passes = list(extra_passes)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        config = self.config
+        config = resolve_expert_gemm(self.config, example_inputs)
         analysis = analyze(gm)
         if config.expert_offload:
             if _needs_grad(example_inputs):  # (checked first: a traced graph-break there reads as an unknown MoE)
@@ -132,6 +142,8 @@ class CKVPBackend:
             _check_expert_offload(gm, analysis, config.expert_offload)
         binding = bind_latent_store(gm.graph, example_inputs, analysis)
         plan = make_plan(analysis, config, binding)
+        if config.enable_expert_gemm == "auto" and _on_cuda(example_inputs):  # kept 'auto' on CUDA: gradients
+            plan = _with_expert_reason(plan, EXPERT_GEMM_GRAD)
         if _needs_grad(example_inputs):  # the ckvp ops are inference-only (no autograd formulas)
             if plan.latent_groups:
                 raise _compat.surface_through_dynamo(UnsupportedGraphError(
@@ -144,7 +156,7 @@ class CKVPBackend:
                               "are inference-only); run under torch.no_grad() or torch.inference_mode() to use it",
                               UnsupportedPatternWarning, stacklevel=2)
                 config = dataclasses.replace(config, enable_expert_gemm=False)
-                plan = _grad_skipped_experts(make_plan(analysis, config, binding))
+                plan = _with_expert_reason(make_plan(analysis, config, binding), EXPERT_GEMM_GRAD)
         if plan.blocking:
             raise _compat.surface_through_dynamo(UnsupportedGraphError(
                 "ckvp: this graph reads a ckvp latent KV cache that cannot be rewritten, so it cannot run: "
@@ -348,6 +360,11 @@ def _check_expert_offload(gm: fx.GraphModule, analysis: GraphAnalysis, resident:
             ))
 
 
+def _on_cuda(example_inputs: Sequence[Any]) -> bool:
+    """True when some graph input is a CUDA tensor (the graph runs on the GPU)."""
+    return any(getattr(getattr(x, "device", None), "type", None) == "cuda" for x in example_inputs)
+
+
 def _needs_grad(example_inputs: Sequence[Any]) -> bool:
     """True when the compiled call will record autograd: grad mode on and some input (parameter) requires grad."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
@@ -382,8 +399,7 @@ def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequenc
             (their devices tell CUDA). compiler: the inner compiler ('inductor' is the one affected).
     Returns: ascending layer numbers. Raises nothing.
     """
-    if compiler != "inductor" or not any(getattr(getattr(x, "device", None), "type", None) == "cuda"
-                                         for x in example_inputs):
+    if compiler != "inductor" or not _on_cuda(example_inputs):
         return []
     rewritten = {d.layer for d in plan.decisions if d.kind == "moe" and d.rewrite}
     return sorted({m.layer for m in analysis.moe if m.experts_form == "grouped_mm" and m.layer not in rewritten})

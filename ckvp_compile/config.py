@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import types
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -88,12 +89,16 @@ class CKVPConfig:
             "cross-layer latent store. Dense caches are never rewritten. False refuses a latent cache with an error."
         ),
     )
-    enable_expert_gemm: bool = field(
-        default=False,
+    enable_expert_gemm: bool | Literal["auto"] = field(
+        default="auto",
         metadata=_doc(
             "Rewrite each MoE layer's routed experts (any form the analysis reports) into one "
             "ckvp::moe_experts call: device-side routing and Triton grouped GEMMs on CUDA, the PyTorch "
-            "reference elsewhere. Sites it cannot fully read are left untouched with a warning."
+            "reference elsewhere. 'auto': on in graphs whose inputs are on CUDA and that run without gradients "
+            "(faster than the experts' own code, and it avoids the wrong results torch 2.11's Inductor gives for "
+            "transformers' grouped_mm experts: README, 'Status'), off elsewhere (on CPU the op is the reference, "
+            "no faster). True: in every inference graph. False: never. Sites it cannot fully read are left "
+            "untouched with a warning."
         ),
     )
     expert_offload: int = field(
@@ -289,6 +294,8 @@ def _check_json_like(key: str, value: Any) -> None:
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
@@ -296,6 +303,14 @@ def _type_name(tp: Any) -> str:
 
 def _check_type(name: str, value: Any, tp: Any) -> None:
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. bool | Literal["auto"]: any one arm
+        for arm in typing.get_args(tp):
+            try:
+                _check_type(name, value, arm)
+                return
+            except CKVPConfigError:
+                pass
+        raise CKVPConfigError(f"option {name!r} must be {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:

@@ -20,6 +20,10 @@ LATENT_KV_OFF = ("enable_latent_kv is off: set enable_latent_kv=True and give th
 #: Why a MoE site is kept when ``enable_expert_gemm`` is off (the default), and how to turn the rewrite on.
 EXPERT_GEMM_OFF = ("enable_expert_gemm is off: set enable_expert_gemm=True to rewrite its routed experts into "
                    "ckvp::moe_experts (grouped expert GEMM)")
+#: Why a MoE site is kept when ``enable_expert_gemm='auto'`` (the default) resolves to off: a graph not on CUDA.
+EXPERT_GEMM_AUTO_OFF = ("enable_expert_gemm='auto' rewrites routed experts only in graphs on CUDA (elsewhere "
+                        "ckvp::moe_experts runs its PyTorch reference, no faster): set enable_expert_gemm=True to "
+                        "rewrite them here anyway")
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,8 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
 
     Args:
         analysis: the findings of :func:`ckvp_compile.analysis.analyze` on one graph.
-        config: the options in force.
+        config: the options in force; ``enable_expert_gemm='auto'`` must already be resolved for the graph's device
+            (:func:`ckvp_compile.backend.resolve_expert_gemm`): left as 'auto' it plans no expert rewrite.
         binding: the graph's :class:`~ckvp_compile.runtime.binding.LatentBinding`, or None (dense caches).
     Returns:
         A frozen :class:`Plan`.
@@ -215,8 +220,9 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
                          and u.layer is not None} - {s.layer for s in analysis.attention}):
         decisions.append(SiteDecision("attention", layer, False, UNRECOGNISED_ATTENTION))
     for m in analysis.moe:
-        if not config.enable_expert_gemm:
-            decisions.append(SiteDecision("moe", m.layer, False, EXPERT_GEMM_OFF))
+        if config.enable_expert_gemm is not True:  # False, or 'auto' not resolved to on (backend: not on CUDA)
+            decisions.append(SiteDecision("moe", m.layer, False,
+                                          EXPERT_GEMM_AUTO_OFF if config.enable_expert_gemm == "auto" else EXPERT_GEMM_OFF))
         elif m.layer in unsupported_moe:
             decisions.append(SiteDecision("moe", m.layer, False,
                                           "an unsupported MoE pattern was found in this layer (see the warnings)"))

@@ -10,7 +10,7 @@ from ckvp_compile.errors import CKVPWarning
 
 def test_defaults_and_roundtrip():
     c = CKVPConfig()
-    assert c.compiler == "inductor" and c.group_size == 4 and c.enable_latent_kv and not c.enable_expert_gemm
+    assert c.compiler == "inductor" and c.group_size == 4 and c.enable_latent_kv and c.enable_expert_gemm == "auto"
     d = c.to_dict(include_version=False)
     assert CKVPConfig.from_options(d) == c
     assert c.to_dict()["version"] == 1
@@ -33,7 +33,9 @@ def test_unknown_key_names_valid_keys():
         ({"strict": 1}, "must be a bool"),
         ({"inductor": ["max_autotune"]}, "must be a dict"),
         ({"enable_latent_kv": "yes"}, "must be a bool"),
-        ({"enable_expert_gemm": "yes"}, "must be a bool"),
+        ({"enable_expert_gemm": "yes"}, "must be bool | 'auto'"),
+        ({"enable_expert_gemm": 1}, "must be bool | 'auto'"),
+        ({"enable_expert_gemm": None}, "got None"),
     ],
 )
 def test_bad_values_name_the_range(options, fragment):

@@ -404,9 +404,9 @@ def test_text_report_table_and_summary():
 
 def test_decisions_name_the_option_of_a_rewrite_that_is_off():
     """Every site left as written because its feature is off has a decision saying so, with the option that turns
-    it on: dense-cache attention with enable_latent_kv off, MoE with enable_expert_gemm off (the default); a site
+    it on: dense-cache attention with enable_latent_kv off, MoE with enable_expert_gemm off; a site
     kept for another reason keeps that reason."""
-    report = _synthetic_report(CKVPConfig(group_size=2, enable_latent_kv=False))
+    report = _synthetic_report(CKVPConfig(group_size=2, enable_latent_kv=False, enable_expert_gemm=False))
     lines = report.graphs[0].decision_lines()
     assert ("attention [0-1]: kept: enable_latent_kv is off: set enable_latent_kv=True and give the model a ckvp "
             "latent cache") in "\n".join(lines), lines

@@ -12,7 +12,8 @@
 * A site the pass does not understand (a GELU expert) is left untouched with an UnsupportedPatternWarning.
 * Eager-loop accumulators: summed from zeros (in place, out-of-place chains, index_put / scatter_add) rewritten;
   an initial value, an alpha, an overwriting index_put or a write between the accumulations left with the reason.
-* The plan marks MoE sites as rewritten only when the option is on; the pass manager's uuid follows the option.
+* The plan marks MoE sites as rewritten only when the option is on ('auto': graphs on CUDA, without gradients);
+  the pass manager's uuid follows the option.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckvp_compile import CKVPBackend, CKVPConfig, CompileRecorder, UnsupportedPatternWarning
-from ckvp_compile.backend import EXPERT_GEMM_GRAD
+from ckvp_compile import backend as ckvp_backend
+from ckvp_compile.backend import EXPERT_GEMM_GRAD, resolve_expert_gemm
 from ckvp_compile.passes import PostGradPassManager
-from ckvp_compile.plan import EXPERT_GEMM_OFF
+from ckvp_compile.plan import EXPERT_GEMM_AUTO_OFF, EXPERT_GEMM_OFF
 from ckvp_compile.testing import HF_FAMILIES, GptFastConfig, GptFastMoE, build_hf_moe, prefill_decode_logits
 from ckvp_compile.testing.strategies import moe_model_shapes
 
@@ -180,19 +182,61 @@ def test_unknown_activation_left_untouched_with_warning():
         assert res.matched == 0
 
 
-def test_option_off_plans_no_rewrite_and_changes_the_uuid():
+@pytest.mark.parametrize("value, reason", [(False, EXPERT_GEMM_OFF), ("auto", EXPERT_GEMM_AUTO_OFF)])
+def test_option_off_plans_no_rewrite_and_changes_the_uuid(value, reason):
+    """False, and the default 'auto' on CPU, keep the experts; the decision names the option that turns the rewrite
+    on; the pass manager's uuid follows the option."""
     model = build_hf_moe("olmoe", num_layers=1)
     ids = torch.randint(0, 256, (1, PROMPT_LEN))
     rec = CompileRecorder()
-    backend = CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec)
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager", enable_expert_gemm=value), recorder=rec)
     prefill_decode_logits(model, ids, 0, max_cache_len=24,
                           compile_fn=lambda m: torch.compile(m, backend=backend, fullgraph=True))
     (decision,) = [d for d in rec.graphs[0].plan.decisions if d.kind == "moe"]
-    assert not decision.rewrite and decision.reason == EXPERT_GEMM_OFF
+    assert not decision.rewrite and decision.reason == reason
     assert "set enable_expert_gemm=True" in decision.reason  # the decision names the option that turns it on
     assert not OP_CALL.findall(rec.graphs[0].dynamo_after)
-    on, off = CKVPConfig(enable_expert_gemm=True), CKVPConfig()
+    on, off = CKVPConfig(enable_expert_gemm=True), CKVPConfig(enable_expert_gemm=value)
     assert PostGradPassManager([], on.compute_hash()).uuid() != PostGradPassManager([], off.compute_hash()).uuid()
+
+
+def test_auto_resolves_on_for_cuda_inference_graphs_only():
+    """'auto' turns the rewrite on where a graph input is a CUDA tensor and no gradients are needed; True and False
+    are kept as given."""
+    cuda, cpu = types.SimpleNamespace(device=torch.device("cuda")), torch.zeros(1)
+    weight = torch.zeros(1, requires_grad=True)
+    auto = CKVPConfig()
+    assert resolve_expert_gemm(auto, [cpu, cuda]).enable_expert_gemm is True
+    assert resolve_expert_gemm(auto, [cpu]).enable_expert_gemm == "auto"
+    with torch.no_grad():
+        assert resolve_expert_gemm(auto, [cuda, weight]).enable_expert_gemm is True
+    assert resolve_expert_gemm(auto, [cuda, weight]).enable_expert_gemm == "auto"  # grad mode on, a parameter
+    for value in (True, False):
+        assert resolve_expert_gemm(CKVPConfig(enable_expert_gemm=value), [cuda]).enable_expert_gemm is value
+
+
+def test_auto_on_cuda_rewrites_and_stays_equal(monkeypatch):
+    """The default 'auto' on a graph taken for CUDA (its device test patched, so the CPU reference op runs):
+    every MoE layer rewritten, logits equal eager; the same call needing gradients keeps the experts and says why
+    (torch.no_grad()), with no warning about an option the user never set."""
+    monkeypatch.setattr(ckvp_backend, "_on_cuda", lambda example_inputs: True)
+    model = build_hf_moe("mixtral", num_layers=2)
+    ids = torch.randint(0, 256, (2, PROMPT_LEN))
+    eager = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=24)
+    rec = CompileRecorder()
+    backend = CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec)
+    torch._dynamo.reset()
+    compiled = prefill_decode_logits(model, ids, N_DECODE, max_cache_len=24,
+                                     compile_fn=lambda m: torch.compile(m, backend=backend, fullgraph=True))
+    assert_equal_logits(eager, compiled)
+    assert_rewritten(rec, 2, ())
+    rec = CompileRecorder()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnsupportedPatternWarning)
+        torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))(ids, use_cache=False)
+    assert {d.reason for d in rec.graphs[0].plan.decisions if d.kind == "moe"} == {EXPERT_GEMM_GRAD}
+    torch._dynamo.reset()
 
 
 def test_option_on_but_grad_mode_decision_names_no_grad_not_the_option():
