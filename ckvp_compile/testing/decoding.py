@@ -67,7 +67,7 @@ def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_dec
     Returns:
         [prefill logits (B, S, V), step 1 logits (B, 1, V), ..., step n_decode logits (B, 1, V)].
     Raises:
-        ValueError: S + n_decode > max_cache_len, or n_decode < 0.
+        ValueError: S + n_decode > max_cache_len, n_decode < 0, or fewer than n_decode ``tokens``.
     """
     bsz, seqlen = input_ids.shape
     if n_decode < 0 or seqlen + n_decode > max_cache_len:
@@ -75,6 +75,9 @@ def prefill_decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, n_dec
             f"need 0 <= n_decode and S + n_decode <= max_cache_len, but got S={seqlen}, n_decode={n_decode}, "
             f"max_cache_len={max_cache_len}"
         )
+    if tokens is not None and len(tokens) < n_decode:
+        raise ValueError(f"tokens (teacher forcing) holds {len(tokens)} steps but n_decode={n_decode}: pass at least "
+                         f"n_decode (B, 1) token tensors, or n_decode={len(tokens)}")
     gpt_fast = _is_gpt_fast(model)
     with torch.no_grad():
         if gpt_fast:

@@ -177,3 +177,16 @@ def test_eager_prefill_then_compiled_decode_matches():
     outs = prefill_decode_logits(model, ids, 2, max_cache_len=CACHE_LEN, compile_prefill=False,
                                  compile_fn=lambda m: torch.compile(m, backend="eager", fullgraph=True))
     _check_cache_path(model, ids, outs)
+
+
+def test_prefill_decode_logits_refuses_bad_lengths_with_the_fix():
+    """Too long for the cache, a negative step count, or fewer teacher-forced tokens than steps: a ValueError that
+    names the numbers, before anything runs."""
+    model = GptFastMoE(GptFastConfig(n_layer=1)).eval()
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_cache_len=5"):
+        prefill_decode_logits(model, ids, 2, max_cache_len=5)
+    with pytest.raises(ValueError, match="n_decode=-1"):
+        prefill_decode_logits(model, ids, -1)
+    with pytest.raises(ValueError, match="holds 1 steps but n_decode=2"):
+        prefill_decode_logits(model, ids, 2, tokens=[torch.zeros(1, 1, dtype=torch.long)])
