@@ -17,7 +17,7 @@ from .config import CKVPConfig
 #: Why a dense-cache attention site is kept when ``enable_latent_kv`` is off, and how to turn the rewrite on.
 LATENT_KV_OFF = ("enable_latent_kv is off: set enable_latent_kv=True and give the model a ckvp latent cache "
                  "(CKVPStaticCache or use_latent_cache; README, 'Latent KV cache') to compress it")
-#: Why a MoE site is kept when ``enable_expert_gemm`` is off (the default), and how to turn the rewrite on.
+#: Why a MoE site is kept when ``enable_expert_gemm`` is False, and how to turn the rewrite on.
 EXPERT_GEMM_OFF = ("enable_expert_gemm is off: set enable_expert_gemm=True to rewrite its routed experts into "
                    "ckvp::moe_experts (grouped expert GEMM)")
 #: Why a MoE site is kept when ``enable_expert_gemm='auto'`` (the default) resolves to off: a graph not on CUDA.
