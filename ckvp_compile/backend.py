@@ -94,8 +94,7 @@ def _with_expert_reason(plan: Plan, reason: str) -> Plan:
     advising to set ``enable_expert_gemm=True`` (which the user did, or left to 'auto')."""
     return dataclasses.replace(plan, decisions=tuple(
         dataclasses.replace(d, reason=reason) if d.kind == "moe" and d.reason in (EXPERT_GEMM_OFF, EXPERT_GEMM_AUTO_OFF)
-        else d
-        for d in plan.decisions))
+        else d for d in plan.decisions))
 
 
 def resolve_expert_gemm(config: CKVPConfig, example_inputs: Sequence[Any]) -> CKVPConfig:
@@ -179,7 +178,9 @@ class CKVPBackend:
         latent = next((p for p in torch_passes if isinstance(p, LatentKVCachePass)), None)
         at_risk = grouped_mm_experts_at_risk(analysis, plan, example_inputs, config.compiler)
         if at_risk:
-            warnings.warn(GROUPED_MM_EXPERTS_RISK.format(layers=_layer_list(at_risk)), CKVPWarning, stacklevel=2)
+            fix = GROUPED_MM_FIX_GRAD if _needs_grad(example_inputs) else GROUPED_MM_FIX
+            warnings.warn(GROUPED_MM_EXPERTS_RISK.format(layers=_layer_list(at_risk), fix=fix), CKVPWarning,
+                          stacklevel=2)
         if latent is not None:
             store_inputs = _StoreArgs(latent.plan)
             example_inputs = list(example_inputs) + _compat.static_fake_inputs(store_inputs.tensors(latent.plan.store))
@@ -379,14 +380,18 @@ ONLINE_BASES_NOT_REFITTED = (
     "bases (ckvp_compile.calibrate)")
 
 
-#: Warned at compile time for graphs :func:`grouped_mm_experts_at_risk` finds ({layers}: "layer 3" / "layers 0-7").
+#: Warned at compile time for graphs :func:`grouped_mm_experts_at_risk` finds ({layers}: "layer 3" / "layers 0-7";
+#: {fix}: :data:`GROUPED_MM_FIX`, or :data:`GROUPED_MM_FIX_GRAD` for a call that needs gradients).
 GROUPED_MM_EXPERTS_RISK = (
     "ckvp: the experts of {layers} stay transformers' grouped_mm experts (sort, histc, torch._grouped_mm), which "
     "Inductor compiles here for CUDA. In GPU checks (torch 2.11 on an H100 and an H200, benchmarks/results/"
     "2026-12-06-prefill-bug) that compiled code gave wrong logits, different from run to run and sometimes NaN, at "
     "prefills of 2 to 32 tokens in all, of 1 to 3 sequences (plain torch.compile too, without ckvp), while ckvp's "
-    "own expert GEMM was right in all 8 runs (dense cache). Fix: options={{'enable_expert_gemm': True}} (or "
-    "compiler='aot_eager'); check with ckvp_compile.testing.check_equivalence(model, options=...)")
+    "own expert GEMM was right in all 8 runs (dense cache). Fix: {fix}; check with "
+    "ckvp_compile.testing.check_equivalence(model, options=...)")
+GROUPED_MM_FIX = "options={'enable_expert_gemm': True} (or 'auto', the default) or compiler='aot_eager'"
+GROUPED_MM_FIX_GRAD = ("compiler='aot_eager' (this call needs gradients, and ckvp's expert GEMM is inference-only: "
+                       "under torch.no_grad() the default enable_expert_gemm='auto' uses it)")
 
 
 def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequence[Any], compiler: str) -> list[int]:

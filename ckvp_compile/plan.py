@@ -221,8 +221,8 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
         decisions.append(SiteDecision("attention", layer, False, UNRECOGNISED_ATTENTION))
     for m in analysis.moe:
         if config.enable_expert_gemm is not True:  # False, or 'auto' not resolved to on (backend: not on CUDA)
-            decisions.append(SiteDecision("moe", m.layer, False,
-                                          EXPERT_GEMM_AUTO_OFF if config.enable_expert_gemm == "auto" else EXPERT_GEMM_OFF))
+            off = EXPERT_GEMM_AUTO_OFF if config.enable_expert_gemm == "auto" else EXPERT_GEMM_OFF
+            decisions.append(SiteDecision("moe", m.layer, False, off))
         elif m.layer in unsupported_moe:
             decisions.append(SiteDecision("moe", m.layer, False,
                                           "an unsupported MoE pattern was found in this layer (see the warnings)"))

@@ -6,6 +6,7 @@ graph's grouped_mm experts are the ones found."""
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -38,33 +39,34 @@ def test_which_layers_are_at_risk(device, compiler, forms, rewrites, want):
     assert backend.grouped_mm_experts_at_risk(analysis, plan, inputs, compiler) == want
 
 
-def _cuda_input():
-    return SimpleNamespace(device=torch.device("cuda"))
-
-
 def test_layer_list_text():
     assert backend._layer_list([0, 1, 2, 3]) == "layers 0-3"
     assert backend._layer_list([0, 2]) == "layers 0, 2" and backend._layer_list([4]) == "layer 4"
 
 
 def test_hf_grouped_mm_experts_are_found_and_the_warning_names_them(monkeypatch):
-    """A Mixtral graph with grouped_mm experts (bf16: aten._grouped_mm) compiled as if for CUDA: the warning names
-    every layer; with enable_expert_gemm none."""
+    """A Mixtral graph with grouped_mm experts (bf16: aten._grouped_mm) compiled as if by Inductor for CUDA (the
+    backend's device test patched; the CPU reference op runs): with enable_expert_gemm=False the warning names every
+    layer and the option as the fix; with the default ('auto', resolved on for CUDA) or True, none; for a call that
+    needs gradients (the expert rewrite is inference-only) the fix named is compiler='aot_eager'."""
+    monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
     monkeypatch.setattr(backend, "grouped_mm_experts_at_risk",
                         lambda a, p, x, c, real=backend.grouped_mm_experts_at_risk: real(
-                            a, p, [_cuda_input()], "inductor" if c == "aot_eager" else c))
+                            a, p, x, "inductor" if c == "aot_eager" else c))
     model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16).to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 5))
-    for options, want in (({"compiler": "aot_eager"}, True),
-                          ({"compiler": "aot_eager", "enable_expert_gemm": True}, False)):
+    for options, grad, want in (({"enable_expert_gemm": False}, False, backend.GROUPED_MM_FIX),
+                                ({}, False, None), ({"enable_expert_gemm": True}, False, None),
+                                ({}, True, backend.GROUPED_MM_FIX_GRAD)):
         torch._dynamo.reset()
-        with pytest.warns() as caught:
-            with torch.no_grad():
-                torch.compile(model, backend="ckvp", options=options)(ids)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.set_grad_enabled(grad):
+                torch.compile(model, backend="ckvp", options={"compiler": "aot_eager", **options})(ids, use_cache=False)
         texts = [str(w.message) for w in caught if issubclass(w.category, backend.CKVPWarning)]
         hit = [t for t in texts if "grouped_mm experts" in t]
-        assert bool(hit) is want, texts
+        assert bool(hit) is (want is not None), (options, grad, texts)
         if want:
             assert hit[0].startswith("ckvp: the experts of layers 0, 1 stay transformers' grouped_mm experts")
-            assert "enable_expert_gemm': True" in hit[0]
+            assert f"Fix: {want};" in hit[0], hit[0]
     torch._dynamo.reset()
