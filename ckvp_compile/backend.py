@@ -29,7 +29,7 @@ import logging
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -40,7 +40,8 @@ from .analysis.graph import CAPTURE_UNSAFE_OPS, capture_unsafe_calls, op_name
 from .analysis.sites import UnsupportedSite, format_layers
 from .config import CKVPConfig
 from .errors import CKVPConfigError, CKVPError, CKVPWarning, UnsupportedGraphError, UnsupportedPatternWarning
-from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, run_passes
+from .passes import CKVPPass, PassResult, PostGradPassManager, build_passes, failed_pass, run_passes
+from .passes.expert_gemm import SKIPPED_SITE_NOTE, ExpertGemmPass
 from .passes.latent_kv_cache import LatentKVCachePass, LatentRewritePlan
 from .plan import EXPERT_GEMM_AUTO_OFF, EXPERT_GEMM_OFF, Plan, make_plan
 from .runtime.binding import bind_latent_store
@@ -102,7 +103,9 @@ def resolve_expert_gemm(config: CKVPConfig, example_inputs: Sequence[Any]) -> CK
     CUDA tensor) without gradients; otherwise ``config`` unchanged (the plan keeps an unresolved 'auto' off).
     Raises nothing."""
     if config.enable_expert_gemm == "auto" and _on_cuda(example_inputs) and not _needs_grad(example_inputs):
-        return dataclasses.replace(config, enable_expert_gemm=True)
+        resolved = copy.copy(config)  # (not dataclasses.replace: validated already, its warnings given once)
+        object.__setattr__(resolved, "enable_expert_gemm", True)  # a frozen dataclass
+        return resolved
     return config
 
 
@@ -176,9 +179,21 @@ class CKVPBackend:
         gm = self._run_torch_passes(gm, torch_passes, record, must_succeed=bool(plan.latent_groups))
         record.dynamo_after = gm.code
         latent = next((p for p in torch_passes if isinstance(p, LatentKVCachePass)), None)
-        at_risk = grouped_mm_experts_at_risk(analysis, plan, example_inputs, config.compiler)
+        # MoE layers planned for the expert rewrite but left as written: all after a failed rewrite, else those the
+        # pass skipped (its notes)
+        experts = next((p for p in torch_passes if isinstance(p, ExpertGemmPass)), None)
+        if record.fell_back:
+            left = {d.layer for d in plan.decisions if d.kind == "moe"}
+        else:
+            left = {n for n, note in (experts.notes if experts else {}).items() if note.startswith(SKIPPED_SITE_NOTE)}
+        at_risk = grouped_mm_experts_at_risk(analysis, plan, example_inputs, config.compiler, left_by_passes=left)
         if at_risk:
-            fix = GROUPED_MM_FIX_GRAD if _needs_grad(example_inputs) else GROUPED_MM_FIX
+            if _needs_grad(example_inputs):
+                fix = GROUPED_MM_FIX_GRAD
+            elif config.enable_expert_gemm is True:  # planned, but kept: an unsupported pattern, or a pass skipped it
+                fix = GROUPED_MM_FIX_KEPT
+            else:
+                fix = GROUPED_MM_FIX
             warnings.warn(GROUPED_MM_EXPERTS_RISK.format(layers=_layer_list(at_risk), fix=fix), CKVPWarning,
                           stacklevel=2)
         if latent is not None:
@@ -227,6 +242,12 @@ class CKVPBackend:
             _compat.copy_dynamo_graph_metadata(gm, candidate)  # static inputs (CUDA graphs) survive the copy
         except Exception as exc:  # a rewrite bug must never break the user's model
             record.fell_back = f"{type(exc).__name__}: {exc}"
+            if must_succeed and failed_pass(exc) == ExpertGemmPass.name:
+                raise _compat.surface_through_dynamo(UnsupportedGraphError(
+                    f"ckvp: the expert GEMM rewrite failed ({record.fell_back}) in a graph that reads a latent KV "
+                    "cache, which cannot run unrewritten. Fix: options={'enable_expert_gemm': False} (the latent "
+                    "cache without the expert rewrite), and report it with the output of ckvp-inspect."
+                )) from exc
             if must_succeed:  # the untouched graph would read latent-cache phantoms: refuse, loudly
                 raise _compat.surface_through_dynamo(UnsupportedGraphError(
                     f"ckvp: the latent KV rewrite failed ({record.fell_back}); a latent cache cannot run without "
@@ -390,11 +411,14 @@ GROUPED_MM_EXPERTS_RISK = (
     "own expert GEMM was right in all 8 runs (dense cache). Fix: {fix}; check with "
     "ckvp_compile.testing.check_equivalence(model, options=...)")
 GROUPED_MM_FIX = "options={'enable_expert_gemm': True} (or 'auto', the default) or compiler='aot_eager'"
+GROUPED_MM_FIX_KEPT = ("compiler='aot_eager' (the expert GEMM rewrite is on but left these layers as written: see the "
+                       "warnings above or ckvp-inspect)")
 GROUPED_MM_FIX_GRAD = ("compiler='aot_eager' (this call needs gradients, and ckvp's expert GEMM is inference-only: "
                        "under torch.no_grad() the default enable_expert_gemm='auto' uses it)")
 
 
-def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequence[Any], compiler: str) -> list[int]:
+def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequence[Any], compiler: str, *,
+                               left_by_passes: Collection[int] = ()) -> list[int]:
     """Layers whose MoE experts stay transformers' ``grouped_mm`` form (not rewritten by the expert GEMM pass) in a
     graph Inductor compiles for CUDA: the case the GPU checks of benchmarks/results/2026-12-06-prefill-bug found
     wrong (plain ``torch.compile`` too). Empty when nothing is at risk.
@@ -402,11 +426,13 @@ def grouped_mm_experts_at_risk(analysis: Any, plan: Any, example_inputs: Sequenc
     Args:
         analysis: the graph's :class:`GraphAnalysis`. plan: its :class:`Plan`. example_inputs: the graph's inputs
             (their devices tell CUDA). compiler: the inner compiler ('inductor' is the one affected).
+        left_by_passes: layers the plan rewrites but the passes left as written (a site the expert pass could not
+            read, or every layer when the rewrite failed and the graph is compiled unchanged).
     Returns: ascending layer numbers. Raises nothing.
     """
     if compiler != "inductor" or not _on_cuda(example_inputs):
         return []
-    rewritten = {d.layer for d in plan.decisions if d.kind == "moe" and d.rewrite}
+    rewritten = {d.layer for d in plan.decisions if d.kind == "moe" and d.rewrite} - set(left_by_passes)
     return sorted({m.layer for m in analysis.moe if m.experts_form == "grouped_mm" and m.layer not in rewritten})
 
 

@@ -313,7 +313,7 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
         raise CKVPConfigError(f"option {name!r} must be {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed:
+        if not any(type(value) is type(a) and value == a for a in allowed):  # (not `in`: an array == 'auto' passes)
             raise CKVPConfigError(f"option {name!r} must be one of {list(allowed)}, got {value!r}")
         return
     if tp is bool:

@@ -23,7 +23,7 @@ EXPERT_GEMM_OFF = ("enable_expert_gemm is off: set enable_expert_gemm=True to re
 #: Why a MoE site is kept when ``enable_expert_gemm='auto'`` (the default) resolves to off: a graph not on CUDA.
 EXPERT_GEMM_AUTO_OFF = ("enable_expert_gemm='auto' rewrites routed experts only in graphs on CUDA (elsewhere "
                         "ckvp::moe_experts runs its PyTorch reference, no faster): set enable_expert_gemm=True to "
-                        "rewrite them here anyway")
+                        "rewrite them here anyway (in calls without gradients: the op is inference-only)")
 
 
 @dataclass(frozen=True)

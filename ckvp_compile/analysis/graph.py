@@ -61,8 +61,8 @@ CAPTURE_UNSAFE_OPS = {
     "transformers::grouped_mm_fallback": (
         "transformers' grouped_mm fallback for non-bf16 experts, which reads its group offsets on the host "
         "(offs.tolist())",
-        "run the model in bfloat16 (transformers then calls torch._grouped_mm), or pass "
-        "options={'enable_expert_gemm': True} (ckvp's device-side expert GEMM replaces it)",
+        "run the model in bfloat16 (transformers then calls torch._grouped_mm), or leave enable_expert_gemm at 'auto' "
+        "(the default) or True and call the model without gradients (ckvp's device-side expert GEMM replaces it)",
     ),
 }
 

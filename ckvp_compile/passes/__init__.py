@@ -14,9 +14,10 @@ the store in place instead of cloning it every step).
 from __future__ import annotations
 
 from .base import CKVPPass, PassResult
-from .manager import PostGradPassManager, package_source_hash, run_passes
+from .manager import PostGradPassManager, failed_pass, package_source_hash, run_passes
 
-__all__ = ["CKVPPass", "PassResult", "PostGradPassManager", "build_passes", "package_source_hash", "run_passes"]
+__all__ = ["CKVPPass", "PassResult", "PostGradPassManager", "build_passes", "failed_pass", "package_source_hash",
+           "run_passes"]
 
 
 def build_passes(plan, analysis=None, binding=None) -> tuple[list[CKVPPass], list[CKVPPass]]:

@@ -75,6 +75,16 @@ def _hash_sources(root: str, stamps: tuple[tuple[str, int, int], ...]) -> str:
 package_source_hash.cache_clear = _hash_sources.cache_clear  # type: ignore[attr-defined]  # the old lru_cache API
 
 
+#: Note :func:`run_passes` adds to the exception of a pass that raised, followed by the pass's name.
+FAILED_PASS_NOTE = "raised in the ckvp pass: "
+
+
+def failed_pass(exc: BaseException) -> str | None:
+    """The name of the pass whose exception ``exc`` is (raised through :func:`run_passes`), or None."""
+    return next((n[len(FAILED_PASS_NOTE):] for n in getattr(exc, "__notes__", ()) if n.startswith(FAILED_PASS_NOTE)),
+                None)
+
+
 def run_passes(
     passes: Sequence[CKVPPass],
     graph: fx.Graph,
@@ -91,12 +101,18 @@ def run_passes(
         on_graph: called as ``on_graph("before", graph)`` and ``on_graph("after", graph)`` (for inspection).
     Returns:
         One :class:`PassResult` per pass.
+    Raises:
+        whatever a pass raises, with the note ``FAILED_PASS_NOTE + name`` naming the pass (:func:`failed_pass`).
     """
     if on_graph is not None:
         on_graph("before", graph)
     results = []
     for p in passes:
-        res = p(graph)
+        try:
+            res = p(graph)
+        except Exception as exc:
+            exc.add_note(FAILED_PASS_NOTE + p.name)
+            raise
         if res.matched:
             graph.lint()
         results.append(res)

@@ -546,6 +546,38 @@ def test_composes_with_the_latent_kv_rewrite():
         assert [r.name for r in g.pass_results if r.stage == "post_grad"] == ["store_write_order"]
 
 
+def test_expert_pass_failure_in_a_latent_graph_names_the_option(monkeypatch):
+    """A latent-cache graph cannot run unrewritten, so an expert pass that raises there fails the compile: the error
+    names the expert rewrite and the option that compiles the latent cache without it, which then works."""
+    from ckvp_compile.errors import UnsupportedGraphError
+    from ckvp_compile.latent import calibrate
+    from ckvp_compile.passes import expert_gemm
+    from ckvp_compile.runtime.hf_cache import CKVPStaticCache
+    from ckvp_compile.testing.decoding import hf_step_kwargs
+
+    def rewrite(*args, **kwargs):
+        raise RuntimeError("a rewrite bug (test)")
+
+    monkeypatch.setattr(expert_gemm, "_rewrite", rewrite)
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    bases = calibrate(model, [torch.randint(0, 256, (1, 12)) for _ in range(2)], group_size=2, kv_ratio=1.0,
+                      progress=False)
+    ids = torch.randint(0, 256, (1, PROMPT_LEN))
+    for options, error in (({"enable_expert_gemm": True}, "enable_expert_gemm': False"),
+                           ({"enable_expert_gemm": False}, None)):
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager", **options}, fullgraph=True)
+        call = lambda: step(**hf_step_kwargs(model, ids, CKVPStaticCache(model.config, bases, 24), 0))  # noqa: E731
+        with torch.no_grad():
+            if error is None:
+                call()
+                continue
+            with pytest.raises(UnsupportedGraphError, match="the expert GEMM rewrite failed") as e:
+                call()
+        assert error in str(e.value) and "a rewrite bug (test)" in str(e.value)
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------------ shared experts
 
 

@@ -51,8 +51,8 @@ def test_hf_grouped_mm_experts_are_found_and_the_warning_names_them(monkeypatch)
     needs gradients (the expert rewrite is inference-only) the fix named is compiler='aot_eager'."""
     monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
     monkeypatch.setattr(backend, "grouped_mm_experts_at_risk",
-                        lambda a, p, x, c, real=backend.grouped_mm_experts_at_risk: real(
-                            a, p, x, "inductor" if c == "aot_eager" else c))
+                        lambda a, p, x, c, real=backend.grouped_mm_experts_at_risk, **kw: real(
+                            a, p, x, "inductor" if c == "aot_eager" else c, **kw))
     model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16).to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 5))
     for options, grad, want in (({"enable_expert_gemm": False}, False, backend.GROUPED_MM_FIX),
@@ -70,3 +70,56 @@ def test_hf_grouped_mm_experts_are_found_and_the_warning_names_them(monkeypatch)
             assert hit[0].startswith("ckvp: the experts of layers 0, 1 stay transformers' grouped_mm experts")
             assert f"Fix: {want};" in hit[0], hit[0]
     torch._dynamo.reset()
+
+
+def test_layers_the_passes_left_are_at_risk_despite_the_plan():
+    """A layer the plan rewrites but the expert pass left as written (or a graph compiled unchanged after a failed
+    rewrite) still hands grouped_mm experts to Inductor."""
+    analysis = SimpleNamespace(moe=[_site(0), _site(1)])
+    plan = SimpleNamespace(decisions=[_decision(0, True), _decision(1, True)])
+    inputs = [SimpleNamespace(device=torch.device("cuda"))]
+    assert backend.grouped_mm_experts_at_risk(analysis, plan, inputs, "inductor") == []
+    assert backend.grouped_mm_experts_at_risk(analysis, plan, inputs, "inductor", left_by_passes={1}) == [1]
+
+
+@pytest.mark.parametrize("failure", ["skip", "raise"])
+def test_warning_when_the_expert_pass_leaves_planned_layers(monkeypatch, failure):
+    """The default 'auto' on CUDA (device test patched) plans the rewrite; when the pass cannot read a site (skip) or
+    fails (the graph is compiled unchanged), the grouped_mm warning still comes, naming compiler='aot_eager' (the
+    option is already on)."""
+    from ckvp_compile.passes import expert_gemm
+
+    monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
+    monkeypatch.setattr(backend, "grouped_mm_experts_at_risk",
+                        lambda a, p, x, c, real=backend.grouped_mm_experts_at_risk, **kw: real(
+                            a, p, x, "inductor" if c == "aot_eager" else c, **kw))
+    if failure == "skip":
+        def understand(graph, site):
+            raise expert_gemm._Skip("a pattern the pass cannot read (test)")
+        monkeypatch.setattr(expert_gemm, "_understand", understand)
+    else:
+        def rewrite(*args, **kwargs):
+            raise RuntimeError("a rewrite bug (test)")
+        monkeypatch.setattr(expert_gemm, "_rewrite", rewrite)
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16).to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"})(torch.randint(0, 256, (2, 5)),
+                                                                                   use_cache=False)
+    hit = [str(w.message) for w in caught if issubclass(w.category, backend.CKVPWarning)
+           and "grouped_mm experts" in str(w.message)]
+    assert hit and hit[0].startswith("ckvp: the experts of layers 0, 1 stay"), [str(w.message) for w in caught]
+    assert f"Fix: {backend.GROUPED_MM_FIX_KEPT};" in hit[0]
+    torch._dynamo.reset()
+
+
+def test_resolving_auto_warns_nothing_again():
+    """'auto' resolved for a CUDA graph: no second copy of the config's own warnings (no re-validation)."""
+    with pytest.warns(backend.CKVPWarning, match="ignored"):
+        config = backend.CKVPConfig(compiler="aot_eager", mode="max-autotune")  # warns once: mode ignored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolved = backend.resolve_expert_gemm(config, [SimpleNamespace(device=torch.device("cuda"))])
+    assert resolved.enable_expert_gemm is True and config.enable_expert_gemm == "auto"
+    assert resolved.mode == "max-autotune" and resolved.compute_hash() != config.compute_hash()
