@@ -402,7 +402,8 @@ ONLINE_BASES_NOT_REFITTED = (
 
 
 #: Warned at compile time for graphs :func:`grouped_mm_experts_at_risk` finds ({layers}: "layer 3" / "layers 0-7";
-#: {fix}: :data:`GROUPED_MM_FIX`, or :data:`GROUPED_MM_FIX_GRAD` for a call that needs gradients).
+#: {fix}: :data:`GROUPED_MM_FIX` with the rewrite off, :data:`GROUPED_MM_FIX_GRAD` for a call that needs gradients,
+#: :data:`GROUPED_MM_FIX_KEPT` for layers the rewrite, on, left as written).
 GROUPED_MM_EXPERTS_RISK = (
     "ckvp: the experts of {layers} stay transformers' grouped_mm experts (sort, histc, torch._grouped_mm), which "
     "Inductor compiles here for CUDA. In GPU checks (torch 2.11 on an H100 and an H200, benchmarks/results/"
