@@ -101,7 +101,16 @@ def _with_expert_reason(plan: Plan, reason: str) -> Plan:
 def resolve_expert_gemm(config: CKVPConfig, example_inputs: Sequence[Any]) -> CKVPConfig:
     """``config`` with ``enable_expert_gemm='auto'`` resolved to True for a graph that runs on CUDA (some input is a
     CUDA tensor) without gradients; otherwise ``config`` unchanged (the plan keeps an unresolved 'auto' off).
-    Raises nothing."""
+
+    Why CUDA: there the rewrite runs ckvp's Triton grouped GEMMs, faster than the experts' own code and right where
+    Inductor's compile of transformers' grouped_mm experts was not (benchmarks/results/2026-12-06-prefill-bug);
+    elsewhere the op is the PyTorch reference.
+
+    Args:
+        config: the backend's options. example_inputs: the graph's inputs (tensors, symbolic ints, anything).
+    Returns: a :class:`CKVPConfig` (not re-validated: its warnings were given once, at construction).
+    Raises nothing.
+    """
     if config.enable_expert_gemm == "auto" and _on_cuda(example_inputs) and not _needs_grad(example_inputs):
         resolved = copy.copy(config)  # (not dataclasses.replace: validated already, its warnings given once)
         object.__setattr__(resolved, "enable_expert_gemm", True)  # a frozen dataclass
