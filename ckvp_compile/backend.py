@@ -61,6 +61,8 @@ class GraphRecord:
             ('' when the inner compiler has no post-grad stage, or Inductor's cache skipped the passes).
         pass_results: one entry per pass run.
         fell_back: the reason the original graph was compiled instead of the rewritten one, or ''.
+        dropped_passes: pass name -> the error it raised, for a pass left out of a graph compiled with the other
+            rewrites (the expert GEMM rewrite failing where the latent KV rewrite succeeds); empty otherwise.
     """
 
     index: int
@@ -72,6 +74,7 @@ class GraphRecord:
     post_grad_after: str = ""
     pass_results: list[PassResult] = field(default_factory=list)
     fell_back: str = ""
+    dropped_passes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -191,7 +194,7 @@ class CKVPBackend:
         # MoE layers planned for the expert rewrite but left as written: all after a failed rewrite, else those the
         # pass skipped (its notes)
         experts = next((p for p in torch_passes if isinstance(p, ExpertGemmPass)), None)
-        if record.fell_back:
+        if record.fell_back or ExpertGemmPass.name in record.dropped_passes:
             left = {d.layer for d in plan.decisions if d.kind == "moe"}
         else:
             left = {n for n, note in (experts.notes if experts else {}).items() if note.startswith(SKIPPED_SITE_NOTE)}
@@ -246,17 +249,30 @@ class CKVPBackend:
             return gm
         candidate = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         try:
-            record.pass_results.extend(run_passes(passes, candidate.graph))
+            results = run_passes(passes, candidate.graph)
             candidate.recompile()
             _compat.copy_dynamo_graph_metadata(gm, candidate)  # static inputs (CUDA graphs) survive the copy
         except Exception as exc:  # a rewrite bug must never break the user's model
-            record.fell_back = f"{type(exc).__name__}: {exc}"
-            if must_succeed and failed_pass(exc) == ExpertGemmPass.name:
-                raise _compat.surface_through_dynamo(UnsupportedGraphError(
-                    f"ckvp: the expert GEMM rewrite failed ({record.fell_back}) in a graph that reads a latent KV "
-                    "cache, which cannot run unrewritten. Fix: options={'enable_expert_gemm': False} (the latent "
-                    "cache without the expert rewrite), and report it with the output of ckvp-inspect."
-                )) from exc
+            reason = f"{type(exc).__name__}: {exc}"
+            if failed_pass(exc) == ExpertGemmPass.name and len(passes) > 1:
+                # the other rewrites (the latent KV cache) stand without it: rerun them on a fresh copy
+                if self.config.strict:
+                    raise _compat.surface_through_dynamo(UnsupportedGraphError(
+                        f"ckvp: the expert GEMM rewrite failed ({reason}) (strict=True: set strict=False to compile "
+                        "the other rewrites with the experts as written, or options={'enable_expert_gemm': False}); "
+                        "please report it with the output of ckvp-inspect."
+                    )) from exc
+                record.dropped_passes[ExpertGemmPass.name] = reason
+                warnings.warn(
+                    f"ckvp: the expert GEMM rewrite failed ({reason}); compiling this graph with the other rewrites "
+                    "and its experts as written. Fix: options={'enable_expert_gemm': False} skips the attempt; "
+                    "please report it with the output of ckvp-inspect.",
+                    UnsupportedPatternWarning,
+                    stacklevel=3,
+                )
+                rest = [p for p in passes if p.name != ExpertGemmPass.name]
+                return self._run_torch_passes(gm, rest, record, must_succeed)
+            record.fell_back = reason
             if must_succeed:  # the untouched graph would read latent-cache phantoms: refuse, loudly
                 raise _compat.surface_through_dynamo(UnsupportedGraphError(
                     f"ckvp: the latent KV rewrite failed ({record.fell_back}); a latent cache cannot run without "
@@ -271,6 +287,7 @@ class CKVPBackend:
                 stacklevel=3,
             )
             return gm
+        record.pass_results.extend(results)
         return candidate
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence[Any], manager: PostGradPassManager) -> Callable:

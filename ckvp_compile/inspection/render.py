@@ -140,6 +140,8 @@ def _graph_text(g: "GraphReport", full: bool) -> list[str]:
     out.append("replaced nodes: " + (", ".join(f"{op} x{n}" for op, n in g.replaced.items()) or "none"))
     if g.fell_back:
         out.append(f"FELL BACK to the original graph: {g.fell_back}")
+    for name, reason in g.dropped_passes.items():
+        out.append(f"DROPPED the {name} pass (compiled with the other rewrites): {reason}")
     for d in g.diffs:
         out += _diff_text(d, full)
     return out
@@ -224,6 +226,7 @@ def html_context(report: "InspectionReport") -> dict[str, Any]:
             "passes": _pass_lines(g) + _stage_added_lines(g),
             "replaced": list(g.replaced.items()),
             "fell_back": g.fell_back,
+            "dropped_passes": list(g.dropped_passes.items()),
             "diffs": [{"title": d.title, "stat": d.stat(), "changed": d.changed,
                        "lines": [(_diff_class(ln), ln) for ln in d.lines]} for d in g.diffs],
             "code": [(title, code) for title, code in (("Dynamo graph after the 'torch' passes", g.dynamo_after),

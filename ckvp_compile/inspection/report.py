@@ -293,6 +293,7 @@ class GraphReport(GraphRecord):
             "latent_groups": list(self.plan.latent_groups),
             "kv_bytes_per_token_latent": self.kv_bytes_per_token_latent,
             "fell_back": self.fell_back,
+            "dropped_passes": dict(self.dropped_passes),
             "diffs": [{"name": d.name, "title": d.title, "recorded": d.recorded, "added": d.added,
                        "removed": d.removed, "diff": "\n".join(d.lines)} for d in self.diffs],
             "code": {"dynamo_before": self.dynamo_before, "dynamo_after": self.dynamo_after,

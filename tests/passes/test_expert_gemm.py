@@ -232,10 +232,15 @@ def test_auto_on_cuda_rewrites_and_stays_equal(monkeypatch):
     assert_rewritten(rec, 2, ())
     rec = CompileRecorder()
     torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UnsupportedPatternWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager"), recorder=rec))(ids, use_cache=False)
-    assert {d.reason for d in rec.graphs[0].plan.decisions if d.kind == "moe"} == {EXPERT_GEMM_GRAD}
+    # (transformers 5.17 with torch 2.11 runs grouped_mm experts that need gradients through a fallback that breaks
+    # the graph before the experts: its own warning, about no option)
+    assert not [w for w in caught if "enable_expert_gemm" in str(w.message)]
+    reasons = {d.reason for d in rec.graphs[0].plan.decisions if d.kind == "moe"}
+    assert reasons == {EXPERT_GEMM_GRAD} or (not reasons and {u.kind for u in rec.graphs[0].plan.unsupported}
+                                             == {"eager_loop_graph_break"}), (reasons, rec.graphs[0].plan.unsupported)
     torch._dynamo.reset()
 
 
@@ -546,10 +551,19 @@ def test_composes_with_the_latent_kv_rewrite():
         assert [r.name for r in g.pass_results if r.stage == "post_grad"] == ["store_write_order"]
 
 
-def test_expert_pass_failure_in_a_latent_graph_names_the_option(monkeypatch):
-    """A latent-cache graph cannot run unrewritten, so an expert pass that raises there fails the compile: the error
-    names the expert rewrite and the option that compiles the latent cache without it, which then works."""
-    from ckvp_compile.errors import UnsupportedGraphError
+def test_expert_pass_failure_in_a_latent_graph_keeps_the_latent_rewrite(monkeypatch):
+    """A latent-cache graph cannot run unrewritten, so an expert pass that raises there is dropped: the graph compiles
+    with the latent KV rewrite alone and the experts as written, with a warning naming the failure and the option;
+    the record keeps the reason and ckvp-inspect's text shows it; the logits equal the latent cache's without the
+    expert rewrite. With strict=True the failure is an error naming the option instead."""
+    import warnings
+
+    from ckvp_compile import CompileRecorder
+    from ckvp_compile.backend import CKVPBackend
+    from ckvp_compile.config import CKVPConfig
+    from ckvp_compile.errors import UnsupportedGraphError, UnsupportedPatternWarning
+    from ckvp_compile.inspection.render import _graph_text
+    from ckvp_compile.inspection.report import GraphReport
     from ckvp_compile.latent import calibrate
     from ckvp_compile.passes import expert_gemm
     from ckvp_compile.runtime.hf_cache import CKVPStaticCache
@@ -558,23 +572,37 @@ def test_expert_pass_failure_in_a_latent_graph_names_the_option(monkeypatch):
     def rewrite(*args, **kwargs):
         raise RuntimeError("a rewrite bug (test)")
 
-    monkeypatch.setattr(expert_gemm, "_rewrite", rewrite)
     model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     bases = calibrate(model, [torch.randint(0, 256, (1, 12)) for _ in range(2)], group_size=2, kv_ratio=1.0,
                       progress=False)
     ids = torch.randint(0, 256, (1, PROMPT_LEN))
-    for options, error in (({"enable_expert_gemm": True}, "enable_expert_gemm': False"),
-                           ({"enable_expert_gemm": False}, None)):
+
+    def run(options, rec=None):
         torch._dynamo.reset()
-        step = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager", **options}, fullgraph=True)
-        call = lambda: step(**hf_step_kwargs(model, ids, CKVPStaticCache(model.config, bases, 24), 0))  # noqa: E731
+        backend = CKVPBackend(CKVPConfig(compiler="aot_eager", **options), recorder=rec)
+        step = torch.compile(model, backend=backend, fullgraph=True)
         with torch.no_grad():
-            if error is None:
-                call()
-                continue
-            with pytest.raises(UnsupportedGraphError, match="the expert GEMM rewrite failed") as e:
-                call()
-        assert error in str(e.value) and "a rewrite bug (test)" in str(e.value)
+            return step(**hf_step_kwargs(model, ids, CKVPStaticCache(model.config, bases, 24), 0)).logits
+
+    without = run({"enable_expert_gemm": False})
+    monkeypatch.setattr(expert_gemm, "_rewrite", rewrite)
+    rec = CompileRecorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dropped = run({"enable_expert_gemm": True}, rec)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, UnsupportedPatternWarning)]
+    assert any("the expert GEMM rewrite failed" in m and "a rewrite bug (test)" in m
+               and "'enable_expert_gemm': False" in m for m in msgs), msgs
+    torch.testing.assert_close(dropped, without, rtol=0, atol=0)
+    (g,) = rec.graphs
+    assert not g.fell_back and "a rewrite bug (test)" in g.dropped_passes["expert_gemm"]
+    assert [(r.name, r.matched) for r in g.pass_results if r.stage == "torch"] == [("latent_kv_cache", 2)]
+    assert g.dynamo_after.count("ckvp.latent_append") >= 2
+    text = "\n".join(_graph_text(GraphReport.from_record(g, "prefill"), False))
+    assert "DROPPED the expert_gemm pass" in text and "a rewrite bug (test)" in text
+    with pytest.raises(UnsupportedGraphError, match="the expert GEMM rewrite failed") as e:
+        run({"enable_expert_gemm": True, "strict": True})
+    assert "'enable_expert_gemm': False" in str(e.value) and "a rewrite bug (test)" in str(e.value)
     torch._dynamo.reset()
 
 

@@ -4,6 +4,7 @@ bf16 rounding) and a 4x latent cache of calibrated bases (a bound); then enable_
 of ../2026-12-06-prefill-bug, expected to fail, with the backend's CKVPWarning).
 
 Run from the repository root: PYTHONPATH=. python3 benchmarks/results/2026-12-07-gpu/equivalence_auto.py OUT.json [EXAMPLES]
+[CASES: comma-separated indices of the cases below, default all]
 """
 import json
 import sys
@@ -21,10 +22,16 @@ out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "exampl
 model = load_fixture_model().to("cuda", torch.bfloat16).eval()
 text = open("models/tiny-mixtral-pystdlib/eval_text.txt", "rb").read()
 samples = [torch.tensor([list(text[i * 256:(i + 1) * 256])], device="cuda") for i in range(8)]
+t0 = time.time()
 bases = calibrate(model, samples, kv_ratio=4, progress=False)
-for name, kw in (("dense, default options", {}),
-                 ("latent 4x, default options, bound 2.0", dict(bases=bases, max_logit_error=2.0)),
-                 ("dense, enable_expert_gemm=False", dict(options={"enable_expert_gemm": False}, shrink=False))):
+print(f"calibrated in {time.time() - t0:.0f} s", flush=True)
+cases = (("dense, default options", {}),
+         ("latent 4x, default options, bound 2.0", dict(bases=bases, max_logit_error=2.0)),
+         ("dense, enable_expert_gemm=False", dict(options={"enable_expert_gemm": False}, shrink=False)))
+only = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # e.g. "1" runs the latent case only
+for i, (name, kw) in enumerate(cases):
+    if only is not None and str(i) not in only:
+        continue
     t = time.time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
