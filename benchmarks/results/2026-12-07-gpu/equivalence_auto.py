@@ -17,6 +17,21 @@ from ckvp_compile.errors import CKVPWarning
 from ckvp_compile.latent import calibrate
 from ckvp_compile.testing import check_equivalence, load_fixture_model
 
+import ckvp_compile.testing.equivalence as _eq
+
+_run = _eq.prefill_decode_logits
+
+
+def _timed(model, ids, n, **kw):  # one line per run of an example: which, its sizes, seconds (where the time goes)
+    t = time.time()
+    try:
+        return _run(model, ids, n, **kw)
+    finally:
+        which = "compiled" if kw.get("compile_fn") else "eager"
+        print(f"  {which} B={ids.shape[0]} S={ids.shape[1]} N={n}: {time.time() - t:.1f} s", flush=True)
+
+
+_eq.prefill_decode_logits = _timed
 examples = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "examples": examples}
 model = load_fixture_model().to("cuda", torch.bfloat16).eval()
