@@ -62,7 +62,8 @@ class GraphRecord:
         pass_results: one entry per pass run.
         fell_back: the reason the original graph was compiled instead of the rewritten one, or ''.
         dropped_passes: pass name -> the error it raised, for a pass left out of a graph compiled with the other
-            rewrites (the expert GEMM rewrite failing where the latent KV rewrite succeeds); empty otherwise.
+            rewrites (the expert GEMM rewrite failing in a graph that reads a latent KV cache, whose rewrite
+            succeeds without it); empty otherwise.
     """
 
     index: int
@@ -249,12 +250,14 @@ class CKVPBackend:
             return gm
         candidate = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         try:
-            results = run_passes(passes, candidate.graph)
-            candidate.recompile()
-            _compat.copy_dynamo_graph_metadata(gm, candidate)  # static inputs (CUDA graphs) survive the copy
+            with warnings.catch_warnings(record=True) as caught:  # the passes' own warnings: shown if the try stands
+                warnings.simplefilter("always")
+                results = run_passes(passes, candidate.graph)
+                candidate.recompile()
+                _compat.copy_dynamo_graph_metadata(gm, candidate)  # static inputs (CUDA graphs) survive the copy
         except Exception as exc:  # a rewrite bug must never break the user's model
             reason = f"{type(exc).__name__}: {exc}"
-            if failed_pass(exc) == ExpertGemmPass.name and len(passes) > 1:
+            if failed_pass(exc) == ExpertGemmPass.name and must_succeed:
                 # the other rewrites (the latent KV cache) stand without it: rerun them on a fresh copy
                 if self.config.strict:
                     raise _compat.surface_through_dynamo(UnsupportedGraphError(
@@ -274,9 +277,12 @@ class CKVPBackend:
                 return self._run_torch_passes(gm, rest, record, must_succeed)
             record.fell_back = reason
             if must_succeed:  # the untouched graph would read latent-cache phantoms: refuse, loudly
+                which = {ExpertGemmPass.name: "expert GEMM", LatentKVCachePass.name: "latent KV"}.get(
+                    failed_pass(exc) or LatentKVCachePass.name, failed_pass(exc))
                 raise _compat.surface_through_dynamo(UnsupportedGraphError(
-                    f"ckvp: the latent KV rewrite failed ({record.fell_back}); a latent cache cannot run without "
-                    "it. Fix: use a dense cache for this model, and report it with the output of ckvp-inspect."
+                    f"ckvp: the {which} rewrite failed ({record.fell_back}); a latent cache cannot run without "
+                    "its rewrite. Fix: use a dense cache for this model, and report it with the output of "
+                    "ckvp-inspect."
                 )) from exc
             if self.config.strict:
                 raise
@@ -287,6 +293,8 @@ class CKVPBackend:
                 stacklevel=3,
             )
             return gm
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         record.pass_results.extend(results)
         return candidate
 

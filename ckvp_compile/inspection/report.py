@@ -201,12 +201,17 @@ class GraphReport(GraphRecord):
     def decision_lines(self) -> list[str]:
         """Return the plan's decisions folded by (kind, verdict, reason): 'attention [0-7]: kept: <reason>'. A MoE
         site the plan meant to rewrite but the expert GEMM pass left as it was (its note says why) shows as kept
-        with the pass's reason: the plan is made before the pass reads the site in detail."""
+        with the pass's reason: the plan is made before the pass reads the site in detail; so does every planned MoE
+        site of a graph whose expert GEMM pass failed and was dropped (:attr:`dropped_passes`)."""
         left = {layer: note for r in self.pass_results if r.name == ExpertGemmPass.name
                 for layer, note in r.notes if note.startswith(SKIPPED_SITE_NOTE)}
+        dropped = self.dropped_passes.get(ExpertGemmPass.name)
         folded: dict[tuple[str, bool, str], list[int]] = {}
         for d in self.plan.decisions:
-            if d.kind == "moe" and d.rewrite and d.layer in left:
+            if d.kind == "moe" and d.rewrite and dropped:
+                d = dataclasses.replace(d, rewrite=False, reason=f"the expert GEMM pass failed and was dropped: "
+                                                                 f"{dropped}")
+            elif d.kind == "moe" and d.rewrite and d.layer in left:
                 d = dataclasses.replace(d, rewrite=False, reason=f"the expert GEMM pass: {left[d.layer]}")
             folded.setdefault((d.kind, d.rewrite, d.reason), []).append(d.layer)
         return [f"{kind} [{format_layers(layers)}]: {'rewrite' if rewrite else 'kept'}: {reason}"

@@ -110,11 +110,11 @@ def run_passes(
     for p in passes:
         try:
             res = p(graph)
+            if res.matched:
+                graph.lint()  # (inside: a graph the pass left malformed is its failure too)
         except Exception as exc:
             exc.add_note(FAILED_PASS_NOTE + p.name)
             raise
-        if res.matched:
-            graph.lint()
         results.append(res)
     if on_graph is not None:
         on_graph("after", graph)

@@ -551,11 +551,15 @@ def test_composes_with_the_latent_kv_rewrite():
         assert [r.name for r in g.pass_results if r.stage == "post_grad"] == ["store_write_order"]
 
 
-def test_expert_pass_failure_in_a_latent_graph_keeps_the_latent_rewrite(monkeypatch):
-    """A latent-cache graph cannot run unrewritten, so an expert pass that raises there is dropped: the graph compiles
-    with the latent KV rewrite alone and the experts as written, with a warning naming the failure and the option;
-    the record keeps the reason and ckvp-inspect's text shows it; the logits equal the latent cache's without the
-    expert rewrite. With strict=True the failure is an error naming the option instead."""
+@pytest.mark.parametrize("failure", ["raises", "malformed"])
+def test_expert_pass_failure_in_a_latent_graph_keeps_the_latent_rewrite(monkeypatch, failure):
+    """A latent-cache graph cannot run unrewritten, so an expert pass that fails there (raises, or leaves a graph
+    that fails FX's lint: a node used before it is defined) is dropped: the graph compiles with the latent KV rewrite
+    alone and the experts as written, with a warning naming the failure and the option, and none of the failed
+    attempt's own warnings (layer 0's skipped shared expert says its routed experts are rewritten: they are not);
+    the record keeps the reason, ckvp-inspect's text shows it and its decisions say the experts were kept; the
+    logits equal the latent cache's without the expert rewrite. With strict=True the failure is an error naming the
+    option instead."""
     import warnings
 
     from ckvp_compile import CompileRecorder
@@ -569,10 +573,22 @@ def test_expert_pass_failure_in_a_latent_graph_keeps_the_latent_rewrite(monkeypa
     from ckvp_compile.runtime.hf_cache import CKVPStaticCache
     from ckvp_compile.testing.decoding import hf_step_kwargs
 
-    def rewrite(*args, **kwargs):
-        raise RuntimeError("a rewrite bug (test)")
+    true_rewrite = expert_gemm._rewrite
 
-    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    def rewrite(graph, rw, site):
+        if site.layer == 0:
+            return true_rewrite(graph, rw, site)
+        if failure == "raises":
+            raise RuntimeError("a rewrite bug (test)")
+        true_rewrite(graph, rw, site)
+        last = [n for n in graph.nodes if n.op == "call_function"][-1]
+        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+            graph.call_function(torch.neg, (last,))  # a rewrite bug (test): used before it is defined
+
+    def understand_shared(graph, site):
+        raise expert_gemm._Skip("a shared expert of another form (test)")
+
+    model = build_hf_moe("qwen2_moe", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     bases = calibrate(model, [torch.randint(0, 256, (1, 12)) for _ in range(2)], group_size=2, kv_ratio=1.0,
                       progress=False)
     ids = torch.randint(0, 256, (1, PROMPT_LEN))
@@ -586,23 +602,29 @@ def test_expert_pass_failure_in_a_latent_graph_keeps_the_latent_rewrite(monkeypa
 
     without = run({"enable_expert_gemm": False})
     monkeypatch.setattr(expert_gemm, "_rewrite", rewrite)
+    monkeypatch.setattr(expert_gemm, "_understand_shared", understand_shared)
+    bug = "a rewrite bug (test)" if failure == "raises" else "used before it has been defined"
     rec = CompileRecorder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dropped = run({"enable_expert_gemm": True}, rec)
     msgs = [str(w.message) for w in caught if issubclass(w.category, UnsupportedPatternWarning)]
-    assert any("the expert GEMM rewrite failed" in m and "a rewrite bug (test)" in m
+    assert any("the expert GEMM rewrite failed" in m and bug in m
                and "'enable_expert_gemm': False" in m for m in msgs), msgs
+    assert not any("another form (test)" in m for m in msgs), msgs
     torch.testing.assert_close(dropped, without, rtol=0, atol=0)
     (g,) = rec.graphs
-    assert not g.fell_back and "a rewrite bug (test)" in g.dropped_passes["expert_gemm"]
+    assert not g.fell_back and bug in g.dropped_passes["expert_gemm"]
     assert [(r.name, r.matched) for r in g.pass_results if r.stage == "torch"] == [("latent_kv_cache", 2)]
     assert g.dynamo_after.count("ckvp.latent_append") >= 2
-    text = "\n".join(_graph_text(GraphReport.from_record(g, "prefill"), False))
-    assert "DROPPED the expert_gemm pass" in text and "a rewrite bug (test)" in text
+    report = GraphReport.from_record(g, "prefill")
+    text = "\n".join(_graph_text(report, False))
+    assert "DROPPED the expert_gemm pass" in text and bug in text
+    assert [ln for ln in report.decision_lines() if ln.startswith("moe")] == [
+        f"moe [0-1]: kept: the expert GEMM pass failed and was dropped: {g.dropped_passes['expert_gemm']}"]
     with pytest.raises(UnsupportedGraphError, match="the expert GEMM rewrite failed") as e:
         run({"enable_expert_gemm": True, "strict": True})
-    assert "'enable_expert_gemm': False" in str(e.value) and "a rewrite bug (test)" in str(e.value)
+    assert "'enable_expert_gemm': False" in str(e.value) and bug in str(e.value)
     torch._dynamo.reset()
 
 

@@ -52,40 +52,60 @@ def test_bf16_model_with_the_expert_rewrite_passes_at_the_default_tolerance():
 
 
 class _RoundedHead(torch.nn.Module):
-    """An LM head that adds ``spike`` to logit 7 of every token in one mode: eagerly in 16 bits (``when="eager"``: the
-    16-bit eager run's own rounding error, as a bf16 router near-tie gives, which neither the compiled run nor the
-    float32 model has) or only under torch.compile (``when="compiled"``: a compiler bug)."""
+    """An LM head that errs on purpose. ``eager_shift``: bf16 eager adds it to every logit of sequence 0 (the 16-bit
+    eager run's own rounding error, as another expert picked at a bf16 router near-tie gives: a whole token's logits
+    move; neither the compiled run nor the float32 model has it). ``compiled_bug``: only under torch.compile, added to
+    logit 7 of sequence 0 (a compiler bug). ``sixteen_bit_only``: refuses float32 inputs (as flash-attention does)."""
 
-    def __init__(self, inner: torch.nn.Module, when: str, spike: float = 1.0):
+    def __init__(self, inner: torch.nn.Module, eager_shift: float = 0.0, compiled_bug: float = 0.0,
+                 sixteen_bit_only: bool = False):
         super().__init__()
-        self.inner, self.when, self.spike = inner, when, spike
+        self.inner, self.eager_shift, self.compiled_bug = inner, eager_shift, compiled_bug
+        self.sixteen_bit_only = sixteen_bit_only
 
     def forward(self, x):
+        if self.sixteen_bit_only and x.dtype == torch.float32:
+            raise RuntimeError("this kernel only supports fp16 and bf16")
         y = self.inner(x)
-        compiling = torch.compiler.is_compiling()
-        if (self.when == "eager" and not compiling and y.dtype == torch.bfloat16) or \
-                (self.when == "compiled" and compiling):
-            y = y + torch.nn.functional.one_hot(torch.tensor(7), y.shape[-1]).to(y.dtype) * self.spike
+        row0 = (torch.arange(y.shape[0], device=y.device) == 0).view(-1, 1, 1).to(y.dtype)
+        if self.eager_shift and not torch.compiler.is_compiling() and y.dtype == torch.bfloat16:
+            y = y + row0 * self.eager_shift
+        if self.compiled_bug and torch.compiler.is_compiling():
+            y = y + row0 * torch.nn.functional.one_hot(torch.tensor(7), y.shape[-1]).to(y.dtype) * self.compiled_bug
         return y
 
 
-@pytest.mark.parametrize("when", ["eager", "compiled"])
-def test_float32_referee_tells_eager_rounding_from_a_compiler_error(when):
-    """A 16-bit call outside the tolerance is judged against the model upcast to float32: the eager run's own error
-    (bf16 eager off by 1.0 at one logit, compiled and float32 not) passes and is counted in the report; the same
-    error in the compiled run fails, the message giving both distances; without the referee both fail."""
+@pytest.mark.parametrize("eager_shift, compiled_bug", [(1.0, 0.0), (0.0, 1.0), (1.0, 0.9)])
+def test_float32_referee_tells_eager_rounding_from_a_compiler_error(eager_shift, compiled_bug):
+    """A 16-bit call outside the tolerance is judged, token by token, against the eager logits or the model upcast to
+    float32: the eager run's own error (bf16 eager off by 1.0 on a token, compiled and float32 not) passes, counted in
+    the report; a compiler error fails, alone or on a token where eager is off too (a 0.9 error inside eager's 1.0 is
+    no closer to either); without the referee every case fails."""
     model = build_hf_moe("mixtral", num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16).to(torch.bfloat16)
-    model.lm_head = _RoundedHead(model.lm_head, when)
+    model.lm_head = _RoundedHead(model.lm_head, eager_shift, compiled_bug)
     kw = dict(options=FAST, max_examples=2, max_prompt_len=4, max_decode_steps=1, shrink=False)
     report = check_equivalence(model, **kw)
     assert model.lm_head.inner.weight.dtype == torch.bfloat16  # the float32 referee is a copy
-    if when == "eager":
+    if not compiled_bug:
         assert report.passed and report.refereed >= 2, report.to_text()
-        assert report.max_abs_error < 0.5 and "agreed with the float32 model" in report.to_text()
+        assert report.max_abs_error < 0.5 and 0 < report.refereed_max_abs_error < 0.5
+        assert "matched the float32 model" in report.to_text()
     else:
-        assert not report.passed and "float32 referee: the compiled logits are further" in report.failure.message
+        assert not report.passed, report.to_text()
+        assert "outside the tolerance of both the eager and the float32 logits; at logit 7" in report.failure.message
     plain = check_equivalence(model, float32_referee=False, **kw)
     assert not plain.passed and plain.refereed == 0 and "float32 referee" not in plain.failure.message
+
+
+def test_float32_referee_that_cannot_run_is_reported_not_raised():
+    """A model whose float32 copy cannot run (a 16-bit-only kernel) keeps the 16-bit check's failure, naming why the
+    referee did not judge it; check_equivalence itself does not raise."""
+    model = build_hf_moe("mixtral", num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16).to(torch.bfloat16)
+    model.lm_head = _RoundedHead(model.lm_head, compiled_bug=1.0, sixteen_bit_only=True)
+    report = check_equivalence(model, options=FAST, max_examples=1, max_prompt_len=3, max_decode_steps=0,
+                               shrink=False)
+    assert not report.passed
+    assert "the float32 referee could not run: RuntimeError: this kernel only supports fp16" in report.failure.message
 
 
 def test_a_wrong_expert_op_is_found_and_shrunk(tiny, monkeypatch):
