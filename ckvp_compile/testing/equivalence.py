@@ -23,16 +23,21 @@ shortest prompt, fewest steps) and reported with its prompt.
 
 Every example compiles afresh (``torch._dynamo.reset()`` first): a latent cache's compiled graphs are specific to
 its batch size, and a check must not reuse what an earlier example compiled. The model itself is not changed
-(``model.forward`` stays as it was; the compiled module wraps it). Hypothesis' example database is off (nothing
-is written to the working directory) and the run is reproducible for a given ``seed``.
+(``model.forward`` stays as it was; the compiled module wraps it). Hypothesis' example database is off and its
+other storage (a cache of constants read from source files) goes to a temporary directory unless
+``HYPOTHESIS_STORAGE_DIRECTORY`` names one, so nothing is written to the working directory; the run is
+reproducible for a given ``seed``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -133,6 +138,26 @@ def _first_param(model: torch.nn.Module) -> torch.Tensor:
     if p is None:
         raise CKVPConfigError("check_equivalence: the model has no parameters; pass a causal LM")
     return p
+
+
+@contextlib.contextmanager
+def _hypothesis_home_in_a_temporary_directory() -> Iterator[None]:
+    """Point Hypothesis' storage (its cache of constants found in the source of the modules it runs: a
+    ``.hypothesis/constants`` folder, written even with the example database off) at a temporary directory for the
+    duration, unless the user chose one (``HYPOTHESIS_STORAGE_DIRECTORY``); restore the previous setting after.
+    Hypothesis' storage home is one global of ``hypothesis.configuration``, read on each access."""
+    from hypothesis import configuration
+
+    if os.getenv("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield
+        return
+    before = getattr(configuration, "__hypothesis_home_directory", None)
+    with tempfile.TemporaryDirectory(prefix="ckvp-hypothesis-") as home:
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(before)
 
 
 def _check_args(model: Any, options: Any, bases: Any, max_examples: Any, max_batch: Any, max_prompt_len: Any,
@@ -343,7 +368,8 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     run = settings(max_examples=max_examples, deadline=None, database=None, phases=phases, print_blob=False,
                    verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))(hypothesis_seed(seed)(example))
     try:
-        run()
+        with _hypothesis_home_in_a_temporary_directory():
+            run()
     except Exception:  # the failure (AssertionError, or Hypothesis' Flaky* when a replay passed) is in state
         if state["failure"] is None:
             raise

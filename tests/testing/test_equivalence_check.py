@@ -166,3 +166,25 @@ def test_bad_arguments_name_the_fix(tiny, kwargs, needle):
     kwargs = {"model": tiny[0], **kwargs}
     with pytest.raises(CKVPConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         check_equivalence(kwargs.pop("model"), **kwargs)
+
+
+def test_nothing_is_written_to_the_working_directory(tmp_path):
+    """Hypothesis keeps a cache of source constants under ``<cwd>/.hypothesis`` even with its example database off;
+    the check sends it to a temporary directory. Run in a fresh interpreter whose working directory is ``tmp_path``
+    (Hypothesis fixes its default home at import), with enough examples to make Hypothesis read constants."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from ckvp_compile.testing import build_hf_moe\n"
+            "from ckvp_compile.testing.equivalence import check_equivalence\n"
+            "m = build_hf_moe('mixtral', num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)\n"
+            "print(check_equivalence(m, options={'compiler': 'aot_eager'}, max_examples=4).passed)\n")
+    env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_STORAGE_DIRECTORY"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
