@@ -41,7 +41,7 @@ from ..errors import CKVPConfigError, CKVPError, CKVPWarning
 from ..plan import make_layer_groups
 from .bases import (BASES, LatentBases, build_latent_bases, check_target_ratio, key_space_error, model_fingerprint,
                     plain_module)
-from .capture import is_gpt_fast, is_hf_causal_lm, prefill, uncompiled_forward
+from .capture import is_gpt_fast, is_hf_causal_lm, kept_module_setup, prefill, uncompiled_forward
 from .ranks import RANK_ALLOCATIONS, max_key_rank_error, rank_block_error
 
 __all__ = ["KVMoments", "calibrate", "collect_kv_moments"]
@@ -241,8 +241,12 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
             (or not a (K, V) pair of names), batch_size / cache_len < 1, a non-float dense_dtype / latent_dtype
             (all checked before the first sample runs), no
             attention layer with a usable KV-cache write (the reason is given), an encoder-decoder model
-            (``config.is_encoder_decoder``), or weights not loaded (on the meta device).
+            (``config.is_encoder_decoder``), weights not loaded (on the meta device), or a gpt-fast model whose
+            caches are already latent phantoms (``use_latent_cache``; calibrate before it).
     Notes:
+        A gpt-fast model's cache setup (``setup_caches`` of each sample's batch and length) is put back after:
+        the same cache modules and buffers, ``max_batch_size`` and other attributes; what the prefills wrote into
+        caches of an unchanged shape stays (:func:`~.capture.kept_module_setup`).
         Warns (:class:`~ckvp_compile.CKVPWarning`) for a sample longer than ``config.max_position_embeddings``.
         Runs the model in eval mode (no dropout or router jitter; each module's mode is put back after) and under
         ``torch.no_grad()``; a ``torch.compile(model)`` wrapper is calibrated through the module it holds.
@@ -601,6 +605,12 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
             "model (its compiled graphs are left untouched)."
         )
     model = plain_module(model)  # calibration traces the model's own forward with a recording backend of its own
+    latent = next((n for n, m in model.named_modules() if hasattr(m, "ckvp_store")), None) if is_gpt_fast(model) else None
+    if latent is not None:
+        raise CKVPConfigError(f"calibrate: the model's KV caches are ckvp latent-store phantoms ({latent or 'the model'} "
+                              "was given them by use_latent_cache); they hold no dense keys and values, so the "
+                              "calibration prefill would attend over nothing. Fix: calibrate before use_latent_cache, "
+                              "or on a fresh instance of the model with dense caches (setup_caches)")
     meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
     if meta is not None:
         raise CKVPConfigError(f"calibrate: the model's weights are not loaded ({meta} is on the meta device); "
@@ -615,7 +625,8 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
     try:
         compiled = torch.compile(model, backend=backend, dynamic=False)
         total = len(samples) if hasattr(samples, "__len__") else None  # type: ignore[arg-type]
-        with torch.no_grad(), uncompiled_forward(model), _eval_mode(model):
+        kept = kept_module_setup(model) if is_gpt_fast(model) else contextlib.nullcontext()  # its setup_caches
+        with kept, torch.no_grad(), uncompiled_forward(model), _eval_mode(model):
             for sample in tqdm(samples, total=total, desc="ckvp calibrate", unit="sample", disable=not progress):
                 ids = _as_batch(sample, device)
                 _check_token_ids(model, ids)

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["hf_step_kwargs", "is_gpt_fast", "is_hf_causal_lm", "make_static_cache", "prefill", "uncompiled_forward"]
+__all__ = ["hf_step_kwargs", "is_gpt_fast", "is_hf_causal_lm", "kept_module_setup", "make_static_cache", "prefill",
+           "uncompiled_forward"]
 
 
 @contextlib.contextmanager
@@ -44,6 +45,32 @@ def uncompiled_forward(model: Any) -> Iterator[None]:
         yield
     finally:
         model.forward = compiled
+
+
+@contextlib.contextmanager
+def kept_module_setup(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block the model may be re-set-up (gpt-fast ``setup_caches`` of another batch or length, latent
+    phantoms swapped for dense buffers); on exit every module is put back as it was: its attributes, submodules,
+    buffers and parameters (the same objects, so the user's caches, ``max_batch_size`` and any
+    ``use_latent_cache`` phantoms return).
+
+    Only the module *structure* is restored: a cache tensor the block wrote into in place (gpt-fast zeroes caches
+    of an unchanged shape) keeps what was written. A KV cache's contents belong to the generation that filled it;
+    the next prefill from position 0 overwrites every slot it reads. Raises nothing.
+    """
+    saved = []
+    for module in model.modules():
+        state = dict(module.__dict__)
+        for key in ("_modules", "_buffers", "_parameters"):
+            if isinstance(state.get(key), dict):
+                state[key] = dict(state[key])
+        saved.append((module, state))
+    try:
+        yield
+    finally:
+        for module, state in saved:
+            module.__dict__.clear()
+            module.__dict__.update(state)
 
 
 def is_hf_causal_lm(model: torch.nn.Module) -> bool:

@@ -151,13 +151,9 @@ def test_bench_cli_bad_arguments_are_usage_errors(command, args, message, capsys
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "calibrate() drives a gpt-fast-style model through model.setup_caches(sample batch, sample length) "
-    "(latent/capture.py prefill) and never restores the caches the user had set up (or the latent-store phantoms "
-    "of use_latent_cache): afterwards the model's caches are (1, 2, 20, 16) and a batch-2 forward fails with "
-    "'shape mismatch: value tensor of shape [2, 2, 30, 16] cannot be broadcast'. Fix needs calibrate to save and "
-    "restore the model's cache modules/attributes (or use its own copy of the caches)."))
 def test_calibrate_leaves_a_gpt_fast_models_caches_as_they_were():
+    """calibrate() re-sets-up a gpt-fast model's caches for its samples (batch 1, 20 slots here); it used to leave
+    them so, and the user's batch-2 forward then failed with a broadcast error. The caches come back."""
     from ckvp_compile.testing import GptFastConfig, GptFastMoE
 
     torch.manual_seed(0)
@@ -795,3 +791,21 @@ def test_several_decode_steps_in_one_graph_are_refused_with_that_reason_and_the_
         step = torch.compile(model, backend="ckvp", options={"compiler": "aot_eager"})
         first = step(tok, at)  # the refused call raised at compile time: the one-step forward decodes this position
         torch.testing.assert_close(first, want[0], rtol=2e-4, atol=2e-4)  # full-rank latents: close to dense
+
+
+def test_calibrate_refuses_a_gpt_fast_model_whose_caches_are_latent_phantoms():
+    """After use_latent_cache the caches hold no dense K/V: a calibration prefill whose setup_caches keeps them (same
+    shape) wrote into the phantoms and read garbage back, so the moments were silently wrong. Now a clear error
+    naming the fix, and the phantoms stay in place."""
+    from ckvp_compile.runtime.hf_cache import use_latent_cache
+    from ckvp_compile.testing import GptFastConfig, GptFastMoE
+
+    torch.manual_seed(0)
+    model = GptFastMoE(GptFastConfig(n_layer=2)).eval()
+    model.setup_caches(2, 64)
+    bases = calibrate(model, [torch.randint(0, 256, (1, 20))], group_size=1, kv_ratio=2.0, progress=False)
+    use_latent_cache(model, bases)
+    phantom = model.layers[0].attention.kv_cache.k_cache
+    with pytest.raises(CKVPConfigError, match="calibrate before use_latent_cache"):
+        calibrate(model, [torch.randint(0, 256, (2, 64))], group_size=1, kv_ratio=2.0, progress=False)
+    assert model.layers[0].attention.kv_cache.k_cache is phantom
