@@ -42,7 +42,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..errors import CKVPConfigError, CKVPError
-from ..latent.capture import make_static_cache
+from ..latent.capture import kept_module_setup, make_static_cache
 from .decoding import prefill_decode_logits
 
 __all__ = ["EquivalenceError", "EquivalenceFailure", "EquivalenceReport", "check_equivalence"]
@@ -224,7 +224,8 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     Returns:
         An :class:`EquivalenceReport`; ``.raise_if_failed()`` raises :class:`EquivalenceError` on a failure. Each
         example calls ``torch._dynamo.reset()``, so other compiled functions of the process recompile on their next
-        call; a gpt-fast-style model is left with zeroed caches of (max_batch, max_prompt_len + max_decode_steps).
+        call; a gpt-fast-style model gets its cache setup back (the same cache buffers and ``max_batch_size``;
+        caches of a drawn shape equal to theirs hold what the examples wrote).
     Raises:
         CKVPConfigError: a bad argument (the message names the fix); ImportError: Hypothesis is not installed
             (``pip install hypothesis``, or the ``test`` extra).
@@ -368,16 +369,15 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
     run = settings(max_examples=max_examples, deadline=None, database=None, phases=phases, print_blob=False,
                    verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))(hypothesis_seed(seed)(example))
+    kept = kept_module_setup(model) if gpt_fast else contextlib.nullcontext()  # its setup_caches, put back after
     try:
-        with _hypothesis_home_in_a_temporary_directory():
+        with kept, _hypothesis_home_in_a_temporary_directory():
             run()
     except Exception:  # the failure (AssertionError, or Hypothesis' Flaky* when a replay passed) is in state
         if state["failure"] is None:
             raise
     finally:
         state["fp32"] = None  # the float32 copy, if one was made
-        if gpt_fast:  # leave the model with caches of the largest drawn size, zeroed
-            model.setup_caches(max_batch, max_prompt_len + max_decode_steps)
     failure = state["failure"]
     return EquivalenceReport(passed=failure is None, examples=state["examples"], max_abs_error=state["max_err"],
                              mode=mode, failure=failure,

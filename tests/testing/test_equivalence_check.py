@@ -148,9 +148,13 @@ def test_full_rank_latent_cache_is_near_exact(tiny):
 
 
 def test_gpt_fast_model_dense_cache():
+    """Also: the user's cache setup (batch 3, 40 slots) comes back: the same buffers, not the drawn sizes' caches."""
     model = GptFastMoE(GptFastConfig(vocab_size=128)).eval()
+    model.setup_caches(3, 40)
+    buffer = model.layers[0].attention.kv_cache.k_cache
     report = check_equivalence(model, options=FAST, max_examples=2, max_prompt_len=5, max_decode_steps=2)
     assert report.passed, report.to_text()
+    assert model.layers[0].attention.kv_cache.k_cache is buffer and (model.max_batch_size, model.max_seq_length) == (3, 40)
 
 
 @pytest.mark.parametrize("kwargs, needle", [
