@@ -45,7 +45,7 @@ from .passes.expert_gemm import SKIPPED_SITE_NOTE, ExpertGemmPass
 from .passes.latent_kv_cache import LatentKVCachePass, LatentRewritePlan
 from .plan import EXPERT_GEMM_AUTO_OFF, EXPERT_GEMM_OFF, Plan, make_plan
 from .runtime.binding import bind_latent_store
-from .runtime.store import LatentKVStore, lookup_phantom
+from .runtime.store import LatentKVStore, lookup_phantom, note_compiled_size
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,7 @@ class CKVPBackend:
         compiled = self._compile_inner(gm, example_inputs, manager)
         record.pass_results.extend(manager.results)
         if latent is not None:
+            note_compiled_size(latent.plan.store)  # an eager call of a cache of another size then names the limit
             return store_inputs.wrap(compiled)
         return compiled
 

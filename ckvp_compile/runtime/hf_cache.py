@@ -21,18 +21,21 @@ from typing import Any
 import torch
 
 from ..errors import CKVPConfigError, CKVPError
-from .store import COPY_REFUSED, LatentKVStore
+from .store import COPY_REFUSED, LatentKVStore, uncompiled_size_reason
 
 _EAGER_ERROR = (
-    "this is a ckvp latent KV cache: its dense K/V tensors hold no data and only a model compiled with "
+    "This is a ckvp latent KV cache: its dense K/V tensors hold no data and only a model compiled with "
     "torch.compile(..., backend='ckvp') can use it. Compile the model's forward with the ckvp backend, or use a "
     "dense cache (transformers StaticCache) for eager runs. If the forward is compiled with the ckvp backend, "
     "torch.compile split it at a graph break (an earlier error inside it, or unsupported code) and runs the cache "
     "update outside the graph: call torch._dynamo.reset() and run again (TORCH_LOGS=graph_breaks shows the break; "
-    "a frame past torch._dynamo.config.recompile_limit also runs eagerly)."
+    "a frame past torch._dynamo.config.recompile_limit also runs eagerly). Two common ways to run it "
+    "uncompiled: torch.compile(model).generate(...) (generate calls the original forward: compile model.forward "
+    "instead), and transformers' own compilation in generate() (compile_config, or its automatic compile of decode "
+    "steps, runs the prefill uncompiled): compile model.forward yourself and pass disable_compile=True."
 )
 _EAGER_ERROR_BUFFERS = (
-    "this module's k_cache / v_cache are ckvp latent-cache phantoms (use_latent_cache): they hold no data and only "
+    "This module's k_cache / v_cache are ckvp latent-cache phantoms (use_latent_cache): they hold no data and only "
     "a model compiled with torch.compile(..., backend='ckvp') can use them. Compile the model with the ckvp "
     "backend, or, for eager runs, give the modules dense buffers again (new cache modules: gpt-fast's "
     "setup_caches(...) keeps the caches of an unchanged shape). If the model is compiled with "
@@ -231,7 +234,7 @@ class CKVPStaticCache(_static_cache_base()):  # type: ignore[misc]
                 f"{key_states.shape[0]}) (a latent cache serves exactly its batch size).",
                 torch.compiler.is_compiling())
         if not torch.compiler.is_compiling():
-            raise CKVPError(_EAGER_ERROR)
+            raise CKVPError(uncompiled_size_reason(self.store) + _EAGER_ERROR)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
@@ -316,7 +319,8 @@ def _refuse_eager_calls(module: torch.nn.Module) -> None:
 
         def guarded(self: torch.nn.Module, *args: Any, _name: str = name, **kwargs: Any) -> Any:
             if not torch.compiler.is_compiling():
-                raise CKVPError(_EAGER_ERROR_BUFFERS)
+                store = getattr(self, "ckvp_store", None)
+                raise CKVPError((uncompiled_size_reason(store) if store is not None else "") + _EAGER_ERROR_BUFFERS)
             return getattr(type(self), _name)(self, *args, **kwargs)
 
         guarded._ckvp_refuses_eager = True  # type: ignore[attr-defined]

@@ -71,6 +71,31 @@ from ..kernels.latent_format import parse_latent_format
 from ..kernels.latent_layout import empty_latent, held_units_per_row, key_value_layouts
 
 _PHANTOMS: dict[int, tuple[weakref.ref, int, str]] = {}
+_COMPILED_SIZES: set[tuple[int, int]] = set()  # (max_batch_size, max_cache_len) of stores a latent rewrite bound
+
+
+def note_compiled_size(store: Any) -> None:
+    """Record that a latent rewrite compiled a graph for a store of this ``(batch_size, max_cache_len)``; read by
+    :func:`uncompiled_size_reason` to explain an eager call of a cache of another size. Raises nothing."""
+    _COMPILED_SIZES.add((int(store.batch_size), int(store.max_cache_len)))
+
+
+def uncompiled_size_reason(store: Any) -> str:
+    """A sentence for the eager-call error of ``store``'s cache when no graph was compiled for its size while
+    graphs of other sizes were: the usual cause is Dynamo's recompile limit (each cache size compiles its own
+    prefill and decode graphs). Empty when the size was compiled, or when fewer sizes were compiled than the limit
+    allows (two graphs a size), so a genuine graph break keeps the generic message. Raises nothing."""
+    size = (int(store.batch_size), int(store.max_cache_len))
+    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    if size in _COMPILED_SIZES or not isinstance(limit, int) or 2 * len(_COMPILED_SIZES) < limit:
+        return ""
+    seen = ", ".join(f"({b}, {s})" for b, s in sorted(_COMPILED_SIZES)[:6]) + (", ..." if len(_COMPILED_SIZES) > 6 else "")
+    return (f"No graph was compiled for this cache's size (max_batch_size={size[0]}, max_cache_len={size[1]}), "
+            f"while {len(_COMPILED_SIZES)} other sizes (batch, slots) were: {seen}. Each cache size compiles its own "
+            f"prefill and decode graphs, and past torch._dynamo.config.recompile_limit ({limit}) Dynamo runs the "
+            "model eagerly. Fix: build one cache for the largest batch and longest request and reuse it "
+            "(cache.reset() between requests; a static cache serves any shorter request), or raise "
+            "torch._dynamo.config.recompile_limit, or call torch._dynamo.reset(). ")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ No decode step after the first of a process compiles anything. Counted with ``to
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -71,3 +72,30 @@ def test_varying_prompts_then_decode_compile_a_bounded_number_of_graphs():
         if s == 1:  # a decode step: nothing new since the previous call
             assert n == log[i - 1][1], f"call {i} (decode) compiled a graph: {log}"
     assert first_decode == 2  # prefill + decode
+
+
+def test_a_cache_size_past_the_recompile_limit_is_named_in_the_error(monkeypatch):
+    """Each CKVPStaticCache size (batch, slots) compiles its own prefill and decode graphs; past Dynamo's
+    recompile_limit (lowered here to 2: one size) the next size runs eagerly and the cache refuses it. The error
+    names the sizes compiled, the limit and the fix (one cache reused), not only a generic graph-break story; the
+    size compiled before still works."""
+    from ckvp_compile import CKVPError
+
+    import ckvp_compile.runtime.store as store_module
+
+    monkeypatch.setattr(store_module, "_COMPILED_SIZES", set())  # sizes other tests of this process compiled
+    torch._dynamo.reset()
+    model = build_hf_moe("mixtral", num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    bases = calibrate(model, [torch.randint(0, 256, (1, 20))], group_size=1, kv_ratio=1.0, progress=False)
+    model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": "aot_eager"})
+    kw = dict(max_new_tokens=3, do_sample=False, disable_compile=True, pad_token_id=0)
+    ids = torch.randint(1, 256, (1, 5))
+    try:
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2):
+            model.generate(ids, past_key_values=CKVPStaticCache(model.config, bases, max_cache_len=16), **kw)
+            with pytest.raises(CKVPError, match=r"max_cache_len=24\).*\(1, 16\).*recompile_limit \(2\).*reuse it"):
+                model.generate(ids, past_key_values=CKVPStaticCache(model.config, bases, max_cache_len=24), **kw)
+            model.generate(ids, past_key_values=CKVPStaticCache(model.config, bases, max_cache_len=16), **kw)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
