@@ -31,17 +31,23 @@ from ..latent.capture import is_hf_causal_lm
 PROMPT_SEED = 0
 
 
-def load_model_dir(path: str | Path) -> torch.nn.Module:
-    """Load a Hugging Face causal LM from a local directory in float32, eval mode, without network access.
+def load_model_dir(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """Load a Hugging Face causal LM from a local directory, in eval mode, without network access and without
+    running code shipped with the checkpoint (``trust_remote_code=False``).
 
     Args:
         path: a directory holding ``config.json`` and the weights (``model.safetensors`` ...).
+        dtype: 'float32' (default), 'bfloat16', 'float16', or 'auto' (the checkpoint's own dtype).
     Returns:
         The model (an ``*ForCausalLM``).
     Raises:
         CKVPModelLoadError: the path does not exist, is not a directory, has no ``config.json``, or
-            transformers cannot load it (the message keeps transformers' first line and names the fix).
+            transformers cannot load it (the message keeps transformers' first line and names the fix; a model
+            that needs its own code says so).
+        ValueError: an unknown ``dtype``.
     """
+    if dtype not in ("float32", "bfloat16", "float16", "auto"):
+        raise ValueError(f"dtype must be 'float32', 'bfloat16', 'float16' or 'auto', got {dtype!r}")
     path = Path(path)
     if not path.exists():
         raise CKVPModelLoadError(f"model directory {str(path)!r} does not exist; pass the directory of a Hugging "
@@ -58,9 +64,15 @@ def load_model_dir(path: str | Path) -> torch.nn.Module:
         raise CKVPModelLoadError(f"loading {str(path)!r} needs transformers: pip install 'ckvp-compile[hf]' "
                                  f"({exc})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+                                                     local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError ... for a bad directory
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if "custom code" in first or "trust_remote_code" in first:
+            raise CKVPModelLoadError(f"{str(path)!r} holds a model with its own code, which is not run here "
+                                     "(trust_remote_code=False). Fix: load it yourself, e.g. AutoModelForCausalLM."
+                                     "from_pretrained(path, trust_remote_code=True), after reading that code, and "
+                                     "call ckvp_compile.inspect(model)") from None
         raise CKVPModelLoadError(f"cannot load a causal LM from {str(path)!r}: {type(exc).__name__}: {first}; "
                                  "check that config.json and the weights belong to a causal LM") from None
     return model.eval()

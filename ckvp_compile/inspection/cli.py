@@ -1,7 +1,7 @@
 """``ckvp-inspect``: compile a model directory with the ``ckvp`` backend and print what it found and rewrote.
 
     ckvp-inspect --model DIR [--html FILE] [--json FILE] [--options JSON] [--compiler aot_eager|eager|inductor]
-                 [--no-decode] [--full] [--traceback]
+                 [--no-decode] [--full] [--traceback] [--dtype float32|auto|bfloat16|float16]
                  [--kv-ratio R [--rank-allocation energy|uniform] [--group-size G] [--text FILE]
                   [--calibration-samples N] [--save-bases FILE] | --bases FILE] [--latent-format FMT]
                  [--latent-dtype bfloat16|float16|float32] [--max-cache-len N] [--prompt-len N]
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-len", type=int, default=128, help="static cache length (default 128)")
     p.add_argument("--prompt-len", type=int, default=8, help="prefill length in tokens (default 8)")
     p.add_argument("--traceback", action="store_true", help="show the traceback when compiling fails")
+    p.add_argument("--dtype", choices=("float32", "auto") + LATENT_DTYPES[:2], default="float32",
+                   help="dtype the model is loaded in (default float32; 'auto': the checkpoint's own, e.g. bfloat16, "
+                        "as it runs when deployed: the KV bytes and the experts' form can differ)")
     lat = p.add_argument_group("latent KV cache (inspect the CKVP rewrite itself)")
     src = lat.add_mutually_exclusive_group()
     src.add_argument("--kv-ratio", type=float, metavar="R",
@@ -194,11 +197,30 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _check_distinct(args: argparse.Namespace) -> None:
+    """Refuse two flags naming one file, where one of them is written (raises _UsageError): ``--html X --json X``
+    kept only the JSON, and ``--html`` on the ``--bases`` file overwrote the bases."""
+    outputs = [(f, v) for f, v in (("--html", args.html), ("--json", args.json), ("--save-bases", args.save_bases))
+               if v is not None]
+    inputs = [(f, v) for f, v in (("--bases", args.bases), ("--text", args.text)) if v is not None]
+    seen: dict[Path, str] = {}
+    for flag, path in outputs + inputs:
+        key = Path(path).resolve()
+        if key in seen:
+            raise _UsageError(f"{seen[key]} and {flag} name the same file {path!r}; give each output its own path")
+        seen[key] = flag
+
+
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     config = _options(args)
+    if config.expert_offload:
+        raise _UsageError("--options expert_offload: ckvp-inspect loads the model itself and cannot offload its "
+                          "experts before compiling; inspect without it, or from Python on a model already offloaded "
+                          "(ckvp_compile.offload_experts(model, resident=C), then ckvp_compile.inspect(model))")
     _check_writable(args.html, "--html")
     _check_writable(args.json, "--json")
+    _check_distinct(args)
     latent = _latent(args)
 
     if args.prompt_len < 1:
@@ -215,7 +237,7 @@ def _run(argv: Sequence[str] | None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch/transformers noise; ckvp's own warnings are in the report
         try:
-            model = load_model_dir(args.model)
+            model = load_model_dir(args.model, dtype=args.dtype)
         except CKVPModelLoadError as exc:
             raise _UsageError(str(exc)) from None
         try:
@@ -227,19 +249,27 @@ def _run(argv: Sequence[str] | None) -> int:
             flag = "--bases" if args.bases is not None else "--kv-ratio"
             raise _UsageError(f"{flag}: {exc}") from None
     report.model = Path(args.model).resolve().name
-    sys.stdout.write(report.to_text(full=args.full))
-    try:
+    written = []
+    try:  # the files first: a reader of stdout that stops early (| head) must not cost them
         if args.html:
             Path(args.html).write_text(report.to_html(), encoding="utf-8")
-            print(f"wrote {args.html}")
+            written.append(args.html)
         if args.json:
             Path(args.json).write_text(json.dumps(report.to_dict(), indent=1), encoding="utf-8")
-            print(f"wrote {args.json}")
+            written.append(args.json)
         if args.save_bases and report.latent is not None:
             report.latent.bases.save(args.save_bases)
-            print(f"wrote {args.save_bases}")
+            written.append(args.save_bases)
     except OSError as exc:
         raise _UsageError(f"cannot write the report: {exc.strerror}: {exc.filename}") from None
+    try:
+        sys.stdout.write(report.to_text(full=args.full))
+        for path in written:
+            print(f"wrote {path}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout closed by its reader: the report is done, and the files are written
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
     return 0
 
 

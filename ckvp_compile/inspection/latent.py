@@ -95,6 +95,9 @@ class LatentInspectOptions:
         if self.latent_dtype is not None and not (isinstance(self.latent_dtype, torch.dtype)
                                                   and self.latent_dtype.is_floating_point):
             raise CKVPConfigError(f"latent_dtype must be a float torch.dtype, got {self.latent_dtype!r}")
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (self.num_samples, self.sample_len)):
+            raise CKVPConfigError(f"num_samples and sample_len must be ints, got {self.num_samples!r} and "
+                                  f"{self.sample_len!r}")
         if self.num_samples < 1 or self.sample_len < 1:
             raise CKVPConfigError(f"num_samples and sample_len must be >= 1, got {self.num_samples} and "
                                   f"{self.sample_len}")

@@ -167,6 +167,15 @@ def render_text(report: "InspectionReport", *, full: bool = False) -> str:
     ]
     if main is not None:
         out.append(f"KV bytes/token: {main.kv_bytes_line()}")
+        split = [g for g in report.graphs if g.phase == main.phase and g.num_sites]
+        if len(split) > 1:
+            out.append(f"note: the {main.phase} was captured as {len(split)} graphs with sites (graph breaks); the "
+                       f"summary and KV bytes above are graph {main.index}'s alone, and each graph numbers its layers "
+                       "from 0: see every graph below")
+    groups = report.latent.bases.group_size if report.latent is not None and report.latent.bases is not None else None
+    if groups is not None and groups != report.config.group_size:
+        out.append(f"note: the latent bases fix G={groups} layers per group; the group_size={report.config.group_size}"
+                   " option does not apply to a latent cache")
     if report.latent is not None:
         out += [""] + latent_text(report.latent)
     for g in report.graphs:

@@ -13,6 +13,7 @@ Rendering lives in :mod:`.render`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -32,7 +33,7 @@ from ..errors import CKVPWarning
 from ..passes import CKVPPass, PassResult
 from ..passes.expert_gemm import SKIPPED_SITE_NOTE, ExpertGemmPass
 from ..plan import LayerGroup, Plan
-from ..latent.capture import uncompiled_forward
+from ..latent.capture import kept_module_setup, uncompiled_forward
 from .capture import LatentCaches, is_gpt_fast, is_hf_causal_lm, load_model_dir, run_phases
 from .latent import LatentInspectOptions, LatentReport, format_pair, resolve_bases
 
@@ -163,6 +164,11 @@ class GraphDiff:
 
 # ---------------------------------------------------------------------------------------------- reports
 
+#: UnsupportedSite kinds that refuse an attention layer whose KV cache is written: it stays dense and the plan's
+#: KV bytes leave it out (the report says so)
+REFUSED_ATTENTION_KINDS = frozenset({"sliding_window", "mla_attention", "cache_written_in_place",
+                                     "written_after_cache_write", "rope_positions", "post_rope_key", "dynamic_cache"})
+
 
 @dataclass
 class GraphReport(GraphRecord):
@@ -198,21 +204,31 @@ class GraphReport(GraphRecord):
         return [LayerRow(layer, *_attention_cells(attn.get(layer)), *_moe_cells(moe.get(layer)))
                 for layer in self.analysis.layers]
 
-    def decision_lines(self) -> list[str]:
-        """Return the plan's decisions folded by (kind, verdict, reason): 'attention [0-7]: kept: <reason>'. A MoE
-        site the plan meant to rewrite but the expert GEMM pass left as it was (its note says why) shows as kept
-        with the pass's reason: the plan is made before the pass reads the site in detail; so does every planned MoE
-        site of a graph whose expert GEMM pass failed and was dropped (:attr:`dropped_passes`)."""
+    def effective_decisions(self) -> list[Any]:
+        """The plan's decisions as they turned out: a MoE site the plan meant to rewrite but the expert GEMM pass
+        left as it was (its note says why) is kept, with the pass's reason (the plan is made before the pass reads
+        the site in detail); so is every planned MoE site of a graph whose expert GEMM pass failed and was dropped
+        (:attr:`dropped_passes`), and every site of a graph that fell back to the original (:attr:`fell_back`)."""
         left = {layer: note for r in self.pass_results if r.name == ExpertGemmPass.name
                 for layer, note in r.notes if note.startswith(SKIPPED_SITE_NOTE)}
         dropped = self.dropped_passes.get(ExpertGemmPass.name)
-        folded: dict[tuple[str, bool, str], list[int]] = {}
+        out = []
         for d in self.plan.decisions:
-            if d.kind == "moe" and d.rewrite and dropped:
+            if d.rewrite and self.fell_back:
+                d = dataclasses.replace(d, rewrite=False, reason=f"the graph fell back to the original: "
+                                                                 f"{self.fell_back}")
+            elif d.kind == "moe" and d.rewrite and dropped:
                 d = dataclasses.replace(d, rewrite=False, reason=f"the expert GEMM pass failed and was dropped: "
                                                                  f"{dropped}")
             elif d.kind == "moe" and d.rewrite and d.layer in left:
                 d = dataclasses.replace(d, rewrite=False, reason=f"the expert GEMM pass: {left[d.layer]}")
+            out.append(d)
+        return out
+
+    def decision_lines(self) -> list[str]:
+        """Return :meth:`effective_decisions` folded by (kind, verdict, reason): 'attention [0-7]: kept: <reason>'."""
+        folded: dict[tuple[str, bool, str], list[int]] = {}
+        for d in self.effective_decisions():
             folded.setdefault((d.kind, d.rewrite, d.reason), []).append(d.layer)
         return [f"{kind} [{format_layers(layers)}]: {'rewrite' if rewrite else 'kept'}: {reason}"
                 for (kind, rewrite, reason), layers in folded.items()]
@@ -223,17 +239,26 @@ class GraphReport(GraphRecord):
         With a latent cache the 'after' figure is :attr:`kv_bytes_per_token_latent` (bytes the store holds).
         """
         dense, planned = self.plan.kv_bytes_per_token_dense, self.plan.kv_bytes_per_token_planned
+        sites = {s.layer for s in self.analysis.attention}
+        refused = sorted({u.layer for u in self.analysis.unsupported
+                          if u.kind in REFUSED_ATTENTION_KINDS and u.layer is not None and u.layer not in sites})
+        only = (f"; counts the attention sites only: layer{'s' if len(refused) > 1 else ''} "
+                f"[{format_layers(refused)}] left dense and not counted, see unsupported" if refused else "")
         if self.kv_bytes_per_token_latent is not None and dense:
             after = self.kv_bytes_per_token_latent
             return (f"{dense} -> {after} ({dense / after:.2f}x smaller; latent rows in their storage format + "
-                    "slot position, per sequence)")
+                    f"slot position, per sequence{only})")
         if not dense:
             if any(u.kind == "unrecognised_attention" for u in self.analysis.unsupported):
                 return "n/a (KV-cache writes found, but no attention that reads them was recognised: see unsupported)"
+            if refused:
+                return (f"n/a (no attention site to count: the KV caches of layer{'s' if len(refused) > 1 else ''} "
+                        f"[{format_layers(refused)}] are left dense for the reasons under unsupported)")
             return "n/a (no KV-cache write found)"
         if planned == dense:
-            return f"{dense} -> {planned} (unchanged)"
-        return f"{dense} -> {planned} ({dense / planned:.2f}x smaller)" if planned else f"{dense} -> 0"
+            return f"{dense} -> {planned} (unchanged{only})"
+        return (f"{dense} -> {planned} ({dense / planned:.2f}x smaller{only})" if planned
+                else f"{dense} -> 0{only}")
 
     @functools.cached_property
     def diffs(self) -> tuple[GraphDiff, GraphDiff]:
@@ -279,6 +304,8 @@ class GraphReport(GraphRecord):
     def to_dict(self) -> dict[str, Any]:
         """Return the graph's report as JSON-serialisable data (dataclasses as dicts, tuples as lists)."""
         plan = dataclasses.asdict(self.plan)
+        plan["planned_decisions"] = plan["decisions"]  # as planned, before the passes read the sites
+        plan["decisions"] = [dataclasses.asdict(d) for d in self.effective_decisions()]  # as the text shows them
         return {
             "index": self.index,
             "phase": self.phase,
@@ -411,7 +438,8 @@ def inspect_model(
     """Compile a model with the ``ckvp`` backend while recording, run it, and report what the backend did.
 
     Resets Dynamo before and after; the model itself is not modified (an HF model gets a fresh
-    ``StaticCache``, a gpt-fast model's ``setup_caches`` is called), so it runs eagerly afterwards.
+    ``StaticCache``; a gpt-fast model's ``setup_caches`` is called, and its cache setup put back after:
+    :func:`~ckvp_compile.latent.capture.kept_module_setup`), so it runs as before afterwards.
 
     With ``latent`` the model runs with a ckvp latent KV cache instead (bases from a file, or calibrated now on a
     few samples), so the latent rewrite runs; the report's ``latent`` section describes the store (groups,
@@ -459,6 +487,18 @@ def inspect_model(
         raise TypeError(f"inspect: give a torch.nn.Module (or a callable) or the path of a local Hugging Face model "
                         f"directory, got {type(model_or_dir).__name__}")
     start = time.perf_counter()
+    kept = (kept_module_setup(model) if isinstance(model, torch.nn.Module) and callable(getattr(model, "setup_caches", None))
+            else contextlib.nullcontext())  # a gpt-fast model's cache setup, put back after
+    with kept:
+        return _inspect(model, name, example_inputs, config, latent_opts, start, decode=decode,
+                        max_cache_len=max_cache_len, prompt_len=prompt_len, extra_passes=extra_passes,
+                        dynamic=dynamic)
+
+
+def _inspect(model: Any, name: str, example_inputs: Any, config: CKVPConfig, latent_opts: Any, start: float, *,
+             decode: bool, max_cache_len: int, prompt_len: int, extra_passes: Sequence[CKVPPass],
+             dynamic: bool | None) -> InspectionReport:
+    """:func:`inspect_model` after its arguments are checked and the model is loaded."""
     caches, source = None, ""
     if latent_opts is not None:
         if not (is_hf_causal_lm(model) or is_gpt_fast(model)):

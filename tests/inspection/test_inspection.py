@@ -200,7 +200,7 @@ def test_cli_warns_in_one_line_when_inductor_options_are_ignored(capsys, monkeyp
     from ckvp_compile.errors import CKVPModelLoadError
     from ckvp_compile.inspection import capture
 
-    def not_loadable(path):
+    def not_loadable(path, dtype="float32"):
         raise CKVPModelLoadError("stop here")
 
     monkeypatch.setattr(capture, "load_model_dir", not_loadable)
