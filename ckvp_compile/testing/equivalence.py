@@ -17,7 +17,8 @@ router's top-k sits on a near-tie, one bfloat16 rounding can pick another expert
 0.5 or more (benchmarks/results/2026-12-07-gpu: the fixture in bf16, eager against float32, plain Inductor and ckvp
 alike). So with a dense cache, a 16-bit call outside the tolerance is judged once more against the model upcast to
 float32 on the same tokens (``float32_referee``): it passes when each token's compiled logits are within the
-tolerance of the eager ones or of the float32 model's, and the report counts it. A failing example (a mismatch, or
+tolerance of the eager ones or of the float32 model's, and the report counts it (a failure names whether the
+inner compiler alone, without ckvp, computes the failing token the same way). A failing example (a mismatch, or
 an error raised by the compiled run) is shrunk by Hypothesis to the smallest one it finds (fewest sequences,
 shortest prompt, fewest steps) and reported with its prompt.
 
@@ -219,8 +220,10 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
             logits of the model upcast to float32 (a deep copy, made at the first such call: twice the model's
             memory) run eagerly on the same tokens, with atol from the largest finite logit of the reference: the
             compiled run took the float32 model's branch where 16-bit eager rounding took another. A referee that
-            cannot run (no memory, a 16-bit-only kernel) is named in the failure. Off: the 16-bit eager logits are
-            the only reference.
+            cannot run (no memory, a 16-bit-only kernel) is named in the failure. A call it does not excuse fails,
+            and the failure says whether ``torch.compile`` with the inner compiler alone (no ckvp; compiled only
+            then) gives the failing token's logits too: the inner compiler's own arithmetic, not ckvp's rewrites.
+            Off: the 16-bit eager logits are the only reference.
     Returns:
         An :class:`EquivalenceReport`; ``.raise_if_failed()`` raises :class:`EquivalenceError` on a failure. Each
         example calls ``torch._dynamo.reset()``, so other compiled functions of the process recompile on their next
@@ -251,6 +254,7 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     state: dict[str, Any] = {"examples": 0, "max_err": 0.0, "failure": None, "refereed": 0, "refereed_err": 0.0,
                              "fp32": None}
     refereed = float32_referee and bases is None and dtype in (torch.bfloat16, torch.float16)
+    dense_16bit_inner_check = refereed and CKVPConfig.from_options(opts).compiler != "eager"
 
     def new_cache(b: int, length: int, latent: bool) -> Any:
         if gpt_fast:  # prefill_decode_logits calls its setup_caches
@@ -297,9 +301,10 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
         ok = (got - want).abs() <= kw["atol"] + kw["rtol"] * want.abs()
         return (ok & torch.isfinite(got) & torch.isfinite(want)).all(-1)
 
-    def referee(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor) -> str | None:
+    def referee(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor) -> tuple[str, tuple[int, ...]] | None:
         """None when every token's compiled logits are within the tolerance of the eager ones or of the float32
-        model's (the eager run's own rounding, e.g. another expert picked at a router near-tie), else why not."""
+        model's (the eager run's own rounding, e.g. another expert picked at a router near-tie), else why not and
+        the first such token (batch row, position)."""
         bad = ~(within(got, want) | within(got, ref))
         if not bad.any():
             return None
@@ -309,7 +314,30 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
         v = int(err.argmax())
         return (f"float32 referee: token {where} is outside the tolerance of both the eager and the float32 logits; "
                 f"at logit {v}: compiled {got[where][v].item():.4g}, eager {want[where][v].item():.4g}, float32 "
-                f"{ref[where][v].item():.4g}")
+                f"{ref[where][v].item():.4g}"), where
+
+    def inner_compiler_note(ids: torch.Tensor, n: int, fed: list[torch.Tensor], call: int, got: torch.Tensor,
+                            where: tuple[int, ...]) -> str:
+        """After the referee fails: the same token under torch.compile with the inner compiler alone (no ckvp), to
+        tell the inner compiler's own 16-bit arithmetic (e.g. a router near-tie its fused kernels resolve the other
+        way) from ckvp's rewrites. A diagnostic only: the check still fails."""
+        name = CKVPConfig.from_options(opts).compiler
+        try:
+            torch._dynamo.reset()
+            plain = torch.compile(model, backend=name)
+            alone = prefill_decode_logits(model, ids, n, compile_fn=lambda m: plain, max_cache_len=ids.shape[1] + n,
+                                          tokens=fed, cache=new_cache(ids.shape[0], ids.shape[1] + n,
+                                                                      latent=False))[call].float()
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: say why it is missing, never raise
+            return f"; torch.compile(backend={name!r}) without ckvp could not run: {type(exc).__name__}"
+        finally:
+            torch._dynamo.reset()
+        same = bool(within(got[where], alone[where]))
+        return (f"; torch.compile(backend={name!r}) without ckvp gives, at that token, logits "
+                + ("within the tolerance of ckvp's: the difference is the inner compiler's own arithmetic, not "
+                   "ckvp's rewrites" + (" (check with options={'compiler': 'aot_eager'})" if name == "inductor" else "")
+                   if same else
+                   f"{(got[where] - alone[where]).abs().max().item():.4g} away from ckvp's"))
 
     @given(data=st.data(), b=st.integers(1, max_batch), s=st.integers(1, max_prompt_len),
            n=st.integers(0, max_decode_steps))
@@ -345,10 +373,13 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
                         text = " ".join(str(exc).split())[:200]
                         note = f"the float32 referee could not run: {type(exc).__name__}: {text}"
                     else:
-                        note = referee(g, w, ref32[call])
-                        if note is None:
+                        verdict = referee(g, w, ref32[call])
+                        if verdict is None:
                             excused.append(call)
                             continue
+                        note, where = verdict
+                        if dense_16bit_inner_check:
+                            note += inner_compiler_note(ids, n, fed, call, g, where)
                     why += f" ({note})"
                 if why is not None:
                     failure = EquivalenceFailure(b, prompt, n, call, errs[call], why)
