@@ -176,8 +176,10 @@ class CKVPBackend:
             raise _compat.surface_through_dynamo(UnsupportedGraphError(
                 "ckvp: this graph reads a ckvp latent KV cache that cannot be rewritten, so it cannot run: "
                 + "; ".join(plan.blocking)
-                + ". Fix: use a dense cache (transformers StaticCache / the model's own) for this model, or "
-                "report the model with the output of ckvp-inspect."
+                + (". Fix: set enable_latent_kv=True (the default), or use a dense cache (transformers StaticCache / "
+                   "the model's own)." if not config.enable_latent_kv else
+                   ". Fix: use a dense cache (transformers StaticCache / the model's own) for this model, or "
+                   "report the model with the output of ckvp-inspect.")
             ))
         self._report_unsupported(plan)
         record = GraphRecord(len(self.recorder.graphs) if self.recorder else 0, analysis, plan)

@@ -80,7 +80,9 @@ class CKVPConfig:
     )
     group_size: int = field(
         default=4,
-        metadata=_doc("Adjacent attention layers that share one latent KV cache (G): 1, 2, 4 or 8.", choices=GROUP_SIZES),
+        metadata=_doc("Adjacent attention layers that share one latent KV cache (G): 1, 2, 4 or 8. With a latent cache "
+                      "the bases decide (calibrate(..., group_size=G)); this option then plays no part.",
+                      choices=GROUP_SIZES),
     )
     enable_latent_kv: bool = field(
         default=True,

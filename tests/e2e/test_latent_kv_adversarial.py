@@ -809,3 +809,15 @@ def test_calibrate_refuses_a_gpt_fast_model_whose_caches_are_latent_phantoms():
     with pytest.raises(CKVPConfigError, match="calibrate before use_latent_cache"):
         calibrate(model, [torch.randint(0, 256, (2, 64))], group_size=1, kv_ratio=2.0, progress=False)
     assert model.layers[0].attention.kv_cache.k_cache is phantom
+
+
+def test_a_latent_cache_with_enable_latent_kv_off_names_that_option():
+    """enable_latent_kv=False with a CKVPStaticCache: the error suggested reporting the model; the fix is the option."""
+    from ckvp_compile import UnsupportedGraphError
+
+    model, bases = _model_and_bases()
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="eager", enable_latent_kv=False)))
+    with torch.no_grad(), pytest.raises(UnsupportedGraphError, match="Fix: set enable_latent_kv=True"):
+        step(**hf_step_kwargs(model, torch.randint(0, 256, (1, 6)), CKVPStaticCache(model.config, bases,
+                                                                                   max_cache_len=16), 0))
+    torch._dynamo.reset()
