@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..analysis.sites import AttentionSite, GraphAnalysis, MoESite, format_layers
+from ..analysis.sites import ATTENTION_UNSUPPORTED_KINDS, AttentionSite, GraphAnalysis, MoESite, format_layers
 from ..backend import CKVPBackend, CompileRecorder, GraphRecord
 from ..config import CKVPConfig
 from ..errors import CKVPWarning
@@ -164,11 +164,6 @@ class GraphDiff:
 
 # ---------------------------------------------------------------------------------------------- reports
 
-#: UnsupportedSite kinds that refuse an attention layer whose KV cache is written: it stays dense and the plan's
-#: KV bytes leave it out (the report says so)
-REFUSED_ATTENTION_KINDS = frozenset({"sliding_window", "mla_attention", "cache_written_in_place",
-                                     "written_after_cache_write", "rope_positions", "post_rope_key", "dynamic_cache"})
-
 
 @dataclass
 class GraphReport(GraphRecord):
@@ -241,7 +236,7 @@ class GraphReport(GraphRecord):
         dense, planned = self.plan.kv_bytes_per_token_dense, self.plan.kv_bytes_per_token_planned
         sites = {s.layer for s in self.analysis.attention}
         refused = sorted({u.layer for u in self.analysis.unsupported
-                          if u.kind in REFUSED_ATTENTION_KINDS and u.layer is not None and u.layer not in sites})
+                          if u.kind in ATTENTION_UNSUPPORTED_KINDS and u.layer is not None and u.layer not in sites})
         only = (f"; counts the attention sites only: layer{'s' if len(refused) > 1 else ''} "
                 f"[{format_layers(refused)}] left dense and not counted, see unsupported" if refused else "")
         if self.kv_bytes_per_token_latent is not None and dense:

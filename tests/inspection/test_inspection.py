@@ -166,18 +166,7 @@ def test_cli_usage_errors_in_process(args, needle, capsys):
     assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], err
 
 
-def _no_compiling(monkeypatch):
-    from ckvp_compile.inspection import capture, report
-
-    def fail(*args, **kwargs):
-        raise AssertionError("the model was loaded or compiled before the output paths were checked")
-
-    monkeypatch.setattr(capture, "load_model_dir", fail)
-    monkeypatch.setattr(report, "inspect_model", fail)
-
-
-def test_cli_output_paths_checked_before_compiling(tmp_path, capsys, monkeypatch):
-    _no_compiling(monkeypatch)
+def test_cli_output_paths_checked_before_compiling(tmp_path, capsys, monkeypatch, no_compiling):
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     cases = [
@@ -647,8 +636,7 @@ def test_latent_inspection_of_a_gpt_fast_model_restores_its_caches():
         (["--kv-ratio", "2", "--save-bases", "/no/such/dir/b.safetensors"], "does not exist"),
     ],
 )
-def test_cli_latent_usage_errors(args, needle, capsys, monkeypatch):
-    _no_compiling(monkeypatch)
+def test_cli_latent_usage_errors(args, needle, capsys, no_compiling):
     assert main(["--model", str(FIXTURE_MODEL_DIR), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ckvp-inspect: error: ") and needle in err[0], err

@@ -21,16 +21,6 @@ from ckvp_compile.testing import GptFastConfig, GptFastMoE, build_hf_moe
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _no_compiling(monkeypatch):
-    from ckvp_compile.inspection import capture, report
-
-    def fail(*args, **kwargs):
-        raise AssertionError("the model was loaded or compiled before the arguments were checked")
-
-    monkeypatch.setattr(capture, "load_model_dir", fail)
-    monkeypatch.setattr(report, "inspect_model", fail)
-
-
 @pytest.mark.parametrize("latent", [None, {"kv_ratio": 2, "num_samples": 1, "sample_len": 8}])
 def test_inspect_puts_a_gpt_fast_models_cache_setup_back(latent):
     """The user's caches (batch 4, 64 slots) were left as the inspection's (batch 1, 128): the next batch-4 call
@@ -115,9 +105,8 @@ def test_cli_bf16_checkpoint_with_dtype_auto(tmp_path, capsys):
     (["--bases", "{d}/b.safetensors", "--html", "{d}/b.safetensors"], "--html and --bases name the same file"),
     (["--options", '{"expert_offload": 2}'], "cannot offload its experts before compiling"),
 ])
-def test_cli_refuses_before_compiling(args, needle, tmp_path, capsys, monkeypatch):
+def test_cli_refuses_before_compiling(args, needle, tmp_path, capsys, no_compiling):
     """Two flags on one file overwrote one (the bases with HTML); expert_offload compiled first, then failed."""
-    _no_compiling(monkeypatch)
     (tmp_path / "b.safetensors").write_bytes(b"x")
     assert main(["--model", "x", *[a.replace("{d}", str(tmp_path)) for a in args]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
