@@ -37,7 +37,8 @@ def compile(model: Any, *, expert_offload: int = 0, offload_options: Mapping[str
             memory (:func:`ckvp_compile.offload_experts`, in place on the module); 0: no offload. A model already
             offloaded with C resident is used as it is. May be given in ``options`` instead (not both, unless equal).
         offload_options: further keyword arguments of :func:`ckvp_compile.offload_experts` (``margin``,
-            ``lookahead``, ``policy``, ``prefetch``, ``predictor``, ``measure_stalls``).
+            ``lookahead``, ``policy``, ``prefetch``, ``predictor``, ``measure_stalls``); for a model already
+            offloaded, the ones it was offloaded with (or none).
         options: the backend's options (:class:`CKVPConfig` fields); ``expert_offload`` is added to them.
         mode: ``torch.compile``'s mode; passed as ``options["mode"]`` (torch refuses ``mode`` with ``options``).
         **torch_compile_kwargs: any other ``torch.compile`` argument (``fullgraph``, ``dynamic``, ``disable``).
@@ -50,13 +51,16 @@ def compile(model: Any, *, expert_offload: int = 0, offload_options: Mapping[str
         CKVPConfigError: ``backend=`` given; ``model`` not a module or a method of one; a bad option (including
             ``expert_offload`` not an int or outside 1..E, with E the model's experts per layer); ``expert_offload``
             given twice with different values; a model with no offloadable experts, or already offloaded with
-            another resident count.
+            another resident count or other ``offload_options``.
+        TypeError: a keyword argument ``torch.compile`` does not take (raised before any expert moves).
     """
     from .runtime.offload import _find_moe_layers, offload_experts, offloader_of, owning_module
 
     if "backend" in torch_compile_kwargs:
         raise CKVPConfigError("ckvp_compile.compile always uses backend='ckvp'; for another backend call "
                               "torch.compile directly")
+    # an argument torch.compile does not take raises its TypeError here, before the model's experts move
+    inspect.signature(torch.compile).bind(model, **torch_compile_kwargs)
     opts = dict(options or {})
     if expert_offload and opts.get("expert_offload", expert_offload) != expert_offload:
         raise CKVPConfigError(f"expert_offload={expert_offload!r} conflicts with options['expert_offload']="
@@ -70,12 +74,22 @@ def compile(model: Any, *, expert_offload: int = 0, offload_options: Mapping[str
         opts["mode"] = config.mode
     resident = config.expert_offload
     if resident:
+        opts_off = dict(offload_options or {})
+        known = set(inspect.signature(offload_experts).parameters) - {"model", "resident"}
+        if set(opts_off) - known:
+            raise CKVPConfigError(f"offload_options {sorted(set(opts_off) - known)} are not options of "
+                                  f"ckvp_compile.offload_experts; the options are {sorted(known)}")
         current = offloader_of(model)  # raises for a non-module
         if current is not None:
             if current.planner.capacity != resident:
                 raise CKVPConfigError(
                     f"expert_offload={resident}, but the model is already offloaded with "
                     f"{current.planner.capacity} experts resident per layer; give that number, or load the model again")
+            if any(k not in current.options or current.options[k] != v for k, v in opts_off.items()):
+                raise CKVPConfigError(  # they would be silently ignored: the experts are offloaded already
+                    f"offload_options {opts_off} differ from those the model was offloaded with "
+                    f"({current.options or 'unknown'}); offload options apply only when the experts are offloaded: "
+                    "give the same ones (or none), or load the model again")
         else:
             target = owning_module(model)
             layers = _find_moe_layers(target)
@@ -85,11 +99,6 @@ def compile(model: Any, *, expert_offload: int = 0, offload_options: Mapping[str
                     raise CKVPConfigError(
                         f"expert_offload must be in 1..{e} (experts kept resident per MoE layer; the model has {e} "
                         f"per layer; {e} keeps all on the device), or 0 for no offload, got {resident}")
-            opts_off = dict(offload_options or {})
-            known = set(inspect.signature(offload_experts).parameters) - {"model", "resident"}
-            if set(opts_off) - known:
-                raise CKVPConfigError(f"offload_options {sorted(set(opts_off) - known)} are not options of "
-                                      f"ckvp_compile.offload_experts; the options are {sorted(known)}")
             offload_experts(target, resident=resident, **opts_off)
     elif offload_options:
         raise CKVPConfigError("offload_options are given but expert_offload is 0; set expert_offload=C (1..E)")

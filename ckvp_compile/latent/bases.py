@@ -198,7 +198,17 @@ class LatentBases:
 
     # ------------------------------------------------------------------ conversion
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "LatentBases":
-        """Return a copy with the bases on ``device`` in ``dtype`` (eigenvalues move but stay float64)."""
+        """Return a copy with the bases on ``device`` in ``dtype`` (eigenvalues move but stay float64).
+
+        Args:
+            device: target device, or None (keep). dtype: a floating ``torch.dtype`` for the bases, or None (keep).
+        Raises:
+            CKVPConfigError: ``dtype`` is not a floating torch.dtype (an integer copy of an orthonormal basis rounds
+                almost every entry to 0, and such a file is refused at load).
+        """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise CKVPConfigError(f"LatentBases.to: dtype must be a floating torch.dtype (e.g. torch.bfloat16), got "
+                                  f"{dtype!r}")
         return dataclasses.replace(
             self,
             k_basis=tuple(b.to(device=device, dtype=dtype) for b in self.k_basis),
@@ -221,17 +231,31 @@ class LatentBases:
     def save(self, path: str | Path) -> None:
         """Write the bases to ONE safetensors file (tensors + JSON metadata, ``format_version``).
 
+        The metadata also holds ``tensors_sha256``, a hash of every tensor's name, dtype, shape and bytes, which
+        :meth:`load` checks (safetensors itself has no checksum: a damaged byte would load silently).
+
         Args:
             path: file to write (overwritten); parent directories must exist.
+        Raises:
+            CKVPConfigError: ``path`` is not a str or ``os.PathLike``, is an existing directory, or its parent
+                directory does not exist (the message names the fix).
         """
         from safetensors.torch import save_file
 
+        path = _bases_path(path, "save")
+        if path.is_dir():
+            raise CKVPConfigError(f"LatentBases.save: {str(path)!r} is a directory; give a file path inside it, e.g. "
+                                  f"{str(path / 'bases.safetensors')!r}")
+        if not path.parent.is_dir():
+            raise CKVPConfigError(f"LatentBases.save: the directory {str(path.parent)!r} of {str(path)!r} does not "
+                                  f"exist; create it first (Path({str(path.parent)!r}).mkdir(parents=True))")
         tensors: dict[str, torch.Tensor] = {}
         for kind in ("k", "v"):
             for g in range(len(self.groups)):
                 tensors[f"{kind}_basis.{g}"] = self.basis(kind)[g].detach().cpu().contiguous()
                 tensors[f"{kind}_eigenvalues.{g}"] = self.eigenvalues(kind)[g].detach().cpu().contiguous()
-        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self._metadata())}
+        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self._metadata()),
+                _CHECKSUM_KEY: _tensors_sha256(tensors)}
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
@@ -244,13 +268,15 @@ class LatentBases:
         Returns:
             The :class:`LatentBases`, tensors on CPU in the dtypes saved.
         Raises:
-            CKVPConfigError: the file is missing, not a safetensors file, not a ckvp bases file, of another
-                format version, or inconsistent; or ``model`` is not the calibrated model (the message names
-                both models and says to re-run calibrate).
+            CKVPConfigError: ``path`` is not a str or ``os.PathLike``; the file is missing, not a safetensors file,
+                not a ckvp bases file, of another format version, or inconsistent (shapes, ranks, metadata, bases
+                that are not finite or not orthonormal, eigenvalues that are negative or not descending, tensors
+                whose bytes differ from the ``tensors_sha256`` saved with them); or ``model`` is not the
+                calibrated model (the message names both models and says to re-run calibrate).
         """
         from safetensors import safe_open
 
-        path = Path(path)
+        path = _bases_path(path, "load")
         if not path.is_file():
             raise CKVPConfigError(f"no latent bases file at {str(path)!r}; create one with "
                                   "ckvp_compile.calibrate(model, samples).save(path)")
@@ -290,7 +316,7 @@ class LatentBases:
                 max_key_rank=None if meta.get("max_key_rank") is None else int(meta["max_key_rank"]),
                 key_space=str(meta.get("key_space", "pre_rope")),
             )
-            why = _corrupt_values(bases, meta)
+            why = _corrupt_values(bases, meta) or _checksum_error(tensors, header)
             if why:
                 raise ValueError(why)
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
@@ -421,6 +447,9 @@ def _corrupt_values(bases: "LatentBases", meta: dict[str, Any]) -> str | None:
             for name, t in ((f"{kind}_basis.{g}", p), (f"{kind}_eigenvalues.{g}", e)):
                 if not t.is_floating_point() or not bool(torch.isfinite(t.float()).all()):
                     return f"{name} is not a finite float tensor (dtype {t.dtype})"
+            ev = e.double()
+            if bool((ev < 0).any()) or bool((ev[:, 1:] > ev[:, :-1] * (1 + 1e-9) + 1e-300).any()):
+                return f"{kind}_eigenvalues.{g} are not >= 0 and descending per head (a second moment's spectrum)"
             if bases.online:
                 continue
             for h, r in enumerate(ranks):
@@ -430,6 +459,47 @@ def _corrupt_values(bases: "LatentBases", meta: dict[str, Any]) -> str | None:
                     return (f"the {r} kept columns of {kind}_basis.{g}, head {h}, are not orthonormal "
                             f"(max |P^T P - I| = {err:.3g} > {ORTHONORMAL_TOL})")
     return None
+
+
+#: Metadata key of the tensors' hash written by :meth:`LatentBases.save` (files saved before it have none).
+_CHECKSUM_KEY = "tensors_sha256"
+
+
+def _tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor of a bases file, in name order: its name, dtype, shape and raw bytes (any dtype,
+    bf16 and float8 included, read as bytes). Raises nothing for CPU tensors."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _checksum_error(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> str | None:
+    """Why the tensors read from a bases file do not match the ``tensors_sha256`` saved with them, or None (equal,
+    or a file saved before the hash existed)."""
+    want = header.get(_CHECKSUM_KEY)
+    if want is None:
+        return None
+    got = _tensors_sha256(tensors)
+    if got != want:
+        return (f"the tensors' sha256 {got[:12]} differs from the {str(want)[:12]} saved with them: the file was "
+                "damaged or edited after save()")
+    return None
+
+
+def _bases_path(path: Any, what: str) -> Path:
+    """``path`` as a :class:`Path`; :class:`CKVPConfigError` naming the fix unless it is a str or ``os.PathLike``
+    of a str (``what``: 'save' or 'load', for the message)."""
+    import os
+
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise CKVPConfigError(f"LatentBases.{what}: path must be a file path (a str or pathlib.Path, e.g. "
+                              f"'bases.safetensors'), got {path!r}")
+    return Path(path)
 
 
 def _describe(fp: dict[str, Any]) -> str:

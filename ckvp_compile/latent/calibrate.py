@@ -23,6 +23,7 @@ moment's eigenvectors are the right singular vectors of the stacked token matrix
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import logging
 import operator
@@ -236,8 +237,10 @@ def calibrate(model: torch.nn.Module, samples: Iterable[torch.Tensor], config: C
     Returns:
         :class:`LatentBases` with float32 bases on the model's device; ``save()`` them for the backend.
     Raises:
-        CKVPConfigError: bad group_size / kv_ratio / rank_allocation / rank_block / max_key_rank / key_space /
-            max_cache_len / samples (kv_ratio's message names the achievable range), an unknown ``latent_format``
+        CKVPConfigError: a model that is not a ``torch.nn.Module``; samples that are not an iterable of token-id
+            tensors (one 1-D tensor included: pass ``[ids]``); bad group_size / kv_ratio / rank_allocation /
+            rank_block / max_key_rank / key_space / max_cache_len / samples (kv_ratio's message names the
+            achievable range), an unknown ``latent_format``
             (or not a (K, V) pair of names), batch_size / cache_len < 1, a non-float dense_dtype / latent_dtype
             (all checked before the first sample runs), no
             attention layer with a usable KV-cache write (the reason is given), an encoder-decoder model
@@ -487,6 +490,10 @@ def _normalise(t: torch.Tensor, hkv: int, d: int, layer: int, kind: str) -> torc
 
 
 def _as_batch(sample: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(sample, torch.Tensor) and sample.dim() == 0:  # iterating one (S,) tensor yields its ids
+        raise CKVPConfigError("each calibration sample must be a (B, S) or (S,) tensor of token ids, got a single "
+                              "token id (a 0-d tensor): samples is one 1-D tensor, iterated id by id. Fix: pass a "
+                              "list of samples, e.g. calibrate(model, [ids])")
     if not isinstance(sample, torch.Tensor) or sample.dtype.is_floating_point or sample.dtype.is_complex \
             or sample.dtype == torch.bool or sample.dim() not in (1, 2) or sample.numel() == 0:
         desc = f"{type(sample).__name__}" if not isinstance(sample, torch.Tensor) else \
@@ -495,6 +502,13 @@ def _as_batch(sample: Any, device: torch.device) -> torch.Tensor:
                               f"ids, got {desc}")
     ids = sample if sample.dim() == 2 else sample[None]
     return ids.to(device=device, dtype=torch.long)
+
+
+def _describe_samples(samples: Any) -> str:
+    """A short description of a ``samples`` argument for an error message."""
+    if isinstance(samples, torch.Tensor):
+        return f"one tensor {tuple(samples.shape)} {samples.dtype}"
+    return type(samples).__name__
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -597,6 +611,14 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
              attended_values: bool = False, key_space: str = "pre_rope") -> KVMoments:
     from tqdm.auto import tqdm
 
+    if not isinstance(model, torch.nn.Module):
+        raise CKVPConfigError(f"calibrate: model must be a torch.nn.Module (a Hugging Face causal LM or a gpt-fast "
+                              f"style model), got {type(model).__name__}")
+    if isinstance(samples, (str, bytes)) or (isinstance(samples, torch.Tensor) and samples.dim() < 2) \
+            or not isinstance(samples, collections.abc.Iterable):
+        raise CKVPConfigError(f"calibrate: samples must be an iterable of (B, S) or (S,) integer tensors of token ids "
+                              f"(e.g. a list), got {_describe_samples(samples)}. Fix: pass a list, e.g. "
+                              "calibrate(model, [ids])")
     _check_collect_args(group_size, max_cache_len)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # else an IndexError in the cache write
         raise CKVPConfigError(

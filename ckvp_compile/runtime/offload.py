@@ -34,7 +34,8 @@ C experts runs in rounds over gathered (token, slot) pairs and sums each token's
 order, as the grouped kernel does: bitwise equal in fp32; in bf16 / fp16 each pair output is rounded to the
 dtype before that sum (within the dtype's rounding of the all-resident output).
 
-Weights: the offloader holds its own copies. ``model.state_dict()`` of the offloaded model lists them under their
+Weights: the offloader holds its own copies (the replaced experts modules and their parameters are released, so
+a device copy of them is freed). ``model.state_dict()`` of the offloaded model lists them under their
 original keys ``<experts>.gate_up_proj`` (E, 2I, Dm) / ``<experts>.down_proj`` (E, Dm, I), in expert order: the host
 store's tensors (on CPU, sharing its memory as a plain model's state dict shares its parameters'), so ``torch.save``
 / safetensors files of an offloaded model load into an offloaded or a plain model. ``model.load_state_dict(sd)`` on
@@ -116,7 +117,8 @@ class ExpertOffloader:
         policy: one of :data:`~ckvp_compile.runtime.offload_policy.POLICIES`.
         measure_stalls: time the compute stream's waits with CUDA events (``stall_ms``).
         share_host: on a CPU device, use CPU weights as the host store without copying them (with a CUDA
-            device, pinned contiguous CPU weights are always shared: several offloaders can serve one store).
+            device, pinned contiguous CPU weights are always shared: several offloaders can serve one store;
+            inference tensors are always copied, so that the store stays writable outside inference mode).
     Memory: device C * 3 * I * Dm * itemsize bytes per layer; host E times that per layer.
     Raises:
         CKVPConfigError: a value out of range. CKVPShapeError: inconsistent weight shapes or dtypes.
@@ -150,25 +152,30 @@ class ExpertOffloader:
         share = pin or share_host  # CUDA: pinned contiguous CPU weights are used as they are
 
         def host(w: torch.Tensor) -> torch.Tensor:
-            if share and w.device.type == "cpu" and w.is_contiguous() and (w.is_pinned() or not pin):
+            if (share and w.device.type == "cpu" and w.is_contiguous() and (w.is_pinned() or not pin)
+                    and not w.is_inference()):
                 return w.detach()
             out = torch.empty(w.shape, dtype=w.dtype, pin_memory=pin)
             return out.copy_(w.detach())
 
-        self.host_gate_up = [host(w) for w in gate_up]
-        self.host_down = [host(w) for w in down]
         expert_bytes = 3 * i * dm * self.dtype.itemsize
         self.planner = OffloadPlanner(num_layers=self.num_layers, num_experts=e, top_k=top_k, capacity=resident,
                                       policy=policy, prefetch=prefetch and predictors is not None, margin=margin,
                                       lookahead=lookahead, expert_bytes=expert_bytes)
-        self.slot_gate_up = [torch.empty((resident, 2 * i, dm), dtype=self.dtype, device=self.device)
-                             for _ in range(self.num_layers)]
-        self.slot_down = [torch.empty((resident, dm, i), dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
-        for n in range(self.num_layers):  # LayerCache's initial state: slot s holds expert s
-            self.slot_gate_up[n].copy_(self.host_gate_up[n][:resident])
-            self.slot_down[n].copy_(self.host_down[n][:resident])
+        # normal tensors even when built under torch.inference_mode(): every later call writes the slots (and
+        # load_state_dict the host store) in place, which inference tensors refuse outside inference mode
+        with torch.inference_mode(False):
+            self.host_gate_up = [host(w) for w in gate_up]
+            self.host_down = [host(w) for w in down]
+            self.slot_gate_up = [torch.empty((resident, 2 * i, dm), dtype=self.dtype, device=self.device)
+                                 for _ in range(self.num_layers)]
+            self.slot_down = [torch.empty((resident, dm, i), dtype=self.dtype, device=self.device)
+                              for _ in range(self.num_layers)]
+            for n in range(self.num_layers):  # LayerCache's initial state: slot s holds expert s
+                self.slot_gate_up[n].copy_(self.host_gate_up[n][:resident])
+                self.slot_down[n].copy_(self.host_down[n][:resident])
         self._host_versions = [self._host_version(n) for n in range(self.num_layers)]
+        self._stale: set[int] = set()  # layers whose slots may not hold what the planner says (a failed call)
         self.predictors = None
         if predictors is not None:
             if len(predictors) != self.num_layers:
@@ -190,6 +197,7 @@ class ExpertOffloader:
         self._stall_ms = 0.0
         if cuda:
             torch.cuda.current_stream(self.device).synchronize()
+        self.options: dict[str, Any] = {}  # offload_experts' keyword options, recorded by it
         self.handle = _offload_ops.register_offloader(self)
 
     # ------------------------------------------------------------------ statistics
@@ -223,8 +231,12 @@ class ExpertOffloader:
             layer: in [0, L). gate_up: (E, 2I, Dm), down: (E, Dm, I), any device and float dtype (cast to the
                 offloader's dtype, as ``load_state_dict`` casts into a parameter); None keeps that weight.
         Raises:
-            CKVPConfigError: layer out of range. CKVPShapeError: a weight of another shape.
+            CKVPConfigError: layer out of range, or the offloader was closed. CKVPShapeError: a weight of another
+                shape.
         """
+        if not self.host_gate_up:
+            raise CKVPConfigError("load_weights: this offloader was closed and its expert weights freed; load the "
+                                  "model again and offload it again")
         if not 0 <= layer < self.num_layers:
             raise CKVPConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
         pairs = [(w, store) for w, store in ((gate_up, self.host_gate_up[layer]), (down, self.host_down[layer]))
@@ -249,6 +261,7 @@ class ExpertOffloader:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._host_versions[layer] = self._host_version(layer)
+        self._stale.discard(layer)
 
     def _stamp(self, layer: int, hold: bool = False) -> tuple:
         """(object, version, storage pointer) of every source tensor of ``layer``'s predictors (inference tensors
@@ -327,7 +340,10 @@ class ExpertOffloader:
         Returns:
             (T, Dm) hidden.dtype, the all-resident ``ckvp::moe_experts`` output (see the module docstring).
         Raises:
-            CKVPConfigError: layer or an expert id out of range. CKVPShapeError: shapes, dtype or device.
+            CKVPConfigError: layer or an expert id out of range. CKVPShapeError: shapes, dtype or device. Any
+            exception raised during the copies or the compute (``KeyboardInterrupt``, out of memory) propagates,
+            and the next call of each layer it had planned refills that layer's slots from the host store first,
+            so later calls stay exact.
         """
         if not 0 <= layer < self.num_layers:
             raise CKVPConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
@@ -337,8 +353,9 @@ class ExpertOffloader:
                                  "The offloaded experts keep the dtype and device they had at offload time "
                                  "(model.to() does not move them): cast or move the model before "
                                  "ckvp_compile.offload_experts, or load it again and offload it again")
-        if self._host_versions[layer] is not None and self._host_version(layer) != self._host_versions[layer]:
-            self._refill(layer)  # the host store was written in place (a state-dict tensor): slots follow
+        if layer in self._stale or (self._host_versions[layer] is not None
+                                    and self._host_version(layer) != self._host_versions[layer]):
+            self._refill(layer)  # an earlier call failed, or the host store was written in place: slots follow
         if self._sources is not None and self._changed(layer):
             self.refold_predictors(layer)  # router / norm weights were written (load_state_dict): refold
         t, a = topk_ids.shape
@@ -360,12 +377,19 @@ class ExpertOffloader:
         if t == 0:
             return hidden.new_zeros(hidden.shape)
         rounds = self.planner.demand(layer, rows)
-        if len(rounds) == 1:
-            out = self._round_direct(layer, rounds[0], hidden, rows, topk_weights)
-        else:
-            out = self._rounds_gathered(layer, rounds, hidden, rows, topk_weights)
-        for j, expert, slot in self.planner.predict(layer, ranked):
-            self._copy(j, expert, slot)
+        try:
+            if len(rounds) == 1:
+                out = self._round_direct(layer, rounds[0], hidden, rows, topk_weights)
+            else:
+                out = self._rounds_gathered(layer, rounds, hidden, rows, topk_weights)
+            for j, expert, slot in self.planner.predict(layer, ranked):
+                self._copy(j, expert, slot)
+        except BaseException:
+            # the planner already places this call's experts (every round) and predictions in slots, but a failure
+            # (an interrupt, an out-of-memory) may have come before their copies: the next call of each layer this
+            # call planned refills its slots from the host store first, or it would read stale experts
+            self._stale.update([layer, *targets])
+            raise
         return out
 
     def _upload(self, data: list) -> torch.Tensor:
@@ -448,18 +472,28 @@ class ExpertOffloader:
         return pairs_out.view(t, a, self.dm).sum(1).to(hidden.dtype)
 
 
+class _Lease:
+    """Shared by the :class:`OffloadedExperts` modules of one :func:`offload_experts` call: once the last of them is
+    garbage collected (the model deleted), the offloader's handle is unregistered, so its host store and device
+    slots are freed unless the caller still holds the offloader."""
+
+    __slots__ = ("__weakref__",)
+
+
 class OffloadedExperts(torch.nn.Module):
     """Drop-in replacement of an HF experts module: ``forward(hidden, top_k_index, top_k_weights)`` calls
     ``ckvp::offload_experts`` with this layer's offloader handle (integers, constants to Dynamo).
 
     Holds no parameters: the weights live in the offloader's host store and device slots. Its state dict still has
     the experts module's ``gate_up_proj`` (E, 2I, Dm) and ``down_proj`` (E, Dm, I), on CPU
-    (:meth:`ExpertOffloader.host_weights`), and loading one replaces the offloader's copies.
+    (:meth:`ExpertOffloader.host_weights`), and loading one replaces the offloader's copies. ``lease``: an object
+    the modules of one offloader share (:func:`offload_experts` unregisters the handle when it is collected).
     """
 
-    def __init__(self, handle: int, layer: int, num_experts: int) -> None:
+    def __init__(self, handle: int, layer: int, num_experts: int, lease: _Lease | None = None) -> None:
         super().__init__()
         self.handle, self.layer, self.num_experts = handle, layer, num_experts
+        self._lease = lease
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """(T, Dm), (T, A) int, (T, A) float -> (T, Dm) hidden_states.dtype (see :class:`ExpertOffloader`). Inference
@@ -559,9 +593,11 @@ def _live_sources(model: torch.nn.Module, nxt: dict[str, Any], this: dict[str, A
     """The predictor sources of :class:`ExpertOffloader`: the current router weight of layer ``nxt`` and (norm
     predictor) the norm weights of ``nxt`` and ``this``, looked up in ``model`` by module path at each call (so a
     replaced router or norm module is seen; the model is held weakly: once it is gone the sources are the last
-    ones seen)."""
+    ones seen). Only the module paths are kept: ``nxt`` / ``this`` also hold the experts modules, whose weights
+    (on the device) must be freed once offloaded."""
     ref = weakref.ref(model)
     last: list[tuple] = []
+    router_path, norms = nxt["router_path"], None if this is None else (nxt["norm_path"], this["norm_path"])
 
     def weight(path: str | None) -> torch.Tensor | None:
         mod = _submodule(ref(), path) if path is not None else None
@@ -570,8 +606,8 @@ def _live_sources(model: torch.nn.Module, nxt: dict[str, Any], this: dict[str, A
     def sources() -> tuple:
         if ref() is None and last:
             return last[0]
-        out = (weight(nxt["router_path"]), None, None) if this is None else (
-            weight(nxt["router_path"]), weight(nxt["norm_path"]), weight(this["norm_path"]))
+        out = (weight(router_path), None, None) if norms is None else (
+            weight(router_path), weight(norms[0]), weight(norms[1]))
         last[:] = [out]
         return out
     return sources
@@ -597,6 +633,10 @@ def _check_experts_module(name: str, mod: torch.nn.Module) -> None:
                                                            ("has_bias", False), ("has_gate", True),
                                                            ("has_post_expert_norm", False))
            if getattr(mod, flag, ok) != ok]
+    gu, dn = mod.gate_up_proj, mod.down_proj
+    if gu.shape[1] % 2 or tuple(dn.shape) != (gu.shape[0], gu.shape[2], gu.shape[1] // 2):
+        bad.append(f"gate_up_proj {tuple(gu.shape)} and down_proj {tuple(dn.shape)} are not (E, 2I, Dm) and "
+                   "(E, Dm, I), e.g. Llama-4's transposed (E, Dm, 2I) and (E, I, Dm)")
     if _overrides_gate(mod):
         bad.append(f"{type(mod).__name__} has its own gate step (_apply_gate, e.g. a clamp of gate and up)")
     act = getattr(mod, "act_fn", None)
@@ -642,7 +682,9 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
             (next router on this layer's MoE input).
     Returns:
         The :class:`ExpertOffloader`: ``.stats()``, ``.reset_stats()``, ``.close()`` (its predictors refold by
-        themselves when the model's router or norm weights change, e.g. ``load_state_dict``).
+        themselves when the model's router or norm weights change, e.g. ``load_state_dict``); ``.options``, the
+        keyword options above. Once the model's offloaded experts modules are garbage collected (``del model``),
+        the offloader is unregistered and, unless the caller still holds it, freed with its host store and slots.
     Raises:
         CKVPConfigError: no offloadable experts module, an unsupported experts layout, or a value out of range.
     """
@@ -661,10 +703,12 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
         _check_experts_module(info["name"], info["module"])
     first = layers[0]["module"]
     e = first.gate_up_proj.shape[0]
-    top_k = getattr(layers[0]["block"], "top_k", None) or getattr(getattr(model, "config", None),
-                                                                   "num_experts_per_tok", None)
+    block = layers[0]["block"]  # the top-k: the MoE block's, its router's (Qwen-MoE, OLMoE), or the config's
+    top_k = (getattr(block, "top_k", None) or getattr(getattr(block, "gate", None), "top_k", None)
+             or getattr(getattr(model, "config", None), "num_experts_per_tok", None))
     if top_k is None:
-        raise CKVPConfigError("offload_experts: cannot find the top-k (block.top_k or config.num_experts_per_tok)")
+        raise CKVPConfigError("offload_experts: cannot find the top-k (block.top_k, block.gate.top_k or "
+                              "config.num_experts_per_tok)")
     predictors = sources = None
     if all(info["router"] is not None and tuple(info["router"].shape) == (e, first.gate_up_proj.shape[2])
            for info in layers):
@@ -682,8 +726,12 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
                                 device=first.gate_up_proj.device, predictors=predictors, prefetch=prefetch,
                                 margin=margin, lookahead=lookahead, policy=policy, measure_stalls=measure_stalls,
                                 predictor_sources=sources)
+    offloader.options = dict(margin=margin, lookahead=lookahead, policy=policy, prefetch=prefetch,
+                             predictor=predictor, measure_stalls=measure_stalls)
+    lease = _Lease()  # the registry holds the offloader only while the model's OffloadedExperts modules live
+    weakref.finalize(lease, _offload_ops.unregister_offloader, offloader.handle)
     for n, info in enumerate(layers):
-        setattr(info["block"], info["attr"], OffloadedExperts(offloader.handle, n, e))
+        setattr(info["block"], info["attr"], OffloadedExperts(offloader.handle, n, e, lease))
     return offloader
 
 

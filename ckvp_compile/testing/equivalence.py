@@ -43,6 +43,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..errors import CKVPConfigError, CKVPError
+from ..latent.calibrate import _eval_mode
 from ..latent.capture import kept_module_setup, make_static_cache
 from .decoding import prefill_decode_logits
 
@@ -162,7 +163,8 @@ def _hypothesis_home_in_a_temporary_directory() -> Iterator[None]:
 
 
 def _check_args(model: Any, options: Any, bases: Any, max_examples: Any, max_batch: Any, max_prompt_len: Any,
-                max_decode_steps: Any, max_logit_error: Any) -> None:
+                max_decode_steps: Any, max_logit_error: Any, rtol: Any = None, atol: Any = None,
+                latent_format: Any = "auto", shrink: Any = True, float32_referee: Any = True) -> None:
     if not isinstance(model, torch.nn.Module):
         raise CKVPConfigError(f"check_equivalence: model must be a torch.nn.Module (a Hugging Face causal LM or a "
                               f"gpt-fast-style model), got {type(model).__name__}")
@@ -173,6 +175,22 @@ def _check_args(model: Any, options: Any, bases: Any, max_examples: Any, max_bat
                              ("max_prompt_len", max_prompt_len, 1), ("max_decode_steps", max_decode_steps, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise CKVPConfigError(f"check_equivalence: {name} must be an int >= {low}, got {value!r}")
+    for name, value in (("shrink", shrink), ("float32_referee", float32_referee)):
+        if not isinstance(value, bool):
+            raise CKVPConfigError(f"check_equivalence: {name} must be True or False, got {value!r}")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value < math.inf):
+            raise CKVPConfigError(f"check_equivalence: {name} must be None or a finite number >= 0, got {value!r}")
+    if (rtol is None) != (atol is None):
+        raise CKVPConfigError("check_equivalence: give both rtol and atol (as torch.testing.assert_close takes them), "
+                              "or neither for the logits dtype's default tolerance")
+    if bases is not None and rtol is not None:
+        raise CKVPConfigError("check_equivalence: rtol / atol are the dense cache's tolerance; with bases (a lossy "
+                              "latent cache) the check is bounded by max_logit_error alone: drop rtol / atol")
+    if bases is None and not (isinstance(latent_format, str) and latent_format == "auto"):
+        raise CKVPConfigError(f"check_equivalence: latent_format={latent_format!r} is the latent cache's format, but "
+                              "no bases were given (a dense cache); pass bases= to check a latent cache")
     if bases is None and max_logit_error is not None:
         raise CKVPConfigError("check_equivalence: max_logit_error bounds a latent cache's error; with a dense cache "
                               "(bases=None) the check is exact: pass rtol / atol to loosen it instead")
@@ -185,6 +203,31 @@ def _check_args(model: Any, options: Any, bases: Any, max_examples: Any, max_bat
             raise CKVPConfigError("check_equivalence: a gpt-fast-style model's latent cache (use_latent_cache) is not "
                                   "checked here yet; check its dense cache (bases=None), or a Hugging Face model's "
                                   "latent cache")
+        from ..latent.bases import LatentBases
+
+        if not isinstance(bases, LatentBases):
+            raise CKVPConfigError(f"check_equivalence: bases must be the LatentBases of this model, got "
+                                  f"{type(bases).__name__}. Fix: bases = ckvp_compile.calibrate(model, samples, ...), "
+                                  "or LatentBases.load(path, model=model) for a saved file")
+        if bases.model_fingerprint.get("k_weight_sha256"):  # bases built by hand (no hash) are checked by shape only
+            bases.check_model(model, source="check_equivalence: the bases")
+
+
+def _check_latent_cache(model: torch.nn.Module, bases: Any, latent_format: Any, length: int, device: torch.device,
+                        dtype: torch.dtype) -> None:
+    """Build one latent cache of ``bases`` for ``model`` (batch 1, ``length`` slots), as every example will: bases of
+    another layer count or KV shape, or a bad ``latent_format``, raise :class:`CKVPConfigError` here, before any
+    example, instead of failing every example (and being reported as a mismatch of the compiled model)."""
+    from ..runtime.hf_cache import CKVPStaticCache
+
+    try:
+        CKVPStaticCache(model.config, bases, max_cache_len=length, max_batch_size=1, device=device, dtype=dtype,
+                        latent_format=latent_format)
+    except CKVPConfigError as exc:
+        raise CKVPConfigError(f"check_equivalence: no latent cache of these bases fits the model: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise CKVPConfigError(f"check_equivalence: no latent cache of these bases fits the model "
+                              f"(latent_format={latent_format!r}): {type(exc).__name__}: {exc}") from None
 
 
 def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | None = None, bases: Any = None,
@@ -197,14 +240,19 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
 
     Args:
         model: a Hugging Face causal LM (``transformers`` 5.x, static cache) or a gpt-fast-style model (with
-            ``setup_caches(max_batch_size, max_seq_length)``; dense cache only), in eval mode, on its device.
+            ``setup_caches(max_batch_size, max_seq_length)``; dense cache only), on its device. It runs in eval
+            mode (no dropout or router jitter, which would differ between the eager and compiled runs); each
+            module's mode is put back after.
         options: ckvp options for the compiled model (``CKVPConfig`` keys), e.g. ``{"enable_expert_gemm": True}``
             or ``{"compiler": "aot_eager"}`` (fast to compile; runs the rewritten graph op by op).
         bases: :class:`~ckvp_compile.latent.LatentBases` of this model: the compiled run uses a latent cache of
             them (``CKVPStaticCache(..., latent_format=latent_format)``, the model's dtype); needs max_logit_error.
-        latent_format: the latent cache's storage format (as for ``CKVPStaticCache``).
+            Checked before the first example: bases with a fingerprint must match the model
+            (:meth:`~ckvp_compile.latent.LatentBases.check_model`), and one latent cache of them is built.
+        latent_format: the latent cache's storage format (as for ``CKVPStaticCache``); only with ``bases``.
         max_logit_error: with ``bases``: the largest allowed |compiled - eager| logit difference at any call.
-        rtol, atol: with a dense cache: the tolerance. Default: ``torch.testing.assert_close``'s for float32
+        rtol, atol: with a dense cache: the tolerance, both or neither (finite, >= 0). Default:
+            ``torch.testing.assert_close``'s for float32
             (rtol 1.3e-6, atol 1e-5); for a 16-bit model, its rtol (1.6e-2 bfloat16, 1e-3 float16) and an atol of
             2 units in the last place of the call's largest finite eager logit (``2 * finfo.eps * max|logits|``): a
             reordered sum, as any compiler's fused or grouped GEMM, moves 16-bit logits by about one such unit
@@ -214,8 +262,8 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
         max_batch (B), max_prompt_len (S), max_decode_steps (N): upper bounds of the drawn sizes (B, S >= 1,
             N >= 0); the caches hold S + N tokens.
         seed: Hypothesis' seed (the same seed draws the same examples).
-        shrink: shrink a failure to a smaller example (off: report the first failure found).
-        float32_referee: with a dense cache and a 16-bit model: a call outside the tolerance passes when each
+        shrink: shrink a failure to a smaller example (off: report the first failure found); a bool.
+        float32_referee (a bool): with a dense cache and a 16-bit model: a call outside the tolerance passes when each
             token's compiled logits (a row of V, all finite) are within the tolerance of the eager ones or of the
             logits of the model upcast to float32 (a deep copy, made at the first such call: twice the model's
             memory) run eagerly on the same tokens, with atol from the largest finite logit of the reference: the
@@ -230,12 +278,16 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
         call; a gpt-fast-style model gets its cache setup back (the same cache buffers and ``max_batch_size``;
         caches of a drawn shape equal to theirs hold what the examples wrote).
     Raises:
-        CKVPConfigError: a bad argument (the message names the fix); ImportError: Hypothesis is not installed
+        CKVPConfigError: a bad argument (the message names the fix): among them bases that are not
+            :class:`~ckvp_compile.latent.LatentBases`, bases of another model or shape, an unknown latent_format,
+            rtol / atol or latent_format without their cache kind, a non-bool shrink / float32_referee;
+            ImportError: Hypothesis is not installed
             (``pip install hypothesis``, or the ``test`` extra).
     Source: property-based testing with Hypothesis (MacIver et al., "Hypothesis: A new approach to property-based
         testing", JOSS 2019); the same check as this package's own tests (tests/e2e/test_equivalence.py).
     """
-    _check_args(model, options, bases, max_examples, max_batch, max_prompt_len, max_decode_steps, max_logit_error)
+    _check_args(model, options, bases, max_examples, max_batch, max_prompt_len, max_decode_steps, max_logit_error,
+                rtol, atol, latent_format, shrink, float32_referee)
     try:
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis import seed as hypothesis_seed
@@ -250,6 +302,8 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     param = _first_param(model)
     device, dtype = param.device, param.dtype
     gpt_fast = hasattr(model, "setup_caches")
+    if bases is not None:
+        _check_latent_cache(model, bases, latent_format, max_prompt_len + max_decode_steps, device, dtype)
     mode = ("dense cache (exact)" if bases is None else f"latent cache (bound {max_logit_error:g})")
     state: dict[str, Any] = {"examples": 0, "max_err": 0.0, "failure": None, "refereed": 0, "refereed_err": 0.0,
                              "fp32": None}
@@ -401,8 +455,8 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     run = settings(max_examples=max_examples, deadline=None, database=None, phases=phases, print_blob=False,
                    verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))(hypothesis_seed(seed)(example))
     kept = kept_module_setup(model) if gpt_fast else contextlib.nullcontext()  # its setup_caches, put back after
-    try:
-        with kept, _hypothesis_home_in_a_temporary_directory():
+    try:  # eval mode: dropout / router jitter in training mode would differ between the runs, not the compiler
+        with kept, _eval_mode(model), _hypothesis_home_in_a_temporary_directory():
             run()
     except Exception:  # the failure (AssertionError, or Hypothesis' Flaky* when a replay passed) is in state
         if state["failure"] is None:

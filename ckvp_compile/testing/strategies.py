@@ -106,8 +106,8 @@ def moe_model_shapes(max_layers: int = 8, *, hidden_matches_heads: bool = False)
         A strategy of dicts with keys num_layers, hidden, num_heads, num_kv_heads, head_dim, num_experts,
         top_k, ffn.
     Raises:
-        ValueError: max_layers < 1.
+        ValueError: max_layers is not an int >= 1 (a float such as 2.5 would otherwise fail only at the first draw).
     """
-    if max_layers < 1:
-        raise ValueError(f"max_layers must be >= 1, but got {max_layers}")
+    if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
+        raise ValueError(f"max_layers must be an int >= 1, but got {max_layers!r}")
     return _shapes(max_layers, hidden_matches_heads)

@@ -901,3 +901,58 @@ def test_first_tile_prefetch_needs_aligned_latents(monkeypatch):
     assert lat._prefetches(lam, buf[4:], buf) == dict(EARLY=False)
     monkeypatch.setenv("CKVP_MMA_EARLY", "0")
     assert lat._prefetches(lam, buf, buf) == dict(EARLY=False)
+
+
+@pytest.mark.parametrize("page", [64, 0])
+def test_tma_path_compiles_for_sm90(page):
+    """``TMA`` (``CKVP_MMA_TMA``): the unmasked tiles' codes arrive by two TMA tile copies a tile (``cp.async.bulk
+    .tensor.2d``, one mbarrier a stage), issued for the first stages before the programmatic wait for the fold;
+    no L2 prefetch of the first tile (the copies replace it; only the second tile's fields are prefetched there); no
+    spills; the stages in shared memory (8 KB at 2)."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    kw = dict(unit_major=True, bits=8, lanes=True, pscan=True, vpair=True, pdl=True, hint=1)
+    k = lam.compile_for_sm90(4, 4, page, tma=2, **kw)
+    ptx = k.asm["ptx"]
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    copies = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.2d" in line]
+    assert len(copies) >= 4 and min(copies) < wait < max(copies), (copies, wait)
+    assert "mbarrier.try_wait" in ptx or "mbarrier.wait" in ptx
+    # before the wait: the second stage's fields (two runs a prefetch block), not EARLY's prefetch of the first tile
+    assert sum("cp.async.bulk.prefetch.L2.global" in line for line in lines[:wait]) == 4
+    assert k.metadata.shared >= 2 * 2 * 32 * 64
+    st = ptxas_stats(ptx)
+    if st["registers"] is not None:
+        assert st["spill_store_bytes"] == 0 and st["spill_load_bytes"] == 0
+    base = lam.compile_for_sm90(4, 4, page, **kw).asm["ptx"]
+    assert "cp.async.bulk.tensor" not in base
+
+
+def test_tma_descriptor_rows_are_byte_columns(monkeypatch):
+    """``tma_descriptor``: the descriptor's int32 view of a unit-major pool (n pages, C slots, W byte columns) has
+    row ``p * W + col`` = page p's byte column col (C / 4 words of 4 slots each), with no copy; ``tma_applies``
+    refuses CPU latents, 4-bit codes, the cp.async ring, paged caches without the page scan, and the switch off."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from ckvp_compile.kernels.latent_layout import to_layout
+
+    n, c, w = 3, 64, 40
+    x = torch.randint(0, 256, (n, c, w), dtype=torch.uint8)
+    pool = to_layout(x, "unit-major")
+    assert pool.stride() == (c * w, 1, c)
+    d = lam.tma_descriptor(pool)
+    assert d.shape == [n * w, c // 4] and d.block_shape == [32, 16] and d.base.data_ptr() == pool.data_ptr()
+    got = d.base.view(torch.uint8).reshape(n * w, c)  # (rows, slots): the bytes behind the int32 words
+    want = x.permute(0, 2, 1).reshape(n * w, c)
+    assert torch.equal(got, want)
+    monkeypatch.setenv("CKVP_MMA_TMA", "2")
+    assert lam.tma_stages() == 2
+    assert not lam.tma_applies(pool, pool, 8, 0, 64, True)  # CPU tensors
+    monkeypatch.setenv("CKVP_MMA_TMA", "5")
+    assert lam.tma_stages() == 0
+    monkeypatch.delenv("CKVP_MMA_TMA")
+    assert lam.tma_stages() == lam.TMA_GPU_CHECKED == 0  # off: slower on the H100 (session48 results)
+    assert lam.tma_kwargs(pool, pool, 8, 0, 64, True) == {}

@@ -168,3 +168,110 @@ def test_samples_past_the_models_positions_warn_once_per_length():
     got = [str(w.message) for w in caught if issubclass(w.category, CKVPWarning)]
     assert len(got) == 2 and all("max_position_embeddings (16)" in m for m in got), got
     assert "a sample of 24 tokens" in got[0] and "a sample of 20 tokens" in got[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A second adversarial review (2026-12-07): each case below was accepted silently or failed without naming the fix.
+
+
+def test_save_refuses_paths_that_are_not_files_naming_the_fix(tmp_path, monkeypatch):
+    """``save(None)`` wrote a file named 'None' in the working directory; a missing parent directory or a directory
+    path raised safetensors' bare I/O error; ``load(None)`` a ``TypeError``."""
+    bases = calibrate(_model(), _samples(1), group_size=2, kv_ratio=2.0, progress=False)
+    monkeypatch.chdir(tmp_path)
+    for path, why in ((None, "path must be a file path .*got None"),
+                      (b"bases.safetensors", "path must be a file path"),
+                      ("", "path must be a file path"),
+                      (tmp_path, "is a directory; give a file path inside it"),
+                      (tmp_path / "missing" / "b.safetensors", "does not exist; create it first")):
+        with pytest.raises(CKVPConfigError, match=why):
+            bases.save(path)
+        if path != tmp_path:
+            with pytest.raises(CKVPConfigError, match="path must be a file path|no latent bases file"):
+                LatentBases.load(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    bases.save(tmp_path / "ok.safetensors")  # a pathlib.Path and a str both work
+    _assert_same_bases(LatentBases.load(str(tmp_path / "ok.safetensors")), bases)
+
+
+def test_a_damaged_byte_in_a_saved_file_is_refused(tmp_path):
+    """safetensors has no checksum: a flipped byte in an eigenvalue (or a sign in a basis entry, which moves
+    orthonormality by less than the tolerance) loaded silently. ``save`` now records the tensors' sha256."""
+    bases = calibrate(_model(), _samples(), group_size=2, kv_ratio=2.0, progress=False)
+    path = tmp_path / "bases.safetensors"
+    bases.save(path)
+    data = path.read_bytes()
+    bad = tmp_path / "damaged.safetensors"
+    for offset in (-10, -1):  # bytes of the last tensor, v_eigenvalues.0 (float64): no other check sees them
+        damaged = bytearray(data)
+        damaged[offset] ^= 0x80
+        bad.write_bytes(bytes(damaged))
+        with pytest.raises(CKVPConfigError, match="holds corrupt ckvp latent bases .*damaged or edited after save"):
+            LatentBases.load(bad)
+    # the sign of a basis entry flipped: the kept columns stay orthonormal within the tolerance, the basis is not
+    # the calibrated one
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    k0 = tensors["k_basis.0"].clone()
+    r = bases.k_ranks[0][0]
+    cols = k0[0, :, :r]
+    i, j = divmod(int(torch.where(cols != 0, cols.abs(), torch.inf).argmin()), r)
+    k0[0, i, j] = -k0[0, i, j]
+    err = float((k0[0, :, :r].double().mT @ k0[0, :, :r].double() - torch.eye(r, dtype=torch.float64)).abs().max())
+    assert err < 0.05  # below ORTHONORMAL_TOL: only the hash tells
+    save_file(dict(tensors, **{"k_basis.0": k0}), str(bad), metadata=header)
+    with pytest.raises(CKVPConfigError, match="holds corrupt ckvp latent bases .*damaged or edited after save"):
+        LatentBases.load(bad)
+    _assert_same_bases(LatentBases.load(path), bases)  # the sound file still loads
+
+
+def test_load_refuses_eigenvalues_that_are_no_spectrum_even_without_a_checksum(tmp_path):
+    """Files saved before the checksum (no ``tensors_sha256``) are still read; their eigenvalues must be >= 0 and
+    descending per head, as the spectrum of a second moment is (the planner and summary() read them)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    bases = calibrate(_model(), _samples(), group_size=2, kv_ratio=2.0, progress=False)
+    src = tmp_path / "src.safetensors"
+    bases.save(src)
+    with safe_open(str(src), framework="pt") as f:
+        header = {k: v for k, v in f.metadata().items() if k != "tensors_sha256"}
+        data = {k: f.get_tensor(k) for k in f.keys()}
+    old = tmp_path / "old.safetensors"
+    save_file(data, str(old), metadata=header)
+    _assert_same_bases(LatentBases.load(old, model=_model()), bases)  # an old file without the hash loads
+    e = data["k_eigenvalues.0"]
+    for bad in (e.flip(-1), torch.cat([e[:, :1], -e[:, 1:2], e[:, 2:]], dim=1)):
+        save_file(dict(data, **{"k_eigenvalues.0": bad.contiguous()}), str(old), metadata=header)
+        with pytest.raises(CKVPConfigError, match="k_eigenvalues.0 are not >= 0 and descending"):
+            LatentBases.load(old)
+
+
+def test_to_refuses_a_non_float_dtype():
+    """``to(dtype=torch.int8)`` rounded every basis entry to 0 and returned unusable bases (refused only when a saved
+    copy was loaded); a dtype given as a string raised torch's long TypeError."""
+    bases = calibrate(_model(), _samples(1), group_size=2, kv_ratio=2.0, progress=False)
+    for dtype in (torch.int8, torch.bool, "float16"):
+        with pytest.raises(CKVPConfigError, match="dtype must be a floating torch.dtype"):
+            bases.to(dtype=dtype)
+    assert bases.to(dtype=torch.bfloat16).k_basis[0].dtype == torch.bfloat16
+    assert bases.to().k_basis[0].dtype == torch.float32
+
+
+def test_calibrate_names_the_fix_for_a_bare_tensor_or_a_non_module():
+    """One 1-D tensor of ids as ``samples`` was iterated id by id ("got tensor () torch.int64"); ``model=None`` and
+    ``samples=None`` raised bare AttributeError / TypeError. A (N, S) tensor still works: its rows are samples."""
+    model = _model()
+    ids = _samples(1)[0]
+    with pytest.raises(CKVPConfigError, match=r"got one tensor \(24,\).*calibrate\(model, \[ids\]\)"):
+        calibrate(model, ids[0], group_size=2, kv_ratio=2.0, progress=False)
+    with pytest.raises(CKVPConfigError, match="samples must be an iterable .*got NoneType"):
+        calibrate(model, None, group_size=2, kv_ratio=2.0, progress=False)
+    for bad in (None, "model"):
+        with pytest.raises(CKVPConfigError, match="model must be a torch.nn.Module"):
+            calibrate(bad, [ids], group_size=2, kv_ratio=2.0, progress=False)
+    _assert_same_bases(calibrate(model, ids, group_size=2, kv_ratio=2.0, progress=False),
+                       calibrate(model, [ids], group_size=2, kv_ratio=2.0, progress=False))
