@@ -91,6 +91,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 #: Triton 3.9 renamed the TMA tile load (``tma.async_load``; 3.6: ``async_copy_global_to_shared``, same arguments)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+#: Triton 3.9 names a shared-memory view's reinterpretation ``reinterpret`` (3.6: ``_reinterpret``)
+_SMEM_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 __all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS", "MAX_GRID_Y"]
 
@@ -240,13 +242,16 @@ def tma_stages() -> int:
     return int(v) if v in ("0", "2", "3") else 0
 
 
-def tma_descriptor(latent: torch.Tensor):
+def tma_descriptor(latent: torch.Tensor, fields: int = 0):
     """The TMA path's descriptor of one unit-major latent tensor: its bytes as int32 rows of one byte column each
     (``(rows, words)`` = ``(n * W, C / 4)`` for a latent ``(n, C, W)`` of n pages of C slots, or of n sequences of
-    C = S_max slots), boxes of 32 columns x 16 words (64 slots), :data:`TMA_SMEM_LAYOUT`.
+    C = S_max slots), boxes of 32 columns x 16 words (64 slots, :data:`TMA_SMEM_LAYOUT`), or with ``fields`` > 0
+    a (2, rows - fields, words) view whose first dimension steps ``fields`` rows (from a head's scale columns to its
+    min columns) in boxes of 2 x 2 columns x 16 words (:data:`TMA_FIELD_LAYOUT`).
 
     Args:
         latent: (n, C, W) uint8, unit-major (strides (C * W, 1, C)) on a CUDA device; :func:`tma_applies` holds.
+        fields: 0 for the codes' descriptor, else the byte columns from the scales to the mins (> 0).
     Returns:
         ``triton.experimental.gluon.nvidia.hopper.TensorDescriptor`` over the latent's storage (no copy).
     Raises:
@@ -255,9 +260,13 @@ def tma_descriptor(latent: torch.Tensor):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     n, c, w = latent.shape
-    words = torch.empty(0, dtype=torch.int32, device=latent.device).set_(
-        latent.untyped_storage(), latent.storage_offset() // 4, (n * w, c // 4), (c // 4, 1))
-    return TensorDescriptor(words, [n * w, c // 4], [c // 4, 1], [32, 16], TMA_SMEM_LAYOUT)
+    view = torch.empty(0, dtype=torch.int32, device=latent.device)
+    if not fields:
+        words = view.set_(latent.untyped_storage(), latent.storage_offset() // 4, (n * w, c // 4), (c // 4, 1))
+        return TensorDescriptor(words, [n * w, c // 4], [c // 4, 1], [32, 16], TMA_SMEM_LAYOUT)
+    shape, strides = (2, n * w - fields, c // 4), (fields * c // 4, c // 4, 1)
+    words = view.set_(latent.untyped_storage(), latent.storage_offset() // 4, shape, strides)
+    return TensorDescriptor(words, list(shape), list(strides), [2, 2, 16], TMA_FIELD_LAYOUT)
 
 
 def tma_applies(latent_k: torch.Tensor, latent_v: torch.Tensor, bits: int, stages: int, page: int,
@@ -279,12 +288,15 @@ def tma_applies(latent_k: torch.Tensor, latent_v: torch.Tensor, bits: int, stage
 
 
 def tma_kwargs(latent_k: torch.Tensor, latent_v: torch.Tensor, bits: int, stages: int, page: int,
-               pscan: bool) -> dict:
-    """The unit-major kernel's TMA arguments (``kd``, ``vd``, ``TMA``; ``EARLY`` off, the TMA issues take its place)
-    where :func:`tma_applies`, else ``{}``. Raises nothing."""
-    if not tma_applies(latent_k, latent_v, bits, stages, page, pscan):
+               pscan: bool, k_fields: tuple[int, int] = (0, 2), v_fields: tuple[int, int] = (0, 2)) -> dict:
+    """The unit-major kernel's TMA arguments (``kd``, ``vd``, ``kfd``, ``vfd``, ``TMA``; ``EARLY`` off, the TMA
+    issues take its place) where :func:`tma_applies` and the mins' byte columns follow the scales'
+    (``k_fields`` / ``v_fields`` = the (scale, min) fields' first byte columns), else ``{}``. Raises nothing."""
+    dk, dv = k_fields[1] - k_fields[0], v_fields[1] - v_fields[0]
+    if dk <= 0 or dv <= 0 or not tma_applies(latent_k, latent_v, bits, stages, page, pscan):
         return {}
-    return dict(kd=tma_descriptor(latent_k), vd=tma_descriptor(latent_v), TMA=tma_stages(), EARLY=False)
+    return dict(kd=tma_descriptor(latent_k), vd=tma_descriptor(latent_v), kfd=tma_descriptor(latent_k, dk),
+                vfd=tma_descriptor(latent_v, dv), TMA=tma_stages(), EARLY=False)
 
 
 def page_scan() -> bool:
@@ -1143,52 +1155,75 @@ def _unit_staged(smem, st, KL: gl.constexpr, VL: gl.constexpr, FL: gl.constexpr)
             svs.index(st).load(FL), svm.index(st).load(FL))
 
 
-@gluon.jit
-def _unit_fields4(fp_k, fp_v, kbase, vbase, CKW: gl.constexpr, CVW: gl.constexpr, NWS: gl.constexpr,
-                  FL: gl.constexpr, HINT: gl.constexpr):
-    """The four fp16 fields' words of the tile at ``kbase`` / ``vbase`` (key scale, key min, value scale, value min;
-    layout FL each), as :func:`_unit_load` loads them."""
-    return (_field_load(fp_k[0] + kbase, CKW, NWS, FL, HINT), _field_load(fp_k[1] + kbase, CKW, NWS, FL, HINT),
-            _field_load(fp_v[0] + vbase, CVW, NWS, FL, HINT), _field_load(fp_v[1] + vbase, CVW, NWS, FL, HINT))
-
-
 #: The TMA path's shared-memory stages: int32 [32 code columns, 16 words] (64 slots a column) with 64-byte swizzling,
 #: the layout of the host's descriptors (:func:`tma_descriptor`)
 TMA_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+#: ... and the fields' stages: int32 [2 fields (scale, min), 2 byte columns (low, high byte of the fp16), 16 words],
+#: unswizzled
+TMA_FIELD_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
 
 
 @gluon.jit
-def _tma_rows(t, idx, k_col, v_col, WK, WV, PAGE: gl.constexpr):
+def _tma_rows(t, idx, WK, WV, PAGE: gl.constexpr):
     """Where tile ``t`` (of page ``idx``, or of sequence ``idx`` in a static cache: :func:`_unit_base`'s third
-    value) has its key and value code columns in the descriptors' (rows, words) views: (key row, value row, word of
-    the tile's first slot). Rows are byte columns, WK / WV a page's (a static cache's sequence's)."""
+    value) starts in the descriptors' (rows, words) views: (its page's first key row, first value row, word of the
+    tile's first slot). Rows are byte columns, WK / WV a page's (a static cache's sequence's)."""
     if PAGE > 0:
         x = (t % (PAGE // 64)) * 16
     else:
         x = t * 16
     i = idx.to(gl.int32)
-    return i * WK + k_col, i * WV + v_col, x
+    return i * WK, i * WV, x
 
 
 @gluon.jit
-def _tma_issue(kd, vd, ck, cv, bars, st, row_k, row_v, x):
-    """One tile's 32 key and 32 value code columns (64 slots from word ``x``) by two TMA tile copies into stage
-    ``st`` of ``ck`` / ``cv``, whose mbarrier then expects their 4096 bytes."""
+def _tma_issue(descs, bufs, bars, st, base_k, base_v, k_col, v_col, k_fields, v_fields, x):
+    """One tile by four TMA tile copies into stage ``st``: its 32 key and 32 value code columns (descriptors
+    ``descs[0]`` / ``descs[1]``, from rows ``base + col``) into ``bufs[0]`` / ``bufs[1]``, and its key and value fp16
+    fields (``descs[2]`` / ``descs[3]``: the scale's two byte columns from row ``base + 2 * unit`` and the min's at
+    the descriptor's field stride; ``*_fields`` = (scale, min) units) into ``bufs[2][2 st]`` / ``[2 st + 1]``; 64 slots
+    from word ``x``. The stage's mbarrier expects their 4608 bytes."""
+    kd, vd, kfd, vfd = descs
+    ck, cv, fs = bufs
     bar = bars.index(st)
-    mbarrier.expect(bar, 2 * 32 * 64)
-    _tma_load(kd, [row_k, x], bar, ck.index(st))
-    _tma_load(vd, [row_v, x], bar, cv.index(st))
+    mbarrier.expect(bar, 2 * 32 * 64 + 4 * 2 * 64)
+    _tma_load(kd, [base_k + k_col, x], bar, ck.index(st))
+    _tma_load(vd, [base_v + v_col, x], bar, cv.index(st))
+    _tma_load(kfd, [0, base_k + 2 * k_fields[0], x], bar, fs.index(2 * st))
+    _tma_load(vfd, [0, base_v + 2 * v_fields[0], x], bar, fs.index(2 * st + 1))
 
 
 @gluon.jit
-def _prefetch_fields(lk_w, lv_w, kbase, vbase, k_fields, v_fields, CKW: gl.constexpr, CVW: gl.constexpr):
-    """Bulk-prefetch into L2 one tile's four fp16 fields (each a low and a high byte column: ``8 CW`` bytes from fp16
-    unit ``k_fields[i]`` / ``v_fields[i]`` of the tile at ``kbase`` / ``vbase``), from lane 0."""
-    i8: gl.constexpr = gl.pointer_type(gl.int8)
-    _bulk_prefetch_l2((lk_w + kbase + 2 * k_fields[0] * CKW).to(i8), 8 * CKW,
-                      (lv_w + vbase + 2 * v_fields[0] * CVW).to(i8), 8 * CVW)
-    _bulk_prefetch_l2((lk_w + kbase + 2 * k_fields[1] * CKW).to(i8), 8 * CKW,
-                      (lv_w + vbase + 2 * v_fields[1] * CVW).to(i8), 8 * CVW)
+def _tma_fields(buf, FL: gl.constexpr, NWS: gl.constexpr):
+    """The two fields (scale, min) of a stage's fields buffer (int32 [2 fields, 2 byte columns, 16 words]) as
+    :func:`_field_load` gives each: (8 r, 4 q, 2 e, NWS, 2 lh) in FL, element = word ``4q + 2e + i + (r // G) NT / 4``
+    of byte column lh, which is ``r // 4`` for G = 2, 4 (NWS 1) and 0 for G = 8 (NWS 2: i the word's low bit)."""
+    F5: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 2, 4], threads_per_warp=[8, 4, 1, 1, 1],
+                                        warps_per_cta=[1, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
+    # (1 r, 4 q, 2 e, 2 j, 2 f x 2 lh) over the buffer's words (2f + lh) * 16 + 4q + 2e + j
+    V5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 4, 0])
+    if _SMEM_REINTERPRET:
+        view = buf.reinterpret(gl.int32, [1, 4, 2, 2, 4], V5)
+    else:
+        view = buf._reinterpret(gl.int32, [1, 4, 2, 2, 4], V5)
+    x = view.load(F5) + gl.zeros([8, 4, 2, 2, 4], gl.int32, F5)  # the same words in every row r
+    # (r, q, e, j, lh, f) -> one tensor a field
+    sc, mn = gl.split(gl.permute(gl.reshape(x, [8, 4, 2, 2, 2, 2]), [0, 1, 2, 3, 5, 4]))
+    return _tma_pick(sc, FL, NWS), _tma_pick(mn, FL, NWS)
+
+
+@gluon.jit
+def _tma_pick(x, FL: gl.constexpr, NWS: gl.constexpr):
+    """(8 r, 4 q, 2 e, 2 j, 2 lh) words of one field -> (8 r, 4 q, 2 e, NWS, 2 lh) in FL: j is i (NWS 2), or word
+    ``j = r // 4`` of each row (NWS 1)."""
+    if NWS == 2:
+        w = x
+    else:
+        y0, y1 = gl.split(gl.permute(x, [0, 1, 2, 4, 3]))  # (r, q, e, lh) at j = 0 and 1
+        LY: gl.constexpr = y0.type.layout
+        r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LY))))
+        w = gl.reshape(gl.where((r // 4 == 1)[:, None, None, None], y1, y0), [8, 4, 2, 1, 2])
+    return gl.convert_layout(w, FL)
 
 
 @gluon.jit
@@ -1490,7 +1525,8 @@ def _mma_unit_kernel(
     stride_bvb=0, stride_bvh=0, stride_bvd=0, stride_bvr=0, stride_ob=0, stride_oh=0, stride_os=0, stride_od=0,
     FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
     Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
-    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0, kd=None, vd=None, TMA: gl.constexpr = 0,
+    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0, kd=None, vd=None, kfd=None, vfd=None,
+    TMA: gl.constexpr = 0,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1532,11 +1568,11 @@ def _mma_unit_kernel(
     the cache hint of the latent loads (lane loads). EARLY (:func:`early_tile`): the split's first tile prefetched
     into L2 (:func:`_prefetch_tile`) before the folded query is read.
 
-    TMA > 0 (:func:`tma_stages`; 8-bit codes, STAGES 0): the unmasked tiles' code columns come through TMA stages of
-    shared memory (kd / vd: the host's descriptors of the latents as int32 (byte column, word) rows, TMA_SMEM_LAYOUT;
-    :func:`tma_descriptor`): the split's first TMA tiles are issued before the folded query is read, each stage is
-    refilled with the tile TMA on as soon as its codes are in registers, and the fields are loaded two tiles ahead
-    in registers."""
+    TMA > 0 (:func:`tma_stages`; 8-bit codes, STAGES 0): the unmasked tiles come through TMA stages of shared memory
+    (kd / vd: the host's descriptors of the latents as int32 (byte column, word) rows in boxes of 32 code columns,
+    kfd / vfd the same in boxes of one field's two byte columns; :func:`tma_descriptor`): the split's first TMA
+    tiles are issued before the folded query is read, and each stage is refilled with the tile TMA on as soon as its
+    words are in registers."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1660,8 +1696,12 @@ def _mma_unit_kernel(
     # earlier launches wrote, finished before the fold started.
     if TMA > 0:  # (the latents and page table were written before the fold started, as for EARLY)
         gl.static_assert(BITS == 8 and STAGES == 0, "TMA: 8-bit codes, without the cp.async ring")
-        ck_s = gl.allocate_shared_memory(gl.int32, [TMA, 32, 16], TMA_SMEM_LAYOUT)
-        cv_s = gl.allocate_shared_memory(gl.int32, [TMA, 32, 16], TMA_SMEM_LAYOUT)
+        tbufs = (gl.allocate_shared_memory(gl.int32, [TMA, 32, 16], TMA_SMEM_LAYOUT),
+                 gl.allocate_shared_memory(gl.int32, [TMA, 32, 16], TMA_SMEM_LAYOUT),
+                 gl.allocate_shared_memory(gl.int32, [2 * TMA, 2, 2, 16], TMA_FIELD_LAYOUT))
+        descs = (kd, vd, kfd, vfd)
+        tk_f = (k_scale_base + k_blk, k_min_base + k_blk)
+        tv_f = (v_scale_base + v_blk, v_min_base + v_blk)
         bars = gl.allocate_shared_memory(gl.int64, [TMA, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(TMA):
             mbarrier.init(bars.index(i), count=1)
@@ -1669,12 +1709,9 @@ def _mma_unit_kernel(
         WV = stride_lvb * 4 // COL_V
         for i in gl.static_range(TMA):
             if t_start + i < fast_end:
-                kbi, vbi, ii = _unit_base(t_start + i, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-                rk0, rv0, x0 = _tma_rows(t_start + i, ii, k_col, v_col, WK, WV, PAGE)
-                _tma_issue(kd, vd, ck_s, cv_s, bars, i, rk0, rv0, x0)
-                if i > 0:  # (the first tile's fields are loaded at once)
-                    _prefetch_fields(lk_w, lv_w, kbi, vbi, (k_scale_base + k_blk, k_min_base + k_blk),
-                                     (v_scale_base + v_blk, v_min_base + v_blk), CKW, CVW)
+                _kbi, _vbi, ii = _unit_base(t_start + i, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+                bk0, bv0, x0 = _tma_rows(t_start + i, ii, WK, WV, PAGE)
+                _tma_issue(descs, tbufs, bars, i, bk0, bv0, k_col, v_col, tk_f, tv_f, x0)
     if EARLY and TMA == 0:
         kb0, vb0, _i0 = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         _prefetch_tile(lk_w, lv_w, kb0, vb0, k_col, v_col, (k_scale_base + k_blk, k_min_base + k_blk),
@@ -1739,26 +1776,22 @@ def _mma_unit_kernel(
                                                     sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
                                                     NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
             async_copy.wait_group(0)
-    elif TMA > 0:  # codes from the TMA stages; fields one tile ahead in registers, from L2 (prefetched with codes)
-        last = gl.maximum(fast_end - 1, t_start)
-        kb0, vb0, _i0 = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-        f_a = _unit_fields4(fp_k, fp_v, kb0, vb0, CKW, CVW, NWS, FWL, HINT)
+    elif TMA > 0:  # every byte of the unmasked tiles from the TMA stages
         for t in range(t_start, fast_end):
             j = t - t_start
             st = j % TMA
-            ks, km, vs, vm = f_a
-            kb1, vb1, _i1 = _unit_base(gl.minimum(t + 1, last), b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-            f_a = _unit_fields4(fp_k, fp_v, kb1, vb1, CKW, CVW, NWS, FWL, HINT)
             mbarrier.wait(bars.index(st), (j // TMA) & 1)
-            wk, wv = _tma_codes(ck_s, cv_s, st, KREG, VREG)
+            wk, wv = _tma_codes(tbufs[0], tbufs[1], st, KREG, VREG)
+            fk = tbufs[2].index(2 * st)
+            fv = tbufs[2].index(2 * st + 1)
+            ks, km = _tma_fields(fk, FWL, NWS)
+            vs, vm = _tma_fields(fv, FWL, NWS)
             if t + TMA < fast_end:  # the stage's words are in registers: refill it with tile t + TMA
                 _barrier()
                 fence_async_shared()
-                kb2, vb2, i2 = _unit_base(t + TMA, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-                rk1, rv1, x1 = _tma_rows(t + TMA, i2, k_col, v_col, WK, WV, PAGE)
-                _tma_issue(kd, vd, ck_s, cv_s, bars, st, rk1, rv1, x1)
-                _prefetch_fields(lk_w, lv_w, kb2, vb2, (k_scale_base + k_blk, k_min_base + k_blk),
-                                 (v_scale_base + v_blk, v_min_base + v_blk), CKW, CVW)
+                _kb2, _vb2, i2 = _unit_base(t + TMA, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
+                bk1, bv1, x1 = _tma_rows(t + TMA, i2, WK, WV, PAGE)
+                _tma_issue(descs, tbufs, bars, st, bk1, bv1, k_col, v_col, tk_f, tv_f, x1)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s, ca, sumc, sumc8, k_unit,
                                                 ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
                                                 PLO, False, ZFAST, BITS, VPAIR)
@@ -1947,7 +1980,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                    BV_EXACT="constexpr", HINT="constexpr", EARLY="constexpr")
         if tma:
             desc = f"tensordesc<i32[32, 16],{TMA_SMEM_LAYOUT!r}>"
-            sig.update(kd=desc, vd=desc)
+            fdesc = f"tensordesc<i32[2, 2, 16],{TMA_FIELD_LAYOUT!r}>"
+            sig.update(kd=desc, vd=desc, kfd=fdesc, vfd=fdesc)
         sig.update(TMA="constexpr")
         attrs.update({(i,): [["tt.divisibility", 16]] for i in range(36, 44)})  # q_ptr .. cnt_ptr, D
         col = page or 4096
@@ -1962,7 +1996,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              HINT=load_hint() if hint is None else hint,
                                              EARLY=(early_tile() if early is None else early) and not tma,
                                              BV_EXACT=exact_bases, TMA=tma,
-                                             **({} if tma else dict(kd=None, vd=None))))
+                                             **({} if tma else dict(kd=None, vd=None, kfd=None, vfd=None))))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

@@ -2944,7 +2944,7 @@ def _launch(
         if mma["UNIT"]:
             unit_loads = _prefetches(lam, latent_k, latent_v)
             unit_loads.update(lam.tma_kwargs(latent_k, latent_v, mma["BITS"], cfg.stages_m, common["PAGE"],
-                                             lam.page_scan()))
+                                             lam.page_scan(), (k_sb, k_mb), (v_sb, v_mb)))
             _LAST_LAUNCH["mma_tma"] = unit_loads.get("TMA", 0)
             _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
