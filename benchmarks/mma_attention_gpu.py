@@ -59,9 +59,6 @@ HINT_VALUES = {"evict": "1", "cg": "2"}
 #: The first tile prefetched into L2 before the query (``CKVP_MMA_EARLY``, latent_attention_mma.early_tile): ``pre``;
 #: without it 0.
 EARLY_VALUES = {"pre": "1"}
-#: The unmasked tiles' codes through TMA stages (``CKVP_MMA_TMA``, latent_attention_mma.tma_stages): ``tma`` two
-#: stages, ``tma3`` three; without it 0.
-TMA_VALUES = {"tma": "2", "tma3": "3"}
 
 
 def set_variant(name: str) -> None:
@@ -71,8 +68,7 @@ def set_variant(name: str) -> None:
     on = set(name.split("+")) - {"base"}
     os.environ["CKVP_MMA_HINT"] = next((HINT_VALUES[p] for p in on if p in HINT_VALUES), "0")
     os.environ["CKVP_MMA_EARLY"] = next((EARLY_VALUES[p] for p in on if p in EARLY_VALUES), "0")
-    os.environ["CKVP_MMA_TMA"] = next((TMA_VALUES[p] for p in on if p in TMA_VALUES), "0")
-    on -= set(HINT_VALUES) | set(EARLY_VALUES) | set(TMA_VALUES)
+    on -= set(HINT_VALUES) | set(EARLY_VALUES)
     unknown = on - set(VARIANT_ENV)
     if unknown:
         raise ValueError(f"unknown variant parts {sorted(unknown)}; known: {sorted(VARIANT_ENV)}, one of "
@@ -126,14 +122,12 @@ def variants_check(variants: list[str]) -> list[dict]:
                      ran_mma=bool(lat._LAST_LAUNCH.get("mma")), pdl=bool(lat._LAST_LAUNCH.get("pdl")),
                      fma_merge=bool(lat._LAST_LAUNCH.get("fma_merge")),
                      mma_fold=bool(lat._LAST_LAUNCH.get("mma_fold")), mma_merge=bool(lat._LAST_LAUNCH.get("mma_merge")),
-                     tma=int(lat._LAST_LAUNCH.get("mma_tma", 0)),
                      rel_err=rel_err(out, want), finite=bool(torch.isfinite(out).all()))
             in_pass = bool(parts & {"fold", "merge"})
             r["ok"] = (r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL
                        and r["pdl"] == ("pdl" in parts and not in_pass)
                        and r["fma_merge"] == ("fmerge" in parts and "merge" not in parts)
-                       and r["mma_fold"] == ("fold" in parts) and r["mma_merge"] == ("merge" in parts)
-                       and (r["tma"] > 0) == (bool(parts & set(TMA_VALUES)) and stages == 0))
+                       and r["mma_fold"] == ("fold" in parts) and r["mma_merge"] == ("merge" in parts))
             if parts & {"pdl", "merge"}:  # captured and replayed: the same bits as the eager call
                 graph, s_ = torch.cuda.CUDAGraph(), torch.cuda.Stream()
                 s_.wait_stream(torch.cuda.current_stream())
@@ -399,7 +393,6 @@ def run_sweep(out_dir: str | None, shapes: list[tuple[int, int]], block_ns: list
                 lat._LAST_LAUNCH.clear()
                 latent_attention_triton(*args_c, config=cfg, **kw)
                 ran = {key: bool(lat._LAST_LAUNCH.get(key)) for key in ("mma", "words")}
-                ran["tma"] = int(lat._LAST_LAUNCH.get("mma_tma", 0))
                 n_split = lat._LAST_LAUNCH.get("n_split")
                 kern = lat._LAST_LAUNCH.get("mma_kernel") or lat._LAST_LAUNCH.get("words_kernel")
                 regs = getattr(kern, "n_regs", None)

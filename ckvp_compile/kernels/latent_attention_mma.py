@@ -28,7 +28,10 @@ value latent ``scale * (code - 8) + (min + 8 * scale)``. What differs is where t
 * one warp per program, no shared memory; the next tile's loads are issued before the current tile is computed.
   (A ``cp.async`` staging of the tiles through shared memory was 3-4x slower on the H200 with 4-byte copies,
   benchmarks/results/2026-12-04-mma-h200, r5, and 0-5% slower with 16-byte copies of every unit-major tile,
-  benchmarks/results/2026-12-04-unit-major-h200, r15; both were removed.)
+  benchmarks/results/2026-12-04-unit-major-h200, r15; both were removed. So was a TMA ring of 2-3 shared-memory
+  stages a program, codes and fields by tensor copies: correct, 3-22% slower on an H100 at the acceptance shapes,
+  benchmarks/results/2026-12-07-session48, its code at commit c90ff17. Nsight Compute there: ptxas issues the next
+  tile's register loads near the end of the loop, so about 60% of the register path's stall samples wait for them.)
 
 Two kernels read two latent layouts (:mod:`.latent_layout`):
 
@@ -87,12 +90,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-
-#: Triton 3.9 renamed the TMA tile load (``tma.async_load``; 3.6: ``async_copy_global_to_shared``, same arguments)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-#: Triton 3.9 names a shared-memory view's reinterpretation ``reinterpret`` (3.6: ``_reinterpret``)
-_SMEM_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 __all__ = ["mma_layout", "mma_splits", "key_coordinate", "value_coordinate", "MMA_RANK", "MMA_GROUPS", "MAX_GRID_Y"]
 
@@ -170,19 +167,6 @@ LOAD_HINT_GPU_CHECKED = 1
 #: (+7-14%).
 EARLY_TILE_GPU_CHECKED = True
 
-#: The unit-major kernel's unmasked tiles' code columns through the Hopper tensor memory accelerator (TMA,
-#: :func:`tma_stages`): ``TMA`` shared-memory stages a program (4 KB each: a 64-slot tile's 32 key and 32 value code
-#: columns), each filled by two bulk tensor copies issued from one thread and awaited on an mbarrier, so TMA - 1 ... TMA
-#: tiles' codes are in flight while one is computed, without the registers or the per-thread copy instructions of the
-#: register path (one tile ahead) or the cp.async ring; the four fp16 fields stay per-lane loads, two tiles ahead in
-#: registers. Why: Nsight Compute on the register path (H100, batch 8, 32k; benchmarks/results/2026-12-07-session48)
-#: put 65% of the warps' stall cycles on long-scoreboard waits for the tile loads, with the issue slots 35% busy.
-#: Checked on an H100 (same results folder, r2: 21 random int8 cases within 1e-3, largest 1.4e-4) and slower there:
-#: ~80 more SASS a tile and 148-158 registers (12 one-warp programs an SM instead of 16; 12 bytes spilled at 128):
-#: batch 8, 32k 66.5-73.3 us a call against 57.6, batch 32, 32k 224.8 against 208.8, batch 8, 128k 222.4 against
-#: 209.2. Off; ``CKVP_MMA_TMA=2`` (or 3) turns it on.
-TMA_GPU_CHECKED = 0
-
 
 def _switch(env_name: str, checked: bool) -> bool:
     """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
@@ -229,74 +213,6 @@ def early_tile() -> bool:
     :data:`EARLY_TILE_GPU_CHECKED`, or ``CKVP_MMA_EARLY=1`` / ``0``. Raises nothing. Source: the PTX ISA's
     ``prefetch`` and ``cp.async.bulk.prefetch`` (sm_90)."""
     return _switch("CKVP_MMA_EARLY", EARLY_TILE_GPU_CHECKED)
-
-
-def tma_stages() -> int:
-    """Shared-memory stages of the unit-major kernel's TMA path (:data:`TMA_GPU_CHECKED`, or ``CKVP_MMA_TMA`` = 0 off,
-    2 or 3); 0 where it does not apply is the launcher's choice (:func:`tma_applies`). Raises nothing (other values
-    read as 0). Source: the CUDA Programming Guide's tensor memory accelerator (``cp.async.bulk.tensor``) and
-    mbarrier transaction counts, as CUTLASS's Hopper pipelines use them."""
-    v = os.environ.get("CKVP_MMA_TMA")
-    if v is None:
-        return TMA_GPU_CHECKED
-    return int(v) if v in ("0", "2", "3") else 0
-
-
-def tma_descriptor(latent: torch.Tensor, fields: int = 0):
-    """The TMA path's descriptor of one unit-major latent tensor: its bytes as int32 rows of one byte column each
-    (``(rows, words)`` = ``(n * W, C / 4)`` for a latent ``(n, C, W)`` of n pages of C slots, or of n sequences of
-    C = S_max slots), boxes of 32 columns x 16 words (64 slots, :data:`TMA_SMEM_LAYOUT`), or with ``fields`` > 0
-    a (2, rows - fields, words) view whose first dimension steps ``fields`` rows (from a head's scale columns to its
-    min columns) in boxes of 2 x 2 columns x 16 words (:data:`TMA_FIELD_LAYOUT`).
-
-    Args:
-        latent: (n, C, W) uint8, unit-major (strides (C * W, 1, C)) on a CUDA device; :func:`tma_applies` holds.
-        fields: 0 for the codes' descriptor, else the byte columns from the scales to the mins (> 0).
-    Returns:
-        ``triton.experimental.gluon.nvidia.hopper.TensorDescriptor`` over the latent's storage (no copy).
-    Raises:
-        AssertionError: from Triton's descriptor, for an unaligned base or stride (``tma_applies`` rules them out).
-    Source: the CUDA Driver API's ``cuTensorMapEncodeTiled`` (Triton encodes it at launch)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    n, c, w = latent.shape
-    view = torch.empty(0, dtype=torch.int32, device=latent.device)
-    if not fields:
-        words = view.set_(latent.untyped_storage(), latent.storage_offset() // 4, (n * w, c // 4), (c // 4, 1))
-        return TensorDescriptor(words, [n * w, c // 4], [c // 4, 1], [32, 16], TMA_SMEM_LAYOUT)
-    shape, strides = (2, n * w - fields, c // 4), (fields * c // 4, c // 4, 1)
-    words = view.set_(latent.untyped_storage(), latent.storage_offset() // 4, shape, strides)
-    return TensorDescriptor(words, list(shape), list(strides), [2, 2, 16], TMA_FIELD_LAYOUT)
-
-
-def tma_applies(latent_k: torch.Tensor, latent_v: torch.Tensor, bits: int, stages: int, page: int,
-                pscan: bool) -> bool:
-    """Whether the unit-major kernel may take its TMA path (:func:`tma_stages` > 0) for these latents: 8-bit codes,
-    no cp.async ring, a page scan in a paged cache (no unmapped page in the unmasked loop), a CUDA device of compute
-    capability 9.0 or later, and each latent ``(n, C, W)`` exactly unit-major (strides ``(C * W, 1, C)``, C a multiple
-    of 64 slots, 16-byte aligned, fewer than 2**31 byte columns). Raises nothing."""
-    if tma_stages() <= 0 or bits != 8 or stages != 0 or (page > 0 and not pscan):
-        return False
-    for lat in (latent_k, latent_v):
-        if not (lat.is_cuda and lat.dim() == 3 and lat.dtype == torch.uint8):
-            return False
-        n, c, w = lat.shape
-        if (lat.stride() != (c * w, 1, c) or c % 64 or lat.data_ptr() % 16 or lat.storage_offset() % 4
-                or n * w >= 2 ** 31 or w < 32):
-            return False
-    return torch.cuda.get_device_capability(latent_k.device)[0] >= 9
-
-
-def tma_kwargs(latent_k: torch.Tensor, latent_v: torch.Tensor, bits: int, stages: int, page: int,
-               pscan: bool, k_fields: tuple[int, int] = (0, 2), v_fields: tuple[int, int] = (0, 2)) -> dict:
-    """The unit-major kernel's TMA arguments (``kd``, ``vd``, ``kfd``, ``vfd``, ``TMA``; ``EARLY`` off, the TMA
-    issues take its place) where :func:`tma_applies` and the mins' byte columns follow the scales'
-    (``k_fields`` / ``v_fields`` = the (scale, min) fields' first byte columns), else ``{}``. Raises nothing."""
-    dk, dv = k_fields[1] - k_fields[0], v_fields[1] - v_fields[0]
-    if dk <= 0 or dv <= 0 or not tma_applies(latent_k, latent_v, bits, stages, page, pscan):
-        return {}
-    return dict(kd=tma_descriptor(latent_k), vd=tma_descriptor(latent_v), kfd=tma_descriptor(latent_k, dk),
-                vfd=tma_descriptor(latent_v, dv), TMA=tma_stages(), EARLY=False)
 
 
 def page_scan() -> bool:
@@ -1155,93 +1071,6 @@ def _unit_staged(smem, st, KL: gl.constexpr, VL: gl.constexpr, FL: gl.constexpr)
             svs.index(st).load(FL), svm.index(st).load(FL))
 
 
-#: The TMA path's shared-memory stages: int32 [32 code columns, 16 words] (64 slots a column) with 64-byte swizzling,
-#: the layout of the host's descriptors (:func:`tma_descriptor`)
-TMA_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
-#: ... and the fields' stages: int32 [2 fields (scale, min), 2 byte columns (low, high byte of the fp16), 16 words],
-#: unswizzled
-TMA_FIELD_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-
-
-@gluon.jit
-def _tma_rows(t, idx, WK, WV, PAGE: gl.constexpr):
-    """Where tile ``t`` (of page ``idx``, or of sequence ``idx`` in a static cache: :func:`_unit_base`'s third
-    value) starts in the descriptors' (rows, words) views: (its page's first key row, first value row, word of the
-    tile's first slot). Rows are byte columns, WK / WV a page's (a static cache's sequence's)."""
-    if PAGE > 0:
-        x = (t % (PAGE // 64)) * 16
-    else:
-        x = t * 16
-    i = idx.to(gl.int32)
-    return i * WK, i * WV, x
-
-
-@gluon.jit
-def _tma_issue(descs, bufs, bars, st, base_k, base_v, k_col, v_col, k_fields, v_fields, x):
-    """One tile by four TMA tile copies into stage ``st``: its 32 key and 32 value code columns (descriptors
-    ``descs[0]`` / ``descs[1]``, from rows ``base + col``) into ``bufs[0]`` / ``bufs[1]``, and its key and value fp16
-    fields (``descs[2]`` / ``descs[3]``: the scale's two byte columns from row ``base + 2 * unit`` and the min's at
-    the descriptor's field stride; ``*_fields`` = (scale, min) units) into ``bufs[2][2 st]`` / ``[2 st + 1]``; 64 slots
-    from word ``x``. The stage's mbarrier expects their 4608 bytes."""
-    kd, vd, kfd, vfd = descs
-    ck, cv, fs = bufs
-    bar = bars.index(st)
-    mbarrier.expect(bar, 2 * 32 * 64 + 4 * 2 * 64)
-    _tma_load(kd, [base_k + k_col, x], bar, ck.index(st))
-    _tma_load(vd, [base_v + v_col, x], bar, cv.index(st))
-    _tma_load(kfd, [0, base_k + 2 * k_fields[0], x], bar, fs.index(2 * st))
-    _tma_load(vfd, [0, base_v + 2 * v_fields[0], x], bar, fs.index(2 * st + 1))
-
-
-@gluon.jit
-def _tma_fields(buf, FL: gl.constexpr, NWS: gl.constexpr):
-    """The two fields (scale, min) of a stage's fields buffer (int32 [2 fields, 2 byte columns, 16 words]) as
-    :func:`_field_load` gives each: (8 r, 4 q, 2 e, NWS, 2 lh) in FL, element = word ``4q + 2e + i + (r // G) NT / 4``
-    of byte column lh, which is ``r // 4`` for G = 2, 4 (NWS 1) and 0 for G = 8 (NWS 2: i the word's low bit)."""
-    F5: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 2, 4], threads_per_warp=[8, 4, 1, 1, 1],
-                                        warps_per_cta=[1, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
-    # (1 r, 4 q, 2 e, 2 j, 2 f x 2 lh) over the buffer's words (2f + lh) * 16 + 4q + 2e + j
-    V5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 4, 0])
-    if _SMEM_REINTERPRET:
-        view = buf.reinterpret(gl.int32, [1, 4, 2, 2, 4], V5)
-    else:
-        view = buf._reinterpret(gl.int32, [1, 4, 2, 2, 4], V5)
-    x = view.load(F5) + gl.zeros([8, 4, 2, 2, 4], gl.int32, F5)  # the same words in every row r
-    # (r, q, e, j, lh, f) -> one tensor a field
-    sc, mn = gl.split(gl.permute(gl.reshape(x, [8, 4, 2, 2, 2, 2]), [0, 1, 2, 3, 5, 4]))
-    return _tma_pick(sc, FL, NWS), _tma_pick(mn, FL, NWS)
-
-
-@gluon.jit
-def _tma_pick(x, FL: gl.constexpr, NWS: gl.constexpr):
-    """(8 r, 4 q, 2 e, 2 j, 2 lh) words of one field -> (8 r, 4 q, 2 e, NWS, 2 lh) in FL: j is i (NWS 2), or word
-    ``j = r // 4`` of each row (NWS 1)."""
-    if NWS == 2:
-        w = x
-    else:
-        y0, y1 = gl.split(gl.permute(x, [0, 1, 2, 4, 3]))  # (r, q, e, lh) at j = 0 and 1
-        LY: gl.constexpr = y0.type.layout
-        r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LY))))
-        w = gl.reshape(gl.where((r // 4 == 1)[:, None, None, None], y1, y0), [8, 4, 2, 1, 2])
-    return gl.convert_layout(w, FL)
-
-
-@gluon.jit
-def _tma_codes(ck, cv, st, KL: gl.constexpr, VL: gl.constexpr):
-    """Stage ``st``'s 8-bit code words in the layouts :func:`_unit_load` gives: keys (2 w, 4 q, 8 c, 4 b, 2 e) from
-    column ``8b + 2q + e``, word ``2c + w`` (lane q + 4c); values (4 d, 4 q, 8 n, 2 m, 2 e) from column
-    ``n + 8e + 16m``, word ``4q + d`` (lane q + 4n)."""
-    KB: gl.constexpr = gl.BlockedLayout(size_per_thread=[2, 2], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
-                                        order=[0, 1])
-    k = ck.index(st).load(KB)
-    wk = gl.convert_layout(gl.permute(gl.reshape(k, [4, 4, 2, 8, 2]), [4, 1, 3, 0, 2]), KL)
-    VB: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
-                                        order=[1, 0])
-    v = cv.index(st).load(VB)
-    wv = gl.convert_layout(gl.permute(gl.reshape(v, [2, 2, 8, 4, 4]), [4, 3, 2, 0, 1]), VL)
-    return wk, wv
-
-
 @gluon.jit
 def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
@@ -1525,8 +1354,7 @@ def _mma_unit_kernel(
     stride_bvb=0, stride_bvh=0, stride_bvd=0, stride_bvr=0, stride_ob=0, stride_oh=0, stride_os=0, stride_od=0,
     FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
     Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
-    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0, kd=None, vd=None, kfd=None, vfd=None,
-    TMA: gl.constexpr = 0,
+    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1566,13 +1394,7 @@ def _mma_unit_kernel(
     the value basis block, out (B, H, S, D)). D_PAD: D rounded up to a power of two >= 32; Q_EXACT: q is bf16;
     BK_EXACT / BV_EXACT: the bases are bf16-exact (one tensor-core product, not hi + lo). HINT (:func:`load_hint`):
     the cache hint of the latent loads (lane loads). EARLY (:func:`early_tile`): the split's first tile prefetched
-    into L2 (:func:`_prefetch_tile`) before the folded query is read.
-
-    TMA > 0 (:func:`tma_stages`; 8-bit codes, STAGES 0): the unmasked tiles come through TMA stages of shared memory
-    (kd / vd: the host's descriptors of the latents as int32 (byte column, word) rows in boxes of 32 code columns,
-    kfd / vfd the same in boxes of one field's two byte columns; :func:`tma_descriptor`): the split's first TMA
-    tiles are issued before the folded query is read, and each stage is refilled with the tile TMA on as soon as its
-    words are in registers."""
+    into L2 (:func:`_prefetch_tile`) before the folded query is read."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1694,25 +1516,7 @@ def _mma_unit_kernel(
     # and operand build it overlaps (under PDL also the fold's end); no registers held. The tile is in bounds even
     # where it will run masked (an unmapped page: page 0). What is read here (latents, slots, page table) the call's
     # earlier launches wrote, finished before the fold started.
-    if TMA > 0:  # (the latents and page table were written before the fold started, as for EARLY)
-        gl.static_assert(BITS == 8 and STAGES == 0, "TMA: 8-bit codes, without the cp.async ring")
-        tbufs = (gl.allocate_shared_memory(gl.int32, [TMA, 32, 16], TMA_SMEM_LAYOUT),
-                 gl.allocate_shared_memory(gl.int32, [TMA, 32, 16], TMA_SMEM_LAYOUT),
-                 gl.allocate_shared_memory(gl.int32, [2 * TMA, 2, 2, 16], TMA_FIELD_LAYOUT))
-        descs = (kd, vd, kfd, vfd)
-        tk_f = (k_scale_base + k_blk, k_min_base + k_blk)
-        tv_f = (v_scale_base + v_blk, v_min_base + v_blk)
-        bars = gl.allocate_shared_memory(gl.int64, [TMA, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(TMA):
-            mbarrier.init(bars.index(i), count=1)
-        WK = stride_lkb * 4 // COL_K
-        WV = stride_lvb * 4 // COL_V
-        for i in gl.static_range(TMA):
-            if t_start + i < fast_end:
-                _kbi, _vbi, ii = _unit_base(t_start + i, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-                bk0, bv0, x0 = _tma_rows(t_start + i, ii, WK, WV, PAGE)
-                _tma_issue(descs, tbufs, bars, i, bk0, bv0, k_col, v_col, tk_f, tv_f, x0)
-    if EARLY and TMA == 0:
+    if EARLY:
         kb0, vb0, _i0 = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         _prefetch_tile(lk_w, lv_w, kb0, vb0, k_col, v_col, (k_scale_base + k_blk, k_min_base + k_blk),
                        (v_scale_base + v_blk, v_min_base + v_blk), _page_shares(h, Hkv, stride_lkb, stride_lvb),
@@ -1730,7 +1534,7 @@ def _mma_unit_kernel(
         sumc = _query_sums(q_row, G, LS)
     sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
     all_s = tok_s >= 0
-    if STAGES == 0 and TMA == 0:  # the register path's first tile
+    if STAGES == 0:  # the register path's first tile
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
         if LANES:
             tile_a = _unit_load(kp, vp, fp_k, fp_v, kb0, vb0, CKW, CVW, KREG, VREG, FWL, NWS, BITS, HINT)
@@ -1776,27 +1580,6 @@ def _mma_unit_kernel(
                                                     sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
                                                     NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
             async_copy.wait_group(0)
-    elif TMA > 0:  # every byte of the unmasked tiles from the TMA stages
-        for t in range(t_start, fast_end):
-            j = t - t_start
-            st = j % TMA
-            mbarrier.wait(bars.index(st), (j // TMA) & 1)
-            wk, wv = _tma_codes(tbufs[0], tbufs[1], st, KREG, VREG)
-            fk = tbufs[2].index(2 * st)
-            fv = tbufs[2].index(2 * st + 1)
-            ks, km = _tma_fields(fk, FWL, NWS)
-            vs, vm = _tma_fields(fv, FWL, NWS)
-            if t + TMA < fast_end:  # the stage's words are in registers: refill it with tile t + TMA
-                _barrier()
-                fence_async_shared()
-                _kb2, _vb2, i2 = _unit_base(t + TMA, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
-                bk1, bv1, x1 = _tma_rows(t + TMA, i2, WK, WV, PAGE)
-                _tma_issue(descs, tbufs, bars, st, bk1, bv1, k_col, v_col, tk_f, tv_f, x1)
-            m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s, ca, sumc, sumc8, k_unit,
-                                                ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
-                                                PLO, False, ZFAST, BITS, VPAIR)
-        for i in gl.static_range(TMA):
-            mbarrier.invalidate(bars.index(i))
     else:  # one tile loaded ahead of the one computed (the first before the query)
         for t in range(t_start, fast_end):
             wk, wv, ks, km, vs, vm = tile_a
@@ -1927,8 +1710,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
-                     exact_bases: bool = True, hint: int | None = None, early: bool | None = None,
-                     tma: int = 0):
+                     exact_bases: bool = True, hint: int | None = None, early: bool | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1944,8 +1726,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             the unit-major kernel's query fold and split merge in the pass (``FOLD`` / ``MERGE``; bf16 q, bases, new
             tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo); hint:
             the latent loads' cache hint (``HINT``; None: :func:`load_hint`); early: the first tile before the folded
-            query in L2 (``EARLY``; None: :func:`early_tile`); tma: the unit-major kernel's TMA stages (``TMA``, 0
-            off; 8-bit codes).
+            query in L2 (``EARLY``; None: :func:`early_tile`).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1978,11 +1759,6 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
         sig.update({n: "constexpr" for n in unit})  # (a launch specialises unit strides the same way)
         sig.update(FOLD="constexpr", MERGE="constexpr", D_PAD="constexpr", Q_EXACT="constexpr", BK_EXACT="constexpr",
                    BV_EXACT="constexpr", HINT="constexpr", EARLY="constexpr")
-        if tma:
-            desc = f"tensordesc<i32[32, 16],{TMA_SMEM_LAYOUT!r}>"
-            fdesc = f"tensordesc<i32[2, 2, 16],{TMA_FIELD_LAYOUT!r}>"
-            sig.update(kd=desc, vd=desc, kfd=fdesc, vfd=fdesc)
-        sig.update(TMA="constexpr")
         attrs.update({(i,): [["tt.divisibility", 16]] for i in range(36, 44)})  # q_ptr .. cnt_ptr, D
         col = page or 4096
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
@@ -1994,9 +1770,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              PDL=pdl, FOLD=fold, MERGE=merge, D_PAD=128, Q_EXACT=True,
                                              BK_EXACT=exact_bases, **{n: 1 for n in unit},
                                              HINT=load_hint() if hint is None else hint,
-                                             EARLY=(early_tile() if early is None else early) and not tma,
-                                             BV_EXACT=exact_bases, TMA=tma,
-                                             **({} if tma else dict(kd=None, vd=None, kfd=None, vfd=None))))
+                                             EARLY=early_tile() if early is None else early,
+                                             BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, NT=nt, RV_PAD=32, PAGE=page, PLO=True, ROW_K=row_k,

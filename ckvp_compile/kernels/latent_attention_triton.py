@@ -2942,17 +2942,14 @@ def _launch(
                        hkv, s, n_exact, kv_len, latent_k.shape[1], tiles_per_split, n_split_m,
                        k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2, latent_k.stride(0) // 4, latent_v.stride(0) // 4)
         if mma["UNIT"]:
-            unit_loads = _prefetches(lam, latent_k, latent_v)
-            unit_loads.update(lam.tma_kwargs(latent_k, latent_v, mma["BITS"], cfg.stages_m, common["PAGE"],
-                                             lam.page_scan(), (k_sb, k_mb), (v_sb, v_mb)))
-            _LAST_LAUNCH["mma_tma"] = unit_loads.get("TMA", 0)
             _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
                 COL_V=latent_v.stride(-1), BITS=mma["BITS"], STAGES=cfg.stages_m, LANES=lam.lane_loads(),
                 PSCAN=lam.page_scan(),
                 VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
                 **({"launch_pdl": True} if pdl else {}),
-                **_reg_cap(cfg.maxnreg_m), **in_pass, HINT=lam.load_hint(), **unit_loads)
+                **_reg_cap(cfg.maxnreg_m), **in_pass, HINT=lam.load_hint(),
+                **_prefetches(lam, latent_k, latent_v))
             if merge_in:  # the pass's last program of each row merged it into out
                 _LAST_LAUNCH["fma_merge"] = _LAST_LAUNCH["one_pass_merge"] = False
                 return out.to(q.dtype)
