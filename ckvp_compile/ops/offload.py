@@ -50,14 +50,16 @@ def lookup_offloader(handle: int) -> Any:
     """Return the offloader registered under ``handle``.
 
     Raises:
-        CKVPConfigError: no live offloader has that handle (it was closed); offload the model again.
+        CKVPConfigError: no live offloader has that handle (it was closed, its expert weights freed): load the model
+            again and offload the fresh copy.
     """
     try:
         return _OFFLOADERS[handle]
     except KeyError:
         raise CKVPConfigError(
-            f"ckvp::offload_experts: no expert offloader with handle {handle} (it was closed, or the model was "
-            "offloaded in another process); call ckvp_compile.offload_experts(model, ...) again") from None
+            f"ckvp::offload_experts: no expert offloader with handle {handle} (it was closed and the expert weights "
+            "freed with it, or the model was offloaded in another process); load the model again (e.g. "
+            "from_pretrained) and call ckvp_compile.offload_experts on that fresh copy") from None
 
 
 def _check(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

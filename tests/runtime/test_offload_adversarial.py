@@ -196,6 +196,25 @@ def test_load_weights_after_close_names_the_fix():
         handle.load_weights(0, gu, dn)
 
 
+def test_forward_after_close_names_a_fix_that_works():
+    """After close(), a forward said "call offload_experts(model, ...) again", which then raised "already
+    offloaded": the message now says to load the model again and offload the fresh copy, and doing so works."""
+    model = _model()
+    offload_experts(model, resident=2)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    offloader_of(model).close()
+    with pytest.raises(CKVPConfigError, match="load the model again") as err:
+        model(ids)
+    assert "call ckvp_compile.offload_experts(model" not in str(err.value)
+    with pytest.raises(CKVPConfigError, match="already offloaded"):
+        offload_experts(model, resident=2)
+    fresh = _model()
+    want = fresh(ids).logits
+    offload_experts(fresh, resident=2)
+    torch.testing.assert_close(fresh(ids).logits, want)
+    offloader_of(fresh).close()
+
+
 def test_transposed_experts_layout_is_refused_as_unsupported():
     """Llama-4 stores its experts transposed, (E, Dm, 2I) and (E, I, Dm) (and calls them with one argument): it was
     refused with a CKVPShapeError about (E, 2I, Dm), not the documented CKVPConfigError naming the module."""
