@@ -316,7 +316,10 @@ class LatentBases:
                 max_key_rank=None if meta.get("max_key_rank") is None else int(meta["max_key_rank"]),
                 key_space=str(meta.get("key_space", "pre_rope")),
             )
-            why = _corrupt_values(bases, meta) or _checksum_error(tensors, header)
+            # the hash covers the tensors save() wrote: another tool may have added tensors of its own
+            used = {k: tensors[k] for kind in ("k", "v") for g in range(n)
+                    for k in (f"{kind}_basis.{g}", f"{kind}_eigenvalues.{g}")}
+            why = _corrupt_values(bases, meta) or _checksum_error(used, header)
             if why:
                 raise ValueError(why)
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
@@ -485,7 +488,9 @@ def _checksum_error(tensors: dict[str, torch.Tensor], header: dict[str, str]) ->
     got = _tensors_sha256(tensors)
     if got != want:
         return (f"the tensors' sha256 {got[:12]} differs from the {str(want)[:12]} saved with them: the file was "
-                "damaged or edited after save()")
+                f"damaged or edited after save(). A file converted on purpose (e.g. its tensors cast by another "
+                f"tool) loads, with every other check, once its {_CHECKSUM_KEY!r} metadata entry is removed; "
+                f"LatentBases.load(path).to(dtype=...).save(new_path) converts one and keeps the hash")
     return None
 
 

@@ -614,8 +614,11 @@ def _collect(model: torch.nn.Module, samples: Iterable[torch.Tensor], *, group_s
     if not isinstance(model, torch.nn.Module):
         raise CKVPConfigError(f"calibrate: model must be a torch.nn.Module (a Hugging Face causal LM or a gpt-fast "
                               f"style model), got {type(model).__name__}")
+    # iterable as Python's for loop sees it: __iter__, or the sequence protocol's __getitem__ (a map-style
+    # torch.utils.data.Dataset has no __iter__)
+    iterable = isinstance(samples, collections.abc.Iterable) or hasattr(type(samples), "__getitem__")
     if isinstance(samples, (str, bytes)) or (isinstance(samples, torch.Tensor) and samples.dim() < 2) \
-            or not isinstance(samples, collections.abc.Iterable):
+            or not iterable:
         raise CKVPConfigError(f"calibrate: samples must be an iterable of (B, S) or (S,) integer tensors of token ids "
                               f"(e.g. a list), got {_describe_samples(samples)}. Fix: pass a list, e.g. "
                               "calibrate(model, [ids])")

@@ -22,15 +22,16 @@ Imported by :func:`ckvp_compile.ops.register_all` and by :func:`ckvp_compile.run
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import torch
 
 from ..errors import CKVPConfigError, CKVPShapeError
 
-__all__ = ["OPS", "lookup_offloader", "offload_experts", "register_offloader", "unregister_offloader"]
+__all__ = ["OPS", "hold_weakly", "lookup_offloader", "offload_experts", "register_offloader", "unregister_offloader"]
 
-_OFFLOADERS: dict[int, Any] = {}
+_OFFLOADERS: dict[int, Any] = {}  # handle -> offloader, or a weakref.ref to it (hold_weakly)
 _NEXT_HANDLE = itertools.count(1)
 
 
@@ -46,6 +47,16 @@ def unregister_offloader(handle: int) -> None:
     _OFFLOADERS.pop(handle, None)
 
 
+def hold_weakly(handle: int) -> None:
+    """Keep the offloader of ``handle`` registered only while something else holds it (an offloaded model's
+    modules, the caller): once it is collected, its handle is unregistered."""
+    def drop(ref: weakref.ref, handle: int = handle) -> None:
+        if _OFFLOADERS.get(handle) is ref:
+            _OFFLOADERS.pop(handle, None)
+
+    _OFFLOADERS[handle] = weakref.ref(_OFFLOADERS[handle], drop)
+
+
 def lookup_offloader(handle: int) -> Any:
     """Return the offloader registered under ``handle``.
 
@@ -53,13 +64,15 @@ def lookup_offloader(handle: int) -> Any:
         CKVPConfigError: no live offloader has that handle (it was closed, its expert weights freed): load the model
             again and offload the fresh copy.
     """
-    try:
-        return _OFFLOADERS[handle]
-    except KeyError:
+    entry = _OFFLOADERS.get(handle)
+    offloader = entry() if isinstance(entry, weakref.ref) else entry
+    if offloader is None:
         raise CKVPConfigError(
             f"ckvp::offload_experts: no expert offloader with handle {handle} (it was closed and the expert weights "
-            "freed with it, or the model was offloaded in another process); load the model again (e.g. "
-            "from_pretrained) and call ckvp_compile.offload_experts on that fresh copy") from None
+            "freed with it, or freed with its model when neither the model nor the offloader was held any more, e.g. "
+            "by a torch.export program of it, or the model was offloaded in another process); load the model again "
+            "(e.g. from_pretrained) and call ckvp_compile.offload_experts on that fresh copy")
+    return offloader
 
 
 def _check(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

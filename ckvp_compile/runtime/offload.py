@@ -473,11 +473,14 @@ class ExpertOffloader:
 
 
 class _Lease:
-    """Shared by the :class:`OffloadedExperts` modules of one :func:`offload_experts` call: once the last of them is
-    garbage collected (the model deleted), the offloader's handle is unregistered, so its host store and device
-    slots are freed unless the caller still holds the offloader."""
+    """Shared by the :class:`OffloadedExperts` modules of one :func:`offload_experts` call; holds the offloader,
+    which the registry holds only weakly: once neither the modules (the model) nor the caller hold it, it is
+    freed with its host store and device slots and its handle unregistered."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("offloader",)
+
+    def __init__(self, offloader: Any) -> None:
+        self.offloader = offloader
 
 
 class OffloadedExperts(torch.nn.Module):
@@ -487,7 +490,7 @@ class OffloadedExperts(torch.nn.Module):
     Holds no parameters: the weights live in the offloader's host store and device slots. Its state dict still has
     the experts module's ``gate_up_proj`` (E, 2I, Dm) and ``down_proj`` (E, Dm, I), on CPU
     (:meth:`ExpertOffloader.host_weights`), and loading one replaces the offloader's copies. ``lease``: an object
-    the modules of one offloader share (:func:`offload_experts` unregisters the handle when it is collected).
+    the modules of one offloader share, holding it (:func:`offload_experts`; the registry holds it only weakly).
     """
 
     def __init__(self, handle: int, layer: int, num_experts: int, lease: _Lease | None = None) -> None:
@@ -683,8 +686,9 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
     Returns:
         The :class:`ExpertOffloader`: ``.stats()``, ``.reset_stats()``, ``.close()`` (its predictors refold by
         themselves when the model's router or norm weights change, e.g. ``load_state_dict``); ``.options``, the
-        keyword options above. Once the model's offloaded experts modules are garbage collected (``del model``),
-        the offloader is unregistered and, unless the caller still holds it, freed with its host store and slots.
+        keyword options above. The offloader stays registered while the model's offloaded experts modules or the
+        caller hold it; once neither does (``del model``), it is freed with its host store and slots. A program that
+        holds neither (``torch.export`` of the model) needs one of them kept alive while it runs.
     Raises:
         CKVPConfigError: no offloadable experts module, an unsupported experts layout, or a value out of range.
     """
@@ -728,8 +732,9 @@ def offload_experts(model: torch.nn.Module, resident: int, *, margin: int = 0, l
                                 predictor_sources=sources)
     offloader.options = dict(margin=margin, lookahead=lookahead, policy=policy, prefetch=prefetch,
                              predictor=predictor, measure_stalls=measure_stalls)
-    lease = _Lease()  # the registry holds the offloader only while the model's OffloadedExperts modules live
-    weakref.finalize(lease, _offload_ops.unregister_offloader, offloader.handle)
+    # the registry holds the offloader only while the model's OffloadedExperts modules (or the caller) hold it
+    lease = _Lease(offloader)
+    _offload_ops.hold_weakly(offloader.handle)
     for n, info in enumerate(layers):
         setattr(info["block"], info["attr"], OffloadedExperts(offloader.handle, n, e, lease))
     return offloader

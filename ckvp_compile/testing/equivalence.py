@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -179,7 +180,8 @@ def _check_args(model: Any, options: Any, bases: Any, max_examples: Any, max_bat
         if not isinstance(value, bool):
             raise CKVPConfigError(f"check_equivalence: {name} must be True or False, got {value!r}")
     for name, value in (("rtol", rtol), ("atol", atol)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+        # numbers.Real: numpy scalars too (np.finfo(np.float32).eps is an np.float32), as assert_close takes them
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                                   or not 0 <= value < math.inf):
             raise CKVPConfigError(f"check_equivalence: {name} must be None or a finite number >= 0, got {value!r}")
     if (rtol is None) != (atol is None):

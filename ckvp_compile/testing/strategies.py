@@ -11,6 +11,7 @@ Shapes drawn by :func:`moe_model_shapes` plug straight into the model builders::
 
 from __future__ import annotations
 
+import numbers
 from typing import Mapping
 
 from hypothesis import strategies as st
@@ -108,6 +109,6 @@ def moe_model_shapes(max_layers: int = 8, *, hidden_matches_heads: bool = False)
     Raises:
         ValueError: max_layers is not an int >= 1 (a float such as 2.5 would otherwise fail only at the first draw).
     """
-    if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
+    if isinstance(max_layers, bool) or not isinstance(max_layers, numbers.Integral) or max_layers < 1:
         raise ValueError(f"max_layers must be an int >= 1, but got {max_layers!r}")
-    return _shapes(max_layers, hidden_matches_heads)
+    return _shapes(int(max_layers), hidden_matches_heads)  # numpy ints too

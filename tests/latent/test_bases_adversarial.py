@@ -275,3 +275,53 @@ def test_calibrate_names_the_fix_for_a_bare_tensor_or_a_non_module():
             calibrate(bad, [ids], group_size=2, kv_ratio=2.0, progress=False)
     _assert_same_bases(calibrate(model, ids, group_size=2, kv_ratio=2.0, progress=False),
                        calibrate(model, [ids], group_size=2, kv_ratio=2.0, progress=False))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A review of the second review's fixes (2026-12-07): each case below failed with them and passes now.
+
+
+def test_calibrate_takes_a_map_style_dataset_of_samples():
+    """The samples check wanted ``collections.abc.Iterable``, which a map-style ``torch.utils.data.Dataset``
+    (``__getitem__`` and ``__len__``, no ``__iter__``) is not, although a for loop iterates it: such a dataset,
+    accepted before the check, was refused as "not an iterable"."""
+
+    class Windows(torch.utils.data.Dataset):
+        def __init__(self, samples):
+            self.samples = samples
+
+        def __getitem__(self, i):
+            return self.samples[i]  # IndexError past the end ends the iteration
+
+        def __len__(self):
+            return len(self.samples)
+
+    model = _model()
+    _assert_same_bases(calibrate(model, Windows(_samples()), group_size=2, kv_ratio=2.0, progress=False),
+                       calibrate(model, _samples(), group_size=2, kv_ratio=2.0, progress=False))
+
+
+def test_the_checksum_covers_only_the_bases_tensors_and_names_the_fix_for_a_converted_file(tmp_path):
+    """``save`` hashes the tensors it writes, but ``load`` hashed every tensor in the file: a file another tool added
+    a tensor to (its own bases untouched, loading before the checksum) was refused as damaged. A file whose tensors
+    were converted on purpose is still refused (a stale hash), and the message names how to load it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = _model()
+    bases = calibrate(model, _samples(), group_size=2, kv_ratio=2.0, progress=False)
+    src = tmp_path / "src.safetensors"
+    bases.save(src)
+    with safe_open(str(src), framework="pt") as f:
+        header, data = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    extra = tmp_path / "extra.safetensors"
+    save_file(dict(data, notes=torch.arange(3.0)), str(extra), metadata=header)
+    _assert_same_bases(LatentBases.load(extra, model=model), bases)
+    converted = {k: t.to(torch.bfloat16) if "basis" in k else t for k, t in data.items()}
+    path = tmp_path / "bf16.safetensors"
+    save_file(converted, str(path), metadata=header)
+    with pytest.raises(CKVPConfigError, match="damaged or edited after save.*'tensors_sha256' metadata entry is "
+                                              "removed"):
+        LatentBases.load(path, model=model)
+    save_file(converted, str(path), metadata={k: v for k, v in header.items() if k != "tensors_sha256"})
+    assert LatentBases.load(path, model=model).k_basis[0].dtype == torch.bfloat16

@@ -248,3 +248,39 @@ def test_generate_batches_beams_and_sampling_equal_the_plain_model(family):
     stats = offloader_of(model).stats()
     assert stats.hits + stats.misses == stats.lookups > 0
     offloader_of(model).close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A review of the fixes above (2026-12-07): each case below failed with them and passes now.
+
+
+def test_an_exported_program_runs_while_the_caller_holds_the_offloader():
+    """The lease unregistered the handle once the model's modules were collected, even while the caller still held
+    the offloader: a ``torch.export`` program of the model (it holds the parameters it uses, and the handle as a
+    constant, not the experts modules) failed after ``del model`` ("it was closed") whatever the caller kept. The
+    registry now holds the offloader while the modules or the caller do, and frees it once neither does."""
+
+    class Logits(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(ids).logits
+
+    model, ids = _model(), _ids(1, 5)
+    with torch.no_grad():
+        want = model(ids).logits
+        handle = offload_experts(model, resident=2)
+        program = torch.export.export(Logits(model), (ids,))
+    handle_id, offloader = handle.handle, weakref.ref(handle)
+    del model
+    gc.collect()
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(ids), want, rtol=1e-5, atol=1e-5)
+    del handle
+    gc.collect()
+    assert handle_id not in offload_ops._OFFLOADERS and offloader() is None
+    with pytest.raises(CKVPConfigError, match="freed with its model .* torch.export program"):
+        with torch.no_grad():
+            program.module()(ids)

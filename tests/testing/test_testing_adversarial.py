@@ -116,3 +116,21 @@ def test_moe_model_shapes_refuses_a_non_int_layer_count():
         with pytest.raises(ValueError, match="max_layers must be an int >= 1"):
             moe_model_shapes(bad)
     assert moe_model_shapes(2) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A review of the fixes above (2026-12-07): each case below was refused by them although it had worked before.
+
+
+def test_numpy_tolerances_and_layer_counts_are_numbers():
+    """The new checks took only Python ints / floats: ``atol=np.finfo(np.float32).eps`` (an ``np.float32``, which
+    ``torch.testing.assert_close`` takes) was refused as "not a finite number", and ``moe_model_shapes(np.int64(3))``
+    (which drew fine before) as "not an int"."""
+    np = pytest.importorskip("numpy")
+    from ckvp_compile.testing.strategies import moe_model_shapes
+
+    report = check_equivalence(_model(), rtol=np.float32(1.3e-6), atol=np.float32(1e-5), **SMALL)
+    assert report.passed, report.to_text()
+    assert moe_model_shapes(np.int64(3)) is not None
+    with pytest.raises(CKVPConfigError, match="rtol must be None or a finite number >= 0"):
+        check_equivalence(_model(), rtol=np.float32(-1.0), atol=0.0, **SMALL)
