@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if cache is None:
         print(f"token-for-token match with eager: {'yes' if eager_ids == ckvp_ids else 'NO'} "
               f"({agree}/{len(eager_ids)} tokens agree; repeated runs identical: {repeat})")
-        print(f"KV cache: dense, {dense_per_token} bytes per token (--dense: HF's static cache stays dense; the KV "
+        print(f"KV cache: dense {str(dtype).removeprefix('torch.')}, {dense_per_token} bytes per token (--dense: "
+              "HF's static cache stays dense; the KV "
               "rewrite needs a latent cache, which the default --kv-ratio 4 builds)")
     else:
         print(f"agreement with eager generation over a dense cache: {agree}/{len(eager_ids)} tokens "

@@ -326,8 +326,10 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
                  reset_check: str = "first", latent_dtype: torch.dtype = torch.bfloat16,
                  dense_dtype: torch.dtype = torch.bfloat16, measure_windows: int = 8,
                  rank_block: int | None = None, max_key_rank: int | None = None,
-                 key_space: str = "pre_rope") -> list[FidelityResult]:
-    """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config.
+                 key_space: str = "pre_rope",
+                 on_result: Callable[[list[FidelityResult]], None] | None = None) -> list[FidelityResult]:
+    """Calibrate, compile and evaluate every config (see the module docstring). Returns one result per config;
+    ``on_result`` (if given) is called with the results so far after each config (e.g. to save them as they come).
 
     ``reset_check``: 'first' (the first config only: reset is the same code for every config), 'all' or 'none'.
     ``latent_dtype``: of 'float' latents and of the bases. ``dense_dtype``: the dense cache the byte ratio is
@@ -419,6 +421,8 @@ def run_fidelity(model: torch.nn.Module, calib_windows: torch.Tensor, eval_windo
         r = results[-1]
         log(f"{name}: measured {r.measured_ratio:.3f}x, ppl {r.ckvp_ppl:.5f} ({r.ppl_change_pct:+.3f}%), "
             f"top-1 {r.top1_agreement_pct:.2f}%, KL {r.kl_to_dense:.5f} ({r.seconds:.1f} s, {r.graphs_compiled} graph(s))")
+        if on_result is not None:
+            on_result(list(results))
     torch._dynamo.reset()
     return results
 
@@ -636,10 +640,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-windows", type=int, default=8, help="the next windows, evaluated (default 8)")
     p.add_argument("--chunk", type=int, default=16, help="tokens per compiled call; 1 = pure decode (default 16)")
     p.add_argument("--batch", type=int, default=4, help="windows per call (default 4)")
-    p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4],
+                   help="layers sharing one latent, G (default 1 4); every combination of --group-sizes, "
+                        "--kv-ratios, --allocations and --latent-formats is one run (a calibration, a compile and "
+                        "an evaluation: about 2 minutes each on 2 CPU cores with the defaults)")
     p.add_argument("--kv-ratios", "--kv-ratio", type=float, nargs="+", default=[2.0, 4.0, 8.0],
                    help="requested ratios in bytes: dense K/V in --dense-dtype over every byte the latent store holds "
-                        "(python -m pydoc ckvp_compile.bench.fidelity, 'Bytes')")
+                        "(python -m pydoc ckvp_compile.bench.fidelity, 'Bytes'; default 2 4 8)")
     p.add_argument("--tokenizer", default=None,
                    help="'bytes' or a local HF tokenizer directory (default: bytes when the vocabulary is 256, else "
                         "the model directory's tokenizer)")
@@ -685,9 +692,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reset-check", default="first", choices=["first", "all", "none"],
                    help="evaluate the first batch twice (bit-identical NLL required) for the first config / all")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device of the model and the runs (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--json", default=None, help="write results (and the run's settings) here")
+    p.add_argument("--json", default=None, help="write results (and the run's settings) here, after each run "
+                                                "(\"complete\": false until the last)")
     p.add_argument("--plot", default=None, help="write the perplexity-rise plot here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--from-json", default=None,
@@ -847,32 +855,41 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                         for f in args.latent_formats
                                                         if "uniform" not in args.allocations]
     configs += [c for c in extra if c not in configs]
+    def settings_now() -> dict:
+        elapsed = time.perf_counter() - t_start
+        return {
+            "command": "python -m ckvp_compile.bench.fidelity " + " ".join(sys.argv[1:] if argv is None else argv),
+            "model": _display_path(model_dir), "text": _display_path(text), "window": args.window,
+            "calib_windows": args.calib_windows, "eval_windows": args.eval_windows,
+            "eval_window_indices": [args.calib_windows, need - 1], "chunk": args.chunk, "batch": args.batch,
+            "reset_check": args.reset_check, "dtype": args.dtype, "device": args.device,
+            "latent_dtype": args.latent_dtype, "dense_dtype": args.dense_dtype, "measure_windows": args.measure_windows,
+            "rank_block": args.rank_block, "max_key_rank": args.max_key_rank, "key_space": args.key_space,
+            "compiler": "aot_eager", "fullgraph": True, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": _cpu_name() if args.device == "cpu" else args.device,
+            "threads": torch.get_num_threads(), "seconds": round(elapsed, 1),
+        }
+
+    def save(done: list, complete: bool) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"settings": settings_now(), "complete": complete,
+                                                   "results": [asdict(r) for r in done]}, indent=1) + "\n")
+
     results = run_fidelity(model, calib, evals, configs, chunk=args.chunk, batch_size=args.batch,
                            progress=not args.no_progress, reset_check=args.reset_check,
                            latent_dtype=getattr(torch, args.latent_dtype), dense_dtype=getattr(torch, args.dense_dtype),
                            measure_windows=args.measure_windows, rank_block=args.rank_block,
-                           max_key_rank=args.max_key_rank, key_space=args.key_space)
+                           max_key_rank=args.max_key_rank, key_space=args.key_space,
+                           on_result=lambda done: save(done, len(done) == len(configs)))
     elapsed = time.perf_counter() - t_start
     table = markdown_table(results)
     print(table)
     print(f"\n{len(evals)} eval windows x {args.window} tokens (windows {args.calib_windows}..{need - 1}), "
           f"calibration on windows 0..{args.calib_windows - 1}, chunk {args.chunk}, batch {args.batch}; "
           f"{elapsed:.0f} s")
-    settings = {
-        "command": "python -m ckvp_compile.bench.fidelity " + " ".join(sys.argv[1:] if argv is None else argv),
-        "model": _display_path(model_dir), "text": _display_path(text), "window": args.window, "calib_windows": args.calib_windows,
-        "eval_windows": args.eval_windows, "eval_window_indices": [args.calib_windows, need - 1],
-        "chunk": args.chunk, "batch": args.batch, "reset_check": args.reset_check, "dtype": args.dtype, "device": args.device,
-        "latent_dtype": args.latent_dtype, "dense_dtype": args.dense_dtype, "measure_windows": args.measure_windows,
-        "rank_block": args.rank_block, "max_key_rank": args.max_key_rank, "key_space": args.key_space,
-        "compiler": "aot_eager", "fullgraph": True, "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(),
-        "machine": _cpu_name() if args.device == "cpu" else args.device,
-        "threads": torch.get_num_threads(), "seconds": round(elapsed, 1),
-    }
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": settings, "results": [asdict(r) for r in results]},
-                                              indent=1) + "\n")
+    settings = settings_now()
+    save(results, True)
     if args.plot:
         if not plot_results(results, args.plot, _plot_title(settings)):
             print("matplotlib is not installed: no plot (pip install 'ckvp-compile[bench]')", file=sys.stderr)

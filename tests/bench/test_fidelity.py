@@ -52,6 +52,23 @@ def test_cli_full_rank_equals_dense_and_ratio_4_shrinks(tmp_path, capsys):
     for r in (full, four, four_int8):
         assert r["graphs_compiled"] >= 1 and r["layers_rewritten"] == 4
     assert "| 2 | energy | float |" in capsys.readouterr().out
+    assert data["complete"] is True
+
+
+def test_results_are_handed_over_after_each_config(monkeypatch):
+    """``on_result`` gets the results so far after every config (the CLI saves --json from it, so a run stopped
+    part-way keeps what it measured)."""
+    from ckvp_compile.bench import fidelity
+
+    model = build_hf_moe("mixtral", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(0, model.config.vocab_size, (3, WINDOW), generator=g)
+    seen = []
+    configs = [fidelity.FidelityConfig(2, 1.0, "energy", "float"), fidelity.FidelityConfig(2, 4.0, "energy", "float")]
+    results = fidelity.run_fidelity(model, windows[:2], windows[2:], configs, chunk=8, batch_size=1, progress=False,
+                                    latent_dtype=torch.float32, dense_dtype=torch.float32,
+                                    on_result=lambda done: seen.append([r.kv_ratio for r in done]))
+    assert seen == [[1.0], [1.0, 4.0]] and [r.kv_ratio for r in results] == [1.0, 4.0]
 
 
 def test_cli_key_space_reaches_the_calibration(tmp_path):
