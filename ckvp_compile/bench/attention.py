@@ -66,7 +66,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ckvp_compile.bench.output import write_result
+from ckvp_compile.bench.output import output_path_error, write_result
 from ckvp_compile.kernels import reference as ref
 from ckvp_compile.kernels.latent_format import f8_block_range, parse_latent_format
 
@@ -834,9 +834,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--formats {fmt}:{rank}: the rank must be in [1, {min(512, GROUP * head_dim)}]")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available (--device cpu --tiny runs the smoke test)")
-    for path in (args.json, args.out):
-        if path is not None and not path.parent.exists():
-            p.error(f"directory {path.parent} does not exist")
+    if bad_path := output_path_error({"--json": args.json, "--out": args.out}):
+        p.error(bad_path)
     command = "ckvp-bench attention " + " ".join(sys.argv[2:] if argv is None else argv)
     result = run(formats, batches, contexts, heads, head_dim, GROUP, args.device, args.flex, args.budget_s, args.seed,
                  cuda_graphs=args.cuda_graphs, key_space=args.key_space, latent_layout=args.latent_layout,

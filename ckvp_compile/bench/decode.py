@@ -66,7 +66,7 @@ import torch
 
 from ..errors import CKVPConfigError
 from ..kernels.latent_layout import STORE_LAYOUTS
-from .output import with_config_override
+from .output import output_path_error, with_config_override
 
 __all__ = ["DecodeRow", "System", "main", "parse_cell", "parse_system"]
 
@@ -707,6 +707,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         return
     if a.shape is None:
         p.error("--shape is required (or --report FILE...)")
+    if bad_path := output_path_error({"--json": a.json, "--out": a.out}, make_dirs=True):
+        p.error(bad_path)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but this torch has no CUDA device; use --device cpu")
     fmt, *opts = a.latent_format.split("+")

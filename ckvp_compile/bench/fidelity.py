@@ -54,6 +54,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .output import output_path_error
+
 __all__ = [
     "DEFAULT_MODEL_DIR",
     "EvalStats",
@@ -793,12 +795,13 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     try:
-        torch.device(args.device)
+        device = torch.device(args.device)
     except RuntimeError as e:
         parser.error(f"--device {args.device!r}: {e}")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path and not Path(path).resolve().parent.is_dir():
-            parser.error(f"{flag} {path!r}: the directory {str(Path(path).parent)!r} does not exist (create it first)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: CUDA is not available; use --device cpu")
+    if bad_path := output_path_error({"--json": args.json, "--plot": args.plot}):
+        parser.error(bad_path)
     text = Path(args.text) if args.text else Path(args.model) / "eval_text.txt"
     if not text.is_file():
         parser.error(f"--text {str(text)!r}: no such file")
@@ -827,9 +830,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        # files written before the KL column have no kl_to_dense: shown as nan
-        results = [FidelityResult(**{"kl_to_dense": float("nan"), **r}) for r in data["results"]]
+        try:
+            data = json.loads(Path(args.from_json).read_text())
+            # files written before the KL column have no kl_to_dense: shown as nan
+            results = [FidelityResult(**{"kl_to_dense": float("nan"), **r}) for r in data["results"]]
+        except (ValueError, KeyError, TypeError) as e:
+            parser.error(f"--from-json {args.from_json!r}: not a ckvp-bench fidelity --json file ({e})")
         print(markdown_table(results))
         st = data["settings"]
         if args.plot and not plot_results(results, args.plot, _plot_title(st)):

@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .output import write_result
+from .output import output_path_error, write_result
 
 __all__ = ["SHAPES", "SYSTEMS", "main", "run"]
 
@@ -256,9 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(list(argv) if argv is not None else None)
     if any(b < 1 for b in args.batches):
         p.error(f"--batches must be >= 1, got {args.batches}")
-    for path in (args.json, args.out):
-        if path is not None and not path.parent.exists():
-            p.error(f"directory {path.parent} does not exist")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available (--device cpu --tiny runs the smoke test)")
+    if bad_path := output_path_error({"--json": args.json, "--out": args.out}):
+        p.error(bad_path)
     command = "ckvp-bench moe " + " ".join(sys.argv[2:] if argv is None else argv)
     result = run(args.shapes, args.batches, args.systems, getattr(torch, args.dtype), args.device, args.budget_s,
                  args.max_gather_gb, args.tiny, args.seed, profile_calls=args.profile_calls)

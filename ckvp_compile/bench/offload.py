@@ -293,7 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.recall_only and not torch.cuda.is_available():
         sys.stderr.write("ckvp-bench offload: error: the speed part needs CUDA; use --recall-only on a CPU machine\n")
         return 2
+    for flag, n in (("--windows", args.windows), ("--window-len", args.window_len)):
+        if n < 1:
+            sys.stderr.write(f"ckvp-bench offload: error: {flag} must be >= 1, got {n}\n")
+            return 2
     out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        sys.stderr.write(f"ckvp-bench offload: error: --out {args.out!r} is a file; --out names the directory for "
+                         f"offload.json and offload.md\n")
+        return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         import triton

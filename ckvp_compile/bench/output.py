@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["run_env", "with_config_override", "write_result"]
+__all__ = ["output_path_error", "run_env", "with_config_override", "write_result"]
 
 
 def run_env(started: float, argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -38,12 +38,32 @@ def with_config_override(command: str) -> str:
     return f"CKVP_DECODE_CONFIG={shlex.quote(override)} {command}" if override else command
 
 
+def output_path_error(paths: dict[str, Path | str | None], make_dirs: bool = False) -> str | None:
+    """Why the output files ``paths`` (flag -> path, None: not written) cannot be written, or None: a path that is
+    a directory, two flags naming the same file, or (unless ``make_dirs``: the subcommand creates it) a missing
+    directory. Checked before a run, so that a bad path does not cost the run."""
+    seen: dict[Path, str] = {}
+    for flag, path in paths.items():
+        if path is None or str(path) == "":
+            continue
+        path = Path(path)
+        if path.is_dir():
+            return f"{flag} {str(path)!r} is a directory; give a file path"
+        if not make_dirs and not path.resolve().parent.is_dir():
+            return f"{flag} {str(path)!r}: the directory {str(path.parent)!r} does not exist (create it first)"
+        key = path.resolve()
+        if key in seen:
+            return f"{seen[key]} and {flag} name the same file {str(path)!r}; give each its own path"
+        seen[key] = flag
+    return None
+
+
 def write_result(result: dict[str, Any], markdown: str, json_path: Path | None, out_path: Path | None) -> None:
     """Write ``result`` as indented JSON to ``json_path`` (values JSON cannot hold, e.g. dtypes, as their ``str``)
     and ``markdown`` to ``out_path`` (each skipped when None), then print ``markdown``.
 
     Raises:
-        OSError: a path cannot be written (the subcommands check that its directory exists first).
+        OSError: a path cannot be written (the subcommands check the paths first, :func:`output_path_error`).
     """
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1, default=str))
