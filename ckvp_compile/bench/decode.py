@@ -704,6 +704,13 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.report is not None:
         if a.markdown is None:
             p.error("--report needs --markdown FILE")
+        for f in a.report:  # each a ckvp-bench decode --json file (a bad one would fail half-way through the report)
+            try:
+                ok = isinstance(json.loads(Path(f).read_text()).get("rows"), list)
+            except (OSError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                p.error(f"--report {str(f)!r}: not a ckvp-bench decode --json file (no readable JSON with 'rows')")
         return
     if a.shape is None:
         p.error("--shape is required (or --report FILE...)")

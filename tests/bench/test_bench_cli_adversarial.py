@@ -81,3 +81,14 @@ def test_fidelity_from_json_of_another_file_is_a_usage_error(text, tmp_path, cap
     f = tmp_path / "r.json"
     f.write_text(text)
     assert "--from-json" in _usage_error(["fidelity", "--from-json", str(f)], capsys)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"meta": {}}'])
+def test_decode_report_of_another_file_is_a_usage_error(text, tmp_path, capsys):
+    """``decode --report`` on a file that is not a ``decode --json`` file ended in a JSONDecodeError / KeyError
+    traceback half-way through the report; now a usage error naming the file, and no markdown written."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    md = tmp_path / "r.md"
+    msg = _usage_error(["decode", "--report", str(bad), "--markdown", str(md)], capsys)
+    assert "not a ckvp-bench decode --json file" in msg and not md.exists()
