@@ -41,7 +41,8 @@ def with_config_override(command: str) -> str:
 def output_path_error(paths: dict[str, Path | str | None], make_dirs: bool = False) -> str | None:
     """Why the output files ``paths`` (flag -> path, None: not written) cannot be written, or None: a path that is
     a directory, two flags naming the same file, or (unless ``make_dirs``: the subcommand creates it) a missing
-    directory. Checked before a run, so that a bad path does not cost the run."""
+    directory. Checked before a run, so that a bad path does not cost the run. Returns the message for
+    ``argparse``'s ``error`` (the flag, the path and the fix), or None; raises nothing."""
     seen: dict[Path, str] = {}
     for flag, path in paths.items():
         if path is None or str(path) == "":

@@ -42,6 +42,17 @@ class _Boom(Exception):
     pass
 
 
+class _Logits(torch.nn.Module):
+    """A user's wrapper module around an HF model (no ``config`` of its own): ``forward(ids)`` -> the logits."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(ids).logits
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), resident=st.integers(1, 3), fail_at=st.integers(0, 6), interrupt=st.booleans())
 def test_a_call_that_fails_mid_way_leaves_later_calls_exact(data, resident, fail_at, interrupt):
@@ -141,15 +152,7 @@ def test_wrapped_qwen_moe_finds_the_routers_top_k():
     """Qwen2-MoE's block has no ``top_k`` (its router has): inside a user's wrapper module without ``config``,
     ``offload_experts`` raised "cannot find the top-k"."""
 
-    class Wrapper(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids):
-            return self.inner(ids).logits
-
-    model, plain = Wrapper(_model("qwen2_moe")), _model("qwen2_moe")
+    model, plain = _Logits(_model("qwen2_moe")), _model("qwen2_moe")
     handle = offload_experts(model, resident=1, margin=1)
     assert handle.top_k == 2
     with torch.no_grad():
@@ -260,19 +263,11 @@ def test_an_exported_program_runs_while_the_caller_holds_the_offloader():
     constant, not the experts modules) failed after ``del model`` ("it was closed") whatever the caller kept. The
     registry now holds the offloader while the modules or the caller do, and frees it once neither does."""
 
-    class Logits(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids):
-            return self.inner(ids).logits
-
     model, ids = _model(), _ids(1, 5)
     with torch.no_grad():
         want = model(ids).logits
         handle = offload_experts(model, resident=2)
-        program = torch.export.export(Logits(model), (ids,))
+        program = torch.export.export(_Logits(model), (ids,))
     handle_id, offloader = handle.handle, weakref.ref(handle)
     del model
     gc.collect()
