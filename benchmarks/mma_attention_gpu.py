@@ -51,7 +51,7 @@ TOL = 1e-3
 #: a query head (latent_attention_triton.FMA_MERGE_GPU_CHECKED), the unit-major pass's own query fold and split merge
 #: (latent_attention_mma.FOLD_GPU_CHECKED, MERGE_GPU_CHECKED; the merge in the pass replaces fmerge's launch).
 VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL", "fmerge": "CKVP_FMA_MERGE",
-               "fold": "CKVP_MMA_FOLD", "merge": "CKVP_MMA_MERGE", "pdlfold": "CKVP_PDL_FOLD"}
+               "fold": "CKVP_MMA_FOLD", "merge": "CKVP_MMA_MERGE", "pdlfold": "CKVP_PDL_FOLD", "imma": "CKVP_MMA_IMMA"}
 
 
 #: The latent loads' cache hint (``CKVP_MMA_HINT``, latent_attention_mma.load_hint), by variant part.
@@ -122,12 +122,14 @@ def variants_check(variants: list[str]) -> list[dict]:
                      ran_mma=bool(lat._LAST_LAUNCH.get("mma")), pdl=bool(lat._LAST_LAUNCH.get("pdl")),
                      fma_merge=bool(lat._LAST_LAUNCH.get("fma_merge")),
                      mma_fold=bool(lat._LAST_LAUNCH.get("mma_fold")), mma_merge=bool(lat._LAST_LAUNCH.get("mma_merge")),
+                     mma_imma=bool(lat._LAST_LAUNCH.get("mma_imma")),
                      rel_err=rel_err(out, want), finite=bool(torch.isfinite(out).all()))
             in_pass = bool(parts & {"fold", "merge"})
             r["ok"] = (r["ran_mma"] and r["finite"] and r["rel_err"] <= TOL
                        and r["pdl"] == ("pdl" in parts and not in_pass)
                        and r["fma_merge"] == ("fmerge" in parts and "merge" not in parts)
-                       and r["mma_fold"] == ("fold" in parts) and r["mma_merge"] == ("merge" in parts))
+                       and r["mma_fold"] == ("fold" in parts) and r["mma_merge"] == ("merge" in parts)
+                       and r["mma_imma"] == ("imma" in parts and "fold" not in parts))
             if parts & {"pdl", "merge"}:  # captured and replayed: the same bits as the eager call
                 graph, s_ = torch.cuda.CUDAGraph(), torch.cuda.Stream()
                 s_.wait_stream(torch.cuda.current_stream())

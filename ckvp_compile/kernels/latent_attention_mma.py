@@ -167,6 +167,18 @@ LOAD_HINT_GPU_CHECKED = 1
 #: (+7-14%).
 EARLY_TILE_GPU_CHECKED = True
 
+#: The unit-major kernel's 8-bit key product on the integer tensor cores (``IMMA``, :func:`int8_keys`): each lane's
+#: four code words of a slot quad (one coordinate each, four slots) transposed by 8 ``prmt`` into four words of one
+#: slot (four coordinates each), which are ``mma.m16n8k32``'s u8 B operand as they are; the folded query as 16-bit
+#: fixed point, its high and low bytes the s8 A operand's rows 0..7 and 8..15 (the hi / lo rows of the fp16 path),
+#: the score ``256 hi + lo`` exact in int32. Per 64-slot tile: 8 IMMA instead of 16 HMMA, 32 PRMT instead of 96
+#: conversion instructions (prmt, lop3, sub.f16x2), plus one IMAD and one I2F a score: about 40 SASS fewer of the
+#: 550 (offline sm_90a, :func:`compile_for_sm90` with ``imma=True``). The query carries 16 bits instead of the
+#: fp16 pair's 22 (the scores' error about 2^-16 of the largest coefficient times the latent's size). Off until
+#: checked on a GPU; ``CKVP_MMA_IMMA=1`` turns it on. Source: the PTX ISA's ``mma.m16n8k32`` .s8 / .u8 fragment
+#: layouts.
+IMMA_GPU_CHECKED = False
+
 
 def _switch(env_name: str, checked: bool) -> bool:
     """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
@@ -213,6 +225,12 @@ def early_tile() -> bool:
     :data:`EARLY_TILE_GPU_CHECKED`, or ``CKVP_MMA_EARLY=1`` / ``0``. Raises nothing. Source: the PTX ISA's
     ``prefetch`` and ``cp.async.bulk.prefetch`` (sm_90)."""
     return _switch("CKVP_MMA_EARLY", EARLY_TILE_GPU_CHECKED)
+
+
+def int8_keys() -> bool:
+    """Whether the unit-major kernel's 8-bit key product runs on the integer tensor cores (:data:`IMMA_GPU_CHECKED`,
+    or ``CKVP_MMA_IMMA=1`` / ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_IMMA", IMMA_GPU_CHECKED)
 
 
 def page_scan() -> bool:
@@ -420,7 +438,7 @@ def _tile_step(wk, ks16, km16, vs16, vm16, vlo, vhi, ok_s, ca, sumc, sumc8, k_un
 def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                  L: gl.constexpr, AL: gl.constexpr, LS: gl.constexpr, BT: gl.constexpr, NT: gl.constexpr,
                  G: gl.constexpr, GROUPS: gl.constexpr, PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr,
-                 CENTER: gl.constexpr = 8.0, VPAIR: gl.constexpr = False):
+                 CENTER: gl.constexpr = 8.0, VPAIR: gl.constexpr = False, IMMA: gl.constexpr = False):
     """One tile: the scores on the tensor cores, the online softmax (base 2), the value product. kb / vb: the key
     and value B operands (centred codes, fp16); ksf .. vmf: the per-slot scale / min fields (8, 8 NT) fp32 in the
     scores' layout LS. l_q / n_q: (8 rows, 4 lanes) per-lane partial sums of the weights and of weight x the
@@ -428,14 +446,18 @@ def _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit,
     accumulator is rescaled exactly). MASKED: slots outside ``ok_s`` score -inf; ZERO: the fields of slots outside
     ``sok`` read as 0 (rows past the context, unmapped pages: their bytes may be anything). CENTER: what the
     value codes had subtracted (8 for 4-bit codes, 128 for 8-bit; the caller's ``sumc8`` carries the key codes'
-    own). VPAIR: the value product's k order of :func:`_group_pairs` (``vb`` built to match, :func:`_unit_step`)."""
+    own). VPAIR: the value product's k order of :func:`_group_pairs` (``vb`` built to match, :func:`_unit_step`).
+    IMMA: ``kb`` is already the raw scores (8, 8 NT) fp32 in LS (:func:`_imma_scores`), ``ca`` unused."""
     if ZERO:
         ksf = gl.where(sok, ksf, 0.0)
         kmf = gl.where(sok, kmf, 0.0)
         vsf = gl.where(sok, vsf, 0.0)
         vmf = gl.where(sok, vmf, 0.0)
-    s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
-    s = gl.sum(gl.reshape(s, [2, 8, 8 * NT]), axis=0)  # hi + lo, (8, 8 NT) in LS
+    if IMMA:
+        s = kb
+    else:
+        s = mma_v2(ca, kb, gl.zeros([ROWS, 8 * NT], gl.float32, L))
+        s = gl.sum(gl.reshape(s, [2, 8, 8 * NT]), axis=0)  # hi + lo, (8, 8 NT) in LS
     s = (s * k_unit + sumc8[:, None]) * ksf + kmf * sumc[:, None]
     if MASKED:
         s = gl.where(ok_s, s, float("-inf"))
@@ -763,6 +785,37 @@ _DEQ_QUAD_ASM = gl.constexpr(
     "prmt.b32 x, $4, c, 0x5140;\nprmt.b32 y, $4, c, 0x5342;\nsub.f16x2 x, x, b;\nsub.f16x2 y, y, b;\n"
     "mov.b32 {$0, $1}, x;\nmov.b32 {$2, $3}, y;\n}\n")
 
+# 4 x 4 byte transpose (IMMA): words a, b, c, d ($4 .. $7; bytes t = 0..3, four slots of one coordinate each) ->
+# word t ($t) = (a_t, b_t, c_t, d_t), the four coordinates of slot t. Eight prmt: pairs interleaved, then halves.
+_T4_ASM = gl.constexpr(
+    "\n{\n.reg .b32 x0, x1, x2, x3;\n"
+    "prmt.b32 x0, $4, $5, 0x5140;\nprmt.b32 x1, $4, $5, 0x7362;\n"
+    "prmt.b32 x2, $6, $7, 0x5140;\nprmt.b32 x3, $6, $7, 0x7362;\n"
+    "prmt.b32 $0, x0, x2, 0x5410;\nprmt.b32 $1, x0, x2, 0x7632;\n"
+    "prmt.b32 $2, x1, x3, 0x5410;\nprmt.b32 $3, x1, x3, 0x7632;\n}\n")
+
+
+def _imma_asm(groups: int) -> str:
+    """PTX of one n8 column tile's scores on the integer tensor cores over ``groups`` k-steps of 32 coordinates (the
+    slot groups of the block-diagonal query), one ``mma.m16n8k32`` (s8 query, u8 codes, s32) each, accumulated:
+    outputs $0..$3 (the accumulator fragment: rows 0..7 from the query's high bytes, 8..15 from its low bytes), then
+    per k-step the A fragment (4 words) and the B fragment (2 words)."""
+    lines = ["{", ".reg .b32 z;", "mov.b32 z, 0;"]
+    for g in range(groups):
+        a = 4 + 6 * g
+        c = "{z, z, z, z}" if g == 0 else "{$0, $1, $2, $3}"
+        lines.append(f"mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {{$0, $1, $2, $3}}, "
+                     f"{{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, {{${a + 4}, ${a + 5}}}, {c};")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+_IMMA_ASM1 = gl.constexpr(_imma_asm(1))
+_IMMA_ASM2 = gl.constexpr(_imma_asm(2))
+_IMMA_ASM4 = gl.constexpr(_imma_asm(4))
+_IMMA_CONSTRAINTS1 = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 6))
+_IMMA_CONSTRAINTS2 = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
+_IMMA_CONSTRAINTS4 = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 24))
+
 
 @gluon.jit
 def _gdc(op: gl.constexpr):
@@ -1072,11 +1125,123 @@ def _unit_staged(smem, st, KL: gl.constexpr, VL: gl.constexpr, FL: gl.constexpr)
 
 
 @gluon.jit
+def _transpose4(a, b, c, d):
+    """:data:`_T4_ASM` on each element of four int32 tensors of one shape: four tensors, word t holding byte t of
+    a, b, c and d (in that order)."""
+    return gl.inline_asm_elementwise(_T4_ASM, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d], dtype=(gl.int32,) * 4,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _imma_a(h0, l0, h1, l1, rg, grp: gl.constexpr, IL: gl.constexpr):
+    """k-step ``grp``'s s8 A fragment (4 words (1, 8 rows, 4 q) int32 in IL: high bytes k 0..15, low bytes k 0..15,
+    high k 16..31, low k 16..31): the query rows of slot group grp, zero for the others (the block-diagonal
+    query)."""
+    AS: gl.constexpr = gl.SliceLayout(0, IL)
+    on = rg == grp
+    return (gl.convert_layout(gl.where(on, h0, 0), AS)[None, :, :], gl.convert_layout(gl.where(on, l0, 0), AS)[None, :, :],
+            gl.convert_layout(gl.where(on, h1, 0), AS)[None, :, :], gl.convert_layout(gl.where(on, l1, 0), AS)[None, :, :])
+
+
+@gluon.jit
+def _imma_query(q_row, G: gl.constexpr, GROUPS: gl.constexpr, IL: gl.constexpr, LS: gl.constexpr):
+    """The folded query as IMMA's s8 A fragments (``IMMA``, :data:`IMMA_GPU_CHECKED`): 16-bit fixed point ``ci = 256
+    hi + lo`` (|ci| <= 32512: hi in [-127, 127], lo in [-128, 127]), per k-step (slot group) the tuple of
+    :func:`_imma_a`; lane 4r + q's words hold k = 16s + 4q + i (byte i), which reads latent coordinate 16s + 8(i //
+    2) + 2q + i % 2 (the order :func:`_imma_scores` transposes the codes into). Also the unit (fp32: a coefficient
+    is ``ci * unit``) and ``sum(ci) * unit`` per scores' row ((8,) in LS's rows: what the score's minimum term
+    multiplies, so a score is exactly that of the rounded query). ``q_row``: (G, 32) fp32."""
+    QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 4], threads_per_warp=[8, 4, 1, 1],
+                                        warps_per_cta=[1, 1, 1, 1], order=[3, 2, 1, 0])
+    r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, QL))))[:, None, None, None]
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, QL))))[None, :, None, None]
+    sk = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, QL))))[None, None, :, None]
+    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, QL))))[None, None, None, :]
+    cf = gl.load(q_row + (r % G) * RK + (16 * sk + 8 * (i // 2) + 2 * q + i % 2))  # (8, 4, 2, 4) fp32
+    amax = gl.max(gl.max(gl.max(gl.max(gl.abs(cf), axis=3), axis=2), axis=1), axis=0)
+    unit = gl.where(amax > 0, amax * (1.0 / 32512.0), 1.0)
+    ci = gl.minimum(gl.maximum(gl.floor(cf / unit + 0.5), -32512.0), 32512.0).to(gl.int32)
+    hi = (ci + 128) >> 8
+    lo = ci - hi * 256
+    sh = 8 * i
+    whi = gl.sum((hi & 255) << sh, axis=3)  # (8 r, 4 q, 2 s): four bytes a word (no carries: an OR)
+    wlo = gl.sum((lo & 255) << sh, axis=3)
+    sumc = gl.convert_layout(gl.sum(gl.sum(gl.sum(ci, axis=3), axis=2), axis=1).to(gl.float32) * unit,
+                             gl.SliceLayout(1, LS))
+    h0, h1 = gl.split(whi)
+    l0, l1 = gl.split(wlo)
+    rg = gl.arange(0, 8, layout=gl.SliceLayout(1, h0.type.layout))[:, None] // G
+    if GROUPS == 1:
+        qa = (_imma_a(h0, l0, h1, l1, rg, 0, IL),)
+    elif GROUPS == 2:
+        qa = (_imma_a(h0, l0, h1, l1, rg, 0, IL), _imma_a(h0, l0, h1, l1, rg, 1, IL))
+    else:
+        qa = (_imma_a(h0, l0, h1, l1, rg, 0, IL), _imma_a(h0, l0, h1, l1, rg, 1, IL),
+              _imma_a(h0, l0, h1, l1, rg, 2, IL), _imma_a(h0, l0, h1, l1, rg, 3, IL))
+    return qa, unit, sumc
+
+
+@gluon.jit
+def _imma_scores(wk, qa, GROUPS: gl.constexpr, NT: gl.constexpr, IL: gl.constexpr, LS: gl.constexpr):
+    """A unit-major 8-bit tile's raw scores on the integer tensor cores: (8 rows, 8 NT) fp32 in LS, the exact
+    ``sum_k ci_k code_k`` of :func:`_imma_query`'s rounded query (the score before its unit, the slot's scale and
+    minimum). ``wk``: the key words (2 w, 4 q, 8 c, 4 b, 2 e) of :func:`_unit_load` (word: slots 8c + 4w + t of
+    coordinate 8b + 2q + e); b = 2s + h, the words (h, e) = (0, 0), (0, 1), (1, 0), (1, 1) transposed give slot t's
+    B word for k = 16s + 4q + i (byte i: coordinate 16s + 8(i // 2) + 2q + i % 2); slot ``8c + grp NT + j`` is
+    column c of n-tile j in k-step grp, as in the fp16 path."""
+    x = gl.reshape(wk, [2, 4, 8, 2, 2, 2])  # (w, q, c, s, h, e)
+    xe0, xe1 = gl.split(x)  # (w, q, c, s, h)
+    wa, wc = gl.split(xe0)
+    wb, wd = gl.split(xe1)
+    t0, t1, t2, t3 = _transpose4(wa, wb, wc, wd)  # (w, q, c, s): slot 8c + 4w + t
+    y = gl.reshape(gl.permute(_join4(t0, t1, t2, t3), [0, 4, 2, 1, 3]), [GROUPS, NT, 8, 4, 2])  # (grp, j, c, q, s)
+    b0, b1 = gl.split(y)  # (grp, j, c, q)
+    if GROUPS == 1:
+        a = qa[0]
+        d = gl.inline_asm_elementwise(
+            _IMMA_ASM1, _IMMA_CONSTRAINTS1,
+            [a[0], a[1], a[2], a[3], gl.convert_layout(gl.reshape(b0, [NT, 8, 4]), IL),
+             gl.convert_layout(gl.reshape(b1, [NT, 8, 4]), IL)], dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    elif GROUPS == 2:
+        p00, p10 = gl.split(gl.permute(b0, [1, 2, 3, 0]))  # (j, c, q) of grp 0, 1
+        p01, p11 = gl.split(gl.permute(b1, [1, 2, 3, 0]))
+        a = qa[0]
+        e = qa[1]
+        d = gl.inline_asm_elementwise(
+            _IMMA_ASM2, _IMMA_CONSTRAINTS2,
+            [a[0], a[1], a[2], a[3], gl.convert_layout(p00, IL), gl.convert_layout(p01, IL),
+             e[0], e[1], e[2], e[3], gl.convert_layout(p10, IL), gl.convert_layout(p11, IL)],
+            dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    else:  # grp = 2 g1 + g0
+        u0a, u0b = gl.split(gl.permute(gl.reshape(b0, [2, 2, NT, 8, 4]), [2, 3, 4, 0, 1]))  # g0 = 0, 1: (j, c, q, g1)
+        u1a, u1b = gl.split(gl.permute(gl.reshape(b1, [2, 2, NT, 8, 4]), [2, 3, 4, 0, 1]))
+        b0g0, b0g2 = gl.split(u0a)
+        b0g1, b0g3 = gl.split(u0b)
+        b1g0, b1g2 = gl.split(u1a)
+        b1g1, b1g3 = gl.split(u1b)
+        a0 = qa[0]
+        a1 = qa[1]
+        a2 = qa[2]
+        a3 = qa[3]
+        d = gl.inline_asm_elementwise(
+            _IMMA_ASM4, _IMMA_CONSTRAINTS4,
+            [a0[0], a0[1], a0[2], a0[3], gl.convert_layout(b0g0, IL), gl.convert_layout(b1g0, IL),
+             a1[0], a1[1], a1[2], a1[3], gl.convert_layout(b0g1, IL), gl.convert_layout(b1g1, IL),
+             a2[0], a2[1], a2[2], a2[3], gl.convert_layout(b0g2, IL), gl.convert_layout(b1g2, IL),
+             a3[0], a3[1], a3[2], a3[3], gl.convert_layout(b0g3, IL), gl.convert_layout(b1g3, IL)],
+            dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    s0 = (d[0] * 256 + d[2]).to(gl.float32)  # (j, c = row, q): column 2q; hi rows + lo rows, one lane
+    s1 = (d[1] * 256 + d[3]).to(gl.float32)  # column 2q + 1
+    s = gl.reshape(gl.permute(gl.join(s0, s1), [1, 0, 2, 3]), [8, 8 * NT])  # (row, 8j + 2q + e)
+    return gl.convert_layout(s, LS)
+
+
+@gluon.jit
 def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
                PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr, BITS: gl.constexpr = 4,
-               VPAIR: gl.constexpr = False):
+               VPAIR: gl.constexpr = False, IMMA: gl.constexpr = False, IL: gl.constexpr = None):
     """One unit-major tile: the operands from the loaded words, then :func:`_online_step`.
 
     Keys: word (w, q, c, b) holds slots ``8c + 4w + t`` (t = 0..3) of code byte ``q + 4b`` (coordinates 2(q + 4b) + e):
@@ -1092,18 +1257,23 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
     ``n + 8(2m + e)``, value column ``8(2m + e) + n`` holds that coordinate (column j = coordinate j). VPAIR (BITS
     8): the value operand in the k order of :func:`_group_pairs`: word (d = 2h + dd, q, n, m, e) byte t is slot
     ``16q + 8h + u`` with ``u = 4 dd + t = grp NT + 2m' + e'``, so bytes (t, t + 1) are the k pair e' = 0, 1 of
-    (grp, m', h, q) (:func:`_dequant_quads`: prmt + sub.f16x2 a pair)."""
+    (grp, m', h, q) (:func:`_dequant_quads`: prmt + sub.f16x2 a pair). IMMA (BITS 8): the key product on the
+    integer tensor cores (:func:`_imma_scores`; ``ca`` the tuple of :func:`_imma_query`, IL its instance layout)."""
     ksf = _unit_fields(ks, r_f, LS, G, NT, NWS)
     kmf = _unit_fields(km, r_f, LS, G, NT, NWS)
     vsf = _unit_fields(vs, r_f, LS, G, NT, NWS)
     vmf = _unit_fields(vm, r_f, LS, G, NT, NWS)
-    if BITS == 8:
-        ka, kb_ = gl.split(wk)  # (2 w, 4 q, 8 c, 4 b), e = 0 / 1
-        x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+    if IMMA:
+        gl.static_assert(BITS == 8, "IMMA: 8-bit codes only")
+        kb = _imma_scores(wk, ca, GROUPS, NT, IL, LS)
     else:
-        x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
-    x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
-    kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
+        if BITS == 8:
+            ka, kb_ = gl.split(wk)  # (2 w, 4 q, 8 c, 4 b), e = 0 / 1
+            x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+        else:
+            x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+        x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
+        kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
     if BITS == 8 and VPAIR:  # value words (4 d, 4 q, 8 n, 2 cm, 2 ce): coordinate n + 16 cm + 8 ce
         y = gl.reshape(_dequant_quads(wv), [2, 2, 4, 8, 2, 2, 4])  # (h, dd, q, n, cm, ce, t)
         y = gl.reshape(gl.permute(y, [0, 2, 3, 4, 5, 1, 6]), [2, 4, 8, 2, 2, GROUPS, NT // 2, 2])  # u -> (grp, m, e)
@@ -1121,7 +1291,7 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
         y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
         vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
     return _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L,
-                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0, VPAIR)
+                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0, VPAIR, IMMA)
 
 
 # ---- the fold and the merge inside the unit-major pass (FOLD, MERGE)
@@ -1354,7 +1524,7 @@ def _mma_unit_kernel(
     stride_bvb=0, stride_bvh=0, stride_bvd=0, stride_bvr=0, stride_ob=0, stride_oh=0, stride_os=0, stride_od=0,
     FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
     Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
-    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0,
+    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0, IMMA: gl.constexpr = False,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1394,7 +1564,8 @@ def _mma_unit_kernel(
     the value basis block, out (B, H, S, D)). D_PAD: D rounded up to a power of two >= 32; Q_EXACT: q is bf16;
     BK_EXACT / BV_EXACT: the bases are bf16-exact (one tensor-core product, not hi + lo). HINT (:func:`load_hint`):
     the cache hint of the latent loads (lane loads). EARLY (:func:`early_tile`): the split's first tile prefetched
-    into L2 (:func:`_prefetch_tile`) before the folded query is read."""
+    into L2 (:func:`_prefetch_tile`) before the folded query is read. IMMA (:func:`int8_keys`; BITS 8, not FOLD):
+    the key product on the integer tensor cores (:func:`_imma_query`, :func:`_imma_scores`)."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1438,6 +1609,10 @@ def _mma_unit_kernel(
     rows = gl.arange(0, 8, layout=gl.SliceLayout(1, LS))
     cols = gl.arange(0, 8 * NT, layout=gl.SliceLayout(0, LS))
     gl.static_assert(BITS == 8 or not VPAIR, "VPAIR: 8-bit codes only")
+    gl.static_assert(not IMMA or (BITS == 8 and not FOLD), "IMMA: 8-bit codes, the fold kernel's query")
+    # IMMA's instance layout: (NT n-tiles, 8 c, 4 q), lane 4c + q (the B fragment's column c, the scores' row c)
+    IL: gl.constexpr = gl.BlockedLayout(size_per_thread=[NT, 1, 1], threads_per_warp=[1, 8, 4],
+                                        warps_per_cta=[1, 1, 1], order=[2, 1, 0])
 
     # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
     tok_s = (cols % 8)[None, :] * 8 + (rows // G)[:, None] * NT + (cols // 8)[None, :]
@@ -1528,11 +1703,16 @@ def _mma_unit_kernel(
                         stride_bkb, stride_bkh, stride_bkd, stride_bkr, G, D_PAD, Q_EXACT, BK_EXACT, L, AL, BL)
         ca, k_unit = _query_operand_regs(c8, G, GROUPS, KS, AL, BITS)
         sumc = gl.convert_layout(gl.sum(c8, axis=1), gl.SliceLayout(1, LS))
+        sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
+    elif IMMA:  # uncentred u8 codes: no centring term
+        q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
+        ca, k_unit, sumc = _imma_query(q_row, G, GROUPS, IL, LS)
+        sumc8 = sumc * 0.0
     else:
         q_row = qf_ptr + (((b * S + s_q) * Hkv + h) * G).to(gl.int64) * RK
         ca, k_unit = _query_operand(q_row, G, GROUPS, KS, AL, True, BITS)
         sumc = _query_sums(q_row, G, LS)
-    sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
+        sumc8 = sumc * (128.0 if BITS == 8 else 8.0)
     all_s = tok_s >= 0
     if STAGES == 0:  # the register path's first tile
         kb0, vb0, idx_a = _unit_base(t_start, b, pt_ptr, stride_ptb, stride_lkb, stride_lvb, PAGE)
@@ -1578,7 +1758,7 @@ def _mma_unit_kernel(
                 wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
                 m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
                                                     sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
-                                                    NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
+                                                    NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL)
             async_copy.wait_group(0)
     else:  # one tile loaded ahead of the one computed (the first before the query)
         for t in range(t_start, fast_end):
@@ -1592,7 +1772,7 @@ def _mma_unit_kernel(
                 tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
                                                 sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
-                                                NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR)
+                                                NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL)
     for t in range(fast_end, t_end):
         t0 = t * BT
         if PAGE > 0:
@@ -1609,7 +1789,7 @@ def _mma_unit_kernel(
             wk, wv, ks, km, vs, vm = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
-                                            PLO, True, True, BITS, VPAIR)
+                                            PLO, True, True, BITS, VPAIR, IMMA, IL)
     if PDL:  # the tiles are done: the merge may launch (it waits for this grid before it reads the partials)
         _gdc("launch_dependents")
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
@@ -1710,7 +1890,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      unit_major: bool = False, bits: int = 4, stages: int = 0, lanes: bool | None = None,
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
-                     exact_bases: bool = True, hint: int | None = None, early: bool | None = None):
+                     exact_bases: bool = True, hint: int | None = None, early: bool | None = None,
+                     imma: bool | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1726,7 +1907,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             the unit-major kernel's query fold and split merge in the pass (``FOLD`` / ``MERGE``; bf16 q, bases, new
             tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo); hint:
             the latent loads' cache hint (``HINT``; None: :func:`load_hint`); early: the first tile before the folded
-            query in L2 (``EARLY``; None: :func:`early_tile`).
+            query in L2 (``EARLY``; None: :func:`early_tile`); imma: the 8-bit key product on the integer tensor
+            cores (``IMMA``; None: :func:`int8_keys`; 4-bit kernels and ``fold`` ignore it).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1750,7 +1932,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
         sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr",
-                   PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr")
+                   PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr", IMMA="constexpr")
         sig.update({n: "*bf16" for n in ("q_ptr", "bk_ptr", "nk_ptr", "nv_ptr", "bv_ptr", "out_ptr")})
         sig.update(cnt_ptr="*i32", D="i32", qk_scale="fp32")
         sig.update({f"stride_{t}{x}": "i32" for t, xs in (("q", "bhsd"), ("bk", "bhdr"), ("nk", "bhsd"), ("nv", "bhsd"),
@@ -1771,6 +1953,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              BK_EXACT=exact_bases, **{n: 1 for n in unit},
                                              HINT=load_hint() if hint is None else hint,
                                              EARLY=early_tile() if early is None else early,
+                                             IMMA=bits == 8 and not fold and (int8_keys() if imma is None else imma),
                                              BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,

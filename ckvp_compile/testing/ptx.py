@@ -26,16 +26,18 @@ def run_dequant_asm(asm: str, word: int) -> list[float]:
     return run_asm(asm, [word], 8)
 
 
-def run_asm(asm: str, inputs: list[int], n_out: int) -> list[float]:
+def run_asm(asm: str, inputs: list[int], n_out: int, words: bool = False) -> list:
     """Execute ``asm`` (an inline-asm body with ``n_out`` 16-bit fp16 outputs ``$0 ..`` and 32-bit inputs
     ``$n_out ..``), reading the six instructions the dequantization asm uses: ``mov.b32`` of an immediate or into a
     pair of halves, ``lop3.b32``, ``shr.u32``, ``prmt.b32`` (default mode, immediate or register selector) and
     ``sub.f16x2`` (fp16 subtraction, rounded as numpy's float16 rounds).
 
     Args:
-        asm: the PTX text; inputs: the input words, as ints (their low 32 bits are used); n_out: the outputs.
+        asm: the PTX text; inputs: the input words, as ints (their low 32 bits are used); n_out: the outputs;
+        words: the outputs are 32-bit registers written by the instructions themselves (e.g. the byte transpose's
+            ``prmt.b32 $0, ...``), returned as ints.
     Returns:
-        The outputs as Python floats (each an fp16 value).
+        The outputs as Python floats (each an fp16 value), or as ints (``words``).
     Raises:
         AssertionError: an instruction outside those six (the reader would silently mis-evaluate it).
         KeyError: a register read before it is written.
@@ -89,4 +91,6 @@ def run_asm(asm: str, inputs: list[int], n_out: int) -> list[float]:
             regs[args[0]] = res
         else:
             raise AssertionError(f"unexpected instruction {op}")
+    if words:
+        return [regs[f"${i}"] for i in range(n_out)]
     return [float(np.array([out[f"${i}"]], dtype=np.uint16).view(np.float16)[0]) for i in range(n_out)]

@@ -292,7 +292,7 @@ def test_int8_emulation_notices_a_wrong_centring_constant():
     bad = _emulate8(krows, vrows, off, 1, qf, center=8.0)
     assert float((bad - want).norm() / want.norm()) > 1e-1
     assert "sumc * (128.0 if BITS == 8 else 8.0)" in lam._mma_unit_kernel.src
-    assert "128.0 if BITS == 8 else 8.0, VPAIR)" in lam._unit_step.src.split("return _online_step(")[-1]
+    assert "128.0 if BITS == 8 else 8.0, VPAIR, IMMA)" in lam._unit_step.src.split("return _online_step(")[-1]
 
 
 def _layout(group=4, kfmt="int4/32", vfmt="int4/32", hkv=8, rk=32, rv=32, layouts=("row-major",) * 2, block_n=64,
@@ -901,3 +901,197 @@ def test_first_tile_prefetch_needs_aligned_latents(monkeypatch):
     assert lat._prefetches(lam, buf[4:], buf) == dict(EARLY=False)
     monkeypatch.setenv("CKVP_MMA_EARLY", "0")
     assert lat._prefetches(lam, buf, buf) == dict(EARLY=False)
+
+
+# ---- the 8-bit key product on the integer tensor cores (IMMA)
+
+ASMT4 = str(getattr(lam._T4_ASM, "value", lam._T4_ASM))
+
+
+@settings(max_examples=25, deadline=None)
+@given(w=st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=4))
+@example(w=[0x03020100, 0x13121110, 0x23222120, 0x33323130])
+def test_transpose_asm_gathers_byte_t_of_each_word(w):
+    """``_T4_ASM`` on words (a, b, c, d): output word t is (byte t of a, of b, of c, of d), lowest first."""
+    got = run_asm(ASMT4, w, 4, words=True)
+    assert got == [sum(((w[k] >> 8 * t) & 0xFF) << 8 * k for k in range(4)) for t in range(4)]
+
+
+def _np_imma_query(qf, g):
+    """``_imma_query`` mirrored in numpy (fp32 as the kernel computes it): (the A fragments per k-step: a list of
+    GROUPS tuples of 4 (8 r, 4 q) int arrays, the rounded query ``ci`` (8 rows, 32 coordinates) int, the unit)."""
+    import numpy as np
+
+    groups = 8 // g
+    r, q, sk, i = np.meshgrid(range(8), range(4), range(2), range(4), indexing="ij")
+    coord = 16 * sk + 8 * (i // 2) + 2 * q + i % 2
+    cf = qf.numpy().astype(np.float32)[r % g, coord]
+    amax = np.float32(np.abs(cf).max())
+    unit = np.float32(amax * np.float32(1.0 / 32512.0)) if amax > 0 else np.float32(1.0)
+    ci = np.clip(np.floor((cf / unit).astype(np.float32) + np.float32(0.5)), -32512, 32512).astype(np.int64)
+    hi = (ci + 128) >> 8
+    lo = ci - hi * 256
+    assert hi.min() >= -128 and hi.max() <= 127 and lo.min() >= -128 and lo.max() <= 127
+    whi = ((hi & 255) << (8 * i)).sum(-1)  # (8, 4, 2)
+    wlo = ((lo & 255) << (8 * i)).sum(-1)
+    rg = np.arange(8)[:, None] // g
+    frags = [tuple(np.where(rg == grp, x, 0) for x in (whi[..., 0], wlo[..., 0], whi[..., 1], wlo[..., 1]))
+             for grp in range(groups)]
+    ci_rows = np.zeros((8, 32), np.int64)
+    ci_rows[r, coord] = ci
+    return frags, ci_rows, unit
+
+
+def _s8(x):
+    return x - 256 if x >= 128 else x
+
+
+def _np_imma_scores(words, frags, g):
+    """``_imma_scores`` mirrored: the kernel's splits, byte transpose (its asm, read by :func:`run_asm`) and
+    reshapes from the key words (2 w, 4 q, 8 c, 4 b, 2 e), then each n-tile's ``mma.m16n8k32`` (s8 A, u8 B, s32
+    accumulate over the k-steps) from the fragments by the PTX ISA's layouts (lane 4 gid + tig: A words 0..3 rows
+    gid, gid + 8, gid, gid + 8 at k 4 tig + i, the same, 16 + ..; B words 0, 1 at k 4 tig + i, 16 + 4 tig + i of
+    column gid; D (gid, 2 tig), (gid, 2 tig + 1), (gid + 8, ..)), then ``256 d0 + d2``: (8 rows, 8 NT) ints."""
+    import numpy as np
+
+    nt, groups = g, 8 // g
+    x = words.reshape(2, 4, 8, 2, 2, 2)  # (w, q, c, s, h, e)
+    wa, wc = x[..., 0][..., 0], x[..., 0][..., 1]
+    wb, wd = x[..., 1][..., 0], x[..., 1][..., 1]
+    flat = [a.reshape(-1) for a in (wa, wb, wc, wd)]
+    res = np.array([run_asm(ASMT4, [int(f[n]) for f in flat], 4, words=True) for n in range(flat[0].size)])
+    ts = [res[:, t].reshape(wa.shape) for t in range(4)]
+    y = _np_join4(*ts).transpose(0, 4, 2, 1, 3).reshape(groups, nt, 8, 4, 2)  # (grp, j, c, q, s)
+    b0, b1 = y[..., 0], y[..., 1]
+    s = np.zeros((8, 8 * nt), np.int64)
+    for j in range(nt):
+        d = np.zeros((16, 8), np.int64)
+        for grp in range(groups):
+            a = np.zeros((16, 32), np.int64)
+            bm = np.zeros((32, 8), np.int64)
+            for gid in range(8):
+                for tig in range(4):
+                    aw = [int(f[gid, tig]) & 0xFFFFFFFF for f in frags[grp]]
+                    for i in range(4):
+                        byte = lambda w: (w >> (8 * i)) & 0xFF  # noqa: E731
+                        a[gid, 4 * tig + i] = _s8(byte(aw[0]))
+                        a[gid + 8, 4 * tig + i] = _s8(byte(aw[1]))
+                        a[gid, 16 + 4 * tig + i] = _s8(byte(aw[2]))
+                        a[gid + 8, 16 + 4 * tig + i] = _s8(byte(aw[3]))
+                        bm[4 * tig + i, gid] = byte(int(b0[grp, j, gid, tig]))
+                        bm[16 + 4 * tig + i, gid] = byte(int(b1[grp, j, gid, tig]))
+            d += a @ bm
+        s[:, 8 * j:8 * j + 8] = d[:8] * 256 + d[8:]
+    return s
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_imma_operands_give_the_exact_integer_scores(g):
+    """The IMMA key product, mirrored from the kernel's code (query fragments, word splits, the transpose asm,
+    reshapes, the mma fragment layouts): each score (row r, column 8j + c) is exactly ``sum_k ci[r, k] code[slot,
+    k]`` for slot ``8c + (r // G) NT + j`` (the fp16 path's slot), the query rounded to 16 bits."""
+    import numpy as np
+
+    nt = g
+    rng = np.random.default_rng(20 + g)
+    kc = rng.integers(0, 256, (64, 32))
+    kw = _unit_columns8(kc)
+    w, q, c, b, e = np.meshgrid(range(2), range(4), range(8), range(4), range(2), indexing="ij")
+    words = kw[8 * b + 2 * q + e, 2 * c + w]
+    qf = torch.randn(g, 32, generator=torch.Generator().manual_seed(g)) * 5
+    frags, ci, unit = _np_imma_query(qf, g)
+    got = _np_imma_scores(words, frags, g)
+    row, col = np.meshgrid(range(8), range(8 * nt), indexing="ij")
+    slot = 8 * (col % 8) + (row // g) * nt + col // 8
+    want = (ci[row] * kc[slot]).sum(-1)
+    assert np.array_equal(got, want)
+    # the rounded query is the folded one to 16 bits of its largest coefficient
+    qrow = qf.numpy()[np.arange(8) % g]
+    assert np.abs(ci * float(unit) - qrow).max() <= float(unit) * 0.5001
+
+
+def test_imma_asm_is_one_mma_per_k_step_chained():
+    """``_imma_asm``: GROUPS ``mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32``, the first from zero, each later
+    one accumulating onto $0..$3; operands A = $(4 + 6g) .. +3, B = the next two."""
+    for groups in (1, 2, 4):
+        text = lam._imma_asm(groups)
+        mmas = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.u8\.s32 ([^;]*);", text)
+        assert len(mmas) == groups
+        for grp, m in enumerate(mmas):
+            a = 4 + 6 * grp
+            want = (f"{{$0, $1, $2, $3}}, {{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, {{${a + 4}, ${a + 5}}}, "
+                    + ("{z, z, z, z}" if grp == 0 else "{$0, $1, $2, $3}"))
+            assert m == want
+    assert str(getattr(lam._IMMA_CONSTRAINTS4, "value", lam._IMMA_CONSTRAINTS4)).count("r") == 28
+
+
+def _emulate8_imma(krows, vrows, off, head, qf):
+    """The 8-bit arithmetic with IMMA's key product: scores ``unit * sum_k ci_k code_k`` (exact in int32, uncentred
+    codes: :func:`test_imma_operands_give_the_exact_integer_scores`), times the slot's scale, plus its minimum times
+    ``unit * sum(ci)``; the value side as the fp16 path. (G, 32) value latent in coordinate order."""
+    import numpy as np
+
+    g = qf.shape[0]
+    f = parse_latent_format("int8/32")
+    hkv = len(off) - 1
+    t = krows.shape[0]
+    cb = f.code_bytes(off)
+    c0 = sum(cb[:head])
+    k_sb, k_mb = sum(cb) // 2, sum(cb) // 2 + hkv
+    ks, km, vs, vm = _fields(krows, vrows, head, k_sb, k_mb)
+    _frags, ci, unit = _np_imma_query(qf, g)
+    codes = krows[:, c0:c0 + 32].numpy().astype(np.int64)  # (t, 32) uncentred
+    raw = torch.tensor((ci[:g] @ codes.T).astype(np.float32)) * float(unit)  # (G, t), rows 0..G-1 = heads
+    sumc = torch.tensor(ci[:g].sum(-1).astype(np.float32)) * float(unit)
+    s = raw * ks + km * sumc[:, None]
+    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    vcodes = vrows[:, c0:c0 + 32].float() - 128.0
+    ve = 14 - math.floor(math.log2(float(vs.max())))
+    w32 = p * (vs * 2.0 ** ve)
+    w = w32.half().float() + (w32 - w32.half().float()).half().float()
+    wv = (w @ vcodes) / 2.0 ** ve
+    mins = (p * (vm + 128.0 * vs)).sum(-1, keepdim=True)
+    return (wv + mins) / p.sum(-1, keepdim=True)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), hkv=st.integers(1, 3), g=st.sampled_from([2, 4, 8]),
+       t=st.sampled_from([16, 32, 64]), q_scale=st.sampled_from([0.03, 0.3, 3.0]),
+       v_size=st.sampled_from([1.0, 1e-3]))
+def test_emulated_imma_arithmetic_matches_fp32_latent_attention(seed, hkv, g, t, q_scale, v_size):
+    """IMMA's 16-bit query and exact integer scores stay within the pass's 1e-3 of the fp32 latent attention while
+    the scores' spread is that of attention logits (q_scale 3 here: a standard deviation of about 35 log2 units, 24
+    nats). (Its error grows with the spread, about 2^-17 of it: the fp16 hi + lo path keeps 22 bits.)"""
+    krows, off = _rows(hkv, t, seed, fmt="int8/32")
+    vrows, _ = _rows(hkv, t, seed + 1, v_size, fmt="int8/32")
+    head = seed % hkv
+    qf = torch.randn(g, 32, generator=torch.Generator().manual_seed(seed + 2)) * q_scale
+    got = _emulate8_imma(krows, vrows, off, head, qf)
+    want = _attention8(krows, vrows, off, head, qf)
+    err = float((got - want).norm() / want.norm())
+    assert err <= 1e-3, err
+
+
+@pytest.mark.parametrize("g,page", [(4, 64), (2, 64), (8, 0)])
+def test_imma_compiles_for_sm90_with_fewer_instructions(g, page):
+    """``IMMA`` compiles for sm_90a without spills in the tile loop, issues integer mma (8 a tile) and no more than
+    the fp16 path's registers, and shortens the unmasked tile loop, where cuobjdump is bundled."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available, tile_loop
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    k = lam.compile_for_sm90(g, g, page, unit_major=True, bits=8, imma=True)
+    base = lam.compile_for_sm90(g, g, page, unit_major=True, bits=8, imma=False)
+    ptx = k.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32" in ptx
+    assert "m16n8k32" not in base.asm["ptx"]
+    stats, old = ptxas_stats(ptx), ptxas_stats(base.asm["ptx"])
+    assert stats["spill_store_bytes"] in (0, None) or stats["spill_store_bytes"] <= 8, stats["ptxas"]
+    if stats["registers"] is not None and old["registers"] is not None:
+        assert stats["registers"] <= old["registers"]
+    if not stats["sass"]:
+        pytest.skip("no cuobjdump bundled with this Triton")
+    loop = tile_loop(stats["sass"])
+    assert len(loop) < len(tile_loop(old["sass"]))
+    assert sum(1 for line in loop if "IMMA" in line) == 8
