@@ -1034,7 +1034,6 @@ def _emulate8_imma(krows, vrows, off, head, qf):
     g = qf.shape[0]
     f = parse_latent_format("int8/32")
     hkv = len(off) - 1
-    t = krows.shape[0]
     cb = f.code_bytes(off)
     c0 = sum(cb[:head])
     k_sb, k_mb = sum(cb) // 2, sum(cb) // 2 + hkv
