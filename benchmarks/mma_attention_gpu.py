@@ -51,7 +51,8 @@ TOL = 1e-3
 #: a query head (latent_attention_triton.FMA_MERGE_GPU_CHECKED), the unit-major pass's own query fold and split merge
 #: (latent_attention_mma.FOLD_GPU_CHECKED, MERGE_GPU_CHECKED; the merge in the pass replaces fmerge's launch).
 VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL", "fmerge": "CKVP_FMA_MERGE",
-               "fold": "CKVP_MMA_FOLD", "merge": "CKVP_MMA_MERGE", "pdlfold": "CKVP_PDL_FOLD", "imma": "CKVP_MMA_IMMA"}
+               "fold": "CKVP_MMA_FOLD", "merge": "CKVP_MMA_MERGE", "pdlfold": "CKVP_PDL_FOLD", "imma": "CKVP_MMA_IMMA",
+               "fpair": "CKVP_MMA_FIELD_PAIRS"}
 
 
 #: The latent loads' cache hint (``CKVP_MMA_HINT``, latent_attention_mma.load_hint), by variant part.

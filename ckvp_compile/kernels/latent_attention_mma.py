@@ -179,6 +179,12 @@ EARLY_TILE_GPU_CHECKED = True
 #: layouts.
 IMMA_GPU_CHECKED = False
 
+#: The unit-major kernel's four per-slot fp16 fields (key scale and min, value scale and min) built two slots a
+#: ``prmt`` (``FPAIR``, :func:`field_pairs`): the slots of column tiles j and j + 1 are adjacent bytes of one word of
+#: each byte column, so one ``prmt`` makes both fp16 (16 of a 64-slot tile's 32 ``prmt`` at G = 4). Off until
+#: checked on a GPU; ``CKVP_MMA_FIELD_PAIRS=1`` turns it on.
+FIELD_PAIRS_GPU_CHECKED = False
+
 
 def _switch(env_name: str, checked: bool) -> bool:
     """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
@@ -231,6 +237,12 @@ def int8_keys() -> bool:
     """Whether the unit-major kernel's 8-bit key product runs on the integer tensor cores (:data:`IMMA_GPU_CHECKED`,
     or ``CKVP_MMA_IMMA=1`` / ``0``). Raises nothing."""
     return _switch("CKVP_MMA_IMMA", IMMA_GPU_CHECKED)
+
+
+def field_pairs() -> bool:
+    """Whether the unit-major kernel builds its fp16 fields two slots a ``prmt`` (:data:`FIELD_PAIRS_GPU_CHECKED`,
+    or ``CKVP_MMA_FIELD_PAIRS=1`` / ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_FIELD_PAIRS", FIELD_PAIRS_GPU_CHECKED)
 
 
 def page_scan() -> bool:
@@ -955,10 +967,55 @@ def _unit_field(w, r, j: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: g
 
 
 @gluon.jit
-def _unit_fields(w, r, LS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr):
+def _fp16_pair_of_bytes(lo, hi, sel):
+    """Two fp16 from one ``prmt``: bytes ``sel`` of ``lo`` / ``hi`` per element (sel = t | (4 + t) << 4 | (t + 1) <<
+    8 | (5 + t) << 12: the fields of slots t and t + 1)."""
+    return gl.inline_asm_elementwise("{ .reg .b32 t; prmt.b32 t, $2, $3, $4; mov.b32 {$0, $1}, t; }",
+                                     "=h,=h,r,r,r", [lo, hi, sel], dtype=(gl.float16, gl.float16), is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _unit_field_pair(w, r, j: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr):
+    """:func:`_unit_field` of column tiles j and j + 1 (j even) by one ``prmt``: their slots are bytes t and t + 1
+    of one word (t = (grp NT + j) % 4 is even)."""
+    lo, hi = gl.split(w)
+    if NWS == 1:
+        lo = gl.reshape(lo, lo.shape[:-1])
+        hi = gl.reshape(hi, hi.shape[:-1])
+    else:
+        lo0, lo1 = gl.split(lo)
+        hi0, hi1 = gl.split(hi)
+        if j < 4:
+            lo = lo0
+            hi = hi0
+        else:
+            lo = lo1
+            hi = hi1
+    t = ((gl.convert_layout(r, lo.type.layout) // G) * NT + j) % 4
+    return _fp16_pair_of_bytes(lo, hi, t | ((4 + t) << 4) | ((t + 1) << 8) | ((5 + t) << 12))
+
+
+@gluon.jit
+def _unit_fields(w, r, LS: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr,
+                 FPAIR: gl.constexpr = False):
     """One per-slot fp16 field in the scores' layout (8 rows, 8 NT) fp32 from its words (see :func:`_unit_field`):
-    row r's column ``8j + 2q + e`` is slot ``8 (2q + e) + (r // G) NT + j``."""
-    if NT == 2:
+    row r's column ``8j + 2q + e`` is slot ``8 (2q + e) + (r // G) NT + j``. FPAIR (:func:`field_pairs`): two
+    column tiles a ``prmt`` (:func:`_unit_field_pair`)."""
+    if FPAIR:
+        f01 = _unit_field_pair(w, r, 0, G, NT, NWS)
+        if NT == 2:
+            z = gl.join(f01[0], f01[1])
+        elif NT == 4:
+            f23 = _unit_field_pair(w, r, 2, G, NT, NWS)
+            z = _join4(f01[0], f01[1], f23[0], f23[1])
+        else:
+            f23 = _unit_field_pair(w, r, 2, G, NT, NWS)
+            f45 = _unit_field_pair(w, r, 4, G, NT, NWS)
+            f67 = _unit_field_pair(w, r, 6, G, NT, NWS)
+            z = gl.join(_join4(f01[0], f01[1], f23[0], f23[1]), _join4(f45[0], f45[1], f67[0], f67[1]))
+            z = gl.reshape(gl.permute(z, [0, 1, 2, 4, 3]), [8, 4, 2, 8])
+    elif NT == 2:
         z = gl.join(_unit_field(w, r, 0, G, NT, NWS), _unit_field(w, r, 1, G, NT, NWS))
     elif NT == 4:
         z = _join4(_unit_field(w, r, 0, G, NT, NWS), _unit_field(w, r, 1, G, NT, NWS),
@@ -1241,7 +1298,8 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
                PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr, BITS: gl.constexpr = 4,
-               VPAIR: gl.constexpr = False, IMMA: gl.constexpr = False, IL: gl.constexpr = None):
+               VPAIR: gl.constexpr = False, IMMA: gl.constexpr = False, IL: gl.constexpr = None,
+               FPAIR: gl.constexpr = False):
     """One unit-major tile: the operands from the loaded words, then :func:`_online_step`.
 
     Keys: word (w, q, c, b) holds slots ``8c + 4w + t`` (t = 0..3) of code byte ``q + 4b`` (coordinates 2(q + 4b) + e):
@@ -1259,10 +1317,10 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
     ``16q + 8h + u`` with ``u = 4 dd + t = grp NT + 2m' + e'``, so bytes (t, t + 1) are the k pair e' = 0, 1 of
     (grp, m', h, q) (:func:`_dequant_quads`: prmt + sub.f16x2 a pair). IMMA (BITS 8): the key product on the
     integer tensor cores (:func:`_imma_scores`; ``ca`` the tuple of :func:`_imma_query`, IL its instance layout)."""
-    ksf = _unit_fields(ks, r_f, LS, G, NT, NWS)
-    kmf = _unit_fields(km, r_f, LS, G, NT, NWS)
-    vsf = _unit_fields(vs, r_f, LS, G, NT, NWS)
-    vmf = _unit_fields(vm, r_f, LS, G, NT, NWS)
+    ksf = _unit_fields(ks, r_f, LS, G, NT, NWS, FPAIR)
+    kmf = _unit_fields(km, r_f, LS, G, NT, NWS, FPAIR)
+    vsf = _unit_fields(vs, r_f, LS, G, NT, NWS, FPAIR)
+    vmf = _unit_fields(vm, r_f, LS, G, NT, NWS, FPAIR)
     if IMMA:
         gl.static_assert(BITS == 8, "IMMA: 8-bit codes only")
         kb = _imma_scores(wk, ca, GROUPS, NT, IL, LS)
@@ -1524,7 +1582,7 @@ def _mma_unit_kernel(
     stride_bvb=0, stride_bvh=0, stride_bvd=0, stride_bvr=0, stride_ob=0, stride_oh=0, stride_os=0, stride_od=0,
     FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
     Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
-    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0, IMMA: gl.constexpr = False,
+    HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0, IMMA: gl.constexpr = False, FPAIR: gl.constexpr = False,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1565,7 +1623,8 @@ def _mma_unit_kernel(
     BK_EXACT / BV_EXACT: the bases are bf16-exact (one tensor-core product, not hi + lo). HINT (:func:`load_hint`):
     the cache hint of the latent loads (lane loads). EARLY (:func:`early_tile`): the split's first tile prefetched
     into L2 (:func:`_prefetch_tile`) before the folded query is read. IMMA (:func:`int8_keys`; BITS 8, not FOLD):
-    the key product on the integer tensor cores (:func:`_imma_query`, :func:`_imma_scores`)."""
+    the key product on the integer tensor cores (:func:`_imma_query`, :func:`_imma_scores`). FPAIR
+    (:func:`field_pairs`): the per-slot fp16 fields two slots a ``prmt``."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1758,7 +1817,7 @@ def _mma_unit_kernel(
                 wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
                 m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
                                                     sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
-                                                    NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL)
+                                                    NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL, FPAIR)
             async_copy.wait_group(0)
     else:  # one tile loaded ahead of the one computed (the first before the query)
         for t in range(t_start, fast_end):
@@ -1772,7 +1831,7 @@ def _mma_unit_kernel(
                 tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
                                                 sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
-                                                NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL)
+                                                NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL, FPAIR)
     for t in range(fast_end, t_end):
         t0 = t * BT
         if PAGE > 0:
@@ -1789,7 +1848,7 @@ def _mma_unit_kernel(
             wk, wv, ks, km, vs, vm = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
-                                            PLO, True, True, BITS, VPAIR, IMMA, IL)
+                                            PLO, True, True, BITS, VPAIR, IMMA, IL, FPAIR)
     if PDL:  # the tiles are done: the merge may launch (it waits for this grid before it reads the partials)
         _gdc("launch_dependents")
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
@@ -1891,7 +1950,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
                      exact_bases: bool = True, hint: int | None = None, early: bool | None = None,
-                     imma: bool | None = None):
+                     imma: bool | None = None, fpair: bool | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1908,7 +1967,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             tokens and output, head dim 128); exact_bases: bf16 bases (one tensor-core product, not hi + lo); hint:
             the latent loads' cache hint (``HINT``; None: :func:`load_hint`); early: the first tile before the folded
             query in L2 (``EARLY``; None: :func:`early_tile`); imma: the 8-bit key product on the integer tensor
-            cores (``IMMA``; None: :func:`int8_keys`; 4-bit kernels and ``fold`` ignore it).
+            cores (``IMMA``; None: :func:`int8_keys`; 4-bit kernels and ``fold`` ignore it); fpair: the fp16
+            fields two slots a ``prmt`` (``FPAIR``; None: :func:`field_pairs`).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1932,7 +1992,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
         sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr",
-                   PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr", IMMA="constexpr")
+                   PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr", IMMA="constexpr", FPAIR="constexpr")
         sig.update({n: "*bf16" for n in ("q_ptr", "bk_ptr", "nk_ptr", "nv_ptr", "bv_ptr", "out_ptr")})
         sig.update(cnt_ptr="*i32", D="i32", qk_scale="fp32")
         sig.update({f"stride_{t}{x}": "i32" for t, xs in (("q", "bhsd"), ("bk", "bhdr"), ("nk", "bhsd"), ("nv", "bhsd"),
@@ -1954,6 +2014,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              HINT=load_hint() if hint is None else hint,
                                              EARLY=early_tile() if early is None else early,
                                              IMMA=bits == 8 and not fold and (int8_keys() if imma is None else imma),
+                                             FPAIR=field_pairs() if fpair is None else fpair,
                                              BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,

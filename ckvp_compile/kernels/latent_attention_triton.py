@@ -2949,7 +2949,7 @@ def _launch(
                 COL_V=latent_v.stride(-1), BITS=mma["BITS"], STAGES=cfg.stages_m, LANES=lam.lane_loads(),
                 PSCAN=lam.page_scan(),
                 VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
-                IMMA=imma,
+                IMMA=imma, FPAIR=lam.field_pairs(),
                 **({"launch_pdl": True} if pdl else {}),
                 **_reg_cap(cfg.maxnreg_m), **in_pass, HINT=lam.load_hint(),
                 **_prefetches(lam, latent_k, latent_v))

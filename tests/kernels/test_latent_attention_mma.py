@@ -1094,3 +1094,57 @@ def test_imma_compiles_for_sm90_with_fewer_instructions(g, page):
     loop = tile_loop(stats["sass"])
     assert len(loop) < len(tile_loop(old["sass"]))
     assert sum(1 for line in loop if "IMMA" in line) == 8
+
+
+# ---- the fp16 fields two slots a prmt (FPAIR)
+
+FPAIR_ASM = "{ .reg .b32 t; prmt.b32 t, $2, $3, $4; mov.b32 {$0, $1}, t; }"
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_field_pairs_read_the_named_slots(g):
+    """``_unit_field_pair``'s prmt (its own asm text) with its selector gives, for column tiles j and j + 1, the
+    fp16 field of slots ``16q + 8e + grp NT + j`` and ``.. + 1``: the same values as two ``_unit_field`` calls
+    (:func:`test_unit_major_operands_hold_the_named_codes` names them)."""
+    import numpy as np
+
+    assert FPAIR_ASM in lam._fp16_pair_of_bytes.src
+    assert "t | ((4 + t) << 4) | ((t + 1) << 8) | ((5 + t) << 12)" in lam._unit_field_pair.src
+    nt = g
+    rng = np.random.default_rng(30 + g)
+    f = rng.standard_normal(64).astype(np.float16)
+    fb = f.view(np.uint8).reshape(64, 2).T.reshape(2, 16, 4).astype(np.uint32)
+    fcol = fb[..., 0] | fb[..., 1] << 8 | fb[..., 2] << 16 | fb[..., 3] << 24  # (lo / hi, 16 words)
+    nws = 2 if nt == 8 else 1
+    r, q, e, wi, lh = np.meshgrid(range(8), range(4), range(2), range(nws), range(2), indexing="ij")
+    fw = fcol[lh, 4 * q + 2 * e + (r // g) * nt // 4 + wi]
+    rr = np.arange(8)[:, None, None] + np.zeros((8, 4, 2), int)
+    for j in range(0, nt, 2):
+        lo, hi = fw[..., 0], fw[..., 1]
+        lo, hi = (lo[..., 0], hi[..., 0]) if nws == 1 else (lo[..., j // 4], hi[..., j // 4])
+        t = ((rr // g) * nt + j) % 4
+        assert np.all(t % 2 == 0)
+        a, b = _asm_map(FPAIR_ASM, 2, lo, hi, t | ((4 + t) << 4) | ((t + 1) << 8) | ((5 + t) << 12))
+        for jj, got in ((j, a), (j + 1, b)):
+            qq, ee = np.meshgrid(range(4), range(2), indexing="ij")
+            slot = 16 * qq[None] + 8 * ee[None] + (np.arange(8)[:, None, None] // g) * nt + jj
+            assert np.array_equal(np.asarray(got, np.float16), f[slot])
+
+
+@pytest.mark.parametrize("g,imma", [(4, False), (4, True), (8, True)])
+def test_field_pairs_compile_for_sm90_with_fewer_instructions(g, imma):
+    """``FPAIR`` compiles for sm_90a without spills, halves the fields' ``prmt`` in the PTX, and shortens the
+    unmasked tile loop, where cuobjdump is bundled."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available, tile_loop
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    k = lam.compile_for_sm90(g, g, 64, unit_major=True, bits=8, imma=imma, fpair=True)
+    base = lam.compile_for_sm90(g, g, 64, unit_major=True, bits=8, imma=imma, fpair=False)
+    assert k.asm["ptx"].count("prmt.b32") < base.asm["ptx"].count("prmt.b32")
+    stats, old = ptxas_stats(k.asm["ptx"]), ptxas_stats(base.asm["ptx"])
+    assert stats["spill_store_bytes"] in (0, None) or stats["spill_store_bytes"] <= 8, stats["ptxas"]
+    if not stats["sass"]:
+        pytest.skip("no cuobjdump bundled with this Triton")
+    assert len(tile_loop(stats["sass"])) < len(tile_loop(old["sass"]))
