@@ -52,7 +52,7 @@ TOL = 1e-3
 #: (latent_attention_mma.FOLD_GPU_CHECKED, MERGE_GPU_CHECKED; the merge in the pass replaces fmerge's launch).
 VARIANT_ENV = {"vpair": "CKVP_MMA_VPAIR", "pscan": "CKVP_MMA_PAGE_SCAN", "pdl": "CKVP_PDL", "fmerge": "CKVP_FMA_MERGE",
                "fold": "CKVP_MMA_FOLD", "merge": "CKVP_MMA_MERGE", "pdlfold": "CKVP_PDL_FOLD", "imma": "CKVP_MMA_IMMA",
-               "fpair": "CKVP_MMA_FIELD_PAIRS"}
+               "fpair": "CKVP_MMA_FIELD_PAIRS", "vimma": "CKVP_MMA_VIMMA"}
 
 
 #: The latent loads' cache hint (``CKVP_MMA_HINT``, latent_attention_mma.load_hint), by variant part.

@@ -185,6 +185,14 @@ IMMA_GPU_CHECKED = False
 #: checked on a GPU; ``CKVP_MMA_FIELD_PAIRS=1`` turns it on.
 FIELD_PAIRS_GPU_CHECKED = False
 
+#: With ``IMMA`` at G = 4 or 8, the value product on the integer tensor cores too (``VIMMA``, :func:`int8_values`):
+#: the weights ``p * vscale`` as 16-bit fixed point per row and tile (the row's largest at 32512), packed by ``prmt``
+#: from the scores' registers into the s8 A fragment (high bytes rows 0..7, low bytes 8..15), the value code words as
+#: loaded the u8 B fragments (four slots of one coordinate a word: no conversion; the 64 ``prmt`` / ``sub.f16x2`` of
+#: the fp16 path go), 8 IMMA a tile instead of 16 HMMA, the tile's int32 product scaled into an fp32 accumulator of
+#: the true scale (no per-tile power of two). Off until checked on a GPU; ``CKVP_MMA_VIMMA=1`` turns it on.
+VIMMA_GPU_CHECKED = False
+
 
 def _switch(env_name: str, checked: bool) -> bool:
     """``checked``, unless the environment variable ``env_name`` is set (``1``: on, anything else: off)."""
@@ -243,6 +251,12 @@ def field_pairs() -> bool:
     """Whether the unit-major kernel builds its fp16 fields two slots a ``prmt`` (:data:`FIELD_PAIRS_GPU_CHECKED`,
     or ``CKVP_MMA_FIELD_PAIRS=1`` / ``0``). Raises nothing."""
     return _switch("CKVP_MMA_FIELD_PAIRS", FIELD_PAIRS_GPU_CHECKED)
+
+
+def int8_values() -> bool:
+    """Whether the unit-major kernel's 8-bit value product also runs on the integer tensor cores where the key
+    product does at G = 4 or 8 (:data:`VIMMA_GPU_CHECKED`, or ``CKVP_MMA_VIMMA=1`` / ``0``). Raises nothing."""
+    return _switch("CKVP_MMA_VIMMA", VIMMA_GPU_CHECKED)
 
 
 def page_scan() -> bool:
@@ -712,17 +726,23 @@ def _mma_attention_kernel(
 @gluon.jit
 def _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split,
                  LS: gl.constexpr, RV_PAD: gl.constexpr, UNIT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr,
-                 BITS: gl.constexpr = 4):
+                 BITS: gl.constexpr = 4, VIMMA: gl.constexpr = False):
     """Store the split's value latent (unnormalised), in the latent's coordinate order, and m, l per query head,
     at split ``c`` of ``n_split`` (rows ``((b Hkv + h) S + s_q) n_split + c``, G heads each). The slot groups' rows
     (8 = GROUPS x G) are merged first (the max of their m; l and the value latent rescaled to it, FlashDecoding's
     merge), so the merge kernel reads one split per program. Output column ``8i + n`` holds coordinate ``4n + i``
     (row-major pass) or ``2(n + 8 (i // 2)) + i % 2`` (unit-major; odd i carry 16 * (code - 8)) or ``8i + n``
-    (unit-major at BITS 8: column j is coordinate j); the weights carried vscale * 2^ve."""
-    o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
+    (unit-major at BITS 8: column j is coordinate j); the weights carried vscale * 2^ve. VIMMA: ``acc`` is already
+    the (8, RV) value latent in its true scale (:func:`_vimma_step`)."""
+    if VIMMA:
+        o = acc
+    else:
+        o = gl.sum(gl.reshape(acc, [2, 8, RV]), axis=0)
     LO: gl.constexpr = o.type.layout
     jo = gl.arange(0, RV, layout=gl.SliceLayout(0, LO))
-    if BITS == 8:
+    if VIMMA:
+        colf = gl.where(jo >= 0, 1.0, 1.0)
+    elif BITS == 8:
         colf = gl.where(jo >= 0, 1.0, 1.0) * _pow2(-ve)
     else:
         colf = gl.where((jo // 8) % 2 == 1, 0.0625, 1.0) * _pow2(-ve)
@@ -805,6 +825,15 @@ _T4_ASM = gl.constexpr(
     "prmt.b32 x2, $6, $7, 0x5140;\nprmt.b32 x3, $6, $7, 0x7362;\n"
     "prmt.b32 $0, x0, x2, 0x5410;\nprmt.b32 $1, x0, x2, 0x7632;\n"
     "prmt.b32 $2, x1, x3, 0x5410;\nprmt.b32 $3, x1, x3, 0x7632;\n}\n")
+
+
+# Four fp32-rounded integer weights w0..w3 ($2 .. $5, 0 <= w <= 32512) -> the s8 A fragment words of one k-quad:
+# $0 their low bytes (w & 255 read as s8 is w - 256 hi), $1 the low bytes of (w + 128) >> 8 (hi), byte i from w_i.
+_PACK_W_ASM = gl.constexpr(
+    "\n{\n.reg .b32 a, b, c, d, t0, t1;\n"
+    "add.s32 a, $2, 128;\nadd.s32 b, $3, 128;\nadd.s32 c, $4, 128;\nadd.s32 d, $5, 128;\n"
+    "prmt.b32 t0, $2, $3, 0x0040;\nprmt.b32 t1, $4, $5, 0x0040;\nprmt.b32 $0, t0, t1, 0x5410;\n"
+    "prmt.b32 t0, a, b, 0x0051;\nprmt.b32 t1, c, d, 0x0051;\nprmt.b32 $1, t0, t1, 0x5410;\n}\n")
 
 
 def _imma_asm(groups: int) -> str:
@@ -1294,12 +1323,110 @@ def _imma_scores(wk, qa, GROUPS: gl.constexpr, NT: gl.constexpr, IL: gl.constexp
 
 
 @gluon.jit
+def _pack_weights(w0, w1, w2, w3):
+    """:data:`_PACK_W_ASM` elementwise: (low-byte words, high-byte words) of four int32 weight tensors."""
+    return gl.inline_asm_elementwise(_PACK_W_ASM, "=r,=r,r,r,r,r", [w0, w1, w2, w3], dtype=(gl.int32, gl.int32),
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _vimma_a(lo, hi, on, VIL: gl.constexpr):
+    """One k-step's s8 A fragment for the value product from the (8 rows, 4 tig, 2 e) low / high byte words: (a0,
+    a1, a2, a3) = (hi e=0, lo e=0, hi e=1, lo e=1) as (1, 8, 4) in VIL, zero where ``on`` (rows) is false."""
+    AS: gl.constexpr = gl.SliceLayout(0, VIL)
+    h0, h1 = gl.split(gl.where(on, hi, 0))
+    l0, l1 = gl.split(gl.where(on, lo, 0))
+    return (gl.convert_layout(h0, AS)[None, :, :], gl.convert_layout(l0, AS)[None, :, :],
+            gl.convert_layout(h1, AS)[None, :, :], gl.convert_layout(l1, AS)[None, :, :])
+
+
+@gluon.jit
+def _vimma_step(s, wv, ksf, kmf, vsf, vmf, ok_s, sok, sumc, sumc8, k_unit, m_i, l_q, n_q, acc,
+                LS: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr,
+                VIL: gl.constexpr):
+    """One unit-major 8-bit tile with both products on the integer tensor cores (``VIMMA``; G = 4 or 8): the online
+    softmax of :func:`_online_step` on the raw scores ``s`` (:func:`_imma_scores`), then the value product with the
+    weights ``p * vscale`` as 16-bit fixed point per row and tile (``w = 256 hi + lo``, the row's largest at 32512:
+    s8 hi / lo rows of the A fragment, packed straight from the scores' registers) against the value code words as
+    they were loaded (u8 B fragments, no conversion): the k-quad of lane tig in k-step ks is column tiles ``4 ks ..
+    4 ks + 3`` (G = 8), or the slot group ks's four (G = 4, other rows zero), at column ``2 tig + e``: slots ``16 tig
+    + 8e + 4 ks + i``, byte i of the value words ``d = ks + 2e``. ``wv``: (4 d, 4 q, 8 n, 2 m, 2 e) value words
+    (coordinate ``n + 8 (2m + e)``, slots ``16 q + 4 d + t``). ``acc``: (8 rows, 32) fp32, column j = coordinate j,
+    in its true scale (no power of two); ``n_q`` sums ``p * vmin`` (uncentred codes)."""
+    if ZERO:
+        ksf = gl.where(sok, ksf, 0.0)
+        kmf = gl.where(sok, kmf, 0.0)
+        vsf = gl.where(sok, vsf, 0.0)
+        vmf = gl.where(sok, vmf, 0.0)
+    s = (s * k_unit + sumc8[:, None]) * ksf + kmf * sumc[:, None]
+    if MASKED:
+        s = gl.where(ok_s, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    al_q = gl.convert_layout(alpha, gl.SliceLayout(1, l_q.type.layout))[:, None]
+    l_q = l_q * al_q + gl.convert_layout(gl.sum(gl.sum(gl.reshape(p, [8, NT, 4, 2]), axis=3), axis=1),
+                                         l_q.type.layout)
+    n_q = n_q * al_q + gl.convert_layout(
+        gl.sum(gl.sum(gl.reshape(p * vmf, [8, NT, 4, 2]), axis=3), axis=1), n_q.type.layout)
+    pw = p * vsf
+    wmax = gl.max(pw, axis=1)  # (8,): the row's largest weight this tile
+    inv = gl.where(wmax > 0, 32512.0 / gl.where(wmax > 0, wmax, 1.0), 0.0)
+    wi = (pw * inv[:, None] + 0.5).to(gl.int32)  # (8, 8 NT) in [0, 32512]
+    # (row, j, tig, e) -> (row, tig, e, jh, jl1, jl0) with j = 4 jh + 2 jl1 + jl0
+    x = gl.permute(gl.reshape(wi, [8, NT // 4, 2, 2, 4, 2]), [0, 4, 5, 1, 2, 3])
+    xa, xb = gl.split(x)  # jl0 = 0, 1
+    x0, x2 = gl.split(xa)  # jl = 0, 2
+    x1, x3 = gl.split(xb)  # jl = 1, 3
+    lo, hi = _pack_weights(x0, x1, x2, x3)  # (8 row, 4 tig, 2 e, NT // 4 jh)
+    # value words -> per k-step the B fragment (words d = ks, d = 2 + ks): (nt = 2m + e, n, q)
+    y = gl.permute(gl.reshape(wv, [2, 2, 4, 8, 2, 2]), [4, 5, 3, 2, 0, 1])  # (m, e, n, q, dh, dl)
+    y = gl.reshape(y, [4, 8, 4, 2, 2])
+    y0, y1 = gl.split(y)  # dl = 0, 1: (nt, n, q, dh)
+    b00, b01 = gl.split(y0)  # ks 0: d = 0, 2
+    b10, b11 = gl.split(y1)  # ks 1: d = 1, 3
+    if NT == 4:  # k-step ks = slot group ks: its rows only
+        lo0 = gl.reshape(lo, [8, 4, 2])
+        hi0 = gl.reshape(hi, [8, 4, 2])
+        lo1 = lo0
+        hi1 = hi0
+        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, lo0.type.layout)))[:, None, None]
+        on0 = rows // G == 0
+        on1 = rows // G == 1
+    else:  # G = 8: k-step ks = column tiles 4 ks .. 4 ks + 3
+        lo0, lo1 = gl.split(lo)
+        hi0, hi1 = gl.split(hi)
+        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, lo0.type.layout)))[:, None, None]
+        on0 = rows >= 0
+        on1 = on0
+    a = _vimma_a(lo0, hi0, on0, VIL)
+    e = _vimma_a(lo1, hi1, on1, VIL)
+    d = gl.inline_asm_elementwise(
+        _IMMA_ASM2, _IMMA_CONSTRAINTS2,
+        [a[0], a[1], a[2], a[3], gl.convert_layout(b00, VIL), gl.convert_layout(b01, VIL),
+         e[0], e[1], e[2], e[3], gl.convert_layout(b10, VIL), gl.convert_layout(b11, VIL)],
+        dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    o0 = (d[0] * 256 + d[2]).to(gl.float32)  # (nt, row, tig): coordinate 8 nt + 2 tig
+    o1 = (d[1] * 256 + d[3]).to(gl.float32)  # + 1
+    o = gl.reshape(gl.permute(gl.join(o0, o1), [1, 0, 2, 3]), [8, 32])  # (row, 8 nt + 2 tig + f)
+    OA: gl.constexpr = o.type.layout
+    unit = gl.convert_layout(wmax * (1.0 / 32512.0), gl.SliceLayout(1, OA))
+    al_o = gl.convert_layout(alpha, gl.SliceLayout(1, OA))
+    acc = gl.convert_layout(acc, OA) * al_o[:, None] + o * unit[:, None]
+    return m_new, l_q, n_q, acc
+
+
+@gluon.jit
 def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc,
                L: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr, LS: gl.constexpr, KS: gl.constexpr,
                BT: gl.constexpr, NT: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, NWS: gl.constexpr,
                PLO: gl.constexpr, MASKED: gl.constexpr, ZERO: gl.constexpr, BITS: gl.constexpr = 4,
                VPAIR: gl.constexpr = False, IMMA: gl.constexpr = False, IL: gl.constexpr = None,
-               FPAIR: gl.constexpr = False):
+               FPAIR: gl.constexpr = False, VIMMA: gl.constexpr = False, VIL: gl.constexpr = None):
     """One unit-major tile: the operands from the loaded words, then :func:`_online_step`.
 
     Keys: word (w, q, c, b) holds slots ``8c + 4w + t`` (t = 0..3) of code byte ``q + 4b`` (coordinates 2(q + 4b) + e):
@@ -1316,40 +1443,50 @@ def _unit_step(wk, wv, ks, km, vs, vm, r_f, ok_s, sok, ca, sumc, sumc8, k_unit, 
     8): the value operand in the k order of :func:`_group_pairs`: word (d = 2h + dd, q, n, m, e) byte t is slot
     ``16q + 8h + u`` with ``u = 4 dd + t = grp NT + 2m' + e'``, so bytes (t, t + 1) are the k pair e' = 0, 1 of
     (grp, m', h, q) (:func:`_dequant_quads`: prmt + sub.f16x2 a pair). IMMA (BITS 8): the key product on the
-    integer tensor cores (:func:`_imma_scores`; ``ca`` the tuple of :func:`_imma_query`, IL its instance layout)."""
+    integer tensor cores (:func:`_imma_scores`; ``ca`` the tuple of :func:`_imma_query`, IL its instance layout).
+    VIMMA (with IMMA, G = 4 or 8): the value product too (:func:`_vimma_step`; ``acc`` (8, 32) in its layout, VIL
+    the value product's instance layout); returns ``ve`` unchanged."""
     ksf = _unit_fields(ks, r_f, LS, G, NT, NWS, FPAIR)
     kmf = _unit_fields(km, r_f, LS, G, NT, NWS, FPAIR)
     vsf = _unit_fields(vs, r_f, LS, G, NT, NWS, FPAIR)
     vmf = _unit_fields(vm, r_f, LS, G, NT, NWS, FPAIR)
-    if IMMA:
-        gl.static_assert(BITS == 8, "IMMA: 8-bit codes only")
+    if VIMMA:
+        gl.static_assert(BITS == 8 and IMMA, "VIMMA: with IMMA")
         kb = _imma_scores(wk, ca, GROUPS, NT, IL, LS)
+        m_i, l_q, n_q, acc = _vimma_step(kb, wv, ksf, kmf, vsf, vmf, ok_s, sok, sumc, sumc8, k_unit, m_i, l_q, n_q,
+                                         acc, LS, NT, G, MASKED, ZERO, VIL)
+        out = (m_i, l_q, n_q, acc, ve)
     else:
-        if BITS == 8:
-            ka, kb_ = gl.split(wk)  # (2 w, 4 q, 8 c, 4 b), e = 0 / 1
-            x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+        if IMMA:
+            gl.static_assert(BITS == 8, "IMMA: 8-bit codes only")
+            kb = _imma_scores(wk, ca, GROUPS, NT, IL, LS)
         else:
-            x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
-        x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
-        kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
-    if BITS == 8 and VPAIR:  # value words (4 d, 4 q, 8 n, 2 cm, 2 ce): coordinate n + 16 cm + 8 ce
-        y = gl.reshape(_dequant_quads(wv), [2, 2, 4, 8, 2, 2, 4])  # (h, dd, q, n, cm, ce, t)
-        y = gl.reshape(gl.permute(y, [0, 2, 3, 4, 5, 1, 6]), [2, 4, 8, 2, 2, GROUPS, NT // 2, 2])  # u -> (grp, m, e)
-        y = gl.permute(y, [5, 6, 0, 1, 7, 3, 4, 2])  # (grp, m, h, q, e, cm, ce, n)
-        vb = gl.convert_layout(gl.reshape(y, [BT, RV]), BL)
-    elif BITS == 8:  # value words (4 d, 4 q, 8 n, 2 m, 2 e) -> a: d = 0, 1; b: d = 2, 3
-        v = gl.reshape(gl.permute(wv, [1, 2, 3, 4, 0]), [4, 8, 2, 2, 2, 2])  # (q, n, m, e, d // 2, d % 2)
-        va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 3, 5, 4]))  # (q, n, m, e, d % 2)
-        y = gl.permute(_dequant_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])  # (q, n, m, d, 4 t, 2 e, 2 ab)
-    else:  # value words (4 d, 4 q, 8 n, 2 m) -> a: d = 0, 1; b: d = 2, 3
-        v = gl.reshape(gl.permute(wv, [1, 2, 3, 0]), [4, 8, 2, 2, 2])  # (q, n, m, d // 2, d % 2)
-        va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 4, 3]))  # (q, n, m, d % 2)
-        y = _dequant_pairs(va, vb_)  # (q, n, m, d, 4 t, 2 e, 2 ab)
-    if not (BITS == 8 and VPAIR):
-        y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
-        vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
-    return _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L,
-                        AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0, VPAIR, IMMA)
+            if BITS == 8:
+                ka, kb_ = gl.split(wk)  # (2 w, 4 q, 8 c, 4 b), e = 0 / 1
+                x = _dequant_bytes(ka, kb_)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+            else:
+                x = _dequant_column(wk)  # (2 w, 4 q, 8 c, 4 b, 4 t, 2 e)
+            x = gl.reshape(gl.permute(x, [0, 4, 3, 1, 5, 2]), [GROUPS, NT, 2, 2, 4, 2, 8])  # (grp, j, s, h, q, e, c)
+            kb = gl.convert_layout(gl.reshape(gl.permute(x, [0, 2, 3, 4, 5, 1, 6]), [KS, 8 * NT]), BL)
+        if BITS == 8 and VPAIR:  # value words (4 d, 4 q, 8 n, 2 cm, 2 ce): coordinate n + 16 cm + 8 ce
+            y = gl.reshape(_dequant_quads(wv), [2, 2, 4, 8, 2, 2, 4])  # (h, dd, q, n, cm, ce, t)
+            y = gl.reshape(gl.permute(y, [0, 2, 3, 4, 5, 1, 6]), [2, 4, 8, 2, 2, GROUPS, NT // 2, 2])  # u -> (grp, m, e)
+            y = gl.permute(y, [5, 6, 0, 1, 7, 3, 4, 2])  # (grp, m, h, q, e, cm, ce, n)
+            vb = gl.convert_layout(gl.reshape(y, [BT, RV]), BL)
+        elif BITS == 8:  # value words (4 d, 4 q, 8 n, 2 m, 2 e) -> a: d = 0, 1; b: d = 2, 3
+            v = gl.reshape(gl.permute(wv, [1, 2, 3, 4, 0]), [4, 8, 2, 2, 2, 2])  # (q, n, m, e, d // 2, d % 2)
+            va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 3, 5, 4]))  # (q, n, m, e, d % 2)
+            y = gl.permute(_dequant_bytes(va, vb_), [0, 1, 2, 4, 5, 3, 6])  # (q, n, m, d, 4 t, 2 e, 2 ab)
+        else:  # value words (4 d, 4 q, 8 n, 2 m) -> a: d = 0, 1; b: d = 2, 3
+            v = gl.reshape(gl.permute(wv, [1, 2, 3, 0]), [4, 8, 2, 2, 2])  # (q, n, m, d // 2, d % 2)
+            va, vb_ = gl.split(gl.permute(v, [0, 1, 2, 4, 3]))  # (q, n, m, d % 2)
+            y = _dequant_pairs(va, vb_)  # (q, n, m, d, 4 t, 2 e, 2 ab)
+        if not (BITS == 8 and VPAIR):
+            y = gl.reshape(gl.permute(y, [3, 4, 0, 6, 2, 5, 1]), [GROUPS, NT, 4, 2, 2, 2, 8])  # (grp, j, q, ab, m, e, n)
+            vb = gl.convert_layout(gl.reshape(gl.permute(y, [1, 0, 2, 3, 4, 5, 6]), [BT, RV]), BL)
+        out = _online_step(kb, vb, ksf, kmf, vsf, vmf, ok_s, sok, ca, sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L,
+                           AL, LS, BT, NT, G, GROUPS, PLO, MASKED, ZERO, 128.0 if BITS == 8 else 8.0, VPAIR, IMMA)
+    return out
 
 
 # ---- the fold and the merge inside the unit-major pass (FOLD, MERGE)
@@ -1583,6 +1720,7 @@ def _mma_unit_kernel(
     FOLD: gl.constexpr = False, MERGE: gl.constexpr = False, D_PAD: gl.constexpr = 128,
     Q_EXACT: gl.constexpr = True, BK_EXACT: gl.constexpr = True, BV_EXACT: gl.constexpr = True,
     HINT: gl.constexpr = 0, EARLY: gl.constexpr = 0, IMMA: gl.constexpr = False, FPAIR: gl.constexpr = False,
+    VIMMA: gl.constexpr = False,
 ):
     """:func:`_mma_attention_kernel` for unit-major latents (``latent_layout.LAYOUTS``): each byte column of a
     sequence's (page's) slots contiguous, COL_K / COL_V bytes apart (S_max, or the page size; multiples of 64).
@@ -1624,7 +1762,8 @@ def _mma_unit_kernel(
     the cache hint of the latent loads (lane loads). EARLY (:func:`early_tile`): the split's first tile prefetched
     into L2 (:func:`_prefetch_tile`) before the folded query is read. IMMA (:func:`int8_keys`; BITS 8, not FOLD):
     the key product on the integer tensor cores (:func:`_imma_query`, :func:`_imma_scores`). FPAIR
-    (:func:`field_pairs`): the per-slot fp16 fields two slots a ``prmt``."""
+    (:func:`field_pairs`): the per-slot fp16 fields two slots a ``prmt``. VIMMA (:func:`int8_values`; with IMMA, G
+    = 4 or 8): the value product on the integer tensor cores too (:func:`_vimma_step`)."""
     NT: gl.constexpr = G
     GROUPS: gl.constexpr = 8 // G
     KS: gl.constexpr = RK * GROUPS
@@ -1672,6 +1811,10 @@ def _mma_unit_kernel(
     # IMMA's instance layout: (NT n-tiles, 8 c, 4 q), lane 4c + q (the B fragment's column c, the scores' row c)
     IL: gl.constexpr = gl.BlockedLayout(size_per_thread=[NT, 1, 1], threads_per_warp=[1, 8, 4],
                                         warps_per_cta=[1, 1, 1], order=[2, 1, 0])
+    # VIMMA's: (4 n-tiles of value coordinates, 8 gid, 4 tig)
+    VIL: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1, 1], threads_per_warp=[1, 8, 4],
+                                         warps_per_cta=[1, 1, 1], order=[2, 1, 0])
+    gl.static_assert(not VIMMA or (IMMA and (G == 4 or G == 8) and not MERGE), "VIMMA: with IMMA, G = 4 or 8")
 
     # ---- per-program word offsets from the tile's first slot. Scores' (row, col = 8j + c) read slot 8c + grp NT + j
     tok_s = (cols % 8)[None, :] * 8 + (rows // G)[:, None] * NT + (cols // 8)[None, :]
@@ -1737,7 +1880,11 @@ def _mma_unit_kernel(
     LQ: gl.constexpr = gl.sum(gl.sum(gl.reshape(zero_s0, [8, NT, 4, 2]), axis=3), axis=1).type.layout
     l_q = gl.zeros([8, 4], gl.float32, LQ)
     n_q = gl.zeros([8, 4], gl.float32, LQ)
-    acc = gl.zeros([ROWS, RV], gl.float32, L)
+    if VIMMA:  # (8 rows, 32) in the value product's output layout (_vimma_step)
+        zv = gl.zeros([4, 8, 4], gl.float32, VIL)
+        acc = gl.reshape(gl.permute(gl.join(zv, zv), [1, 0, 2, 3]), [8, 32])
+    else:
+        acc = gl.zeros([ROWS, RV], gl.float32, L)
     ve = 14 + gl.program_id(0) * 0
 
     t_start, t_end, fast_end = _split_tiles(c, tiles_per_split, kv_len, slots_ptr, n_exact, BT)
@@ -1817,7 +1964,7 @@ def _mma_unit_kernel(
                 wk, wv, ks, km, vs, vm = _unit_staged(smem, j % STAGES, KREG, VREG, FWL)
                 m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
                                                     sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
-                                                    NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL, FPAIR)
+                                                    NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL, FPAIR, VIMMA, VIL)
             async_copy.wait_group(0)
     else:  # one tile loaded ahead of the one computed (the first before the query)
         for t in range(t_start, fast_end):
@@ -1831,7 +1978,7 @@ def _mma_unit_kernel(
                 tile_a = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
             m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, all_s, all_s & (idx_c >= 0), ca,
                                                 sumc, sumc8, k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT,
-                                                NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL, FPAIR)
+                                                NT, G, GROUPS, NWS, PLO, False, ZFAST, BITS, VPAIR, IMMA, IL, FPAIR, VIMMA, VIL)
     for t in range(fast_end, t_end):
         t0 = t * BT
         if PAGE > 0:
@@ -1848,11 +1995,11 @@ def _mma_unit_kernel(
             wk, wv, ks, km, vs, vm = _tile_load(lk_w, lv_w, kb1, vb1, koff, voff, foff_k, foff_v)
         m_i, l_q, n_q, acc, ve = _unit_step(wk, wv, ks, km, vs, vm, r_sel, ok_s, ok_s & (idx1 >= 0), ca, sumc, sumc8,
                                             k_unit, ve, m_i, l_q, n_q, acc, L, AL, BL, LS, KS, BT, NT, G, GROUPS, NWS,
-                                            PLO, True, True, BITS, VPAIR, IMMA, IL, FPAIR)
+                                            PLO, True, True, BITS, VPAIR, IMMA, IL, FPAIR, VIMMA, VIL)
     if PDL:  # the tiles are done: the merge may launch (it waits for this grid before it reads the partials)
         _gdc("launch_dependents")
     _store_split(acc, n_q, l_q, m_i, ve, acc_ptr, m_ptr, l_ptr, b, h, s_q, c, Hkv, S, n_split, LS, RV_PAD, True, G,
-                 GROUPS, BITS)
+                 GROUPS, BITS, VIMMA)
     if MERGE:
         _barrier()  # every lane's partial stores precede the release below
         row = (b * Hkv + h) * S + s_q
@@ -1950,7 +2097,7 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
                      exact_bases: bool = True, hint: int | None = None, early: bool | None = None,
-                     imma: bool | None = None, fpair: bool | None = None):
+                     imma: bool | None = None, fpair: bool | None = None, vimma: bool | None = None):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -1968,7 +2115,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             the latent loads' cache hint (``HINT``; None: :func:`load_hint`); early: the first tile before the folded
             query in L2 (``EARLY``; None: :func:`early_tile`); imma: the 8-bit key product on the integer tensor
             cores (``IMMA``; None: :func:`int8_keys`; 4-bit kernels and ``fold`` ignore it); fpair: the fp16
-            fields two slots a ``prmt`` (``FPAIR``; None: :func:`field_pairs`).
+            fields two slots a ``prmt`` (``FPAIR``; None: :func:`field_pairs`); vimma: the value product on the
+            integer tensor cores too (``VIMMA``; None: :func:`int8_values`; only with IMMA at G = 4 or 8).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -1992,7 +2140,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
     if unit_major:  # columns of a 4096-slot static cache, or of a page
         sig = {k: v for k, v in sig.items() if k not in ("NT", "ROW_K", "ROW_V")}
         sig.update(COL_K="constexpr", COL_V="constexpr", BITS="constexpr", STAGES="constexpr", LANES="constexpr",
-                   PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr", IMMA="constexpr", FPAIR="constexpr")
+                   PSCAN="constexpr", VPAIR="constexpr", PDL="constexpr", IMMA="constexpr", FPAIR="constexpr",
+                   VIMMA="constexpr")
         sig.update({n: "*bf16" for n in ("q_ptr", "bk_ptr", "nk_ptr", "nv_ptr", "bv_ptr", "out_ptr")})
         sig.update(cnt_ptr="*i32", D="i32", qk_scale="fp32")
         sig.update({f"stride_{t}{x}": "i32" for t, xs in (("q", "bhsd"), ("bk", "bhdr"), ("nk", "bhsd"), ("nv", "bhsd"),
@@ -2015,6 +2164,9 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                                              EARLY=early_tile() if early is None else early,
                                              IMMA=bits == 8 and not fold and (int8_keys() if imma is None else imma),
                                              FPAIR=field_pairs() if fpair is None else fpair,
+                                             VIMMA=bits == 8 and not fold and not merge and group in (4, 8)
+                                             and (int8_keys() if imma is None else imma)
+                                             and (int8_values() if vimma is None else vimma),
                                              BV_EXACT=exact_bases))
     else:
         src = GluonASTSource(_mma_attention_kernel, sig, attrs=attrs,

@@ -2943,13 +2943,15 @@ def _launch(
                        k_sb // 2, k_mb // 2, v_sb // 2, v_mb // 2, latent_k.stride(0) // 4, latent_v.stride(0) // 4)
         if mma["UNIT"]:
             imma = mma["BITS"] == 8 and not fold_in and lam.int8_keys()
+            vimma = imma and g in (4, 8) and not merge_in and lam.int8_values()
             _LAST_LAUNCH["mma_imma"] = imma
+            _LAST_LAUNCH["mma_vimma"] = vimma
             _LAST_LAUNCH["mma_kernel"] = lam._mma_unit_kernel[(hkv, n_split_m, b * s)](
                 *common_args, G=g, RV_PAD=rv_pad, PAGE=common["PAGE"], PLO=True, COL_K=latent_k.stride(-1),
                 COL_V=latent_v.stride(-1), BITS=mma["BITS"], STAGES=cfg.stages_m, LANES=lam.lane_loads(),
                 PSCAN=lam.page_scan(),
                 VPAIR=mma["BITS"] == 8 and lam.value_pairs(), PDL=pdl, num_warps=1,
-                IMMA=imma, FPAIR=lam.field_pairs(),
+                IMMA=imma, FPAIR=lam.field_pairs(), VIMMA=vimma,
                 **({"launch_pdl": True} if pdl else {}),
                 **_reg_cap(cfg.maxnreg_m), **in_pass, HINT=lam.load_hint(),
                 **_prefetches(lam, latent_k, latent_v))

@@ -28,9 +28,10 @@ def run_dequant_asm(asm: str, word: int) -> list[float]:
 
 def run_asm(asm: str, inputs: list[int], n_out: int, words: bool = False) -> list:
     """Execute ``asm`` (an inline-asm body with ``n_out`` 16-bit fp16 outputs ``$0 ..`` and 32-bit inputs
-    ``$n_out ..``), reading the six instructions the dequantization asm uses: ``mov.b32`` of an immediate or into a
-    pair of halves, ``lop3.b32``, ``shr.u32``, ``prmt.b32`` (default mode, immediate or register selector) and
-    ``sub.f16x2`` (fp16 subtraction, rounded as numpy's float16 rounds).
+    ``$n_out ..``), reading the instructions the dequantization and packing asm use: ``mov.b32`` of an immediate or
+    into a pair of halves, ``lop3.b32``, ``shr.u32``, ``add.s32`` (register or decimal immediate, modulo 2^32),
+    ``prmt.b32`` (default mode, immediate or register selector) and ``sub.f16x2`` (fp16 subtraction, rounded as
+    numpy's float16 rounds).
 
     Args:
         asm: the PTX text; inputs: the input words, as ints (their low 32 bits are used); n_out: the outputs;
@@ -39,7 +40,7 @@ def run_asm(asm: str, inputs: list[int], n_out: int, words: bool = False) -> lis
     Returns:
         The outputs as Python floats (each an fp16 value), or as ints (``words``).
     Raises:
-        AssertionError: an instruction outside those six (the reader would silently mis-evaluate it).
+        AssertionError: an instruction outside those (the reader would silently mis-evaluate it).
         KeyError: a register read before it is written.
     Source: the PTX ISA's definitions of these instructions (``lop3``'s truth table indexed by a, b, c bits;
     ``prmt``'s selector nibbles picking bytes 0..7 of {b, a}, the nibble's bit 3 replicating the sign).
@@ -70,6 +71,9 @@ def run_asm(asm: str, inputs: list[int], n_out: int, words: bool = False) -> lis
             a, b, c, lut = val(args[1]), val(args[2]), val(args[3]), int(args[4], 16)
             regs[args[0]] = sum(((lut >> (((a >> i) & 1) * 4 + ((b >> i) & 1) * 2 + ((c >> i) & 1))) & 1) << i
                                 for i in range(32))
+        elif op == "add.s32":
+            regs[args[0]] = (val(args[1]) + (int(args[2]) if args[2].lstrip("-").isdigit() else val(args[2]))) \
+                & 0xFFFFFFFF
         elif op == "shr.u32":
             regs[args[0]] = val(args[1]) >> int(args[2])
         elif op == "prmt.b32":

@@ -1148,3 +1148,158 @@ def test_field_pairs_compile_for_sm90_with_fewer_instructions(g, imma):
     if not stats["sass"]:
         pytest.skip("no cuobjdump bundled with this Triton")
     assert len(tile_loop(stats["sass"])) < len(tile_loop(old["sass"]))
+
+
+# ---- the value product on the integer tensor cores too (VIMMA)
+
+PACKW = str(getattr(lam._PACK_W_ASM, "value", lam._PACK_W_ASM))
+
+
+@settings(max_examples=25, deadline=None)
+@given(w=st.lists(st.integers(0, 32512), min_size=4, max_size=4))
+@example(w=[0, 32512, 127, 128])
+def test_weight_pack_asm_splits_each_weight_into_s8_bytes(w):
+    """``_PACK_W_ASM`` on weights w0..w3: byte i of output 0 (lo) and of output 1 (hi) read as s8 give ``w_i = 256
+    hi + lo`` with hi in [0, 127] and lo in [-128, 127]."""
+    lo, hi = run_asm(PACKW, w, 2, words=True)
+    for i in range(4):
+        b_lo, b_hi = _s8((lo >> 8 * i) & 0xFF), _s8((hi >> 8 * i) & 0xFF)
+        assert 0 <= b_hi <= 127 and 256 * b_hi + b_lo == w[i]
+
+
+def _np_vimma(pw, words, g):
+    """``_vimma_step``'s value product mirrored: the weights (8 rows, 8 NT) fp32 (the scores' layout) rounded per row
+    to 16 bits, split and packed by the kernel's asm, masked by slot group, the value words (4 d, 4 q, 8 n, 2 m,
+    2 e) split into the B fragments as the kernel splits them, and ``mma.m16n8k32`` by the PTX ISA's fragment
+    layouts: ((8, 32) ints ``256 d_hi + d_lo``, column j = coordinate j; the rounded weights (8, 8 NT))."""
+    import numpy as np
+
+    nt = g
+    pw = pw.astype(np.float32)
+    wmax = pw.max(1)
+    inv = np.where(wmax > 0, np.float32(32512.0) / np.where(wmax > 0, wmax, 1).astype(np.float32), 0).astype(np.float32)
+    wi = np.floor((pw * inv[:, None]).astype(np.float32) + np.float32(0.5)).astype(np.int64)
+    x = wi.reshape(8, nt // 4, 2, 2, 4, 2).transpose(0, 4, 5, 1, 2, 3)  # (row, tig, e, jh, jl1, jl0)
+    xa, xb = x[..., 0], x[..., 1]
+    xs = [xa[..., 0], xb[..., 0], xa[..., 1], xb[..., 1]]  # jl = 0, 1, 2, 3
+    flat = [a.reshape(-1) for a in xs]
+    res = np.array([run_asm(PACKW, [int(f[k]) for f in flat], 2, words=True) for k in range(flat[0].size)])
+    lo, hi = res[:, 0].reshape(xs[0].shape), res[:, 1].reshape(xs[0].shape)  # (row, tig, e, jh)
+    y = words.reshape(2, 2, 4, 8, 2, 2).transpose(4, 5, 3, 2, 0, 1).reshape(4, 8, 4, 2, 2)  # (nt, n, q, dh, dl)
+    bs = [(y[..., 0][..., 0], y[..., 0][..., 1]), (y[..., 1][..., 0], y[..., 1][..., 1])]  # ks: (b0, b1)
+    rows = np.arange(8)[:, None, None]
+    if nt == 4:
+        parts = [(lo[..., 0], hi[..., 0], rows // g == ks) for ks in range(2)]
+    else:
+        parts = [(lo[..., ks], hi[..., ks], rows >= 0) for ks in range(2)]
+    out = np.zeros((8, 32), np.int64)
+    for t in range(4):  # value n-tile: coordinates 8t ..
+        d = np.zeros((16, 8), np.int64)
+        for ks, (lo_k, hi_k, on) in enumerate(parts):
+            hm, lm = np.where(on, hi_k, 0), np.where(on, lo_k, 0)  # (row, tig, e), as the kernel masks them
+            frag = [hm[..., 0], lm[..., 0], hm[..., 1], lm[..., 1]]
+            a = np.zeros((16, 32), np.int64)
+            bm = np.zeros((32, 8), np.int64)
+            for gid in range(8):
+                for tig in range(4):
+                    for i in range(4):
+                        byte = lambda w_: (int(w_) >> (8 * i)) & 0xFF  # noqa: E731
+                        a[gid, 4 * tig + i] = _s8(byte(frag[0][gid, tig]))
+                        a[gid + 8, 4 * tig + i] = _s8(byte(frag[1][gid, tig]))
+                        a[gid, 16 + 4 * tig + i] = _s8(byte(frag[2][gid, tig]))
+                        a[gid + 8, 16 + 4 * tig + i] = _s8(byte(frag[3][gid, tig]))
+                        bm[4 * tig + i, gid] = byte(bs[ks][0][t, gid, tig])
+                        bm[16 + 4 * tig + i, gid] = byte(bs[ks][1][t, gid, tig])
+            d += a @ bm
+        out[:, 8 * t:8 * t + 8] = d[:8] * 256 + d[8:]
+    return out, wi
+
+
+@pytest.mark.parametrize("g", [4, 8])
+def test_vimma_operands_give_the_exact_integer_products(g):
+    """The value product on the integer tensor cores, mirrored from the kernel's code: output (row r, coordinate j)
+    is exactly ``sum_slots w[r, slot] code[slot, j]`` over row r's slots (slot ``16 tig + 8e + (r // G) NT + jj``
+    of its weight column ``8 jj + 2 tig + e``), the weights rounded to 16 bits of the row's largest."""
+    import numpy as np
+
+    nt = g
+    rng = np.random.default_rng(40 + g)
+    vc = rng.integers(0, 256, (64, 32))
+    vw = _unit_columns8(vc)
+    dd, q, n, m, e = np.meshgrid(range(4), range(4), range(8), range(2), range(2), indexing="ij")
+    words = vw[n + 16 * m + 8 * e, 4 * q + dd]
+    pw = rng.random((8, 8 * nt)) ** 3 * rng.choice([1.0, 1e-3, 1e3], (8, 1))
+    got, wi = _np_vimma(pw, words, g)
+    row, col = np.meshgrid(range(8), range(8 * nt), indexing="ij")
+    jj, tig, ee = col // 8, (col % 8) // 2, col % 2
+    slot = 16 * tig + 8 * ee + (row // g) * nt + jj
+    want = np.zeros((8, 32), np.int64)
+    for r in range(8):
+        want[r] = (wi[r][:, None] * vc[slot[r]]).sum(0)
+    assert np.array_equal(got, want)
+    assert wi.max() <= 32512 and wi.min() >= 0
+
+
+def _emulate8_vimma(krows, vrows, off, head, qf):
+    """The 8-bit arithmetic with both products on the integer tensor cores: IMMA's scores (as
+    :func:`_emulate8_imma`), the weights ``p * vscale`` rounded to 16 bits of their largest (one tile: t slots),
+    the uncentred value codes, the minima through ``sum(p * vmin)``. (G, 32) value latent."""
+    import numpy as np
+
+    g = qf.shape[0]
+    f = parse_latent_format("int8/32")
+    hkv = len(off) - 1
+    cb = f.code_bytes(off)
+    c0 = sum(cb[:head])
+    k_sb, k_mb = sum(cb) // 2, sum(cb) // 2 + hkv
+    ks, km, vs, vm = _fields(krows, vrows, head, k_sb, k_mb)
+    _frags, ci, unit = _np_imma_query(qf, g)
+    codes = krows[:, c0:c0 + 32].numpy().astype(np.int64)
+    raw = torch.tensor((ci[:g] @ codes.T).astype(np.float32)) * float(unit)
+    sumc = torch.tensor(ci[:g].sum(-1).astype(np.float32)) * float(unit)
+    s = raw * ks + km * sumc[:, None]
+    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    pw = (p * vs).numpy().astype(np.float32)
+    wmax = pw.max(1, keepdims=True)
+    wi = np.floor(pw * (np.float32(32512.0) / wmax) + np.float32(0.5))
+    vcodes = vrows[:, c0:c0 + 32].numpy().astype(np.float64)
+    o = torch.tensor((wi @ vcodes) * (wmax / 32512.0))
+    return ((o + (p * vm).sum(-1, keepdim=True)) / p.sum(-1, keepdim=True)).float()
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), hkv=st.integers(1, 3), g=st.sampled_from([4, 8]),
+       t=st.sampled_from([16, 32, 64]), q_scale=st.sampled_from([0.03, 0.3, 3.0]),
+       v_size=st.sampled_from([1.0, 1e-3]))
+def test_emulated_vimma_arithmetic_matches_fp32_latent_attention(seed, hkv, g, t, q_scale, v_size):
+    """Both products on the integer tensor cores (16-bit query, 16-bit weights) within 1e-3 of the fp32 latent
+    attention (score spreads of attention logits, as :func:`test_emulated_imma_arithmetic_matches_fp32_latent_attention`)."""
+    krows, off = _rows(hkv, t, seed, fmt="int8/32")
+    vrows, _ = _rows(hkv, t, seed + 1, v_size, fmt="int8/32")
+    head = seed % hkv
+    qf = torch.randn(g, 32, generator=torch.Generator().manual_seed(seed + 2)) * q_scale
+    got = _emulate8_vimma(krows, vrows, off, head, qf)
+    want = _attention8(krows, vrows, off, head, qf)
+    err = float((got - want).norm() / want.norm())
+    assert err <= 1e-3, err
+
+
+@pytest.mark.parametrize("g", [4, 8])
+def test_vimma_compiles_for_sm90_with_fewer_instructions(g):
+    """``VIMMA`` compiles for sm_90a without spills, issues 16 integer mma a tile (keys and values) and no fp16 mma
+    in the tile loop, and shortens it against IMMA alone, where cuobjdump is bundled."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available, tile_loop
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    k = lam.compile_for_sm90(g, g, 64, unit_major=True, bits=8, imma=True, fpair=True, vimma=True)
+    base = lam.compile_for_sm90(g, g, 64, unit_major=True, bits=8, imma=True, fpair=True, vimma=False)
+    stats, old = ptxas_stats(k.asm["ptx"]), ptxas_stats(base.asm["ptx"])
+    assert stats["spill_store_bytes"] in (0, None), stats["ptxas"]
+    if not stats["sass"]:
+        pytest.skip("no cuobjdump bundled with this Triton")
+    loop = tile_loop(stats["sass"])
+    assert len(loop) < len(tile_loop(old["sass"]))
+    assert sum(1 for line in loop if "IMMA" in line) == 16
+    assert not any("HMMA" in line for line in loop)
