@@ -14,9 +14,9 @@ A=vpair+pscan+fmerge+evict+pdl+pre
 MMA_CASES=${CASES:-30} MMA_LARGE=0 timeout ${CHECK_S:-120} python3 benchmarks/mma_attention_gpu.py --check --formats int8/32 \
   --variants $A+imma+fpair+vimma,$A+imma+fpair,$A+imma --check-variants $A+imma+fpair+vimma,$A+imma+fpair --out $R/check > $R/check.log 2>&1
 echo "check rc=$?"; grep -c "^ok" $R/check.log; grep "^BAD\|rror\|Traceback" $R/check.log | head -5; tail -3 $R/check.log
-timeout ${SWEEP_S:-150} python3 benchmarks/mma_attention_gpu.py --sweep --out $R/sweep --shapes ${SHAPES:-8:32768,32:32768,8:131072,32:131072} \
+timeout ${SWEEP_S:-150} python3 benchmarks/mma_attention_gpu.py --sweep --out $R/sweep --shapes ${SHAPES:-8:32768,32:32768,8:131072} \
   --block-ns 64 --layouts unit-major@64 --formats int8/32 --programs 2112 --stages 0 \
-  --variants $A,$A+imma+fpair,$A+imma+fpair+vimma,$A,$A+imma+fpair,$A+imma+fpair+vimma > $R/sweep.log 2>&1
+  --variants $A,$A+imma+fpair+vimma,$A+imma+fpair,$A,$A+imma+fpair+vimma > $R/sweep.log 2>&1
 echo "sweep rc=$?"
 grep '"b"' $R/sweep.log | python3 -c "
 import json,sys
