@@ -172,11 +172,12 @@ EARLY_TILE_GPU_CHECKED = True
 #: slot (four coordinates each), which are ``mma.m16n8k32``'s u8 B operand as they are; the folded query as 16-bit
 #: fixed point, its high and low bytes the s8 A operand's rows 0..7 and 8..15 (the hi / lo rows of the fp16 path),
 #: the score ``256 hi + lo`` exact in int32. Per 64-slot tile: 8 IMMA instead of 16 HMMA, 32 PRMT instead of 96
-#: conversion instructions (prmt, lop3, sub.f16x2), plus one IMAD and one I2F a score: about 40 SASS fewer of the
-#: 550 (offline sm_90a, :func:`compile_for_sm90` with ``imma=True``). The query carries 16 bits instead of the
-#: fp16 pair's 22 (the scores' error about 2^-16 of the largest coefficient times the latent's size). Off until
-#: checked on a GPU; ``CKVP_MMA_IMMA=1`` turns it on. Source: the PTX ISA's ``mma.m16n8k32`` .s8 / .u8 fragment
-#: layouts.
+#: conversion instructions (prmt, lop3, sub.f16x2), plus one IMAD and one I2F a score: 485 SASS a tile instead of
+#: 550 at G = 4, 128 registers (offline sm_90a, :func:`compile_for_sm90` with ``imma=True``;
+#: benchmarks/results/2026-12-07-session49). The query carries 16 bits instead of the fp16 pair's 22 (a score's
+#: error about 2^-17 of the scores' spread: within 1e-3 of the fp32 attention at the spreads of attention logits,
+#: emulated on CPU). Off until checked on a GPU; ``CKVP_MMA_IMMA=1`` turns it on. Source: the PTX ISA's
+#: ``mma.m16n8k32`` .s8 / .u8 fragment layouts.
 IMMA_GPU_CHECKED = False
 
 #: The unit-major kernel's four per-slot fp16 fields (key scale and min, value scale and min) built two slots a
