@@ -22,7 +22,7 @@ grep '"b"' $R/sweep.log | python3 -c "
 import json,sys
 for l in sys.stdin:
     r=json.loads(l); print(r['b'], r['t'], r['variant'].replace('vpair+pscan+fmerge+evict+pdl+pre', 'A'), 'regs', r.get('regs'), round(r['ms']*1e3,1), 'us', round(r['speedup_over_byte_ratio'],3), r.get('kernel_us'))"
-for v in 1 0; do
+for v in ${BENCH_RUNS-1 0}; do
   CKVP_MMA_IMMA=$v CKVP_MMA_FIELD_PAIRS=$v CKVP_MMA_VIMMA=$v timeout ${BENCH_S:-80} python3 -m ckvp_compile.bench.cli attention --key-space post_rope --heads 32:8 --batches 8 32 \
     --contexts 32768 131072 --formats int8/32:32 --cuda-graphs --latent-layout unit-major --page-size 64 \
     --json $R/attention-imma$v.json --out $R/attention-imma$v.md > $R/bench$v.log 2>&1
