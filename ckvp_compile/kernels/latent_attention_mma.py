@@ -176,8 +176,10 @@ EARLY_TILE_GPU_CHECKED = True
 #: 550 at G = 4, 128 registers (offline sm_90a, :func:`compile_for_sm90` with ``imma=True``;
 #: benchmarks/results/2026-12-07-session49). The query carries 16 bits instead of the fp16 pair's 22 (a score's
 #: error about 2^-17 of the scores' spread: within 1e-3 of the fp32 attention at the spreads of attention logits,
-#: emulated on CPU). Off until checked on a GPU; ``CKVP_MMA_IMMA=1`` turns it on. Source: the PTX ISA's
-#: ``mma.m16n8k32`` .s8 / .u8 fragment layouts.
+#: emulated on CPU). On an H100 (benchmarks/results/2026-12-07-session49, r2 and r3) correct with FPAIR and VIMMA
+#: (17 cases, 1e-5 to 3.9e-4) and about 1% of a call faster at batch 8 and 32, 32k (2.7% / 1% of the pass): off
+#: until the H200, where the pass falls short, gains clearly; ``CKVP_MMA_IMMA=1`` turns it on. Source: the PTX
+#: ISA's ``mma.m16n8k32`` .s8 / .u8 fragment layouts.
 IMMA_GPU_CHECKED = False
 
 #: The unit-major kernel's four per-slot fp16 fields (key scale and min, value scale and min) built two slots a
