@@ -22,6 +22,12 @@ without a GPU, and benchmarks/mma_attention_gpu.py checks the kernel itself agai
 * the switches still off until a GPU check (``VPAIR``: 8-bit value slot pairs from one word in a permuted k order;
   ``PSCAN``: unmapped pages to the masked loop): the quad asm, the arithmetic with its operands, a numpy mirror of
   the permuted k order (P @ V equals the per-group products), and their sm_90a builds (no spills, shorter loop).
+* the integer tensor-core switches, off until an H200 shows a gain (``IMMA``: the 8-bit key product as
+  ``mma.m16n8k32`` on transposed u8 code words, the query as 16-bit s8 hi / lo rows; ``VIMMA``: the value product
+  too, 16-bit weights packed from the scores' registers, the loaded value words as they are; ``FPAIR``: two slots'
+  fp16 fields a ``prmt``): their asm read instruction by instruction, numpy mirrors of the kernel's operand code
+  through the PTX fragment layouts (exact integer scores and products), the arithmetic within 1e-3 of the fp32
+  attention at the score spreads of attention logits, and their sm_90a builds (no spills, shorter loops).
 """
 
 from __future__ import annotations
