@@ -977,10 +977,9 @@ def _fp16_of_bytes(lo, hi, sel):
 
 
 @gluon.jit
-def _unit_field(w, r, j: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr):
-    """Column tile j's values of one fp16 field from its words ``w`` (8 r, 4 q, 2 e, NWS, 2 lo / hi byte): the slot
-    ``16q + 8e + grp NT + j`` sits in word ``(grp NT + j) // 4`` (of the NWS loaded from ``(grp NT) // 4`` on),
-    byte ``(grp NT + j) % 4``. Returns (8 r, 4 q, 2 e) fp16."""
+def _field_words(w, j: gl.constexpr, NWS: gl.constexpr):
+    """The low-byte and high-byte words (8 r, 4 q, 2 e) of a field's words ``w`` (8 r, 4 q, 2 e, NWS, 2 lo / hi)
+    that hold column tile j's slots (word j // 4 of two at G = 8)."""
     lo, hi = gl.split(w)
     if NWS == 1:
         lo = gl.reshape(lo, lo.shape[:-1])
@@ -994,6 +993,15 @@ def _unit_field(w, r, j: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: g
         else:
             lo = lo1
             hi = hi1
+    return lo, hi
+
+
+@gluon.jit
+def _unit_field(w, r, j: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr):
+    """Column tile j's values of one fp16 field from its words ``w`` (8 r, 4 q, 2 e, NWS, 2 lo / hi byte): the slot
+    ``16q + 8e + grp NT + j`` sits in word ``(grp NT + j) // 4`` (of the NWS loaded from ``(grp NT) // 4`` on),
+    byte ``(grp NT + j) % 4``. Returns (8 r, 4 q, 2 e) fp16."""
+    lo, hi = _field_words(w, j, NWS)
     t = ((gl.convert_layout(r, lo.type.layout) // G) * NT + j) % 4
     return _fp16_of_bytes(lo, hi, t | ((4 + t) << 4))
 
@@ -1011,19 +1019,7 @@ def _fp16_pair_of_bytes(lo, hi, sel):
 def _unit_field_pair(w, r, j: gl.constexpr, G: gl.constexpr, NT: gl.constexpr, NWS: gl.constexpr):
     """:func:`_unit_field` of column tiles j and j + 1 (j even) by one ``prmt``: their slots are bytes t and t + 1
     of one word (t = (grp NT + j) % 4 is even)."""
-    lo, hi = gl.split(w)
-    if NWS == 1:
-        lo = gl.reshape(lo, lo.shape[:-1])
-        hi = gl.reshape(hi, hi.shape[:-1])
-    else:
-        lo0, lo1 = gl.split(lo)
-        hi0, hi1 = gl.split(hi)
-        if j < 4:
-            lo = lo0
-            hi = hi0
-        else:
-            lo = lo1
-            hi = hi1
+    lo, hi = _field_words(w, j, NWS)
     t = ((gl.convert_layout(r, lo.type.layout) // G) * NT + j) % 4
     return _fp16_pair_of_bytes(lo, hi, t | ((4 + t) << 4) | ((t + 1) << 8) | ((5 + t) << 12))
 

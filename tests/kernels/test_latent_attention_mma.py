@@ -1031,10 +1031,11 @@ def test_imma_asm_is_one_mma_per_k_step_chained():
     assert str(getattr(lam._IMMA_CONSTRAINTS4, "value", lam._IMMA_CONSTRAINTS4)).count("r") == 28
 
 
-def _emulate8_imma(krows, vrows, off, head, qf):
-    """The 8-bit arithmetic with IMMA's key product: scores ``unit * sum_k ci_k code_k`` (exact in int32, uncentred
-    codes: :func:`test_imma_operands_give_the_exact_integer_scores`), times the slot's scale, plus its minimum times
-    ``unit * sum(ci)``; the value side as the fp16 path. (G, 32) value latent in coordinate order."""
+def _imma_weights(krows, vrows, off, head, qf):
+    """IMMA's softmax weights for one (KV head, query token) over ``int8/32`` rows: scores ``unit * sum_k ci_k
+    code_k`` (exact in int32, uncentred codes: :func:`test_imma_operands_give_the_exact_integer_scores`) times the
+    slot's scale, plus its minimum times ``unit * sum(ci)``; returns (p (G, t) unnormalised, value scale (t,),
+    value min (t,), the head's first code byte)."""
     import numpy as np
 
     g = qf.shape[0]
@@ -1049,7 +1050,14 @@ def _emulate8_imma(krows, vrows, off, head, qf):
     raw = torch.tensor((ci[:g] @ codes.T).astype(np.float32)) * float(unit)  # (G, t), rows 0..G-1 = heads
     sumc = torch.tensor(ci[:g].sum(-1).astype(np.float32)) * float(unit)
     s = raw * ks + km * sumc[:, None]
-    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    return torch.exp2(s - s.amax(-1, keepdim=True)), vs, vm, c0
+
+
+def _emulate8_imma(krows, vrows, off, head, qf):
+    """The 8-bit arithmetic with IMMA's key product: scores ``unit * sum_k ci_k code_k`` (exact in int32, uncentred
+    codes: :func:`test_imma_operands_give_the_exact_integer_scores`), times the slot's scale, plus its minimum times
+    ``unit * sum(ci)``; the value side as the fp16 path. (G, 32) value latent in coordinate order."""
+    p, vs, vm, c0 = _imma_weights(krows, vrows, off, head, qf)
     vcodes = vrows[:, c0:c0 + 32].float() - 128.0
     ve = 14 - math.floor(math.log2(float(vs.max())))
     w32 = p * (vs * 2.0 ** ve)
@@ -1252,19 +1260,7 @@ def _emulate8_vimma(krows, vrows, off, head, qf):
     the uncentred value codes, the minima through ``sum(p * vmin)``. (G, 32) value latent."""
     import numpy as np
 
-    g = qf.shape[0]
-    f = parse_latent_format("int8/32")
-    hkv = len(off) - 1
-    cb = f.code_bytes(off)
-    c0 = sum(cb[:head])
-    k_sb, k_mb = sum(cb) // 2, sum(cb) // 2 + hkv
-    ks, km, vs, vm = _fields(krows, vrows, head, k_sb, k_mb)
-    _frags, ci, unit = _np_imma_query(qf, g)
-    codes = krows[:, c0:c0 + 32].numpy().astype(np.int64)
-    raw = torch.tensor((ci[:g] @ codes.T).astype(np.float32)) * float(unit)
-    sumc = torch.tensor(ci[:g].sum(-1).astype(np.float32)) * float(unit)
-    s = raw * ks + km * sumc[:, None]
-    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    p, vs, vm, c0 = _imma_weights(krows, vrows, off, head, qf)
     pw = (p * vs).numpy().astype(np.float32)
     wmax = pw.max(1, keepdims=True)
     wi = np.floor(pw * (np.float32(32512.0) / wmax) + np.float32(0.5))
