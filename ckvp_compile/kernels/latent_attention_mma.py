@@ -2096,7 +2096,8 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                      pscan: bool | None = None, vpair: bool | None = None,
                      maxnreg: int | None = None, pdl: bool = False, fold: bool = False, merge: bool = False,
                      exact_bases: bool = True, hint: int | None = None, early: bool | None = None,
-                     imma: bool | None = None, fpair: bool | None = None, vimma: bool | None = None):
+                     imma: bool | None = None, fpair: bool | None = None, vimma: bool | None = None,
+                     one_token: bool = False):
     """Compile the MMA kernel for sm_90a without a GPU (Triton's ahead-of-time path; for tests and SASS reading).
 
     Args:
@@ -2115,7 +2116,10 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
             query in L2 (``EARLY``; None: :func:`early_tile`); imma: the 8-bit key product on the integer tensor
             cores (``IMMA``; None: :func:`int8_keys`; 4-bit kernels and ``fold`` ignore it); fpair: the fp16
             fields two slots a ``prmt`` (``FPAIR``; None: :func:`field_pairs`); vimma: the value product on the
-            integer tensor cores too (``VIMMA``; None: :func:`int8_values`; only with IMMA at G = 4 or 8).
+            integer tensor cores too (``VIMMA``; None: :func:`int8_values`; only with IMMA at G = 4 or 8); one_token:
+            ``S`` and ``n_exact`` as the constant 1, as Triton specialises a one-query-token decode launch (its
+            integer arguments equal to 1): the kernel such a launch runs, whose register count can differ (the
+            unit-major 8-bit kernel with IMMA, FPAIR and VIMMA at G = 4: 106 registers without, 128 with).
     Returns:
         Triton's compiled kernel (``asm["ptx"]``, ``asm["ttgir"]``, ``metadata.shared``).
     Raises:
@@ -2151,9 +2155,11 @@ def compile_for_sm90(group: int = 4, nt: int = 4, page: int = 0, row_k: int = 40
                    BV_EXACT="constexpr", HINT="constexpr", EARLY="constexpr")
         attrs.update({(i,): [["tt.divisibility", 16]] for i in range(36, 44)})  # q_ptr .. cnt_ptr, D
         col = page or 4096
+        if one_token:  # (keys keep their order: the attributes above index the signature)
+            sig.update(S="constexpr", n_exact="constexpr")
         src = GluonASTSource(_mma_unit_kernel, sig, attrs=attrs,
                              constexprs=dict(G=group, RV_PAD=32, PAGE=page, PLO=True, COL_K=col, COL_V=col,
-                                             BITS=bits, STAGES=stages,
+                                             BITS=bits, STAGES=stages, **({"S": 1, "n_exact": 1} if one_token else {}),
                                              LANES=lane_loads() if lanes is None else lanes,
                                              PSCAN=page_scan() if pscan is None else pscan,
                                              VPAIR=bits == 8 and (value_pairs() if vpair is None else vpair),

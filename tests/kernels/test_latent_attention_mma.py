@@ -1305,3 +1305,21 @@ def test_vimma_compiles_for_sm90_with_fewer_instructions(g):
     assert len(loop) < len(tile_loop(old["sass"]))
     assert sum(1 for line in loop if "IMMA" in line) == 16
     assert not any("HMMA" in line for line in loop)
+
+
+def test_one_token_launch_with_register_cap_compiles_without_spills():
+    """As a one-token decode launch specialises it (``S = n_exact = 1``), the G = 4 kernel with IMMA, FPAIR and
+    VIMMA takes 128 registers on its own and fits a cap of 112 without spills (18 one-warp programs an SM instead
+    of 16: the ``maxnreg_m`` the H200 sweep of benchmarks/results/2026-12-07-session50 times)."""
+    from ckvp_compile.testing.sm90 import ptxas_stats, sm90_compile_available
+
+    why = sm90_compile_available()
+    if why:
+        pytest.skip(why)
+    kw = dict(unit_major=True, bits=8, pdl=True, imma=True, fpair=True, vimma=True, one_token=True)
+    free = ptxas_stats(lam.compile_for_sm90(4, 4, 64, **kw).asm["ptx"])
+    capped = ptxas_stats(lam.compile_for_sm90(4, 4, 64, maxnreg=112, **kw).asm["ptx"])
+    if free["registers"] is None or capped["registers"] is None:
+        pytest.skip("ptxas did not report registers")
+    assert capped["registers"] <= 112 < free["registers"], (free["ptxas"], capped["ptxas"])
+    assert capped["spill_store_bytes"] in (0, None), capped["ptxas"]
