@@ -81,6 +81,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt:
+        p.error("--prompt must not be empty: give at least one character of text to continue")
     if args.dense and args.kv_ratio is not None:
         p.error("--dense keeps a dense cache and --kv-ratio asks for a latent one: give one of them")
     if args.kv_ratio is None and not args.dense:

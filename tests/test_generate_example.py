@@ -34,6 +34,7 @@ def example(monkeypatch):
     (["--kv-ratio", "0.5"], "--kv-ratio must be a finite number >= 1"),
     (["--kv-ratio", "nan"], "--kv-ratio must be a finite number >= 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt="], "--prompt must not be empty"),
     (["--budget-len", "0"], "--budget-len must be >= 1"),
     (["--recent-window", "-1"], "--recent-window must be >= 0"),
     (["--recent-window", "4096"], "--recent-window 4096 must be below --budget-len 4096"),

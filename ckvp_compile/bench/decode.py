@@ -744,6 +744,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.measure_windows is not None:
         if "measured" not in opts or fmt != "planned":
             p.error("--measure-windows is for --latent-format planned+measured")
+        if a.calib_windows < 1:
+            p.error(f"--calib-windows must be >= 1, got {a.calib_windows}")
         if not 1 <= a.measure_windows <= a.calib_windows:
             p.error(f"--measure-windows must be in 1..--calib-windows ({a.calib_windows}), got {a.measure_windows}")
     if a.baselines and a.shape != "fixture":

@@ -771,6 +771,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if not Path(args.from_json).is_file():
             parser.error(f"--from-json {args.from_json!r}: no such file")
         return
+    for name in ("window", "calib_windows", "eval_windows", "chunk", "batch"):
+        if getattr(args, name) < (2 if name == "window" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'window' else 1}, "
+                         f"got {getattr(args, name)}")
     if args.measure_windows is None:
         args.measure_windows = min(8, args.calib_windows)
     if not 1 <= args.measure_windows <= args.calib_windows:
@@ -782,10 +786,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--max-key-rank: " + max_key_rank_error(args.max_key_rank))
     if args.rank_block is not None and rank_block_error(args.rank_block):
         parser.error("--rank-block: " + rank_block_error(args.rank_block))
-    for name in ("window", "calib_windows", "eval_windows", "chunk", "batch"):
-        if getattr(args, name) < (2 if name == "window" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'window' else 1}, "
-                         f"got {getattr(args, name)}")
     if not Path(args.model).is_dir():
         parser.error(f"--model {args.model!r}: not a model directory")
     if any(not r >= 1 for r in args.kv_ratios):  # (nan too)

@@ -486,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="calibration windows a '+measured' config's planner measures on (default 8)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.calib_windows < 1:
+        p.error(f"--calib-windows must be >= 1, got {args.calib_windows}")
     if not 1 <= args.measure_windows <= args.calib_windows:
         p.error(f"--measure-windows must be in 1..--calib-windows ({args.calib_windows})")
     from transformers import AutoModelForCausalLM

@@ -32,7 +32,8 @@ Time budget: rows run in order (shape, batch, system); once ``--budget-s`` secon
 rows are recorded as skipped (never silently dropped). Compiles use dynamic=False (one autotune per batch);
 Inductor's local autotune cache makes a second run faster.
 
-``--tiny`` runs the same code path on tiny shapes (CPU smoke test: Inductor on CPU, no timing claims).
+``--tiny`` runs the same code path on tiny shapes (CPU smoke test: Inductor on CPU, no timing claims);
+``--device cpu`` requires it (a usage error, exit status 2, otherwise).
 Source: the method of benchmarks/moe_gpu.py (H200 runs in benchmarks/results/2026-11-29-moe-h200).
 """
 
@@ -262,6 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--device {args.device!r}: {e}")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available (--device cpu --tiny runs the smoke test)")
+    if device.type == "cpu" and not args.tiny:
+        p.error("--device cpu needs --tiny: on CPU nothing is timed and the full expert shapes (e.g. OLMoE's 64 "
+                "experts at batch 64) would run for minutes in GBs of memory. Fix: add --tiny for the CPU smoke "
+                "test, or run with --device cuda on a GPU machine")
     if bad_path := output_path_error({"--json": args.json, "--out": args.out}):
         p.error(bad_path)
     command = "ckvp-bench moe " + " ".join(sys.argv[2:] if argv is None else argv)

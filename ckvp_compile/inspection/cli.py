@@ -169,7 +169,7 @@ def _check_writable(path: str | None, flag: str) -> None:
         return
     target = Path(path)
     if target.is_dir():
-        example = str(target / f"report.{flag.lstrip('-')}")
+        example = str(target / {"--html": "report.html", "--json": "report.json"}.get(flag, "bases.safetensors"))
         raise _UsageError(f"{flag} {path!r} is a directory; give a file name, e.g. {example!r}")
     parent = target.resolve().parent
     if not parent.exists():

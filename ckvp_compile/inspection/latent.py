@@ -153,10 +153,12 @@ def calibration_samples(model: torch.nn.Module, opts: LatentInspectOptions) -> t
     """Return the calibration samples, (1, sample_len) int64 token ids on the model's device, and a description.
 
     Random ids (seed :data:`CALIBRATION_SEED`) without ``opts.text``; else consecutive windows of the text's ids
-    (UTF-8 bytes when the vocabulary has 256 entries, else the tokenizer saved beside the model).
+    (the file's raw bytes when the vocabulary has 256 entries, else its UTF-8 text through the tokenizer saved beside
+    the model).
 
     Raises:
-        CKVPConfigError: the text is too short for one window, or no tokenizer can be loaded for it.
+        CKVPConfigError: the text is too short for one window, not UTF-8 (for a tokenizer), or no tokenizer can be
+        loaded for it.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     vocab = int(model.config.vocab_size)
@@ -165,19 +167,26 @@ def calibration_samples(model: torch.nn.Module, opts: LatentInspectOptions) -> t
         gen = torch.Generator().manual_seed(CALIBRATION_SEED)
         samples = [torch.randint(0, vocab, (1, s), generator=gen).to(device) for _ in range(n)]
         return samples, f"{n} x {s} random tokens (seed {CALIBRATION_SEED})"
-    text = Path(opts.text).read_text(encoding="utf-8", errors="replace")
-    ids = _encode(model, text, vocab)
+    ids = _encode(model, Path(opts.text), vocab)
     windows = [ids[i:i + s] for i in range(0, len(ids) - s + 1, s)][:n]
     if not windows:
         raise CKVPConfigError(f"calibration text {str(opts.text)!r} has {len(ids)} tokens, fewer than one sample "
-                              f"of {s}; pass a longer text or lower the sample length")
+                              f"of {s}; pass a text of at least {s} tokens, leave the text out (random tokens), or "
+                              "lower LatentInspectOptions.sample_len")
     samples = [torch.tensor([w], dtype=torch.int64, device=device) for w in windows]
     return samples, f"{len(samples)} x {s} tokens of {Path(opts.text).name}"
 
 
-def _encode(model: torch.nn.Module, text: str, vocab: int) -> list[int]:
+def _encode(model: torch.nn.Module, path: Path, vocab: int) -> list[int]:
+    """The file's token ids: its raw bytes for a 256-entry (byte-level) vocabulary, as the fixture's scripts read
+    it, else its UTF-8 text through the model's tokenizer (CKVPConfigError when the file is not UTF-8)."""
     if vocab == 256:
-        return list(text.encode("utf-8"))
+        return list(path.read_bytes())
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CKVPConfigError(f"calibration text {str(path)!r} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                              "pass a UTF-8 text file for this model's tokenizer") from None
     source = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
     try:
         from transformers import AutoTokenizer

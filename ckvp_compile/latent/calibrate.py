@@ -482,7 +482,9 @@ def _normalise(t: torch.Tensor, hkv: int, d: int, layer: int, kind: str) -> torc
     if t.dim() == 4 and t.shape[2] == hkv and t.shape[3] == d:
         return t.transpose(1, 2)
     raise CKVPError(f"layer {layer}: the recorded {kind} has shape {tuple(t.shape)}, expected (B, {hkv}, S, {d}) "
-                    f"or (B, S, {hkv}, {d}); this graph form is not supported by calibrate")
+                    f"or (B, S, {hkv}, {d}); this graph form is not supported by calibrate (e.g. values whose head "
+                    f"dim differs from the keys'). Fix: use a dense cache for this model (HF's StaticCache or "
+                    f"DynamicCache; backend='ckvp' still compiles it, without the latent rewrite)")
 
 
 # ----------------------------------------------------------------------------------------------------------

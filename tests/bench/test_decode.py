@@ -294,6 +294,10 @@ def test_usage_errors(capsys):
     assert "planned+measured" in capsys.readouterr().err
     assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "planned+measured", "--calib-windows", "4",
                       "--measure-windows", "5"]) == 2
+    capsys.readouterr()
+    assert bench_cli(["decode", "--shape", "fixture", "--latent-format", "planned+measured", "--calib-windows", "0",
+                      "--measure-windows", "1"]) == 2
+    assert "--calib-windows must be >= 1, got 0" in capsys.readouterr().err
     assert bench_cli(["decode", "--shape", "tiny", "--systems", "dense"]) == 2
     assert "unknown system 'dense'" in capsys.readouterr().err
     assert bench_cli(["decode", "--report", "x.json"]) == 2

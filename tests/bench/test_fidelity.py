@@ -106,6 +106,17 @@ def test_bench_cli_usage_errors():
     assert bench_cli([]) == 2 and bench_cli(["nope"]) == 2 and bench_cli(["--help"]) == 0
 
 
+def test_fidelity_names_the_bad_window_count(capsys):
+    """A calibration window count below 1 is reported as such, not as a --measure-windows range error."""
+    import pytest
+
+    for n in ("0", "-3"):
+        with pytest.raises(SystemExit) as exc:
+            bench_cli(["fidelity", "--calib-windows", n])
+        assert exc.value.code == 2
+        assert f"--calib-windows must be >= 1, got {n}" in capsys.readouterr().err
+
+
 def test_plot_draws_the_results_and_the_goals(tmp_path):
     """plot_results writes a PNG with one line per (G, allocation, format) and the 4x / 8x / 16x goal bars."""
     import pytest

@@ -45,3 +45,10 @@ def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_cpu_without_tiny_is_a_usage_error(capsys):
+    """On CPU the full shapes would run for minutes untimed: ``--device cpu`` needs ``--tiny`` (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["moe", "--device", "cpu"])
+    assert exc.value.code == 2 and "--device cpu needs --tiny" in capsys.readouterr().err

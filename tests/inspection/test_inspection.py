@@ -460,6 +460,26 @@ def tiny_latent(tmp_path_factory):
     return root / "model", root / "bases.safetensors", model, bases
 
 
+def test_calibration_text_is_read_as_bytes_for_a_byte_vocabulary(tmp_path):
+    """A byte-level model (256 ids) calibrates on the file's raw bytes, as the fixture's scripts read it (invalid
+    UTF-8 kept, not replaced by U+FFFD's three bytes); a tokenizer model refuses a file that is not UTF-8."""
+    import types
+
+    from ckvp_compile.errors import CKVPConfigError
+    from ckvp_compile.inspection.latent import LatentInspectOptions, calibration_samples
+
+    raw = bytes(range(256)) * 2  # every byte value, invalid UTF-8 included
+    path = tmp_path / "bytes.txt"
+    path.write_bytes(raw)
+    model = torch.nn.Linear(1, 1)
+    model.config = types.SimpleNamespace(vocab_size=256)
+    samples, _ = calibration_samples(model, LatentInspectOptions(kv_ratio=4, text=str(path), num_samples=16))
+    assert torch.cat(samples, 1)[0].tolist() == list(raw)
+    model.config = types.SimpleNamespace(vocab_size=1000, _name_or_path="")
+    with pytest.raises(CKVPConfigError, match="is not UTF-8"):
+        calibration_samples(model, LatentInspectOptions(kv_ratio=4, text=str(path)))
+
+
 def _latent_table(text: str) -> list[list[str]]:
     """Rows of the text report's latent-group table, as stripped cells."""
     from ckvp_compile.inspection.latent import LatentGroupRow
@@ -634,6 +654,7 @@ def test_latent_inspection_of_a_gpt_fast_model_restores_its_caches():
         (["--kv-ratio", "2", "--text", "/no/such/text.txt"], "--text: calibration text"),
         (["--bases", "/no/such/bases.safetensors"], "--bases: no latent bases file"),
         (["--kv-ratio", "2", "--save-bases", "/no/such/dir/b.safetensors"], "does not exist"),
+        (["--kv-ratio", "2", "--save-bases", "/"], "is a directory; give a file name, e.g. '/bases.safetensors'"),
     ],
 )
 def test_cli_latent_usage_errors(args, needle, capsys, no_compiling):
