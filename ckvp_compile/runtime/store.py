@@ -352,13 +352,15 @@ class LatentKVStore:
         return self.v_formats[0] if len(set(self.v_formats)) == 1 else ";".join(self.v_formats)
 
     def layout(self) -> tuple:
-        """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats, dtypes and the paging
-        (page size and pool pages: the pools' shapes) and the latents' layout (their strides)."""
+        """What a graph compiled for this store bakes in: B, S_max, groups, offsets, formats, dtypes, the paging
+        (page size and pool pages: the pools' shapes), the latents' layout (their strides) and the bases' key space
+        (a pre-RoPE graph re-applies RoPE to the rebuilt keys, a post-RoPE one does not)."""
         return (self.batch_size, self.max_cache_len, self.groups, tuple(map(tuple, self.k_offsets)),
                 tuple(map(tuple, self.v_offsets)), tuple(self.k_formats), tuple(self.v_formats), self.latent_dtype,
                 self.dtype,
                 str(self.device), self.online, self.basis_dtype, self.residual_format, self.recent_window,
-                self.page_size, self.num_pages, self.latent_layout)
+                self.page_size, self.num_pages, self.latent_layout,
+                getattr(getattr(self, "bases", None), "key_space", "pre_rope"))
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""

@@ -202,6 +202,22 @@ def test_a_graph_refuses_a_cache_of_another_layout():
             step(**hf_step_kwargs(model, ids, other, 0))
 
 
+def test_a_graph_refuses_bases_of_the_other_key_space():
+    """A pre-RoPE graph re-applies RoPE to its rebuilt keys, a post-RoPE one does not: a cache whose bases are of
+    the other key space (same ranks, formats and shapes) is refused, not run through the wrong graph."""
+    model = build_hf_moe("mixtral", num_layers=2)
+    kw = dict(group_size=2, kv_ratio=2.0, rank_allocation="uniform", progress=False)
+    pre = calibrate(model, calib_samples(1), **kw)
+    post = calibrate(model, calib_samples(1), key_space="post_rope", **kw)
+    assert (pre.k_ranks, pre.v_ranks) == (post.k_ranks, post.v_ranks)
+    step = torch.compile(model, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")), fullgraph=True)
+    ids = torch.randint(0, 256, (1, 4))
+    with torch.no_grad():
+        step(**hf_step_kwargs(model, ids, CKVPStaticCache(model.config, pre, max_cache_len=16), 0))
+        with pytest.raises(Exception, match="key_space"):
+            step(**hf_step_kwargs(model, ids, CKVPStaticCache(model.config, post, max_cache_len=16), 0))
+
+
 def test_every_store_a_graph_runs_on_records_its_rope_tables():
     """The paired-tables proof belongs to the graph; each store it runs on records it at the first call (a second
     cache of the same layout, never seen at compile time, is declared too), and an unproven writer is refused on a
