@@ -45,7 +45,7 @@ import torch
 
 from ..errors import CKVPConfigError, CKVPError
 from ..latent.calibrate import _eval_mode
-from ..latent.capture import kept_module_setup, make_static_cache
+from ..latent.capture import kept_module_setup, make_static_cache, uncompiled_forward
 from .decoding import prefill_decode_logits
 
 __all__ = ["EquivalenceError", "EquivalenceFailure", "EquivalenceReport", "check_equivalence"]
@@ -244,7 +244,10 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
         model: a Hugging Face causal LM (``transformers`` 5.x, static cache) or a gpt-fast-style model (with
             ``setup_caches(max_batch_size, max_seq_length)``; dense cache only), on its device. It runs in eval
             mode (no dropout or router jitter, which would differ between the eager and compiled runs); each
-            module's mode is put back after.
+            module's mode is put back after. A model already compiled (``torch.compile(model)``, or its
+            ``forward`` replaced by ``torch.compile(model.forward, ...)`` as in the README's recipe) is checked
+            through its own uncompiled forward on both sides (else the eager reference would run the compiled
+            forward and the check would compare it with itself); the compiled forward is put back after.
         options: ckvp options for the compiled model (``CKVPConfig`` keys), e.g. ``{"enable_expert_gemm": True}``
             or ``{"compiler": "aot_eager"}`` (fast to compile; runs the rewritten graph op by op).
         bases: :class:`~ckvp_compile.latent.LatentBases` of this model: the compiled run uses a latent cache of
@@ -288,6 +291,8 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     Source: property-based testing with Hypothesis (MacIver et al., "Hypothesis: A new approach to property-based
         testing", JOSS 2019); the same check as this package's own tests (tests/e2e/test_equivalence.py).
     """
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile(model): check what it wraps
+        model = model._orig_mod
     _check_args(model, options, bases, max_examples, max_batch, max_prompt_len, max_decode_steps, max_logit_error,
                 rtol, atol, latent_format, shrink, float32_referee)
     try:
@@ -458,7 +463,7 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
                    verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))(hypothesis_seed(seed)(example))
     kept = kept_module_setup(model) if gpt_fast else contextlib.nullcontext()  # its setup_caches, put back after
     try:  # eval mode: dropout / router jitter in training mode would differ between the runs, not the compiler
-        with kept, _eval_mode(model), _hypothesis_home_in_a_temporary_directory():
+        with kept, _eval_mode(model), uncompiled_forward(model), _hypothesis_home_in_a_temporary_directory():
             run()
     except Exception:  # the failure (AssertionError, or Hypothesis' Flaky* when a replay passed) is in state
         if state["failure"] is None:

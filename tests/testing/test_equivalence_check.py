@@ -39,6 +39,38 @@ def test_dense_cache_with_the_expert_rewrite_passes_and_leaves_the_model(tiny):
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+@pytest.mark.parametrize("how", ["forward", "module"])
+def test_an_already_compiled_model_is_checked_through_the_ckvp_backend(how, monkeypatch):
+    """A model whose forward is already ``torch.compile``d (the README's recipe), here by a backend that adds 1 to
+    the logits, or a ``torch.compile(model)`` wrapper: the check compiles the model's own forward with ckvp and
+    compares it with the eager one (it ran the compiled forward on both sides and compared it with itself), and
+    the compiled forward is put back after."""
+    import ckvp_compile.backend as backend_mod
+
+    calls = []
+    real_call = backend_mod.CKVPBackend.__call__
+    monkeypatch.setattr(backend_mod.CKVPBackend, "__call__",
+                        lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
+
+    def plus_one(gm, example_inputs):
+        def run(*args):
+            return [o + 1.0 if isinstance(o, torch.Tensor) and o.is_floating_point() and o.dim() == 3 else o
+                    for o in gm(*args)]
+        return run
+
+    model = build_hf_moe("mixtral", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    torch._dynamo.reset()
+    if how == "forward":
+        compiled = model.forward = torch.compile(model.forward, backend=plus_one)
+        checked = model
+    else:
+        checked = torch.compile(model, backend=plus_one)
+    report = check_equivalence(checked, options=FAST, max_examples=2, max_prompt_len=6, max_decode_steps=1)
+    assert report.passed and report.max_abs_error < 1e-4 and calls
+    if how == "forward":
+        assert model.__dict__["forward"] is compiled
+
+
 def test_bf16_model_with_the_expert_rewrite_passes_at_the_default_tolerance():
     """In bf16 the grouped expert GEMM sums in another order than the model's loop (about one bf16 unit of a
     logit): the default 16-bit tolerance accepts that; an atol of 0 does not (it can fail)."""
