@@ -231,7 +231,8 @@ class LatentBases:
     def save(self, path: str | Path) -> None:
         """Write the bases to ONE safetensors file (tensors + JSON metadata, ``format_version``).
 
-        The metadata also holds ``tensors_sha256``, a hash of every tensor's name, dtype, shape and bytes, which
+        The metadata also holds ``tensors_sha256``, a hash of every tensor's name, dtype, shape and bytes, and
+        ``meta_sha256``, a hash of the JSON metadata (groups, ranks, formats, key space, fingerprint), which
         :meth:`load` checks (safetensors itself has no checksum: a damaged byte would load silently).
 
         Args:
@@ -254,8 +255,9 @@ class LatentBases:
             for g in range(len(self.groups)):
                 tensors[f"{kind}_basis.{g}"] = self.basis(kind)[g].detach().cpu().contiguous()
                 tensors[f"{kind}_eigenvalues.{g}"] = self.eigenvalues(kind)[g].detach().cpu().contiguous()
-        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self._metadata()),
-                _CHECKSUM_KEY: _tensors_sha256(tensors)}
+        text = json.dumps(self._metadata())
+        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": text,
+                _CHECKSUM_KEY: _tensors_sha256(tensors), _META_CHECKSUM_KEY: hashlib.sha256(text.encode()).hexdigest()}
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
@@ -271,7 +273,8 @@ class LatentBases:
             CKVPConfigError: ``path`` is not a str or ``os.PathLike``; the file is missing, not a safetensors file,
                 not a ckvp bases file, of another format version, or inconsistent (shapes, ranks, metadata, bases
                 that are not finite or not orthonormal, eigenvalues that are negative or not descending, tensors
-                whose bytes differ from the ``tensors_sha256`` saved with them); or ``model`` is not the
+                or metadata whose bytes differ from the ``tensors_sha256`` / ``meta_sha256`` saved with them); or
+                ``model`` is not the
                 calibrated model (the message names both models and says to re-run calibrate).
         """
         from safetensors import safe_open
@@ -319,7 +322,7 @@ class LatentBases:
             # the hash covers the tensors save() wrote: another tool may have added tensors of its own
             used = {k: tensors[k] for kind in ("k", "v") for g in range(n)
                     for k in (f"{kind}_basis.{g}", f"{kind}_eigenvalues.{g}")}
-            why = _corrupt_values(bases, meta) or _checksum_error(used, header)
+            why = _corrupt_values(bases, meta) or _meta_checksum_error(header) or _checksum_error(used, header)
             if why:
                 raise ValueError(why)
         except (KeyError, TypeError, ValueError) as exc:  # CKVPShapeError is a ValueError
@@ -477,6 +480,25 @@ def _tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+#: Metadata key of the JSON metadata's hash written by :meth:`LatentBases.save` (files saved before it have none).
+_META_CHECKSUM_KEY = "meta_sha256"
+
+
+def _meta_checksum_error(header: dict[str, str]) -> str | None:
+    """Why a bases file's JSON metadata does not match the ``meta_sha256`` saved with it, or None (equal, or a file
+    saved before the hash existed): the ranks, formats and key space there are read as they are, so an edited
+    byte would load other bases silently."""
+    want = header.get(_META_CHECKSUM_KEY)
+    if want is None:
+        return None
+    got = hashlib.sha256(str(header.get("meta", "")).encode()).hexdigest()
+    if got != want:
+        return (f"the metadata's sha256 {got[:12]} differs from the {str(want)[:12]} saved with it: the file's "
+                f"groups, ranks, formats or key space were damaged or edited after save(). A file edited on purpose "
+                f"loads, with every other check, once its {_META_CHECKSUM_KEY!r} metadata entry is removed")
+    return None
 
 
 def _checksum_error(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> str | None:

@@ -228,6 +228,29 @@ def test_a_damaged_byte_in_a_saved_file_is_refused(tmp_path):
     _assert_same_bases(LatentBases.load(path), bases)  # the sound file still loads
 
 
+def test_edited_metadata_is_refused(tmp_path):
+    """The JSON metadata (ranks, key space, formats) is read as it is: a rank lowered by a flipped bit, or the key
+    space switched, gave other bases silently (logits off by 0.4). ``save`` records its sha256 too; a file without
+    that entry (saved before it) still loads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    bases = calibrate(_model(), _samples(), group_size=2, kv_ratio=2.0, progress=False)
+    path = tmp_path / "bases.safetensors"
+    bases.save(path)
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    fields = json.loads(header["meta"])
+    bad = tmp_path / "edited.safetensors"
+    for change in ({"key_space": "post_rope"}, {"num_tokens": fields["num_tokens"] + 1}):  # valid: only the hash tells
+        save_file(tensors, str(bad), metadata=dict(header, meta=json.dumps({**fields, **change})))
+        with pytest.raises(CKVPConfigError, match="holds corrupt ckvp latent bases .*metadata's sha256"):
+            LatentBases.load(bad)
+    old = {k: v for k, v in header.items() if k != "meta_sha256"}
+    save_file(tensors, str(bad), metadata=old)
+    _assert_same_bases(LatentBases.load(bad), bases)
+
+
 def test_load_refuses_eigenvalues_that_are_no_spectrum_even_without_a_checksum(tmp_path):
     """Files saved before the checksum (no ``tensors_sha256``) are still read; their eigenvalues must be >= 0 and
     descending per head, as the spectrum of a second moment is (the planner and summary() read them)."""
