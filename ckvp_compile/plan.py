@@ -137,6 +137,18 @@ UNRECOGNISED_ATTENTION = ("attention not recognised: its KV-cache writes are lef
                           "(see unsupported for what was found and why)")
 
 
+def _missing_site_reason(layer: int, graph_layers: list[int], groups: tuple) -> str:
+    """Why a latent-cache layer has no attention site in a graph, with the likely causes and their fixes."""
+    cache_layers = sorted(x for layers in groups for x in layers)
+    return (f"layer {layer} of the group has no attention site in this graph (attention found here: layers "
+            f"{graph_layers or 'none'}; the cache's layers: {cache_layers[0]}..{cache_layers[-1]}). Either the cache "
+            "was built for another model (another number of layers), or a graph break splits the model's layers "
+            "over several graphs: HF experts_implementation='eager' (use 'grouped_mm'), a print or logging call in "
+            "a forward, or Dynamo skipping the model's frames after an earlier failed compile of the same model "
+            "class in this process (call torch._dynamo.reset()); torch._dynamo.explain(model.forward)(...) lists "
+            "the breaks")
+
+
 def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan:
     """Decide, for every site of ``analysis``, whether it is rewritten under ``config``, and group layers.
 
@@ -173,7 +185,7 @@ def make_plan(analysis: GraphAnalysis, config: CKVPConfig, binding=None) -> Plan
                     break
                 site = sites.get(layer)
                 if site is None:
-                    reason = f"layer {layer} of the group has no attention site in this graph"
+                    reason = _missing_site_reason(layer, sorted(sites), store.groups)
                 elif layer in binding.problems:
                     reason = f"layer {layer}: {binding.problems[layer]}"
                 elif layer not in binding.layers:

@@ -218,6 +218,24 @@ def test_a_graph_refuses_bases_of_the_other_key_space():
             step(**hf_step_kwargs(model, ids, CKVPStaticCache(model.config, post, max_cache_len=16), 0))
 
 
+def test_a_graph_break_between_layers_is_named_with_its_fixes():
+    """HF's eager experts loop breaks the graph inside every layer, so a graph holds one layer of a latent group:
+    the refusal names the graph's layers and the cache's, and the usual causes with their fixes."""
+    from ckvp_compile.errors import UnsupportedGraphError
+
+    model = build_hf_moe("mixtral", num_layers=2, experts_implementation="eager")
+    bases = calibrate(build_hf_moe("mixtral", num_layers=2), calib_samples(1), group_size=2, kv_ratio=2.0,
+                      progress=False)
+    model.forward = torch.compile(model.forward, backend=CKVPBackend(CKVPConfig(compiler="aot_eager")))
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(UnsupportedGraphError) as exc:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, disable_compile=True,
+                       cache=CKVPStaticCache(model.config, bases, max_cache_len=16))
+    text = str(exc.value)
+    assert "attention found here: layers [0]; the cache's layers: 0..1" in text, text
+    assert "experts_implementation='eager' (use 'grouped_mm')" in text and "torch._dynamo.reset()" in text
+
+
 def test_every_store_a_graph_runs_on_records_its_rope_tables():
     """The paired-tables proof belongs to the graph; each store it runs on records it at the first call (a second
     cache of the same layout, never seen at compile time, is declared too), and an unproven writer is refused on a
