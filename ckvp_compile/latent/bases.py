@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -345,11 +346,13 @@ class LatentBases:
         stored = self.model_fingerprint
         actual = model_fingerprint(model, stored.get("k_weight"))
         diff = [k for k in sorted(set(stored) | set(actual))
-                if k not in (*_HASH_KEYS, _SAMPLE_KEY) and stored.get(k) != actual.get(k)]
+                if k not in (*_HASH_KEYS, _SAMPLE_KEY, _LAYERS_KEY) and stored.get(k) != actual.get(k)]
         if not fingerprint_weights_match(stored, actual):
             diff.append(_HASH_KEYS[0])
-        if diff:
-            detail = "; ".join(f"{k}: calibrated {stored.get(k)!r}, model {actual.get(k)!r}" for k in diff)
+        layers = _layers_mismatch(stored, actual)
+        if diff or layers:
+            detail = "; ".join([f"{k}: calibrated {stored.get(k)!r}, model {actual.get(k)!r}" for k in diff]
+                               + ([f"key projection {layers}"] if layers else []))
             raise CKVPConfigError(
                 f"{source} were calibrated on another model: {_describe(stored)}, but the model is "
                 f"{_describe(actual)} ({detail}); {_RECALIBRATE}")
@@ -538,6 +541,9 @@ def _describe(fp: dict[str, Any]) -> str:
 
 _HASH_KEYS = ("k_weight_sha256", "k_weight_sha256_fp16")
 _SAMPLE_KEY = "k_weight_sample"
+_LAYERS_KEY = "layer_k_samples"
+#: Values of each later layer's key projection kept in :func:`model_fingerprint`.
+LAYER_SAMPLE_VALUES = 8
 #: Values of the fingerprinted weight kept in :func:`model_fingerprint` (at evenly spaced flat positions).
 SAMPLE_VALUES = 64
 
@@ -617,7 +623,10 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
         same model in bf16 / fp32 or on another device matches) and ``k_weight_sha256_fp16`` (for a weight wider
         than 16 bits: the same after a rounding to fp16, so the model cast to fp16 matches too; else None),
         ``k_weight_sample`` (its shape and :data:`SAMPLE_VALUES` of its values: the bf16 and fp16 copies of one
-        checkpoint hash differently). :func:`fingerprint_weights_match` compares two fingerprints' weights.
+        checkpoint hash differently), ``layer_k_samples`` (:data:`LAYER_SAMPLE_VALUES` values of each later
+        layer's key projection, by name; None where ``k_weight`` has no layer index 0).
+        :func:`fingerprint_weights_match` compares two fingerprints' first weights, :meth:`LatentBases.check_model`
+        also the later layers' samples (a fingerprint saved before they existed: the first weight only).
     """
     model = plain_module(model)
     cfg = getattr(model, "config", None)
@@ -639,7 +648,43 @@ def model_fingerprint(model: torch.nn.Module, k_weight: str | None = None) -> di
     # of the values (double rounding), so without it the model cast to fp16 would not match its own bases
     fp["k_weight_sha256_fp16"] = _weight_sha256(w.to(torch.float16)) if _wide_float(w) else None
     fp[_SAMPLE_KEY] = _weight_sample(w) if isinstance(w, torch.Tensor) and w.is_floating_point() else None
+    fp[_LAYERS_KEY] = _layer_samples(params, k_weight)
     return fp
+
+
+def _layer_samples(params: dict[str, torch.Tensor], k_weight: str | None) -> dict[str, list[float]] | None:
+    """:data:`LAYER_SAMPLE_VALUES` values of every later layer's key projection, found by the layer index in the
+    fingerprinted name (``layers.0.`` -> ``layers.1.``, ...): the bases depend on every layer, and a model that
+    shares layer 0 with the calibrated one (a fine-tune that froze it) must not match. None when the name holds
+    no layer index 0."""
+    if not k_weight or not re.search(r"\.0\.", "." + k_weight):
+        return None
+    out = {}
+    for i in range(1, len(params) + 1):
+        name = re.sub(r"(^|\.)0\.", rf"\g<1>{i}.", k_weight, count=1)
+        w = params.get(name)
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.is_meta:
+            break
+        flat = w.detach().reshape(-1)
+        idx = torch.linspace(0, max(flat.numel() - 1, 0), min(LAYER_SAMPLE_VALUES, flat.numel())).long()
+        out[name] = [float(v) for v in flat[idx.to(flat.device)].double().cpu()]
+    return out
+
+
+def _layers_mismatch(stored: dict[str, Any], actual: dict[str, Any]) -> str | None:
+    """The first later layer whose key projection differs between two fingerprints (its sampled values more than
+    2^-8 apart, relative, as :func:`fingerprint_weights_match`; a layer on one side only), or None (the same, or a
+    fingerprint saved before the samples existed)."""
+    a, b = stored.get(_LAYERS_KEY), actual.get(_LAYERS_KEY)
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return None
+    for name in sorted(set(a) | set(b)):
+        x, y = a.get(name), b.get(name)
+        if x is None or y is None:
+            return f"{name} is in the {'model' if x is None else 'calibrated model'} only"
+        if len(x) != len(y) or any(abs(u - v) > 2.0 ** -8 * max(abs(u), abs(v)) + 2.0 ** -24 for u, v in zip(x, y)):
+            return f"{name} has other values"
+    return None
 
 
 def check_target_ratio(target_ratio: float, dense_elements: int, num_units: int) -> None:

@@ -138,6 +138,24 @@ def test_the_bf16_and_fp16_copies_of_one_checkpoint_share_bases(tmp_path):
             bases.check_weight(w * 1.01, "model.layers.0.self_attn.k_proj.weight")
 
 
+def test_a_model_that_shares_only_layer_0_is_refused(tmp_path):
+    """The fingerprint hashed layer 0's key projection only: a model that shares it but not the later layers (a
+    fine-tune that froze layer 0) loaded the bases. Every later layer's key projection is sampled too; the
+    bf16 copy of the calibrated model still loads them."""
+    model = _model()
+    bases = calibrate(model, _samples(1), group_size=2, kv_ratio=2.0, progress=False)
+    path = tmp_path / "bases.safetensors"
+    bases.save(path)
+    assert set(bases.model_fingerprint["layer_k_samples"]) == {"model.layers.1.self_attn.k_proj.weight"}
+    other = _model(seed=1)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.copy_(model.model.layers[0].self_attn.k_proj.weight)
+    with pytest.raises(CKVPConfigError, match="calibrated on another model.*model.layers.1.self_attn.k_proj.weight "
+                                              "has other values"):
+        LatentBases.load(path, model=other)
+    LatentBases.load(path, model=_model(torch.bfloat16))
+
+
 def test_byte_ratio_arguments_are_checked():
     moments = collect_kv_moments(_model(), _samples(1), group_size=2, progress=False)
     for kwargs, why in (({"batch_size": 0}, "batch_size must be an int >= 1"),
