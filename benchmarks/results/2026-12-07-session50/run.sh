@@ -20,7 +20,7 @@ if [ $H200 = 1 ]; then
   echo "check rc=$?"; grep -c "^ok" $R/check.log; grep "^BAD\|rror\|Traceback" $R/check.log | head -5; tail -3 $R/check.log
 fi
 SH=${SHAPES:-8:32768,32:32768,8:131072}; [ $H200 = 1 ] || SH=${SHAPES:-8:32768,32:32768}
-for pm in ${PAIRS:-2112:0 2376:112 2508:104 2772:96}; do
+for pm in ${PAIRS-2112:0 2376:112 2508:104 2772:96}; do
   pr=${pm%:*}; mr=${pm#*:}; vs=$A,$I,$A,$I; [ $pr = 2112 ] || vs=$I,$I
   timeout ${SWEEP_S:-100} python3 benchmarks/mma_attention_gpu.py --sweep --out $R/sweep-$pr --shapes $SH \
     --block-ns 64 --layouts unit-major@64 --formats int8/32 --programs $pr --maxnregs $mr --stages 0 \
@@ -42,8 +42,8 @@ for r in rows:
         c = r['config'].split(); t.setdefault((c[2].split('=')[1], c[3].split('=')[1]), []).append(r['ms'])
 pr, mr = min(t, key=lambda k: statistics.median(t[k]))
 print(pr, 'null' if mr == 'None' else mr)")
-set -- $BEST; echo "best: programs $1 maxnreg $2"
-for run in on2112 onbest off; do
+set -- ${BEST:-2112 null}; echo "best: programs $1 maxnreg $2"
+for run in ${RUNS:-on2112 onbest off}; do
   case $run in off) v=0; c='';; on2112) v=1; c='';; onbest) v=1; c="{\"programs_m\": $1, \"maxnreg_m\": $2}";; esac
   CKVP_DECODE_CONFIG="$c" CKVP_MMA_IMMA=$v CKVP_MMA_FIELD_PAIRS=$v CKVP_MMA_VIMMA=$v timeout ${BENCH_S:-80} python3 -m ckvp_compile.bench.cli attention --key-space post_rope --heads 32:8 --batches 8 32 \
     --contexts 32768 131072 --formats int8/32:32 --cuda-graphs --latent-layout unit-major --page-size 64 \
