@@ -359,8 +359,8 @@ class LatentKVStore:
                 tuple(map(tuple, self.v_offsets)), tuple(self.k_formats), tuple(self.v_formats), self.latent_dtype,
                 self.dtype,
                 str(self.device), self.online, self.basis_dtype, self.residual_format, self.recent_window,
-                self.page_size, self.num_pages, self.latent_layout,
-                getattr(getattr(self, "bases", None), "key_space", "pre_rope"))
+                self.page_size, self.num_pages, getattr(getattr(self, "bases", None), "key_space", "pre_rope"),
+                self.latent_layout)
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """Return (group index, position of ``layer`` within its group). Raises KeyError when not covered."""
