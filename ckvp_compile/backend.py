@@ -556,10 +556,9 @@ class _StoreArgs:
             if hit[0].layout() != self.layout:
                 raise UnsupportedGraphError(
                     "ckvp: a graph compiled for one ckvp latent cache was called with a cache of another layout "
-                    "(batch size, length, ranks, latent format, dtype, paging: page_size / num_pages, latent_layout, or the "
-                    "bases' key_space); call "
-                    "torch._dynamo.reset() before "
-                    "switching, or keep one cache layout per compiled model"
+                    "(batch size, length, ranks, latent format, dtype, paging: page_size / num_pages, latent_layout, "
+                    "or the bases' key_space); call torch._dynamo.reset() before switching, or keep one cache layout "
+                    "per compiled model"
                 )
             store = hit[0]
             self.check_bases(store, args)
