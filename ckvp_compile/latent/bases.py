@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -565,9 +566,15 @@ def fingerprint_weights_match(stored: dict[str, Any], actual: dict[str, Any]) ->
     try:
         if not a or not b or list(a["shape"]) != list(b["shape"]) or len(a["values"]) != len(b["values"]):
             return False
-        return all(abs(x - y) <= 2.0 ** -8 * max(abs(x), abs(y)) + 2.0 ** -24 for x, y in zip(a["values"], b["values"]))
+        return _samples_close(a["values"], b["values"])
     except (KeyError, TypeError):  # a malformed record matches nothing
         return False
+
+
+def _samples_close(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two lists of sampled weight values are the same up to a 16-bit rounding: equal lengths and every
+    pair within 2^-8 of the other (relative)."""
+    return len(a) == len(b) and all(abs(x - y) <= 2.0 ** -8 * max(abs(x), abs(y)) + 2.0 ** -24 for x, y in zip(a, b))
 
 
 def _weight_sample(w: torch.Tensor) -> dict[str, Any]:
@@ -660,7 +667,7 @@ def _layer_samples(params: dict[str, torch.Tensor], k_weight: str | None) -> dic
     if not k_weight or not re.search(r"\.0\.", "." + k_weight):
         return None
     out = {}
-    for i in range(1, len(params) + 1):
+    for i in itertools.count(1):
         name = re.sub(r"(^|\.)0\.", rf"\g<1>{i}.", k_weight, count=1)
         w = params.get(name)
         if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.is_meta:
@@ -682,7 +689,7 @@ def _layers_mismatch(stored: dict[str, Any], actual: dict[str, Any]) -> str | No
         x, y = a.get(name), b.get(name)
         if x is None or y is None:
             return f"{name} is in the {'model' if x is None else 'calibrated model'} only"
-        if len(x) != len(y) or any(abs(u - v) > 2.0 ** -8 * max(abs(u), abs(v)) + 2.0 ** -24 for u, v in zip(x, y)):
+        if not _samples_close(x, y):
             return f"{name} has other values"
     return None
 

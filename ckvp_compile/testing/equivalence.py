@@ -44,6 +44,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..errors import CKVPConfigError, CKVPError
+from ..latent.bases import plain_module
 from ..latent.calibrate import _eval_mode
 from ..latent.capture import kept_module_setup, make_static_cache, uncompiled_forward
 from .decoding import prefill_decode_logits
@@ -291,8 +292,7 @@ def check_equivalence(model: torch.nn.Module, *, options: Mapping[str, Any] | No
     Source: property-based testing with Hypothesis (MacIver et al., "Hypothesis: A new approach to property-based
         testing", JOSS 2019); the same check as this package's own tests (tests/e2e/test_equivalence.py).
     """
-    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile(model): check what it wraps
-        model = model._orig_mod
+    model = plain_module(model)  # torch.compile(model): check the module it wraps
     _check_args(model, options, bases, max_examples, max_batch, max_prompt_len, max_decode_steps, max_logit_error,
                 rtol, atol, latent_format, shrink, float32_referee)
     try:
