@@ -668,6 +668,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per prompt")
     g.add_argument("--prompts", type=int, default=4, help="prompts (held-out text after the calibration part)")
     g.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    g.add_argument("--prompt-batch", type=int, default=16,
+                   help="prompts decoded together, as the rows of one batch (default 16; 1: one at a time, as runs "
+                        "before 2026-12-07 did; float rounding may then differ in the last bits)")
     g.add_argument("--calib-windows", type=int, default=16, help="calibration windows of 256 tokens")
     g.add_argument("--budget-len", type=int, default=4096,
                    help="cache length (one sequence) the byte ratio is met at, bases counted (as examples/generate.py)")
@@ -758,7 +761,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if any(not r >= 1 for r in a.ratios):  # (nan too)
             p.error("--ratios must be >= 1")
         for flag, n in (("--prompts", a.prompts), ("--new-tokens", a.new_tokens), ("--prompt-len", a.prompt_len),
-                        ("--calib-windows", a.calib_windows)):
+                        ("--calib-windows", a.calib_windows), ("--prompt-batch", a.prompt_batch)):
             if n < 1:
                 p.error(f"{flag} must be >= 1, got {n}")
         if a.model is not None and not (a.model / "config.json").is_file():

@@ -5,7 +5,8 @@ Text: the model directory's ``eval_text.txt`` (held out from training). Its firs
 bytes calibrate the bases (second moments collected once, :func:`~ckvp_compile.latent.collect_kv_moments`); the
 ``--prompts`` prompts of ``--prompt-len`` bytes are taken from the rest of the text, evenly spaced and each moved
 forward to end just after a line break, so no prompt was seen by calibration. Per prompt, ``--new-tokens`` tokens are generated greedily (a prefill call, then
-one decode call per token feeding back the argmax, as ``generate(do_sample=False)`` does) once with a dense
+one decode call per token feeding back the argmax, as ``generate(do_sample=False)`` does; ``--prompt-batch`` prompts
+at a time, as the rows of one batch) once with a dense
 ``StaticCache`` (eager) and once per KV ratio with a
 :class:`~ckvp_compile.runtime.hf_cache.CKVPStaticCache` and the model's forward compiled with ``backend="ckvp"``
 (inner compiler ``--compiler``). The ratio is in bytes against a bf16 dense cache at ``--budget-len`` slots of one
@@ -94,23 +95,41 @@ def default_model_dir() -> Path:
 
 
 def _decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, cache: Any,
-            feed: list[int] | None = None) -> list[int]:
-    """Prefill ``prompt`` (1, P) into ``cache`` (reset first), then decode: each step feeds the previous argmax
-    (greedy, ``feed=None``) or ``feed[i]`` (teacher-forced along another continuation). Returns the ``new_tokens``
-    argmax tokens. The same two calls (prefill of P tokens, decode of one) serve dense and ckvp, so a compiled
-    forward compiles exactly two graphs."""
+            feed: torch.Tensor | None = None) -> list[list[int]]:
+    """Prefill ``prompt`` (B, P) long into ``cache`` (reset first; a cache of batch B), then decode: each step feeds
+    every row's previous argmax (greedy, ``feed=None``) or ``feed[:, i]`` ((B, >= new_tokens - 1) long:
+    teacher-forced along another continuation). Returns the ``new_tokens`` argmax tokens of each row. The same two
+    calls (prefill of P tokens, decode of one) serve dense and ckvp, so a compiled forward compiles exactly two
+    graphs. The rows are independent sequences at the same positions (the prompts have one length)."""
     from ..latent.capture import hf_step_kwargs
 
     if hasattr(cache, "store"):
         cache.reset()
     start = prompt.shape[1]
     with torch.no_grad():
-        logits = model(**hf_step_kwargs(model, prompt, cache, 0)).logits
-        out = [int(logits[0, -1].argmax())]
+        tok = model(**hf_step_kwargs(model, prompt, cache, 0)).logits[:, -1].argmax(-1)
+        out = [tok]
         for i in range(new_tokens - 1):
-            tok = out[-1] if feed is None else feed[i]
-            ids = torch.tensor([[tok]], device=prompt.device)
-            out.append(int(model(**hf_step_kwargs(model, ids, cache, start + i)).logits[0, -1].argmax()))
+            ids = (tok if feed is None else feed[:, i]).reshape(-1, 1)
+            tok = model(**hf_step_kwargs(model, ids, cache, start + i)).logits[:, -1].argmax(-1)
+            out.append(tok)
+    return torch.stack(out, 1).tolist()
+
+
+def _decode_batched(model: torch.nn.Module, prompts: list, new_tokens: int, make_cache: Any, batch: int,
+                    feeds: list | None = None) -> list[list[int]]:
+    """:func:`_decode` over ``prompts`` ((1, P) long each, one length) in batches of ``batch`` rows.
+    ``make_cache()`` gives the cache of ``batch`` rows for each batch (a fresh one, or one reused: a ckvp cache is
+    reset by :func:`_decode`); the last batch is padded with copies of its last prompt (shapes kept static: no
+    recompilation), whose tokens are dropped. ``feeds``: per prompt, the tokens to
+    teacher-force (dense's). Returns per prompt its ``new_tokens`` argmax tokens."""
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        chunk = list(range(i, min(i + batch, len(prompts))))
+        rows = chunk + [chunk[-1]] * (batch - len(chunk))
+        feed = None if feeds is None else torch.tensor([feeds[j] for j in rows], device=prompts[0].device)
+        got = _decode(model, torch.cat([prompts[j] for j in rows]), new_tokens, make_cache(), feed)
+        out.extend(got[:len(chunk)])
     return out
 
 
@@ -134,19 +153,21 @@ def bf16_kv_cache(model: torch.nn.Module, max_len: int) -> Any:
     return cache
 
 
-def _bf16_kv_floor(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, max_len: int) -> FixtureRow:
+def _bf16_kv_floor(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, max_len: int,
+                   batch: int) -> FixtureRow:
     """Greedy agreement of the dense decode with itself over a bf16-rounded KV cache: the fixture's numerical noise
     floor (a near-tie that flips under bf16 rounding flips under any compression too)."""
-    return _dense_cache_row(model, prompts, dense, new_tokens, lambda: bf16_kv_cache(model, max_len), BF16_KV_FLOOR)
+    return _dense_cache_row(model, prompts, dense, new_tokens, lambda: bf16_kv_cache(model, max_len), batch,
+                            BF16_KV_FLOOR)
 
 
 def _dense_cache_row(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, make_cache: Any,
-                     label: str, **fields: Any) -> FixtureRow:
+                     batch: int, label: str, **fields: Any) -> FixtureRow:
     """Free-running and along-dense agreement of the eager model over ``make_cache()`` (a fresh dense cache whose
     contents are perturbed, one per decode) with dense's tokens ``dense``; ``fields`` go to the row as they are."""
     t = time.perf_counter()
-    got = [_decode(model, p, new_tokens, make_cache()) for p in prompts]
-    forced = [_decode(model, p, new_tokens, make_cache(), feed=d) for p, d in zip(prompts, dense)]
+    got = _decode_batched(model, prompts, new_tokens, make_cache, batch)
+    forced = _decode_batched(model, prompts, new_tokens, make_cache, batch, feeds=dense)
     n_tok = sum(map(len, dense))
     forced_each = [sum(x == y for x, y in zip(d, g)) for d, g in zip(dense, forced)]
     return FixtureRow(None, label, sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g)) / n_tok,
@@ -157,7 +178,7 @@ def _dense_cache_row(model: torch.nn.Module, prompts: list, dense: list, new_tok
 
 
 def _kivi_row(model: torch.nn.Module, prompts: list, dense: list, new_tokens: int, max_len: int, spec: str,
-              budget_len: int) -> FixtureRow:
+              budget_len: int, batch: int) -> FixtureRow:
     """The KIVI baseline ``spec`` (``kivi:BITS:GROUP:RESIDUAL``, :mod:`ckvp_compile.bench.kivi`): agreement over a
     fake-quantized dense cache; its ratios computed from the format, at ``budget_len`` tokens
     (``ratio_measured_at_budget``, as the ckvp rows count theirs), at the run's ``max_len`` (``ratio_state_only``)
@@ -169,7 +190,7 @@ def _kivi_row(model: torch.nn.Module, prompts: list, dense: list, new_tokens: in
     hkv, d = c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     ratios = dict(ratio_measured_at_budget=round(kivi_ratio(cfg, budget_len, hkv, d), 3),  # first: checks groups
                   ratio_state_only=round(kivi_ratio(cfg, max_len, hkv, d), 3), ratio_format=round(cfg.format_ratio, 3))
-    return _dense_cache_row(model, prompts, dense, new_tokens, lambda: kivi_cache(model, max_len, cfg),
+    return _dense_cache_row(model, prompts, dense, new_tokens, lambda: kivi_cache(model, max_len, cfg), batch,
                             f"{cfg.label} (baseline)", baseline=cfg.spec, budget_len=budget_len, **ratios)
 
 
@@ -229,15 +250,16 @@ def run_fixture(args: argparse.Namespace) -> int:
     starts = [_line_end(text, calib_end + (rest * i) // args.prompts, args.prompt_len) for i in range(args.prompts)]
     prompts = [torch.tensor([list(text[s:s + args.prompt_len])], device=args.device) for s in starts]
     max_len = args.prompt_len + args.new_tokens
-    dense = [_decode(model, p, args.new_tokens, make_static_cache(model, max_len)) for p in prompts]
+    batch = min(args.prompt_batch, len(prompts))
+    dense = _decode_batched(model, prompts, args.new_tokens, lambda: make_static_cache(model, max_len), batch)
     n_tok = sum(map(len, dense))
     rows = [FixtureRow(None, None, 1.0, float(args.new_tokens), n_tok, len(prompts), forced_agreement=1.0,
                        prefixes=[args.new_tokens] * len(prompts), forced_per_prompt=[1.0] * len(prompts),
                        generated=dense)]
     if dtype != torch.bfloat16:  # the noise floor: dense with its KV cache rounded to bf16, as a bf16 deployment
-        rows.append(_bf16_kv_floor(model, prompts, dense, args.new_tokens, max_len))
+        rows.append(_bf16_kv_floor(model, prompts, dense, args.new_tokens, max_len, batch))
     for spec in getattr(args, "baselines", None) or ():  # eager over a fake-quantized dense cache (bench.kivi)
-        r = _kivi_row(model, prompts, dense, args.new_tokens, max_len, spec, args.budget_len)
+        r = _kivi_row(model, prompts, dense, args.new_tokens, max_len, spec, args.budget_len, batch)
         rows.append(r)
         print(f"baseline {r.latent_format}: agreement {r.agreement:.1%} (along the dense tokens "
               f"{r.forced_agreement:.1%}), ratio {r.ratio_format}x from the format, {r.ratio_measured_at_budget}x at "
@@ -276,15 +298,15 @@ def run_fixture(args: argparse.Namespace) -> int:
                                              rank_block=getattr(args, "rank_block", None),
                                              max_key_rank=getattr(args, "max_key_rank", None))
             store_fmt = "auto" if fmt == "planned" else fmt
-            cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=1, device=args.device,
+            cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=batch, device=args.device,
                                     dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,
                                     basis_dtype=basis_dtype, recent_window=args.recent_window,
                                     latent_layout=getattr(args, "latent_layout", "row-major"))
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
-            got = [_decode(model, p, args.new_tokens, cache) for p in prompts]
+            got = _decode_batched(model, prompts, args.new_tokens, lambda: cache, batch)
             same = sum(x == y for d, g in zip(dense, got) for x, y in zip(d, g))
-            forced = [_decode(model, p, args.new_tokens, cache, feed=d) for p, d in zip(prompts, dense)]
+            forced = _decode_batched(model, prompts, args.new_tokens, lambda: cache, batch, feeds=dense)
             forced_each = [sum(x == y for x, y in zip(d, g)) for d, g in zip(dense, forced)]
             same_forced = sum(forced_each)
             nb = cache.store.nbytes()
@@ -313,7 +335,7 @@ def run_fixture(args: argparse.Namespace) -> int:
     env = environment(args.device, args.argv)
     env.update(model=str(model_dir.name), fixture_dtype=args.fixture_dtype, compiler=args.compiler,
                group_size=args.group_size, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-               calib_windows=args.calib_windows, prompt_starts=starts, recent_window=args.recent_window,
+               calib_windows=args.calib_windows, prompt_starts=starts, prompt_batch=batch, recent_window=args.recent_window,
                measure_windows=measure_windows, planned_format=args.planned_format if fmt == "planned" else None,
                max_key_rank=getattr(args, "max_key_rank", None), key_space=getattr(args, "key_space", "pre_rope"),
                baselines=getattr(args, "baselines", None),

@@ -179,7 +179,7 @@ def kivi_cache(model: torch.nn.Module, max_len: int, cfg: KIVIConfig) -> Any:
     writes, the tokens KIVI holds quantized at the cache's current length (:func:`kivi_state_lengths`) and not yet
     quantized are replaced, in place, by their dequantized values (:func:`quantize_keys`,
     :func:`quantize_values`). So a step attends the cache as it was plus its own tokens in full precision, as in
-    KIVI. One sequence per cache: make a new one per prompt. Raises ValueError on the first step when the value
+    KIVI. One batch of sequences at the same positions per cache: make a new one per batch. Raises ValueError on the first step when the value
     groups do not tile the KV heads' channels."""
     from ..latent.capture import make_static_cache
 

@@ -197,6 +197,27 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     assert "| 4x | int4, 448-token prompts |" in text and "| dense | dense, bf16 KV, 448-token prompts |" in text
 
 
+def test_fixture_prompts_batched_equal_one_at_a_time(tmp_path):
+    """--prompt-batch: 3 prompts decoded as rows of batches of 2 (the last batch padded with a copy) give every row
+    (dense, the bf16-KV floor, a KIVI baseline and ckvp at 4x; greedy and teacher-forced) the tokens that decoding
+    them one at a time gives, and the meta records the batch."""
+    runs = {}
+    for batch in (1, 2):
+        out = tmp_path / f"b{batch}.json"
+        assert bench_cli(["decode", "--shape", "fixture", "--ratios", "4", "--prompts", "3", "--new-tokens", "6",
+                          "--prompt-len", "24", "--calib-windows", "1", "--compiler", "eager", "--device", "cpu",
+                          "--baseline", "kivi:2:32:16", "--prompt-batch", str(batch), "--json", str(out)]) == 0
+        runs[batch] = json.loads(out.read_text())
+    assert [runs[b]["meta"]["prompt_batch"] for b in (1, 2)] == [1, 2]
+    one, two = runs[1]["rows"], runs[2]["rows"]
+    assert len(one) == len(two) == 4 and all(r["status"] == "ok" for r in one + two)
+    for a, b in zip(one, two):
+        assert len(a["generated"]) == 3 and all(len(g) == 6 for g in a["generated"])
+        assert a["generated"] == b["generated"], (a["latent_format"], a["generated"], b["generated"])
+        assert a["forced_per_prompt"] == b["forced_per_prompt"] and a["agreement"] == b["agreement"]
+    assert bench_cli(["decode", "--shape", "fixture", "--prompt-batch", "0"]) == 2
+
+
 def test_fixture_planned_rotated_fp8_bases(tmp_path):
     """--latent-format planned+rot+fp8 (tiny settings): the bases are stored in fp8 and counted at 1 byte, so the
     same 4x budget is met, and the row records the full format name."""
