@@ -542,3 +542,25 @@ def test_fixture_trained_context_is_where_its_loss_jumps():
     inside = float(nll[:, FIXTURE_TRAINED_CONTEXT // 2:FIXTURE_TRAINED_CONTEXT - 1].mean())
     past = float(nll[:, FIXTURE_TRAINED_CONTEXT + 16:].mean())
     assert inside < 1.0 and past > 2 * inside, (inside, past)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 8), min_size=2, max_size=12), st.integers(0, 3))
+def test_agreement_interval_brackets_the_resampled_shares(agree, seed):
+    """agreement_interval: prompts of 8 tokens, the first ``a`` of each agreeing; the interval lies in [0, 1], low
+    <= high, between the lowest and highest prompt share, the same for the same seed; all agreeing -> (1, 1)."""
+    from ckvp_compile.bench.decode_report import agreement_interval
+
+    dense = [[1] * 8 for _ in agree]
+    gen = [[1] * a + [2] * (8 - a) for a in agree]
+    lo, hi = agreement_interval(dense, gen, seed=seed)
+    assert min(agree) / 8 <= lo <= hi <= max(agree) / 8
+    assert agreement_interval(dense, gen, seed=seed) == (lo, hi)
+    if len(set(agree)) > 1:  # prompts that differ: the resampled shares spread
+        assert lo < hi
+    assert agreement_interval(dense, dense) == (1.0, 1.0)
+    assert agreement_interval(dense[:1], gen[:1]) is None
+    with pytest.raises(ValueError, match="differ"):
+        agreement_interval(dense, gen[:-1])
+    with pytest.raises(ValueError, match="level"):
+        agreement_interval(dense, gen, level=1.0)
