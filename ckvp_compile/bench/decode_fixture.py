@@ -298,10 +298,13 @@ def run_fixture(args: argparse.Namespace) -> int:
                                              rank_block=getattr(args, "rank_block", None),
                                              max_key_rank=getattr(args, "max_key_rank", None))
             store_fmt = "auto" if fmt == "planned" else fmt
-            cache = CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=batch, device=args.device,
-                                    dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,
-                                    basis_dtype=basis_dtype, recent_window=args.recent_window,
-                                    latent_layout=getattr(args, "latent_layout", "row-major"))
+            def make(rows: int) -> Any:
+                return CKVPStaticCache(model.config, bases, max_cache_len=max_len, max_batch_size=rows,
+                                       device=args.device, dtype=dtype, latent_format=store_fmt, latent_dtype=kv_dtype,
+                                       basis_dtype=basis_dtype, recent_window=args.recent_window,
+                                       latent_layout=getattr(args, "latent_layout", "row-major"))
+
+            cache = make(batch)
             torch._dynamo.reset()
             model.forward = torch.compile(model.forward, backend="ckvp", options={"compiler": args.compiler})
             got = _decode_batched(model, prompts, args.new_tokens, lambda: cache, batch)
@@ -309,7 +312,9 @@ def run_fixture(args: argparse.Namespace) -> int:
             forced = _decode_batched(model, prompts, args.new_tokens, lambda: cache, batch, feeds=dense)
             forced_each = [sum(x == y for x, y in zip(d, g)) for d, g in zip(dense, forced)]
             same_forced = sum(forced_each)
-            nb = cache.store.nbytes()
+            # the state-only ratio of ONE sequence, as before --prompt-batch (the window's ring slots are shared
+            # by a batch's rows, so a batch's store holds slightly fewer bytes a sequence)
+            nb = (cache if batch == 1 else make(1)).store.nbytes()
             budget = (dense_kv_bytes(bases, 1, args.budget_len, kv_dtype)
                       / store_bytes(bases, 1, args.budget_len, store_fmt, store_fmt, kv_dtype,
                                     basis_dtype=basis_dtype, recent_window=args.recent_window))

@@ -200,7 +200,7 @@ def test_cli_tiny_fixture_and_report(tmp_path):
 def test_fixture_prompts_batched_equal_one_at_a_time(tmp_path):
     """--prompt-batch: 3 prompts decoded as rows of batches of 2 (the last batch padded with a copy) give every row
     (dense, the bf16-KV floor, a KIVI baseline and ckvp at 4x; greedy and teacher-forced) the tokens that decoding
-    them one at a time gives, and the meta records the batch."""
+    them one at a time gives, and the same one-sequence ratios; the meta records the batch."""
     runs = {}
     for batch in (1, 2):
         out = tmp_path / f"b{batch}.json"
@@ -215,6 +215,7 @@ def test_fixture_prompts_batched_equal_one_at_a_time(tmp_path):
         assert len(a["generated"]) == 3 and all(len(g) == 6 for g in a["generated"])
         assert a["generated"] == b["generated"], (a["latent_format"], a["generated"], b["generated"])
         assert a["forced_per_prompt"] == b["forced_per_prompt"] and a["agreement"] == b["agreement"]
+        assert a["ratio_state_only"] == b["ratio_state_only"]  # one sequence's bytes, whatever the batch
     assert bench_cli(["decode", "--shape", "fixture", "--prompt-batch", "0"]) == 2
 
 
