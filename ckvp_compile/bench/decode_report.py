@@ -369,7 +369,7 @@ def _acceptance(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]]) -> 
                    f"(next-token agreement along dense's tokens: {_fmt(r.get('forced_agreement'), '.1%')})" +
                    (f"; noise floor on the same prompts, dense with its KV cache rounded to bf16: "
                     f"{floor[0]['agreement']:.1%}" if floor else "") +
-                   (f"; the others: {', '.join(others)}." if others else ".") + _kivi_reference(datas))
+                   (f"; the others: {', '.join(others)}." if others else ".") + _kivi_reference(datas, m))
     else:
         missing.append("5 (fixture agreement at 4x)")
     if missing:
@@ -377,12 +377,24 @@ def _acceptance(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]]) -> 
     return out
 
 
-def _kivi_reference(datas: list[dict[str, Any]]) -> str:
+def _kivi_reference(datas: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> str:
     """Check 5's reference from the field: the fixture's KIVI baseline rows (:mod:`ckvp_compile.bench.kivi`,
     arXiv:2402.02750), its best agreement at 4x by its format and the highest ratio at which it reaches 90%; '' without
-    such rows."""
-    kivi = [r for d in datas if d.get("kind") == "fixture" for r in d["rows"]
+    such rows. Only rows on the prompts of ``meta`` (the ckvp row's run: the same prompt starts and lengths) when
+    there are any, else those of the largest prompt set, named as such."""
+    def prompts(m: dict[str, Any]) -> tuple:
+        return m.get("prompt_starts"), m.get("prompt_len"), m.get("new_tokens")
+
+    runs = [(d["meta"], r) for d in datas if d.get("kind") == "fixture" for r in d["rows"]
             if r.get("baseline") and r.get("status") == "ok" and r.get("ratio_format")]
+    same = [(m, r) for m, r in runs if meta is not None and m.get("prompt_starts") and prompts(m) == prompts(meta)]
+    if same:
+        kivi, where = [r for _, r in same], "on the same prompts"
+    elif runs:
+        most = max(r["prompts"] for _, r in runs)
+        kivi, where = [r for _, r in runs if r["prompts"] == most], f"on {most} prompts (not the row's)"
+    else:
+        return ""
     parts = []
     at4 = [r for r in kivi if abs(r["ratio_format"] - 4.0) < 0.05]
     if at4:
@@ -392,7 +404,7 @@ def _kivi_reference(datas: list[dict[str, Any]]) -> str:
     if over:
         r = max(over, key=lambda x: x["ratio_format"])
         parts.append(f"it reaches 90% at {r['ratio_format']:.2f}x at most ({r['latent_format']}: {r['agreement']:.1%})")
-    return f" Reference, KIVI on the same prompts: {'; '.join(parts)}." if parts else ""
+    return f" Reference, KIVI {where}: {'; '.join(parts)}." if parts else ""
 
 
 def _peak_ratios(rows: list[dict[str, Any]]) -> str:
@@ -422,10 +434,10 @@ def _plots(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]], plot_dir
     plot_dir.mkdir(parents=True, exist_ok=True)
     made: dict[str, str] = {}
 
-    def save(fig: Any, name: str, key: str) -> None:
+    def save(fig: Any, name: str, key: str, **kwargs: Any) -> None:
         path = plot_dir / name
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, **kwargs)
         plt.close(fig)
         made[key] = os.path.relpath(path, rel_to)
 
@@ -455,28 +467,55 @@ def _plots(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]], plot_dir
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
             save(fig, f"decode_{kind}_{tag}.png", f"{kind}:{shape}:{layers}")
-    fx = [(d["meta"], r) for d in datas if d.get("kind") == "fixture" for r in d["rows"]
-          if r["ratio_requested"] is not None and r["status"] == "ok"]
+    fx = [(d["meta"], r, _dense_row(d["rows"])) for d in datas if d.get("kind") == "fixture" for r in d["rows"]
+          if r["status"] == "ok" and (r["ratio_requested"] is not None or r.get("baseline"))]
     if fx:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        by: dict[str, list[tuple[float, float]]] = {}
-        for m, r in fx:
-            label = f"{_fixture_label(m, r)} ({m.get('gpu') or 'CPU'})"
-            by.setdefault(f"{label}, free-running", []).append((r["ratio_requested"], 100 * r["agreement"]))
-            if r.get("forced_agreement") is not None:
-                by.setdefault(f"{label}, next token along dense", []).append(
-                    (r["ratio_requested"], 100 * r["forced_agreement"]))
-        for label, pts in sorted(by.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.axhline(90, color="gray", ls="--", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV compression (bytes, vs bf16)")
-        ax.set_ylabel("tokens equal to dense (%)")
-        ax.set_title("fixture: greedy agreement vs KV ratio")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "decode_fidelity.png", "fidelity")
+        # one curve per configuration and prompt set measured at two ratios or more (single-ratio ablations are in
+        # the table), at most 8, the largest prompt sets first; KIVI's rows as points at their ratio at the budget
+        curves: dict[tuple[str, int], list[tuple[float, float, float | None, tuple | None]]] = {}
+        kivi: dict[int, list[tuple[float, float, float | None, tuple | None]]] = {}
+        for m, r, dense in fx:
+            ci = None
+            if dense is not None and dense.get("generated") and r.get("generated"):
+                try:
+                    ci = agreement_interval(dense["generated"], r["generated"])
+                except ValueError:
+                    ci = None
+            pt = (r["ratio_requested"] or r.get("ratio_measured_at_budget") or r.get("ratio_format"),
+                  100 * r["agreement"], None if r.get("forced_agreement") is None else 100 * r["forced_agreement"], ci)
+            if r.get("baseline"):
+                kivi.setdefault(r["prompts"], []).append(pt)
+            else:
+                curves.setdefault((f"{_fixture_label(m, r)} ({m.get('gpu') or 'CPU'})", r["prompts"]), []).append(pt)
+        multi = {k: v for k, v in curves.items() if len({p[0] for p in v}) >= 2} or curves
+        shown = sorted(multi, key=lambda k: (-k[1], -len(multi[k]), k[0]))[:8]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+        for (label, n) in shown:
+            pts = sorted(multi[(label, n)])
+            x = [p[0] for p in pts]
+            err = [[max(0.0, p[1] - 100 * p[3][0]) if p[3] else 0 for p in pts],  # (a row's tokens vs its share)
+                   [max(0.0, 100 * p[3][1] - p[1]) if p[3] else 0 for p in pts]]
+            line = axes[0].errorbar(x, [p[1] for p in pts], yerr=err, marker="o", capsize=3,
+                                    label=f"{label}, {n} prompts")
+            forced = [(p[0], p[2]) for p in pts if p[2] is not None]
+            axes[1].plot([f[0] for f in forced], [f[1] for f in forced], marker="o", color=line[0].get_color())
+        if kivi:
+            n = max(kivi)
+            pts = sorted(kivi[n])
+            axes[0].scatter([p[0] for p in pts], [p[1] for p in pts], marker="x", color="black",
+                            label=f"KIVI baselines (arXiv:2402.02750), {n} prompts", zorder=3)
+            axes[1].scatter([p[0] for p in pts if p[2] is not None], [p[2] for p in pts if p[2] is not None],
+                            marker="x", color="black", zorder=3)
+        axes[0].axhline(90, color="gray", ls="--", lw=0.8)
+        for ax, title in zip(axes, ("free-running greedy (95% interval over prompts)",
+                                    "next token along dense's tokens")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("KV compression (bytes at the budget length, vs bf16)")
+            ax.set_ylabel("tokens equal to dense (%)")
+            ax.set_title(f"fixture: {title}", fontsize=10)
+            ax.grid(True, alpha=0.3)
+        fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=7, frameon=False)
+        save(fig, "decode_fidelity.png", "fidelity", bbox_inches="tight")
     return made
 
 

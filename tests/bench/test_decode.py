@@ -565,3 +565,40 @@ def test_agreement_interval_brackets_the_resampled_shares(agree, seed):
         agreement_interval(dense, gen[:-1])
     with pytest.raises(ValueError, match="level"):
         agreement_interval(dense, gen, level=1.0)
+
+
+def test_report_kivi_reference_uses_the_check_rows_prompts(tmp_path):
+    """Acceptance line 5's KIVI reference reads the baseline rows on the ckvp row's own prompts (the same prompt
+    starts), not those of another run; without such rows it names the prompt set it used. The CLI draws the fidelity
+    plot from such files (KIVI points, a single-ratio configuration)."""
+    from dataclasses import asdict
+
+    from ckvp_compile.bench.decode_fixture import FixtureRow
+    from ckvp_compile.bench.decode_report import render_markdown
+
+    def run(starts, kivi_agreement, ckvp):
+        n = len(starts)
+        dense = [[1] * 4] * n
+        rows = [FixtureRow(None, None, 1.0, 4.0, 4 * n, n, generated=dense)]
+        if kivi_agreement is not None:
+            rows.append(FixtureRow(None, "KIVI-3 g32 r16 (baseline)", kivi_agreement, 2.0, 4 * n, n, baseline="kivi:3:32:16",
+                                   ratio_format=4.0, generated=dense))
+        if ckvp:
+            rows.append(FixtureRow(4.0, "planned", 0.8, 3.0, 4 * n, n, 4.0, 3.1, 4096, generated=dense))
+        meta = {"prompt_starts": starts, "prompt_len": 128, "new_tokens": 4, "command": "x", "date": "d"}
+        return {"kind": "fixture", "meta": meta, "rows": [asdict(r) for r in rows]}
+
+    small, big = list(range(0, 64, 4)), list(range(64))
+    md = render_markdown([run(small, 0.7, False), run(big, 0.6, True)], plots=None)
+    line = next(l for l in md.splitlines() if l.startswith("5. Fixture"))
+    assert "KIVI on the same prompts: at 4x (its format) 60.0%" in line and "64 prompts" in line, line
+    md = render_markdown([run(small, 0.7, False), run(big, None, True)], plots=None)
+    line = next(l for l in md.splitlines() if l.startswith("5. Fixture"))
+    assert "KIVI on 16 prompts (not the row's): at 4x (its format) 70.0%" in line, line
+    files = []
+    for i, d in enumerate((run(small, 0.7, False), run(big, 0.6, True))):
+        files.append(tmp_path / f"f{i}.json")
+        files[-1].write_text(json.dumps(d))
+    assert bench_cli(["decode", "--report", *map(str, files), "--markdown", str(tmp_path / "B.md"), "--plots",
+                      str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "decode_fidelity.png").stat().st_size > 10_000
