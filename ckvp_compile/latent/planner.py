@@ -271,13 +271,14 @@ def plan_bits(bases: Any, bytes_per_token: float, *, block: int = 32, tokens_sha
         if best is not None and best[0] > 0:
             heapq.heappush(heap, (-best[0], u, i, best[1]))
 
-    for u in range(len(units)):  # every unit keeps its first block at 2 bits at least
-        spent += cost(u, 0, 2)
-        state[u][0] = 2
+    low = BIT_CHOICES[1]
+    for u in range(len(units)):  # every unit keeps its first block at the fewest bits (2) at least
+        spent += cost(u, 0, low)
+        state[u][0] = low
     if spent > bytes_per_token:
         what = f"{block}" if v_block == block else f"{block} (K) / {v_block} (V)"
         raise CKVPConfigError(f"a budget of {bytes_per_token:.1f} bytes per token cannot keep one block of {what} "
-                              f"coordinates at 2 bits in each of the {len(units)} (group, head, K/V) units "
+                              f"coordinates at {low} bits in each of the {len(units)} (group, head, K/V) units "
                               f"({spent:.1f} bytes); lower kv_ratio or use a smaller block")
     for u in range(len(units)):
         push(u, 0)

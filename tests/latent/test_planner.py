@@ -94,6 +94,24 @@ def test_more_bytes_never_raise_the_planned_error(full):
     assert errs == sorted(errs, reverse=True) and errs[-1] < errs[0]
 
 
+def test_narrower_bit_choices_plan_with_their_fewest_bits(full, monkeypatch):
+    """With BIT_CHOICES narrowed to (0, 4, 8) (an ablation: benchmarks/results/2026-12-07-session51-fixture-cpu) the
+    plan's blocks use only those bits, every unit's first block at 4 at least."""
+    import ckvp_compile.latent.planner as planner
+
+    monkeypatch.setattr(planner, "BIT_CHOICES", (0, 4, 8))
+    import re
+
+    planned = plan_bits(full[1], 240.0, block=8, tokens_sharing_bases=10**9)
+    fmts = [*planned.k_formats, *planned.v_formats]  # mix/8:<bits>x<count>+...,... per group
+    used = {int(b) for f in fmts for b in re.findall(r"(\d+)x\d+", f.split(":", 1)[1])}
+    assert used and used <= {4, 8}, fmts
+    for f in fmts:
+        parse_latent_format(f)
+    with pytest.raises(CKVPConfigError, match="at 4 bits"):
+        plan_bits(full[1], 30.0, block=8)
+
+
 def test_a_budget_below_one_block_per_unit_is_a_clear_error(full):
     with pytest.raises(CKVPConfigError, match="lower kv_ratio"):
         plan_bits(full[1], 10.0, block=8)
