@@ -177,24 +177,28 @@ EARLY_TILE_GPU_CHECKED = True
 #: benchmarks/results/2026-12-07-session49). The query carries 16 bits instead of the fp16 pair's 22 (a score's
 #: error about 2^-17 of the scores' spread: within 1e-3 of the fp32 attention at the spreads of attention logits,
 #: emulated on CPU). On an H100 (benchmarks/results/2026-12-07-session49, r2 and r3) correct with FPAIR and VIMMA
-#: (17 cases, 1e-5 to 3.9e-4) and about 1% of a call faster at batch 8 and 32, 32k (2.7% / 1% of the pass): off
-#: until the H200, where the pass falls short, gains clearly; ``CKVP_MMA_IMMA=1`` turns it on. Source: the PTX
-#: ISA's ``mma.m16n8k32`` .s8 / .u8 fragment layouts.
-IMMA_GPU_CHECKED = False
+#: (17 cases, 1e-5 to 3.9e-4) and about 1% of a call faster at batch 8 and 32, 32k (2.7% / 1% of the pass). On the
+#: H200 (benchmarks/results/2026-12-07-session51-h200; with FPAIR and VIMMA) correct (28 cases) and 5-14% faster
+#: than the fp16 path in issue 5's acceptance bench (batch 8, 32k: 0.800 / 0.802 of the byte ratio against 0.757;
+#: batch 32, 32k: 0.885 against 0.793): on by default; ``CKVP_MMA_IMMA=0`` turns it off. Source: the PTX ISA's
+#: ``mma.m16n8k32`` .s8 / .u8 fragment layouts.
+IMMA_GPU_CHECKED = True
 
 #: The unit-major kernel's four per-slot fp16 fields (key scale and min, value scale and min) built two slots a
 #: ``prmt`` (``FPAIR``, :func:`field_pairs`): the slots of column tiles j and j + 1 are adjacent bytes of one word of
-#: each byte column, so one ``prmt`` makes both fp16 (16 of a 64-slot tile's 32 ``prmt`` at G = 4). Off until
-#: checked on a GPU; ``CKVP_MMA_FIELD_PAIRS=1`` turns it on.
-FIELD_PAIRS_GPU_CHECKED = False
+#: each byte column, so one ``prmt`` makes both fp16 (16 of a 64-slot tile's 32 ``prmt`` at G = 4). Checked with
+#: IMMA and VIMMA on an H100 and the H200 (see :data:`IMMA_GPU_CHECKED`): on by default; ``CKVP_MMA_FIELD_PAIRS=0``
+#: turns it off.
+FIELD_PAIRS_GPU_CHECKED = True
 
 #: With ``IMMA`` at G = 4 or 8, the value product on the integer tensor cores too (``VIMMA``, :func:`int8_values`):
 #: the weights ``p * vscale`` as 16-bit fixed point per row and tile (the row's largest at 32512), packed by ``prmt``
 #: from the scores' registers into the s8 A fragment (high bytes rows 0..7, low bytes 8..15), the value code words as
 #: loaded the u8 B fragments (four slots of one coordinate a word: no conversion; the 64 ``prmt`` / ``sub.f16x2`` of
 #: the fp16 path go), 8 IMMA a tile instead of 16 HMMA, the tile's int32 product scaled into an fp32 accumulator of
-#: the true scale (no per-tile power of two). Off until checked on a GPU; ``CKVP_MMA_VIMMA=1`` turns it on.
-VIMMA_GPU_CHECKED = False
+#: the true scale (no per-tile power of two). Checked with IMMA and FPAIR on an H100 and the H200 (see
+#: :data:`IMMA_GPU_CHECKED`): on by default; ``CKVP_MMA_VIMMA=0`` turns it off.
+VIMMA_GPU_CHECKED = True
 
 
 def _switch(env_name: str, checked: bool) -> bool:
