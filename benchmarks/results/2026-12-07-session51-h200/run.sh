@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (repository root): IMMA + FPAIR + VIMMA now on by default (checked in r4 as the explicit variant
 # vpair+pscan+fmerge+evict+pdl+pre+imma+fpair+vimma). Issue 5's acceptance bench twice with the defaults (no
-# CKVP_MMA_* variables); CHECK=1 also runs the MMA check of that variant, EX=1 the main example on CUDA.
+# CKVP_MMA_* variables); CHECK=1 also runs the MMA check of that variant, EX=1 the main example on CUDA, and
+# PAIRS="programs:maxnreg ..." a sweep of the default kernel at batch 8, 32k over grid sizes and register caps.
 set -u
 export PYTHONPATH=.:tests/kernels PYTHONUNBUFFERED=1
 R=$OUT/${RUN:-r5}; mkdir -p $R
@@ -21,6 +22,17 @@ for rep in 1 2; do
     --json $R/attention-default-$rep.json --out $R/attention-default-$rep.md > $R/bench-$rep.log 2>&1
   echo "bench $rep rc=$?"; grep "^| int8" $R/attention-default-$rep.md
 done
+for pm in ${PAIRS:-}; do
+  pr=${pm%:*}; mr=${pm#*:}
+  timeout ${SWEEP_S:-60} python3 benchmarks/mma_attention_gpu.py --sweep --out $R/sweep-$pr --shapes ${SHAPES:-8:32768} \
+    --block-ns 64 --layouts unit-major@64 --formats int8/32 --programs $pr --maxnregs $mr --stages 0 \
+    --variants vpair+pscan+fmerge+evict+pdl+pre+imma+fpair+vimma >> $R/sweep.log 2>&1
+  echo "sweep $pm rc=$?"
+done
+[ -n "${PAIRS:-}" ] && grep '"b"' $R/sweep.log | python3 -c "
+import json,sys
+for l in sys.stdin:
+    r=json.loads(l); print(r['b'], r['t'], ' '.join(r['config'].split()[2:4]), 'regs', r.get('regs'), round(r['ms']*1e3,1), 'us', round(r['speedup_over_byte_ratio'],4), r.get('kernel_us'))"
 if [ "${EX:-0}" = 1 ]; then
   timeout ${EX_S:-100} python3 examples/generate.py --device cuda --dtype bfloat16 > $R/generate.log 2>&1
   echo "generate rc=$?"; tail -12 $R/generate.log
