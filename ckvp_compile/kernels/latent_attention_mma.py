@@ -178,8 +178,8 @@ EARLY_TILE_GPU_CHECKED = True
 #: error about 2^-17 of the scores' spread: within 1e-3 of the fp32 attention at the spreads of attention logits,
 #: emulated on CPU). On an H100 (benchmarks/results/2026-12-07-session49, r2 and r3) correct with FPAIR and VIMMA
 #: (17 cases, 1e-5 to 3.9e-4) and about 1% of a call faster at batch 8 and 32, 32k (2.7% / 1% of the pass). On the
-#: H200 (benchmarks/results/2026-12-07-session51-h200; with FPAIR and VIMMA) correct (28 cases) and 5-14% faster
-#: than the fp16 path in issue 5's acceptance bench (batch 8, 32k: 0.800 / 0.802 of the byte ratio against 0.757;
+#: H200 (benchmarks/results/2026-12-07-session51-h200; with FPAIR and VIMMA) correct (28 cases) and 5-13% faster
+#: than the fp16 path in issue 5's acceptance bench (batch 8, 32k: 0.7999 / 0.802 of the byte ratio against 0.757;
 #: batch 32, 32k: 0.885 against 0.793): on by default; ``CKVP_MMA_IMMA=0`` turns it off. Source: the PTX ISA's
 #: ``mma.m16n8k32`` .s8 / .u8 fragment layouts.
 IMMA_GPU_CHECKED = True

@@ -22,7 +22,7 @@ without a GPU, and benchmarks/mma_attention_gpu.py checks the kernel itself agai
 * the switches still off until a GPU check (``VPAIR``: 8-bit value slot pairs from one word in a permuted k order;
   ``PSCAN``: unmapped pages to the masked loop): the quad asm, the arithmetic with its operands, a numpy mirror of
   the permuted k order (P @ V equals the per-group products), and their sm_90a builds (no spills, shorter loop).
-* the integer tensor-core switches, off until an H200 shows a gain (``IMMA``: the 8-bit key product as
+* the integer tensor-core switches, on by default since the H200 showed a gain (2026-12-07; ``IMMA``: the 8-bit key product as
   ``mma.m16n8k32`` on transposed u8 code words, the query as 16-bit s8 hi / lo rows; ``VIMMA``: the value product
   too, 16-bit weights packed from the scores' registers, the loaded value words as they are; ``FPAIR``: two slots'
   fp16 fields a ``prmt``): their asm read instruction by instruction, numpy mirrors of the kernel's operand code
