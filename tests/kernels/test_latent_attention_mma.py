@@ -46,6 +46,15 @@ from ckvp_compile.kernels.latent_format import dequantize_latent_ref, parse_late
 from ckvp_compile.testing.ptx import run_asm, run_dequant_asm  # noqa: E402
 
 ASM = str(getattr(lam._DEQ_ASM, "value", lam._DEQ_ASM))
+
+
+@pytest.fixture(autouse=True)
+def _fp16_path_unless_asked(monkeypatch):
+    """The tests below build each path on purpose: the integer tensor-core switches (IMMA, FPAIR, VIMMA; on by
+    default since 2026-12-07) only where a test passes them, so the fp16 path's checks keep reading the fp16 path.
+    The defaults themselves compile in tests/kernels/test_sm90_compile.py ('defaults')."""
+    for env in ("CKVP_MMA_IMMA", "CKVP_MMA_FIELD_PAIRS", "CKVP_MMA_VIMMA"):
+        monkeypatch.setenv(env, "0")
 ASM8 = str(getattr(lam._DEQ_BYTES_ASM, "value", lam._DEQ_BYTES_ASM))
 ASMQ = str(getattr(lam._DEQ_QUAD_ASM, "value", lam._DEQ_QUAD_ASM))
 

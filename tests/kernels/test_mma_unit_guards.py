@@ -436,3 +436,20 @@ def test_arrival_counters_are_fresh_while_a_graph_is_captured(monkeypatch):
     assert [t.data_ptr() for t in lat._RETIRED_COUNTERS] == [kept.data_ptr()]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert lat._arrival_counters(500, dev).data_ptr() == big.data_ptr()  # large enough: the kept one, in capture too
+
+
+@pytest.mark.parametrize("env,want", [({}, (True, True, True)), ({"CKVP_MMA_IMMA": "0"}, (False, True, False)),
+                                      ({"CKVP_MMA_VIMMA": "0", "CKVP_MMA_FIELD_PAIRS": "0"}, (True, False, False))])
+def test_integer_tensor_core_switches_are_on_by_default(recorded, monkeypatch, env, want):
+    """IMMA, FPAIR and VIMMA are the 8-bit unit-major launch's defaults since the H200 check of 2026-12-07
+    (benchmarks/results/2026-12-07-session51-h200); each ``CKVP_MMA_*=0`` turns its part off (VIMMA needs IMMA)."""
+    for name in ("CKVP_MMA_IMMA", "CKVP_MMA_FIELD_PAIRS", "CKVP_MMA_VIMMA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = _inputs(b=2, s_max=128, hkv=2, g=4, fmt=FMT8)
+    uk, _ = _unit_from(args[1])
+    uv, _ = _unit_from(args[2])
+    _launch(args, uk, uv, kv_len=100)
+    kw = recorded["unit"].calls[-1][2]
+    assert (kw["IMMA"], kw["FPAIR"], kw["VIMMA"]) == want, kw
