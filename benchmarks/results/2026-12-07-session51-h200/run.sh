@@ -16,7 +16,7 @@ if [ "${CHECK:-0}" = 1 ]; then
     --variants $V --check-variants $V --out $R/check > $R/check.log 2>&1
   echo "check rc=$?"; grep -c "^ok" $R/check.log; grep "^BAD\|rror\|Traceback\|PASSED\|FAILED" $R/check.log | head -5
 fi
-for rep in 1 2; do
+for rep in ${REPS:-1 2}; do
   timeout ${BENCH_S:-80} python3 -m ckvp_compile.bench.cli attention --key-space post_rope --heads 32:8 --batches 8 32 \
     --contexts 32768 131072 --formats int8/32:32 --cuda-graphs --latent-layout unit-major --page-size 64 \
     --json $R/attention-default-$rep.json --out $R/attention-default-$rep.md > $R/bench-$rep.log 2>&1
