@@ -200,15 +200,21 @@ def agreement_interval(dense: Sequence[Sequence[int]], generated: Sequence[Seque
     return stats[int(tail * (resamples - 1))], stats[math.ceil((1 - tail) * (resamples - 1))]
 
 
+def _row_interval(dense: dict[str, Any] | None, row: dict[str, Any]) -> tuple[float, float] | None:
+    """:func:`agreement_interval` of a fixture row against its file's dense row, or None when the file lacks either
+    row's tokens (older files) or they do not match."""
+    if dense is None or row is dense or not dense.get("generated") or not row.get("generated"):
+        return None
+    try:
+        return agreement_interval(dense["generated"], row["generated"])
+    except ValueError:
+        return None
+
+
 def _agreement_cell(dense: dict[str, Any] | None, row: dict[str, Any]) -> str:
     """``84.8% (75-93)``: the agreement and its 95% bootstrap interval over prompts (the interval when the file
     holds both rows' tokens)."""
-    ci = None
-    if dense is not None and dense.get("generated") and row.get("generated") and row is not dense:
-        try:
-            ci = agreement_interval(dense["generated"], row["generated"])
-        except ValueError:
-            ci = None
+    ci = _row_interval(dense, row)
     return _fmt(row["agreement"], ".1%") + (f" ({100 * ci[0]:.0f}-{100 * ci[1]:.0f})" if ci else "")
 
 
@@ -475,12 +481,7 @@ def _plots(rows: list[dict[str, Any]], datas: Sequence[dict[str, Any]], plot_dir
         curves: dict[tuple[str, int], list[tuple[float, float, float | None, tuple | None]]] = {}
         kivi: dict[int, list[tuple[float, float, float | None, tuple | None]]] = {}
         for m, r, dense in fx:
-            ci = None
-            if dense is not None and dense.get("generated") and r.get("generated"):
-                try:
-                    ci = agreement_interval(dense["generated"], r["generated"])
-                except ValueError:
-                    ci = None
+            ci = _row_interval(dense, r)
             pt = (r["ratio_requested"] or r.get("ratio_measured_at_budget") or r.get("ratio_format"),
                   100 * r["agreement"], None if r.get("forced_agreement") is None else 100 * r["forced_agreement"], ci)
             if r.get("baseline"):
