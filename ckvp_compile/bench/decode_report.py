@@ -150,7 +150,8 @@ def _fixture_label(meta: dict[str, Any], row: dict[str, Any]) -> str:
     recent window, key-rank cap, non-default latent group size (``G=1``), post-RoPE key bases (``--key-space
     post_rope``) and non-default calibration windows when it had them (other calibration windows also move the
     prompts, which start after them: ``bench.decode_fixture``); every row of a run with prompts of another length
-    than the default 128 tokens says so (its dense floor too: agreement depends on the context)."""
+    than the default 128 tokens says so (its dense floor too: agreement depends on the context), and so does every
+    row of a run whose model computed in bfloat16 (``--fixture-dtype bfloat16``: dense too, its reference)."""
     w, cap, g = meta.get("recent_window") or 0, meta.get("max_key_rank"), meta.get("group_size")
     cw, pl = meta.get("calib_windows"), meta.get("prompt_len")
     latent = row["latent_format"] and row["ratio_requested"] is not None  # not dense, nor its bf16-KV floor
@@ -162,7 +163,8 @@ def _fixture_label(meta: dict[str, Any], row: dict[str, Any]) -> str:
             + (", post-RoPE keys" if latent and meta.get("key_space") == "post_rope" else "")
             + (f", {cw} calibration windows (other prompts)" if latent and cw not in (None, DEFAULT_CALIB_WINDOWS)
                else "")
-            + (f", {pl}-token prompts" if pl not in (None, DEFAULT_PROMPT_LEN) else ""))
+            + (f", {pl}-token prompts" if pl not in (None, DEFAULT_PROMPT_LEN) else "")
+            + (", bf16 model" if meta.get("fixture_dtype") == "bfloat16" else ""))
 
 
 def agreement_interval(dense: Sequence[Sequence[int]], generated: Sequence[Sequence[int]], level: float = 0.95,

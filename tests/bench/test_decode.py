@@ -189,12 +189,17 @@ def test_cli_tiny_fixture_and_report(tmp_path):
     fx["meta"].update(key_space="pre_rope", prompt_len=448)
     fx_448 = tmp_path / "fixture_448.json"
     fx_448.write_text(json.dumps(fx))
+    # ... and one whose model computed in bfloat16 (--fixture-dtype bfloat16): its dense rows too
+    fx["meta"].update(prompt_len=128, fixture_dtype="bfloat16")
+    fx_bf16 = tmp_path / "fixture_bf16.json"
+    fx_bf16.write_text(json.dumps(fx))
     assert bench_cli(["decode", "--report", str(fixture), str(fx_g1), str(fx_c64), str(fx_post), str(fx_448),
-                      "--markdown", str(md)]) == 0
+                      str(fx_bf16), "--markdown", str(md)]) == 0
     text = md.read_text()
     assert "| 4x | int4, G=1 |" in text and "| 4x | int4 |" in text and "| dense | dense, bf16 KV |" in text
     assert "| 4x | int4, 64 calibration windows (other prompts) |" in text and "| 4x | int4, post-RoPE keys |" in text
     assert "| 4x | int4, 448-token prompts |" in text and "| dense | dense, bf16 KV, 448-token prompts |" in text
+    assert "| 4x | int4, bf16 model |" in text and "| dense | dense, bf16 KV, bf16 model |" in text
 
 
 def test_fixture_prompts_batched_equal_one_at_a_time(tmp_path):
