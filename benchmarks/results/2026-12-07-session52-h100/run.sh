@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (repository root): IMMA + FPAIR + VIMMA now on by default (checked in r4 as the explicit variant
+# One device call (repository root; session 52, as session 51's script): IMMA + FPAIR + VIMMA now on by default (checked in r4 as the explicit variant
 # vpair+pscan+fmerge+evict+pdl+pre+imma+fpair+vimma). Issue 5's acceptance bench twice with the defaults (no
 # CKVP_MMA_* variables); CHECK=1 also runs the MMA check of that variant, EX=1 the main example on CUDA, and
 # PAIRS="programs:maxnreg ..." a sweep of the default kernel at batch 8, 32k over grid sizes and register caps.
