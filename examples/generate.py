@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4, choices=[1, 2, 4, 8],
                    help="layers sharing one latent (with --kv-ratio; default 4)")
     p.add_argument("--latent-format", default="int8",
-                   help="latent storage with --kv-ratio: float, int8 (default), int4, int2, optionally /block; "
+                   help="latent storage with --kv-ratio: float, int8 (default), int4, int2, optionally /block and -f8 "
+                        "(e4m3 block scales), or mxint8 / mxint4 / tern (ckvp_compile.kernels.latent_format); "
                         "--kv-ratio then counts bytes (latents, scales, slot positions, bases) against a 16-bit "
                         "dense cache")
     p.add_argument("--budget-len", type=int, default=4096,
@@ -128,7 +129,8 @@ def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
     text_file = model_dir / "eval_text.txt"
     if not text_file.is_file():
         sys.exit(f"generate.py: error: --kv-ratio calibrates on the text beside the model, and {text_file} does not "
-                 "exist; put some text the model should handle there (4096 tokens or more)")
+                 "exist; put some text the model should handle there (4096 tokens or more), or pass --dense to keep HF's "
+                 "dense cache (no calibration)")
     ids = encode(text_file.read_text(encoding="utf-8", errors="replace")[-16 * 256:])
     samples = [torch.tensor([ids[i:i + 256]]) for i in range(0, len(ids) - 255, 256)][:16]
     start = time.perf_counter()
@@ -198,7 +200,9 @@ def rewrite_summary(recorder) -> str:
         done = sorted(rewritten[kind])
         lines.append(f"{what}: {'layers ' + _ranges(done) if done else 'no layer'}")
         reasons = {r for layer, r in kept[kind].items() if layer not in rewritten[kind]}
-        lines += [f"  kept: {r}" for r in sorted(reasons)]
+        # the backend names its Python option; here the flag that sets it
+        lines += [f"  kept: {r}".replace("set enable_expert_gemm=True", "pass --expert-gemm on (enable_expert_gemm=True)")
+                  for r in sorted(reasons)]
     lines += [f"graph {g.index} compiled unchanged: {g.fell_back}" for g in recorder.graphs if g.fell_back]
     return "\n".join(lines)
 

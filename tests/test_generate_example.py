@@ -70,7 +70,7 @@ def test_rewrite_summary_names_rewritten_layers_and_kept_reasons(example):
 
     rec = NS(graphs=[
         graph(0, [SiteDecision("attention", layer, True, "latent group 0") for layer in (0, 1, 2, 5)]
-              + [SiteDecision("moe", 0, False, "enable_expert_gemm is off")]),
+              + [SiteDecision("moe", 0, False, "enable_expert_gemm is off: set enable_expert_gemm=True to rewrite")]),
         graph(1, [SiteDecision("attention", 3, False, "no KV-cache write found")]),
         graph(2, [SiteDecision("moe", 1, True, "rewrite")], fell_back="a pass failed"),
     ])
@@ -79,3 +79,13 @@ def test_rewrite_summary_names_rewritten_layers_and_kept_reasons(example):
     assert "  kept: no KV-cache write found" in text
     assert "grouped GEMMs (ckvp::moe_experts): no layer" in text and "kept: enable_expert_gemm is off" in text
     assert "graph 2 compiled unchanged: a pass failed" in text
+    # the backend's fix names its Python option; the example's line names its own flag
+    assert "kept: enable_expert_gemm is off: pass --expert-gemm on (enable_expert_gemm=True) to rewrite" in text
+
+
+def test_missing_calibration_text_names_both_fixes(example, tmp_path):
+    """--kv-ratio on a model directory without eval_text.txt: the error says to add text or to pass --dense."""
+    with pytest.raises(SystemExit) as exc:
+        example.latent_cache(None, tmp_path, None, None, 64)
+    msg = str(exc.value.code)
+    assert "eval_text.txt does not exist" in msg and "put some text" in msg and "pass --dense" in msg, msg
