@@ -18,6 +18,7 @@ BENCHMARKS.md). With ``--dense`` nothing is lossy, and the exit status is 1 unle
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import tempfile
@@ -180,6 +181,14 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, cache=None) ->
     return out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start
 
 
+def _bases_path(args) -> Path:
+    """Where a run saves its bases for the printed ckvp-inspect command: one file per model and latent settings in
+    the temporary directory, replaced by each run with those settings (runs do not pile up files)."""
+    key = repr((str(Path(args.model).resolve()), args.kv_ratio, args.latent_format, args.group_size, args.budget_len,
+                args.recent_window, args.dtype))
+    return Path(tempfile.gettempdir()) / f"ckvp_generate_bases_{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors"
+
+
 def rewrite_summary(recorder) -> str:
     """One line per rewrite kind: the layers the backend rewrote and those it kept, with the reasons, over every
     graph it compiled (the prefill and the decode step are separate graphs; a layer counts as rewritten when some
@@ -292,10 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     # the same bases (saved) and the same rewrites, so that the report shows this run's ranks, formats and sites
     inspect = f"ckvp-inspect --model {args.model}"
     if cache is not None:
-        fd, name = tempfile.mkstemp(prefix="ckvp_generate_bases_", suffix=".safetensors")  # one file a run
+        saved = _bases_path(args)
+        fd, name = tempfile.mkstemp(prefix=saved.stem + "_", suffix=".tmp", dir=saved.parent)
         os.close(fd)
-        saved = Path(name)
-        bases.save(saved)
+        bases.save(Path(name))
+        os.replace(name, saved)  # atomic: a concurrent run with the same settings never reads half a file
         inspect += (f" --bases {saved} --latent-dtype {str(store.latent_dtype).removeprefix('torch.')}"
                     f" --max-cache-len {store.max_cache_len}")
     if args.expert_gemm == "on":

@@ -89,3 +89,13 @@ def test_missing_calibration_text_names_both_fixes(example, tmp_path):
         example.latent_cache(None, tmp_path, None, None, 64)
     msg = str(exc.value.code)
     assert "eval_text.txt does not exist" in msg and "put some text" in msg and "pass --dense" in msg, msg
+
+
+def test_saved_bases_path_is_one_file_per_model_and_settings(example):
+    """The bases behind the printed ckvp-inspect command: the same settings reuse one temporary file (runs do not
+    pile up files), other settings get another."""
+    args = example.parse_args(["--kv-ratio", "4"])
+    first = example._bases_path(args)
+    assert first == example._bases_path(args) and first.name.startswith("ckvp_generate_bases_")
+    args.kv_ratio = 8.0
+    assert example._bases_path(args) != first
