@@ -104,13 +104,18 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "exact tokens come out of the byte budget counted at that length")
 
 
+def usage_error(msg: str) -> None:
+    """Exit with status 2, as argparse does for a bad option (status 1 is a dense run that did not match eager)."""
+    print(f"generate.py: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def load(model_dir: Path, device: str, dtype: torch.dtype):
     """Load model and an encode/decode pair; byte-level when the vocabulary has 256 entries."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (model_dir / "config.json").is_file():
-        sys.exit(f"generate.py: error: {model_dir} is not a Hugging Face model directory (no config.json); "
-                 "pass --model DIR")
+        usage_error(f"{model_dir} is not a Hugging Face model directory (no config.json); pass --model DIR")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).to(device).eval()
     if model.config.vocab_size == 256:
         encode = lambda text: list(text.encode("utf-8"))  # noqa: E731  token id == byte value
@@ -129,9 +134,9 @@ def latent_cache(model, model_dir: Path, encode, args, max_cache_len: int):
 
     text_file = model_dir / "eval_text.txt"
     if not text_file.is_file():
-        sys.exit(f"generate.py: error: --kv-ratio calibrates on the text beside the model, and {text_file} does not "
-                 "exist; put some text the model should handle there (4096 tokens or more), or pass --dense to keep HF's "
-                 "dense cache (no calibration)")
+        usage_error(f"--kv-ratio calibrates on the text beside the model, and {text_file} does not exist; put some "
+                    "text the model should handle there (4096 tokens or more), or pass --dense to keep HF's dense "
+                    "cache (no calibration)")
     ids = encode(text_file.read_text(encoding="utf-8", errors="replace")[-16 * 256:])
     samples = [torch.tensor([ids[i:i + 256]]) for i in range(0, len(ids) - 255, 256)][:16]
     start = time.perf_counter()
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the example; returns the exit status (1 when a dense-cache compiled run does not match eager)."""
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit("generate.py: error: --device cuda, but this torch has no CUDA device; use --device cpu")
+        usage_error("--device cuda, but this torch has no CUDA device; use --device cpu")
     dtype = getattr(torch, args.dtype)
     model, encode, decode = load(args.model, args.device, dtype)
     n_params = sum(p.numel() for p in model.parameters())

@@ -83,12 +83,25 @@ def test_rewrite_summary_names_rewritten_layers_and_kept_reasons(example):
     assert "kept: enable_expert_gemm is off: pass --expert-gemm on (enable_expert_gemm=True) to rewrite" in text
 
 
-def test_missing_calibration_text_names_both_fixes(example, tmp_path):
+def test_missing_calibration_text_names_both_fixes(example, tmp_path, capsys):
     """--kv-ratio on a model directory without eval_text.txt: the error says to add text or to pass --dense."""
     with pytest.raises(SystemExit) as exc:
         example.latent_cache(None, tmp_path, None, None, 64)
-    msg = str(exc.value.code)
+    msg = capsys.readouterr().err
+    assert exc.value.code == 2 and msg.startswith("generate.py: error:"), msg
     assert "eval_text.txt does not exist" in msg and "put some text" in msg and "pass --dense" in msg, msg
+
+
+def test_a_directory_without_config_is_a_usage_error(tmp_path, capsys):
+    """--model on a folder without config.json: exit status 2 like every bad option (1 means a dense run that
+    did not match eager), naming the fix."""
+    spec = importlib.util.spec_from_file_location("generate_example_load", ROOT / "examples" / "generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--model", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "is not a Hugging Face model directory" in err and "pass --model DIR" in err
 
 
 def test_saved_bases_path_is_one_file_per_model_and_settings(example):
