@@ -191,7 +191,8 @@ def _bases_path(args) -> Path:
     the temporary directory, replaced by each run with those settings (runs do not pile up files)."""
     key = repr((str(Path(args.model).resolve()), args.kv_ratio, args.latent_format, args.group_size, args.budget_len,
                 args.recent_window, args.dtype))
-    return Path(tempfile.gettempdir()) / f"ckvp_generate_bases_{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"ckvp_generate_bases_{digest}.safetensors"
 
 
 def rewrite_summary(recorder) -> str:
@@ -215,8 +216,8 @@ def rewrite_summary(recorder) -> str:
         lines.append(f"{what}: {'layers ' + _ranges(done) if done else 'no layer'}")
         reasons = {r for layer, r in kept[kind].items() if layer not in rewritten[kind]}
         # the backend names its Python option; here the flag that sets it
-        lines += [f"  kept: {r}".replace("set enable_expert_gemm=True", "pass --expert-gemm on (enable_expert_gemm=True)")
-                  for r in sorted(reasons)]
+        flag = "pass --expert-gemm on (enable_expert_gemm=True)"
+        lines += [f"  kept: {r}".replace("set enable_expert_gemm=True", flag) for r in sorted(reasons)]
     lines += [f"graph {g.index} compiled unchanged: {g.fell_back}" for g in recorder.graphs if g.fell_back]
     return "\n".join(lines)
 
@@ -309,8 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         saved = _bases_path(args)
         fd, name = tempfile.mkstemp(prefix=saved.stem + "_", suffix=".tmp", dir=saved.parent)
         os.close(fd)
-        bases.save(Path(name))
-        os.replace(name, saved)  # atomic: a concurrent run with the same settings never reads half a file
+        try:
+            bases.save(Path(name))
+            os.replace(name, saved)  # atomic: a concurrent run with the same settings never reads half a file
+        finally:
+            if os.path.exists(name):
+                os.remove(name)
         inspect += (f" --bases {saved} --latent-dtype {str(store.latent_dtype).removeprefix('torch.')}"
                     f" --max-cache-len {store.max_cache_len}")
     if args.expert_gemm == "on":
