@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -104,7 +105,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "exact tokens come out of the byte budget counted at that length")
 
 
-def usage_error(msg: str) -> None:
+def usage_error(msg: str) -> NoReturn:
     """Exit with status 2, as argparse does for a bad option (status 1 is a dense run that did not match eager)."""
     print(f"generate.py: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
